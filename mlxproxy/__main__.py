@@ -1,0 +1,3 @@
+from mlxproxy.cli import main
+
+main()

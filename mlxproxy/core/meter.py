@@ -1,0 +1,414 @@
+"""The per-request meter: bytes and timestamps in, one `Record` out.
+
+Sans-I/O: every method takes the time as an argument (seconds from one monotonic clock,
+e.g. `time.perf_counter()` in the shells, scripted floats in tests). The proxy, replay,
+bench and the tests all drive this class, so every figure means one thing everywhere
+(definitions: docs/METRICS.md).
+
+Lifecycle: `RequestMeter(...)` at t_start → `upstream_sent(t)` → `response_started(t,
+status, content_type)` → `feed(data, t)` per body read → `finish(t_end)` → `Record`.
+A failure while metering never raises to the caller: it becomes `protocol_error`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit
+from mlxproxy.core.record import Record
+from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
+
+__all__ = ["RequestMeter"]
+
+_PROGRESS = re.compile(r"(\d+)\s*/\s*(\d+)")
+_STD_USAGE_KEYS = frozenset(
+    {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
+)
+MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+class RequestMeter:
+    """Measures one request. Not thread-safe; one instance per request."""
+
+    def __init__(
+        self,
+        request: RequestInfo,
+        *,
+        request_id: str,
+        upstream: str,
+        t_start: float,
+        started_at: float,
+        usage_injected: bool = False,
+        concurrency: int = 1,
+        tags: tuple[str, ...] = (),
+        keep_text: bool = False,
+        max_line_bytes: int | None = None,
+    ) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.upstream = upstream
+        self.t_start = t_start
+        self.started_at = started_at
+        self.usage_injected = usage_injected
+        self.concurrency = concurrency
+        self.tags = tags
+        self.keep_text = keep_text
+        self._max_line_bytes = max_line_bytes
+        self.t_upstream_sent: float | None = None
+        self.t_headers: float | None = None
+        self.t_first_byte: float | None = None
+        self.t_last_byte: float | None = None
+        self.t_first_token: float | None = None
+        self.t_first_content: float | None = None
+        self.t_last_token: float | None = None
+        self.t_done: float | None = None
+        self.status: int | None = None
+        self.sse = False
+        self.decoder: SSEDecoder | None = None
+        self.bytes_out = 0
+        self._body = bytearray()
+        self._body_overflow = False
+        self.done = False
+        self.events = 0
+        self.generated_events = 0
+        self.reasoning_events = 0
+        self.content_events = 0
+        self.comments = 0
+        self.event_times: list[float] = []
+        self.finish_reason: str | None = None
+        self.finish_reasons_seen = 0
+        self.usage: dict[str, Any] | None = None
+        self.usage_reports = 0
+        self.stream_error: str | None = None
+        self.protocol_error: str | None = None
+        self.dual_reasoning_events = 0
+        self.duplicate_content = False
+        self.prefill_progress: tuple[int, int] | None = None
+        self.claims: dict[str, Any] = {}
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.tool_calls: dict[int, dict[str, str]] = {}
+
+    # -- inputs ----------------------------------------------------------------------
+
+    def upstream_sent(self, t: float) -> None:
+        self.t_upstream_sent = t
+
+    def response_started(self, t: float, status: int, content_type: str | None) -> None:
+        """Status line and headers arrived. An `text/event-stream` body is parsed as SSE."""
+        self.t_headers = t
+        self.status = status
+        if status < 400 and content_type and content_type.lower().startswith("text/event-stream"):
+            self.sse = True
+            self.decoder = SSEDecoder(self._max_line_bytes) if self._max_line_bytes else SSEDecoder()
+
+    def feed(self, data: bytes, t: float) -> None:
+        """A body read of `data` arrived at `t` (stamped on arrival, before any parsing)."""
+        if not data:
+            return
+        self._bytes(len(data), t)
+        if self.decoder is not None:
+            if not self.done:
+                self.feed_items(self.decoder.feed(data), t)
+        elif not self._body_overflow:
+            if len(self._body) + len(data) > MAX_BUFFERED_BODY_BYTES:
+                self._body_overflow = True
+                self._body.clear()
+            else:
+                self._body += data
+
+    def feed_decoded(self, nbytes: int, items: list[SSEItem], t: float) -> None:
+        """Like `feed`, for a caller that already ran this meter's `decoder` on the bytes."""
+        if nbytes:
+            self._bytes(nbytes, t)
+        if not self.done:
+            self.feed_items(items, t)
+
+    def _bytes(self, n: int, t: float) -> None:
+        if self.t_first_byte is None:
+            self.t_first_byte = t
+        self.t_last_byte = t
+        self.bytes_out += n
+
+    def feed_items(self, items: list[SSEItem], t: float) -> None:
+        for item in items:
+            if self.done:
+                return
+            if isinstance(item, SSEEvent):
+                self._event(item.data, t)
+            elif isinstance(item, SSEComment):
+                self.comments += 1
+                m = _PROGRESS.search(item.text)
+                if m:
+                    self.prefill_progress = (int(m.group(1)), int(m.group(2)))
+            elif isinstance(item, SSEProtocolError):
+                self.protocol_error = self.protocol_error or item.reason
+
+    def _event(self, data: str, t: float) -> None:
+        self.events += 1
+        if data.startswith("[DONE]"):
+            self.done = True
+            self.t_done = t
+            return
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
+            return
+        d = classify_chunk(obj)
+        if d.error is not None:
+            self.stream_error = self.stream_error or d.error
+        if d.usage is not None:
+            self.usage = d.usage
+            self.usage_reports += 1
+        if d.claims:
+            self.claims.update(d.claims)
+        if d.finish_reasons:
+            self.finish_reasons_seen += len(d.finish_reasons)
+            if self.finish_reason is None:
+                self.finish_reason = d.finish_reasons[0]
+        if d.dual_reasoning:
+            self.dual_reasoning_events += 1
+        if not d.generated:
+            return
+        content = d.content or d.text
+        if content and self.content_events >= 2 and content == "".join(self.content_parts):
+            self.duplicate_content = True  # a terminal chunk replaying the whole answer
+            return
+        self.generated_events += 1
+        self.event_times.append(t)
+        if self.t_first_token is None:
+            self.t_first_token = t
+        if self.t_first_content is None and (content or d.tool_calls):
+            self.t_first_content = t
+        self.t_last_token = t
+        if content:
+            self.content_events += 1
+            self.content_parts.append(content)
+        if d.reasoning:
+            self.reasoning_events += 1
+            self.reasoning_parts.append(d.reasoning)
+        for tc in d.tool_calls:
+            self._tool_call(tc)
+
+    def _tool_call(self, tc: dict[str, Any]) -> None:
+        idx = _int(tc.get("index"))
+        idx = 0 if idx is None else idx
+        slot = self.tool_calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
+        if isinstance(tc.get("id"), str):
+            slot["id"] = tc["id"]
+        fn = tc.get("function")
+        if isinstance(fn, dict):
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                slot["name"] = fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                slot["arguments"] += fn["arguments"]
+
+    # -- outputs ---------------------------------------------------------------------
+
+    @property
+    def content_text(self) -> str:
+        return "".join(self.content_parts)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    def live(self, now: float) -> dict[str, Any]:
+        """A snapshot of a stream in flight (for `/streams`); no text."""
+        tokens = self.generated_events
+        tps = None
+        if tokens >= 2 and self.t_first_token is not None and self.t_last_token is not None:
+            window = self.t_last_token - self.t_first_token
+            tps = (tokens - 1) / window if window > 0 else None
+        return {
+            "id": self.request_id,
+            "upstream": self.upstream,
+            "model": self.request.model,
+            "endpoint": self.request.endpoint,
+            "stream": self.request.stream,
+            "status": self.status,
+            "age_s": round(now - self.t_start, 3),
+            "ttft_s": None if self.t_first_token is None else round(self.t_first_token - self.t_start, 4),
+            "tokens_so_far": tokens,
+            "tokens_per_s": None if tps is None else round(tps, 2),
+            "idle_s": round(now - (self.t_last_byte if self.t_last_byte is not None else self.t_start), 3),
+            "prefill_progress": list(self.prefill_progress) if self.prefill_progress else None,
+            "concurrency": self.concurrency,
+        }
+
+    def finish(self, t_end: float, *, outcome: str | None = None, error: str | None = None) -> Record:
+        """Close the body and compute the record. `outcome` overrides the classification
+        for transport failures seen by the shell (`upstream_unreachable`,
+        `upstream_timeout`, `client_disconnect`)."""
+        if self.decoder is not None and not self.done:
+            self.feed_items(self.decoder.close(), self.t_last_byte if self.t_last_byte is not None else t_end)
+        body_obj: Any = None
+        if self.decoder is None and self._body and not self._body_overflow:
+            try:
+                body_obj = orjson.loads(bytes(self._body))
+            except orjson.JSONDecodeError:
+                body_obj = None
+        err_msg = error
+        ctx = (False, None, None)
+        st = self.status
+        if st is not None and st >= 400:
+            err_msg = err_msg or error_message(body_obj) or _text_snippet(self._body)
+            ctx = parse_context_limit(err_msg) if st in (400, 413, 422) else ctx
+        elif self.stream_error:
+            err_msg = err_msg or self.stream_error
+            ctx = parse_context_limit(self.stream_error)
+        if self.decoder is None and isinstance(body_obj, dict) and st is not None and st < 400:
+            self._absorb_body(body_obj)
+        if outcome is None:
+            outcome = self._classify(body_obj, ctx[0])
+        if err_msg is None and outcome == "protocol_error":
+            err_msg = self.protocol_error or "response body is not valid JSON"
+        return self._record(t_end, outcome, err_msg, ctx)
+
+    def _absorb_body(self, obj: dict[str, Any]) -> None:
+        """A non-stream JSON response: usage, finish reason, error and (kept) text."""
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+            self.usage_reports += 1
+        msg = obj.get("error")
+        if msg:
+            self.stream_error = error_message(obj)
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            ch = choices[0]
+            if isinstance(ch.get("finish_reason"), str):
+                self.finish_reason = ch["finish_reason"]
+                self.finish_reasons_seen += 1
+            m = ch.get("message")
+            if isinstance(m, dict):
+                if isinstance(m.get("content"), str):
+                    self.content_parts.append(m["content"])
+                r = m.get("reasoning_content") or m.get("reasoning")
+                if isinstance(r, str):
+                    self.reasoning_parts.append(r)
+                if isinstance(m.get("tool_calls"), list):
+                    for tc in m["tool_calls"]:
+                        if isinstance(tc, dict):
+                            self._tool_call(tc)
+            elif isinstance(ch.get("text"), str):
+                self.content_parts.append(ch["text"])
+
+    def _classify(self, body_obj: Any, context_limit: bool) -> str:
+        st = self.status
+        if st is None:
+            return "upstream_unreachable"
+        if st >= 400:
+            return "context_limit" if context_limit else "http_error"
+        if self.stream_error:
+            return "stream_error"
+        if self.decoder is not None:
+            if self.protocol_error:
+                return "protocol_error"
+            if self.finish_reason is not None:
+                return "ok" if self.done else "ok_no_done"
+            return "truncated"
+        if self.request.endpoint in ("chat_completions", "completions") and self.request.json_body:
+            if body_obj is None and not self._body_overflow:
+                return "protocol_error"
+        return "ok"
+
+    def _record(self, t_end: float, outcome: str, err: str | None, ctx: tuple[bool, int | None, int | None]) -> Record:
+        t0 = self.t_start
+        usage = self.usage or {}
+        prompt = _int(usage.get("prompt_tokens"))
+        ptd = usage.get("prompt_tokens_details")
+        cached = _int(ptd.get("cached_tokens")) if isinstance(ptd, dict) else None
+        if cached is None:
+            cached = _int(usage.get("cached_tokens"))
+        reported = _int(usage.get("completion_tokens"))
+        ctd = usage.get("completion_tokens_details")
+        reasoning_rep = _int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None
+        extra = {k: v for k, v in usage.items() if k not in _STD_USAGE_KEYS}
+        claims = dict(self.claims)
+        if extra:
+            claims["usage"] = extra
+        counted = self.generated_events if self.decoder is not None else None
+        n_out = reported if reported is not None else counted
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else t - t0
+
+        ttft = rel(self.t_first_token)
+        duration = t_end - t0
+        e2e = rel(self.t_last_token) if self.t_last_token is not None else duration
+        tpot = decode = None
+        if n_out is not None and n_out >= 2 and self.t_first_token is not None and self.t_last_token is not None:
+            window = self.t_last_token - self.t_first_token
+            if window > 0:
+                tpot = window / (n_out - 1)
+                decode = (n_out - 1) / window
+        wall = n_out / duration if n_out is not None and duration > 0 else None
+        prefill = None
+        if prompt is not None and ttft is not None and ttft > 0:
+            prefill = (prompt - (cached or 0)) / ttft
+        return Record(
+            id=self.request_id,
+            started_at=self.started_at,
+            upstream=self.upstream,
+            model=self.request.model,
+            endpoint=self.request.endpoint,
+            stream=self.request.stream,
+            status=self.status,
+            outcome=outcome,
+            method=self.request.method,
+            path=self.request.path,
+            ttfb_s=rel(self.t_first_byte),
+            ttft_s=ttft,
+            ttfc_s=rel(self.t_first_content),
+            e2e_s=e2e,
+            headers_s=rel(self.t_headers),
+            duration_s=duration,
+            tpot_s=tpot,
+            decode_tps=decode,
+            wall_tps=wall,
+            prefill_tps=prefill,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens_reported=reported,
+            reasoning_tokens_reported=reasoning_rep,
+            completion_tokens_counted=counted,
+            reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
+            usage_reports=self.usage_reports,
+            usage_requested=self.request.usage_requested,
+            usage_injected=self.usage_injected,
+            max_tokens=self.request.max_tokens,
+            events=self.events,
+            generated_events=self.generated_events,
+            comments=self.comments,
+            finish_reason=self.finish_reason,
+            finish_reasons_seen=self.finish_reasons_seen,
+            tool_calls=len(self.tool_calls),
+            error=None if err is None else err[:500],
+            context_prompt_tokens=ctx[1],
+            context_limit_tokens=ctx[2],
+            prefill_progress=self.prefill_progress,
+            server_claims=claims,
+            concurrency=self.concurrency,
+            tags=self.tags,
+            bytes_out=self.bytes_out,
+            event_offsets_s=tuple(t - t0 for t in self.event_times),
+            t_start_mono=t0,
+            dual_reasoning_events=self.dual_reasoning_events,
+            duplicate_content=self.duplicate_content,
+            response_text=self.content_text if self.keep_text else None,
+            reasoning_text=self.reasoning_text if self.keep_text else None,
+        )
+
+
+def _text_snippet(body: bytearray) -> str | None:
+    if not body:
+        return None
+    return bytes(body[:300]).decode("utf-8", "replace").strip() or None

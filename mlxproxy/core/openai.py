@@ -1,0 +1,277 @@
+"""What OpenAI-compatible requests, chunks and error bodies mean, following WIRE.md (b).
+
+Pure functions over already-decoded JSON values (and request bytes); no I/O. Servers
+disagree about nearly everything, so every rule here reacts to what is on the wire, never
+to a server's name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "RequestInfo",
+    "Delta",
+    "endpoint_of",
+    "parse_request",
+    "inject_include_usage",
+    "classify_chunk",
+    "is_injected_usage_chunk",
+    "error_message",
+    "parse_context_limit",
+]
+
+ENDPOINTS = ("chat_completions", "completions", "messages", "responses", "embeddings", "models", "other")
+
+
+def endpoint_of(path: str) -> str:
+    """The bounded `endpoint` label for a request path (query string excluded)."""
+    p = path.rstrip("/")
+    if p.endswith("/chat/completions"):
+        return "chat_completions"
+    if p.endswith("/completions"):
+        return "completions"
+    if p.endswith("/messages"):
+        return "messages"
+    if p.endswith("/responses"):
+        return "responses"
+    if p.endswith("/embeddings"):
+        return "embeddings"
+    if p.endswith("/models") or "/models/" in p:
+        return "models"
+    return "other"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the meter needs to know about a request. `None` means the body did not say."""
+
+    method: str
+    path: str
+    endpoint: str
+    model: str | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    usage_requested: bool = False  # the client itself asked for stream_options.include_usage
+    json_body: bool = False  # the body parsed as a JSON object
+    prompt_chars: int | None = None
+
+
+def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
+    """Read the fields that matter from a request body. Never raises: a body that is not a
+    JSON object gives a `RequestInfo` with defaults and `None` for the parsed object."""
+    endpoint = endpoint_of(path)
+    obj: Any = None
+    if body and body.lstrip()[:1] == b"{":
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            obj = None
+    if not isinstance(obj, dict):
+        return RequestInfo(method, path, endpoint), None
+    model = obj.get("model")
+    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        max_tokens = None
+    so = obj.get("stream_options")
+    usage_requested = isinstance(so, dict) and bool(so.get("include_usage"))
+    return (
+        RequestInfo(
+            method,
+            path,
+            endpoint,
+            model=model if isinstance(model, str) else None,
+            stream=obj.get("stream") is True,
+            max_tokens=max_tokens,
+            usage_requested=usage_requested,
+            json_body=True,
+            prompt_chars=_prompt_chars(obj),
+        ),
+        obj,
+    )
+
+
+def _prompt_chars(obj: dict[str, Any]) -> int | None:
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        total = 0
+        for m in msgs:
+            if isinstance(m, dict):
+                c = m.get("content")
+                if isinstance(c, str):
+                    total += len(c)
+                elif isinstance(c, list):
+                    for part in c:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            total += len(part["text"])
+        return total
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return None
+
+
+def inject_include_usage(body: bytes, obj: dict[str, Any]) -> bytes:
+    """The body with `stream_options.include_usage: true`, changed as little as possible.
+
+    With no `stream_options` key the member is spliced in before the final `}` so every
+    other byte stays as the client sent it; otherwise the object is re-serialised with the
+    client's other `stream_options` keys kept. Never produces an empty `stream_options`
+    (mlx_lm.server raises on `{}`).
+    """
+    if "stream_options" not in obj:
+        end = body.rstrip()
+        if end.endswith(b"}"):
+            inner = end[:-1].rstrip()
+            sep = b"" if inner.endswith(b"{") else b","
+            return inner + sep + b'"stream_options":{"include_usage":true}}' + body[len(end) :]
+    new = dict(obj)
+    so = obj.get("stream_options")
+    new["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+    return orjson.dumps(new)
+
+
+def is_injected_usage_chunk(data: str) -> bool:
+    """True for the usage-only event (`choices: []` with a usage object) that asking for
+    `include_usage` adds; used to strip it for clients that did not ask for it."""
+    if '"usage"' not in data or "choices" not in data:
+        return False
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one decoded chunk (an SSE `data:` JSON value) carries.
+
+    `content`/`reasoning`/`text` are the generated strings of this chunk ("" when none);
+    `reasoning` is `reasoning_content`, else `reasoning`, never both summed.
+    """
+
+    content: str = ""
+    reasoning: str = ""
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    dual_reasoning: bool = False
+    claims: dict[str, Any] | None = None
+
+    @property
+    def generated(self) -> bool:
+        return bool(self.content or self.reasoning or self.text or self.tool_calls)
+
+
+def classify_chunk(obj: Any) -> Delta:
+    """Interpret one decoded chunk of a chat or text completion stream.
+
+    Role-only, empty and `null` deltas generate nothing. `usage` may ride on any chunk.
+    An `error` member (object or string) is reported whatever else the chunk holds.
+    """
+    d = Delta()
+    if not isinstance(obj, dict):
+        d.error = "chunk is not a JSON object"
+        return d
+    err = obj.get("error")
+    if err:
+        d.error = error_message(obj) or "error"
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        d.usage = usage
+    for key in ("timings", "metrics"):
+        v = obj.get(key)
+        if isinstance(v, dict):
+            if d.claims is None:
+                d.claims = {}
+            d.claims[key] = v
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return d
+    for ch in choices:
+        if not isinstance(ch, dict):
+            continue
+        fr = ch.get("finish_reason")
+        if isinstance(fr, str) and fr:
+            d.finish_reasons.append(fr)
+        text = ch.get("text")
+        if isinstance(text, str) and text:
+            d.text += text
+        delta = ch.get("delta")
+        if not isinstance(delta, dict):
+            continue
+        c = delta.get("content")
+        if isinstance(c, str) and c:
+            d.content += c
+        rc = delta.get("reasoning_content")
+        r = delta.get("reasoning")
+        if isinstance(rc, str) and rc:
+            d.reasoning += rc
+            if isinstance(r, str) and r:
+                d.dual_reasoning = True
+        elif isinstance(r, str) and r:
+            d.reasoning += r
+        tc = delta.get("tool_calls")
+        if isinstance(tc, list) and tc:
+            d.tool_calls.extend(t for t in tc if isinstance(t, dict))
+    return d
+
+
+def error_message(obj: Any) -> str | None:
+    """The human message of an error body in any of the shapes servers use:
+    `{"error": {"message": ...}}`, `{"error": "text"}`, `{"detail": "text"}`,
+    `{"detail": [{"msg": ...}]}`, `{"message": ...}`. `None` when there is none."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict):
+        msg = err.get("message")
+        return str(msg) if msg is not None else orjson.dumps(err).decode()
+    if isinstance(err, str) and err:
+        return err
+    if err:
+        return "An error occurred during streaming"
+    detail = obj.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list) and detail:
+        parts = [str(x.get("msg", x)) if isinstance(x, dict) else str(x) for x in detail]
+        return "; ".join(parts)
+    msg = obj.get("message")
+    if isinstance(msg, str):
+        return msg
+    return None
+
+
+_CTX_PATTERNS = (
+    # oMLX: "Prompt too long: 51587 tokens exceeds max context window of 32768 tokens"
+    re.compile(r"(?P<prompt>\d+) tokens exceeds? (?:the )?max(?:imum)? context (?:window|length) of (?P<limit>\d+)", re.I),
+    # vLLM / OpenAI: "This model's maximum context length is 32768 tokens. However, you requested 40000 tokens"
+    re.compile(r"maximum context length is (?P<limit>\d+) tokens.*?(?:requested|resulted in|contains?) (?P<prompt>\d+) tokens", re.I | re.S),
+    re.compile(r"maximum context length is (?P<limit>\d+) tokens", re.I),
+    re.compile(r"(?:prompt|input)[^.]{0,40}?(?:too long|exceeds?)[^.]{0,60}?context", re.I),
+    re.compile(r"context (?:window|length)[^.]{0,40}?exceed", re.I),
+)
+
+
+def parse_context_limit(message: str | None) -> tuple[bool, int | None, int | None]:
+    """(is_context_limit, prompt_tokens, limit_tokens) read from an error message."""
+    if not message:
+        return False, None, None
+    for pat in _CTX_PATTERNS:
+        m = pat.search(message)
+        if m:
+            g = m.groupdict()
+            prompt = int(g["prompt"]) if g.get("prompt") else None
+            limit = int(g["limit"]) if g.get("limit") else None
+            return True, prompt, limit
+    return False, None, None

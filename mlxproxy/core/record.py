@@ -1,0 +1,136 @@
+"""The one record a finished request yields, and the outcome names.
+
+Units are in the names (`_s` seconds, `_tps` tokens per second). `None` always means
+"not observed" (no token streamed, no usage reported, ...), never zero. Records carry no
+prompt or completion text unless `response_text` was asked for (capture opt-in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES"]
+
+OUTCOMES = (
+    "ok",
+    "ok_no_done",
+    "truncated",
+    "stream_error",
+    "http_error",
+    "context_limit",
+    "upstream_unreachable",
+    "upstream_timeout",
+    "client_disconnect",
+    "protocol_error",
+)
+OK_OUTCOMES = frozenset({"ok", "ok_no_done"})
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Everything measured about one request (definitions: docs/METRICS.md)."""
+
+    id: str
+    started_at: float  # wall clock, seconds since the epoch
+    upstream: str
+    model: str | None
+    endpoint: str
+    stream: bool
+    status: int | None
+    outcome: str
+    method: str = "POST"
+    path: str = ""
+    # intervals from t_start, seconds
+    ttfb_s: float | None = None
+    ttft_s: float | None = None
+    ttfc_s: float | None = None
+    e2e_s: float | None = None
+    headers_s: float | None = None
+    duration_s: float | None = None  # t_end - t_start
+    tpot_s: float | None = None
+    decode_tps: float | None = None
+    wall_tps: float | None = None
+    prefill_tps: float | None = None
+    # tokens
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens_reported: int | None = None
+    reasoning_tokens_reported: int | None = None
+    completion_tokens_counted: int | None = None
+    reasoning_tokens_counted: int | None = None
+    completion_tokens_tokenizer: int | None = None
+    usage_reports: int = 0
+    usage_requested: bool = False  # by the client
+    usage_injected: bool = False  # by the proxy
+    max_tokens: int | None = None
+    events: int = 0  # SSE data events
+    generated_events: int = 0
+    comments: int = 0
+    finish_reason: str | None = None
+    finish_reasons_seen: int = 0
+    tool_calls: int = 0
+    anomalies: tuple[str, ...] = ()
+    anomaly_evidence: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    context_prompt_tokens: int | None = None
+    context_limit_tokens: int | None = None
+    prefill_progress: tuple[int, int] | None = None  # last (processed, total) keep-alive comment
+    server_claims: dict[str, Any] = field(default_factory=dict)
+    concurrency: int = 1  # requests in flight to this upstream when this one started
+    tags: tuple[str, ...] = ()  # e.g. ("replay",)
+    bytes_out: int = 0  # response body bytes received from upstream
+    # timeline, for capture/replay and cross-request analysis
+    event_offsets_s: tuple[float, ...] = ()  # each generated event, from t_start
+    t_start_mono: float = 0.0  # monotonic clock of t_start (comparable within one process)
+    dual_reasoning_events: int = 0
+    duplicate_content: bool = False
+    stall_count: int = 0
+    stall_total_s: float = 0.0
+    response_text: str | None = None
+    reasoning_text: str | None = None
+
+    @property
+    def n_out(self) -> int | None:
+        """Output tokens: reported if present, else counted."""
+        if self.completion_tokens_reported is not None:
+            return self.completion_tokens_reported
+        return self.completion_tokens_counted
+
+    @property
+    def t_end_mono(self) -> float:
+        return self.t_start_mono + (self.duration_s or 0.0)
+
+    def event_gaps_s(self) -> list[float]:
+        offs = self.event_offsets_s
+        return [b - a for a, b in zip(offs, offs[1:])]
+
+    def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """JSON-ready dict. The per-event timeline and texts only when `timeline`."""
+        d = asdict(self)
+        d["anomalies"] = list(self.anomalies)
+        d["tags"] = list(self.tags)
+        if self.prefill_progress is not None:
+            d["prefill_progress"] = list(self.prefill_progress)
+        d.pop("t_start_mono")
+        offs = d.pop("event_offsets_s")
+        if timeline:
+            d["event_offsets_ms"] = [round(o * 1000.0, 3) for o in offs]
+        else:
+            d.pop("response_text")
+            d.pop("reasoning_text")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Record":
+        """Inverse of `to_dict` (unknown keys ignored; used by capture and report readers)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "event_offsets_ms" in d:
+            kw["event_offsets_s"] = tuple(float(x) / 1000.0 for x in d["event_offsets_ms"])
+        for key in ("anomalies", "tags", "event_offsets_s"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        if kw.get("prefill_progress") is not None:
+            kw["prefill_progress"] = tuple(kw["prefill_progress"])
+        return cls(**kw)

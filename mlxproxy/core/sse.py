@@ -1,0 +1,212 @@
+"""Incremental Server-Sent Events decoder (WHATWG HTML, "event stream interpretation").
+
+Sans-I/O: `feed(data)` takes whatever bytes arrived and returns the items completed by
+them; `close()` ends the stream. Lines are split on bytes (CR, LF or CRLF, including a CR
+at the end of one read and its LF at the start of the next) and each complete line is
+decoded as UTF-8 on its own, so a character split across reads is never mangled.
+
+Items carry `end`: the stream offset (bytes from the start of the body) just past the
+line that completed them. The proxy uses it to cut exact byte spans out of a stream.
+
+Bounded memory: a line longer than `max_line_bytes` is dropped (it is still forwarded by
+the proxy, which never depends on this decoder) and reported once as `SSEProtocolError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SSEEvent", "SSEComment", "SSEProtocolError", "SSEItem", "SSEDecoder", "DEFAULT_MAX_LINE_BYTES"]
+
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+
+_CR = 0x0D
+_LF = 0x0A
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """A dispatched event. `data` joins multiple `data:` lines with "\\n"."""
+
+    data: str
+    end: int
+    event: str = ""
+    id: str | None = None
+    retry: int | None = None
+    start: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SSEComment:
+    """A `:` line (keep-alive or prefill progress); `text` is without the colon and one leading space."""
+
+    text: str
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class SSEProtocolError:
+    """Bytes the decoder could not keep: a line longer than the bound."""
+
+    reason: str
+    end: int
+
+
+SSEItem = SSEEvent | SSEComment | SSEProtocolError
+
+
+class SSEDecoder:
+    """Feed bytes, get events. One instance per response body."""
+
+    __slots__ = (
+        "max_line_bytes",
+        "_buf",
+        "_base",
+        "_skip_lf",
+        "_discarding",
+        "_data",
+        "_event",
+        "_last_id",
+        "_retry",
+        "_event_start",
+        "_first_line",
+    )
+
+    def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._buf = b""
+        self._base = 0  # stream offset of self._buf[0]
+        self._skip_lf = False  # the previous read ended in CR: a leading LF belongs to it
+        self._discarding = False  # inside an over-long line, already reported
+        self._data: list[str] = []
+        self._event = ""
+        self._last_id: str | None = None
+        self._retry: int | None = None
+        self._event_start = 0
+        self._first_line = True
+
+    def feed(self, data: bytes) -> list[SSEItem]:
+        """Consume `data`; return the items it completed (possibly none). Never raises."""
+        out: list[SSEItem] = []
+        if not data:
+            return out
+        if self._skip_lf:
+            self._skip_lf = False
+            if data[0] == _LF:
+                data = data[1:]
+                self._base += 1
+                self._event_start = max(self._event_start, self._base)
+                if not data:
+                    return out
+        buf = self._buf + data if self._buf else data
+        n = len(buf)
+        start = 0
+        base = self._base
+        if b"\r" not in buf:
+            find = buf.find
+            while True:
+                i = find(b"\n", start)
+                if i < 0:
+                    break
+                self._line(buf, start, i, base + i + 1, out)
+                start = i + 1
+        else:
+            while start < n:
+                i_lf = buf.find(b"\n", start)
+                i_cr = buf.find(b"\r", start)
+                if i_lf < 0 and i_cr < 0:
+                    break
+                if i_cr < 0 or (0 <= i_lf < i_cr):
+                    i, nxt = i_lf, i_lf + 1
+                elif i_cr + 1 < n:
+                    i = i_cr
+                    nxt = i_cr + 2 if buf[i_cr + 1] == _LF else i_cr + 1
+                else:  # CR is the last byte: its LF may come with the next read
+                    i, nxt = i_cr, i_cr + 1
+                    self._skip_lf = True
+                self._line(buf, start, i, base + nxt, out)
+                start = nxt
+        rest = buf[start:] if start else buf
+        if len(rest) > self.max_line_bytes:
+            if not self._discarding:
+                out.append(SSEProtocolError(f"line longer than {self.max_line_bytes} bytes", base + n))
+                self._discarding = True
+            self._base = base + n
+            self._buf = b""
+            return out
+        self._base = base + start
+        self._buf = rest
+        return out
+
+    def close(self) -> list[SSEItem]:
+        """End of body: a last line without a line end and a last event without a blank
+        line are still dispatched (lenient, so a truncated stream is still measured)."""
+        out: list[SSEItem] = []
+        if self._buf and not self._discarding:
+            buf = self._buf
+            self._line(buf, 0, len(buf), self._base + len(buf), out)
+        self._buf = b""
+        self._discarding = False
+        if self._data:
+            self._dispatch(self._base, out)
+        return out
+
+    # -- internals -------------------------------------------------------------------
+
+    def _line(self, buf: bytes, start: int, stop: int, end: int, out: list[SSEItem]) -> None:
+        if self._discarding:  # the tail of an over-long line: drop it
+            self._discarding = False
+            return
+        if stop - start > self.max_line_bytes:
+            out.append(SSEProtocolError(f"line longer than {self.max_line_bytes} bytes", end))
+            return
+        if start == stop:
+            self._dispatch(end, out)
+            return
+        line = buf[start:stop].decode("utf-8", "replace")
+        if self._first_line:
+            self._first_line = False
+            if line.startswith("\ufeff"):
+                line = line[1:]
+        if line[0] == ":":
+            text = line[1:]
+            out.append(SSEComment(text[1:] if text.startswith(" ") else text, end))
+            if not self._data:  # a comment before any data line is not part of the next event
+                self._event_start = end
+            return
+        colon = line.find(":")
+        if colon < 0:
+            field, value = line, ""
+        else:
+            field = line[:colon]
+            value = line[colon + 1 :]
+            if value.startswith(" "):
+                value = value[1:]
+        if field == "data":
+            self._data.append(value)
+        elif field == "event":
+            self._event = value
+        elif field == "id":
+            if "\x00" not in value:
+                self._last_id = value
+        elif field == "retry":
+            if value.isascii() and value.isdigit():
+                self._retry = int(value)
+        # other field names are ignored, as the standard says
+
+    def _dispatch(self, end: int, out: list[SSEItem]) -> None:
+        if self._data:
+            out.append(
+                SSEEvent(
+                    "\n".join(self._data),
+                    end,
+                    self._event,
+                    self._last_id,
+                    self._retry,
+                    self._event_start,
+                )
+            )
+            self._data = []
+        self._event = ""
+        self._retry = None
+        self._event_start = end

@@ -1,0 +1,123 @@
+"""Run ASGI apps on real sockets: the one place where a server is started.
+
+`ServerThread` serves an app with uvicorn on a background thread (used by tests, the
+demo and benchmarks that need several servers in one process); `serve_forever` runs one
+app in the foreground (used by the CLI). Port 0 asks the OS for a free port; the bound
+port is read back from the socket, so nothing races for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+
+def _loop_setting() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _http_setting() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def make_uvicorn_config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config with the fastest available loop and parser and no access log."""
+    kwargs.setdefault("log_level", "warning")
+    kwargs.setdefault("access_log", False)
+    kwargs.setdefault("lifespan", "on")
+    kwargs.setdefault("timeout_keep_alive", 30)
+    return uvicorn.Config(app, host=host, port=port, loop=_loop_setting(), http=_http_setting(), **kwargs)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind a listening TCP socket; port 0 picks a free port (read it with getsockname)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """Serve `app` on host:port (0 = any free port) in a daemon thread.
+
+    Use as a context manager; `url` is `http://host:port` once started. `stop()` asks
+    uvicorn to shut down gracefully and waits for the thread.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kwargs: Any) -> None:
+        self.app = app
+        self.host = host
+        self.sock = bind_socket(host, port)
+        self.port: int = self.sock.getsockname()[1]
+        self.config = make_uvicorn_config(app, host, self.port, **uvicorn_kwargs)
+        self.server = uvicorn.Server(self.config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        self.config.setup_event_loop()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self.loop = loop
+        try:
+            loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        except BaseException as exc:  # reported by start()/stop()
+            self.error = exc
+        finally:
+            loop.close()
+
+    def start(self, timeout_s: float = 10.0) -> "ServerThread":
+        self._thread.start()
+        started = threading.Event()
+
+        def check() -> None:
+            while not (self.server.started or self.error or not self._thread.is_alive()):
+                if started.wait(0.005):
+                    return
+
+        check()
+        if not self.server.started:
+            raise RuntimeError(f"server on port {self.port} did not start: {self.error!r}")
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_forever(app: Any, host: str, port: int, **uvicorn_kwargs: Any) -> None:
+    """Serve `app` in the foreground until Ctrl-C / SIGTERM."""
+    sock = bind_socket(host, port)
+    config = make_uvicorn_config(app, host, sock.getsockname()[1], **uvicorn_kwargs)
+    server = uvicorn.Server(config)
+    config.setup_event_loop()
+    asyncio.run(server.serve(sockets=[sock]))

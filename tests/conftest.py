@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def read_fixture(rel: str) -> bytes:
+    return (FIXTURES / rel).read_bytes()
+
+
+def splits(data: bytes, seed: int = 0, tries: int = 8) -> list[list[bytes]]:
+    """The ways every parser test feeds a body: whole, byte by byte, and at random cuts."""
+    ways = [[data], [data[i : i + 1] for i in range(len(data))]]
+    rng = random.Random(seed)
+    for _ in range(tries):
+        k = rng.randint(1, max(1, min(20, len(data) - 1)))
+        cuts = sorted(rng.sample(range(1, len(data)), k)) if len(data) > 1 else []
+        parts, prev = [], 0
+        for c in cuts + [len(data)]:
+            parts.append(data[prev:c])
+            prev = c
+        ways.append(parts)
+    return ways
+
+
+@pytest.fixture
+def fixture_bytes():
+    return read_fixture
