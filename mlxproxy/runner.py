@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -30,6 +31,15 @@ def _http_setting() -> str:
     except ImportError:
         return "h11"
     return "httptools"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else the standard one."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def make_uvicorn_config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
@@ -77,8 +87,7 @@ class ServerThread:
         return f"http://{host}:{self.port}"
 
     def _run(self) -> None:
-        self.config.setup_event_loop()
-        loop = asyncio.new_event_loop()
+        loop = new_event_loop()
         asyncio.set_event_loop(loop)
         self.loop = loop
         try:
@@ -90,14 +99,9 @@ class ServerThread:
 
     def start(self, timeout_s: float = 10.0) -> "ServerThread":
         self._thread.start()
-        started = threading.Event()
-
-        def check() -> None:
-            while not (self.server.started or self.error or not self._thread.is_alive()):
-                if started.wait(0.005):
-                    return
-
-        check()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)  # readiness poll, not a measurement
         if not self.server.started:
             raise RuntimeError(f"server on port {self.port} did not start: {self.error!r}")
         return self
@@ -118,6 +122,13 @@ def serve_forever(app: Any, host: str, port: int, **uvicorn_kwargs: Any) -> None
     """Serve `app` in the foreground until Ctrl-C / SIGTERM."""
     sock = bind_socket(host, port)
     config = make_uvicorn_config(app, host, sock.getsockname()[1], **uvicorn_kwargs)
-    server = uvicorn.Server(config)
-    config.setup_event_loop()
-    asyncio.run(server.serve(sockets=[sock]))
+    run_server(uvicorn.Server(config), sock)
+
+
+def run_server(server: uvicorn.Server, sock: socket.socket) -> None:
+    """Run a uvicorn server on an already bound socket until it exits."""
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(server.serve(sockets=[sock]))
+    finally:
+        loop.close()

@@ -138,6 +138,12 @@ class SSEDecoder:
         self._buf = rest
         return out
 
+    @property
+    def safe_offset(self) -> int:
+        """Stream offset up to which every byte belongs to a complete line outside any
+        open event: bytes before it can be forwarded without splitting an event."""
+        return self._event_start if (self._data or self._event) else self._base
+
     def close(self) -> list[SSEItem]:
         """End of body: a last line without a line end and a last event without a blank
         line are still dispatched (lenient, so a truncated stream is still measured)."""

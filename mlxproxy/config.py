@@ -1,0 +1,212 @@
+"""Configuration: a YAML file (every key documented in config.example.yaml), CLI overrides.
+
+`load_config(path, overrides)` returns a frozen `Config` or raises `ConfigError` with one
+sentence naming the key and what is allowed. Unknown keys are errors, not ignored: a typo
+in a config file should never silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+from urllib.parse import urlsplit
+
+import yaml
+
+from mlxproxy.errors import ConfigError
+
+__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "DetectorConfig", "load_config", "build_config"]
+
+DEFAULT_UPSTREAM_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default port
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """One upstream server. `models` are glob patterns (fnmatch) matched against the
+    request's `model`; `api_key_env` names an environment variable holding its key."""
+
+    name: str
+    url: str
+    api_key_env: str | None = None
+    models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    """Seconds. `read_s` is the longest silence allowed between two reads from the
+    upstream, headers included: a 30-minute prefill on a long prompt is legitimate."""
+
+    connect_s: float = 10.0
+    read_s: float = 1800.0
+    write_s: float = 60.0
+    pool_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """Thresholds of the truth checks (see README, "Anomalies")."""
+
+    usage_extra_tokens: int = 3
+    usage_ratio: float = 1.5
+    phantom_ratio: float = 3.0
+    phantom_min_tokens: int = 20
+    burst_fraction: float = 0.05
+    burst_min_tokens: int = 20
+    burst_ttft_fraction: float = 0.95
+    tokens_per_event_max: float = 8.0
+    stall_factor: float = 10.0
+    stall_min_s: float = 1.0
+    silent_prefill_s: float = 120.0
+    serialized_overlap_max: float = 0.1
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    upstreams: tuple[UpstreamConfig, ...] = ()
+    default_upstream: str | None = None
+    inject_usage: bool = True
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)
+    recent_records: int = 200
+    max_model_labels: int = 20
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    log_requests: bool = True
+
+    def default(self) -> UpstreamConfig:
+        for up in self.upstreams:
+            if up.name == self.default_upstream:
+                return up
+        return self.upstreams[0]
+
+
+def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    return str(tp)
+
+
+def _convert(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(key, args[0], value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, key + ".")
+    if origin is tuple:
+        (inner, _ellipsis) = typing.get_args(tp)
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list")
+        return tuple(_convert(f"{key}[{i}]", inner, v) for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}' has an unsupported type")  # pragma: no cover
+
+
+def _build(cls: Any, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}'; allowed here: {', '.join(names)}")
+        kwargs[key] = _convert(prefix + key, hints[key], value)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+        raise ConfigError(f"config section '{prefix.rstrip('.') or 'top level'}' needs key(s): {', '.join(missing)}") from exc
+
+
+def _validate(cfg: Config) -> None:
+    if not (0 <= cfg.port <= 65535):
+        raise ConfigError(f"config key 'port' must be between 0 and 65535, got {cfg.port}")
+    if not cfg.upstreams:
+        raise ConfigError("config key 'upstreams' must list at least one upstream")
+    seen: set[str] = set()
+    for i, up in enumerate(cfg.upstreams):
+        if not up.name or up.name in seen:
+            raise ConfigError(f"config key 'upstreams[{i}].name' must be a unique non-empty name, got {up.name!r}")
+        seen.add(up.name)
+        parts = urlsplit(up.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"config key 'upstreams[{i}].url' must be an http:// or https:// URL, got {up.url!r}")
+        if up.api_key_env is not None and not up.api_key_env:
+            raise ConfigError(f"config key 'upstreams[{i}].api_key_env' must name an environment variable")
+    if cfg.default_upstream is not None and cfg.default_upstream not in seen:
+        raise ConfigError(f"config key 'default_upstream' must be one of the upstream names ({', '.join(sorted(seen))}), got {cfg.default_upstream!r}")
+    for section in (cfg.timeouts, cfg.detectors):
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if isinstance(v, (int, float)) and v < 0:
+                raise ConfigError(f"config key '{f.name}' must not be negative, got {v}")
+    if cfg.recent_records < 0 or cfg.max_model_labels < 1 or cfg.max_request_body_bytes < 1:
+        raise ConfigError("config keys 'recent_records' (>= 0), 'max_model_labels' (>= 1) and 'max_request_body_bytes' (>= 1) are out of range")
+
+
+def build_config(raw: dict[str, Any] | None = None, *, upstream_url: str | None = None, **overrides: Any) -> Config:
+    """A validated `Config` from a parsed YAML mapping plus CLI overrides (None = not given).
+
+    `upstream_url` replaces the configured upstreams with one named `default`.
+    """
+    raw = dict(raw or {})
+    for key, value in overrides.items():
+        if value is not None:
+            raw[key] = value
+    if upstream_url is not None:
+        raw["upstreams"] = [{"name": "default", "url": upstream_url}]
+        raw.pop("default_upstream", None)
+    raw.setdefault("upstreams", [{"name": "default", "url": DEFAULT_UPSTREAM_URL}])
+    cfg = _build(Config, raw)
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None, *, upstream_url: str | None = None, **overrides: Any) -> Config:
+    """Read YAML at `path` (None: no file) and apply CLI overrides."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from exc
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys at the top level")
+    return build_config(raw, upstream_url=upstream_url, **overrides)

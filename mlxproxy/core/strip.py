@@ -1,0 +1,47 @@
+"""Remove the usage-only event that the proxy's own `include_usage` injection added.
+
+Pure: given the bytes of each read, the decoder items they completed and the decoder's
+`safe_offset`, `process` returns the bytes to forward. Bytes of an event that is still
+open are held back until the event is complete (a client cannot use half an event
+anyway); every other byte is forwarded unchanged and in order.
+"""
+
+from __future__ import annotations
+
+from mlxproxy.core.openai import is_injected_usage_chunk
+from mlxproxy.core.sse import SSEEvent, SSEItem
+
+__all__ = ["UsageStripper"]
+
+
+class UsageStripper:
+    __slots__ = ("_buf", "_start", "stripped")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._start = 0  # stream offset of self._buf[0]
+        self.stripped = 0  # events removed
+
+    def process(self, data: bytes, items: list[SSEItem], safe_offset: int) -> bytes:
+        buf = self._buf + data if self._buf else data
+        base = self._start
+        cut = safe_offset - base
+        pieces: list[bytes] = []
+        pos = 0
+        for it in items:
+            if isinstance(it, SSEEvent) and is_injected_usage_chunk(it.data):
+                s, e = it.start - base, it.end - base
+                if pos <= s and e <= cut:
+                    pieces.append(buf[pos:s])
+                    pos = e
+                    self.stripped += 1
+        pieces.append(buf[pos:cut])
+        self._buf = buf[cut:]
+        self._start = safe_offset
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def flush(self) -> bytes:
+        """End of body (or stripping no longer needed): everything still held back."""
+        rest, self._buf = self._buf, b""
+        self._start += len(rest)
+        return rest

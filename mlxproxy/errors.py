@@ -1,0 +1,39 @@
+"""The project's exceptions. Third-party exceptions are translated at the shell boundary.
+
+    MlxproxyError                 base; `str(exc)` is one sentence a user can act on
+    ├── ConfigError               a bad config file, key or value (CLI exit code 2)
+    ├── CaptureFormatError        a capture file that cannot be read (unknown version, bad line)
+    └── UpstreamError             the proxy could not get a response from an upstream
+        ├── UpstreamUnreachable   connection refused / reset before any response (HTTP 502)
+        └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
+"""
+
+from __future__ import annotations
+
+
+class MlxproxyError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(MlxproxyError):
+    """The configuration is invalid; the message names the key and what is allowed."""
+
+
+class CaptureFormatError(MlxproxyError):
+    """A capture file cannot be read."""
+
+
+class UpstreamError(MlxproxyError):
+    status = 502
+    outcome = "upstream_unreachable"
+    code = "upstream_unreachable"
+
+
+class UpstreamUnreachable(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    outcome = "upstream_timeout"
+    code = "upstream_timeout"

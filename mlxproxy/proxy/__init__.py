@@ -1,0 +1,1 @@
+"""The proxy shell: a pure ASGI app, its upstream clients, metrics and observers."""

@@ -1,0 +1,333 @@
+"""The proxy: a pure ASGI app that forwards every byte and meters a copy.
+
+Forward first, measure second: each upstream read is written to the client as soon as it
+arrives, then fed to the request's meter. The record is finalised in `finally`, so a
+client disconnect, an upstream failure or a cancelled task still yields exactly one record.
+
+Routes: `/metrics`, `/healthz`, `/streams` are the proxy's own; every other path (the
+whole OpenAI API under `/v1/`, and a server's own routes such as `/health`) is forwarded
+to the upstream chosen by the request's `model`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from mlxproxy import __version__
+from mlxproxy.config import Config
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.openai import inject_include_usage, parse_request
+from mlxproxy.core.record import Record
+from mlxproxy.core.strip import UsageStripper
+from mlxproxy.errors import UpstreamError
+from mlxproxy.proxy.metrics import ProxyMetrics
+from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
+from mlxproxy.proxy.upstream import Upstream, UpstreamPool
+
+__all__ = ["ProxyApp", "create_app", "REQUEST_ID_HEADER", "REPLAY_HEADER"]
+
+log = logging.getLogger("mlxproxy")
+
+REQUEST_ID_HEADER = b"x-mlxproxy-request-id"
+REPLAY_HEADER = b"x-mlxproxy-replay"  # set by `mlxproxy replay`/`bench`; tags the record, not forwarded
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer", b"trailers",
+     b"transfer-encoding", b"upgrade", b"host", b"content-length", b"accept-encoding", REPLAY_HEADER}
+)
+RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"trailer"})
+OWN_ROUTES = ("/metrics", "/healthz", "/streams")
+
+now = time.perf_counter
+
+
+def json_error(status: int, message: str, code: str, err_type: str = "proxy_error") -> tuple[int, bytes]:
+    """An OpenAI-shaped error body."""
+    return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
+
+
+class ProxyApp:
+    """The ASGI application. `observers` receive every finished record after the
+    built-in ones (metrics, recent records, log line)."""
+
+    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
+                 observers: list[Observer] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
+        self.pool = UpstreamPool(config, transport)
+        self.recent = RecentRecords(config.recent_records)
+        base: list[Observer] = [self.metrics, self.recent]
+        if config.log_requests:
+            base.append(LogObserver())
+        self.fanout = Fanout(base + list(observers or []), on_error=lambda name: self.metrics.observer_errors.labels(name).inc())
+        self.in_flight: dict[str, RequestMeter] = {}
+        _quiet_client_aborts()
+        self.started_mono = now()
+        self.requests_seen = 0
+
+    def add_observer(self, observer: Observer) -> None:
+        self.fanout.add(observer)
+
+    # -- ASGI entry -------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path in OWN_ROUTES:
+                await self._own_route(path, scope, send)
+            else:
+                await self._proxy(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.pool.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _own_route(self, path: str, scope: dict[str, Any], send: Any) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            status, body = json_error(405, f"{path} only answers GET", "method_not_allowed", "invalid_request_error")
+            await _respond(send, status, body)
+            return
+        if path == "/metrics":
+            await _respond(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode())
+        elif path == "/healthz":
+            body = orjson.dumps({
+                "status": "ok", "version": __version__, "uptime_s": round(now() - self.started_mono, 3),
+                "in_flight": len(self.in_flight), "requests": self.requests_seen,
+                "upstreams": [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
+            })
+            await _respond(send, 200, body)
+        else:
+            t = now()
+            body = orjson.dumps({
+                "in_flight": [m.live(t) for m in list(self.in_flight.values())],
+                "recent": [r.to_dict() for r in reversed(self.recent.records)],
+            })
+            await _respond(send, 200, body)
+
+    # -- forwarding -------------------------------------------------------------------
+
+    async def _proxy(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        limit = self.config.max_request_body_bytes
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            part = msg.get("body", b"")
+            if part:
+                size += len(part)
+                if size > limit:
+                    status, body = json_error(413, f"request body is larger than max_request_body_bytes ({limit} bytes)",
+                                              "request_too_large", "invalid_request_error")
+                    await _respond(send, status, body)
+                    return
+                chunks.append(part)
+            if not msg.get("more_body", False):
+                break
+        t_start = now()
+        started_at = time.time()
+        body = b"".join(chunks)
+        method = scope["method"]
+        info, obj = parse_request(method, scope["path"], body)
+        upstream = self.pool.route(info.model)
+
+        headers: list[tuple[bytes, bytes]] = []
+        tags: tuple[str, ...] = ()
+        connection_tokens = set()
+        for k, v in scope["headers"]:
+            if k == b"connection":
+                connection_tokens.update(x.strip().lower() for x in v.split(b","))
+        for k, v in scope["headers"]:
+            if k == REPLAY_HEADER:
+                tags = ("replay",)
+            if k in HOP_BY_HOP or k in connection_tokens:
+                continue
+            if upstream.api_key is not None and k == b"authorization":
+                continue
+            headers.append((k, v))
+        headers.append((b"accept-encoding", b"identity"))  # the meter reads the bytes it forwards
+        if upstream.api_key is not None:
+            headers.append((b"authorization", b"Bearer " + upstream.api_key.encode()))
+
+        inject = (self.config.inject_usage and info.stream and not info.usage_requested and obj is not None
+                  and info.endpoint in ("chat_completions", "completions"))
+        if inject:
+            body = inject_include_usage(body, obj)  # type: ignore[arg-type]
+
+        request_id = os.urandom(8).hex()
+        upstream.in_flight += 1
+        meter = RequestMeter(info, request_id=request_id, upstream=upstream.name, t_start=t_start, started_at=started_at,
+                             usage_injected=inject, concurrency=upstream.in_flight, tags=tags)
+        self.requests_seen += 1
+        self.in_flight[request_id] = meter
+        model_label = self.metrics.model_label(info.model)
+        self.metrics.request_started(upstream.name, model_label)
+        try:
+            await self._forward(scope, receive, send, upstream, meter, method, headers, body, inject)
+        finally:
+            upstream.in_flight -= 1
+            self.in_flight.pop(request_id, None)
+            self.metrics.request_ended(upstream.name, model_label)
+
+    async def _forward(self, scope: dict[str, Any], receive: Any, send: Any, upstream: Upstream, meter: RequestMeter,
+                       method: str, headers: list[tuple[bytes, bytes]], body: bytes, inject: bool) -> None:
+        rid = meter.request_id.encode()
+        url = upstream.url_for(scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?", 1)[0],
+                               scope.get("query_string", b""))
+        state = {"finished": False, "disconnected": False}
+        task = asyncio.current_task()
+
+        async def watch_disconnect() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    break
+            if not state["finished"]:
+                state["disconnected"] = True
+                if task is not None:
+                    task.cancel()
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        outcome: str | None = None
+        error: str | None = None
+        response: httpx.Response | None = None
+        chunk_overheads: list[float] = []
+        request_overhead: float | None = None
+        try:
+            t_sent = now()
+            meter.upstream_sent(t_sent)
+            request_overhead = t_sent - meter.t_start
+            try:
+                response = await upstream.open(method, url, headers, body)
+            except UpstreamError as exc:
+                outcome, error = exc.outcome, str(exc)
+                status, err_body = json_error(exc.status, str(exc), exc.code)
+                state["finished"] = True
+                await _respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, rid)])
+                return
+            meter.response_started(now(), response.status_code, response.headers.get("content-type"))
+            stripper = UsageStripper() if inject and meter.decoder is not None else None
+            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
+            if stripper is not None:
+                out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
+            out_headers.append((REQUEST_ID_HEADER, rid))
+            if meter.decoder is not None and not any(k.lower() == b"x-accel-buffering" for k, _ in out_headers):
+                out_headers.append((b"x-accel-buffering", b"no"))
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+            try:
+                if stripper is None:
+                    async for chunk in response.aiter_raw():
+                        t = now()
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        chunk_overheads.append(now() - t)
+                        meter.feed(chunk, t)
+                else:
+                    decoder = meter.decoder
+                    assert decoder is not None
+                    async for chunk in response.aiter_raw():
+                        t = now()
+                        if meter.done:
+                            out = stripper.flush() + chunk
+                            meter.feed(chunk, t)
+                        else:
+                            items = decoder.feed(chunk)
+                            out = stripper.process(chunk, items, decoder.safe_offset)
+                            meter.feed_decoded(len(chunk), items, t)
+                        if out:
+                            await send({"type": "http.response.body", "body": out, "more_body": True})
+                        chunk_overheads.append(now() - t)
+                    rest = stripper.flush()
+                    if rest:
+                        await send({"type": "http.response.body", "body": rest, "more_body": True})
+            except httpx.TimeoutException:
+                outcome, error = "upstream_timeout", f"upstream '{upstream.name}' went silent for longer than the read timeout"
+                raise _AbortClient() from None
+            except httpx.HTTPError as exc:
+                # the upstream broke the body (reset, truncated chunked encoding): the client
+                # must see a broken body too, never a clean end that did not happen
+                error = f"upstream body ended abnormally: {type(exc).__name__}: {str(exc)[:160]}"
+                raise _AbortClient() from None
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if state["disconnected"]:
+                outcome = "client_disconnect"
+                error = "the client disconnected"
+            else:
+                raise
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+            if response is not None:
+                await _aclose_quietly(response)
+            t_end = now()
+            record = self._finish(meter, t_end, outcome, error)
+            self.metrics.observe_overhead(request_overhead, chunk_overheads)
+            self.fanout.emit(record)
+
+    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
+        try:
+            return meter.finish(t_end, outcome=outcome, error=error)
+        except Exception as exc:  # metering must never take the request down
+            log.exception("metering failed for %s", meter.request_id)
+            return RequestMeter(meter.request, request_id=meter.request_id, upstream=meter.upstream,
+                                t_start=meter.t_start, started_at=meter.started_at).finish(
+                t_end, outcome="protocol_error", error=f"metering failed: {type(exc).__name__}")
+
+
+class _AbortClient(Exception):
+    """Raised after the response started to make the server drop the client connection
+    (the only way ASGI offers); it mirrors an upstream that broke its body."""
+
+
+class _DropAbortTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, _AbortClient)
+
+
+def _quiet_client_aborts() -> None:
+    """An intentional abort is not a server error: keep uvicorn from logging a traceback."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DropAbortTracebacks) for f in logger.filters):
+        logger.addFilter(_DropAbortTracebacks())
+
+
+async def _aclose_quietly(response: httpx.Response) -> None:
+    try:
+        await asyncio.shield(response.aclose())
+    except BaseException:  # closing a broken upstream connection may fail; nothing to do
+        pass
+
+
+async def _respond(send: Any, status: int, body: bytes, content_type: bytes = b"application/json",
+                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if extra:
+        headers.extend(extra)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def create_app(config: Config, **kwargs: Any) -> ProxyApp:
+    """The proxy ASGI app for `config` (see `ProxyApp` for keyword arguments)."""
+    return ProxyApp(config, **kwargs)

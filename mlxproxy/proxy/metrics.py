@@ -1,0 +1,175 @@
+"""Prometheus metrics (the contract in docs/METRICS.md), created on a registry passed in.
+
+Everything per request is observed once, when its record is finished, from cached label
+children; the forwarding loop does no Prometheus work. Label values stay bounded: the
+model label falls back to `other` past `max_model_labels` distinct names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mlxproxy import __version__
+from mlxproxy.core.record import Record
+
+__all__ = ["ProxyMetrics", "concurrency_bucket"]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
+TPS_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 40, 50, 60, 80, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000, 50000)
+PREFILL_BUCKETS = (10, 25, 50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000)
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+LENGTH_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def concurrency_bucket(n: int) -> str:
+    """The bounded `concurrency` label: 1, 2, 3-4, 5-8, 9-16, 17+."""
+    if n <= 1:
+        return "1"
+    if n == 2:
+        return "2"
+    if n <= 4:
+        return "3-4"
+    if n <= 8:
+        return "5-8"
+    if n <= 16:
+        return "9-16"
+    return "17+"
+
+
+class ProxyMetrics:
+    """The proxy's metric families and the observer that fills them from records."""
+
+    name = "metrics"
+
+    def __init__(self, registry: CollectorRegistry, *, max_model_labels: int = 20) -> None:
+        self.registry = registry
+        self.max_model_labels = max_model_labels
+        self._models: set[str] = set()
+        self._children: dict[tuple[Any, ...], Any] = {}
+        up_model = ["upstream", "model"]
+        self.requests = Counter("mlxproxy_requests", "Finished requests by outcome.",
+                                ["upstream", "model", "endpoint", "stream", "code", "outcome"], registry=registry)
+        self.in_flight = Gauge("mlxproxy_requests_in_flight", "Requests in flight.", up_model, registry=registry)
+        self.duration = Histogram("mlxproxy_request_duration_seconds", "Whole request: client request in to response body fully sent.",
+                                  ["upstream", "model", "endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttfb = Histogram("mlxproxy_time_to_first_byte_seconds", "Time to the first response body byte (may be a keep-alive comment).",
+                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("mlxproxy_time_to_first_token_seconds", "Time to the first generated token (reasoning included).",
+                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttfc = Histogram("mlxproxy_time_to_first_content_seconds", "Time to the first answer or tool-call token.",
+                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("mlxproxy_inter_token_latency_seconds", "Gaps between consecutive generated events.",
+                             up_model, buckets=GAP_BUCKETS, registry=registry)
+        self.tpot = Histogram("mlxproxy_time_per_output_token_seconds", "Per request: (last token - first token) / (tokens - 1).",
+                              up_model, buckets=GAP_BUCKETS, registry=registry)
+        self.tps = Histogram("mlxproxy_output_tokens_per_second", "Per request output tokens/s; kind=wall|decode; concurrency at start.",
+                             ["upstream", "model", "kind", "concurrency"], buckets=TPS_BUCKETS, registry=registry)
+        self.prefill = Histogram("mlxproxy_prefill_tokens_per_second", "(prompt - cached tokens) / TTFT.",
+                                 up_model, buckets=PREFILL_BUCKETS, registry=registry)
+        self.prompt_len = Histogram("mlxproxy_prompt_length_tokens", "Prompt tokens per request (reported by the server).",
+                                    up_model, buckets=LENGTH_BUCKETS, registry=registry)
+        self.gen_len = Histogram("mlxproxy_generation_length_tokens", "Output tokens per request (reported, else counted).",
+                                 up_model, buckets=LENGTH_BUCKETS, registry=registry)
+        self.tokens = Counter("mlxproxy_tokens", "Tokens by type and by who counted them.",
+                              ["upstream", "model", "type", "source"], registry=registry)
+        self.usage_reports = Counter("mlxproxy_usage_reports", "Streams/responses with and without a usage report.",
+                                     ["upstream", "model", "present"], registry=registry)
+        self.anomalies = Counter("mlxproxy_anomalies", "Truth-check anomalies by kind.",
+                                 ["upstream", "model", "kind"], registry=registry)
+        self.overhead = Histogram("mlxproxy_proxy_overhead_seconds", "Time the proxy itself adds, by phase.",
+                                  ["phase"], buckets=OVERHEAD_BUCKETS, registry=registry)
+        self.observer_errors = Counter("mlxproxy_observer_errors", "Observers that raised on a record (forwarding was not affected).",
+                                       ["observer"], registry=registry)
+        self.build_info = Gauge("mlxproxy_build_info", "Always 1; the version label says which build.", ["version"], registry=registry)
+        self.build_info.labels(__version__).set(1)
+        self._overhead_request = self.overhead.labels("request")
+        self._overhead_chunk = self.overhead.labels("chunk")
+
+    def model_label(self, model: str | None) -> str:
+        """A bounded label value for a request's model name."""
+        if not model:
+            return "unknown"
+        if model in self._models:
+            return model
+        if len(self._models) < self.max_model_labels:
+            self._models.add(model)
+            return model
+        return "other"
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def request_started(self, upstream: str, model: str) -> None:
+        self._child(self.in_flight, upstream, model).inc()
+
+    def request_ended(self, upstream: str, model: str) -> None:
+        self._child(self.in_flight, upstream, model).dec()
+
+    def observe_overhead(self, request_s: float | None, chunk_s: list[float]) -> None:
+        if request_s is not None:
+            self._overhead_request.observe(request_s)
+        obs = self._overhead_chunk.observe
+        for v in chunk_s:
+            obs(v)
+
+    def on_record(self, r: Record) -> None:
+        up, model = r.upstream, self.model_label(r.model)
+        ep, stream = r.endpoint, "true" if r.stream else "false"
+        c = self._child
+        c(self.requests, up, model, ep, stream, str(r.status) if r.status is not None else "none", r.outcome).inc()
+        if r.duration_s is not None:
+            c(self.duration, up, model, ep, stream).observe(r.duration_s)
+        for kind in r.anomalies:
+            c(self.anomalies, up, model, kind).inc()
+        if r.endpoint not in ("chat_completions", "completions", "messages", "responses"):
+            return
+        ok = r.outcome in ("ok", "ok_no_done")
+        if r.ttfb_s is not None:
+            c(self.ttfb, up, model, ep).observe(r.ttfb_s)
+        if r.status is not None and r.status < 400:
+            present = "true" if r.usage_reports else "false"
+            c(self.usage_reports, up, model, present).inc()
+        self._tokens(r, up, model)
+        if not ok:  # failed requests never enter latency statistics
+            return
+        if r.ttft_s is not None:
+            c(self.ttft, up, model, ep).observe(r.ttft_s)
+        if r.ttfc_s is not None:
+            c(self.ttfc, up, model, ep).observe(r.ttfc_s)
+        if r.event_offsets_s:
+            obs = c(self.itl, up, model).observe
+            for g in r.event_gaps_s():
+                obs(g)
+        if r.tpot_s is not None:
+            c(self.tpot, up, model).observe(r.tpot_s)
+        conc = concurrency_bucket(r.concurrency)
+        if r.wall_tps is not None:
+            c(self.tps, up, model, "wall", conc).observe(r.wall_tps)
+        if r.decode_tps is not None:
+            c(self.tps, up, model, "decode", conc).observe(r.decode_tps)
+        if r.prefill_tps is not None:
+            c(self.prefill, up, model).observe(r.prefill_tps)
+        if r.prompt_tokens is not None:
+            c(self.prompt_len, up, model).observe(r.prompt_tokens)
+        if r.n_out is not None:
+            c(self.gen_len, up, model).observe(r.n_out)
+
+    def _tokens(self, r: Record, up: str, model: str) -> None:
+        c = self._child
+        for typ, source, value in (
+            ("prompt", "reported", r.prompt_tokens),
+            ("cached_prompt", "reported", r.cached_tokens),
+            ("completion", "reported", r.completion_tokens_reported),
+            ("reasoning", "reported", r.reasoning_tokens_reported),
+            ("completion", "counted", r.completion_tokens_counted),
+            ("reasoning", "counted", r.reasoning_tokens_counted),
+        ):
+            if value:
+                c(self.tokens, up, model, typ, source).inc(value)
