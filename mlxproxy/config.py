@@ -18,9 +18,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from mlxproxy.core.detect import Thresholds
 from mlxproxy.errors import ConfigError
 
-__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "DetectorConfig", "load_config", "build_config"]
+__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "Thresholds", "load_config", "build_config"]
 
 DEFAULT_UPSTREAM_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default port
 
@@ -48,24 +49,6 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True)
-class DetectorConfig:
-    """Thresholds of the truth checks (see README, "Anomalies")."""
-
-    usage_extra_tokens: int = 3
-    usage_ratio: float = 1.5
-    phantom_ratio: float = 3.0
-    phantom_min_tokens: int = 20
-    burst_fraction: float = 0.05
-    burst_min_tokens: int = 20
-    burst_ttft_fraction: float = 0.95
-    tokens_per_event_max: float = 8.0
-    stall_factor: float = 10.0
-    stall_min_s: float = 1.0
-    silent_prefill_s: float = 120.0
-    serialized_overlap_max: float = 0.1
-
-
-@dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -73,11 +56,13 @@ class Config:
     default_upstream: str | None = None
     inject_usage: bool = True
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    detectors: DetectorConfig = field(default_factory=DetectorConfig)
+    detectors: Thresholds = field(default_factory=Thresholds)
     recent_records: int = 200
     max_model_labels: int = 20
     max_request_body_bytes: int = 64 * 1024 * 1024
     log_requests: bool = True
+    tokenizer: str | None = None
+    tokenizer_search: bool = True
 
     def default(self) -> UpstreamConfig:
         for up in self.upstreams:

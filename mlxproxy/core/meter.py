@@ -244,10 +244,26 @@ class RequestMeter:
             "concurrency": self.concurrency,
         }
 
-    def finish(self, t_end: float, *, outcome: str | None = None, error: str | None = None) -> Record:
+    @property
+    def generated_chars(self) -> int:
+        """Characters of generated text streamed (content, reasoning, tool arguments)."""
+        return (sum(map(len, self.content_parts)) + sum(map(len, self.reasoning_parts))
+                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values()))
+
+    def silent_after_headers_s(self, t_end: float) -> float | None:
+        """How long the body stayed silent after the headers (to the first byte, or to
+        the end when no byte came). None before headers."""
+        if self.t_headers is None:
+            return None
+        first = self.t_first_byte if self.t_first_byte is not None else t_end
+        return first - self.t_headers
+
+    def finish(self, t_end: float, *, outcome: str | None = None, error: str | None = None,
+               tokenizer_tokens: int | None = None) -> Record:
         """Close the body and compute the record. `outcome` overrides the classification
         for transport failures seen by the shell (`upstream_unreachable`,
-        `upstream_timeout`, `client_disconnect`)."""
+        `upstream_timeout`, `client_disconnect`). `tokenizer_tokens` is a tokenizer's
+        count of the generated text, when the caller has one."""
         if self.decoder is not None and not self.done:
             self.feed_items(self.decoder.close(), self.t_last_byte if self.t_last_byte is not None else t_end)
         body_obj: Any = None
@@ -271,7 +287,7 @@ class RequestMeter:
             outcome = self._classify(body_obj, ctx[0])
         if err_msg is None and outcome == "protocol_error":
             err_msg = self.protocol_error or "response body is not valid JSON"
-        return self._record(t_end, outcome, err_msg, ctx)
+        return self._record(t_end, outcome, err_msg, ctx, tokenizer_tokens)
 
     def _absorb_body(self, obj: dict[str, Any]) -> None:
         """A non-stream JSON response: usage, finish reason, error and (kept) text."""
@@ -320,7 +336,8 @@ class RequestMeter:
                 return "protocol_error"
         return "ok"
 
-    def _record(self, t_end: float, outcome: str, err: str | None, ctx: tuple[bool, int | None, int | None]) -> Record:
+    def _record(self, t_end: float, outcome: str, err: str | None, ctx: tuple[bool, int | None, int | None],
+                tokenizer_tokens: int | None) -> Record:
         t0 = self.t_start
         usage = self.usage or {}
         prompt = _int(usage.get("prompt_tokens"))
@@ -380,6 +397,7 @@ class RequestMeter:
             completion_tokens_reported=reported,
             reasoning_tokens_reported=reasoning_rep,
             completion_tokens_counted=counted,
+            completion_tokens_tokenizer=tokenizer_tokens,
             reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
             usage_reports=self.usage_reports,
             usage_requested=self.request.usage_requested,

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxproxy import __version__
 from mlxproxy.config import Config
+from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, parse_request
 from mlxproxy.core.record import Record
@@ -32,6 +34,7 @@ from mlxproxy.errors import UpstreamError
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
 from mlxproxy.proxy.upstream import Upstream, UpstreamPool
+from mlxproxy.tokens import TokenCounter
 
 __all__ = ["ProxyApp", "create_app", "REQUEST_ID_HEADER", "REPLAY_HEADER"]
 
@@ -70,6 +73,9 @@ class ProxyApp:
             base.append(LogObserver())
         self.fanout = Fanout(base + list(observers or []), on_error=lambda name: self.metrics.observer_errors.labels(name).inc())
         self.in_flight: dict[str, RequestMeter] = {}
+        self.thresholds = config.detectors
+        self._recent_by_upstream: dict[str, deque[Record]] = {u.name: deque(maxlen=64) for u in self.pool.upstreams}
+        self.tokens = TokenCounter(config.tokenizer, config.tokenizer_search)
         _quiet_client_aborts()
         self.started_mono = now()
         self.requests_seen = 0
@@ -281,12 +287,15 @@ class ProxyApp:
                 await _aclose_quietly(response)
             t_end = now()
             record = self._finish(meter, t_end, outcome, error)
+            self._recent_by_upstream[record.upstream].append(record)
             self.metrics.observe_overhead(request_overhead, chunk_overheads)
             self.fanout.emit(record)
 
     def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
         try:
-            return meter.finish(t_end, outcome=outcome, error=error)
+            return finish_checked(meter, t_end, self.thresholds, outcome=outcome, error=error,
+                                  earlier=self._recent_by_upstream[meter.upstream],
+                                  count_tokens=self.tokens.for_model(meter.request.model) if meter.decoder is not None else None)
         except Exception as exc:  # metering must never take the request down
             log.exception("metering failed for %s", meter.request_id)
             return RequestMeter(meter.request, request_id=meter.request_id, upstream=meter.upstream,

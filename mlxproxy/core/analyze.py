@@ -1,0 +1,32 @@
+"""Finish a meter into a checked record: the one path the proxy, replay and bench share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mlxproxy.core.detect import Thresholds, check_record, find_serialized, with_anomalies
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.record import Record
+
+__all__ = ["finish_checked"]
+
+
+def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome: str | None = None,
+                   error: str | None = None, earlier: Sequence[Record] = (),
+                   count_tokens: Callable[[str], int] | None = None) -> Record:
+    """`meter.finish` plus the per-record truth checks and, against `earlier` records
+    of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
+    makes the usage check exact; a failing tokenizer is ignored."""
+    tok = None
+    if count_tokens is not None and meter.generated_events:
+        try:
+            tok = count_tokens(meter.reasoning_text + meter.content_text)
+        except Exception:  # a tokenizer problem must not lose the record
+            tok = None
+    record = meter.finish(t_end, outcome=outcome, error=error, tokenizer_tokens=tok)
+    found = check_record(record, th, chars=meter.generated_chars if meter.decoder is not None else None,
+                         headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
+    ser = find_serialized(record, earlier, th) if earlier else None
+    if ser is not None:
+        found.append(ser)
+    return with_anomalies(record, found, th)

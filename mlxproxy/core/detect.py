@@ -1,0 +1,273 @@
+"""Truth checks: name what a server (or another tool) gets wrong, with the evidence.
+
+Pure functions over finished records. `check_record` looks at one record;
+`find_serialized` at a set of records that overlapped in time on one upstream;
+`prefill_scaling` at a run with prompts of several sizes. Every threshold is a field of
+`Thresholds` (config key `detectors:`), documented in the README's "Anomalies" section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mlxproxy.core.openai import parse_context_limit
+from mlxproxy.core.record import Record
+from mlxproxy.core.stats import percentile
+
+__all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
+           "with_anomalies", "estimated_tokens", "stall_stats"]
+
+ANOMALY_KINDS = (
+    "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
+    "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
+    "silent_prefill", "serialized", "superlinear_prefill",
+)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Detector thresholds (units in the names). Defaults are chosen to stay silent on
+    every healthy server style in WIRE.md while catching each benchmark pathology."""
+
+    usage_min_tokens: int = 16  # below this many tokens the usage checks do not judge
+    usage_extra_tokens: int = 3  # EOS and think-control tokens a server may count but not stream
+    usage_ratio: float = 2.0  # reported / streamed-estimate above this: usage_mismatch
+    phantom_ratio: float = 3.0  # ... above this (and enough tokens): phantom_speed
+    phantom_min_tokens: int = 20
+    chars_per_token: float = 4.0  # streamed-token estimate for coarse chunks: chars / this
+    burst_min_tokens: int = 20
+    burst_fraction: float = 0.05  # all tokens within this fraction of the response time...
+    burst_min_tps: float = 2000.0  # ...at a rate no decoder reaches: non_incremental_stream
+    tokens_per_event_max: float = 8.0
+    stall_factor: float = 10.0  # a gap this many times the stream's median gap...
+    stall_min_s: float = 1.0  # ...and at least this long is a stall
+    stall_min_gaps: int = 5
+    cyclic_cv_max: float = 0.25  # stall spacing this regular (coefficient of variation) is cyclic
+    silent_prefill_s: float = 120.0  # no byte at all this long after the headers
+    serialized_min_wait_s: float = 0.25  # the later request waited at least this long for the earlier one
+    superlinear_factor: float = 3.0  # prefill tok/s this many times lower at the largest prompt
+    superlinear_min_size_ratio: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    kind: str
+    evidence: str
+
+
+def _fmt(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
+
+
+def estimated_tokens(r: Record, chars: int | None, th: Thresholds) -> int | None:
+    """Output tokens actually streamed: the tokenizer's count when there is one, else the
+    generated events, or the streamed characters / chars_per_token when that is more
+    (servers that send several tokens per event)."""
+    if r.completion_tokens_tokenizer is not None:
+        return r.completion_tokens_tokenizer
+    if r.completion_tokens_counted is None:
+        return None
+    est = r.completion_tokens_counted
+    if chars:
+        est = max(est, math.ceil(chars / th.chars_per_token))
+    return est
+
+
+def stall_stats(r: Record, th: Thresholds) -> tuple[list[int], list[float]]:
+    """Indices (gap i is between events i and i+1) and lengths of the stalls."""
+    gaps = r.event_gaps_s()
+    if len(gaps) < th.stall_min_gaps:
+        return [], []
+    med = percentile(sorted(gaps), 50) or 0.0
+    floor = max(th.stall_factor * med, th.stall_min_s)
+    idx = [i for i, g in enumerate(gaps) if g > floor]
+    return idx, [gaps[i] for i in idx]
+
+
+def _cyclic(idx: list[int], th: Thresholds) -> float | None:
+    """The stall period in events when stalls recur regularly (>= 3 stalls), else None."""
+    if len(idx) < 3:
+        return None
+    spacing = [b - a for a, b in zip(idx, idx[1:])]
+    mean = sum(spacing) / len(spacing)
+    if mean <= 0:
+        return None
+    sd = math.sqrt(sum((s - mean) ** 2 for s in spacing) / len(spacing))
+    return mean if sd / mean <= th.cyclic_cv_max else None
+
+
+def check_record(r: Record, th: Thresholds, *, chars: int | None = None,
+                 headers_to_first_byte_s: float | None = None) -> list[Anomaly]:
+    """The anomalies of one finished request. `chars` is the number of generated
+    characters streamed (content + reasoning + tool arguments), when known."""
+    out: list[Anomaly] = []
+    add = out.append
+    ok = r.outcome in ("ok", "ok_no_done")
+    sse = r.completion_tokens_counted is not None
+    rep = r.completion_tokens_reported
+
+    # context limit: an HTTP 400/413 or an in-stream error saying the prompt is too long
+    if r.outcome == "context_limit" or (r.outcome == "stream_error" and parse_context_limit(r.error)[0]):
+        if r.context_prompt_tokens is not None and r.context_limit_tokens is not None:
+            ev = f"prompt of {r.context_prompt_tokens} tokens refused: the limit is {r.context_limit_tokens} tokens"
+        elif r.context_limit_tokens is not None:
+            ev = f"prompt refused: the limit is {r.context_limit_tokens} tokens"
+        else:
+            ev = f"prompt refused as too long: {(r.error or '')[:160]}"
+        add(Anomaly("context_limit", f"HTTP {r.status}: {ev}"))
+    if r.outcome == "stream_error":
+        add(Anomaly("stream_error", f"error object inside a {r.status} stream: {(r.error or '')[:160]}"
+                    + (f" (followed by finish_reason {r.finish_reason!r})" if r.finish_reason else "")))
+    if sse and r.outcome == "truncated":
+        add(Anomaly("missing_finish", f"stream ended {'with [DONE] ' if r.events and r.error is None else ''}"
+                    f"after {r.generated_events} generated events without any finish_reason"))
+    if r.dual_reasoning_events:
+        add(Anomaly("dual_reasoning_fields", f"{r.dual_reasoning_events} deltas carried both `reasoning` and "
+                    "`reasoning_content`: a client summing both counts every reasoning token twice"))
+    if r.duplicate_content:
+        add(Anomaly("duplicate_content", "a final chunk repeated the whole answer already streamed"))
+    if headers_to_first_byte_s is not None and headers_to_first_byte_s > th.silent_prefill_s:
+        add(Anomaly("silent_prefill", f"{_fmt(headers_to_first_byte_s)} s without a single byte after the headers "
+                    f"(limit {_fmt(th.silent_prefill_s)} s): clients with idle timeouts give up"))
+    if not ok:
+        return out
+
+    # usage checks
+    est = estimated_tokens(r, chars, th) if sse else None
+    if sse and rep is None and (r.usage_requested or r.usage_injected):
+        add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
+    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions") and r.status == 200:
+        add(Anomaly("usage_missing", "the response carried no usage object"))
+    if rep is not None and est is not None and max(rep, est) >= th.usage_min_tokens:
+        source = "tokenizer count" if r.completion_tokens_tokenizer is not None else "streamed"
+        if rep > th.usage_ratio * est + th.usage_extra_tokens or est > rep + th.usage_extra_tokens:
+            add(Anomaly("usage_mismatch", f"usage says {rep} output tokens, {est} {source}"
+                        f" ({r.generated_events} events{f', {chars} chars' if chars else ''})"))
+        window = None
+        if r.event_offsets_s and len(r.event_offsets_s) >= 2:
+            window = r.event_offsets_s[-1] - r.event_offsets_s[0]
+        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * est:
+            if window and window > 0:
+                implied = (rep - 1) / window
+                real = max(est - 1, 1) / window
+                add(Anomaly("phantom_speed", f"usage says {rep} tokens, {est} streamed in {_fmt(window)} s: "
+                            f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)"))
+            else:
+                add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
+
+    # burst at the end: no incremental streaming
+    n_out = r.n_out
+    if sse and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
+        window = (r.event_offsets_s[-1] - r.event_offsets_s[0]) if r.event_offsets_s else 0.0
+        rate = math.inf if window <= 0 else (n_out - 1) / window
+        tpe = n_out / r.generated_events if r.generated_events else math.inf
+        if (window < th.burst_fraction * r.duration_s and rate > th.burst_min_tps) or tpe > th.tokens_per_event_max:
+            ttft = r.ttft_s or 0.0
+            e2e = r.e2e_s or r.duration_s
+            add(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived within "
+                        f"{window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E {_fmt(e2e)} s"))
+
+    # stalls during decode
+    idx, lengths = stall_stats(r, th)
+    if idx:
+        period = _cyclic(idx, th)
+        total = sum(lengths)
+        ev = f"{len(idx)} gaps over {_fmt(max(th.stall_min_s, 0))} s and {_fmt(th.stall_factor)}x the median gap, {_fmt(total)} s in all, longest {_fmt(max(lengths))} s"
+        if period is not None:
+            ev += f"; cyclic: every ~{period:.0f} events"
+        add(Anomaly("stall", ev))
+
+    if (r.finish_reason == "stop" and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
+        add(Anomaly("unreported_length", f"finish_reason 'stop' although {rep} tokens reached max_tokens {r.max_tokens}"))
+    return out
+
+
+def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Record:
+    """A copy of `r` with the anomalies (deduplicated by kind) and the stall figures."""
+    kinds = list(r.anomalies)
+    evidence = dict(r.anomaly_evidence)
+    for a in found:
+        if a.kind not in kinds:
+            kinds.append(a.kind)
+            evidence[a.kind] = a.evidence
+    idx, lengths = stall_stats(r, th)
+    return dataclasses.replace(r, anomalies=tuple(kinds), anomaly_evidence=evidence,
+                               stall_count=len(idx), stall_total_s=sum(lengths))
+
+
+def _decode_window(r: Record) -> tuple[float, float] | None:
+    if not r.event_offsets_s:
+        return None
+    return r.t_start_mono + r.event_offsets_s[0], r.t_start_mono + r.event_offsets_s[-1]
+
+
+def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
+    """Whether `later` waited for an overlapping earlier request on the same upstream
+    instead of progressing with it: it arrived while that stream still had at least
+    `serialized_min_wait_s` to go, yet its first token came only after that stream's
+    last token. All records must come from one clock (one process)."""
+    w = _decode_window(later)
+    if w is None or later.outcome not in ("ok", "ok_no_done"):
+        return None
+    b_start, b_first = later.t_start_mono, w[0]
+    for a in earlier:
+        if a is later or a.upstream != later.upstream or a.outcome not in ("ok", "ok_no_done"):
+            continue
+        aw = _decode_window(a)
+        if aw is None or a.t_start_mono > b_start:
+            continue
+        a_last = aw[1]
+        if a_last - b_start >= th.serialized_min_wait_s and b_first >= a_last:
+            return Anomaly("serialized", f"arrived {_fmt(b_start - a.t_start_mono)} s after request {a.id}, whose stream "
+                           f"still had {_fmt(a_last - b_start)} s to go, but its first token came "
+                           f"{_fmt(b_first - a_last)} s after that stream's last: the two never progressed together")
+    return None
+
+
+def overlap_ratio(records: Sequence[Record]) -> float | None:
+    """Fraction of the union of the records' decode windows during which at least two
+    streams were emitting tokens (~1 with batching, ~0 when served one at a time)."""
+    windows = [w for w in (_decode_window(r) for r in records) if w is not None and w[1] > w[0]]
+    if len(windows) < 2:
+        return None
+    points = sorted([(s, 1) for s, _ in windows] + [(e, -1) for _, e in windows])
+    union = both = 0.0
+    depth = 0
+    prev = points[0][0]
+    for t, d in points:
+        if depth >= 1:
+            union += t - prev
+        if depth >= 2:
+            both += t - prev
+        depth += d
+        prev = t
+    return both / union if union > 0 else None
+
+
+def prefill_scaling(records: Iterable[Record], th: Thresholds) -> Anomaly | None:
+    """Superlinear prefill: the median prefill tok/s at the largest prompt size is far
+    below the best median at any size at least `superlinear_min_size_ratio` times
+    smaller. (With linear prefill plus a fixed cost, tok/s only rises with size.)"""
+    by_size: dict[int, list[float]] = {}
+    for r in records:
+        if r.outcome in ("ok", "ok_no_done") and r.prefill_tps is not None and r.prompt_tokens:
+            by_size.setdefault(r.prompt_tokens, []).append(r.prefill_tps)
+    if len(by_size) < 2:
+        return None
+    med = {size: percentile(sorted(v), 50) or 0.0 for size, v in by_size.items()}
+    hi = max(med)
+    smaller = [s for s in med if s * th.superlinear_min_size_ratio <= hi]
+    if not smaller or med[hi] <= 0:
+        return None
+    best = max(smaller, key=lambda s: med[s])
+    if med[best] / med[hi] > th.superlinear_factor:
+        return Anomaly("superlinear_prefill", f"prefill {_fmt(med[best])} tok/s at {best} prompt tokens but {_fmt(med[hi])} tok/s at "
+                       f"{hi}: each prompt token costs {med[best] / med[hi]:.1f}x more at the larger size")
+    return None
