@@ -63,6 +63,11 @@ class Config:
     log_requests: bool = True
     tokenizer: str | None = None
     tokenizer_search: bool = True
+    capture: str | None = None
+    capture_responses: bool = False
+    capture_prompts: bool = True
+    capture_queue_size: int = 10000
+    redact_headers: tuple[str, ...] = ()
 
     def default(self) -> UpstreamConfig:
         for up in self.upstreams:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxproxy import __version__
+from mlxproxy.capture import CaptureWriter, Exchange
 from mlxproxy.config import Config
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
@@ -76,6 +77,13 @@ class ProxyApp:
         self.thresholds = config.detectors
         self._recent_by_upstream: dict[str, deque[Record]] = {u.name: deque(maxlen=64) for u in self.pool.upstreams}
         self.tokens = TokenCounter(config.tokenizer, config.tokenizer_search)
+        self.capture: CaptureWriter | None = None
+        if config.capture:
+            self.capture = CaptureWriter(config.capture, keep_responses=config.capture_responses,
+                                         keep_prompts=config.capture_prompts, redact=config.redact_headers,
+                                         queue_size=config.capture_queue_size, on_drop=self.metrics.capture_dropped.inc,
+                                         on_error=self.metrics.capture_errors.inc)
+            self.fanout.add(self.capture)
         _quiet_client_aborts()
         self.started_mono = now()
         self.requests_seen = 0
@@ -103,6 +111,8 @@ class ProxyApp:
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await self.pool.aclose()
+                if self.capture is not None:
+                    self.capture.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -176,26 +186,29 @@ class ProxyApp:
 
         inject = (self.config.inject_usage and info.stream and not info.usage_requested and obj is not None
                   and info.endpoint in ("chat_completions", "completions"))
+        exchange = Exchange(body, scope["headers"]) if self.capture is not None else None
         if inject:
             body = inject_include_usage(body, obj)  # type: ignore[arg-type]
 
         request_id = os.urandom(8).hex()
         upstream.in_flight += 1
         meter = RequestMeter(info, request_id=request_id, upstream=upstream.name, t_start=t_start, started_at=started_at,
-                             usage_injected=inject, concurrency=upstream.in_flight, tags=tags)
+                             usage_injected=inject, concurrency=upstream.in_flight, tags=tags,
+                             keep_text=self.config.capture_responses)
         self.requests_seen += 1
         self.in_flight[request_id] = meter
         model_label = self.metrics.model_label(info.model)
         self.metrics.request_started(upstream.name, model_label)
         try:
-            await self._forward(scope, receive, send, upstream, meter, method, headers, body, inject)
+            await self._forward(scope, receive, send, upstream, meter, method, headers, body, inject, exchange)
         finally:
             upstream.in_flight -= 1
             self.in_flight.pop(request_id, None)
             self.metrics.request_ended(upstream.name, model_label)
 
     async def _forward(self, scope: dict[str, Any], receive: Any, send: Any, upstream: Upstream, meter: RequestMeter,
-                       method: str, headers: list[tuple[bytes, bytes]], body: bytes, inject: bool) -> None:
+                       method: str, headers: list[tuple[bytes, bytes]], body: bytes, inject: bool,
+                       exchange: Exchange | None) -> None:
         rid = meter.request_id.encode()
         url = upstream.url_for(scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?", 1)[0],
                                scope.get("query_string", b""))
@@ -231,6 +244,8 @@ class ProxyApp:
                 await _respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, rid)])
                 return
             meter.response_started(now(), response.status_code, response.headers.get("content-type"))
+            if exchange is not None:
+                exchange.response_headers.extend(response.headers.raw)
             stripper = UsageStripper() if inject and meter.decoder is not None else None
             out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
             if stripper is not None:
@@ -289,7 +304,7 @@ class ProxyApp:
             record = self._finish(meter, t_end, outcome, error)
             self._recent_by_upstream[record.upstream].append(record)
             self.metrics.observe_overhead(request_overhead, chunk_overheads)
-            self.fanout.emit(record)
+            self.fanout.emit(record, exchange)
 
     def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
         try:

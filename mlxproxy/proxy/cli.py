@@ -24,12 +24,14 @@ def setup_logging(level: str) -> None:
 @click.option("--port", type=int, default=None, help="Port to listen on (0 picks a free one).  [default: 8000]")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML config file (keys: see config.example.yaml). Flags override it.")
+@click.option("--capture", "capture_path", type=click.Path(dir_okay=False), default=None,
+              help="Append every finished request to this JSON Lines capture file (for `mlxproxy replay`).")
 @click.option("--no-inject-usage", is_flag=True, default=False,
               help="Do not add stream_options.include_usage upstream: pure byte-for-byte passthrough.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
               help="One line per finished request is logged at info.")
 def serve(upstream_url: str | None, host: str | None, port: int | None, config_path: str | None,
-          no_inject_usage: bool, log_level: str) -> None:
+          capture_path: str | None, no_inject_usage: bool, log_level: str) -> None:
     """Run the measuring proxy.
 
     Point clients at http://HOST:PORT/v1 instead of the server. Every request is
@@ -38,7 +40,7 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
     """
     try:
         cfg = load_config(config_path, upstream_url=upstream_url, host=host, port=port,
-                          inject_usage=False if no_inject_usage else None)
+                          inject_usage=False if no_inject_usage else None, capture=capture_path)
     except ConfigError as exc:
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
@@ -55,6 +57,8 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
     bound = sock.getsockname()[1]
     ups = ", ".join(f"{u.name}={u.url}" for u in cfg.upstreams)
     click.echo(f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (metrics: /metrics, live: /streams)", err=True)
+    if cfg.capture:
+        click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     import uvicorn
 
     ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)

@@ -83,6 +83,10 @@ class ProxyMetrics:
                                   ["phase"], buckets=OVERHEAD_BUCKETS, registry=registry)
         self.observer_errors = Counter("mlxproxy_observer_errors", "Observers that raised on a record (forwarding was not affected).",
                                        ["observer"], registry=registry)
+        self.capture_dropped = Counter("mlxproxy_capture_dropped", "Records not written to the capture because its queue was full.",
+                                       registry=registry)
+        self.capture_errors = Counter("mlxproxy_capture_errors", "Capture lines that could not be written (disk full, read-only path).",
+                                      registry=registry)
         self.build_info = Gauge("mlxproxy_build_info", "Always 1; the version label says which build.", ["version"], registry=registry)
         self.build_info.labels(__version__).set(1)
         self._overhead_request = self.overhead.labels("request")

@@ -35,10 +35,16 @@ class Fanout:
     def add(self, observer: Observer) -> None:
         self.observers.append(observer)
 
-    def emit(self, record: Record) -> None:
+    def emit(self, record: Record, exchange: object | None = None) -> None:
+        """Hand `record` to every observer; those with `on_exchange` also get the exchange
+        (request body and headers), which only the capture needs."""
         for obs in self.observers:
             try:
-                obs.on_record(record)
+                on_exchange = getattr(obs, "on_exchange", None)
+                if on_exchange is not None:
+                    on_exchange(record, exchange)
+                else:
+                    obs.on_record(record)
             except Exception:  # an observer must never break forwarding
                 self.errors += 1
                 name = getattr(obs, "name", type(obs).__name__)

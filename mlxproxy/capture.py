@@ -1,0 +1,244 @@
+"""The capture file: JSON Lines, one finished request a line, written off the hot path.
+
+Line format (version `CAPTURE_VERSION`): the record's keys (see `Record.to_dict`) plus
+`v`, `method`, `path`, `request` (the request body as JSON) or `request_b64` (when it is
+not JSON), `request_headers` / `response_headers` (secrets redacted), `offset_s` (from
+the start of the capture) and `event_offsets_ms` (each generated event from t_start).
+`response_text`/`reasoning_text` only with `capture_responses`. With `capture_prompts:
+false` message texts are replaced by their lengths (`{"content_chars": N}`).
+
+Durability: records go through a bounded queue to a writer thread that writes and flushes
+each line; a full queue drops the record and counts it (never slows a stream); a write
+error is logged once and counted. A reader skips a torn last line with a warning.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mlxproxy import __version__
+from mlxproxy.core.record import Record
+from mlxproxy.errors import CaptureFormatError
+
+__all__ = ["CAPTURE_VERSION", "DEFAULT_REDACT", "Exchange", "CaptureWriter", "CapturedRequest", "read_capture",
+           "redact_headers", "MIGRATIONS"]
+
+log = logging.getLogger("mlxproxy")
+
+CAPTURE_VERSION = 1
+DEFAULT_REDACT = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"})
+REDACTED = "[REDACTED]"
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What the capture needs beyond the record: the request as the client sent it."""
+
+    body: bytes
+    request_headers: list[tuple[bytes, bytes]]
+    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+def redact_headers(headers: Iterable[tuple[bytes, bytes]], names: frozenset[str]) -> list[list[str]]:
+    out = []
+    for k, v in headers:
+        key = k.decode("latin-1")
+        out.append([key, REDACTED if key.lower() in names else v.decode("latin-1")])
+    return out
+
+
+def _strip_prompts(obj: Any) -> Any:
+    """Message texts replaced by their lengths (privacy mode)."""
+    obj = dict(obj)
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        new = []
+        for m in msgs:
+            if isinstance(m, dict):
+                m = dict(m)
+                c = m.pop("content", None)
+                if isinstance(c, str):
+                    m["content_chars"] = len(c)
+                elif isinstance(c, list):
+                    m["content_chars"] = sum(len(p.get("text", "")) for p in c if isinstance(p, dict))
+            new.append(m)
+        obj["messages"] = new
+    if isinstance(obj.get("prompt"), str):
+        obj["prompt_chars"] = len(obj.pop("prompt"))
+    return obj
+
+
+class CaptureWriter:
+    """A record observer that appends to a capture file from a background thread."""
+
+    name = "capture"
+
+    def __init__(self, path: str | Path, *, keep_responses: bool = False, keep_prompts: bool = True,
+                 redact: Iterable[str] = (), queue_size: int = 10000, t0_mono: float | None = None,
+                 on_drop: Callable[[], None] | None = None, on_error: Callable[[], None] | None = None) -> None:
+        self.path = Path(path)
+        self.keep_responses = keep_responses
+        self.keep_prompts = keep_prompts
+        self.redact = DEFAULT_REDACT | {h.lower() for h in redact}
+        self.t0_mono = time.perf_counter() if t0_mono is None else t0_mono
+        self.dropped = 0
+        self.written = 0
+        self.write_errors = 0
+        self._on_drop = on_drop
+        self._on_error = on_error
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self._thread = threading.Thread(target=self._run, name="mlxproxy-capture", daemon=True)
+        self._thread.start()
+
+    def on_record(self, record: Record) -> None:
+        self.on_exchange(record, None)
+
+    def on_exchange(self, record: Record, exchange: Exchange | None) -> None:
+        try:
+            self._queue.put_nowait((record, exchange))
+        except queue.Full:
+            self.dropped += 1
+            if self._on_drop is not None:
+                self._on_drop()
+
+    def line_for(self, record: Record, exchange: Exchange | None) -> bytes:
+        d = record.to_dict(timeline=True)
+        if not self.keep_responses:
+            d.pop("response_text", None)
+            d.pop("reasoning_text", None)
+        d["v"] = CAPTURE_VERSION
+        d["offset_s"] = round(record.t_start_mono - self.t0_mono, 6)
+        if exchange is not None:
+            body = exchange.body
+            obj: Any = None
+            if body[:1] in (b"{", b"[", b" ", b"\n"):
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    obj = None
+            if isinstance(obj, dict):
+                d["request"] = obj if self.keep_prompts else _strip_prompts(obj)
+            elif body:
+                d["request_b64"] = base64.b64encode(body).decode() if self.keep_prompts else None
+                d["request_bytes"] = len(body)
+            d["request_headers"] = redact_headers(exchange.request_headers, self.redact)
+            d["response_headers"] = redact_headers(exchange.response_headers, self.redact)
+        return orjson.dumps(d) + b"\n"
+
+    def _run(self) -> None:
+        reported = False
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                self._file.write(self.line_for(*item))  # unbuffered: one write per line reaches the OS at once
+                self.written += 1
+            except Exception as exc:  # disk full, read-only path, ...: never block or kill streams
+                self.write_errors += 1
+                if self._on_error is not None:
+                    self._on_error()
+                if not reported:
+                    log.error("capture to %s failed (%s); further failures are only counted", self.path, exc)
+                    reported = True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued, then close the file."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+        self._file.close()
+
+
+# -- reading ----------------------------------------------------------------------------
+
+# Migrations from older line formats: MIGRATIONS[n] turns a version-n line into version n+1.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+@dataclass(frozen=True)
+class CapturedRequest:
+    """One line of a capture file."""
+
+    record: Record
+    method: str
+    path: str
+    offset_s: float
+    request: dict[str, Any] | None
+    request_bytes: bytes | None  # the body when it was not JSON
+    raw: dict[str, Any]
+
+    def body(self) -> bytes:
+        if self.request is not None:
+            return orjson.dumps(self.request)
+        return self.request_bytes or b""
+
+
+def _migrate(d: dict[str, Any], where: str) -> dict[str, Any]:
+    v = d.get("v")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CaptureFormatError(f"{where}: no capture format version ('v'); is this an mlxproxy capture file?")
+    if v > CAPTURE_VERSION:
+        raise CaptureFormatError(f"{where}: capture format version {v} is newer than this mlxproxy ({__version__}) "
+                                 f"reads (up to {CAPTURE_VERSION}); upgrade mlxproxy")
+    while v < CAPTURE_VERSION:
+        step = MIGRATIONS.get(v)
+        if step is None:
+            raise CaptureFormatError(f"{where}: capture format version {v} is not supported (no migration to {v + 1})")
+        d = step(d)
+        v += 1
+        d["v"] = v
+    return d
+
+
+def iter_capture(path: str | Path, warn: Callable[[str], None] | None = None) -> Iterator[CapturedRequest]:
+    """The requests of a capture file, oldest first. A torn last line (a crash while it
+    was written) is skipped with a warning; any other bad line is a `CaptureFormatError`."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise CaptureFormatError(f"cannot read capture file {str(p)!r}: {exc.strerror or exc}") from exc
+    lines = data.split(b"\n")
+    last = len(lines) - 1
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{p}:{i + 1}"
+        try:
+            d = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            if i == last:  # no newline after it: the writer was stopped mid-line
+                (warn or log.warning)(f"{where}: skipped a torn last line ({len(line)} bytes)")
+                continue
+            raise CaptureFormatError(f"{where}: not a JSON line ({exc})") from exc
+        if not isinstance(d, dict):
+            raise CaptureFormatError(f"{where}: a capture line must be a JSON object")
+        d = _migrate(d, where)
+        req = d.get("request")
+        b64 = d.get("request_b64")
+        try:
+            record = Record.from_dict(d)
+        except TypeError as exc:
+            raise CaptureFormatError(f"{where}: missing record fields ({exc})") from exc
+        yield CapturedRequest(
+            record=record, method=str(d.get("method", "POST")), path=str(d.get("path", "")),
+            offset_s=float(d.get("offset_s", 0.0)), request=req if isinstance(req, dict) else None,
+            request_bytes=base64.b64decode(b64) if isinstance(b64, str) else None, raw=d,
+        )
+
+
+def read_capture(path: str | Path, warn: Callable[[str], None] | None = None) -> list[CapturedRequest]:
+    return list(iter_capture(path, warn))

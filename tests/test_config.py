@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mlxproxy.cli import main
+from mlxproxy.config import Config, build_config, load_config
+from mlxproxy.errors import ConfigError
+
+EXAMPLE = Path(__file__).parent.parent / "config.example.yaml"
+
+
+def test_example_config_loads_and_documents_every_key() -> None:
+    cfg = load_config(EXAMPLE)
+    assert [u.name for u in cfg.upstreams] == ["mlx-lm", "omlx"] and cfg.default().name == "mlx-lm"
+    raw = yaml.safe_load(EXAMPLE.read_text())
+
+    def check(cls, section: dict, where: str) -> None:
+        for f in dataclasses.fields(cls):
+            assert f.name in section, f"config.example.yaml lacks {where}{f.name}"
+
+    check(Config, raw, "")
+    check(type(cfg.timeouts), raw["timeouts"], "timeouts.")
+    check(type(cfg.detectors), raw["detectors"], "detectors.")
+    # defaults in the example are the real defaults (except the marked examples)
+    default = build_config({})
+    assert cfg.timeouts == default.timeouts and cfg.detectors == default.detectors
+    assert (cfg.host, cfg.port, cfg.inject_usage, cfg.recent_records) == (default.host, default.port, default.inject_usage, default.recent_records)
+
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"prot": 1}, "unknown config key 'prot'"),
+        ({"port": "x"}, "'port' must be an integer"),
+        ({"port": 70000}, "'port' must be between 0 and 65535"),
+        ({"timeouts": {"read": 5}}, "unknown config key 'timeouts.read'"),
+        ({"upstreams": [{"name": "a", "url": "ftp://x"}]}, "'upstreams[0].url' must be an http"),
+        ({"upstreams": [{"url": "http://x"}]}, "needs key(s): name"),
+        ({"upstreams": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, "unique"),
+        ({"default_upstream": "zz"}, "'default_upstream' must be one of"),
+        ({"inject_usage": "yes"}, "'inject_usage' must be true or false"),
+        ({"detectors": {"stall_factor": -1}}, "'stall_factor' must not be negative"),
+    ],
+)
+def test_bad_config_is_one_clear_sentence(raw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        build_config(raw)
+    assert needle in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_cli_refuses_bad_config_with_exit_2(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("upstreams:\n  - name: a\n    url: http://127.0.0.1:1\n    modles: [x]\n")
+    res = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    assert res.exit_code == 2
+    assert "unknown config key 'upstreams[0].modles'" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["serve", "--config", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "cannot read config file" in res.output
+    p.write_text("a: [1,\n")
+    res = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    assert res.exit_code == 2 and "not valid YAML" in res.output
+
+
+def test_cli_flags_override_file(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("port: 9000\ninject_usage: true\n")
+    cfg = load_config(p, port=9100, inject_usage=False, upstream_url="http://127.0.0.1:1234")
+    assert cfg.port == 9100 and not cfg.inject_usage and cfg.upstreams[0].url == "http://127.0.0.1:1234"
