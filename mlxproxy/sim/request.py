@@ -10,7 +10,7 @@ header replaces the count (to simulate a 50k-token prompt without sending 200 KB
 Output: `max_tokens` (or `max_completion_tokens`) tokens when the request gives it, capped at
 the profile's `max_output_tokens`; otherwise `default_output_tokens`. The finish reason is
 `length` exactly when the request's own limit was reached, else `stop`. The text is one
-word-ish piece per token (" lorem"), drawn from a RNG seeded by the app seed and the request's
+short word per token (" the", " café"), drawn from a RNG seeded by the app seed and the request's
 `seed` (or, without one, a hash of the prompt), so the same request gives the same text.
 """
 
@@ -24,16 +24,14 @@ from typing import Any
 
 from mlxproxy.sim.profiles import Profile
 
+# Short words, so a piece averages under 4 characters like a real token (a streamed-token
+# estimate of characters / 4 then never exceeds the number of pieces); a few are non-ASCII.
 CONTENT_WORDS = (
-    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut "
-    "labore et dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris "
-    "nisi aliquip ex ea commodo consequat duis aute irure in reprehenderit voluptate velit esse "
-    "cillum eu fugiat nulla pariatur café naïve über façade"
+    "the of and to in is it you was for on are as his at be or one had by but not all we can use an "
+    "she do how if up out so her him has two go see no way my who its now day did get may ok yes far "
+    "new old big sun red set run end top mid low per via café über naïve"
 ).split()
-REASONING_WORDS = (
-    "hmm let me think about this the user wants so first check whether that works then maybe "
-    "consider another approach wait actually yes okay right because which means therefore"
-).split()
+REASONING_WORDS = "hmm let me see ok so the user for a list wait no yes then it not now".split()
 
 
 class RequestError(Exception):

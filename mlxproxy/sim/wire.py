@@ -3,7 +3,7 @@
 A style object formats one response (`WireContext` fixes its id, model echo, creation time and
 endpoint). The base `Style` is the OpenAI reference format (compact JSON, role chunk with
 `content: ""`, usage only with `include_usage` as a `choices: []` chunk); `wire_servers.py`
-holds one subclass per real MLX server, copying docs/WIRE.md and tests/fixtures/{wire,real}.
+and `wire_vllm.py` hold one subclass per real MLX server, copying docs/WIRE.md and tests/fixtures/{wire,real}.
 `style_for(name, ctx)` picks one. Styles that use spaced JSON (`json.dumps` defaults, ASCII
 escapes) override `dumps`.
 
@@ -234,10 +234,11 @@ class Style:
 def style_class(name: str) -> type[Style]:
     """The style class for a profile's `wire` name; raises KeyError for an unknown one."""
     from mlxproxy.sim.wire_servers import SERVER_STYLES
+    from mlxproxy.sim.wire_vllm import VLLM_STYLES
 
     if name == Style.name:
         return Style
-    return SERVER_STYLES[name]
+    return {**SERVER_STYLES, **VLLM_STYLES}[name]
 
 
 def style_for(name: str, ctx: WireContext) -> Style:
