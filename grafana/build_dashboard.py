@@ -27,6 +27,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'upstream=~"$upstream", model=~"$model"'
 GEN_ENDPOINTS = 'endpoint=~"chat_completions|completions|messages|responses"'
 OK_OUTCOMES = "ok|ok_no_done"
+ERR = f'outcome!~"{OK_OUTCOMES}"'
 RI = "$__rate_interval"
 
 # The concurrency label's buckets and the stream count each one stands for in the implied
@@ -60,6 +61,29 @@ def rsum(metric: str, by: str = "", extra: str = "") -> str:
     sel = SEL + (", " + extra if extra else "")
     group = f"sum by ({by})" if by else "sum"
     return f"{group} ({rate(metric + '{' + sel + '}')})"
+
+
+def grown(metric: str, window: str, extra: str = "") -> str:
+    """How much a counter series grew in the last `window`, exactly, per series.
+
+    increase() cannot see a series' first sample: a counter (or a histogram's _sum/_count)
+    born at 1 between two scrapes, which is how every rare event (the first anomaly of a
+    kind, the first context-limit error) arrives, never shows up in increase() or rate().
+    Here a series that did not exist `window` ago counts from 0, and one that went down (the
+    proxy restarted) counts from its restart. No extrapolation: the figures are whole counts.
+    """
+    s = f"{metric}{{{SEL}{', ' + extra if extra else ''}}}"
+    return f"({s} - ({s} offset {window} <= {s}) or {s})"
+
+
+def gsum(metric: str, window: str, by: str = "", extra: str = "") -> str:
+    group = f"sum by ({by})" if by else "sum"
+    return f"{group} {grown(metric, window, extra)}"
+
+
+def range_mean(metric: str, by: str, extra: str = "") -> str:
+    """Mean of a histogram's observations over the dashboard range, exact (see grown())."""
+    return f"{gsum(metric + '_sum', '$__range', by, extra)}\n/\n{gsum(metric + '_count', '$__range', by, extra)}"
 
 
 def heatmap_expr(metric: str, extra: str = "") -> str:
@@ -97,9 +121,9 @@ def quantile_targets(metric: str, by: str = "upstream", qs: tuple[float, ...] = 
 
 
 def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *, w: int = 8, h: int = 8,
-               stack: bool = False, min0: bool = True, log2: bool = False) -> dict[str, Any]:
+               stack: bool = False, min0: bool = True, log2: bool = False, bars: bool = False) -> dict[str, Any]:
     custom: dict[str, Any] = {
-        "drawStyle": "line", "lineInterpolation": "linear", "lineWidth": 1, "fillOpacity": 20 if stack else 8,
+        "drawStyle": "bars" if bars else "line", "lineInterpolation": "linear", "lineWidth": 1, "fillOpacity": 80 if bars else 20 if stack else 8,
         "showPoints": "never", "spanNulls": False, "axisPlacement": "auto",
         "stacking": {"mode": "normal" if stack else "none", "group": "A"},
     }
@@ -121,7 +145,10 @@ def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: s
 
 def stat(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *, w: int = 6, h: int = 4,
          thresholds: list[tuple[float | None, str]] | None = None, text_mode: str = "value",
-         decimals: int | None = None) -> dict[str, Any]:
+         decimals: int | None = None, instant: bool = False) -> dict[str, Any]:
+    if instant:
+        for t in tgts:
+            t["instant"], t["range"] = True, False
     steps = [{"color": c, "value": v} for v, c in (thresholds or [(None, "blue")])]
     defaults: dict[str, Any] = {"unit": unit, "color": {"mode": "thresholds"},
                                 "thresholds": {"mode": "absolute", "steps": steps}}
@@ -131,7 +158,7 @@ def stat(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *,
         "type": "stat", "title": title, "description": description, "datasource": DS,
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "area", "justifyMode": "auto", "orientation": "auto",
+                    "colorMode": "value", "graphMode": "none" if instant else "area", "justifyMode": "auto", "orientation": "auto",
                     "textMode": text_mode, "showPercentChange": False, "wideLayout": True},
         "targets": tgts, "_w": w, "_h": h,
     }
@@ -195,44 +222,46 @@ NO_USAGE = 'present="false"'
 
 
 def speedup_expr() -> str:
-    per_level = mean(TPS, "upstream, concurrency", 'kind="decode"', window="$__range", fn="increase")
+    per_level = range_mean(TPS, "upstream, concurrency", 'kind="decode"')
     streams = "\n  or ".join(f'label_replace(vector({n}), "concurrency", "{label}", "", "")'
                              for label, n in CONCURRENCY_LOWER_BOUND)
-    alone = mean(TPS, "upstream", 'kind="decode", concurrency="1"', window="$__range", fn="increase")
+    alone = range_mean(TPS, "upstream", 'kind="decode", concurrency="1"')
     return (f"(\n{per_level}\n)\n* on (concurrency) group_left ()\n(\n  {streams}\n)\n"
             f"/ on (upstream) group_left ()\n(\n{alone}\n)")
 
 
 def panels() -> list[list[dict[str, Any]]]:
     """Lines of the grid, top to bottom: each line is a list of panels whose widths add up to <= 24."""
-    err_sel = f'{SEL}, outcome!~"{OK_OUTCOMES}"'
     return [
         [row("Traffic")],
         [
             stat("Requests/s", "Finished requests per second through the proxy, all outcomes, for the selected "
-                 "upstreams and models.", targets((f"sum ({rate(f'{REQ}{{{SEL}}}')})", "requests/s")), "reqps"),
-            stat("Error share", "Share of finished requests whose outcome is not ok / ok_no_done (HTTP errors, "
-                 "context-limit rejections, stream errors, truncated streams, unreachable or timed-out upstreams, "
-                 "client disconnects, protocol errors). 0 when there were none.",
-                 targets((f"(sum ({rate(f'{REQ}{{{err_sel}}}')}) or sum ({rate(f'{REQ}{{{SEL}}}')}) * 0)\n/\n"
-                          f"sum ({rate(f'{REQ}{{{SEL}}}')})", "error share")),
-                 "percentunit", thresholds=[(None, "green"), (0.01, "orange"), (0.1, "red")]),
+                 "upstreams and models.", targets((f"sum ({rate(f'{REQ}{{{SEL}}}')})", "requests/s")), "reqps", w=5),
+            stat("Failed requests (range)", "Finished requests in the selected time range whose outcome is not ok "
+                 "or ok_no_done: HTTP errors, context-limit rejections, stream errors, truncated streams, unreachable "
+                 "or timed-out upstreams, client disconnects, protocol errors. An exact count: the first error of a "
+                 "kind shows too.", targets((gsum(REQ, "$__range", extra=ERR), "failed")), "short", w=5, decimals=0,
+                 instant=True, thresholds=[(None, "green"), (1, "orange")]),
+            stat("Error share (range)", "Failed requests / all finished requests in the selected time range.",
+                 targets((f"{gsum(REQ, '$__range', extra=ERR)}\n/\n{gsum(REQ, '$__range')}", "error share")),
+                 "percentunit", w=5, instant=True, thresholds=[(None, "green"), (0.01, "orange"), (0.1, "red")]),
             stat("Streams in flight", "Requests the proxy is forwarding right now (sampled at each scrape: a "
                  "request shorter than the scrape interval may never be seen here; the request rate counts it).",
-                 targets((f"sum (mlxproxy_requests_in_flight{{{SEL}}})", "in flight")), "short", decimals=0),
+                 targets((f"sum (mlxproxy_requests_in_flight{{{SEL}}})", "in flight")), "short", decimals=0, w=5),
             stat("Proxy build", "mlxproxy version of the scraped proxy (mlxproxy_build_info).",
-                 targets(("max by (version) (mlxproxy_build_info)", "{{version}}")), "short", text_mode="name"),
+                 targets(("max by (version) (mlxproxy_build_info)", "{{version}}")), "short", text_mode="name", w=4),
         ],
         [
             timeseries("Requests/s by outcome", "Finished requests per second by outcome (ok, ok_no_done, "
                        "truncated, stream_error, http_error, context_limit, upstream_unreachable, upstream_timeout, "
                        "client_disconnect, protocol_error), stacked. One request has exactly one outcome.",
                        targets((f"sum by (outcome) ({rate(f'{REQ}{{{SEL}}}')})", "{{outcome}}")), "reqps", stack=True),
-            timeseries("Errors/s by outcome and status", "Failed requests per second by outcome and HTTP status "
-                       "(code \"none\": no status, e.g. the upstream was unreachable; 200 with stream_error: an error "
-                       "object inside a streamed answer).",
-                       targets((f"sum by (outcome, code) ({rate(f'{REQ}{{{err_sel}}}')})", "{{outcome}} ({{code}})")),
-                       "reqps", stack=True),
+            timeseries("Failed requests by outcome and status", "Failed requests in each interval of the graph, by "
+                       "outcome and HTTP status (code \"none\": no status, e.g. the upstream was unreachable; 200 "
+                       "with stream_error: an error object inside a streamed answer). Whole counts, so a single "
+                       "error is visible.",
+                       targets((gsum(REQ, "$__interval", "outcome, code", ERR), "{{outcome}} ({{code}})")),
+                       "short", stack=True, bars=True),
             timeseries("Streams in flight by upstream", "Requests in flight per upstream, sampled at each scrape. "
                        "Compare with the batching row: this is the concurrency the server is asked to handle.",
                        targets((f"sum by (upstream) (mlxproxy_requests_in_flight{{{SEL}}})", "{{upstream}}")), "short"),
@@ -306,7 +335,7 @@ def panels() -> list[list[dict[str, Any]]]:
             bargauge("Mean per-stream decode tokens/s by concurrency (range)", "Mean per-stream decode speed over "
                      "the whole selected time range, per upstream and concurrency level: sum of observations / "
                      "count, exact (no bucket interpolation).",
-                     targets((mean(TPS, "upstream, concurrency", 'kind="decode"', window="$__range", fn="increase"),
+                     targets((range_mean(TPS, "upstream, concurrency", 'kind="decode"'),
                               "{{upstream}} c={{concurrency}}")), "short", decimals=1),
             bargauge("Implied decode speedup by concurrency (range)", "n x (mean per-stream decode tokens/s at "
                      "concurrency level n) / (mean per-stream decode tokens/s of requests that ran alone), per "
@@ -322,8 +351,10 @@ def panels() -> list[list[dict[str, Any]]]:
             timeseries("Reported / counted output tokens", "The server's usage.completion_tokens divided by the "
                        "generated events the proxy counted, per upstream and model. About 1 on a per-token server "
                        "(slightly above if it counts EOS); far above 1 means the server reports tokens it never "
-                       "streamed (phantom speed in tools that trust usage) or sends several tokens per event; below "
-                       "1 when some streams carried no usage (see the next panel).",
+                       "streamed (phantom speed in tools that trust usage) or sends several tokens per event. "
+                       "Below 1 when some streams carried no usage (see the next panel); above 1 when non-streamed "
+                       "answers are in the mix (they add reported tokens, but the proxy counts tokens only in "
+                       "streams). The anomaly panels judge each request on its own.",
                        targets((rsum(TOK, "upstream, model", REPORTED) + "\n/\n" + rsum(TOK, "upstream, model", COUNTED),
                                 "{{upstream}} {{model}}")), "none"),
             timeseries("Usage missing share", "Share of successful-status responses (streams and non-streamed "
@@ -331,19 +362,18 @@ def panels() -> list[list[dict[str, Any]]]:
                        "The proxy asks for usage on streams by default, so a share above 0 is the server dropping "
                        "it (or a stream that broke before its end).",
                        targets((f"(\n  {rsum(USAGE, 'upstream', NO_USAGE)}\n  or {rsum(USAGE, 'upstream')} * 0\n)\n/\n{rsum(USAGE, 'upstream')}", "{{upstream}}")), "percentunit"),
-            bargauge("Anomalies in range by kind", "Truth-check findings over the selected range, per upstream and "
-                     "kind (usage_mismatch, phantom_speed, usage_missing, non_incremental_stream, stall, "
+            bargauge("Anomalies in range by kind", "Truth-check findings in the selected time range, per upstream "
+                     "and kind (usage_mismatch, phantom_speed, usage_missing, non_incremental_stream, stall, "
                      "context_limit, missing_finish, stream_error, duplicate_content, dual_reasoning_fields, ...). "
-                     "docs/DASHBOARDS.md says what each kind means.",
-                     targets((f"sum by (upstream, kind) (increase(mlxproxy_anomalies_total{{{SEL}}}[$__range]))",
-                              "{{upstream}} {{kind}}")), "short", decimals=0,
-                     thresholds=[(None, "green"), (1, "orange")]),
+                     "Whole counts: a single finding shows. docs/DASHBOARDS.md says what each kind means.",
+                     targets((gsum("mlxproxy_anomalies_total", "$__range", "upstream, kind"), "{{upstream}} {{kind}}")),
+                     "short", decimals=0, thresholds=[(None, "green"), (1, "orange")]),
         ],
         [
-            timeseries("Anomalies per minute by kind", "The same findings over time, per minute, so an anomaly "
-                       "can be matched with what you were doing.",
-                       targets((f"sum by (upstream, kind) ({rate(f'mlxproxy_anomalies_total{{{SEL}}}')}) * 60",
-                                "{{upstream}} {{kind}}")), "short", w=24, h=7),
+            timeseries("Anomalies over time by kind", "The same findings in each interval of the graph, so an "
+                       "anomaly can be matched with what you were doing at the time.",
+                       targets((gsum("mlxproxy_anomalies_total", "$__interval", "upstream, kind"), "{{upstream}} {{kind}}")),
+                       "short", w=24, h=7, stack=True, bars=True),
         ],
         [row("Proxy overhead")],
         [
