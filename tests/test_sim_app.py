@@ -162,7 +162,7 @@ def test_vllm_heartbeat_during_a_long_prefill() -> None:
         s = stream(client, chat(max_tokens=2), headers={"X-Sim-Prompt-Tokens": "4500"})  # 2.25 s prefill
         before_first_token = []
         for _, block in s.blocks:
-            if block.startswith(b"data: {") and b"reasoning_content" in block or b'"content"' in block:
+            if block.startswith(b"data: {") and (b'"reasoning_content"' in block or b'"content"' in block):
                 break
             before_first_token.append(block)
         assert before_first_token.count(b": heartbeat") >= 3

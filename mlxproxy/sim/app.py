@@ -25,7 +25,7 @@ import orjson
 
 from mlxproxy.sim.engine import Engine, Event, Finish, Headers, Rejected, Token
 from mlxproxy.sim.faults import parse_faults
-from mlxproxy.sim.profiles import Profile, get_profile
+from mlxproxy.sim.profiles import Profile, get_profile, truth_lines
 from mlxproxy.sim.render import Close, Renderer, Stall, Start, Write, json_start
 from mlxproxy.sim.request import RequestError, parse_request, plan_output, reported_completion_tokens
 from mlxproxy.sim.wire import Style, WireContext, style_class
@@ -111,7 +111,8 @@ class SimApp:
         elif method == "GET" and path == "/health":
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], self._bare_style().health_body()))
         elif method == "GET" and path == "/sim/profile":
-            body = orjson.dumps({**self.profile.knobs(), "speed": self.speed, "seed": self.seed})
+            body = orjson.dumps({**self.profile.knobs(), "speed": self.speed, "seed": self.seed,
+                                 "truth": truth_lines(self.profile)})
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         elif method == "GET" and path == "/sim/requests":
             body = orjson.dumps({"speed": self.speed, "requests": list(self.truths)})

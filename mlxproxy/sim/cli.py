@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import click
@@ -67,10 +68,18 @@ def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode
         click.echo(f"truth: {line}")
     if dry_run:
         return
-    from mlxproxy.runner import serve_forever
+    import uvicorn
+
+    from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server
     from mlxproxy.sim.app import SimApp
 
     app = SimApp(profile, speed=speed, seed=seed)
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        click.echo(f"mlxproxy sim: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+    bound = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
-    click.echo(f"mlxproxy sim ({profile.name}) listening on http://{shown_host}:{port} (speed {speed:g}x)")
-    serve_forever(app, host, port)
+    click.echo(f"mlxproxy sim ({profile.name}) listening on http://{shown_host}:{bound} (speed {speed:g}x)")
+    run_server(uvicorn.Server(make_uvicorn_config(app, host, bound)), sock)
