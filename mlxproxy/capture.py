@@ -143,6 +143,7 @@ class CaptureWriter:
         while True:
             item = self._queue.get()
             if item is _STOP:
+                self._queue.task_done()
                 return
             try:
                 self._file.write(self.line_for(*item))  # unbuffered: one write per line reaches the OS at once
@@ -154,11 +155,19 @@ class CaptureWriter:
                 if not reported:
                     log.error("capture to %s failed (%s); further failures are only counted", self.path, exc)
                     reported = True
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Block until every record queued so far is written (or failed)."""
+        if self._thread.is_alive():
+            self._queue.join()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued, then close the file."""
-        self._queue.put(_STOP)
-        self._thread.join(timeout_s)
+        """Write what is queued, then close the file. Safe to call twice."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout_s)
         self._file.close()
 
 

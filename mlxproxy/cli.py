@@ -20,8 +20,15 @@ def main() -> None:
 
 def _register() -> None:
     from mlxproxy.proxy.cli import serve
+    from mlxproxy.replay_cli import replay, report
 
+    from mlxproxy.bench_cli import bench, demo
+
+    main.add_command(demo)
     main.add_command(serve)
+    main.add_command(bench)
+    main.add_command(replay)
+    main.add_command(report)
     try:
         from mlxproxy.sim.cli import sim
     except ImportError:  # the simulator package is optional while it is being built

@@ -26,7 +26,8 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
     record = meter.finish(t_end, outcome=outcome, error=error, tokenizer_tokens=tok)
     found = check_record(record, th, chars=meter.generated_chars if meter.decoder is not None else None,
                          headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
-    ser = find_serialized(record, earlier, th) if earlier else None
+    burst = any(a.kind == "non_incremental_stream" for a in found)  # token times say nothing about progress then
+    ser = find_serialized(record, earlier, th) if earlier and not burst else None
     if ser is not None:
         found.append(ser)
     return with_anomalies(record, found, th)

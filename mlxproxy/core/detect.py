@@ -58,6 +58,15 @@ class Anomaly:
     evidence: str
 
 
+def _dur(seconds: float) -> str:
+    """A duration with a unit that suits it: "0.17 ms", "42 ms", "2.48 s"."""
+    if abs(seconds) < 0.001:
+        return f"{seconds * 1000:.2f} ms"
+    if abs(seconds) < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.2f} s"
+
+
 def _fmt(x: float) -> str:
     if x >= 100:
         return f"{x:.0f}"
@@ -218,16 +227,17 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
         return None
     b_start, b_first = later.t_start_mono, w[0]
     for a in earlier:
-        if a is later or a.upstream != later.upstream or a.outcome not in ("ok", "ok_no_done"):
+        if (a is later or a.upstream != later.upstream or a.outcome not in ("ok", "ok_no_done")
+                or "non_incremental_stream" in a.anomalies):
             continue
         aw = _decode_window(a)
         if aw is None or a.t_start_mono > b_start:
             continue
         a_last = aw[1]
         if a_last - b_start >= th.serialized_min_wait_s and b_first >= a_last:
-            return Anomaly("serialized", f"arrived {_fmt(b_start - a.t_start_mono)} s after request {a.id}, whose stream "
-                           f"still had {_fmt(a_last - b_start)} s to go, but its first token came "
-                           f"{_fmt(b_first - a_last)} s after that stream's last: the two never progressed together")
+            return Anomaly("serialized", f"arrived {_dur(b_start - a.t_start_mono)} after request {a.id}, whose stream "
+                           f"still had {_dur(a_last - b_start)} to go, but its first token came "
+                           f"{_dur(b_first - a_last)} after that stream's last: the two never progressed together")
     return None
 
 

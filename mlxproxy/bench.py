@@ -1,0 +1,262 @@
+"""`mlxproxy bench`: compare servers the way the 2026 MLX benchmark did.
+
+Per target: one request at a time at each prompt size (`single`), then waves of two
+identical-size requests released together (`double`), optionally waves of N for a
+concurrency curve; every test repeated and summarised by medians. Each request is metered
+by the shared core and checked by the truth checks; a verdict names what was found.
+
+Prompts of a given token count are built without any download: two probe requests
+calibrate characters per token against the target's own `usage.prompt_tokens` (a linear
+fit, so the chat template's fixed tokens are accounted for); the sizes actually sent are
+reported. Every prompt starts with a nonce so no prompt cache serves a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from mlxproxy.core.detect import Thresholds, prefill_scaling
+from mlxproxy.core.record import OK_OUTCOMES, Record
+from mlxproxy.core.stats import percentile
+from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.replay import Progress, filler_text
+from mlxproxy.report import summarize_records
+
+__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = (100, 500, 1000, 2000, 4000, 8000, 16000, 53000)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    timeout_s: float = 1800.0
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prompt_tokens: tuple[int, ...] = DEFAULT_SIZES
+    max_tokens: int = 128
+    repeat: int = 5
+    batch: int = 2
+    batch_prompt_tokens: int | None = None  # default: the smallest size
+    concurrency: tuple[int, ...] = ()
+    model: str | None = None
+    nonce: bool = True
+
+
+@dataclass
+class Calibration:
+    """prompt_tokens ~= intercept + slope * chars, fitted on the target's own usage."""
+
+    slope: float = 0.25
+    intercept: float = 0.0
+    source: str = "assumed 4 chars/token (the target reported no usage)"
+
+    def chars_for(self, tokens: int) -> int:
+        return max(1, int(round((tokens - self.intercept) / self.slope)))
+
+
+@dataclass
+class TargetResult:
+    target: Target
+    model: str | None = None
+    calibration: Calibration = field(default_factory=Calibration)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def chat_body(model: str, text: str, max_tokens: int, stream: bool = True) -> bytes:
+    obj: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                           "temperature": 0, "stream": stream}
+    if stream:
+        obj["stream_options"] = {"include_usage": True}
+    return orjson.dumps(obj)
+
+
+def _req(body: bytes, label: str) -> PreparedRequest:
+    return PreparedRequest("POST", "/v1/chat/completions", body, (("content-type", "application/json"),), label=label)
+
+
+async def discover_model(client: MeasuringClient) -> str:
+    """The first model id of GET /v1/models, else `default_model` (mlx_lm.server's name)."""
+    r = await client._client.get(client.base_url + "/v1/models", headers={"accept-encoding": "identity",
+                                                                           **({"authorization": f"Bearer {client.api_key}"} if client.api_key else {})})
+    try:
+        data = r.json().get("data") if r.status_code == 200 else None
+        if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+            return str(data[0]["id"])
+    except ValueError:
+        pass
+    return "default_model"
+
+
+async def calibrate(client: MeasuringClient, model: str) -> tuple[Calibration, list[Record]]:
+    """Two non-stream probes of different lengths; a line through their prompt_tokens."""
+    probes = []
+    for chars in (400, 4000):
+        text = f"[nonce {os.urandom(6).hex()}] " + filler_text(chars)
+        rec = await client.send(_req(chat_body(model, text, 1, stream=False), "calibration"))
+        probes.append((len(text), rec))
+    (c1, r1), (c2, r2) = probes
+    recs = [r1, r2]
+    if r1.prompt_tokens is None or r2.prompt_tokens is None or r2.prompt_tokens <= r1.prompt_tokens:
+        return Calibration(), recs
+    slope = (r2.prompt_tokens - r1.prompt_tokens) / (c2 - c1)
+    intercept = r1.prompt_tokens - slope * c1
+    return Calibration(slope, intercept, f"fitted on the target's usage: {1 / slope:.2f} chars/token + {intercept:.0f} template tokens"), recs
+
+
+def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
+    prefix = f"[nonce {os.urandom(6).hex()}] " if nonce else ""
+    return prefix + filler_text(max(1, cal.chars_for(tokens) - len(prefix)))
+
+
+def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "target": target, "mode": mode, "params": params, "summary": summary,
+            "records": [r.to_dict(timeline=True) for r in timed.records]}
+
+
+async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None) -> TargetResult:
+    res = TargetResult(target)
+    async with MeasuringClient(target.url, name=target.name, thresholds=th, api_key=target.api_key,
+                               timeout_s=target.timeout_s) as client:
+        try:
+            res.model = opts.model or await discover_model(client)
+        except Exception as exc:  # unreachable target: report and move on
+            res.error = f"cannot reach {target.url}: {type(exc).__name__}: {str(exc)[:120]}"
+            return res
+        res.calibration, probes = await calibrate(client, res.model)
+        bad = [r for r in probes if r.outcome not in OK_OUTCOMES]
+        if len(bad) == len(probes):
+            r = bad[0]
+            res.error = f"probe requests failed: {r.outcome}" + (f" (HTTP {r.status})" if r.status else "") + (f": {r.error[:120]}" if r.error else "")
+            return res
+        sizes = list(opts.prompt_tokens)
+        bsize = opts.batch_prompt_tokens or min(sizes)
+        if bsize not in sizes:
+            sizes.append(bsize)
+        total = len(sizes) * opts.repeat + opts.batch * opts.repeat + sum(c * opts.repeat for c in opts.concurrency)
+        tick = Progress(f"bench {target.name}", total, progress)
+        single = Timed()
+        for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
+            for size in sizes:
+                body = chat_body(res.model, _prompt(res.calibration, size, opts.nonce), opts.max_tokens)
+                r = await client.send(_req(body, f"single:{size}"))
+                single.records.append(r)
+                single.source_ids[r.id] = f"{size}"
+                tick()
+        params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat}
+        for size in sizes:
+            sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
+            res.groups.append(_group(f"single {size}", target.name, f"single {size}", {**params, "prompt_tokens": size,
+                                     "prompt_tokens_sent": _sent(sub.records)}, sub, summarize_records(sub.records)))
+        base_recs = [r for r in single.records if single.source_ids[r.id] == f"{bsize}"]
+        base_wall = summarize_records(base_recs)["wall_tps"]["p50"]
+        all_single = summarize_records(single.records)
+        scaling = prefill_scaling(single.records, th)
+        if scaling is not None:
+            all_single["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
+        res.groups.insert(0, _group("single", target.name, "single", params, single, all_single))
+        for n in [opts.batch, *[c for c in opts.concurrency if c != opts.batch]]:
+            if n < 2 and n != opts.batch:
+                continue
+            reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), f"x{n}")
+                    for _ in range(n * opts.repeat)]
+            timed, waves = await client.run_waves(reqs, n, tick)
+            summ = summarize_records(timed.records, waves=waves, single_wall_tps=base_wall)
+            name = "double" if n == 2 and n == opts.batch else f"x{n}"
+            res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+    return res
+
+
+def _sent(records: Sequence[Record]) -> int | None:
+    vals = sorted(r.prompt_tokens or r.context_prompt_tokens for r in records if (r.prompt_tokens or r.context_prompt_tokens))
+    return int(percentile(vals, 50)) if vals else None
+
+
+def verdict(res: TargetResult) -> str:
+    """One line naming what the run found about a target."""
+    if res.error:
+        return f"failing: {res.error}"
+    parts: list[str] = []
+    groups = {g["name"]: g for g in res.groups}
+    double = groups.get("double")
+    if double and double["summary"].get("speedup") is not None:
+        sp = double["summary"]["speedup"]
+        if sp >= 1.5:
+            parts.append(f"continuous batching {sp:.2f}x")
+        elif sp <= 1.05:
+            parts.append(f"serial: {sp:.2f}x")
+        else:
+            parts.append(f"partial batching {sp:.2f}x")
+    anomalies: dict[str, dict[str, Any]] = {}
+    records = [Record.from_dict(r) for g in res.groups if g["name"] != "single" for r in g["records"]]
+    for g in res.groups:
+        for k, a in g["summary"]["anomalies"].items():
+            anomalies.setdefault(k, a)
+    if "non_incremental_stream" in anomalies:
+        parts.append("no incremental streaming")
+    limits = sorted({r.context_limit_tokens for r in records if r.outcome == "context_limit" and r.context_limit_tokens})
+    rejected = sorted({r.context_prompt_tokens or 0 for r in records if r.outcome == "context_limit"})
+    if limits:
+        parts.append(f"rejects prompts > {limits[0]} tokens")
+    elif rejected:
+        parts.append(f"rejects prompts of {rejected[0]} tokens")
+    if "stall" in anomalies:
+        parts.append("cyclic stalls" if "cyclic" in anomalies["stall"]["evidence"] else "stalls")
+    if "usage_mismatch" in anomalies or "phantom_speed" in anomalies:
+        ratios = [r.completion_tokens_reported / r.completion_tokens_counted for r in records
+                  if r.completion_tokens_reported and r.completion_tokens_counted]
+        if ratios:
+            ratio = percentile(sorted(ratios), 50) or 0.0
+            parts.append(f"usage over-reports {ratio:.1f}x" if ratio > 1 else f"usage under-reports {1 / ratio:.1f}x")
+    if "superlinear_prefill" in anomalies:
+        parts.append("superlinear prefill")
+    for kind, text in (("serialized", None), ("dual_reasoning_fields", "dual reasoning fields"),
+                       ("unreported_length", "never reports length"), ("stream_error", "errors inside streams"),
+                       ("missing_finish", "streams end without finish_reason"), ("usage_missing", "no usage")):
+        if kind in anomalies and text:
+            parts.append(text)
+    failed = sum(1 for r in records if r.outcome not in OK_OUTCOMES and r.outcome != "context_limit")
+    if failed:
+        parts.append(f"{failed} failed requests")
+    return ", ".join(parts) or "healthy"
+
+
+async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thresholds | None = None,
+                        progress: bool | None = None, parallel: bool = False) -> list[TargetResult]:
+    """Benchmark each target (one after another unless `parallel`, which is only fair
+    when the targets do not share hardware, e.g. simulators)."""
+    th = th or Thresholds()
+    if parallel:
+        return list(await asyncio.gather(*(bench_one(t, opts, th, progress) for t in targets)))
+    return [await bench_one(t, opts, th, progress) for t in targets]
+
+
+def headline(res: TargetResult) -> dict[str, str]:
+    """The seed benchmark's columns for one target."""
+    groups = {g["name"]: g for g in res.groups}
+    single = groups.get("single", {}).get("summary")
+    double = groups.get("double", {}).get("summary")
+
+    def f(v: float | None, fmt: str, unit: str = "") -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt) + unit
+
+    return {
+        "target": res.target.name,
+        "wall_tps_p50": f(single["wall_tps"]["p50"], ".1f") if single else "-",
+        "ttft_p50": f(single["ttft_s"]["p50"], ".3f", "s") if single else "-",
+        "decode_tps_p50": f(single["decode_tps"]["p50"], ".1f") if single else "-",
+        "speedup": f(double.get("speedup"), ".2f", "x") if double else "-",
+        "verdict": verdict(res),
+    }

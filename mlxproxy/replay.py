@@ -1,0 +1,210 @@
+"""`mlxproxy replay`: send a capture again against any target and measure it.
+
+Documented rewrites of the captured request body (nothing else changes):
+  - streaming requests get `stream_options.include_usage: true` (so usage can be checked);
+  - `--model NAME` replaces `model`;
+  - `--nonce` prefixes the first message (or the prompt) with `[nonce <hex>] `, so no
+    prompt cache can serve the request;
+  - a privacy capture (`capture_prompts: false`) has only message lengths: each message is
+    sent as filler text of its recorded length.
+Captured headers are sent again except redacted ones and hop-by-hop ones; `--api-key-env`
+supplies the target's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from mlxproxy.capture import REDACTED, CapturedRequest
+from mlxproxy.core.detect import Thresholds, prefill_scaling
+from mlxproxy.core.openai import inject_include_usage
+from mlxproxy.core.record import Record
+from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.report import summarize_records
+
+__all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
+
+FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
+_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "te", "upgrade",
+        "x-mlxproxy-replay", "proxy-authorization"}
+
+
+def filler_text(n: int) -> str:
+    """Deterministic text of exactly n characters."""
+    reps = n // len(FILLER) + 1
+    return (FILLER * reps)[:n]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    mode: str = "recorded"  # recorded | sequential | concurrency | batch
+    speed: float = 1.0
+    concurrency: int = 1
+    batch: int = 2
+    repeat: int = 1
+    warmup: int = 0
+    nonce: bool = False
+    model: str | None = None
+    limit: int | None = None
+    filters: tuple[tuple[str, str], ...] = ()
+
+
+def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
+    """Captured requests matching every `key=glob` filter (keys: model, endpoint, path, outcome)."""
+    out = []
+    for c in caps:
+        values = {"model": c.record.model or "", "endpoint": c.record.endpoint, "path": c.path, "outcome": c.record.outcome}
+        if all(fnmatch.fnmatchcase(values.get(k, ""), pat) for k, pat in filters):
+            out.append(c)
+    return out[:limit] if limit is not None else out
+
+
+def _with_nonce(obj: dict[str, Any], nonce: str) -> None:
+    msgs = obj.get("messages")
+    if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict):
+        m = dict(msgs[0])
+        c = m.get("content")
+        if isinstance(c, str):
+            m["content"] = nonce + c
+        elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
+            m["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
+        obj["messages"] = [m, *msgs[1:]]
+    elif isinstance(obj.get("prompt"), str):
+        obj["prompt"] = nonce + obj["prompt"]
+
+
+def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
+    """A privacy capture's message lengths turned back into filler text of that length."""
+    msgs = obj.get("messages")
+    if isinstance(msgs, list) and any(isinstance(m, dict) and "content_chars" in m for m in msgs):
+        new = []
+        for m in msgs:
+            if isinstance(m, dict) and "content_chars" in m:
+                n = int(m["content_chars"])
+                m = {k: v for k, v in m.items() if k != "content_chars"}
+                m["content"] = filler_text(n)
+            new.append(m)
+        obj = {**obj, "messages": new}
+    if "prompt_chars" in obj and "prompt" not in obj:
+        n = int(obj["prompt_chars"])
+        obj = {k: v for k, v in obj.items() if k != "prompt_chars"}
+        obj["prompt"] = filler_text(n)
+    return obj
+
+
+def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
+    """The request to send for one captured request, with only the documented rewrites."""
+    headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED and k.lower() not in _HOP)
+    if c.request is None:
+        return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
+    obj = _unprivate(c.request)
+    if opts.model is not None:
+        obj = {**obj, "model": opts.model}
+    if opts.nonce:
+        obj = dict(obj)
+        _with_nonce(obj, f"[nonce {os.urandom(6).hex()}] ")
+    body = orjson.dumps(obj)
+    if obj.get("stream") is True:
+        so = obj.get("stream_options")
+        if not (isinstance(so, dict) and so.get("include_usage")):
+            body = inject_include_usage(body, obj)
+    return PreparedRequest(c.method, c.path, body, headers, c.offset_s, c.record.id, label=c.record.id)
+
+
+class Progress:
+    """A one-line progress counter on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None = None) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.enabled:
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[str, Any]]:
+    """Each replayed request's TTFT and decode TPS next to its captured values."""
+    rows = []
+    for r in timed.records:
+        src = timed.source_ids.get(r.id)
+        c = caps.get(src) if src else None
+        if c is None:
+            continue
+        rows.append({"source_id": src, "model": r.model, "captured_ttft_s": c.record.ttft_s, "replayed_ttft_s": r.ttft_s,
+                     "captured_decode_tps": c.record.decode_tps, "replayed_decode_tps": r.decode_tps,
+                     "captured_outcome": c.record.outcome, "replayed_outcome": r.outcome})
+    return rows
+
+
+def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any],
+           compare: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    g = {"name": name, "target": target, "mode": mode, "params": params, "summary": summary,
+         "records": [r.to_dict(timeline=True) for r in timed.records]}
+    for rec_d in g["records"]:
+        rec_d["source_id"] = timed.source_ids.get(rec_d["id"])
+    if compare is not None:
+        g["compare"] = compare
+    return g
+
+
+async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
+                     api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
+                     progress: bool | None = None, compare: bool = False) -> list[dict[str, Any]]:
+    """Run one replay; return the result groups (see `mlxproxy.report`)."""
+    th = thresholds or Thresholds()
+    reqs = [prepare(c, opts) for _ in range(opts.repeat) for c in caps]
+    by_id = {c.record.id: c for c in caps}
+    groups: list[dict[str, Any]] = []
+    async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
+        if opts.warmup:
+            await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
+        tick: Callable[[], None] = Progress(f"replay {target_name}", len(reqs) * (2 if opts.mode == "batch" else 1), progress)
+        params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
+                  "nonce": opts.nonce, "model": opts.model}
+        if opts.mode == "recorded":
+            timed = await client.run_recorded(reqs, opts.speed, tick)
+            summary = summarize_records(timed.records, lag_s=timed.lag_s)
+            mode = f"recorded x{opts.speed:g}"
+        elif opts.mode == "sequential":
+            timed = await client.run_sequential(reqs, tick)
+            summary = summarize_records(timed.records)
+            mode = "sequential"
+        elif opts.mode == "concurrency":
+            timed = await client.run_closed_loop(reqs, opts.concurrency, tick)
+            summary = summarize_records(timed.records)
+            mode = f"concurrency {opts.concurrency}"
+        elif opts.mode == "batch":
+            single = await client.run_sequential(reqs, tick)
+            s_single = summarize_records(single.records)
+            groups.append(_group("single", target_name, "single", params, single, s_single))
+            timed, waves = await client.run_waves(reqs, opts.batch, tick)
+            summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single["wall_tps"]["p50"])
+            mode = f"batch {opts.batch}"
+        else:
+            raise ValueError(f"unknown replay mode {opts.mode!r}")
+        scaling = prefill_scaling(timed.records, th)
+        if scaling is not None:
+            summary["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
+        groups.append(_group(mode, target_name, mode, params, timed, summary, compare_rows(by_id, timed) if compare else None))
+    return groups
+
+
+def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[dict[str, Any]]:
+    return asyncio.run(run_replay(caps, target_url, opts, **kw))
+
+
+def records_of(group: dict[str, Any]) -> list[Record]:
+    return [Record.from_dict(r) for r in group["records"]]
