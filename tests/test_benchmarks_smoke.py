@@ -1,0 +1,43 @@
+"""The benchmark harness imports and answers --help. No timing here: timing never belongs
+in unit tests (benchmarks/run.py measures, the README records)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_harness_modules_import():
+    run = _load("run")
+    loadgen = _load("loadgen")
+    upstream = _load("upstream")
+    assert callable(run.main) and callable(loadgen.run_job) and callable(upstream.cli)
+    assert run.pct([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def test_run_help():
+    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--quick" in r.stdout
+
+
+def test_upstream_help():
+    r = subprocess.run([sys.executable, str(BENCH / "upstream.py"), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
