@@ -63,9 +63,11 @@ class RecentRecords:
 
     def __init__(self, size: int) -> None:
         self.records: deque[Record] = deque(maxlen=max(size, 0))
+        self.total = 0  # records ever seen
 
     def on_record(self, record: Record) -> None:
         self.records.append(record)
+        self.total += 1
 
 
 def _f(v: float | None, fmt: str, unit: str = "") -> str:

@@ -1,0 +1,219 @@
+"""Each simulated server through the proxy shows its signature in the proxy's own records,
+and exactly the expected anomalies fire (issue: simulator profiles and truth checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from mlxproxy.config import build_config
+from mlxproxy.core.record import Record
+from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.report import summarize_records
+from mlxproxy.runner import ServerThread
+from mlxproxy.sim.app import create_app as create_sim
+
+from test_proxy_e2e import wait_for
+
+SPEED = 4.0  # simulated time runs 4x faster than the wall clock
+PROFILES = {
+    "healthy": {},
+    "mlx-lm": {},
+    "mlx-openai-server": {},
+    "mlx-omni-server": {},
+    "rapid-mlx": {},
+    "vllm-mlx": {},
+    "omlx": {},
+    "mlx-vlm": {"stall_s": 5.0},  # 1.25 s stalls on the wall clock at SPEED 4
+    "phantom-usage": {},
+}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[str, ProxyApp, dict[str, ServerThread]]]:
+    with contextlib.ExitStack() as es:
+        sims = {n: es.enter_context(ServerThread(create_sim(n, speed=SPEED, **k))) for n, k in PROFILES.items()}
+        raw = {"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}
+        app = create_app(build_config(raw, log_requests=False))
+        px = es.enter_context(ServerThread(app, server_header=False, date_header=False))
+        yield px.url, app, sims
+
+
+def body(model: str, content: str = "hello there, how are you?", max_tokens: int | None = None, stream: bool = True) -> bytes:
+    obj: dict = {"model": model, "stream": stream, "messages": [{"role": "user", "content": content}]}
+    if max_tokens is not None:
+        obj["max_tokens"] = max_tokens
+    return orjson.dumps(obj)
+
+
+def req(model: str, prompt_tokens: int | None = None, **kw) -> PreparedRequest:
+    headers = (("content-type", "application/json"),)
+    if prompt_tokens is not None:
+        headers += (("x-sim-prompt-tokens", str(prompt_tokens)),)
+    return PreparedRequest("POST", "/v1/chat/completions", body(model, **kw), headers)
+
+
+def proxy_records(app: ProxyApp, n: int, since: int) -> list[Record]:
+    """The n records the proxy itself made (not the client's) after `since` records."""
+    assert wait_for(lambda: app.recent.total >= since + n)
+    assert app.recent.total == since + n
+    return list(app.recent.records)[-n:]
+
+
+async def single_and_pair(url: str, model: str, n_pairs: int = 2) -> tuple[dict, dict]:
+    async with MeasuringClient(url, tag_replay=False) as c:
+        single = await c.run_sequential([req(model) for _ in range(n_pairs)])
+        s1 = summarize_records(single.records)
+        timed, waves = await c.run_waves([req(model) for _ in range(2 * n_pairs)], 2)
+        return s1, summarize_records(timed.records, waves=waves, single_wall_tps=s1["wall_tps"]["p50"])
+
+
+def proxy_kinds(app: ProxyApp, n: int, since: int) -> set[str]:
+    return {k for r in proxy_records(app, n, since) for k in r.anomalies}
+
+
+def test_continuous_batching_reaches_1_8x(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    s1, s2 = asyncio.run(single_and_pair(url, "mlx-openai-server"))
+    assert s2["speedup"] >= 1.8, s2["speedup"]
+    assert s2["overlap"] > 0.9
+    assert proxy_kinds(app, 6, since) == set()
+
+
+def test_serial_server_is_below_1x_and_flagged_serialized(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    s1, s2 = asyncio.run(single_and_pair(url, "mlx-omni-server"))
+    assert s2["speedup"] <= 1.0, s2["speedup"]
+    assert s2["overlap"] < 0.1
+    recs = proxy_records(app, 6, since)
+    assert {k for r in recs for k in r.anomalies} == {"serialized"}
+    assert sum("serialized" in r.anomalies for r in recs) == 2  # the second request of each pair
+    # the proxy saw the second request's headers only after the first stream ended
+    pairs = [recs[2:4], recs[4:6]]
+    for a, b in pairs:
+        first, second = sorted((a, b), key=lambda r: r.t_start_mono + (r.headers_s or 0))
+        assert second.t_start_mono + (second.headers_s or 0) >= first.t_start_mono + first.event_offsets_s[-1]
+
+
+def test_rapid_mlx_ttft_is_whole_response(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> list[Record]:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            return (await c.run_sequential([req("rapid-mlx") for _ in range(2)])).records
+    asyncio.run(go())
+    for r in proxy_records(app, 2, since):
+        assert r.ttft_s is not None and r.e2e_s is not None and r.ttft_s >= 0.95 * r.e2e_s
+        assert r.anomalies == ("non_incremental_stream",), r.anomalies
+
+
+def test_omlx_context_limit_above_32768(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> list[Record]:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            return (await c.run_sequential([req("omlx", 40000), req("omlx", 1000)])).records
+    long, short = asyncio.run(go())
+    assert (long.status, long.outcome) == (400, "context_limit")
+    assert (short.status, short.outcome) == (200, "ok")
+    pl, ps = proxy_records(app, 2, since)
+    assert pl.outcome == "context_limit" and (pl.context_prompt_tokens, pl.context_limit_tokens) == (40000, 32768)
+    assert pl.anomalies == ("context_limit",) and "40000" in pl.anomaly_evidence["context_limit"]
+    assert ps.anomalies == ()
+
+
+def test_mlx_vlm_cyclic_stalls_and_dual_reasoning(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> None:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            await c.send(req("mlx-vlm", max_tokens=100))
+    asyncio.run(go())
+    (r,) = proxy_records(app, 1, since)
+    gaps = sorted(r.event_gaps_s())
+    median = gaps[len(gaps) // 2]
+    assert gaps[-1] > 20 * median and gaps[-1] >= 0.9
+    assert set(r.anomalies) == {"stall", "dual_reasoning_fields"}
+    assert "cyclic" in r.anomaly_evidence["stall"] and r.stall_count == 3
+
+
+def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
+    url, app, sims = stack
+    since = app.recent.total
+    async def go() -> list[Record]:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            return (await c.run_sequential([req("vllm-mlx", max_tokens=64) for _ in range(3)])).records
+    asyncio.run(go())
+    for r in proxy_records(app, 3, since):
+        assert r.anomalies == ()
+        assert r.reasoning_tokens_counted and r.reasoning_tokens_counted > 40  # mostly thinking
+        assert r.ttfc_s is not None and r.ttft_s is not None and r.ttfc_s > r.ttft_s + 0.1  # TTFT is the first reasoning token
+        # decode speed over all channels: the simulator's 50 tok/s, not a content-only phantom
+        assert r.decode_tps == pytest.approx(50.0 * SPEED, rel=0.10)
+
+
+def test_phantom_usage_is_named(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> None:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            await c.send(req("phantom-usage"))
+    asyncio.run(go())
+    (r,) = proxy_records(app, 1, since)
+    assert set(r.anomalies) == {"usage_mismatch", "phantom_speed"}
+    assert r.completion_tokens_reported == 4 * r.completion_tokens_counted
+
+
+def test_mlx_lm_wire_has_no_anomalies_and_usage_is_injected(stack) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> None:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            await c.send(PreparedRequest("POST", "/v1/chat/completions", body("mlx-lm"), (("content-type", "application/json"),)))
+    asyncio.run(go())
+    (r,) = proxy_records(app, 1, since)
+    assert r.usage_injected and r.completion_tokens_reported is not None and r.anomalies == ()
+    assert r.prefill_progress is not None and r.comments >= 1
+
+
+def test_healthy_measured_matches_configured_truth(stack) -> None:
+    """20 requests of 1000 prompt tokens: TTFT = 1000 / 2000 tok/s = 0.5 s simulated, decode 50 tok/s."""
+    url, app, _ = stack
+    since = app.recent.total
+    async def go() -> None:
+        async with MeasuringClient(url, tag_replay=False) as c:
+            await c.run_sequential([req("healthy", 1000, max_tokens=48) for _ in range(20)])
+    asyncio.run(go())
+    recs = proxy_records(app, 20, since)
+    s = summarize_records(recs)
+    assert s["ok"] == 20
+    assert s["ttft_s"]["p50"] == pytest.approx(0.5 / SPEED, rel=0.10)
+    assert s["decode_tps"]["p50"] == pytest.approx(50.0 * SPEED, rel=0.10)
+    assert all(r.anomalies == () for r in recs)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
+    url, app, _ = stack
+    since = app.recent.total
+    fast = ServerThread(create_sim("healthy", speed=20.0)).start()
+    try:
+        raw = {"upstreams": [{"name": "fast", "url": fast.url}]}
+        app2 = create_app(build_config(raw, log_requests=False, recent_records=300))
+        with ServerThread(app2, server_header=False, date_header=False) as px:
+            async def go() -> None:
+                async with MeasuringClient(px.url, tag_replay=False) as c:
+                    await c.run_closed_loop([req("m", max_tokens=32) for _ in range(200)], concurrency)
+            asyncio.run(go())
+            recs = proxy_records(app2, 200, 0)
+    finally:
+        fast.stop()
+    assert all(r.outcome == "ok" for r in recs)
+    assert [r.anomalies for r in recs if r.anomalies] == []
