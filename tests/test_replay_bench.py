@@ -1,0 +1,203 @@
+"""Capture -> replay in every mode, bench against simulated truth, report, and the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from mlxproxy.bench import BenchOptions, Target, bench_targets, verdict
+from mlxproxy.capture import read_capture
+from mlxproxy.cli import main
+from mlxproxy.core.stats import percentile
+from mlxproxy.replay import ReplayOptions, prepare, run
+from mlxproxy.runner import ServerThread
+from mlxproxy.sim.app import create_app as create_sim
+from mlxproxy.sim.engine import planned_speedup
+from mlxproxy.sim.profiles import get_profile
+
+from conftest import read_fixture
+from fakeupstream import FakeUpstream, Req, Conn, sse_response
+from test_proxy_e2e import proxy, wait_for
+
+
+@pytest.fixture(scope="module")
+def capture_file(tmp_path_factory) -> Path:
+    """A capture made through the proxy while the OpenAI SDK ran a few requests."""
+    openai = pytest.importorskip("openai")
+    cap = tmp_path_factory.mktemp("cap") / "capture.jsonl"
+    with ServerThread(create_sim("healthy", speed=20)) as sim, proxy(sim.url, capture=str(cap)) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-secret-test", max_retries=0)
+        for i in range(3):
+            stream = client.chat.completions.create(model="qwen", stream=True, max_tokens=24,
+                                                    messages=[{"role": "user", "content": f"question {i} " * 20}])
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        out = client.chat.completions.create(model="qwen", max_tokens=16, messages=[{"role": "user", "content": "once"}])
+        assert out.usage is not None and out.usage.completion_tokens == 16
+        assert wait_for(lambda: app.capture is not None and app.capture.written == 4)
+    assert b"sk-secret-test" not in cap.read_bytes()
+    return cap
+
+
+def test_replayed_bodies_equal_captured_except_documented_rewrites(capture_file: Path) -> None:
+    caps = read_capture(capture_file)
+    body = read_fixture("wire/01_openai_reference_include_usage.sse")
+    received: list[Req] = []
+
+    async def handler(req: Req, conn: Conn) -> None:
+        received.append(req)
+        await sse_response(body)(req, conn)
+
+    with FakeUpstream(handler) as up:
+        run(caps, up.url, ReplayOptions(mode="sequential"))
+        run(caps[:1], up.url, ReplayOptions(mode="sequential", model="other", nonce=True))
+    for c, got in zip(caps, received[:4]):
+        original = orjson.dumps(c.request)
+        if c.request.get("stream"):  # the SDK did not ask for usage: replay adds include_usage, nothing else
+            assert got.body == original[:-1] + b',"stream_options":{"include_usage":true}}'
+        else:
+            assert got.body == original
+        assert got.header("x-mlxproxy-replay") == "1" and got.header("authorization") is None  # redacted: not replayed
+    rewritten = orjson.loads(received[4].body)
+    assert rewritten["model"] == "other" and rewritten["messages"][0]["content"].startswith("[nonce ")
+    assert rewritten["messages"][0]["content"].endswith(caps[0].request["messages"][0]["content"])
+
+
+@pytest.mark.parametrize("mode", ["recorded", "sequential", "concurrency", "batch"])
+def test_replay_every_mode_against_simulator(capture_file: Path, mode: str) -> None:
+    caps = read_capture(capture_file)
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        groups = run(caps, sim.url, ReplayOptions(mode=mode, concurrency=2, batch=2, speed=4.0), compare=True)
+    g = groups[-1]
+    assert g["summary"]["requests"] == 4 and g["summary"]["ok"] == 4
+    assert len(g["records"]) == 4 and all(r["outcome"] == "ok" for r in g["records"])
+    assert {row["source_id"] for row in g["compare"]} == {c.record.id for c in caps}
+    if mode == "batch":
+        assert groups[0]["mode"] == "single" and g["summary"]["speedup"] is not None
+
+
+def test_batch_speedup_tracks_the_truth() -> None:
+    """--batch 2 of identical requests: continuous batching near 2x, a serial server <= 1x."""
+    from mlxproxy.capture import CapturedRequest
+    from mlxproxy.core.record import Record
+
+    def cap(i: int) -> CapturedRequest:
+        req = {"model": "m", "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": "x" * 400}]}
+        rec = Record(id=f"c{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200, outcome="ok")
+        return CapturedRequest(rec, "POST", "/v1/chat/completions", float(i), req, None, {})
+
+    caps = [cap(i) for i in range(4)]
+    speedups = {}
+    for profile in ("mlx-openai-server", "mlx-omni-server"):
+        with ServerThread(create_sim(profile, speed=2)) as sim:  # 10 ms token gaps: robust on a busy machine
+            groups = run(caps, sim.url, ReplayOptions(mode="batch", batch=2))
+        speedups[profile] = groups[-1]["summary"]["speedup"]
+        truth = planned_speedup(get_profile(profile), 2, 100, 64)
+        assert speedups[profile] == pytest.approx(truth, abs=0.15), (profile, truth)
+    assert speedups["mlx-openai-server"] > 1.8 and speedups["mlx-omni-server"] <= 1.0
+
+
+def test_recorded_mode_keeps_the_schedule(tmp_path: Path) -> None:
+    """100 requests at their recorded offsets over ~2 s: schedule lag p99 under 50 ms."""
+    from mlxproxy.capture import CapturedRequest
+    from mlxproxy.core.record import Record
+
+    caps = []
+    for i in range(100):
+        rec = Record(id=f"c{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=False, status=200, outcome="ok")
+        caps.append(CapturedRequest(rec, "POST", "/v1/chat/completions", i * 0.02,
+                                    {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, None, {}))
+    with ServerThread(create_sim("healthy", speed=50)) as sim:
+        (g,) = run(caps, sim.url, ReplayOptions(mode="recorded", speed=1.0))
+    lag = g["summary"]["schedule_lag_s"]
+    assert lag["count"] == 100 and lag["p99"] < 0.050, lag
+    starts = sorted(r["started_at"] for r in g["records"])
+    assert starts[-1] - starts[0] == pytest.approx(99 * 0.02, abs=0.05)
+
+
+def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
+    """Real-time simulator: wall_tps_p50 and ttft_p50 within 10% of the configured truth,
+    speedup within 0.15 of the engine's plan; the JSON renders again with `report`."""
+    profile = get_profile("mlx-openai-server")
+    with ServerThread(create_sim(profile, speed=1.0)) as sim:
+        opts = BenchOptions(prompt_tokens=(100, 1000), max_tokens=32, repeat=3)
+        (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
+    assert res.error is None
+    groups = {g["name"]: g for g in res.groups}
+    single = [r for r in groups["single"]["records"]]
+    truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
+    truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
+    s = groups["single"]["summary"]
+    assert s["ttft_s"]["p50"] == pytest.approx(percentile(truth_ttft, 50), rel=0.10)
+    assert s["wall_tps"]["p50"] == pytest.approx(percentile(truth_wall, 50), rel=0.10)
+    sizes = sorted({r["prompt_tokens"] for r in groups["single 100"]["records"]})
+    assert sizes and abs(sizes[0] - 100) <= 5  # calibrated against the server's own usage
+    speedup = groups["double"]["summary"]["speedup"]
+    assert speedup == pytest.approx(planned_speedup(profile, 2, sizes[0], 32), abs=0.15)
+    assert verdict(res).startswith("continuous batching")
+    # JSON, CSV, markdown and plot outputs; report renders the JSON again
+    from mlxproxy.bench_cli import write_outputs
+
+    paths = [tmp_path / n for n in ("r.json", "r.csv", "r.md", "r.svg")]
+    write_outputs([res], *map(str, paths))
+    doc = orjson.loads(paths[0].read_bytes())
+    assert doc["kind"] == "bench" and sum(len(g["records"]) for g in doc["groups"]) >= 12 + 6
+    assert paths[3].read_text().startswith("<svg") and "TTFT by prompt size" in paths[3].read_text()
+    out = CliRunner().invoke(main, ["report", str(paths[0])])
+    assert out.exit_code == 0 and "double" in out.output and "continuous batching" in out.output
+
+
+def test_bench_failing_target_does_not_stop_others() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        opts = BenchOptions(prompt_tokens=(100,), max_tokens=8, repeat=1)
+        dead_res, ok_res = asyncio.run(bench_targets([Target("dead", dead, 5.0), Target("ok", sim.url, 30.0)], opts))
+    assert verdict(dead_res).startswith("failing: cannot reach") and ok_res.error is None and ok_res.groups
+
+
+def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["replay", str(tmp_path / "nope.jsonl"), "--target", "http://127.0.0.1:1"])
+    assert r.exit_code == 2 and "cannot read capture file" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["replay", str(tmp_path / "nope.jsonl"), "--target", "ftp://x"])
+    assert r.exit_code == 2 and "--target must be an http" in r.output
+    r = CliRunner().invoke(main, ["bench", "--target", "a=notaurl"])
+    assert r.exit_code == 2 and "NAME=URL" in r.output
+    r = CliRunner().invoke(main, ["bench", "--target", "a=http://x", "--prompt-tokens", "1,x"])
+    assert r.exit_code == 2 and "comma-separated" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    r = CliRunner().invoke(main, ["report", str(bad)])
+    assert r.exit_code == 2 and "not an mlxproxy result file" in r.output
+
+
+def test_demo_shows_every_signature(tmp_path: Path) -> None:
+    """The README's first command, shortened to one repetition."""
+    res = subprocess.run([sys.executable, "-m", "mlxproxy", "demo", "--repeat", "1", "--dir", str(tmp_path / "d")],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    lines: dict[str, str] = {}
+    for line in out.splitlines():  # the first table: one row per target with its verdict
+        if line.strip() and not line.startswith(("-", " ")):
+            lines.setdefault(line.split()[0], line)
+    assert "continuous batching" in lines["mlx-openai-server"]
+    assert "serial: 0." in lines["mlx-omni-server"]
+    assert "no incremental streaming" in lines["rapid-mlx"]
+    assert "rejects prompts > 32768 tokens" in lines["omlx"]
+    assert "cyclic stalls" in lines["mlx-vlm"]
+    assert "usage over-reports 4.0x" in lines["phantom-usage"]
+    d = tmp_path / "d"
+    for name in ("capture.jsonl", "bench.json", "bench.csv", "bench.md", "bench.svg", "metrics.prom"):
+        assert (d / name).stat().st_size > 0, name
+    caps = read_capture(d / "capture.jsonl")
+    assert len(caps) >= 8 * 5 and prepare(caps[0], ReplayOptions()).body
