@@ -239,6 +239,27 @@ def test_mlx_vlm_stalls_periodically() -> None:
         assert long == [8, 16, 24]
 
 
+def test_a_starved_simulator_pauses_its_clock_instead_of_bursting() -> None:
+    with served("healthy", speed=10) as (server, client):
+        arrivals: list[float] = []
+        with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=80)) as r:
+            pending = b""
+            for data in r.iter_raw():
+                pending += data
+                while b"\n\n" in pending:
+                    block, pending = pending.split(b"\n\n", 1)
+                    if b'"content":"' in block and b'"content":""' not in block:
+                        arrivals.append(time.perf_counter())
+                        if len(arrivals) == 10:  # block the simulator's event loop for 150 ms
+                            server.loop.call_soon_threadsafe(time.sleep, 0.15)
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        assert len(arrivals) == 80 and max(gaps) >= 0.12
+        resumed = gaps.index(max(gaps)) + 1
+        # the 70 tokens after the pause keep their 2 ms cadence (~140 ms) instead of arriving at once
+        assert arrivals[-1] - arrivals[resumed] >= 0.07
+        assert client.get("/sim/requests").json()["clock_paused_s"] >= 0.1
+
+
 # -- faults ---------------------------------------------------------------------------------
 
 

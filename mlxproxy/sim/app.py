@@ -4,7 +4,9 @@
 plans every request; a single timer (`loop.call_later` aimed at absolute `perf_counter`
 deadlines, so nothing drifts) advances it and hands each event to the waiting response, which
 renders it (`render.py`) and writes it at once: one write per token, never buffered.
-Simulated time runs `speed` times faster than the wall clock, starting when the app starts.
+Simulated time runs `speed` times faster than the wall clock, starting when the app starts;
+if the process falls more than 20 ms behind the plan, the simulated clock pauses for that long
+(one longer gap) rather than sending the overdue tokens in a burst.
 
 Routes: POST `/v1/chat/completions`, `/chat/completions`, `/v1/completions`, `/completions`;
 GET `/v1/models`, `/models`, `/health`; GET `/sim/profile` (the effective knobs, the truth)
@@ -38,6 +40,7 @@ COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
                     "/v1/completions": "completions", "/completions": "completions"}
 _DISCONNECTED = object()
 TRUTH_HISTORY = 1000
+MAX_LAG_WALL_S = 0.02  # overdue by more than this: pause the simulated clock instead of bursting
 
 
 class SimApp:
@@ -51,6 +54,7 @@ class SimApp:
         self.seed = seed
         self.engine = Engine(profile)
         self.truths: deque[dict[str, Any]] = deque(maxlen=TRUTH_HISTORY)
+        self.clock_paused_s = 0.0  # wall seconds the simulated clock stood still (starved process)
         self._t0: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -76,8 +80,24 @@ class SimApp:
         assert self._t0 is not None
         return self._t0 + t_s / self.speed
 
+    def _hold_clock_if_late(self) -> None:
+        """If this process fell behind the plan (starved of CPU, GIL), pause the simulated clock.
+
+        Without this, every overdue token would go out in one burst and a healthy profile would
+        look like a non-incremental one; with it, the starvation shows as one longer gap, as a
+        real server paused by its host would.
+        """
+        t_next = self.engine.next_event_time()
+        if t_next is None or self._t0 is None:
+            return
+        lag_s = time.perf_counter() - self.wall_at(t_next)
+        if lag_s > MAX_LAG_WALL_S:
+            self._t0 += lag_s
+            self.clock_paused_s += lag_s
+
     def _pump(self) -> None:
         self._timer = None
+        self._hold_clock_if_late()
         for ev in self.engine.advance(max(self.sim_now(), self.engine.now_s)):
             queue = self._queues.get(ev.req_id)
             if queue is not None:
@@ -115,7 +135,8 @@ class SimApp:
                                  "truth": truth_lines(self.profile)})
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         elif method == "GET" and path == "/sim/requests":
-            body = orjson.dumps({"speed": self.speed, "requests": list(self.truths)})
+            body = orjson.dumps({"speed": self.speed, "clock_paused_s": self.clock_paused_s,
+                                 "requests": list(self.truths)})
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         else:
             status, headers, body = self._bare_style().not_found()
@@ -175,6 +196,7 @@ class SimApp:
             stream_options_without_include_usage=req.stream and req.stream_options_without_include_usage,
         )
         plan = plan_output(req, self.profile, self.seed)
+        self._hold_clock_if_late()
         admitted_s = max(self.sim_now(), self.engine.now_s)
         renderer = Renderer(self._style_cls(ctx), self.profile, plan, req.prompt_tokens,
                             stream=req.stream, faults=faults, admitted_s=admitted_s)
