@@ -43,9 +43,13 @@ def wait_for(pred, timeout_s: float = 5.0) -> bool:
     return False
 
 
-def last_record(app: ProxyApp):
-    assert wait_for(lambda: len(app.recent.records) > 0)
-    return app.recent.records[-1]
+def last_record(app: ProxyApp, rid: str | None = None):
+    """The newest record, or (better, no race with the record's finalisation) the one with id `rid`."""
+    if rid is None:
+        assert wait_for(lambda: len(app.recent.records) > 0)
+        return app.recent.records[-1]
+    assert wait_for(lambda: any(r.id == rid for r in app.recent.records)), f"no record {rid}"
+    return next(r for r in app.recent.records if r.id == rid)
 
 
 @pytest.mark.parametrize("http10", [False, True], ids=["chunked", "http10-close"])
@@ -182,12 +186,12 @@ def test_non_stream_and_error_bodies_pass_through() -> None:
     with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
         r = httpx.post(url + "/v1/chat/completions?x=1", json={"model": "m", "messages": [{"role": "user", "content": "long"}]})
         assert r.status_code == 400 and r.content == err_body
-        rec = last_record(app)
+        rec = last_record(app, r.headers["x-mlxproxy-request-id"])
         assert (rec.outcome, rec.context_prompt_tokens, rec.context_limit_tokens) == ("context_limit", 51587, 32768)
         assert up.requests[0].path == "/v1/chat/completions?x=1"
         r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 200 and r.content == ok_body and r.headers["content-length"] == str(len(ok_body))
-        rec = last_record(app)
+        rec = last_record(app, r.headers["x-mlxproxy-request-id"])
         assert rec.outcome == "ok" and rec.completion_tokens_reported == 5 and not rec.stream
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mlxproxy import __version__
+from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.record import Record
 
 __all__ = ["ProxyMetrics", "concurrency_bucket"]
@@ -111,7 +112,12 @@ class ProxyMetrics:
         return child
 
     def request_started(self, upstream: str, model: str) -> None:
-        self._child(self.in_flight, upstream, model).inc()
+        child = self._children.get((id(self.in_flight), upstream, model))
+        if child is None:  # a new upstream/model pair: start its anomaly counters at 0, so that
+            for kind in ANOMALY_KINDS:  # rate()/increase() see the first anomaly of each kind
+                self._child(self.anomalies, upstream, model, kind)
+            child = self._child(self.in_flight, upstream, model)
+        child.inc()
 
     def request_ended(self, upstream: str, model: str) -> None:
         self._child(self.in_flight, upstream, model).dec()
