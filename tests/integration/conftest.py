@@ -1,0 +1,46 @@
+"""Shared real peers: one tiny local model and one ``mlx_lm.server`` for the whole session.
+
+The server runs with ``--prefill-step-size 16`` so a prompt of a few hundred tokens is
+processed in many steps (many ``: keepalive P/T`` comments, and a TTFT large enough to
+compare). Tests that need the mlx stack skip with the reason where it does not import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .tinymodel import mlx_unavailable_reason
+
+#: Server-side default reply cap (``--max-tokens``).
+SERVER_MAX_TOKENS = 64
+#: Prefill step of the shared server.
+PREFILL_STEP = 16
+
+
+def _require_mlx() -> None:
+    reason = mlx_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"mlx stack unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model folder (config, weights, tokenizer.json, chat template)."""
+    _require_mlx()
+    from .tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def mlx_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real ``mlx_lm.server`` serving the tiny model (shared by the session)."""
+    from .tinymodel import mlx_lm_server
+
+    log = tmp_path_factory.mktemp("mlx-lm-log") / "server.log"
+    with mlx_lm_server(tiny_model, max_tokens=SERVER_MAX_TOKENS,
+                       extra_args=["--prefill-step-size", str(PREFILL_STEP)], log_path=log) as url:
+        yield url

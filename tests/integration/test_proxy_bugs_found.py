@@ -1,0 +1,81 @@
+"""Minimal, deterministic reproductions of proxy bugs first seen with real peers.
+
+Each test replays what a real peer does with a scripted upstream (tests/fakeupstream.py),
+so it fails or passes the same way every time, without mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from fakeupstream import Conn, FakeUpstream, Req
+from mlxproxy.config import build_config
+from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.runner import ServerThread
+
+from .peers import wait_for
+
+pytestmark = pytest.mark.integration
+
+openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [test] extra: pip install -e '.[test]'")
+
+MLX_LM_STREAM = (
+    b': keepalive 16/20\n\n: keepalive 20/20\n\n'
+    b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "default_model", '
+    b'"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": null}]}\n\n'
+    b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "default_model", '
+    b'"choices": [{"index": 0, "delta": {"role": "assistant", "content": " world"}, "finish_reason": "length"}]}\n\n'
+    b'data: {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "default_model", "choices": [], '
+    b'"usage": {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22, '
+    b'"prompt_tokens_details": {"cached_tokens": 0}}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@contextlib.contextmanager
+def in_process_proxy(upstream_url: str) -> Iterator[tuple[str, ProxyApp]]:
+    app = create_app(build_config(upstream_url=upstream_url, log_requests=False))
+    with ServerThread(app, server_header=False, date_header=False) as srv:
+        yield srv.url, app
+
+
+def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
+    """mlx_lm.server speaks HTTP/1.0: its body ends when it closes the socket, a moment
+    after ``data: [DONE]``. The OpenAI Python SDK stops at ``[DONE]`` and closes its
+    connection at once. When the client's close reaches the proxy before the upstream's
+    EOF, the proxy records ``client_disconnect`` for a stream that completed normally
+    (seen for ~15% of SDK streams against a real mlx_lm.server). Here the upstream holds
+    its socket open after ``[DONE]`` until the test has finished reading, so the race
+    always goes the same way."""
+    client_done = threading.Event()
+
+    async def mlx_lm_like(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("Content-Type", "text/event-stream")], version="1.0")
+        await conn.send(MLX_LM_STREAM)
+        await conn.wait_gate(client_done, 10)  # the server's handler returns a bit later
+        conn.writer.close()
+
+    with FakeUpstream(mlx_lm_like) as up, in_process_proxy(up.url) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0,
+                               http_client=httpx.Client(trust_env=False, timeout=10))
+        raw = client.chat.completions.with_raw_response.create(
+            model="default_model", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True})
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        assert text == "Hello world"  # the client got the whole stream, [DONE] included
+        rid = raw.headers["x-mlxproxy-request-id"]
+        try:
+            wait_for(lambda: any(r.id == rid for r in app.recent.records), timeout_s=1.0)
+        except AssertionError:
+            pass  # a proxy that waits for the upstream's EOF finishes once the gate opens
+        finally:
+            client_done.set()
+        rec = wait_for(lambda: next((r for r in app.recent.records if r.id == rid), None))
+        assert rec.finish_reason == "length" and rec.completion_tokens_reported == 2
+        assert rec.outcome == "ok", (
+            f"outcome {rec.outcome!r} ({rec.error}) for a stream the client read to data: [DONE]")
