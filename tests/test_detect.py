@@ -84,6 +84,9 @@ def test_non_incremental_stream() -> None:
     assert [a.kind for a in ks] == ["non_incremental_stream"] and "TTFT 3.00 s is 100% of E2E" in ks[0].evidence
     # a long prefill followed by a normal-speed short answer is not a burst
     assert kinds(stream(20, gap=0.02, t0=30.0)) == []
+    # the rate boundary: 9901 tok/s could be a (very) fast decoder, 10101 tok/s cannot
+    assert kinds(stream(30, gap=0.000101, t0=3.0)) == []
+    assert kinds(stream(30, gap=0.000099, t0=3.0)) == ["non_incremental_stream"]
     # below the token floor nothing is judged
     assert kinds(stream(19, gap=0.00001, t0=3.0)) == []
     # many tokens per event

@@ -203,14 +203,14 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
 def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
     url, app, _ = stack
     since = app.recent.total
-    fast = ServerThread(create_sim("healthy", speed=20.0)).start()
+    fast = ServerThread(create_sim("healthy", speed=8.0)).start()  # 400 tok/s: 2.5 ms token gaps
     try:
         raw = {"upstreams": [{"name": "fast", "url": fast.url}]}
         app2 = create_app(build_config(raw, log_requests=False, recent_records=300))
         with ServerThread(app2, server_header=False, date_header=False) as px:
             async def go() -> None:
                 async with MeasuringClient(px.url, tag_replay=False) as c:
-                    await c.run_closed_loop([req("m", max_tokens=32) for _ in range(200)], concurrency)
+                    await c.run_closed_loop([req("m", max_tokens=24) for _ in range(200)], concurrency)
             asyncio.run(go())
             recs = proxy_records(app2, 200, 0)
     finally:

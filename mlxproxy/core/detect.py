@@ -40,7 +40,7 @@ class Thresholds:
     chars_per_token: float = 4.0  # streamed-token estimate for coarse chunks: chars / this
     burst_min_tokens: int = 20
     burst_fraction: float = 0.05  # all tokens within this fraction of the response time...
-    burst_min_tps: float = 2000.0  # ...at a rate no decoder reaches: non_incremental_stream
+    burst_min_tps: float = 10000.0  # ...at a rate no local decoder reaches: non_incremental_stream
     tokens_per_event_max: float = 8.0
     stall_factor: float = 10.0  # a gap this many times the stream's median gap...
     stall_min_s: float = 1.0  # ...and at least this long is a stall
