@@ -8,8 +8,12 @@ decoded as UTF-8 on its own, so a character split across reads is never mangled.
 Items carry `end`: the stream offset (bytes from the start of the body) just past the
 line that completed them. The proxy uses it to cut exact byte spans out of a stream.
 
-Bounded memory: a line longer than `max_line_bytes` is dropped (it is still forwarded by
-the proxy, which never depends on this decoder) and reported once as `SSEProtocolError`.
+Bounded memory: a line longer than `max_line_bytes`, or an event whose lines (comments
+inside it included) add up to more than that, is dropped together with the rest of its
+event (the proxy still forwards every byte; it never depends on this decoder) and reported
+once as `SSEProtocolError`. Whatever it is fed, the decoder holds at most `max_line_bytes`
+of partial line and `max_line_bytes` of open event (so `safe_offset` never lags the input
+by more than twice that), and skips an over-long line in time linear in its length.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class SSEDecoder:
         "_retry",
         "_event_start",
         "_first_line",
+        "_open",
+        "_skip_event",
     )
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
@@ -84,6 +90,8 @@ class SSEDecoder:
         self._retry: int | None = None
         self._event_start = 0
         self._first_line = True
+        self._open = False  # a field line of the next event was seen
+        self._skip_event = False  # the current event was dropped: ignore its lines up to the blank line
 
     def feed(self, data: bytes) -> list[SSEItem]:
         """Consume `data`; return the items it completed (possibly none). Never raises."""
@@ -95,9 +103,14 @@ class SSEDecoder:
             if data[0] == _LF:
                 data = data[1:]
                 self._base += 1
-                self._event_start = max(self._event_start, self._base)
+                if not self._open:  # the LF ended a blank or comment line: the next event starts after it
+                    self._event_start = max(self._event_start, self._base)
                 if not data:
                     return out
+        if self._discarding:  # inside an over-long line: skip to its end without buffering
+            data = self._skip_rest_of_line(data)
+            if not data:
+                return out
         buf = self._buf + data if self._buf else data
         n = len(buf)
         start = 0
@@ -128,9 +141,8 @@ class SSEDecoder:
                 start = nxt
         rest = buf[start:] if start else buf
         if len(rest) > self.max_line_bytes:
-            if not self._discarding:
-                out.append(SSEProtocolError(f"line longer than {self.max_line_bytes} bytes", base + n))
-                self._discarding = True
+            self._too_long("line", base + start + self.max_line_bytes + 1, out)
+            self._discarding = True
             self._base = base + n
             self._buf = b""
             return out
@@ -142,7 +154,7 @@ class SSEDecoder:
     def safe_offset(self) -> int:
         """Stream offset up to which every byte belongs to a complete line outside any
         open event: bytes before it can be forwarded without splitting an event."""
-        return self._event_start if (self._data or self._event) else self._base
+        return self._event_start if self._open else self._base
 
     def close(self) -> list[SSEItem]:
         """End of body: a last line without a line end and a last event without a blank
@@ -155,30 +167,63 @@ class SSEDecoder:
         self._discarding = False
         if self._data:
             self._dispatch(self._base, out)
+        self._skip_event = False
         return out
 
     # -- internals -------------------------------------------------------------------
 
+    def _skip_rest_of_line(self, data: bytes) -> bytes:
+        """Drop `data` up to and including the end of the over-long line; return the rest."""
+        i_lf = data.find(b"\n")
+        i_cr = data.find(b"\r", 0, i_lf if i_lf >= 0 else len(data))
+        i = i_cr if i_cr >= 0 else i_lf
+        if i < 0:
+            self._base += len(data)
+            return b""
+        nxt = i + 1
+        if i == i_cr:
+            if nxt == len(data):
+                self._skip_lf = True  # its LF may come with the next read
+            elif data[nxt] == _LF:
+                nxt += 1
+        self._discarding = False
+        self._base += nxt
+        return data[nxt:]
+
+    def _too_long(self, what: str, end: int, out: list[SSEItem]) -> None:
+        """Report a line or event over the bound and forget the event it belongs to; the
+        event's remaining lines are ignored up to its blank line."""
+        out.append(SSEProtocolError(f"{what} longer than {self.max_line_bytes} bytes", end))
+        self._data = []
+        self._event = ""
+        self._retry = None
+        self._open = False
+        self._skip_event = True
+
     def _line(self, buf: bytes, start: int, stop: int, end: int, out: list[SSEItem]) -> None:
-        if self._discarding:  # the tail of an over-long line: drop it
-            self._discarding = False
-            return
-        if stop - start > self.max_line_bytes:
-            out.append(SSEProtocolError(f"line longer than {self.max_line_bytes} bytes", end))
-            return
         if start == stop:
             self._dispatch(end, out)
             return
+        if stop - start > self.max_line_bytes:
+            self._too_long("line", self._base + start + self.max_line_bytes + 1, out)
+            return
+        if self._open and end - self._event_start > self.max_line_bytes:  # every byte since the event began is held
+            self._too_long("event", end, out)
         line = buf[start:stop].decode("utf-8", "replace")
         if self._first_line:
             self._first_line = False
             if line.startswith("\ufeff"):
                 line = line[1:]
+                if not line:  # the BOM alone: a blank line
+                    self._dispatch(end, out)
+                    return
         if line[0] == ":":
             text = line[1:]
             out.append(SSEComment(text[1:] if text.startswith(" ") else text, end))
             if not self._data:  # a comment before any data line is not part of the next event
                 self._event_start = end
+            return
+        if self._skip_event:
             return
         colon = line.find(":")
         if colon < 0:
@@ -188,6 +233,7 @@ class SSEDecoder:
             value = line[colon + 1 :]
             if value.startswith(" "):
                 value = value[1:]
+        self._open = True
         if field == "data":
             self._data.append(value)
         elif field == "event":
@@ -196,7 +242,7 @@ class SSEDecoder:
             if "\x00" not in value:
                 self._last_id = value
         elif field == "retry":
-            if value.isascii() and value.isdigit():
+            if value.isascii() and value.isdigit() and len(value) <= 18:  # int() refuses > 4300 digits
                 self._retry = int(value)
         # other field names are ignored, as the standard says
 
@@ -216,3 +262,5 @@ class SSEDecoder:
         self._event = ""
         self._retry = None
         self._event_start = end
+        self._open = False
+        self._skip_event = False

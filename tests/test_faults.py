@@ -1,0 +1,623 @@
+"""Faults: what the client gets and what the record says when the upstream, the client or the
+bytes misbehave, and that the proxy keeps serving while it happens.
+
+Upstream faults use scripted raw-socket upstreams (`fakeupstream.py`) for byte-level control and
+the simulator's `X-Sim-Fault` switches for each server style. Client faults use raw sockets or
+httpx. Parser robustness is property-based (hypothesis). Every server listens on 127.0.0.1 port
+0; nothing sleeps to measure: the fake upstreams wait on gates, the tests poll with deadlines.
+SECURITY.md names these tests next to the guarantees they back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from mlxproxy.config import build_config
+from mlxproxy.core.record import Record
+from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.runner import ServerThread
+
+from conftest import read_fixture
+from fakeupstream import Conn, FakeUpstream, Req
+
+OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
+STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+              "stream_options": {"include_usage": True}}
+SSE_CHUNKED = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
+EVENT_A = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+
+
+# -- rig ------------------------------------------------------------------------------------
+
+
+class Rig:
+    """A proxy in front of one fake upstream whose behaviour is chosen per request by the
+    request's `model`: `handlers[model]`. Model `healthy` is always a gated good stream (one
+    event, wait for `gate`, the rest), so a test can keep a healthy stream in flight while a
+    fault happens next to it."""
+
+    def __init__(self, url: str, app: ProxyApp, upstream: FakeUpstream, gate: threading.Event) -> None:
+        self.url = url
+        self.app = app
+        self.upstream = upstream
+        self.gate = gate
+
+    def records(self, n: int, timeout_s: float = 10.0) -> list[Record]:
+        """The first `n` finished records, once there are that many."""
+        assert wait_for(lambda: len(self.app.recent.records) >= n, timeout_s), \
+            f"expected {n} records, have {len(self.app.recent.records)}"
+        return list(self.app.recent.records)[:n]
+
+    def record(self, rid: str) -> Record:
+        """The record of request `rid` (the `x-mlxproxy-request-id` header), once finished."""
+        def find() -> Record | None:
+            return next((r for r in list(self.app.recent.records) if r.id == rid), None)
+        assert wait_for(lambda: find() is not None), f"no record for {rid}"
+        rec = find()
+        assert rec is not None
+        return rec
+
+    def only_record(self, model: str) -> Record:
+        """The one finished record for `model` (a fault request has no request-id header
+        when it broke before the response started... it always has one here)."""
+        assert wait_for(lambda: any(r.model == model for r in self.app.recent.records)), f"no record for {model}"
+        (rec,) = [r for r in self.app.recent.records if r.model == model]
+        return rec
+
+    @contextlib.contextmanager
+    def healthy_stream_alongside(self) -> Iterator[None]:
+        """A good stream in flight for the whole block; afterwards it must finish byte-exact and
+        `ok`, and a fresh request must succeed too: the fault next to it took nothing down."""
+        self.gate.clear()
+        with httpx.Client(timeout=30) as c, c.stream("POST", self.url + "/v1/chat/completions",
+                                                     json={**STREAM_REQ, "model": "healthy"}) as r:
+            it = r.iter_raw()
+            got = next(it)
+            yield
+            self.gate.set()
+            got += b"".join(it)
+            rid = r.headers["x-mlxproxy-request-id"]
+        assert got == OK_BODY
+        assert wait_for(lambda: any(x.id == rid and x.outcome == "ok" for x in self.app.recent.records))
+        self.healthy_request()
+
+    def healthy_request(self) -> None:
+        r = httpx.post(self.url + "/v1/chat/completions", json={**STREAM_REQ, "model": "healthy-now"}, timeout=30)
+        assert r.status_code == 200 and r.content == OK_BODY
+
+    @contextlib.contextmanager
+    def request_in_background(self, body: dict) -> Iterator:
+        """POST `body` on a thread for the duration of the block; yields a function that
+        returns its response (after the block)."""
+        box: list = []
+        th = threading.Thread(target=lambda: box.append(httpx.post(self.url + "/v1/chat/completions", json=body, timeout=30)))
+        th.start()
+        assert wait_for(lambda: len(self.app.in_flight) >= 1), "the background request never arrived"
+        yield lambda: box[0]
+        th.join(30)
+        assert box, "the background request did not finish"
+
+
+def wait_for(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def ok_events(body: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+async def healthy_handler(req: Req, conn: Conn, gate: threading.Event | None) -> None:
+    events = ok_events(OK_BODY)
+    await conn.head(200, SSE_CHUNKED)
+    await conn.chunk(events[0])
+    if gate is not None:
+        await conn.wait_gate(gate, 30)
+    for e in events[1:]:
+        await conn.chunk(e)
+    await conn.end_chunked()
+
+
+@contextlib.contextmanager
+def rig(handlers: dict, *, extra_upstreams: list[dict] | None = None, **cfg) -> Iterator[Rig]:
+    gate = threading.Event()
+
+    async def dispatch(req: Req, conn: Conn) -> None:
+        model = orjson.loads(req.body).get("model") if req.body[:1] == b"{" else None
+        if model == "healthy":
+            await healthy_handler(req, conn, gate)
+        elif model == "healthy-now":
+            await healthy_handler(req, conn, None)
+        else:
+            await handlers[model if model in handlers else None](req, conn)
+
+    with FakeUpstream(dispatch) as up:
+        raw = {"upstreams": [*(extra_upstreams or []), {"name": "default", "url": up.url}], "default_upstream": "default"}
+        config = build_config(raw, log_requests=False, **cfg)
+        app = create_app(config)
+        try:
+            with ServerThread(app, server_header=False, date_header=False) as srv:
+                yield Rig(srv.url, app, up, gate)
+        finally:
+            gate.set()
+        assert not up.errors, up.errors
+
+
+def read_all(url: str, body: dict, **kw) -> tuple[int, bytes, BaseException | None, httpx.Headers]:
+    """POST and read the whole body; return the error instead of raising when the body breaks."""
+    with httpx.Client(timeout=kw.pop("timeout", 30)) as c, c.stream("POST", url + "/v1/chat/completions", json=body, **kw) as r:
+        got = b""
+        try:
+            for part in r.iter_raw():
+                got += part
+        except httpx.HTTPError as exc:
+            return r.status_code, got, exc, r.headers
+        return r.status_code, got, None, r.headers
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# -- upstream faults --------------------------------------------------------------------------
+
+
+def test_connection_refused_gives_openai_502_and_others_keep_streaming() -> None:
+    dead = {"name": "dead", "url": f"http://127.0.0.1:{closed_port()}", "models": ["dead"]}
+    with rig({}, extra_upstreams=[dead]) as t, t.healthy_stream_alongside():
+        r = httpx.post(t.url + "/v1/chat/completions", json={**STREAM_REQ, "model": "dead"})
+        assert r.status_code == 502 and r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert err["code"] == "upstream_unreachable" and err["type"] == "proxy_error" and "dead" in err["message"]
+        rec = t.record(r.headers["x-mlxproxy-request-id"])
+        assert (rec.outcome, rec.status, rec.upstream) == ("upstream_unreachable", None, "dead")
+
+
+async def reset_at_once(req: Req, conn: Conn) -> None:
+    conn.reset()
+
+
+def test_reset_before_headers_gives_502() -> None:
+    with rig({"reset": reset_at_once}) as t, t.healthy_stream_alongside():
+        r = httpx.post(t.url + "/v1/chat/completions", json={**STREAM_REQ, "model": "reset"})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+        rec = t.record(r.headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "upstream_unreachable" and rec.status is None
+
+
+@pytest.mark.parametrize("http10", [False, True], ids=["chunked", "http10"])
+def test_reset_mid_stream_breaks_the_client_body_too(http10: bool) -> None:
+    async def handler(req: Req, conn: Conn) -> None:
+        if http10:
+            await conn.head(200, [("content-type", "text/event-stream")], version="1.0")
+            await conn.send(EVENT_A)
+        else:
+            await conn.head(200, SSE_CHUNKED)
+            await conn.chunk(EVENT_A)
+        await conn.wait_gate(t.gate, 30)  # until the client has the first event
+        conn.reset()
+
+    with rig({"m": handler}) as t:
+        with httpx.Client(timeout=30) as c, c.stream("POST", t.url + "/v1/chat/completions", json=STREAM_REQ) as r:
+            it = r.iter_raw()
+            first = next(it)
+            t.gate.set()
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                rest = b"".join(it)
+            assert r.status_code == 200 and first == EVENT_A
+            rid = r.headers["x-mlxproxy-request-id"]
+        rec = t.record(rid)
+        assert rec.outcome == "truncated" and rec.generated_events == 1
+        assert rec.error is not None and "ended abnormally" in rec.error
+        with t.healthy_stream_alongside():
+            pass
+
+
+def test_truncated_chunked_body_reaches_the_client_truncated() -> None:
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        await conn.chunk(EVENT_A)
+        await conn.send(b"400\r\n" + FINISH)  # announces 1024 bytes, sends fewer, then closes
+        conn.writer.close()
+
+    with rig({"m": handler}) as t, t.healthy_stream_alongside():
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        assert status == 200 and got.startswith(EVENT_A) and isinstance(exc, httpx.RemoteProtocolError)
+        assert got in (EVENT_A, EVENT_A + FINISH)
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome in ("truncated", "ok_no_done") and rec.error is not None
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["finish-no-done", "no-finish"])
+@pytest.mark.parametrize("http10", [False, True], ids=["chunked", "http10-close"])
+def test_body_ending_without_done_is_forwarded_as_a_clean_end(http10: bool, finish: bool) -> None:
+    body = EVENT_A + (FINISH if finish else b"")
+
+    async def handler(req: Req, conn: Conn) -> None:
+        if http10:  # mlx_lm.server: HTTP/1.0, the body ends at connection close
+            await conn.head(200, [("content-type", "text/event-stream")], version="1.0")
+            await conn.send(body)
+            conn.writer.close()
+        else:
+            await conn.head(200, SSE_CHUNKED)
+            await conn.chunk(body)
+            await conn.end_chunked()
+
+    with rig({"m": handler}) as t, t.healthy_stream_alongside():
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        assert (status, got, exc) == (200, body, None)
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == ("ok_no_done" if finish else "truncated") and rec.error is None
+
+
+def test_garbage_bytes_and_invalid_json_are_forwarded_unchanged() -> None:
+    body = (b"\x00\xff\xfe garbage without structure\n\n" + EVENT_A + b"data: {not json\n\n" + b"data: \xff\xfe\xfd\n\n"
+            + b"data: [1, 2\r\n\r\n" + b"event: x\nid: \x00\nretry: 99999999999999999999999999\n\n" + FINISH + b"data: [DONE]\n\n")
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        for i in range(0, len(body), 7):  # odd splits on the wire
+            await conn.chunk(body[i:i + 7])
+        await conn.end_chunked()
+
+    with rig({"m": handler}) as t, t.healthy_stream_alongside():
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        assert (status, got, exc) == (200, body, None)
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "protocol_error" and rec.generated_events == 1 and rec.finish_reason == "stop"
+
+
+def test_500_with_an_html_body_passes_through() -> None:
+    html = b"<!DOCTYPE html><html><head><title>500 Internal Server Error</title></head><body><h1>Oops</h1></body></html>\n"
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(500, [("content-type", "text/html; charset=utf-8"), ("content-length", str(len(html)))])
+        await conn.send(html)
+
+    with rig({"m": handler}) as t, t.healthy_stream_alongside():
+        r = httpx.post(t.url + "/v1/chat/completions", json=STREAM_REQ)
+        assert r.status_code == 500 and r.content == html and r.headers["content-type"].startswith("text/html")
+        rec = t.record(r.headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "http_error" and rec.status == 500 and rec.error is not None and "Oops" in rec.error
+
+
+def test_upstream_that_stalls_mid_stream_hits_the_read_timeout() -> None:
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        await conn.chunk(EVENT_A)
+        await conn.wait_peer_close(30)  # silent until the proxy gives up
+
+    with rig({"m": handler}, timeouts={"read_s": 0.5}) as t:
+        t0 = time.monotonic()
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        waited = time.monotonic() - t0
+        assert status == 200 and got == EVENT_A and isinstance(exc, httpx.RemoteProtocolError)
+        assert 0.4 <= waited < 20
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "upstream_timeout" and rec.generated_events == 1 and "read timeout" in (rec.error or "")
+        with t.healthy_stream_alongside():
+            pass
+
+
+def test_upstream_that_accepts_and_never_answers_gives_504() -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+    try:
+        mute = {"name": "mute", "url": f"http://127.0.0.1:{silent.getsockname()[1]}", "models": ["mute"]}
+        with rig({}, extra_upstreams=[mute], timeouts={"read_s": 0.5}) as t:
+            t0 = time.monotonic()
+            with t.request_in_background({**STREAM_REQ, "model": "mute"}) as result:
+                t.healthy_request()  # served while the other one waits
+            r = result()
+            assert 0.4 <= time.monotonic() - t0 < 20
+            assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+            rec = t.record(r.headers["x-mlxproxy-request-id"])
+            assert rec.outcome == "upstream_timeout" and rec.status is None
+    finally:
+        silent.close()
+
+
+FIFTY_MB = 50 * 1024 * 1024
+
+
+@pytest.mark.parametrize("kind", ["stream", "stream-usage-injected", "non-stream", "endless-event-usage-injected"])
+def test_a_50_mb_line_without_newline_is_forwarded_in_bounded_memory(kind: str) -> None:
+    """50 MiB in one line (or, `endless-event`, in 1 KiB `data:` lines that never end their
+    event): forwarded byte for byte, while the proxy holds only bounded buffers."""
+    block = b"x" * (1024 * 1024)
+    head = b"data: " if kind != "non-stream" else b'{"choices": "'
+    if kind.startswith("endless-event"):
+        block = (b"data: " + b"y" * 1017 + b"\n") * 1024
+        head = EVENT_A + b"data: a\n"
+    ctype = "application/json" if kind == "non-stream" else "text/event-stream"
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("content-type", ctype), ("transfer-encoding", "chunked")])
+        await conn.chunk(head)
+        for _ in range(FIFTY_MB // len(block)):
+            await conn.chunk(block)
+        await conn.end_chunked()
+
+    body = {**STREAM_REQ, "stream": kind != "non-stream"}
+    if kind.endswith("usage-injected"):
+        del body["stream_options"]
+    with rig({"m": handler}) as t:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            with httpx.Client(timeout=60) as c, c.stream("POST", t.url + "/v1/chat/completions", json=body) as r:
+                n = 0
+                first = b""
+                for part in r.iter_raw():
+                    if len(first) < 16:
+                        first += part[:16]
+                    n += len(part)
+                rid = r.headers["x-mlxproxy-request-id"]
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert n == len(head) + FIFTY_MB and first[:len(head)][:16] == head[:16]
+        rec = t.record(rid)
+        # a stream line over the decoder's bound is a protocol error; a non-stream body over
+        # the meter's parse bound is not judged (meter.MAX_BUFFERED_BODY_BYTES)
+        assert rec.outcome == ("ok" if kind == "non-stream" else "protocol_error") and rec.bytes_out == n
+        # the whole process (proxy, upstream and client threads) never held the body: a few
+        # bounded buffers (SSE line bound 4 MiB, non-stream parse bound 16 MiB) at most
+        assert peak < 40 * 1024 * 1024, f"peak traced memory {peak / 2**20:.1f} MiB"
+        print(f"{kind}: peak {peak / 2**20:.1f} MiB")
+        with t.healthy_stream_alongside():
+            pass
+
+
+# -- parser robustness (the sans-I/O core) -----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mlxproxy.core import meter as meter_module  # noqa: E402
+from mlxproxy.core.meter import RequestMeter  # noqa: E402
+from mlxproxy.core.openai import inject_include_usage, is_injected_usage_chunk, parse_request  # noqa: E402
+from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEProtocolError  # noqa: E402
+from mlxproxy.core.strip import UsageStripper  # noqa: E402
+
+# pieces that real streams are made of, so random byte strings reach deep into the parsers
+WIRE_PIECES = [
+    b"data: ", b"data:", b"\n", b"\r", b"\r\n", b"\n\n", b": keepalive 12/", b"34", b"[DONE]", b"{", b"}", b'"choices":[', b"]",
+    b'{"index":0,"delta":{"role":"assistant","content":"a","reasoning":"r","reasoning_content":"r2",'
+    b'"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{"}}]},"finish_reason":"stop"}',
+    b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}',
+    b",", b'"error":{"message":"boom"}', b'"error":"x"', b'"detail":[{"msg":"m"}]', b"\xff\xfe", b"\xe2\x98", b"id: 1\n",
+    b"event: e\n", b"retry: 5\n", b'"text":"t"', b'"timings":{"predicted_per_second":3}', b"null", b"1e999", b"-0", b"\x00",
+    b"\xef\xbb\xbf", b"x" * 70,
+]
+wire_bytes = st.one_of(st.binary(max_size=300), st.lists(st.one_of(st.sampled_from(WIRE_PIECES), st.binary(max_size=8)),
+                                                          max_size=40).map(b"".join))
+cut_points = st.lists(st.integers(min_value=0, max_value=2000), max_size=10)
+LINE_BOUND = 64
+
+
+def cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c for c in cuts if 0 < c < len(data)})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+
+
+def held_by_decoder(dec: SSEDecoder) -> tuple[int, int]:
+    """(bytes of partial line held, bytes of event data held)."""
+    return len(dec._buf), sum(len(d.encode("utf-8", "surrogatepass")) for d in dec._data)
+
+
+def decode_all(parts: list[bytes], bound: int = LINE_BOUND) -> list:
+    dec = SSEDecoder(bound)
+    out = []
+    for p in parts:
+        out.extend(dec.feed(p))
+        line, data = held_by_decoder(dec)
+        assert line <= bound and data <= bound
+    return out + dec.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wire_bytes, cut_points)
+def test_decoder_any_bytes_any_split_never_raises_stays_bounded_and_agrees(data: bytes, cuts: list[int]) -> None:
+    assert decode_all(cut(data, cuts)) == decode_all([data])
+
+
+def test_decoder_drops_an_over_long_line_or_event_with_the_rest_of_its_event() -> None:
+    long = b"z" * 100
+    body = (b"data: a\n" + long + b"\ndata: b\n\n"  # a long line inside an event: the whole event goes
+            + b"data: c\n\n"
+            + b"data: 0123456789\n" * 10 + b"\n"  # an event over the bound in many short lines
+            + b"id: 1\n" + b"junk\n" * 20 + b"\n"  # ... or in lines that are not data
+            + b"data: d\n\n")
+    for parts in [[body], [body[i:i + 1] for i in range(len(body))], cut(body, [5, 9, 50, 101, 130, 200])]:
+        out = decode_all(parts)
+        assert [type(x).__name__ for x in out] == ["SSEProtocolError", "SSEEvent", "SSEProtocolError", "SSEProtocolError", "SSEEvent"]
+        assert [x.data for x in out if isinstance(x, SSEEvent)] == ["c", "d"]
+    assert decode_all([b"\xef\xbb\xbf\n"]) == []  # a BOM alone is a blank line (it raised IndexError)
+    digits = b"retry: " + b"9" * 5000 + b"\ndata: e\n\n"  # int() refuses this many digits
+    (event,) = decode_all([digits], bound=10_000)
+    assert event.data == "e" and event.retry is None
+
+
+def run_meter(req: tuple[str, str, bytes], resp: tuple[int, str | None], parts: list[bytes], bound: int = LINE_BOUND) -> Record:
+    info, _ = parse_request(*req)
+    m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, keep_text=True,
+                     max_line_bytes=bound)
+    m.upstream_sent(0.0)
+    m.response_started(0.5, *resp)
+    for p in parts:
+        m.feed(p, 1.0)  # one timestamp for every read: a split must not change any figure
+        if m.decoder is not None:
+            line, data = held_by_decoder(m.decoder)
+            assert line <= bound and data <= bound
+        assert len(m._body) <= meter_module.MAX_BUFFERED_BODY_BYTES
+    return m.finish(2.0)
+
+
+REQUESTS = st.sampled_from([("POST", "/v1/chat/completions", b'{"model":"m","stream":true,"max_tokens":2}'),
+                            ("POST", "/v1/chat/completions", b'{"model":"m"}'), ("POST", "/v1/completions", b'{"stream":true}'),
+                            ("GET", "/v1/models", b""), ("POST", "/x", b"not json")])
+RESPONSES = st.sampled_from([(200, "text/event-stream"), (200, "application/json"), (500, "text/html"),
+                             (400, "application/json"), (200, None), (404, "text/event-stream; charset=utf-8")])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(REQUESTS, RESPONSES, wire_bytes, cut_points)
+def test_meter_any_bytes_any_split_never_raises_stays_bounded_and_agrees(req, resp, data: bytes, cuts: list[int],
+                                                                         ) -> None:
+    whole = run_meter(req, resp, [data])
+    assert run_meter(req, resp, cut(data, cuts)) == whole
+    assert whole.bytes_out == len(data)
+
+
+def test_meter_non_stream_body_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(meter_module, "MAX_BUFFERED_BODY_BYTES", 100)
+    rec = run_meter(("POST", "/v1/chat/completions", b'{"model":"m"}'), (200, "application/json"), [b'{"a": "' + b"x" * 60] * 5)
+    assert rec.bytes_out == 5 * 67
+
+
+chunk_texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6)
+
+
+@st.composite
+def valid_openai_streams(draw) -> tuple[bytes, dict]:
+    """A valid chat stream in one of the servers' shapes, and what it must measure to."""
+    contents = draw(st.lists(chunk_texts, max_size=8))
+    reasonings = draw(st.lists(chunk_texts, max_size=4))
+    eol = draw(st.sampled_from([b"\n", b"\r\n", b"\r"]))
+    space = draw(st.sampled_from([b" ", b""]))
+    comments = draw(st.booleans())
+    finish = draw(st.sampled_from([None, "stop", "length"]))
+    done = draw(st.booleans())
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+    events += [{"choices": [{"index": 0, "delta": {"reasoning_content": r}}]} for r in reasonings]
+    events += [{"choices": [{"index": 0, "delta": {"content": c}}]} for c in contents]
+    if finish:
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(contents) + len(reasonings),
+                                            "total_tokens": 3 + len(contents) + len(reasonings)}})
+    body = b""
+    for ev in events:
+        if comments:
+            body += b": keepalive" + eol + eol
+        body += b"data:" + space + orjson.dumps(ev) + eol + eol
+    if done:
+        body += b"data: [DONE]" + eol + eol
+    outcome = ("ok" if done else "ok_no_done") if finish else "truncated"
+    return body, {"generated_events": len(contents) + len(reasonings), "reasoning_tokens_counted": len(reasonings),
+                  "finish_reason": finish, "outcome": outcome, "completion_tokens_reported": len(contents) + len(reasonings),
+                  "comments": len(events) if comments else 0}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_openai_streams(), cut_points)
+def test_meter_valid_streams_measure_the_same_whole_and_split(stream, cuts: list[int]) -> None:
+    body, expected = stream
+    req = ("POST", "/v1/chat/completions", b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}')
+    whole = run_meter(req, (200, "text/event-stream"), [body], 4096)
+    assert run_meter(req, (200, "text/event-stream"), cut(body, cuts), 4096) == whole
+    assert run_meter(req, (200, "text/event-stream"), [body[i:i + 1] for i in range(len(body))], 4096) == whole
+    assert {k: getattr(whole, k) for k in expected} == expected
+
+
+USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
+STRIP_PIECES_LF = [EVENT_A, USAGE_EVENT + b"\n\n", b": keepalive\n\n", b"id: 5\n", b"retry: 10\n", b"event: e\n", b"\n",
+                   b"foo\n", b"data: a\n", b"data: " + b"y" * 100 + b"\n", b"z" * 70]
+STRIP_PIECES_CR = [b"\r\n", USAGE_EVENT + b"\r\n\r\n", b"data: b\r", b"\r"]
+
+
+def strip_all(parts: list[bytes]) -> tuple[bytes, int]:
+    """The proxy's usage-stripping path (`ProxyApp._forward`) on the core alone."""
+    dec, stripper, out = SSEDecoder(LINE_BOUND), UsageStripper(), b""
+    for p in parts:
+        out += stripper.process(p, dec.feed(p), dec.safe_offset)
+        assert len(stripper._buf) <= 2 * LINE_BOUND  # an open event and a partial line are held back, within the bound
+    return out + stripper.flush(), stripper.stripped
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(STRIP_PIECES_LF), max_size=12), cut_points)
+def test_usage_stripping_forwards_the_same_bytes_however_the_stream_is_split(pieces: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(pieces)
+    out, stripped = strip_all([data])
+    assert strip_all(cut(data, cuts)) == (out, stripped)
+    assert out == data.replace(USAGE_EVENT + b"\n\n", b"", stripped) or stripped == 0 or b"data: a\n" in data
+
+
+def sse_events(data: bytes) -> list[str]:
+    dec = SSEDecoder()
+    return [e.data for e in dec.feed(data) + dec.close() if isinstance(e, SSEEvent)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(STRIP_PIECES_LF + STRIP_PIECES_CR), max_size=12), cut_points)
+def test_usage_stripping_gives_the_same_events_with_any_line_ends(pieces: list[bytes], cuts: list[int]) -> None:
+    """A CR that ends one read and the LF that starts the next may leave one stray line end
+    behind (a blank line: no event); the events the client parses are the same."""
+    data = b"".join(pieces)
+    out, stripped = strip_all([data])
+    out2, stripped2 = strip_all(cut(data, cuts))
+    assert stripped2 == stripped and sse_events(out2) == sse_events(out)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["model", "stream", "stream_options", "messages", "prompt", "max_tokens", "x"]),
+                       json_values, max_size=6), st.sampled_from([b"", b" ", b"\n"]))
+def test_request_parsing_and_usage_injection_never_raise(obj: dict, trailer: bytes) -> None:
+    body = orjson.dumps(obj) + trailer
+    info, parsed = parse_request("POST", "/v1/chat/completions", body)
+    assert parsed == obj and info.json_body
+    injected = orjson.loads(inject_include_usage(body, obj))
+    assert injected["stream_options"]["include_usage"] is True
+    assert {k: v for k, v in injected.items() if k != "stream_options"} == {k: v for k, v in obj.items() if k != "stream_options"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_request_parsing_never_raises_on_any_bytes(body: bytes) -> None:
+    info, parsed = parse_request("POST", "/v1/chat/completions", body)
+    assert parsed is None or isinstance(parsed, dict)
+    assert is_injected_usage_chunk(body.decode("utf-8", "replace")) in (True, False)
+
+
+@pytest.mark.xfail(strict=True, reason="meter.py/_PROGRESS and openai.py/_CTX_PATTERNS call int() on unbounded digit "
+                                       "runs (Python refuses > 4300 digits); fix: \\d{1,18} in both patterns")
+@pytest.mark.parametrize("where", ["comment", "error"])
+def test_meter_survives_thousands_of_digits(where: str) -> None:
+    digits = b"1" * 5000
+    if where == "comment":
+        rec = run_meter(("POST", "/v1/chat/completions", b'{"stream":true}'), (200, "text/event-stream"),
+                        [b": keepalive " + digits + b"/2\n\n"], 10_000)
+    else:
+        rec = run_meter(("POST", "/v1/chat/completions", b"{}"), (400, "application/json"),
+                        [b'{"error":"' + digits + b' tokens exceeds max context window of 8"}'], 10_000)
+    assert rec is not None
