@@ -261,3 +261,28 @@ def test_request_body_limit_and_own_route_method() -> None:
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = httpx.post(url + "/metrics")
         assert r.status_code == 405 and "error" in r.json()
+
+
+def test_client_leaving_after_done_is_not_a_disconnect() -> None:
+    """The OpenAI SDK stops reading at [DONE]; an HTTP/1.0 upstream (mlx_lm.server) closes
+    only later. The client got the whole stream: the record must say ok."""
+    body = read_fixture("wire/01_openai_reference_include_usage.sse")
+    closed = threading.Event()
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("Content-type", "text/event-stream")], version="1.0")
+        await conn.send(body)
+        if await conn.wait_peer_close(10):
+            closed.set()
+
+    with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
+        with httpx.Client(timeout=5) as c, c.stream("POST", url + "/v1/chat/completions", json=STREAM_REQ) as r:
+            got = b""
+            for chunk in r.iter_raw():
+                got += chunk
+                if b"[DONE]" in got:
+                    break
+            rid = r.headers["x-mlxproxy-request-id"]
+        assert closed.wait(5)
+        rec = last_record(app, rid)
+        assert rec.outcome == "ok" and rec.error is None and rec.completion_tokens_reported == 2

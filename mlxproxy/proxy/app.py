@@ -291,8 +291,9 @@ class ProxyApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if state["disconnected"]:
-                outcome = "client_disconnect"
-                error = "the client disconnected"
+                if not meter.done:  # a client that leaves after [DONE] (the OpenAI SDK stops reading
+                    outcome = "client_disconnect"  # there) got the whole stream: classify it normally
+                    error = "the client disconnected"
             else:
                 raise
         finally:
