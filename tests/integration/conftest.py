@@ -2,16 +2,19 @@
 
 The server runs with ``--prefill-step-size 16`` so a prompt of a few hundred tokens is
 processed in many steps (many ``: keepalive P/T`` comments, and a TTFT large enough to
-compare). Tests that need the mlx stack skip with the reason where it does not import.
+compare), on its own CPU cores where the platform allows (``peers.split_cpus``). Tests
+that need the mlx stack skip with the reason where it does not import.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from .peers import CLIENT_CPUS, SERVER_CPUS, cpu_affinity
 from .tinymodel import mlx_unavailable_reason
 
 #: Server-side default reply cap (``--max-tokens``).
@@ -41,6 +44,16 @@ def mlx_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     from .tinymodel import mlx_lm_server
 
     log = tmp_path_factory.mktemp("mlx-lm-log") / "server.log"
-    with mlx_lm_server(tiny_model, max_tokens=SERVER_MAX_TOKENS,
-                       extra_args=["--prefill-step-size", str(PREFILL_STEP)], log_path=log) as url:
+    with contextlib.ExitStack() as stack:
+        with cpu_affinity(SERVER_CPUS):  # the child keeps these cores (see peers.split_cpus)
+            url = stack.enter_context(mlx_lm_server(tiny_model, max_tokens=SERVER_MAX_TOKENS,
+                                                    extra_args=["--prefill-step-size", str(PREFILL_STEP)], log_path=log))
         yield url
+
+
+@pytest.fixture(autouse=True)
+def _off_the_server_cores() -> Iterator[None]:
+    """Each test's own client work (and children it starts) stays off the model
+    server's cores, as in real use where the model runs elsewhere (GPU)."""
+    with cpu_affinity(CLIENT_CPUS):
+        yield

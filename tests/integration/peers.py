@@ -77,6 +77,42 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def split_cpus() -> tuple[set[int] | None, set[int] | None]:
+    """(CPUs for the model server, CPUs for everything else), or (None, None) where
+    affinity cannot be set or there is a single CPU.
+
+    On a small runner the tiny model's server, the proxy and the client all compete for
+    the same cores, and the mlx CPU backend spreads over every core it may use: any other
+    busy process then slows its prefill and decode. On a real Mac the model runs on the
+    GPU, so that contention is an artefact of the test box; giving the server its own
+    cores keeps it out of the timing comparisons.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+SERVER_CPUS, CLIENT_CPUS = split_cpus()
+
+
+@contextlib.contextmanager
+def cpu_affinity(cpus: set[int] | None) -> Iterator[None]:
+    """Run this process (and children started meanwhile) on ``cpus``; no-op for None."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def wait_for(pred: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.01) -> T:
     """Poll ``pred`` until it returns something truthy; return it (or fail the test)."""
     deadline = time.monotonic() + timeout_s
@@ -101,6 +137,25 @@ def median(values: Sequence[float]) -> float:
     if n == 0:
         raise ValueError("median of nothing")
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+#: Known proxy bug (reproduced in test_proxy_bugs_found.py): a client that closes its
+#: connection right after ``data: [DONE]`` (the OpenAI Python SDK does) can be recorded as
+#: ``client_disconnect`` when mlx_lm.server (HTTP/1.0) has not closed its socket yet.
+#: While the bug is open such records are accepted if the stream was otherwise complete.
+#: Set to False once the repro passes.
+TOLERATE_CLOSE_AFTER_DONE = True
+
+
+def assert_completed(rec: Record) -> None:
+    """``rec`` is a successful request with no anomalies (see :data:`TOLERATE_CLOSE_AFTER_DONE`)."""
+    if rec.outcome == "client_disconnect" and TOLERATE_CLOSE_AFTER_DONE and rec.stream:
+        assert rec.finish_reason is not None and rec.generated_events > 0, f"a real disconnect, not the known bug: {rec}"
+        assert rec.completion_tokens_reported is not None or not (rec.usage_requested or rec.usage_injected), rec
+        print(f"[known bug] complete stream {rec.id} recorded as client_disconnect")
+    else:
+        assert rec.outcome == "ok", f"outcome {rec.outcome!r}: {rec.error} ({rec})"
+    assert rec.anomalies == (), f"anomalies {rec.anomalies}: {rec.anomaly_evidence}"
 
 
 @dataclasses.dataclass
@@ -155,12 +210,13 @@ _LISTENING = re.compile(r"listening on (http://[^\s/]+)/v1")
 
 @contextlib.contextmanager
 def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, capture: bool = False,
-                   startup_timeout_s: float = 30.0) -> Iterator[ProxyProcess]:
+                   startup_timeout_s: float = 30.0, cpus: set[int] | None = CLIENT_CPUS) -> Iterator[ProxyProcess]:
     """Run ``python -m mlxproxy serve --config FILE --port 0`` in front of ``upstream_url``.
 
     ``config`` holds extra config keys (YAML written as JSON); ``capture`` adds a capture
-    file in a temp folder. The child is stopped with SIGTERM (a graceful shutdown that
-    closes the capture file) and reaped.
+    file in a temp folder; ``cpus`` is the child's CPU affinity (default: off the model
+    server's cores). The child is stopped with SIGTERM (a graceful shutdown that closes
+    the capture file) and reaped.
     """
     with tempfile.TemporaryDirectory(prefix="mlxproxy-serve-") as tmp:
         tmpdir = Path(tmp)
@@ -173,7 +229,7 @@ def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, c
         cfg.write_text(json.dumps(raw, indent=2) + "\n")  # JSON is YAML
         log_path = tmpdir / "serve.log"
         cmd = [sys.executable, "-m", "mlxproxy", "serve", "--config", str(cfg), "--port", "0", "--log-level", "warning"]
-        with open(log_path, "wb") as logf:
+        with open(log_path, "wb") as logf, cpu_affinity(cpus):
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=loopback_env(PYTHONUNBUFFERED="1"), cwd=tmpdir)
         http = httpx.Client(timeout=30.0, trust_env=False)
