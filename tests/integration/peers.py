@@ -139,22 +139,9 @@ def median(values: Sequence[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-#: Known proxy bug (reproduced in test_proxy_bugs_found.py): a client that closes its
-#: connection right after ``data: [DONE]`` (the OpenAI Python SDK does) can be recorded as
-#: ``client_disconnect`` when mlx_lm.server (HTTP/1.0) has not closed its socket yet.
-#: While the bug is open such records are accepted if the stream was otherwise complete.
-#: Set to False once the repro passes.
-TOLERATE_CLOSE_AFTER_DONE = True
-
-
 def assert_completed(rec: Record) -> None:
-    """``rec`` is a successful request with no anomalies (see :data:`TOLERATE_CLOSE_AFTER_DONE`)."""
-    if rec.outcome == "client_disconnect" and TOLERATE_CLOSE_AFTER_DONE and rec.stream:
-        assert rec.finish_reason is not None and rec.generated_events > 0, f"a real disconnect, not the known bug: {rec}"
-        assert rec.completion_tokens_reported is not None or not (rec.usage_requested or rec.usage_injected), rec
-        print(f"[known bug] complete stream {rec.id} recorded as client_disconnect")
-    else:
-        assert rec.outcome == "ok", f"outcome {rec.outcome!r}: {rec.error} ({rec})"
+    """``rec`` is a successful request with no anomalies."""
+    assert rec.outcome == "ok", f"outcome {rec.outcome!r}: {rec.error} ({rec})"
     assert rec.anomalies == (), f"anomalies {rec.anomalies}: {rec.anomaly_evidence}"
 
 

@@ -1,7 +1,8 @@
-"""Minimal, deterministic reproductions of proxy bugs first seen with real peers.
+"""Minimal, deterministic reproductions of bugs first seen with real peers.
 
 Each test replays what a real peer does with a scripted upstream (tests/fakeupstream.py),
-so it fails or passes the same way every time, without mlx.
+so it fails or passes the same way every time, without mlx. Fixed ones stay as
+regression tests.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
     EOF, the proxy records ``client_disconnect`` for a stream that completed normally
     (seen for ~15% of SDK streams against a real mlx_lm.server). Here the upstream holds
     its socket open after ``[DONE]`` until the test has finished reading, so the race
-    always goes the same way."""
+    always goes the same way. (Fixed in ef36c6a.)"""
     client_done = threading.Event()
 
     async def mlx_lm_like(req: Req, conn: Conn) -> None:
@@ -79,3 +80,41 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
         assert rec.finish_reason == "length" and rec.completion_tokens_reported == 2
         assert rec.outcome == "ok", (
             f"outcome {rec.outcome!r} ({rec.error}) for a stream the client read to data: [DONE]")
+
+
+def test_requests_released_together_start_alike() -> None:
+    """``bench``'s double test (MeasuringClient.run_waves) after its single-request phase:
+    one request of the wave goes out on the keep-alive connection the single request left
+    in the pool, the other has to open a new connection first. Against a keep-alive
+    target -- the proxy, or any HTTP/1.1 server -- that skews their arrival by ~2-5 ms on
+    a 2-core runner, enough for mlx_lm.server (which admits new requests into a running
+    batch only every 0.5 s) to admit the second one late: through the proxy 7 of 10 waves
+    joined late vs 0 of 10 direct (mlx_lm.server is HTTP/1.0, so there both connections
+    are new), and ``mlxproxy bench --target <proxy>`` reports ~1.2x / overlap ~0.45 where
+    the same server gives ~1.65x / overlap 1.0. Both requests of a wave should start on
+    connections in the same state (e.g. warm ``size`` connections before each wave)."""
+    import asyncio
+
+    from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+
+    ports: dict[bytes, int] = {}
+    body = b'{"object":"list","data":[]}'
+
+    async def keep_alive(req: Req, conn: Conn) -> None:
+        ports[req.body] = conn.writer.get_extra_info("peername")[1]
+        await conn.head(200, [("content-type", "application/json"), ("content-length", str(len(body)))])
+        await conn.send(body)
+
+    def post(tag: bytes) -> PreparedRequest:
+        return PreparedRequest("POST", "/v1/embeddings", tag, (("content-type", "application/json"),))
+
+    async def bench_like(url: str) -> None:
+        async with MeasuringClient(url, timeout_s=10) as c:
+            await c.send(post(b'"single"'))
+            await c.run_waves([post(b'"a"'), post(b'"b"')], 2)
+
+    with FakeUpstream(keep_alive) as up:
+        asyncio.run(bench_like(up.url))
+    reused = {tag: ports[tag] == ports[b'"single"'] for tag in (b'"a"', b'"b"')}
+    assert len(set(reused.values())) == 1, (
+        f"one request of the wave reused the warm connection and the other opened a new one: {reused}")
