@@ -159,6 +159,16 @@ def proc_cpu(pid: int) -> float:
         return 0.0
 
 
+def system_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (/proc/stat: user nice system irq softirq steal)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def proc_mem_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) in MB from /proc/PID/status."""
     rss = hwm = 0.0
@@ -447,6 +457,7 @@ class Bench:
         self.workdir = workdir
         self.out_lines: list[str] = []
         self.results: dict[str, Any] = {"plan": plan.__dict__, "scenarios": {}}
+        self.foreign: list[tuple[float, float]] = []  # (CPU s used by processes outside this benchmark, wall s) per job
 
     def say(self, line: str = "") -> None:
         print(line, flush=True)
@@ -524,12 +535,22 @@ class Bench:
 
     # -- one job against one target, with CPU accounting -----------------------------
 
+    def our_cpu(self) -> float:
+        """CPU seconds of this benchmark's whole process tree (to tell other processes' load apart)."""
+        return (sum(proc_cpu(p) for p in [self.upstream.pid, os.getpid()] + self.gens.pids)
+                + sum(x.cpu() for x in self.targets if x.proc is not None))
+
     def run_job(self, t: Target, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         job = {**job, "host": HOST, "port": t.port}
-        cpu0, up0 = t.cpu(), proc_cpu(self.upstream.pid)
+        mine0 = self.our_cpu()
+        cpu0, up0, busy0, w0 = t.cpu(), proc_cpu(self.upstream.pid), system_busy_s(), time.monotonic()
         res = self.gens.call(job, timeout_s)
         res["proxy_cpu_s"] = t.cpu() - cpu0
         res["upstream_cpu_s"] = proc_cpu(self.upstream.pid) - up0
+        wall = time.monotonic() - w0
+        foreign = (system_busy_s() - busy0) - (self.our_cpu() - mine0)
+        res["foreign_cores"] = max(foreign, 0.0) / wall if wall > 0 else 0.0  # other processes on the machine
+        self.foreign.append((max(foreign, 0.0), wall))
         return res
 
     def rounds(self, targets: list[Target], job: dict[str, Any], timeout_s: float, pause_s: float = 0.2) -> dict[str, list[dict[str, Any]]]:
@@ -616,6 +637,7 @@ class Bench:
         row["direct_lat_p50"] = pct(d_lat, 50)
         row["direct_lat_p99"] = pct(d_lat, 99)
         row["direct_errors"] = sum(r.get("errors", 0) for r in d)
+        row["foreign_cores"] = median([r.get("foreign_cores", 0.0) for rs in res.values() for r in rs])
         row["client_cpu_share"] = median([r.get("client_cpu_s", 0) / r["elapsed_s"] for r in d if r.get("elapsed_s")])
         row["upstream_cpu_us"] = median([r["upstream_cpu_s"] / r["total_events"] * 1e6 for r in d if r.get("total_events")])
         expect = c * rate * tokens / (tokens + 1) if rate else None
@@ -652,7 +674,7 @@ class Bench:
         label = f"{row['streams']} x {row['rate']:g} tok/s" if row["mode"] == "paced" else f"{row['streams']} x fast"
         self.say(f"  {label}: direct {row['direct_eps']:.0f} ev/s, gap p99 {ms(row['direct_gap_p99'])}, "
                  f"errors {row['direct_errors']}, client CPU {fmt(row['client_cpu_share'], '.0%')}, "
-                 f"upstream {fmt(row['upstream_cpu_us'], '.1f')} us/ev"
+                 f"upstream {fmt(row['upstream_cpu_us'], '.1f')} us/ev, other processes {row['foreign_cores']:.2f} cores"
                  + (f"  ** CLIENT/UPSTREAM-BOUND: {row['client_bound']}" if row["client_bound"] else ""))
         for name, v in row["targets"].items():
             self.say(f"    {name:18s} {fmt(v['ratio'], '.3f')}x ({v['eps']:.0f} ev/s)  gap p99 {ms(v['gap_p99_infl'], 2, True)}  "
@@ -685,17 +707,23 @@ class Bench:
     def profile(self) -> None:
         n = self.args.profile_streams
         target = next((t for t in self.targets if t.name == self.args.profile_target and t.proc is not None), self.mlx)
-        self.say(f"\n[5/5] profile of {target.name} under {n} streams x {self.plan.rate:g} tok/s (py-spy)")
+        load = self.args.profile_load
+        what = {"paced": f"{n} streams x {self.plan.rate:g} tok/s", "fast": f"{n} streams as fast as possible",
+                "seq": "sequential non-streaming requests"}[load]
+        self.say(f"\n[5/5] profile of {target.name} under {what} (py-spy)")
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(PY), "py-spy")
         if not os.path.exists(exe):
             self.say("  py-spy not installed (pip install py-spy): skipped")
             return
         p = self.plan
         out = os.path.join(self.workdir, "profile.txt")
-        self.set_rate(p.rate)
+        self.set_rate(p.rate if load == "paced" else 0)
         dur = p.profile_s
-        job = {"kind": "load", "streams": n, "tokens": p.paced_tokens, "warmup_s": 1.0, "window_s": dur + 1.0,
-               "ramp_s": 0.8, "timeout": 30, "drain_s": 10, "host": HOST, "port": target.port}
+        if load == "seq":
+            job: dict[str, Any] = {"kind": "seq", "n": 1_000_000, "max_s": dur + 1.5, "host": HOST, "port": target.port}
+        else:
+            job = {"kind": "load", "streams": n, "tokens": p.paced_tokens, "warmup_s": 1.0, "window_s": dur + 1.0,
+                   "ramp_s": 0.8, "timeout": 30, "drain_s": 10, "host": HOST, "port": target.port}
         assert target.proc is not None
         prof = self.children.spawn([exe, "record", "-p", str(target.proc.pid), "-d", f"{dur:g}", "-r", "250",
                                     "--nonblocking", "-f", "raw", "-o", out], stdout=subprocess.DEVNULL,
@@ -710,8 +738,11 @@ class Bench:
             self.say(f"  py-spy produced nothing: {(err or '').strip()[-300:]}")
             return
         self.profile_text = summarise_profile(out)
-        self.say(f"  load during the profile: {res.get('events', 0) / max(res.get('window_s', 1), 1e-9):.0f} ev/s, "
-                 f"errors {res.get('errors')}")
+        if load == "seq":
+            self.say(f"  load during the profile: {len(res.get('lat', []))} requests, errors {res.get('errors')}")
+        else:
+            self.say(f"  load during the profile: {res.get('events', 0) / max(res.get('window_s', 1), 1e-9):.0f} ev/s, "
+                     f"errors {res.get('errors')}")
         for line in self.profile_text.splitlines():
             self.say("  " + line)
         if self.args.keep_profile:
@@ -795,6 +826,14 @@ class Bench:
             ("peak RSS (VmHWM) after 256 streams", f"<= {T_RSS_MB:g} MB", rss_peak),
             (f"RSS growth over {self.plan.churn_n} requests", f"<= {T_RSS_GROWTH_MB:g} MB", rss_growth),
         ]
+        if self.foreign:
+            avg = sum(f for f, _ in self.foreign) / max(sum(w for _, w in self.foreign), 1e-9)
+            busy = [f / w for f, w in self.foreign if w >= 1.0]
+            self.say(f"\nbackground load from processes outside this benchmark during its jobs: {avg:.2f} cores on average"
+                     + (f", p90 of jobs {pct(busy, 90):.2f}" if busy else "") + f" (of {os.cpu_count()})"
+                     + ("  ** NOISY MACHINE: absolute figures are pessimistic; ratios, CPU/event and medians hold up best"
+                        if avg > 0.25 else ""))
+            self.results["background_cores"] = avg
         self.say("\n== summary (added = proxy minus direct, same run, interleaved rounds; ratios = medians of per-round ratios)")
         head = ["metric", "target"]
         for n in names:
@@ -958,6 +997,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="run only these scenarios (repeatable)")
     ap.add_argument("--profile", action="store_true", help="also profile mlxproxy with py-spy under paced streams")
     ap.add_argument("--profile-streams", type=int, default=64, metavar="N", help="streams during the profile (default 64)")
+    ap.add_argument("--profile-load", choices=["paced", "fast", "seq"], default="paced",
+                    help="load during the profile: paced streams (default), as-fast-as-possible streams, "
+                         "or sequential non-streaming requests")
     ap.add_argument("--profile-target", default="mlxproxy", metavar="NAME", help="which proxy to profile (default mlxproxy)")
     ap.add_argument("--keep-profile", metavar="FILE", help="copy py-spy's raw collapsed stacks to FILE")
     ap.add_argument("--out", metavar="FILE", help="also write the printed report to FILE")
