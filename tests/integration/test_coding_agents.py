@@ -83,7 +83,7 @@ def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_p
         out = res.stdout + res.stderr
         # Aider exits 0 even when every API call failed; the proxy's records tell the truth.
         assert res.returncode == 0, out
-        assert "Error" not in out and "Retrying" not in out, out
+        assert not any(m in out for m in ("Retrying in", "APIConnectionError", "InternalServerError")), out
         captured = px.captured(at_least=1)
         live = px.records()
         chats = _chat_records(captured)
