@@ -101,7 +101,7 @@ SERVER_CPUS, CLIENT_CPUS = split_cpus()
 
 @contextlib.contextmanager
 def cpu_affinity(cpus: set[int] | None) -> Iterator[None]:
-    """Run this process (and children started meanwhile) on ``cpus``; no-op for None."""
+    """Run the calling thread (and children it starts meanwhile) on ``cpus``; no-op for None."""
     if cpus is None:
         yield
         return
