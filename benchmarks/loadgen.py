@@ -27,9 +27,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def request_bytes(host: str, port: int, path: str, body: bytes) -> bytes:
+def request_bytes(host: str, port: int, path: str, body: bytes, auth: str | None = None) -> bytes:
+    """The request, byte for byte the same for every target (an API key, when given, is sent
+    to all of them: LiteLLM insists on one, the others just forward or ignore it)."""
+    key = f"Authorization: Bearer {auth}\r\n" if auth else ""
     return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+            f"Accept: */*\r\n{key}Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def chat_body(stream: bool, tokens: int) -> bytes:
@@ -279,7 +282,8 @@ async def job_seq(job: dict) -> dict:
     """`n` sequential requests on one connection; latency = request written -> body complete."""
     host, port = job["host"], job["port"]
     stream = bool(job.get("stream"))
-    raw = request_bytes(host, port, job.get("path", "/v1/chat/completions"), chat_body(stream, job.get("tokens", 8)))
+    raw = request_bytes(host, port, job.get("path", "/v1/chat/completions"), chat_body(stream, job.get("tokens", 8)),
+                        job.get("auth"))
     errors = Errors()
     lat: list[float] = []
     ttft: list[float] = []
@@ -306,7 +310,7 @@ async def job_load(job: dict) -> dict:
     the job waits (bounded) for the ones in flight."""
     host, port = job["host"], job["port"]
     n, tokens = job["streams"], job["tokens"]
-    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens))
+    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens), job.get("auth"))
     t_begin = now()
     w = Window(t_begin + job["warmup_s"], t_begin + job["warmup_s"] + job["window_s"])
     errors = Errors()
@@ -345,7 +349,7 @@ async def job_churn(job: dict) -> dict:
     """`n` short streaming requests with `concurrency` workers (RSS-growth check)."""
     host, port = job["host"], job["port"]
     tokens = job.get("tokens", 8)
-    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens))
+    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens), job.get("auth"))
     errors = Errors()
     left = [job["n"]]
     deadline = now() + job.get("max_s", 120)

@@ -373,7 +373,7 @@ litellm_settings:
 """
 
 
-def start_litellm(children: Children, exe: str, up_port: int, workdir: str) -> Target | None:
+def start_litellm(children: Children, exe: str, up_port: int, workdir: str, key: str) -> Target | None:
     if not exe or not os.path.exists(exe):
         return None
     port = free_port()
@@ -381,7 +381,7 @@ def start_litellm(children: Children, exe: str, up_port: int, workdir: str) -> T
     with open(conf, "w") as f:
         f.write(LITELLM_CONF.format(host=HOST, up=up_port))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "LITELLM"))}
-    env.update({"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True", "DISABLE_SCHEMA_UPDATE": "True"})
+    env.update({"LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True", "DISABLE_SCHEMA_UPDATE": "True"})
     log = open(os.path.join(workdir, "litellm.log"), "w")
     p = children.spawn([exe, "--config", conf, "--host", HOST, "--port", str(port), "--num_workers", "1"],
                        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
@@ -414,6 +414,17 @@ def sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
+def paired_added(target: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+    """Added p50 and p99: per round, the target's percentile minus the direct run's of the same
+    round (run back to back), then the median over rounds, so one noisy round cannot decide."""
+    d50, d99 = [], []
+    for t, d in zip(target, direct):
+        a, b = t.get(key, []), d.get(key, [])
+        d50.append(sub(pct(a, 50), pct(b, 50)))
+        d99.append(sub(pct(a, 99), pct(b, 99)))
+    return median(d50), median(d99)
+
+
 def ms(x: float | None, nd: int = 2, sign: bool = False) -> str:
     return "n/a" if x is None else f"{x * 1000:{'+' if sign else ''}.{nd}f} ms"
 
@@ -442,11 +453,11 @@ class Plan:
     profile_s: float
 
 
-FULL = Plan(rounds=3, seq_n=300, ttft_n=150, concs=(1, 16, 64, 256), fast_concs=(1, 16, 64, 256), window_s=3.0,
+FULL = Plan(rounds=3, seq_n=300, ttft_n=150, concs=(1, 16, 64, 256), fast_concs=(1, 16, 64, 256), window_s=2.5,
             warmup_s=1.2, paced_tokens=100, fast_tokens=100, rate=100.0, churn_n=10_000, capture_concs=(64, 256),
             profile_s=15.0)
-QUICK = Plan(rounds=2, seq_n=150, ttft_n=60, concs=(1, 64, 256), fast_concs=(64,), window_s=1.5, warmup_s=1.1,
-             paced_tokens=100, fast_tokens=100, rate=100.0, churn_n=2_000, capture_concs=(64,), profile_s=8.0)
+QUICK = Plan(rounds=2, seq_n=100, ttft_n=40, concs=(1, 64, 256), fast_concs=(64,), window_s=1.0, warmup_s=1.0,
+             paced_tokens=100, fast_tokens=100, rate=100.0, churn_n=1_000, capture_concs=(64,), profile_s=8.0)
 
 
 class Bench:
@@ -457,6 +468,7 @@ class Bench:
         self.workdir = workdir
         self.out_lines: list[str] = []
         self.results: dict[str, Any] = {"plan": plan.__dict__, "scenarios": {}}
+        self.api_key = "sk-bench-" + os.urandom(12).hex()  # LiteLLM's master key; sent to every target alike
         self.foreign: list[tuple[float, float]] = []  # (CPU s used by processes outside this benchmark, wall s) per job
 
     def say(self, line: str = "") -> None:
@@ -492,7 +504,7 @@ class Bench:
             if ng is not None:
                 self.targets.append(ng)
         if a.litellm:
-            ll = start_litellm(self.children, a.litellm, self.up_port, self.workdir)
+            ll = start_litellm(self.children, a.litellm, self.up_port, self.workdir, self.api_key)
             if ll is not None:
                 ll.only = lambda mode, c: c <= 64  # 256 streams through LiteLLM would eat the time budget
                 self.targets.append(ll)
@@ -541,7 +553,7 @@ class Bench:
                 + sum(x.cpu() for x in self.targets if x.proc is not None))
 
     def run_job(self, t: Target, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        job = {**job, "host": HOST, "port": t.port}
+        job = {**job, "host": HOST, "port": t.port, "auth": self.api_key}
         mine0 = self.our_cpu()
         cpu0, up0, busy0, w0 = t.cpu(), proc_cpu(self.upstream.pid), system_busy_s(), time.monotonic()
         res = self.gens.call(job, timeout_s)
@@ -581,7 +593,7 @@ class Bench:
         for t in self.targets[1:]:
             lat = [x for r in res[t.name] for x in r.get("lat", [])]
             errs = sum(r.get("errors", 0) for r in res[t.name])
-            a50, a99 = sub(pct(lat, 50), pct(base, 50)), sub(pct(lat, 99), pct(base, 99))
+            a50, a99 = paired_added(res[t.name], res["direct"], "lat")
             self.seq_added[t.name] = (a50, a99)
             cpu = sum(r["proxy_cpu_s"] for r in res[t.name]) / max(len(lat), 1)
             self.say(f"  {t.name}: p50 {ms(pct(lat, 50), 3)}  p99 {ms(pct(lat, 99), 3)}  added p50 {ms(a50, 3)}  "
@@ -599,7 +611,7 @@ class Bench:
         for t in self.targets[1:]:
             v = [x for r in res[t.name] for x in r.get("ttft", [])]
             errs = sum(r.get("errors", 0) for r in res[t.name])
-            a50, a99 = sub(pct(v, 50), pct(base, 50)), sub(pct(v, 99), pct(base, 99))
+            a50, a99 = paired_added(res[t.name], res["direct"], "ttft")
             self.ttft_added[t.name] = (a50, a99)
             self.say(f"  {t.name}: TTFT p50 {ms(pct(v, 50), 3)}  p99 {ms(pct(v, 99), 3)}  added p50 {ms(a50, 3)}  "
                      f"added p99 {ms(a99, 3)}  errors {errs}")
@@ -613,10 +625,12 @@ class Bench:
             self.set_rate(rate)
             for c in concs:
                 targets = [t for t in self.targets if t.proc is None or t.only(mode, c)]
-                ramp = min(1.0, p.warmup_s * 0.8) if mode == "paced" else 0.2
-                job = {"kind": "load", "streams": c, "tokens": tokens, "warmup_s": p.warmup_s, "window_s": p.window_s,
-                       "ramp_s": ramp, "timeout": 30, "drain_s": 10}
-                res = self.rounds(targets, job, p.warmup_s + p.window_s + 40, 0.3)
+                # paced: starts spread over one request's duration so request boundaries are not in step;
+                # fast: a short ramp and warm-up, there is no pacing to settle
+                ramp, warmup = (min(1.0, p.warmup_s * 0.8), p.warmup_s) if mode == "paced" else (0.2, 0.6)
+                job = {"kind": "load", "streams": c, "tokens": tokens, "warmup_s": warmup, "window_s": p.window_s,
+                       "ramp_s": ramp, "timeout": 30, "drain_s": 5}
+                res = self.rounds(targets, job, warmup + p.window_s + 40, 0.3)
                 row = self.summarise(mode, rate, c, tokens, targets, res)
                 self.load_rows.append(row)
                 self.print_row(row)
@@ -662,8 +676,8 @@ class Bench:
             row["targets"][t.name] = {
                 "eps": median([eps(r) for r in rs]), "ratio": median(ratios), "ratios": ratios,
                 "gap_p99_infl": median(infl), "lat_p50": pct(lat, 50), "lat_p99": pct(lat, 99),
-                "added_lat_p50": sub(pct(lat, 50), row["direct_lat_p50"]),
-                "added_lat_p99": sub(pct(lat, 99), row["direct_lat_p99"]),
+                "added_lat_p50": paired_added(rs, d, "lat")[0],
+                "added_lat_p99": paired_added(rs, d, "lat")[1],
                 "errors": sum(r.get("errors", 0) for r in rs), "error_kinds": kinds,
                 "cpu_us_per_event": median(cpu_us), "rss_mb": rss, "hwm_mb": hwm,
                 "cpu_share": median([r["proxy_cpu_s"] / r["elapsed_s"] for r in rs if r.get("elapsed_s")]),
@@ -720,10 +734,11 @@ class Bench:
         self.set_rate(p.rate if load == "paced" else 0)
         dur = p.profile_s
         if load == "seq":
-            job: dict[str, Any] = {"kind": "seq", "n": 1_000_000, "max_s": dur + 1.5, "host": HOST, "port": target.port}
+            job: dict[str, Any] = {"kind": "seq", "n": 1_000_000, "max_s": dur + 1.5, "host": HOST, "port": target.port,
+                                   "auth": self.api_key}
         else:
             job = {"kind": "load", "streams": n, "tokens": p.paced_tokens, "warmup_s": 1.0, "window_s": dur + 1.0,
-                   "ramp_s": 0.8, "timeout": 30, "drain_s": 10, "host": HOST, "port": target.port}
+                   "ramp_s": 0.8, "timeout": 30, "drain_s": 10, "host": HOST, "port": target.port, "auth": self.api_key}
         assert target.proc is not None
         prof = self.children.spawn([exe, "record", "-p", str(target.proc.pid), "-d", f"{dur:g}", "-r", "250",
                                     "--nonblocking", "-f", "raw", "-o", out], stdout=subprocess.DEVNULL,
@@ -834,7 +849,8 @@ class Bench:
                      + ("  ** NOISY MACHINE: absolute figures are pessimistic; ratios, CPU/event and medians hold up best"
                         if avg > 0.25 else ""))
             self.results["background_cores"] = avg
-        self.say("\n== summary (added = proxy minus direct, same run, interleaved rounds; ratios = medians of per-round ratios)")
+        self.say("\n== summary (added = proxy minus direct, per round, median over the interleaved rounds; "
+                 "ratios = median of per-round ratios)")
         head = ["metric", "target"]
         for n in names:
             head += [n, "ok?"] if n.startswith("mlxproxy") else [n]
@@ -985,7 +1001,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="See benchmarks/README.md for what every figure means.")
     ap.add_argument("--quick", action="store_true", help="smoke version: fewer rounds and scenarios (~1-2 minutes)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per scenario (default 3, quick 2)")
-    ap.add_argument("--window", type=float, help="seconds measured per load job (default 3, quick 1.5)")
+    ap.add_argument("--window", type=float, help="seconds measured per load job (default 2.5, quick 1)")
     ap.add_argument("--clients", type=int, default=1, help="load generator processes (default 1)")
     ap.add_argument("--no-nginx", action="store_true", help="do not include nginx even if installed")
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
