@@ -8,6 +8,7 @@ in a config file should never silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import types
 import typing
@@ -21,7 +22,8 @@ import yaml
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.errors import ConfigError
 
-__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "Thresholds", "load_config", "build_config"]
+__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "Thresholds", "load_config", "build_config", "proxy_api_key",
+           "is_loopback_host"]
 
 DEFAULT_UPSTREAM_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default port
 
@@ -68,6 +70,8 @@ class Config:
     capture_prompts: bool = True
     capture_queue_size: int = 10000
     redact_headers: tuple[str, ...] = ()
+    proxy_api_key_env: str | None = None
+    metrics_need_key: bool = True
 
     def default(self) -> UpstreamConfig:
         for up in self.upstreams:
@@ -160,8 +164,33 @@ def _validate(cfg: Config) -> None:
             v = getattr(section, f.name)
             if isinstance(v, (int, float)) and v < 0:
                 raise ConfigError(f"config key '{f.name}' must not be negative, got {v}")
+    if cfg.proxy_api_key_env is not None and not cfg.proxy_api_key_env:
+        raise ConfigError("config key 'proxy_api_key_env' must name an environment variable")
     if cfg.recent_records < 0 or cfg.max_model_labels < 1 or cfg.max_request_body_bytes < 1:
         raise ConfigError("config keys 'recent_records' (>= 0), 'max_model_labels' (>= 1) and 'max_request_body_bytes' (>= 1) are out of range")
+
+
+def proxy_api_key(cfg: Config) -> bytes | None:
+    """The key clients must present (from the environment variable `proxy_api_key_env`
+    names), or None when no key is configured. Raises `ConfigError` when the variable is
+    unset or empty: a proxy meant to be protected never starts open."""
+    if cfg.proxy_api_key_env is None:
+        return None
+    value = os.environ.get(cfg.proxy_api_key_env, "").strip()
+    if not value:
+        raise ConfigError(f"config key 'proxy_api_key_env' names {cfg.proxy_api_key_env}, which is not set in the "
+                          "environment; export it with the key clients must send, or remove the config key")
+    return value.encode()
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when `host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def build_config(raw: dict[str, Any] | None = None, *, upstream_url: str | None = None, **overrides: Any) -> Config:

@@ -6,12 +6,19 @@ client disconnect, an upstream failure or a cancelled task still yields exactly 
 
 Routes: `/metrics`, `/healthz`, `/streams` are the proxy's own; every other path (the
 whole OpenAI API under `/v1/`, and a server's own routes such as `/health`) is forwarded
-to the upstream chosen by the request's `model`.
+to the upstream chosen by the request's `model`, whatever its method.
+
+With `proxy_api_key_env` set, every request but `/healthz` (and, with `metrics_need_key:
+false`, `/metrics` and `/streams`) must carry the key, or gets 401; the key is removed
+before forwarding. What the proxy promises under faults and attacks: SECURITY.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
 import logging
 import os
 import time
@@ -24,8 +31,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxproxy import __version__
-from mlxproxy.capture import CaptureWriter, Exchange
-from mlxproxy.config import Config
+from mlxproxy.capture import DEFAULT_REDACT, REDACTED, CaptureWriter, Exchange
+from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, parse_request
@@ -58,16 +65,28 @@ def json_error(status: int, message: str, code: str, err_type: str = "proxy_erro
     return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
 
 
+UNAUTHORIZED = json_error(401, "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' "
+                               "or 'x-api-key: <key>'", "invalid_api_key", "invalid_request_error")[1]
+CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
+
+
 class ProxyApp:
     """The ASGI application. `observers` receive every finished record after the
     built-in ones (metrics, recent records, log line)."""
 
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
                  observers: list[Observer] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """Raises `ConfigError` when `proxy_api_key_env` names an unset variable."""
         self.config = config
+        key = proxy_api_key(config)
+        self._key_digest = hashlib.sha256(key).digest() if key is not None else None
+        self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
+        self._drop_request_headers = HOP_BY_HOP | CLIENT_KEY_HEADERS if key is not None else HOP_BY_HOP
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
         self.pool = UpstreamPool(config, transport)
+        self._redact = DEFAULT_REDACT | {h.lower() for h in config.redact_headers}
+        self._secrets = tuple(x for x in [key.decode("latin-1") if key else None, *(s for u in self.pool for s in u.secrets)] if x)
         self.recent = RecentRecords(config.recent_records)
         base: list[Observer] = [self.metrics, self.recent]
         if config.log_requests:
@@ -97,12 +116,43 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
+            if self._key_digest is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
+                await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
+                return
             if path in OWN_ROUTES:
                 await self._own_route(path, scope, send)
             else:
                 await self._proxy(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """The request carries the proxy key (compared as SHA-256 digests in constant time)."""
+        assert self._key_digest is not None
+        ok = False
+        for k, v in headers:
+            if k == b"authorization" and v[:7].lower() == b"bearer ":
+                v = v[7:]
+            elif k != b"x-api-key":
+                continue
+            ok |= hmac.compare_digest(hashlib.sha256(v.strip()).digest(), self._key_digest)
+        return ok
+
+    def _scrub(self, text: str, scope: dict[str, Any]) -> str:
+        """`text` (an error message headed for logs, captures, /streams or a client) with
+        every known secret replaced: the proxy key, upstream keys and URL passwords, and
+        the values of this request's redacted headers (an upstream may echo them)."""
+        secrets = list(self._secrets)
+        for k, v in scope["headers"]:
+            if k.decode("latin-1") in self._redact:
+                value = v.decode("latin-1").strip()
+                secrets.append(value)
+                if value[:7].lower() == "bearer ":
+                    secrets.append(value[7:].strip())
+        for secret in sorted(secrets, key=len, reverse=True):
+            if len(secret) >= 4 and secret in text:
+                text = text.replace(secret, REDACTED)
+        return text
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -119,14 +169,14 @@ class ProxyApp:
     async def _own_route(self, path: str, scope: dict[str, Any], send: Any) -> None:
         if scope["method"] not in ("GET", "HEAD"):
             status, body = json_error(405, f"{path} only answers GET", "method_not_allowed", "invalid_request_error")
-            await _respond(send, status, body)
+            await _respond(send, status, body, extra=[(b"allow", b"GET, HEAD")])
             return
         if path == "/metrics":
             await _respond(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode())
         elif path == "/healthz":
             body = orjson.dumps({
                 "status": "ok", "version": __version__, "uptime_s": round(now() - self.started_mono, 3),
-                "in_flight": len(self.in_flight), "requests": self.requests_seen,
+                "in_flight": len(self.in_flight), "requests": self.requests_seen, "tasks": len(asyncio.all_tasks()),
                 "upstreams": [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
             })
             await _respond(send, 200, body)
@@ -169,13 +219,14 @@ class ProxyApp:
         headers: list[tuple[bytes, bytes]] = []
         tags: tuple[str, ...] = ()
         connection_tokens = set()
+        drop = self._drop_request_headers  # hop-by-hop, and the client's key when the proxy has one
         for k, v in scope["headers"]:
             if k == b"connection":
                 connection_tokens.update(x.strip().lower() for x in v.split(b","))
         for k, v in scope["headers"]:
             if k == REPLAY_HEADER:
                 tags = ("replay",)
-            if k in HOP_BY_HOP or k in connection_tokens:
+            if k in drop or k in connection_tokens:
                 continue
             if upstream.api_key is not None and k == b"authorization":
                 continue
@@ -238,8 +289,8 @@ class ProxyApp:
             try:
                 response = await upstream.open(method, url, headers, body)
             except UpstreamError as exc:
-                outcome, error = exc.outcome, str(exc)
-                status, err_body = json_error(exc.status, str(exc), exc.code)
+                outcome, error = exc.outcome, self._scrub(str(exc), scope)
+                status, err_body = json_error(exc.status, error, exc.code)
                 state["finished"] = True
                 await _respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, rid)])
                 return
@@ -260,7 +311,10 @@ class ProxyApp:
                         t = now()
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         chunk_overheads.append(now() - t)
-                        meter.feed(chunk, t)
+                        try:
+                            meter.feed(chunk, t)
+                        except Exception as exc:  # a metering bug must never break the stream
+                            outcome, error = _metering_failed(meter, exc)
                 else:
                     decoder = meter.decoder
                     assert decoder is not None
@@ -270,9 +324,17 @@ class ProxyApp:
                             out = stripper.flush() + chunk
                             meter.feed(chunk, t)
                         else:
-                            items = decoder.feed(chunk)
-                            out = stripper.process(chunk, items, decoder.safe_offset)
-                            meter.feed_decoded(len(chunk), items, t)
+                            try:
+                                items = decoder.feed(chunk)
+                                out = stripper.process(chunk, items, decoder.safe_offset)
+                            except Exception as exc:  # forward what is held and the rest unmetered
+                                outcome, error = _metering_failed(meter, exc)
+                                out = stripper.flush() + chunk
+                            else:
+                                try:
+                                    meter.feed_decoded(len(chunk), items, t)
+                                except Exception as exc:
+                                    outcome, error = _metering_failed(meter, exc)
                         if out:
                             await send({"type": "http.response.body", "body": out, "more_body": True})
                         chunk_overheads.append(now() - t)
@@ -303,6 +365,8 @@ class ProxyApp:
                 await _aclose_quietly(response)
             t_end = now()
             record = self._finish(meter, t_end, outcome, error)
+            if record.error is not None:
+                record = dataclasses.replace(record, error=self._scrub(record.error, scope))
             self._recent_by_upstream[record.upstream].append(record)
             self.metrics.observe_overhead(request_overhead, chunk_overheads)
             self.fanout.emit(record, exchange)
@@ -317,6 +381,14 @@ class ProxyApp:
             return RequestMeter(meter.request, request_id=meter.request_id, upstream=meter.upstream,
                                 t_start=meter.t_start, started_at=meter.started_at).finish(
                 t_end, outcome="protocol_error", error=f"metering failed: {type(exc).__name__}")
+
+
+def _metering_failed(meter: RequestMeter, exc: Exception) -> tuple[str, str]:
+    """Stop metering a request whose meter raised (a bug); forwarding goes on unchanged.
+    Returns the outcome and error for its record."""
+    log.error("metering failed for %s; the stream is forwarded unmetered", meter.request_id, exc_info=exc)
+    meter.done = True  # the meter parses nothing more; its body is still forwarded
+    return "protocol_error", f"metering failed: {type(exc).__name__}"
 
 
 class _AbortClient(Exception):

@@ -7,13 +7,24 @@ import sys
 
 import click
 
-from mlxproxy.config import load_config
+from mlxproxy.config import Config, is_loopback_host, load_config
 from mlxproxy.errors import ConfigError
 
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    # httpx logs every upstream URL at info (with any user:password in it); the proxy's own
+    # line per request says more, and says it without secrets
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def exposure_warning(cfg: Config) -> str | None:
+    """The warning to print when the proxy would listen beyond this machine without a key."""
+    if is_loopback_host(cfg.host) or cfg.proxy_api_key_env is not None:
+        return None
+    return (f"mlxproxy: warning: listening on {cfg.host} without a proxy key: anyone who can reach this address can "
+            "use your servers and read /metrics and /streams; set proxy_api_key_env in the config (see SECURITY.md)")
 
 
 @click.command("serve")
@@ -46,16 +57,24 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
         sys.exit(2)
     setup_logging(log_level)
     from mlxproxy.proxy.app import create_app
+    from mlxproxy.proxy.upstream import display_url
     from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server
 
-    app = create_app(cfg)
+    try:
+        app = create_app(cfg)
+    except ConfigError as exc:
+        click.echo(f"mlxproxy: {exc}", err=True)
+        sys.exit(2)
+    warning = exposure_warning(cfg)
+    if warning:
+        click.echo(warning, err=True)
     try:
         sock = bind_socket(cfg.host, cfg.port)
     except OSError as exc:
         click.echo(f"mlxproxy: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}", err=True)
         sys.exit(1)
     bound = sock.getsockname()[1]
-    ups = ", ".join(f"{u.name}={u.url}" for u in cfg.upstreams)
+    ups = ", ".join(f"{u.name}={display_url(u.url)}" for u in cfg.upstreams)
     click.echo(f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (metrics: /metrics, live: /streams)", err=True)
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)

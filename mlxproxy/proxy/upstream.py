@@ -9,25 +9,40 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterator
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
 from mlxproxy.errors import UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["Upstream", "UpstreamPool"]
+__all__ = ["Upstream", "UpstreamPool", "display_url"]
+
+
+def display_url(url: str) -> str:
+    """`url` with any `user:password@` replaced by `***@` (for messages about a configured URL)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 class Upstream:
     """One configured upstream. The httpx client is created on first use, inside the
-    event loop that serves the requests."""
+    event loop that serves the requests. `base` never holds credentials; `secrets` are the
+    values (key, URL password) that must never appear in what the proxy writes."""
 
     def __init__(self, cfg: UpstreamConfig, timeouts: TimeoutConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
-        self.base = cfg.url.rstrip("/")
+        parts = urlsplit(cfg.url.rstrip("/"))
+        # credentials in the URL become Basic auth, so the URL itself (in errors, logs and
+        # /healthz, httpx's own log lines included) never carries them
+        self._auth = (unquote(parts.username or ""), unquote(parts.password or "")) if "@" in parts.netloc else None
+        self.base = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
         self.patterns = cfg.models
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        self.secrets = tuple(x for x in (self.api_key, parts.password, self._auth and self._auth[1]) if x)
         self.in_flight = 0
         self._timeouts = httpx.Timeout(connect=timeouts.connect_s, read=timeouts.read_s or None,
                                        write=timeouts.write_s or None, pool=timeouts.pool_s or None)
@@ -42,6 +57,7 @@ class Upstream:
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=self._timeouts,
+                auth=self._auth,
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0),
                 transport=self._transport,
                 trust_env=False,
