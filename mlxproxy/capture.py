@@ -7,15 +7,22 @@ the start of the capture) and `event_offsets_ms` (each generated event from t_st
 `response_text`/`reasoning_text` only with `capture_responses`. With `capture_prompts:
 false` message texts are replaced by their lengths (`{"content_chars": N}`).
 
-Durability: records go through a bounded queue to a writer thread that writes and flushes
-each line; a full queue drops the record and counts it (never slows a stream); a write
-error is logged once and counted. A reader skips a torn last line with a warning.
+Durability: records go through a bounded queue to a writer thread that writes each line
+with one unbuffered write (at the OS once written, so a `kill -9` loses only what is still
+queued); a full queue drops the record and counts it (never slows a stream). A file that
+cannot be opened or written (disk full, read-only path) is logged once, every record it
+loses is counted, and the writer keeps trying, so it recovers when space comes back; a
+partially written line is cut off again, so the file only ever holds whole lines. A torn
+last line left by a crash is cut off when the file is opened for appending, and a reader
+skips one with a warning.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -98,8 +105,12 @@ class CaptureWriter:
         self._on_drop = on_drop
         self._on_error = on_error
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self._reported = False
+        self._file: Any = None
+        try:
+            self._file = self._open()
+        except OSError as exc:  # reported now; the writer thread keeps trying
+            self._report(exc)
         self._thread = threading.Thread(target=self._run, name="mlxproxy-capture", daemon=True)
         self._thread.start()
 
@@ -138,23 +149,64 @@ class CaptureWriter:
             d["response_headers"] = redact_headers(exchange.response_headers, self.redact)
         return orjson.dumps(d) + b"\n"
 
+    def _open(self) -> Any:
+        """Open the file for appending, first cutting off a torn last line (a crash while
+        it was written), so that every line after it stays readable."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+b", buffering=0)  # noqa: SIM115 - closed by close(); read to find a torn end
+        try:
+            size = os.fstat(f.fileno()).st_size
+            keep = _end_of_last_line(f.fileno(), size)
+            if keep < size:
+                os.ftruncate(f.fileno(), keep)
+                log.warning("capture %s ended with a torn line (%d bytes, a crash while writing it): cut off",
+                            self.path, size - keep)
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def _report(self, exc: BaseException) -> None:
+        if not self._reported:
+            self._reported = True
+            log.error("capture to %s failed (%s); further failures are only counted (mlxproxy_capture_errors_total)",
+                      self.path, exc)
+
+    def _write_line(self, line: bytes) -> None:
+        """Append `line` whole or not at all: a short write is continued, and after an
+        error (disk full) the part already written is cut off again."""
+        if self._file is None:
+            self._file = self._open()
+        fd = self._file.fileno()
+        start = os.fstat(fd).st_size
+        view = memoryview(line)
+        try:
+            while view:
+                n = self._file.write(view)  # unbuffered: at the OS at once
+                if not n:
+                    raise OSError(errno.EIO, "the capture file accepted no bytes")
+                view = view[n:]
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+
     def _run(self) -> None:
-        reported = False
         while True:
             item = self._queue.get()
             if item is _STOP:
                 self._queue.task_done()
                 return
             try:
-                self._file.write(self.line_for(*item))  # unbuffered: one write per line reaches the OS at once
+                self._write_line(self.line_for(*item))
                 self.written += 1
             except Exception as exc:  # disk full, read-only path, ...: never block or kill streams
                 self.write_errors += 1
                 if self._on_error is not None:
                     self._on_error()
-                if not reported:
-                    log.error("capture to %s failed (%s); further failures are only counted", self.path, exc)
-                    reported = True
+                self._report(exc)
             finally:
                 self._queue.task_done()
 
@@ -168,7 +220,21 @@ class CaptureWriter:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(timeout_s)
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _end_of_last_line(fd: int, size: int, block: int = 1 << 16) -> int:
+    """The offset just past the last newline of the file (0 when it has none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - block)
+        data = os.pread(fd, pos - start, start)
+        i = data.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
 
 
 # -- reading ----------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -24,9 +26,17 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from mlxproxy.capture import CaptureWriter, read_capture
 from mlxproxy.config import build_config
-from mlxproxy.core.record import Record
+from mlxproxy.core import meter as meter_module
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.openai import inject_include_usage, is_injected_usage_chunk, parse_request
+from mlxproxy.core.record import OUTCOMES, Record
+from mlxproxy.core.sse import SSEDecoder, SSEEvent
+from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
@@ -50,11 +60,39 @@ class Rig:
     event, wait for `gate`, the rest), so a test can keep a healthy stream in flight while a
     fault happens next to it."""
 
-    def __init__(self, url: str, app: ProxyApp, upstream: FakeUpstream, gate: threading.Event) -> None:
-        self.url = url
+    def __init__(self, server: ServerThread, app: ProxyApp, upstream: FakeUpstream, gate: threading.Event) -> None:
+        self.server = server
+        self.url = server.url
         self.app = app
         self.upstream = upstream
         self.gate = gate
+
+    def in_loop(self, fn):
+        """Run `fn()` on the proxy's event loop thread and return its result."""
+        async def call():
+            return fn()
+        assert self.server.loop is not None
+        return asyncio.run_coroutine_threadsafe(call(), self.server.loop).result(10)
+
+    def tasks(self) -> int:
+        """Tasks alive on the proxy's event loop (uvicorn's own included)."""
+        return self.in_loop(lambda: len(asyncio.all_tasks()))
+
+    def busy_upstream_connections(self) -> int:
+        """Connections of the proxy's upstream pools that are not idle (serving a request)."""
+        def count() -> int:
+            n = 0
+            for up in self.app.pool.upstreams:
+                if up._client is not None:
+                    n += sum(1 for c in up._client._transport._pool.connections if not c.is_idle() and not c.is_closed())
+            return n
+        return self.in_loop(count)
+
+    def settled(self, tasks_before: int) -> bool:
+        """Nothing of a finished request is left: no request in flight, no busy upstream
+        connection, no task beyond the baseline."""
+        return wait_for(lambda: not self.app.in_flight and self.busy_upstream_connections() == 0
+                        and self.tasks() <= tasks_before)
 
     def records(self, n: int, timeout_s: float = 10.0) -> list[Record]:
         """The first `n` finished records, once there are that many."""
@@ -141,7 +179,10 @@ def rig(handlers: dict, *, extra_upstreams: list[dict] | None = None, **cfg) -> 
     gate = threading.Event()
 
     async def dispatch(req: Req, conn: Conn) -> None:
-        model = orjson.loads(req.body).get("model") if req.body[:1] == b"{" else None
+        try:
+            model = orjson.loads(req.body).get("model")
+        except (orjson.JSONDecodeError, AttributeError):
+            model = None
         if model == "healthy":
             await healthy_handler(req, conn, gate)
         elif model == "healthy-now":
@@ -155,7 +196,7 @@ def rig(handlers: dict, *, extra_upstreams: list[dict] | None = None, **cfg) -> 
         app = create_app(config)
         try:
             with ServerThread(app, server_header=False, date_header=False) as srv:
-                yield Rig(srv.url, app, up, gate)
+                yield Rig(srv, app, up, gate)
         finally:
             gate.set()
         assert not up.errors, up.errors
@@ -225,7 +266,7 @@ def test_reset_mid_stream_breaks_the_client_body_too(http10: bool) -> None:
             first = next(it)
             t.gate.set()
             with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
-                rest = b"".join(it)
+                b"".join(it)
             assert r.status_code == 200 and first == EVENT_A
             rid = r.headers["x-mlxproxy-request-id"]
         rec = t.record(rid)
@@ -393,16 +434,481 @@ def test_a_50_mb_line_without_newline_is_forwarded_in_bounded_memory(kind: str) 
             pass
 
 
+# -- the simulator's fault switches, per server style ---------------------------------------------
+
+
+@contextlib.contextmanager
+def proxied_sim(profile: str, **cfg) -> Iterator[tuple[str, ProxyApp]]:
+    from mlxproxy.sim.app import create_app as create_sim
+
+    with ServerThread(create_sim(profile, speed=50.0)) as sim:
+        app = create_app(build_config(upstream_url=sim.url, log_requests=False, **cfg))
+        with ServerThread(app, server_header=False, date_header=False) as srv:
+            yield srv.url, app
+
+
+SIM_CASES = [
+    # profile, X-Sim-Fault, status the client gets, how its body ends, outcome of the record
+    ("healthy", "http-error=500", 500, "complete", "http_error"),
+    ("mlx-lm", "http-error=404", 404, "complete", "http_error"),
+    ("healthy", "reset-before-headers", 502, "proxy-error", "upstream_unreachable"),
+    ("healthy", "reset-mid-stream@3", 200, "broken", "truncated"),
+    ("healthy", "malformed@3", 200, "done", "protocol_error"),
+    ("healthy", "stream-error@3", 200, "complete", "stream_error"),
+    ("mlx-openai-server", "stream-error@3", 200, "done", "stream_error"),  # error, then finish "stop" and [DONE]
+    ("vllm-mlx", "stream-error@3", 200, "done", "truncated"),  # [DONE] with no finish_reason
+    ("mlx-vlm", "stream-error@3", 200, "complete", "stream_error"),  # {"error": "str"}, no [DONE]
+    ("mlx-lm", "stream-error@3", 200, "broken", "truncated"),  # the connection just closes
+    ("healthy", "stall=1.5@3", 200, "broken", "upstream_timeout"),  # read_s 0.5 below
+]
+
+
+@pytest.mark.parametrize("profile,fault,status,ending,outcome", SIM_CASES, ids=[f"{c[0]}:{c[1]}" for c in SIM_CASES])
+def test_simulator_faults_through_the_proxy(profile: str, fault: str, status: int, ending: str, outcome: str) -> None:
+    body = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}],
+            "stream_options": {"include_usage": True}}
+    with proxied_sim(profile, timeouts={"read_s": 0.5}) as (url, app):
+        other: list[tuple] = []
+        healthy = threading.Thread(target=lambda: other.append(read_all(url, body)))
+        healthy.start()  # a healthy stream at the same time
+        got_status, got, exc, headers = read_all(url, body, headers={"x-sim-fault": fault})
+        healthy.join(30)
+        assert got_status == status
+        if ending == "broken":
+            assert exc is not None and got  # the client sees the body break, after what was sent
+        else:
+            assert exc is None
+        if ending == "done":
+            assert got.endswith(b"data: [DONE]\n\n")
+        if ending == "proxy-error":
+            assert orjson.loads(got)["error"]["code"] == "upstream_unreachable"
+        rid = headers["x-mlxproxy-request-id"]
+        assert wait_for(lambda: any(r.id == rid for r in app.recent.records))
+        rec = next(r for r in app.recent.records if r.id == rid)
+        assert rec.outcome == outcome, (rec.outcome, rec.error)
+        (o_status, o_body, o_exc, _), = other
+        assert (o_status, o_exc) == (200, None) and o_body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("injected", [False, True], ids=["passthrough", "usage-injected"])
+@pytest.mark.parametrize("where", ["meter", "decoder"])
+def test_a_metering_failure_never_breaks_the_stream(where: str, injected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug that makes the meter raise mid-stream: the stream is still forwarded whole
+    (stripping the injected usage event stops with the metering), the record says
+    `protocol_error`, and the proxy goes on serving."""
+    target, name = (RequestMeter, "feed_items") if where == "meter" else (SSEDecoder, "feed")
+    real = getattr(target, name)
+    calls = [0]
+
+    def breaks_on_the_second_call(self, *args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise ValueError("a metering bug")
+        return real(self, *args)
+
+    async def per_event(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        for e in ok_events(OK_BODY):
+            await conn.chunk(e)
+        await conn.end_chunked()
+
+    usage = [e for e in ok_events(OK_BODY) if b'"choices":[]' in e][0]
+    body = {**STREAM_REQ}
+    if injected:
+        del body["stream_options"]
+    with rig({"m": per_event}) as t:
+        monkeypatch.setattr(target, name, breaks_on_the_second_call)
+        status, got, exc, headers = read_all(t.url, body)
+        monkeypatch.setattr(target, name, real)
+        assert (status, exc) == (200, None) and got in (OK_BODY, OK_BODY.replace(usage, b""))
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "protocol_error" and rec.error == "metering failed: ValueError"
+        with t.healthy_stream_alongside():
+            pass
+
+
+def test_a_comment_with_thousands_of_digits_is_forwarded_whole() -> None:
+    """The real trigger of a meter bug (int() of 5000 digits): the bytes still pass."""
+    body = b": keepalive " + b"1" * 5000 + b"/2\n\n" + EVENT_A + FINISH + b"data: [DONE]\n\n"
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        await conn.chunk(body)
+        await conn.end_chunked()
+
+    with rig({"m": handler}) as t, t.healthy_stream_alongside():
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        assert (status, got, exc) == (200, body, None)
+        assert t.record(headers["x-mlxproxy-request-id"]).outcome in ("ok", "protocol_error")
+
+
+# -- client faults ----------------------------------------------------------------------------
+
+
+def raw_post(rig_url: str, body: bytes, *, path: str = "/v1/chat/completions", method: str = "POST",
+             headers: dict[str, str] | None = None, rcvbuf: int | None = None) -> socket.socket:
+    """Send one request on a raw socket (so the test decides when to read and when to go)."""
+    port = int(rig_url.rsplit(":", 1)[1])
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    head = {"host": "127.0.0.1", "content-type": "application/json", "content-length": str(len(body)), **(headers or {})}
+    s.sendall(f"{method} {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+              + b"\r\n" + body)
+    return s
+
+
+def warmed(t: Rig) -> int:
+    """Serve one request so everything created lazily exists; the loop's task count then."""
+    t.healthy_request()
+    assert t.settled(10**9)
+    return t.tasks()
+
+
+@pytest.mark.parametrize("when", ["before-headers", "during-prefill-keepalives", "mid-stream"])
+def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: str) -> None:
+    """The client goes while the upstream is silent in a long prefill (no headers yet), while
+    it sends only `: keepalive` progress, or mid-stream: each time the proxy closes the
+    upstream connection, records `client_disconnect`, and leaves no task or connection."""
+    closed: list[bool] = []
+
+    async def upstream(req: Req, conn: Conn) -> None:
+        if when != "before-headers":
+            await conn.head(200, SSE_CHUNKED)
+            await conn.chunk(b": keepalive 1/100\n\n" if when == "during-prefill-keepalives" else EVENT_A)
+        closed.append(await conn.wait_peer_close(30))
+
+    body = orjson.dumps(STREAM_REQ)
+    with rig({"m": upstream}) as t:
+        tasks_before = warmed(t)
+        for i in range(5):
+            s = raw_post(t.url, body)
+            if when == "before-headers":
+                assert wait_for(lambda: len(t.app.in_flight) == 1)
+            else:
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            s.close()
+            assert wait_for(lambda: len(closed) == i + 1) and all(closed), "the upstream request was not cancelled"
+        recs = t.records(6)[1:]
+        assert {r.outcome for r in recs} == {"client_disconnect"}
+        if when == "before-headers":
+            assert all(r.status is None and r.headers_s is None for r in recs)
+        elif when == "during-prefill-keepalives":
+            assert all(r.ttft_s is None and r.prefill_progress == (1, 100) for r in recs)
+        else:
+            assert all(r.generated_events == 1 for r in recs)
+        assert t.settled(tasks_before), (t.app.in_flight, t.busy_upstream_connections(), t.tasks(), tasks_before)
+        with t.healthy_stream_alongside():
+            pass
+
+
+def test_client_leaving_after_done_is_not_a_disconnect() -> None:
+    """The OpenAI SDK closes its connection at `data: [DONE]`; an HTTP/1.0 upstream closes
+    its socket a moment later. The stream was complete: the record says `ok`."""
+    body = EVENT_A + FINISH + b"data: [DONE]\n\n"
+    client_done = threading.Event()
+
+    async def mlx_lm_like(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("content-type", "text/event-stream")], version="1.0")
+        await conn.send(body)
+        await conn.wait_gate(client_done, 30)
+        conn.writer.close()
+
+    with rig({"m": mlx_lm_like}) as t:
+        try:
+            with httpx.Client(timeout=30) as c, c.stream("POST", t.url + "/v1/chat/completions", json=STREAM_REQ) as r:
+                got = b""
+                for part in r.iter_raw():
+                    got += part
+                    if got.endswith(b"data: [DONE]\n\n"):
+                        break  # and close, as the SDK does
+                rid = r.headers["x-mlxproxy-request-id"]
+            assert got == body
+            assert wait_for(lambda: any(x.id == rid for x in t.app.recent.records), 2) or True
+        finally:
+            client_done.set()
+        rec = t.record(rid)
+        assert rec.outcome == "ok" and rec.error is None
+
+
+def test_slow_reading_client_pushes_back_on_the_upstream_with_bounded_buffers() -> None:
+    """A client that stops reading stops the upstream too (TCP back-pressure through the
+    proxy), with only socket buffers and a bounded amount in the proxy in between; when it
+    reads again it gets every byte."""
+    total = 64 * 1024 * 1024
+    # keep-alive comments: as many bytes as tokens would be, without metering tokens (the
+    # meter compares each content event with the whole answer so far, quadratic in length)
+    block = (b": " + b"x" * 1022 + b"\n\n") * 64
+    sent = [0]
+
+    async def firehose(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        while sent[0] < total:
+            await conn.chunk(block)  # waits (drain) whenever the proxy stops reading
+            sent[0] += len(block)
+        await conn.chunk(FINISH + b"data: [DONE]\n\n")
+        await conn.end_chunked()
+
+    with rig({"m": firehose}) as t:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            s = raw_post(t.url, orjson.dumps(STREAM_REQ), rcvbuf=64 * 1024)
+            first = s.recv(4096)  # then stop reading, as a client stuck in its own work does
+            assert first.startswith(b"HTTP/1.1 200")
+            last, still = -1, 0
+            deadline = time.monotonic() + 30
+            while still < 50 and time.monotonic() < deadline:  # until the upstream has been blocked for a while
+                still = still + 1 if sent[0] == last else 0
+                last = sent[0]
+                time.sleep(0.01)
+            held = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        blocked_at = sent[0]
+        assert still >= 50, "the upstream never stopped sending"
+        # socket buffers on two loopback hops are all that fills up; the proxy holds little
+        assert blocked_at < 48 * 1024 * 1024, f"upstream got {blocked_at / 2**20:.0f} MiB ahead of a stalled client"
+        assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held while the client stalled"
+        n = len(first)
+        s.settimeout(30)
+        tail = b""
+        while True:
+            data = s.recv(1 << 20)
+            if not data:
+                break
+            n += len(data)
+            tail = (tail + data)[-64:]
+            if tail.endswith(b"0\r\n\r\n"):
+                break
+        s.close()
+        (rec,) = t.records(1)
+        assert rec.outcome == "ok" and rec.bytes_out == sent[0] + len(FINISH) + len(b"data: [DONE]\n\n")
+        print(f"slow reader: upstream blocked at {blocked_at / 2**20:.1f} MiB, proxy process held {held / 2**20:.1f} MiB")
+
+
+def test_malformed_request_bodies_are_forwarded_unchanged() -> None:
+    """The proxy does not judge request bodies: the upstream does, and its answer passes."""
+    async def strict(req: Req, conn: Conn) -> None:
+        err = orjson.dumps({"error": {"message": f"bad body of {len(req.body)} bytes", "type": "invalid_request_error"}})
+        await conn.head(400, [("content-type", "application/json"), ("content-length", str(len(err)))])
+        await conn.send(err)
+
+    bodies = [b"{not json", b"\xff\xfe\x00", b"[1, 2, 3]", b'{"model": 5, "stream": "yes", "messages": "x", "stream_options": 7}',
+              b'{"stream": true, "messages": [', b"", b'"just a string"', b"{" * 10000]
+    with rig({None: strict}) as t, t.healthy_stream_alongside():
+        for body in bodies:
+            r = httpx.post(t.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"] == f"bad body of {len(body)} bytes"
+            assert t.upstream.requests[-1].body == body
+            rec = t.record(r.headers["x-mlxproxy-request-id"])
+            assert rec.outcome == "http_error" and rec.status == 400
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked-upload"])
+def test_huge_request_body_gets_413_with_a_clear_message(declared: bool) -> None:
+    limit = 1024 * 1024
+    with rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, max_request_body_bytes=limit) as t, \
+            t.healthy_stream_alongside():
+        n_upstream = len(t.upstream.requests)
+        big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * (8 * limit) + b'"}]}'
+        content = big if declared else iter([big[i:i + 65536] for i in range(0, len(big), 65536)])
+        r = httpx.post(t.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+        assert "max_request_body_bytes" in err["message"] and str(limit) in err["message"]
+        assert len(t.upstream.requests) == n_upstream  # nothing was forwarded
+        ok = b'{"model": "m", "stream": true, "stream_options": {"include_usage": true}, "x": "' + b"y" * (limit - 200) + b'"}'
+        r = httpx.post(t.url + "/v1/chat/completions", content=ok, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and t.upstream.requests[-1].body == ok  # just under the limit goes through
+
+
+def test_wrong_methods_and_unknown_paths() -> None:
+    """Every path but the proxy's own is forwarded with its method; the upstream's answer
+    (404, 405, ...) passes unchanged. The proxy's own routes answer GET/HEAD only."""
+    async def picky(req: Req, conn: Conn) -> None:
+        if req.path.startswith("/v1/chat/completions") and req.method == "POST":
+            await healthy_handler(req, conn, None)
+            return
+        status, body = (405, b"Method Not Allowed") if req.path.startswith("/v1/chat") else (404, b"Not Found")
+        await conn.head(status, [("content-type", "application/json"), ("content-length", str(len(body)))])
+        await conn.send(body)  # mlx_lm.server's plain-text 404 under a JSON content type
+
+    with rig({None: picky}) as t, t.healthy_stream_alongside():
+        for method, path, status in [("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/chat/completions", 405),
+                                     ("PUT", "/v1/nope", 404), ("GET", "/nope/../x?y=1", 404), ("PATCH", "/", 404)]:
+            r = httpx.request(method, t.url + path)
+            assert r.status_code == status and r.content in (b"Not Found", b"Method Not Allowed")
+            assert t.upstream.requests[-1].method == method
+            rec = t.record(r.headers["x-mlxproxy-request-id"])
+            assert rec.outcome == "http_error" and rec.method == method
+        for method in ["POST", "PUT", "DELETE", "OPTIONS"]:
+            for route in ["/metrics", "/healthz", "/streams"]:
+                r = httpx.request(method, t.url + route)
+                assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+                assert r.json()["error"]["code"] == "method_not_allowed"
+        assert httpx.head(t.url + "/healthz").status_code == 200
+
+
+# -- capture durability -------------------------------------------------------------------------
+
+
+def a_record(i: int) -> Record:
+    return Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                  status=200, outcome="ok", t_start_mono=float(i))
+
+
+class FlakyDisk:
+    """A capture file on a disk that fills up: while `full`, each write stores half of what
+    it is given and then fails with ENOSPC, as a real full disk can."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.full = False
+
+    def write(self, data) -> int:
+        if self.full:
+            self.real.write(bytes(data[: max(1, len(data) // 2)]))
+            raise OSError(28, "No space left on device")
+        return self.real.write(data)
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_capture_on_a_full_disk_counts_reports_once_and_keeps_whole_lines(tmp_path: Path, caplog) -> None:
+    errors: list[int] = []
+    w = CaptureWriter(tmp_path / "c.jsonl", on_error=lambda: errors.append(1))
+    disk = w._file = FlakyDisk(w._file)
+    for i in range(30):
+        disk.full = 10 <= i < 20  # full for a while, then space comes back
+        w.on_exchange(a_record(i), None)
+        w.flush()
+    w.close()
+    assert (w.written, w.write_errors, len(errors)) == (20, 10, 10)
+    assert sum("capture to" in r.getMessage() for r in caplog.records) == 1
+    assert [c.record.id for c in read_capture(tmp_path / "c.jsonl")] == [f"r{i}" for i in [*range(10), *range(20, 30)]]
+
+
+def test_capture_reopened_after_a_crash_cuts_off_the_torn_line(tmp_path: Path, caplog) -> None:
+    p = tmp_path / "c.jsonl"
+    w = CaptureWriter(p)
+    for i in range(3):
+        w.on_exchange(a_record(i), None)
+    w.close()
+    whole = p.read_bytes()
+    p.write_bytes(whole + whole.splitlines(keepends=True)[0][:50])  # killed while writing a fourth line
+    warnings: list[str] = []
+    assert len(read_capture(p, warn=warnings.append)) == 3 and "torn last line" in warnings[0]
+    w = CaptureWriter(p)  # a restarted proxy appends to the same file
+    w.on_exchange(a_record(3), None)
+    w.close()
+    assert [c.record.id for c in read_capture(p)] == ["r0", "r1", "r2", "r3"]
+    assert any("torn line" in r.getMessage() for r in caplog.records)
+
+
+def test_unwritable_capture_path_never_stops_the_proxy(tmp_path: Path, caplog) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the capture's directory should be")
+    with rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, capture=str(blocker / "cap.jsonl")) as t:
+        for _ in range(3):
+            r = httpx.post(t.url + "/v1/chat/completions", json=STREAM_REQ)
+            assert r.status_code == 200 and r.content == OK_BODY
+        assert wait_for(lambda: t.app.registry.get_sample_value("mlxproxy_capture_errors_total") == 3)
+    assert sum("capture to" in r.getMessage() for r in caplog.records) == 1
+
+
+def start_proxy_process(upstream_url: str, *args: str, **popen) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--upstream", upstream_url, "--port", "0", *args],
+                            stderr=subprocess.PIPE, text=True, **popen)
+    for line in proc.stderr:  # type: ignore[union-attr]
+        if "listening on http://127.0.0.1:" in line:
+            return proc, "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split("/")[0]
+    raise AssertionError(f"the proxy did not start (exit {proc.wait(10)})")
+
+
+def test_disk_full_in_a_real_process_never_blocks_streams(tmp_path: Path) -> None:
+    """`mlxproxy serve` with a capture whose file may not grow past 8 KiB (RLIMIT_FSIZE: the
+    kernel writes part of a line, then refuses with EFBIG, as on a full disk)."""
+    resource = pytest.importorskip("resource")
+    cap = tmp_path / "cap.jsonl"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    with FakeUpstream(lambda req, conn: healthy_handler(req, conn, None)) as up:
+        proc, url = start_proxy_process(up.url, "--capture", str(cap), "--log-level", "warning", preexec_fn=limit_file_size)
+        try:
+            with httpx.Client(timeout=30) as c:
+                for _ in range(30):
+                    r = c.post(url + "/v1/chat/completions", json=STREAM_REQ)
+                    assert r.status_code == 200 and r.content == OK_BODY
+                assert wait_for(lambda: c.get(url + "/healthz").json()["in_flight"] == 0)
+
+                def sample(name: str) -> float:
+                    for line in c.get(url + "/metrics").text.splitlines():
+                        if line.startswith(name + " "):
+                            return float(line.split()[1])
+                    return 0.0
+
+                lines = len(read_capture(cap))
+                assert wait_for(lambda: sample("mlxproxy_capture_errors_total") + len(read_capture(cap)) == 30)
+        finally:
+            proc.terminate()
+            err = proc.communicate(timeout=10)[1]
+    assert 0 < lines < 30 and cap.stat().st_size <= 8192
+    assert err.count("capture to") == 1, err
+    assert all(c.record.outcome == "ok" for c in read_capture(cap))  # whole lines only: nothing torn
+
+
+def test_kill_9_under_load_loses_only_queued_records(tmp_path: Path) -> None:
+    """Streams complete concurrently while the proxy is killed with SIGKILL: the capture
+    holds only whole lines (a torn last one at most, skipped with a warning), no record
+    twice, and at least every record whose line was already written before the kill."""
+    cap = tmp_path / "cap.jsonl"
+    with FakeUpstream(lambda req, conn: healthy_handler(req, conn, None)) as up:
+        proc, url = start_proxy_process(up.url, "--capture", str(cap), "--log-level", "error")
+        stop = threading.Event()
+        completed = [0]
+
+        def client() -> None:
+            with httpx.Client(timeout=10) as c:
+                while not stop.is_set():
+                    try:
+                        if c.post(url + "/v1/chat/completions", json=STREAM_REQ).content == OK_BODY:
+                            completed[0] += 1
+                    except httpx.HTTPError:
+                        return  # the proxy is gone
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        try:
+            for th in threads:
+                th.start()
+            assert wait_for(lambda: cap.exists() and cap.read_bytes().count(b"\n") >= 200, 30)
+            seen_before_kill = cap.read_bytes().count(b"\n")
+            proc.send_signal(signal.SIGKILL)  # while lines are being written
+            proc.wait(10)
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(10)
+            if proc.poll() is None:
+                proc.kill()
+    warnings: list[str] = []
+    caps = read_capture(cap, warn=warnings.append)
+    assert len(caps) >= seen_before_kill and len(caps) <= completed[0] + 8
+    assert len({c.record.id for c in caps}) == len(caps) and all(c.record.outcome in OUTCOMES for c in caps)
+    assert len(warnings) <= 1
+
+
 # -- parser robustness (the sans-I/O core) -----------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from mlxproxy.core import meter as meter_module  # noqa: E402
-from mlxproxy.core.meter import RequestMeter  # noqa: E402
-from mlxproxy.core.openai import inject_include_usage, is_injected_usage_chunk, parse_request  # noqa: E402
-from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEProtocolError  # noqa: E402
-from mlxproxy.core.strip import UsageStripper  # noqa: E402
 
 # pieces that real streams are made of, so random byte strings reach deep into the parsers
 WIRE_PIECES = [
@@ -426,8 +932,8 @@ def cut(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def held_by_decoder(dec: SSEDecoder) -> tuple[int, int]:
-    """(bytes of partial line held, bytes of event data held)."""
-    return len(dec._buf), sum(len(d.encode("utf-8", "surrogatepass")) for d in dec._data)
+    """(bytes of partial line held, characters of event data held)."""
+    return len(dec._buf), sum(map(len, dec._data))  # characters: at most one per byte received
 
 
 def decode_all(parts: list[bytes], bound: int = LINE_BOUND) -> list:
