@@ -82,6 +82,9 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
             f"outcome {rec.outcome!r} ({rec.error}) for a stream the client read to data: [DONE]")
 
 
+@pytest.mark.xfail(strict=True, reason="open: MeasuringClient.run_waves (bench double test, replay --mode batch) sends one "
+                   "request of a wave on a warm keep-alive connection and the other on a new one; through the proxy "
+                   "mlx_lm.server then admits the second request late (bench under-reports batching)")
 def test_requests_released_together_start_alike() -> None:
     """``bench``'s double test (MeasuringClient.run_waves) after its single-request phase:
     one request of the wave goes out on the keep-alive connection the single request left
