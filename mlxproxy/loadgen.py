@@ -66,14 +66,18 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-            trust_env=False,
-        )
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._client = httpx.AsyncClient(timeout=self._timeout, trust_env=False,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        # Requests released together must start alike: each on a new connection, never one
+        # on a warm keep-alive connection and the other still connecting (a few ms apart,
+        # enough for a server to admit the second one into its batch late).
+        self._fresh = httpx.AsyncClient(timeout=self._timeout, trust_env=False,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        await self._fresh.aclose()
 
     async def __aenter__(self) -> "MeasuringClient":
         return self
@@ -94,7 +98,10 @@ class MeasuringClient:
             headers.append((REPLAY_HEADER, "1"))
         return headers
 
-    async def send(self, req: PreparedRequest) -> Record:
+    async def send(self, req: PreparedRequest, *, fresh_connection: bool = False) -> Record:
+        """Send one request and return its checked record. `fresh_connection` opens a new
+        connection for it (used for requests released together)."""
+        http = self._fresh if fresh_connection else self._client
         info, _ = parse_request(req.method, req.path, req.body)
         self.in_flight += 1
         t_start = now()
@@ -104,9 +111,9 @@ class MeasuringClient:
         outcome = error = None
         try:
             meter.upstream_sent(now())
-            request = self._client.build_request(req.method, self.base_url + req.path, content=req.body,
-                                                 headers=self._headers(req))
-            response = await self._client.send(request, stream=True)
+            request = http.build_request(req.method, self.base_url + req.path, content=req.body,
+                                         headers=self._headers(req))
+            response = await http.send(request, stream=True)
             try:
                 meter.response_started(now(), response.status_code, response.headers.get("content-type"))
                 async for chunk in response.aiter_raw():
@@ -202,7 +209,7 @@ class MeasuringClient:
                 if ready == len(wave):
                     all_ready.set()
                 await gate.wait()
-                return await self.send(req)
+                return await self.send(req, fresh_connection=True)
 
             tasks = [asyncio.ensure_future(one(r)) for r in wave]
             await all_ready.wait()
