@@ -153,7 +153,10 @@ class CaptureWriter:
         """Open the file for appending, first cutting off a torn last line (a crash while
         it was written), so that every line after it stays readable."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+b", buffering=0)  # noqa: SIM115 - closed by close(); read to find a torn end
+        # owner-only when created: a capture holds prompts, which may hold secrets; read
+        # access to find a torn end
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        f = open(fd, "a+b", buffering=0)  # noqa: SIM115 - closed by close()
         try:
             size = os.fstat(f.fileno()).st_size
             keep = _end_of_last_line(f.fileno(), size)

@@ -824,6 +824,26 @@ def test_unwritable_capture_path_never_stops_the_proxy(tmp_path: Path, caplog) -
     assert sum("capture to" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_stuck_capture_disk_never_slows_streams(tmp_path: Path) -> None:
+    """The capture's disk hangs (a stalled network mount): streams keep flowing, records
+    that do not fit the capture queue are dropped and counted, and the rest are written
+    once the disk comes back."""
+    stuck = threading.Event()
+    with rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, capture=str(tmp_path / "c.jsonl"),
+             capture_queue_size=4) as t:
+        assert t.app.capture is not None
+        real_write = t.app.capture._file.write
+        t.app.capture._file.write = lambda data: (stuck.wait(30), real_write(data))[1]
+        for _ in range(20):
+            r = httpx.post(t.url + "/v1/chat/completions", json=STREAM_REQ, timeout=10)
+            assert r.status_code == 200 and r.content == OK_BODY
+        assert len(t.records(20)) == 20
+        dropped = t.app.registry.get_sample_value("mlxproxy_capture_dropped_total")
+        assert dropped is not None and 20 - 4 - 1 <= dropped < 20  # the queue, plus the one stuck in write
+        stuck.set()
+        assert wait_for(lambda: t.app.capture is not None and t.app.capture.written == 20 - dropped)
+
+
 def start_proxy_process(upstream_url: str, *args: str, **popen) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--upstream", upstream_url, "--port", "0", *args],
                             stderr=subprocess.PIPE, text=True, **popen)

@@ -266,3 +266,11 @@ def test_proxy_error_bodies_never_echo_secrets(monkeypatch: pytest.MonkeyPatch) 
     assert "request_too_large" in bodies[1] and "method_not_allowed" in bodies[2]
     for body in bodies:
         assert not any(s in body for s in ALL_SECRETS), body
+
+
+def test_capture_file_is_created_readable_by_its_owner_only(tmp_path: Path) -> None:
+    from mlxproxy.capture import CaptureWriter
+
+    w = CaptureWriter(tmp_path / "new" / "cap.jsonl")
+    w.close()
+    assert (tmp_path / "new" / "cap.jsonl").stat().st_mode & 0o077 == 0  # prompts are not for other local users
