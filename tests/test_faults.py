@@ -590,6 +590,7 @@ def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: 
                 assert s.recv(65536).startswith(b"HTTP/1.1 200")
             s.close()
             assert wait_for(lambda: len(closed) == i + 1) and all(closed), "the upstream request was not cancelled"
+            assert wait_for(lambda: not t.app.in_flight)  # so that the next in_flight == 1 is the next request
         recs = t.records(6)[1:]
         assert {r.outcome for r in recs} == {"client_disconnect"}
         if when == "before-headers":
