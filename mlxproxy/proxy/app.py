@@ -81,12 +81,12 @@ class ProxyApp:
         key = proxy_api_key(config)
         self._key_digest = hashlib.sha256(key).digest() if key is not None else None
         self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
-        self._drop_request_headers = HOP_BY_HOP | CLIENT_KEY_HEADERS if key is not None else HOP_BY_HOP
+        self._drop_request_headers = (HOP_BY_HOP | CLIENT_KEY_HEADERS) if key is not None else HOP_BY_HOP
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
         self.pool = UpstreamPool(config, transport)
         self._redact = DEFAULT_REDACT | {h.lower() for h in config.redact_headers}
-        self._secrets = tuple(x for x in [key.decode("latin-1") if key else None, *(s for u in self.pool for s in u.secrets)] if x)
+        self._secrets = tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ())
         self.recent = RecentRecords(config.recent_records)
         base: list[Observer] = [self.metrics, self.recent]
         if config.log_requests:
