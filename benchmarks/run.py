@@ -506,7 +506,8 @@ class Bench:
         if a.litellm:
             ll = start_litellm(self.children, a.litellm, self.up_port, self.workdir, self.api_key)
             if ll is not None:
-                ll.only = lambda mode, c: c <= 64  # 256 streams through LiteLLM would eat the time budget
+                # 256 streams (and 64 unpaced) through LiteLLM would eat the time budget
+                ll.only = lambda mode, c: c <= (64 if mode == "paced" else 16)
                 self.targets.append(ll)
         self.gens = LoadGens(self.children, a.clients)
 

@@ -38,6 +38,7 @@ def test_run_help():
     assert "--quick" in r.stdout
 
 
-def test_upstream_help():
-    r = subprocess.run([sys.executable, str(BENCH / "upstream.py"), "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+def test_upstream_and_meter_bench_help():
+    for script in ("upstream.py", "bench_meter.py"):
+        r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
