@@ -23,7 +23,7 @@ from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProt
 
 __all__ = ["RequestMeter"]
 
-_PROGRESS = re.compile(r"(\d+)\s*/\s*(\d+)")
+_PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses huge digit runs
 _STD_USAGE_KEYS = frozenset(
     {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
 )
@@ -93,6 +93,7 @@ class RequestMeter:
         self.prefill_progress: tuple[int, int] | None = None
         self.claims: dict[str, Any] = {}
         self.content_parts: list[str] = []
+        self._content_chars = 0
         self.reasoning_parts: list[str] = []
         self.tool_calls: dict[int, dict[str, str]] = {}
 
@@ -179,7 +180,8 @@ class RequestMeter:
         if not d.generated:
             return
         content = d.content or d.text
-        if content and self.content_events >= 2 and content == "".join(self.content_parts):
+        if (content and self.content_events >= 2 and len(content) == self._content_chars
+                and content == "".join(self.content_parts)):  # joined only when the lengths agree: linear overall
             self.duplicate_content = True  # a terminal chunk replaying the whole answer
             return
         self.generated_events += 1
@@ -192,6 +194,7 @@ class RequestMeter:
         if content:
             self.content_events += 1
             self.content_parts.append(content)
+            self._content_chars += len(content)
         if d.reasoning:
             self.reasoning_events += 1
             self.reasoning_parts.append(d.reasoning)

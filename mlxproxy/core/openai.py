@@ -254,10 +254,10 @@ def error_message(obj: Any) -> str | None:
 
 _CTX_PATTERNS = (
     # oMLX: "Prompt too long: 51587 tokens exceeds max context window of 32768 tokens"
-    re.compile(r"(?P<prompt>\d+) tokens exceeds? (?:the )?max(?:imum)? context (?:window|length) of (?P<limit>\d+)", re.I),
+    re.compile(r"(?P<prompt>\d{1,18}) tokens exceeds? (?:the )?max(?:imum)? context (?:window|length) of (?P<limit>\d{1,18})", re.I),
     # vLLM / OpenAI: "This model's maximum context length is 32768 tokens. However, you requested 40000 tokens"
-    re.compile(r"maximum context length is (?P<limit>\d+) tokens.*?(?:requested|resulted in|contains?) (?P<prompt>\d+) tokens", re.I | re.S),
-    re.compile(r"maximum context length is (?P<limit>\d+) tokens", re.I),
+    re.compile(r"maximum context length is (?P<limit>\d{1,18}) tokens.*?(?:requested|resulted in|contains?) (?P<prompt>\d{1,18}) tokens", re.I | re.S),
+    re.compile(r"maximum context length is (?P<limit>\d{1,18}) tokens", re.I),
     re.compile(r"(?:prompt|input)[^.]{0,40}?(?:too long|exceeds?)[^.]{0,60}?context", re.I),
     re.compile(r"context (?:window|length)[^.]{0,40}?exceed", re.I),
 )
