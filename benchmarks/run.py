@@ -1006,8 +1006,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clients", type=int, default=1, help="load generator processes (default 1)")
     ap.add_argument("--no-nginx", action="store_true", help="do not include nginx even if installed")
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
-    ap.add_argument("--litellm", default=LITELLM_DEFAULT if os.path.exists(LITELLM_DEFAULT) else "",
-                    help=f"path of a `litellm` executable to include ('' = none; default {LITELLM_DEFAULT} when present)")
+    ap.add_argument("--litellm", default=None, metavar="PATH",
+                    help=f"path of a `litellm` executable to include ('' = none; default: {LITELLM_DEFAULT} when "
+                         "present, except with --quick, where its 20-second start-up is left out)")
     ap.add_argument("--extra-proxy", action="append", default=[], metavar="NAME=DIR",
                     help="also run `python -m mlxproxy serve` from the package copy in DIR (experiments)")
     ap.add_argument("--only", choices=["seq", "ttft", "load", "churn"], action="append",
@@ -1026,6 +1027,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.litellm is None:
+        args.litellm = LITELLM_DEFAULT if os.path.exists(LITELLM_DEFAULT) and not args.quick else ""
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan.rounds = args.rounds
@@ -1037,6 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (nohup, `cmd &`)
     t0 = time.monotonic()
     rc = 0
     with tempfile.TemporaryDirectory(prefix="mlxproxy-bench-") as workdir:
