@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import random
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,22 @@ def splits(data: bytes, seed: int = 0, tries: int = 8) -> list[list[bytes]]:
 @pytest.fixture
 def fixture_bytes():
     return read_fixture
+
+
+def wait_for(pred, timeout_s: float = 5.0) -> bool:
+    """Poll `pred` until true or the deadline (readiness polling, never a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

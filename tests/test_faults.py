@@ -40,7 +40,7 @@ from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import read_fixture
+from conftest import closed_port, read_fixture
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -212,14 +212,6 @@ def read_all(url: str, body: dict, **kw) -> tuple[int, bytes, BaseException | No
         except httpx.HTTPError as exc:
             return r.status_code, got, exc, r.headers
         return r.status_code, got, None, r.headers
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # -- upstream faults --------------------------------------------------------------------------

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +17,7 @@ from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import read_fixture
+from conftest import closed_port, read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
 STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
@@ -32,15 +30,6 @@ def proxy(upstream_url: str | None = None, **cfg) -> Iterator[tuple[str, ProxyAp
     app = create_app(config)
     with ServerThread(app, server_header=False, date_header=False) as srv:
         yield srv.url, app
-
-
-def wait_for(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def last_record(app: ProxyApp, rid: str | None = None):
@@ -135,16 +124,8 @@ def test_client_disconnect_cancels_upstream() -> None:
         assert wait_for(lambda: not app.in_flight)
 
 
-def free_port_closed() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_unreachable_upstream_gives_502_openai_error() -> None:
-    with proxy(f"http://127.0.0.1:{free_port_closed()}") as (url, app):
+    with proxy(f"http://127.0.0.1:{closed_port()}") as (url, app):
         r = httpx.post(url + "/v1/chat/completions", json=STREAM_REQ)
         assert r.status_code == 502
         err = r.json()["error"]

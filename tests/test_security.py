@@ -26,6 +26,7 @@ from mlxproxy.proxy.cli import exposure_warning
 from mlxproxy.runner import ServerThread
 
 from conftest import read_fixture
+from conftest import wait_for as _wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -57,13 +58,7 @@ def keyed_proxy(monkeypatch: pytest.MonkeyPatch, handler=ok_stream, **cfg) -> It
 
 
 def wait_for(pred, timeout_s: float = 10.0) -> bool:
-    import time
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
+    return _wait_for(pred, timeout_s)
 
 
 # -- where the proxy listens --------------------------------------------------------------------
