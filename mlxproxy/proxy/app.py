@@ -273,8 +273,12 @@ class ProxyApp:
                     break
             if not state["finished"]:
                 state["disconnected"] = True
-                if task is not None:
+                # httpx does not always let a cancellation through (it may surface as
+                # its own error, or be absorbed while a connection is being set up):
+                # repeat it until the forwarding has really stopped
+                while task is not None and not state["finished"]:
                     task.cancel()
+                    await asyncio.sleep(0.1)
 
         watcher = asyncio.ensure_future(watch_disconnect())
         outcome: str | None = None
@@ -289,6 +293,9 @@ class ProxyApp:
             try:
                 response = await upstream.open(method, url, headers, body)
             except UpstreamError as exc:
+                if state["disconnected"]:  # the client left first; httpx turned the cancellation into an error
+                    outcome, error = "client_disconnect", "the client disconnected"
+                    return
                 outcome, error = exc.outcome, self._scrub(str(exc), scope)
                 status, err_body = json_error(exc.status, error, exc.code)
                 state["finished"] = True
