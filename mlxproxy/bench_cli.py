@@ -117,9 +117,10 @@ def plot_svg(results: list[TargetResult]) -> str:
                 pts_p.append((float(size), s["prefill_tps"]["p50"]))
             if g["params"].get("streams"):
                 pts_c.append((float(g["params"]["streams"]), s["decode_tps"]["p50"]))
-        single = next((g for g in r.groups if g["name"] == f"single {min(g2['params'].get('prompt_tokens', 0) for g2 in r.groups if g2['name'].startswith('single '))}"), None) if pts_t else None
-        if single is not None:
-            pts_c.append((1.0, single["summary"]["decode_tps"]["p50"]))
+        sized = [g for g in r.groups if g["name"].startswith("single ")]
+        if sized:  # one stream alone, at the smallest prompt size
+            smallest = min(sized, key=lambda g: g["params"]["prompt_tokens"])
+            pts_c.append((1.0, smallest["summary"]["decode_tps"]["p50"]))
         ttft.append((r.target.name, pts_t))
         prefill.append((r.target.name, pts_p))
         curve.append((r.target.name, pts_c))

@@ -23,6 +23,9 @@ __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
 now = time.perf_counter
 REPLAY_HEADER = "x-mlxproxy-replay"
+# hop-by-hop and framing headers, and ones this client sets itself, are never sent as given
+_NOT_RESENT = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade",
+                         "accept-encoding", "proxy-authorization", REPLAY_HEADER})
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,7 @@ class MeasuringClient:
         await self.aclose()
 
     def _headers(self, req: PreparedRequest) -> list[tuple[str, str]]:
-        skip = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
-        headers = [(k, v) for k, v in req.headers if k.lower() not in skip]
+        headers = [(k, v) for k, v in req.headers if k.lower() not in _NOT_RESENT]
         if self.api_key is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
             headers.append(("authorization", f"Bearer {self.api_key}"))

@@ -33,8 +33,6 @@ from mlxproxy.report import summarize_records
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "te", "upgrade",
-        "x-mlxproxy-replay", "proxy-authorization"}
 
 
 def filler_text(n: int) -> str:
@@ -102,7 +100,7 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
 
 def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
     """The request to send for one captured request, with only the documented rewrites."""
-    headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED and k.lower() not in _HOP)
+    headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED)  # hop-by-hop: loadgen drops
     if c.request is None:
         return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
     obj = _unprivate(c.request)

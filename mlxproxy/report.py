@@ -130,7 +130,7 @@ def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verd
                  extra: dict[str, Any] | None = None) -> None:
     doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),
            "groups": groups, "verdicts": verdicts or {}, **(extra or {})}
-    Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
 
 
 def read_result(path: str | Path) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
 from conftest import closed_port, read_fixture
+from conftest import wait_for as _wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -151,12 +152,7 @@ class Rig:
 
 
 def wait_for(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
+    return _wait_for(pred, timeout_s)
 
 
 def ok_events(body: bytes) -> list[bytes]:
