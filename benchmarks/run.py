@@ -526,7 +526,7 @@ class Bench:
         import importlib.metadata as md
 
         vers = []
-        for pkg in ("uvicorn", "httpx", "uvloop", "httptools"):
+        for pkg in ("uvicorn", "aiohttp", "uvloop", "httptools"):
             try:
                 vers.append(f"{pkg} {md.version(pkg)}")
             except md.PackageNotFoundError:

@@ -41,13 +41,12 @@ class UpstreamConfig:
 
 @dataclass(frozen=True)
 class TimeoutConfig:
-    """Seconds. `read_s` is the longest silence allowed between two reads from the
-    upstream, headers included: a 30-minute prefill on a long prompt is legitimate."""
+    """Seconds. `connect_s` bounds opening a connection to an upstream; `read_s` is the
+    longest silence allowed between two reads from the upstream, the wait for headers
+    included: a 30-minute prefill on a long prompt is legitimate. 0 means no limit."""
 
     connect_s: float = 10.0
     read_s: float = 1800.0
-    write_s: float = 60.0
-    pool_s: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
     MlxproxyError                 base; `str(exc)` is one sentence a user can act on
     ├── ConfigError               a bad config file, key or value (CLI exit code 2)
     ├── CaptureFormatError        a capture file that cannot be read (unknown version, bad line)
-    └── UpstreamError             the proxy could not get a response from an upstream
-        ├── UpstreamUnreachable   connection refused / reset before any response (HTTP 502)
-        └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
+    ├── UpstreamError             the proxy could not get a response from an upstream
+    │   ├── UpstreamUnreachable   connection refused / reset before any response (HTTP 502)
+    │   └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
+    └── UpstreamBodyError         the response started, then its body broke (reset, bad framing)
+        └── UpstreamBodyTimeout   ... or went silent for longer than the read timeout
 """
 
 from __future__ import annotations
@@ -37,3 +39,11 @@ class UpstreamTimeout(UpstreamError):
     status = 504
     outcome = "upstream_timeout"
     code = "upstream_timeout"
+
+
+class UpstreamBodyError(MlxproxyError):
+    """The upstream's response body ended abnormally after the response had started."""
+
+
+class UpstreamBodyTimeout(UpstreamBodyError):
+    """The upstream's response body went silent for longer than the read timeout."""

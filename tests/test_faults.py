@@ -80,14 +80,8 @@ class Rig:
         return self.in_loop(lambda: len(asyncio.all_tasks()))
 
     def busy_upstream_connections(self) -> int:
-        """Connections of the proxy's upstream pools that are not idle (serving a request)."""
-        def count() -> int:
-            n = 0
-            for up in self.app.pool.upstreams:
-                if up._client is not None:
-                    n += sum(1 for c in up._client._transport._pool.connections if not c.is_idle() and not c.is_closed())
-            return n
-        return self.in_loop(count)
+        """Upstream responses the proxy opened and has not closed yet (each holds a connection)."""
+        return self.in_loop(lambda: sum(up.open_responses for up in self.app.pool.upstreams))
 
     def settled(self, tasks_before: int) -> bool:
         """Nothing of a finished request is left: no request in flight, no busy upstream
@@ -487,16 +481,21 @@ def test_a_metering_failure_never_breaks_the_stream(where: str, injected: bool, 
     target, name = (RequestMeter, "feed_items") if where == "meter" else (SSEDecoder, "feed")
     real = getattr(target, name)
     calls = [0]
+    first_fed = threading.Event()
 
     def breaks_on_the_second_call(self, *args):
         calls[0] += 1
+        first_fed.set()
         if calls[0] == 2:
             raise ValueError("a metering bug")
         return real(self, *args)
 
     async def per_event(req: Req, conn: Conn) -> None:
         await conn.head(200, SSE_CHUNKED)
-        for e in ok_events(OK_BODY):
+        first, *rest = ok_events(OK_BODY)
+        await conn.chunk(first)
+        await conn.wait_gate(first_fed, 30)  # the rest arrives in a later read, so there is a second call
+        for e in rest:
             await conn.chunk(e)
         await conn.end_chunked()
 
@@ -560,8 +559,10 @@ def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: 
     it sends only `: keepalive` progress, or mid-stream: each time the proxy closes the
     upstream connection, records `client_disconnect`, and leaves no task or connection."""
     closed: list[bool] = []
+    received: list[bool] = []
 
     async def upstream(req: Req, conn: Conn) -> None:
+        received.append(True)
         if when != "before-headers":
             await conn.head(200, SSE_CHUNKED)
             await conn.chunk(b": keepalive 1/100\n\n" if when == "during-prefill-keepalives" else EVENT_A)
@@ -572,10 +573,15 @@ def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: 
         tasks_before = warmed(t)
         for i in range(5):
             s = raw_post(t.url, body)
-            if when == "before-headers":
-                assert wait_for(lambda: len(t.app.in_flight) == 1)
-            else:
-                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            if when == "before-headers":  # the upstream has the request and is "prefilling"
+                assert wait_for(lambda: len(t.app.in_flight) == 1 and len(received) == i + 1)
+            else:  # the client has the headers and the first event (or keepalive)
+                got = b""
+                while b"\r\n\r\n" not in got or not (b"keepalive" in got or b"data:" in got):
+                    part = s.recv(65536)
+                    assert part, got
+                    got += part
+                assert got.startswith(b"HTTP/1.1 200")
             s.close()
             assert wait_for(lambda: len(closed) == i + 1) and all(closed), "the upstream request was not cancelled"
             assert wait_for(lambda: not t.app.in_flight)  # so that the next in_flight == 1 is the next request

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -267,3 +268,34 @@ def test_client_leaving_after_done_is_not_a_disconnect() -> None:
         assert closed.wait(5)
         rec = last_record(app, rid)
         assert rec.outcome == "ok" and rec.error is None and rec.completion_tokens_reported == 2
+
+
+def test_the_upstream_gets_the_clients_request_not_the_http_clients() -> None:
+    """The path and query arrive as the client wrote them (no re-quoting), the client's own
+    headers pass, the HTTP client adds none of its own (user agent, accept, content type,
+    compression), and a cookie one upstream response sets is never sent with a later
+    request (the proxy serves many clients on one connection pool)."""
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("content-type", "application/json"), ("content-length", "2"),
+                              ("set-cookie", "session=from-upstream; Path=/")])
+        await conn.send(b"{}")
+
+    path = "/v1/chat/completions/a%2Fb/%7Ex;p=1?q=a%20b&q=%2F&empty="
+    body = b'{"model":"m","messages":[]}'
+    with FakeUpstream(handler) as up, proxy(up.url.replace("127.0.0.1", "localhost")) as (url, app):
+        # (a host name, not an address: an HTTP client's cookie jar may skip IP hosts)
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\nx-client: 1\r\n"
+                      b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            got = b""
+            while not got.endswith(b"{}"):
+                part = s.recv(65536)
+                assert part, got
+                got += part
+            s.close()
+        assert [r.path for r in up.requests] == [path, path]
+        for r in up.requests:
+            names = {k.lower() for k, _ in r.headers}
+            assert r.header("x-client") == "1" and r.header("accept-encoding") == "identity" and r.body == body
+            assert not names & {"user-agent", "accept", "content-type", "cookie"}, r.headers

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from mlxproxy.cli import main
 from mlxproxy.config import build_config, is_loopback_host
 from mlxproxy.errors import ConfigError
-from mlxproxy.proxy import app as app_module
+from mlxproxy.proxy import auth as auth_module
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.cli import exposure_warning
 from mlxproxy.runner import ServerThread
@@ -131,13 +131,13 @@ def test_healthz_stays_open_metrics_and_streams_need_the_key_unless_configured(m
 
 def test_proxy_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[tuple[bytes, bytes]] = []
-    real = app_module.hmac.compare_digest
+    real = auth_module.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth_module.hmac, "compare_digest", spy)
     with keyed_proxy(monkeypatch) as (url, app, up):
         assert httpx.get(url + "/v1/models", headers={"x-api-key": "short"}).status_code == 401
         assert httpx.post(url + "/v1/chat/completions", json=STREAM_REQ,
@@ -175,7 +175,7 @@ def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(monkeypatc
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Client credentials (proxy key, cookie, a configured team header), the upstream's key
     and the password in its URL: none of them in the capture, any log line (every logger at
-    DEBUG, httpx's included), /metrics, /streams, /healthz, or an error record, even when
+    DEBUG, the HTTP clients' included), /metrics, /streams, /healthz, or an error record, even when
     the upstream echoes what it received in its error body."""
     monkeypatch.setenv("MLXPROXY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     caplog.set_level(logging.DEBUG)

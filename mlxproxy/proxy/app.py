@@ -17,31 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
 import os
 import time
 from collections import deque
 from typing import Any
 
-import httpx
 import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from mlxproxy import __version__
-from mlxproxy.capture import DEFAULT_REDACT, REDACTED, CaptureWriter, Exchange
+from mlxproxy.capture import CaptureWriter, Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.core.strip import UsageStripper
-from mlxproxy.errors import UpstreamError
+from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
+from mlxproxy.proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, Scrubber
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
-from mlxproxy.proxy.upstream import Upstream, UpstreamPool
+from mlxproxy.proxy.upstream import Upstream, UpstreamPool, UpstreamResponse
 from mlxproxy.tokens import TokenCounter
 
 __all__ = ["ProxyApp", "create_app", "REQUEST_ID_HEADER", "REPLAY_HEADER"]
@@ -67,7 +65,6 @@ def json_error(status: int, message: str, code: str, err_type: str = "proxy_erro
 
 UNAUTHORIZED = json_error(401, "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' "
                                "or 'x-api-key: <key>'", "invalid_api_key", "invalid_request_error")[1]
-CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 
 
 class ProxyApp:
@@ -75,18 +72,18 @@ class ProxyApp:
     built-in ones (metrics, recent records, log line)."""
 
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
-                 observers: list[Observer] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 observers: list[Observer] | None = None) -> None:
         """Raises `ConfigError` when `proxy_api_key_env` names an unset variable."""
         self.config = config
         key = proxy_api_key(config)
-        self._key_digest = hashlib.sha256(key).digest() if key is not None else None
+        self._authorized = KeyCheck(key) if key is not None else None
         self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
         self._drop_request_headers = (HOP_BY_HOP | CLIENT_KEY_HEADERS) if key is not None else HOP_BY_HOP
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
-        self.pool = UpstreamPool(config, transport)
-        self._redact = DEFAULT_REDACT | {h.lower() for h in config.redact_headers}
-        self._secrets = tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ())
+        self.pool = UpstreamPool(config)
+        self._scrub = Scrubber(tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ()),
+                               config.redact_headers)
         self.recent = RecentRecords(config.recent_records)
         base: list[Observer] = [self.metrics, self.recent]
         if config.log_requests:
@@ -116,7 +113,7 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if self._key_digest is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
+            if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
                 await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
                 return
             if path in OWN_ROUTES:
@@ -125,34 +122,6 @@ class ProxyApp:
                 await self._proxy(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """The request carries the proxy key (compared as SHA-256 digests in constant time)."""
-        assert self._key_digest is not None
-        ok = False
-        for k, v in headers:
-            if k == b"authorization" and v[:7].lower() == b"bearer ":
-                v = v[7:]
-            elif k != b"x-api-key":
-                continue
-            ok |= hmac.compare_digest(hashlib.sha256(v.strip()).digest(), self._key_digest)
-        return ok
-
-    def _scrub(self, text: str, scope: dict[str, Any]) -> str:
-        """`text` (an error message headed for logs, captures, /streams or a client) with
-        every known secret replaced: the proxy key, upstream keys and URL passwords, and
-        the values of this request's redacted headers (an upstream may echo them)."""
-        secrets = list(self._secrets)
-        for k, v in scope["headers"]:
-            if k.decode("latin-1") in self._redact:
-                value = v.decode("latin-1").strip()
-                secrets.append(value)
-                if value[:7].lower() == "bearer ":
-                    secrets.append(value[7:].strip())
-        for secret in sorted(secrets, key=len, reverse=True):
-            if len(secret) >= 4 and secret in text:
-                text = text.replace(secret, REDACTED)
-        return text
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -228,12 +197,12 @@ class ProxyApp:
                 tags = ("replay",)
             if k in drop or k in connection_tokens:
                 continue
-            if upstream.api_key is not None and k == b"authorization":
+            if upstream.auth_header is not None and k == b"authorization":
                 continue
             headers.append((k, v))
         headers.append((b"accept-encoding", b"identity"))  # the meter reads the bytes it forwards
-        if upstream.api_key is not None:
-            headers.append((b"authorization", b"Bearer " + upstream.api_key.encode()))
+        if upstream.auth_header is not None:
+            headers.append((b"authorization", upstream.auth_header))
 
         inject = (self.config.inject_usage and info.stream and not info.usage_requested and obj is not None
                   and info.endpoint in ("chat_completions", "completions"))
@@ -273,9 +242,9 @@ class ProxyApp:
                     break
             if not state["finished"]:
                 state["disconnected"] = True
-                # httpx does not always let a cancellation through (it may surface as
-                # its own error, or be absorbed while a connection is being set up):
-                # repeat it until the forwarding has really stopped
+                # an HTTP client may absorb a cancellation (httpx did, while a connection
+                # was being set up) or turn it into its own error: repeat it until the
+                # forwarding has really stopped
                 while task is not None and not state["finished"]:
                     task.cancel()
                     await asyncio.sleep(0.1)
@@ -283,7 +252,7 @@ class ProxyApp:
         watcher = asyncio.ensure_future(watch_disconnect())
         outcome: str | None = None
         error: str | None = None
-        response: httpx.Response | None = None
+        response: UpstreamResponse | None = None
         chunk_overheads: list[float] = []
         request_overhead: float | None = None
         try:
@@ -293,19 +262,19 @@ class ProxyApp:
             try:
                 response = await upstream.open(method, url, headers, body)
             except UpstreamError as exc:
-                if state["disconnected"]:  # the client left first; httpx turned the cancellation into an error
+                if state["disconnected"]:  # the client left first; the cancellation surfaced as an error
                     outcome, error = "client_disconnect", "the client disconnected"
                     return
-                outcome, error = exc.outcome, self._scrub(str(exc), scope)
+                outcome, error = exc.outcome, self._scrub(str(exc), scope["headers"])
                 status, err_body = json_error(exc.status, error, exc.code)
                 state["finished"] = True
                 await _respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, rid)])
                 return
-            meter.response_started(now(), response.status_code, response.headers.get("content-type"))
+            meter.response_started(now(), response.status_code, response.content_type)
             if exchange is not None:
-                exchange.response_headers.extend(response.headers.raw)
+                exchange.response_headers.extend(response.raw_headers)
             stripper = UsageStripper() if inject and meter.decoder is not None else None
-            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
+            out_headers = [(k, v) for k, v in response.raw_headers if k.lower() not in RESPONSE_DROP]
             if stripper is not None:
                 out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
             out_headers.append((REQUEST_ID_HEADER, rid))
@@ -313,8 +282,9 @@ class ProxyApp:
                 out_headers.append((b"x-accel-buffering", b"no"))
             await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
             try:
+                read = response.read
                 if stripper is None:
-                    async for chunk in response.aiter_raw():
+                    while chunk := await read():
                         t = now()
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         chunk_overheads.append(now() - t)
@@ -325,7 +295,7 @@ class ProxyApp:
                 else:
                     decoder = meter.decoder
                     assert decoder is not None
-                    async for chunk in response.aiter_raw():
+                    while chunk := await read():
                         t = now()
                         if meter.done:
                             out = stripper.flush() + chunk
@@ -348,13 +318,13 @@ class ProxyApp:
                     rest = stripper.flush()
                     if rest:
                         await send({"type": "http.response.body", "body": rest, "more_body": True})
-            except httpx.TimeoutException:
-                outcome, error = "upstream_timeout", f"upstream '{upstream.name}' went silent for longer than the read timeout"
+            except UpstreamBodyTimeout as exc:
+                outcome, error = "upstream_timeout", str(exc)
                 raise _AbortClient() from None
-            except httpx.HTTPError as exc:
+            except UpstreamBodyError as exc:
                 # the upstream broke the body (reset, truncated chunked encoding): the client
                 # must see a broken body too, never a clean end that did not happen
-                error = f"upstream body ended abnormally: {type(exc).__name__}: {str(exc)[:160]}"
+                error = str(exc)
                 raise _AbortClient() from None
             state["finished"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -373,7 +343,7 @@ class ProxyApp:
             t_end = now()
             record = self._finish(meter, t_end, outcome, error)
             if record.error is not None:
-                record = dataclasses.replace(record, error=self._scrub(record.error, scope))
+                record = dataclasses.replace(record, error=self._scrub(record.error, scope["headers"]))
             self._recent_by_upstream[record.upstream].append(record)
             self.metrics.observe_overhead(request_overhead, chunk_overheads)
             self.fanout.emit(record, exchange)
@@ -416,7 +386,7 @@ def _quiet_client_aborts() -> None:
         logger.addFilter(_DropAbortTracebacks())
 
 
-async def _aclose_quietly(response: httpx.Response) -> None:
+async def _aclose_quietly(response: UpstreamResponse) -> None:
     try:
         await asyncio.shield(response.aclose())
     except BaseException:  # closing a broken upstream connection may fail; nothing to do

@@ -14,9 +14,6 @@ from mlxproxy.errors import ConfigError
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    # httpx logs every upstream URL at info (with any user:password in it); the proxy's own
-    # line per request says more, and says it without secrets
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def exposure_warning(cfg: Config) -> str | None:

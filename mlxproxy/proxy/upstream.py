@@ -1,22 +1,33 @@
 """Upstreams: routing by model name and one long-lived HTTP client per upstream.
 
-This is the transport seam of the proxy: `Upstream.open()` returns a streaming httpx
-response, translating httpx's exceptions into the project's `UpstreamError`s.
+This is the transport seam of the proxy: `Upstream.open()` sends a request and returns an
+`UpstreamResponse` once status and headers arrived; `UpstreamResponse.read()` hands out the
+body as it arrives. aiohttp is the client (an httpx client cost several times more CPU per
+forwarded event and per request: benchmarks/README.md); its exceptions are translated here
+into the project's own (`UpstreamError` before the response, `UpstreamBodyError` after), so
+nothing above this module knows which client library is underneath.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import fnmatch
 import os
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import httpx
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
-from mlxproxy.errors import UpstreamTimeout, UpstreamUnreachable
+from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["Upstream", "UpstreamPool", "display_url"]
+__all__ = ["Upstream", "UpstreamPool", "UpstreamResponse", "display_url"]
+
+# Headers aiohttp would add on its own; the proxy forwards the client's, not a library's.
+_NO_AUTO_HEADERS = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 
 
 def display_url(url: str) -> str:
@@ -27,78 +38,136 @@ def display_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
-class Upstream:
-    """One configured upstream. The httpx client is created on first use, inside the
-    event loop that serves the requests. `base` never holds credentials; `secrets` are the
-    values (key, URL password) that must never appear in what the proxy writes."""
+class UpstreamResponse:
+    """A response whose status and headers arrived; the body is read with `read()`."""
 
-    def __init__(self, cfg: UpstreamConfig, timeouts: TimeoutConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    __slots__ = ("status_code", "raw_headers", "content_type", "_resp", "_read", "_closed", "_eof", "_upstream")
+
+    def __init__(self, resp: aiohttp.ClientResponse, upstream: Upstream) -> None:
+        self._resp = resp
+        self._upstream = upstream
+        self.status_code = resp.status
+        self.raw_headers: list[tuple[bytes, bytes]] = list(resp.raw_headers)
+        self.content_type: str | None = resp.headers.get("content-type")
+        self._read = resp.content.readany
+        self._eof = False
+        # A body delimited by the connection's close (HTTP/1.0 servers such as
+        # mlx_lm.server) ends the same way for a clean close and for a reset; the
+        # connection's `closed` future tells them apart.
+        self._closed: asyncio.Future[None] | None = None
+        if resp.headers.get("content-length") is None and "chunked" not in resp.headers.get("transfer-encoding", "").lower():
+            conn = resp.connection
+            self._closed = getattr(conn.protocol, "closed", None) if conn is not None and conn.protocol is not None else None
+
+    async def read(self) -> bytes:
+        """The next part of the body as it arrived (already de-chunked); b"" at its clean end.
+        Raises `UpstreamBodyTimeout` after `read_s` of silence and `UpstreamBodyError`
+        when the body broke (reset, truncated chunked encoding, bad framing)."""
+        try:
+            chunk = await self._read()
+        except asyncio.TimeoutError:
+            raise UpstreamBodyTimeout(f"upstream '{self._upstream.name}' went silent for longer than the read timeout") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(exc)}") from None
+        if not chunk:
+            self._eof = True
+            closed = self._closed
+            if closed is not None and closed.done() and not closed.cancelled() and closed.exception() is not None:
+                raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(closed.exception())}")  # type: ignore[arg-type]
+        return chunk
+
+    async def aclose(self) -> None:
+        """Give the connection back (body read to its end) or close it (anything else:
+        the upstream sees the close and can stop generating)."""
+        self._upstream.open_responses -= 1
+        if self._eof:
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+class Upstream:
+    """One configured upstream. The HTTP client is created on first use, inside the event
+    loop that serves the requests. `base` never holds credentials; `secrets` are the values
+    (key, URL password) that must never appear in what the proxy writes; `auth_header`, when
+    set, replaces the client's `Authorization` header."""
+
+    def __init__(self, cfg: UpstreamConfig, timeouts: TimeoutConfig) -> None:
         self.cfg = cfg
         self.name = cfg.name
         parts = urlsplit(cfg.url.rstrip("/"))
-        # credentials in the URL become Basic auth, so the URL itself (in errors, logs and
-        # /healthz, httpx's own log lines included) never carries them
-        self._auth = (unquote(parts.username or ""), unquote(parts.password or "")) if "@" in parts.netloc else None
         self.base = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
         self.patterns = cfg.models
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        self.secrets = tuple(x for x in (self.api_key, parts.password, self._auth and self._auth[1]) if x)
+        password = unquote(parts.password or "") if "@" in parts.netloc else None
+        self.auth_header: bytes | None = None
+        if self.api_key is not None:
+            self.auth_header = b"Bearer " + self.api_key.encode("latin-1")
+        elif password is not None:
+            # credentials in the URL become Basic auth, so the URL itself (in errors, logs
+            # and /healthz) never carries them
+            user_pass = f"{unquote(parts.username or '')}:{password}".encode("latin-1")
+            self.auth_header = b"Basic " + base64.b64encode(user_pass)
+        self.secrets = tuple(x for x in (self.api_key, parts.password, password) if x)
         self.in_flight = 0
-        self._timeouts = httpx.Timeout(connect=timeouts.connect_s, read=timeouts.read_s or None,
-                                       write=timeouts.write_s or None, pool=timeouts.pool_s or None)
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self.open_responses = 0  # responses opened and not yet closed (tests: nothing leaks)
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s or None,
+                                              sock_connect=timeouts.connect_s or None, sock_read=timeouts.read_s or None)
+        self._session: aiohttp.ClientSession | None = None
 
     def matches(self, model: str | None) -> bool:
         return model is not None and any(fnmatch.fnmatchcase(model, p) for p in self.patterns)
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=self._timeouts,
-                auth=self._auth,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0),
-                transport=self._transport,
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+                timeout=self._timeout,
+                auto_decompress=False,  # the client gets the bytes the upstream sent
+                cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies never reach another's request
                 trust_env=False,
-                follow_redirects=False,
+                skip_auto_headers=_NO_AUTO_HEADERS,
             )
-        return self._client
+        return self._session
 
-    def url_for(self, raw_path: str, query: bytes) -> str:
+    def url_for(self, raw_path: str, query: bytes) -> URL:
         url = self.base + raw_path
         if query:
             url += "?" + query.decode("latin-1")
-        return url
+        return URL(url, encoded=True)  # forwarded as the client wrote it, not re-quoted
 
-    async def open(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
+    async def open(self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
         """Send the request; return once status and headers arrived (body not read)."""
-        request = httpx.Request(method, url, headers=headers, content=body)
+        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
+            resp = await self.session.request(method, url, headers=hdrs, data=body or None, allow_redirects=False,
+                                              compress=None, chunked=None)
+        except asyncio.TimeoutError as exc:
             raise UpstreamTimeout(f"upstream '{self.name}' did not answer within the timeout ({type(exc).__name__})") from exc
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        except (aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' failed before responding: {_reason(exc)}") from exc
+        self.open_responses += 1
+        return UpstreamResponse(resp, self)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
-def _reason(exc: Exception) -> str:
+def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
 class UpstreamPool:
     """All upstreams of a config; `route(model)` picks the first whose pattern matches."""
 
-    def __init__(self, config: Config, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.upstreams = [Upstream(u, config.timeouts, transport) for u in config.upstreams]
+    def __init__(self, config: Config) -> None:
+        self.upstreams = [Upstream(u, config.timeouts) for u in config.upstreams]
         self.default = next(u for u in self.upstreams if u.cfg is config.default())
 
     def route(self, model: str | None) -> Upstream:
