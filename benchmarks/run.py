@@ -307,6 +307,17 @@ def start_mlxproxy(children: Children, name: str, up_port: int, workdir: str, ca
     return Target(name, port, p)
 
 
+def start_floor(children: Children, up_port: int, workdir: str) -> Target:
+    """benchmarks/floor.py: the same server stack and upstream client, no mlxproxy work."""
+    port = free_port()
+    argv = [PY, os.path.join(HERE, "floor.py"), "--upstream", f"http://{HOST}:{up_port}", "--port", str(port)]
+    log = open(os.path.join(workdir, "floor.log"), "w")
+    p = children.spawn(argv, stdout=log, stderr=subprocess.STDOUT)
+    if not wait_http(f"http://{HOST}:{port}/healthz", p, 30):
+        raise RuntimeError(f"floor did not start; see {log.name}")
+    return Target("floor", port, p, note="uvicorn+aiohttp passthrough, no metering")
+
+
 NGINX_CONF = """
 daemon off;
 master_process off;
@@ -499,6 +510,8 @@ class Bench:
                 self.targets.append(self.capture)
             else:
                 self.capture_note = "capture: not available in this build"
+        if not a.no_floor:
+            self.targets.append(start_floor(self.children, self.up_port, self.workdir))
         if not a.no_nginx:
             ng = start_nginx(self.children, self.up_port, self.workdir)
             if ng is not None:
@@ -1005,6 +1018,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--window", type=float, help="seconds measured per load job (default 2.5, quick 1)")
     ap.add_argument("--clients", type=int, default=1, help="load generator processes (default 1)")
     ap.add_argument("--no-nginx", action="store_true", help="do not include nginx even if installed")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="do not run benchmarks/floor.py (uvicorn + aiohttp passthrough with no metering)")
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
     ap.add_argument("--litellm", default=None, metavar="PATH",
                     help=f"path of a `litellm` executable to include ('' = none; default: {LITELLM_DEFAULT} when "

@@ -28,7 +28,8 @@ def test_harness_modules_import():
     run = _load("run")
     loadgen = _load("loadgen")
     upstream = _load("upstream")
-    assert callable(run.main) and callable(loadgen.run_job) and callable(upstream.cli)
+    floor = _load("floor")
+    assert callable(run.main) and callable(loadgen.run_job) and callable(upstream.cli) and callable(floor.Floor)
     assert run.pct([1.0, 2.0, 3.0], 50) == 2.0
 
 
