@@ -95,6 +95,45 @@ class SSEDecoder:
 
     def feed(self, data: bytes) -> list[SSEItem]:
         """Consume `data`; return the items it completed (possibly none). Never raises."""
+        # Fast path for what nearly every server sends: reads of whole single-line data events,
+        # `data: ...\n\n`, arriving while no line or event is open. Each such event is built
+        # directly, exactly as `_line` + `_dispatch` would build it; at the first byte that
+        # does not fit the pattern the rest of the read goes to the general path.
+        if (self._buf or self._skip_lf or self._discarding or self._open or self._skip_event
+                or not data.startswith(b"data: ") or b"\r" in data):
+            return self._feed_general(data)
+        out: list[SSEItem] = []
+        find = data.find
+        n = len(data)
+        base = self._base
+        start = self._event_start
+        limit = self.max_line_bytes
+        last_id = self._last_id
+        pos = 0
+        while True:
+            i = find(b"\n", pos)
+            # the data line must end before the read does, be followed by the blank line,
+            # and be within the bound (an over-long line is the general path's business)
+            if i < 0 or i + 1 >= n or data[i + 1] != _LF or i - pos > limit:
+                break
+            end = base + i + 2
+            out.append(SSEEvent(data[pos + 6 : i].decode("utf-8", "replace"), end, "", last_id, None, start))
+            start = end
+            pos = i + 2
+            if pos == n or not data.startswith(b"data: ", pos):
+                break
+        if pos:
+            self._first_line = False  # the first line began with "data: ", so it held no BOM
+            self._event_start = start
+            self._base = base + pos
+            if pos == n:
+                return out
+            data = data[pos:]
+        out.extend(self._feed_general(data))
+        return out
+
+    def _feed_general(self, data: bytes) -> list[SSEItem]:
+        """`feed` for any input: the standard's line and event rules, byte by byte."""
         out: list[SSEItem] = []
         if not data:
             return out
