@@ -1,22 +1,31 @@
 """The metering fast paths give exactly what the general paths give.
 
-Each shortcut (here: the SSE decoder's whole-`data:`-event path) is compared with the code
-it shortcuts, on the recorded fixtures and on generated input. The fast paths are also
-checked to be taken on the inputs they exist for, so these comparisons never pass
-vacuously. No timing here: performance is measured by benchmarks/bench_meter.py.
+Each shortcut (the SSE decoder's whole-`data:`-event path, `plain_delta` in
+`classify_chunk` and the meter) is compared with the code it shortcuts, on the recorded
+fixtures and on generated input. The fast paths are also checked to be taken on the
+inputs they exist for, so these comparisons never pass vacuously. No timing here:
+performance is measured by benchmarks/bench_meter.py.
 """
 
 from __future__ import annotations
 
+import copy
+from unittest import mock
+
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mlxproxy.core.meter as meter_mod
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 
 from conftest import FIXTURES, splits
 
 SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse"))
+CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 
 # -- SSE decoder ---------------------------------------------------------------------
@@ -178,3 +187,172 @@ def test_decoder_fast_path_is_taken_on_whole_data_events() -> None:
         before = dec.general_calls
         dec.feed(read)
         assert dec.general_calls == before + 1, read
+
+
+# -- chunk classification ------------------------------------------------------------
+
+
+def fixture_chunks() -> list[object]:
+    out = []
+    for name in SSE_FIXTURES:
+        for it in SSEDecoder().feed((FIXTURES / name).read_bytes()):
+            if isinstance(it, SSEEvent) and not it.data.startswith("[DONE]"):
+                try:
+                    out.append(orjson.loads(it.data))
+                except orjson.JSONDecodeError:
+                    pass
+    return out
+
+
+def test_classify_fast_path_equals_general_path_on_fixtures() -> None:
+    chunks = fixture_chunks()
+    plain = 0
+    for obj in chunks:
+        assert classify_chunk(obj) == _classify_general(obj), obj
+        p = plain_delta(obj)
+        if p is not None:
+            plain += 1
+            assert _classify_general(obj) == Delta(*p)
+    assert plain > len(chunks) // 2  # the fast path carries the bulk of real streams
+
+
+@pytest.mark.parametrize("level", ["chunk", "choice", "delta"])
+@pytest.mark.parametrize("key", ["finish_reason", "text", "usage", "error", "timings", "metrics", "tool_calls",
+                                 "reasoning_content", "reasoning", "content", "choices", "delta", "role", "other"])
+@pytest.mark.parametrize("value", [None, "", "x", 0, 1, False, True, [], [{"index": 0}], {}, {"message": "m"}])
+@pytest.mark.parametrize("content", ["a", "", None])
+def test_plain_delta_against_every_member_the_rules_read(level: str, key: str, value: object, content: object) -> None:
+    """A plain chunk (content, or reasoning when `content` is not text) with one member
+    set at one level: the shortcut must either decline or agree with the general rules."""
+    delta = {"content": content} if content else {"content": content, "reasoning_content": "r"}
+    obj = {"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    {"chunk": obj, "choice": obj["choices"][0], "delta": delta}[level][key] = value
+    p = plain_delta(obj)
+    assert classify_chunk(obj) == _classify_general(obj)
+    if p is not None:
+        assert _classify_general(obj) == Delta(*p)
+
+
+@pytest.mark.parametrize(
+    "delta,expected",
+    [
+        ({"content": "a"}, ("a", "")),
+        ({"role": "assistant", "content": "a"}, ("a", "")),
+        ({"content": "a", "refusal": None}, ("a", "")),
+        ({"reasoning_content": "r"}, ("", "r")),
+        ({"reasoning": "r"}, ("", "r")),
+        ({"content": None, "reasoning_content": "r", "reasoning": None, "tool_calls": None}, ("", "r")),
+        ({"content": "", "reasoning": "r"}, ("", "r")),
+        ({"content": "a", "reasoning_content": "r"}, None),  # both: general rules
+        ({"reasoning_content": "r", "reasoning": "r"}, None),  # dual reasoning
+        ({"reasoning_content": "", "reasoning": "r"}, None),
+        ({"content": "a", "tool_calls": []}, None),
+        ({"content": ""}, None),
+        ({"role": "assistant"}, None),
+        ({}, None),
+        ({"content": 5}, None),
+    ],
+)
+def test_plain_delta_shapes(delta: dict, expected: tuple[str, str] | None) -> None:
+    obj = {"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": None}], "usage": None}
+    assert plain_delta(obj) == expected
+    assert classify_chunk(obj) == _classify_general(obj)
+    if expected is not None:
+        assert _classify_general(obj) == Delta(*expected)
+
+
+ANY = st.one_of(st.none(), st.just(""), st.text(max_size=4), st.integers(-1, 3), st.booleans(), st.just([]),
+                st.just({}), st.floats(allow_nan=False))
+TEXT = st.one_of(st.none(), st.just(""), st.text(min_size=1, max_size=4))
+TOOL_CALL = st.fixed_dictionaries({}, optional={"index": st.one_of(st.integers(0, 2), ANY), "id": ANY,
+                                                "function": st.one_of(st.fixed_dictionaries({}, optional={"name": ANY, "arguments": ANY}), ANY)})
+DELTA = st.fixed_dictionaries({}, optional={
+    "role": st.one_of(st.just("assistant"), ANY), "content": st.one_of(TEXT, ANY), "reasoning_content": st.one_of(TEXT, ANY),
+    "reasoning": st.one_of(TEXT, ANY), "tool_calls": st.one_of(st.lists(st.one_of(TOOL_CALL, ANY), max_size=2), ANY),
+    "refusal": ANY,
+})
+CHOICE = st.fixed_dictionaries({"index": st.just(0)}, optional={
+    "delta": st.one_of(DELTA, DELTA, ANY), "finish_reason": st.one_of(st.sampled_from(["stop", "length", ""]), ANY),
+    "text": st.one_of(TEXT, ANY), "logprobs": ANY,
+})
+CHUNK = st.fixed_dictionaries({"id": st.just("chatcmpl-x"), "object": st.just("chat.completion.chunk")}, optional={
+    "choices": st.one_of(st.lists(st.one_of(CHOICE, CHOICE, ANY), max_size=3), ANY),
+    "usage": st.one_of(st.fixed_dictionaries({"prompt_tokens": st.integers(0, 9), "completion_tokens": st.integers(0, 9)}), ANY),
+    "error": st.one_of(st.fixed_dictionaries({"message": st.text(max_size=5)}), ANY),
+    "timings": st.one_of(st.just({"predicted_per_second": 1.5}), ANY),
+    "metrics": st.one_of(st.just({"tps": 2}), ANY),
+    "ts": ANY,
+})
+
+
+KEYS = st.sampled_from(["finish_reason", "text", "usage", "error", "timings", "metrics", "tool_calls", "reasoning_content",
+                        "reasoning", "content", "role", "choices", "delta", "index", "refusal"])
+
+
+@st.composite
+def near_plain_chunk(draw) -> dict:
+    """A plain content or reasoning chunk with a few members changed at random levels."""
+    field = draw(st.sampled_from(["content", "reasoning_content", "reasoning"]))
+    delta = {field: draw(st.text(min_size=1, max_size=3))}
+    if draw(st.booleans()):
+        delta["role"] = "assistant"
+    ch = {"index": 0, "delta": delta, "finish_reason": None}
+    obj = {"id": "x", "object": "chat.completion.chunk", "choices": [ch]}
+    for _ in range(draw(st.integers(0, 3))):
+        target = draw(st.sampled_from([obj, ch, delta]))
+        other = {"index": 1, "delta": {"content": "z"}}
+        target[draw(KEYS)] = draw(st.one_of(ANY, TEXT, st.just([other]), st.just([copy.deepcopy(ch), other]), st.just([{"index": 0}])))
+    return obj
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.one_of(CHUNK, near_plain_chunk(), near_plain_chunk(), ANY))
+def test_classify_fast_path_equals_general_path_on_generated_chunks(obj: object) -> None:
+    obj = orjson.loads(orjson.dumps(obj))  # what the meter sees: orjson's own types
+    assert classify_chunk(obj) == _classify_general(obj)
+    p = plain_delta(obj)
+    if p is not None:
+        assert _classify_general(obj) == Delta(*p)
+
+
+# -- meter ---------------------------------------------------------------------------
+
+
+def meter_record(parts: list[bytes], *, fast: bool):
+    """Drive a meter as the proxy does; `fast=False` switches both shortcuts off."""
+    info, _ = parse_request("POST", "/v1/chat/completions", CHAT)
+    m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, keep_text=True)
+    m.upstream_sent(0.1)
+    m.response_started(0.5, 200, "text/event-stream")
+    if not fast:
+        m.decoder = GeneralDecoder()
+    t = 1.0
+    with mock.patch.object(meter_mod, "plain_delta", meter_mod.plain_delta if fast else (lambda obj: None)):
+        for p in parts:
+            m.feed(p, t)
+            t += 0.25
+        return m.finish(t + 1.0), (m.tool_calls, m.content_parts, m.reasoning_parts, m.duplicate_content)
+
+
+@pytest.mark.parametrize("name", SSE_FIXTURES)
+def test_meter_fast_paths_equal_general_paths_on_fixtures(name: str) -> None:
+    body = (FIXTURES / name).read_bytes()
+    for parts in splits(body, seed=len(body) + 1, tries=6):
+        assert meter_record(parts, fast=True) == meter_record(parts, fast=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(CHUNK, near_plain_chunk(), near_plain_chunk(), st.just("[DONE]"), st.just("not json")), max_size=12),
+       st.lists(st.integers(min_value=0, max_value=3000), max_size=10))
+def test_meter_fast_paths_equal_general_paths_on_generated_streams(chunks: list, cuts: list[int]) -> None:
+    body = b"".join(b"data: " + (c.encode() if isinstance(c, str) else orjson.dumps(c)) + b"\n\n" for c in chunks)
+    parts = cut(body, cuts)
+    assert meter_record(parts, fast=True) == meter_record(parts, fast=False)
+
+
+def test_meter_duplicate_terminal_content_on_the_fast_path() -> None:
+    """A terminal chunk replaying the whole answer is a plain content chunk too."""
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
+    parts = [chunk % b"ab", chunk % b"c", chunk % b"abc", b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n']
+    fast, ref = meter_record(parts, fast=True), meter_record(parts, fast=False)
+    assert fast == ref and fast[0].duplicate_content and fast[0].generated_events == 2

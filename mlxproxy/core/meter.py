@@ -13,11 +13,12 @@ A failure while metering never raises to the caller: it becomes `protocol_error`
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit
+from mlxproxy.core.openai import RequestInfo, _classify_general, error_message, parse_context_limit, plain_delta
 from mlxproxy.core.record import Record
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 
@@ -163,23 +164,30 @@ class RequestMeter:
         except orjson.JSONDecodeError:
             self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
             return
-        d = classify_chunk(obj)
-        if d.error is not None:
-            self.stream_error = self.stream_error or d.error
-        if d.usage is not None:
-            self.usage = d.usage
-            self.usage_reports += 1
-        if d.claims:
-            self.claims.update(d.claims)
-        if d.finish_reasons:
-            self.finish_reasons_seen += len(d.finish_reasons)
-            if self.finish_reason is None:
-                self.finish_reason = d.finish_reasons[0]
-        if d.dual_reasoning:
-            self.dual_reasoning_events += 1
-        if not d.generated:
-            return
-        content = d.content or d.text
+        plain = plain_delta(obj)
+        if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
+            content, reasoning = plain
+            tool_calls: Sequence[dict[str, Any]] = ()
+        else:
+            d = _classify_general(obj)  # classify_chunk minus the plain_delta check just made
+            if d.error is not None:
+                self.stream_error = self.stream_error or d.error
+            if d.usage is not None:
+                self.usage = d.usage
+                self.usage_reports += 1
+            if d.claims:
+                self.claims.update(d.claims)
+            if d.finish_reasons:
+                self.finish_reasons_seen += len(d.finish_reasons)
+                if self.finish_reason is None:
+                    self.finish_reason = d.finish_reasons[0]
+            if d.dual_reasoning:
+                self.dual_reasoning_events += 1
+            if not d.generated:
+                return
+            content = d.content or d.text
+            reasoning = d.reasoning
+            tool_calls = d.tool_calls
         if (content and self.content_events >= 2 and len(content) == self._content_chars
                 and content == "".join(self.content_parts)):  # joined only when the lengths agree: linear overall
             self.duplicate_content = True  # a terminal chunk replaying the whole answer
@@ -188,17 +196,17 @@ class RequestMeter:
         self.event_times.append(t)
         if self.t_first_token is None:
             self.t_first_token = t
-        if self.t_first_content is None and (content or d.tool_calls):
+        if self.t_first_content is None and (content or tool_calls):
             self.t_first_content = t
         self.t_last_token = t
         if content:
             self.content_events += 1
             self.content_parts.append(content)
             self._content_chars += len(content)
-        if d.reasoning:
+        if reasoning:
             self.reasoning_events += 1
-            self.reasoning_parts.append(d.reasoning)
-        for tc in d.tool_calls:
+            self.reasoning_parts.append(reasoning)
+        for tc in tool_calls:
             self._tool_call(tc)
 
     def _tool_call(self, tc: dict[str, Any]) -> None:

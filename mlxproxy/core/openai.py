@@ -20,6 +20,7 @@ __all__ = [
     "parse_request",
     "inject_include_usage",
     "classify_chunk",
+    "plain_delta",
     "is_injected_usage_chunk",
     "error_message",
     "parse_context_limit",
@@ -172,12 +173,61 @@ class Delta:
         return bool(self.content or self.reasoning or self.text or self.tool_calls)
 
 
+def plain_delta(obj: Any) -> tuple[str, str] | None:
+    """`(content, reasoning)` of a plain text chunk (the bulk of every stream), else `None`.
+
+    Plain: one choice whose delta holds non-empty text in exactly one of `content`,
+    `reasoning_content` and `reasoning` (the reasoning ones otherwise absent or null, a
+    `content` otherwise anything falsy), and no tool calls; no finish reason, `text`, error, usage, timings or metrics (absent
+    or null). For such a chunk `classify_chunk` gives exactly `Delta(content, reasoning)`,
+    so callers may skip building it. Deliberately narrow: anything else is `None` and goes
+    through the general rules."""
+    if type(obj) is not dict:
+        return None
+    choices = obj.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    ch = choices[0]
+    if type(ch) is not dict:
+        return None
+    delta = ch.get("delta")
+    if type(delta) is not dict:
+        return None
+    # `k in d and d[k] is not None`: most of these members are absent, and `in` is the cheapest test
+    if (("finish_reason" in ch and ch["finish_reason"] is not None) or ("text" in ch and ch["text"] is not None)
+            or ("usage" in obj and obj["usage"] is not None) or ("error" in obj and obj["error"] is not None)
+            or ("timings" in obj and obj["timings"] is not None) or ("metrics" in obj and obj["metrics"] is not None)):
+        return None
+    c = delta.get("content")
+    if type(c) is str and c and len(delta) == 1:  # {"content": "..."}: nothing else to look at
+        return (c, "")
+    if "tool_calls" in delta and delta["tool_calls"] is not None:
+        return None
+    rc = delta.get("reasoning_content")
+    r = delta.get("reasoning")
+    if c:  # content: plain only as text and without reasoning (falsy content is no text, whatever its type)
+        return (c, "") if type(c) is str and rc is None and r is None else None
+    if r is None:
+        return ("", rc) if type(rc) is str and rc else None
+    if rc is None:
+        return ("", r) if type(r) is str and r else None
+    return None
+
+
 def classify_chunk(obj: Any) -> Delta:
     """Interpret one decoded chunk of a chat or text completion stream.
 
     Role-only, empty and `null` deltas generate nothing. `usage` may ride on any chunk.
     An `error` member (object or string) is reported whatever else the chunk holds.
     """
+    plain = plain_delta(obj)
+    if plain is not None:
+        return Delta(*plain)
+    return _classify_general(obj)
+
+
+def _classify_general(obj: Any) -> Delta:
+    """`classify_chunk` for any chunk: every rule, no shortcut."""
     d = Delta()
     if not isinstance(obj, dict):
         d.error = "chunk is not a JSON object"
