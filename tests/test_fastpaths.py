@@ -1,23 +1,26 @@
 """The metering fast paths give exactly what the general paths give.
 
 Each shortcut (the SSE decoder's whole-`data:`-event path, `plain_delta` in
-`classify_chunk` and the meter) is compared with the code it shortcuts, on the recorded
-fixtures and on generated input. The fast paths are also checked to be taken on the
-inputs they exist for, so these comparisons never pass vacuously. No timing here:
-performance is measured by benchmarks/bench_meter.py.
+`classify_chunk` and the meter, `observe_all` in the metrics) is compared with the code it
+shortcuts, on the recorded fixtures and on generated input. The fast paths are also
+checked to be taken on the inputs they exist for, so these comparisons never pass
+vacuously. No timing here: performance is measured by benchmarks/bench_meter.py.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from unittest import mock
 
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 
 import mlxproxy.core.meter as meter_mod
+import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
@@ -356,3 +359,83 @@ def test_meter_duplicate_terminal_content_on_the_fast_path() -> None:
     parts = [chunk % b"ab", chunk % b"c", chunk % b"abc", b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n']
     fast, ref = meter_record(parts, fast=True), meter_record(parts, fast=False)
     assert fast == ref and fast[0].duplicate_content and fast[0].generated_events == 2
+
+
+# -- metrics -------------------------------------------------------------------------
+
+
+def samples(registry: CollectorRegistry) -> list[tuple]:
+    """Every sample but the creation timestamps, NaN made comparable."""
+    out = []
+    for fam in registry.collect():
+        for s in fam.samples:
+            if not s.name.endswith("_created"):
+                out.append((s.name, tuple(sorted(s.labels.items())), "nan" if math.isnan(s.value) else s.value))
+    return out
+
+
+def test_histogram_internals_observe_all_relies_on_are_there() -> None:
+    """Fails when prometheus_client changes the internals `observe_all` reads (it would
+    then fall back to `observe`, correct but slow): time to look again."""
+    reg = CollectorRegistry()
+    child = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels("a")
+    assert metrics_mod._observe_all_fast(child, [0.004, 0.004, 100.0])
+    assert reg.get_sample_value("h_bucket", {"l": "a", "le": "0.005"}) == 2.0
+    assert reg.get_sample_value("h_bucket", {"l": "a", "le": "+Inf"}) == reg.get_sample_value("h_count", {"l": "a"}) == 3.0
+    assert reg.get_sample_value("h_sum", {"l": "a"}) == 0.0 + 0.004 + 0.004 + 100.0
+    assert metrics_mod._observe_all_fast(Histogram("u", "u", registry=reg), [1.0])
+    parent = Histogram("p", "p", ["l"], registry=reg)  # a parent cannot observe: observe_all raises as observe does
+    assert not metrics_mod._observe_all_fast(parent, [1.0])
+    with pytest.raises(ValueError):
+        metrics_mod.observe_all(parent, [1.0])
+
+
+AMOUNT = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([*metrics_mod.GAP_BUCKETS, 0.0, -0.0]),
+                   st.floats(min_value=0, max_value=0.2), st.integers(-5, 5))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@settings(max_examples=300, deadline=None)
+@given(batches=st.lists(st.lists(AMOUNT, max_size=30), max_size=4))
+def test_observe_all_equals_observe_each(batches: list[list[float]], fast: bool) -> None:
+    reg_ref, reg = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg_ref).labels("a")
+    got = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels("a")
+    fast_fn = metrics_mod._observe_all_fast if fast else (lambda child, amounts: False)
+    with mock.patch.object(metrics_mod, "_observe_all_fast", fast_fn):
+        for batch in batches:
+            for a in batch:
+                ref.observe(a)
+            metrics_mod.observe_all(got, batch)
+            assert samples(reg) == samples(reg_ref)
+
+
+def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
+    from mlxproxy.core.analyze import finish_checked
+    from mlxproxy.core.detect import Thresholds
+    from mlxproxy.proxy.metrics import ProxyMetrics
+
+    def naive(child, amounts):
+        for a in amounts:
+            child.observe(a)
+
+    records = []
+    for name in SSE_FIXTURES:
+        info, _ = parse_request("POST", "/v1/chat/completions", CHAT)
+        m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0)
+        m.upstream_sent(0.1)
+        m.response_started(0.5, 200, "text/event-stream")
+        body = (FIXTURES / name).read_bytes()
+        for k in range(0, len(body), 97):
+            m.feed(body[k : k + 97], 1.0 + k * 0.000137)
+        records.append(finish_checked(m, 99.0, Thresholds()))
+    out = []
+    for obs in (metrics_mod.observe_all, naive):
+        pm = ProxyMetrics(CollectorRegistry())
+        with mock.patch.object(metrics_mod, "observe_all", obs):
+            for r in records:
+                pm.on_record(r)
+                pm.observe_overhead(0.0003, [0.00004, 0.0001, 0.0007, 0.02, 3.0][: len(r.event_offsets_s) % 6])
+        out.append(samples(pm.registry))
+    assert out[0] == out[1]
+    assert any(name == "mlxproxy_inter_token_latency_seconds_count" and v > 0 for name, _, v in out[0])

@@ -7,15 +7,23 @@ model label falls back to `other` past `max_model_labels` distinct names.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+try:  # only for `observe_all`'s fast path; without it every value goes through `observe`
+    from prometheus_client.values import MutexValue as _MutexValue
+except ImportError:  # pragma: no cover - a prometheus_client without it
+    _MutexValue = None
 
 from mlxproxy import __version__
 from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.record import Record
 
-__all__ = ["ProxyMetrics", "concurrency_bucket"]
+__all__ = ["ProxyMetrics", "concurrency_bucket", "observe_all"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
@@ -38,6 +46,46 @@ def concurrency_bucket(n: int) -> str:
     if n <= 16:
         return "9-16"
     return "17+"
+
+
+def observe_all(child: Any, amounts: Sequence[float]) -> None:
+    """`child.observe(a)` for every amount, in order: the same bucket counts and the same
+    sum, only cheaper (see `_observe_all_fast`)."""
+    if amounts and not _observe_all_fast(child, amounts):
+        for a in amounts:
+            child.observe(a)
+
+
+def _observe_all_fast(child: Any, amounts: Sequence[float]) -> bool:
+    """`observe_all` with one bucket search per amount and one locked add per bucket
+    touched, instead of a bucket scan and two locked adds per amount. The sum is still
+    added one amount at a time, in order, so it is the very float `observe` would leave.
+
+    The only code here that uses prometheus_client internals (a histogram child's
+    `_upper_bounds`, `_buckets`, `_sum` and the in-process `MutexValue`'s `_lock`,
+    `_value` and `inc`). Returns False, having changed nothing, when the child does not
+    have that shape (another prometheus_client, multiprocess mode); tests/test_fastpaths.py
+    fails when that happens with the installed version."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if (_MutexValue is None or type(total) is not _MutexValue or type(bounds) is not list or not bounds
+            or bounds[-1] != math.inf or type(buckets) is not list or len(buckets) != len(bounds)
+            or type(buckets[0]) is not _MutexValue):
+        return False
+    counts = [0] * len(bounds)
+    for a in amounts:
+        if a <= math.inf:  # false only for NaN, which observe() counts in no bucket
+            counts[bisect_left(bounds, a)] += 1  # the first bound >= a, as observe's scan finds
+    with total._lock:
+        s = total._value
+        for a in amounts:
+            s += a
+        total._value = s
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+    return True
 
 
 class ProxyMetrics:
@@ -125,9 +173,7 @@ class ProxyMetrics:
     def observe_overhead(self, request_s: float | None, chunk_s: list[float]) -> None:
         if request_s is not None:
             self._overhead_request.observe(request_s)
-        obs = self._overhead_chunk.observe
-        for v in chunk_s:
-            obs(v)
+        observe_all(self._overhead_chunk, chunk_s)
 
     def on_record(self, r: Record) -> None:
         up, model = r.upstream, self.model_label(r.model)
@@ -154,9 +200,7 @@ class ProxyMetrics:
         if r.ttfc_s is not None:
             c(self.ttfc, up, model, ep).observe(r.ttfc_s)
         if r.event_offsets_s:
-            obs = c(self.itl, up, model).observe
-            for g in r.event_gaps_s():
-                obs(g)
+            observe_all(c(self.itl, up, model), r.event_gaps_s())
         if r.tpot_s is not None:
             c(self.tpot, up, model).observe(r.tpot_s)
         conc = concurrency_bucket(r.concurrency)
