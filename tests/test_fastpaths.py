@@ -1,10 +1,10 @@
 """The metering fast paths give exactly what the general paths give.
 
-Each shortcut (the SSE decoder's whole-`data:`-event path, `plain_delta` in
-`classify_chunk` and the meter, `observe_all` in the metrics) is compared with the code it
-shortcuts, on the recorded fixtures and on generated input. The fast paths are also
-checked to be taken on the inputs they exist for, so these comparisons never pass
-vacuously. No timing here: performance is measured by benchmarks/bench_meter.py.
+Each shortcut on the metering path (the SSE decoder's, the usage stripper's, the chunk
+classification's, the meter's and the metrics') is compared with the code it shortcuts,
+on the recorded fixtures and on generated input; the fast paths are also checked to be
+taken on the inputs they exist for, so the comparisons never pass vacuously. No timing
+here: performance is measured by benchmarks/bench_meter.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
+from mlxproxy.core.strip import UsageStripper
 
 from conftest import FIXTURES, splits
 
@@ -190,6 +191,54 @@ def test_decoder_fast_path_is_taken_on_whole_data_events() -> None:
         before = dec.general_calls
         dec.feed(read)
         assert dec.general_calls == before + 1, read
+
+
+# -- usage stripper ------------------------------------------------------------------
+
+
+def reference_process(self: UsageStripper, data: bytes, items: list, safe_offset: int) -> bytes:
+    """`UsageStripper.process` as it was before its shortcuts: the reference."""
+    from mlxproxy.core.openai import is_injected_usage_chunk
+
+    buf = self._buf + data if self._buf else data
+    base = self._start
+    cut_at = safe_offset - base
+    pieces: list[bytes] = []
+    pos = 0
+    for it in items:
+        if isinstance(it, SSEEvent) and is_injected_usage_chunk(it.data):
+            s, e = it.start - base, it.end - base
+            if pos <= s and e <= cut_at:
+                pieces.append(buf[pos:s])
+                pos = e
+                self.stripped += 1
+    pieces.append(buf[pos:cut_at])
+    self._buf = buf[cut_at:]
+    self._start = safe_offset
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.one_of(DATA_EVENT, st.sampled_from(PIECES), st.sampled_from([
+           USAGE + b"\n\n", USAGE + b"\r\n\r\n", USAGE + b"\n", b'data: {"usage":null,"choices":[]}\n\n',
+           b'data: "usage"\n\n'])), st.booleans()), max_size=30), MAX_LINE)
+def test_stripper_shortcuts_forward_what_the_reference_forwards(pieces: list, max_line: int) -> None:
+    parts, cur = [], b""
+    for piece, cut_after in pieces:
+        cur += piece
+        if cut_after:
+            parts.append(cur)
+            cur = b""
+    parts.append(cur)
+    dec, got, ref = SSEDecoder(max_line), UsageStripper(), UsageStripper()
+    for p in parts:
+        items = dec.feed(p)
+        assert got.process(p, items, dec.safe_offset) == reference_process(ref, p, items, dec.safe_offset)
+        assert (got._buf, got._start, got.stripped) == (ref._buf, ref._start, ref.stripped)
+    assert got.flush() == ref.flush()
 
 
 # -- chunk classification ------------------------------------------------------------

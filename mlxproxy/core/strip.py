@@ -26,19 +26,24 @@ class UsageStripper:
         buf = self._buf + data if self._buf else data
         base = self._start
         cut = safe_offset - base
-        pieces: list[bytes] = []
+        pieces: list[bytes] | None = None  # only once an event is cut out
         pos = 0
         for it in items:
-            if isinstance(it, SSEEvent) and is_injected_usage_chunk(it.data):
+            # the substring test first: it rules out nearly every event without a call
+            if isinstance(it, SSEEvent) and '"usage"' in it.data and is_injected_usage_chunk(it.data):
                 s, e = it.start - base, it.end - base
                 if pos <= s and e <= cut:
+                    if pieces is None:
+                        pieces = []
                     pieces.append(buf[pos:s])
                     pos = e
                     self.stripped += 1
-        pieces.append(buf[pos:cut])
         self._buf = buf[cut:]
         self._start = safe_offset
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if pieces is None:
+            return buf[:cut]
+        pieces.append(buf[pos:cut])
+        return b"".join(pieces)
 
     def flush(self) -> bytes:
         """End of body (or stripping no longer needed): everything still held back."""
