@@ -10,7 +10,6 @@ here: performance is measured by benchmarks/bench_meter.py.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from unittest import mock
 
@@ -24,7 +23,7 @@ import mlxproxy.core.meter as meter_mod
 import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
-from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent, _new_event
+from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
 
 from conftest import FIXTURES, splits
@@ -192,25 +191,6 @@ def test_decoder_fast_path_is_taken_on_whole_data_events() -> None:
         before = dec.general_calls
         dec.feed(read)
         assert dec.general_calls == before + 1, read
-
-
-@given(st.text(max_size=5), st.integers(0, 2**40), st.text(max_size=3), st.none() | st.text(max_size=3),
-       st.none() | st.integers(0, 10**18), st.integers(0, 2**40))
-def test_new_event_builds_what_the_constructor_builds(data: str, end: int, event: str, id_: str | None,
-                                                      retry: int | None, start: int) -> None:
-    made, ref = _new_event(data, end, event, id_, retry, start), SSEEvent(data, end, event, id_, retry, start)
-    assert type(made) is SSEEvent and made == ref and hash(made) == hash(ref) and repr(made) == repr(ref)
-    assert [getattr(made, f.name) for f in dataclasses.fields(SSEEvent)] == [data, end, event, id_, retry, start]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        made.data = "x"  # type: ignore[misc]
-
-
-def test_new_event_sets_every_field_the_constructor_does() -> None:
-    """Fails when SSEEvent gains a field or a __post_init__ that `_new_event` would skip."""
-    from mlxproxy.core import sse
-
-    assert tuple(f.name for f in dataclasses.fields(SSEEvent)) == sse._EVENT_FIELDS
-    assert not hasattr(SSEEvent, "__post_init__") and SSEEvent.__new__ is object.__new__
 
 
 # -- usage stripper ------------------------------------------------------------------

@@ -28,9 +28,11 @@ _CR = 0x0D
 _LF = 0x0A
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SSEEvent:
-    """A dispatched event. `data` joins multiple `data:` lines with "\\n"."""
+    """A dispatched event. `data` joins multiple `data:` lines with "\\n". Not frozen, only
+    because a frozen dataclass's `__init__` costs twice as much and one is made per event:
+    nothing changes an event once made."""
 
     data: str
     end: int
@@ -57,27 +59,6 @@ class SSEProtocolError:
 
 
 SSEItem = SSEEvent | SSEComment | SSEProtocolError
-
-_EVENT_FIELDS = ("data", "end", "event", "id", "retry", "start")
-_object_new = object.__new__
-_SET_EVENT_FIELDS = tuple(SSEEvent.__dict__[name].__set__ for name in _EVENT_FIELDS)  # the slots' descriptors
-
-
-def _new_event(data: str, end: int, event: str, id: str | None, retry: int | None, start: int) -> SSEEvent:
-    """`SSEEvent(data, end, event, id, retry, start)` at about half the cost: the frozen
-    dataclass's `__init__` sets each field through `object.__setattr__`, this sets them
-    through the slot descriptors directly. The same object results (tests/test_fastpaths.py
-    checks it against the constructor, field by field)."""
-    ev = _object_new(SSEEvent)
-    set_data, set_end, set_event, set_id, set_retry, set_start = _SET_EVENT_FIELDS
-    set_data(ev, data)
-    set_end(ev, end)
-    set_event(ev, event)
-    set_id(ev, id)
-    set_retry(ev, retry)
-    set_start(ev, start)
-    return ev
-
 
 class SSEDecoder:
     """Feed bytes, get events. One instance per response body."""
@@ -137,7 +118,7 @@ class SSEDecoder:
             if i < 0 or i + 1 >= n or data[i + 1] != _LF or i - pos > limit:
                 break
             end = base + i + 2
-            out.append(_new_event(data[pos + 6 : i].decode("utf-8", "replace"), end, "", last_id, None, start))
+            out.append(SSEEvent(data[pos + 6 : i].decode("utf-8", "replace"), end, "", last_id, None, start))
             start = end
             pos = i + 2
             if pos == n or not data.startswith(b"data: ", pos):
