@@ -107,13 +107,18 @@ def test_decoder_fast_path_equals_general_path(body: bytes, cuts: list[int], max
 def test_decoder_fast_path_equals_general_path_reads_at_piece_boundaries(pieces: list, max_line: int) -> None:
     """Reads that start and end where lines, fields and events do: every state the
     general path can leave between reads is met by a read that starts with `data: `."""
+    assert_same_decoding(reads_at(pieces), max_line)
+
+
+def reads_at(pieces: list[tuple[bytes, bool]]) -> list[bytes]:
+    """The reads made by joining `pieces` and cutting after each piece marked True."""
     parts, cur = [], b""
     for piece, cut_after in pieces:
         cur += piece
         if cut_after:
             parts.append(cur)
             cur = b""
-    assert_same_decoding([*parts, cur], max_line)
+    return [*parts, cur]
 
 
 @pytest.mark.parametrize(
@@ -226,13 +231,7 @@ USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"
            USAGE + b"\n\n", USAGE + b"\r\n\r\n", USAGE + b"\n", b'data: {"usage":null,"choices":[]}\n\n',
            b'data: "usage"\n\n'])), st.booleans()), max_size=30), MAX_LINE)
 def test_stripper_shortcuts_forward_what_the_reference_forwards(pieces: list, max_line: int) -> None:
-    parts, cur = [], b""
-    for piece, cut_after in pieces:
-        cur += piece
-        if cut_after:
-            parts.append(cur)
-            cur = b""
-    parts.append(cur)
+    parts = reads_at(pieces)
     dec, got, ref = SSEDecoder(max_line), UsageStripper(), UsageStripper()
     for p in parts:
         items = dec.feed(p)
