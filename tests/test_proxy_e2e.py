@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import shutil
 import socket
 import subprocess
@@ -299,3 +300,21 @@ def test_the_upstream_gets_the_clients_request_not_the_http_clients() -> None:
             names = {k.lower() for k, _ in r.headers}
             assert r.header("x-client") == "1" and r.header("accept-encoding") == "identity" and r.body == body
             assert not names & {"user-agent", "accept", "content-type", "cookie"}, r.headers
+
+
+def test_a_compressed_body_is_forwarded_as_sent() -> None:
+    """An upstream that compresses although the proxy asked for `identity`: the client gets
+    the compressed bytes and the `content-encoding` that describes them, never a body
+    decompressed under a header that says otherwise."""
+    compressed = gzip.compress(b'{"id":"x","object":"chat.completion","choices":[]}')
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("content-type", "application/json"), ("content-encoding", "gzip"),
+                              ("content-length", str(len(compressed)))])
+        await conn.send(compressed)
+
+    with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
+        with httpx.Client() as c, c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+            raw = b"".join(r.iter_raw())
+        assert r.status_code == 200 and r.headers["content-encoding"] == "gzip" and raw == compressed
+        assert up.requests[0].header("accept-encoding") == "identity"
