@@ -9,6 +9,7 @@ here: performance is measured by benchmarks/bench_meter.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from unittest import mock
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
 import mlxproxy.core.meter as meter_mod
+import mlxproxy.core.openai as openai_mod
 import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
@@ -378,7 +380,11 @@ def meter_record(parts: list[bytes], *, fast: bool):
     if not fast:
         m.decoder = GeneralDecoder()
     t = 1.0
-    with mock.patch.object(meter_mod, "plain_delta", meter_mod.plain_delta if fast else (lambda obj: None)):
+    off = contextlib.ExitStack()
+    if not fast:  # both the meter's and classify_chunk's own use of it
+        for mod in (meter_mod, openai_mod):
+            off.enter_context(mock.patch.object(mod, "plain_delta", lambda obj: None))
+    with off:
         for p in parts:
             m.feed(p, t)
             t += 0.25

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.core.openai import RequestInfo, _classify_general, error_message, parse_context_limit, plain_delta
+from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
 from mlxproxy.core.record import Record
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 
@@ -169,7 +169,7 @@ class RequestMeter:
             content, reasoning = plain
             tool_calls: Sequence[dict[str, Any]] = ()
         else:
-            d = _classify_general(obj)  # classify_chunk minus the plain_delta check just made
+            d = classify_chunk(obj)  # (repeats the plain_delta test: only on the few other chunks)
             if d.error is not None:
                 self.stream_error = self.stream_error or d.error
             if d.usage is not None:

@@ -178,10 +178,10 @@ def plain_delta(obj: Any) -> tuple[str, str] | None:
 
     Plain: one choice whose delta holds non-empty text in exactly one of `content`,
     `reasoning_content` and `reasoning` (the reasoning ones otherwise absent or null, a
-    `content` otherwise anything falsy), and no tool calls; no finish reason, `text`, error, usage, timings or metrics (absent
-    or null). For such a chunk `classify_chunk` gives exactly `Delta(content, reasoning)`,
-    so callers may skip building it. Deliberately narrow: anything else is `None` and goes
-    through the general rules."""
+    `content` otherwise anything falsy), and no tool calls; no finish reason, `text`,
+    error, usage, timings or metrics (absent or null). For such a chunk `classify_chunk`
+    gives exactly `Delta(content, reasoning)`, so callers may skip building it.
+    Deliberately narrow: anything else is `None` and goes through the general rules."""
     if type(obj) is not dict:
         return None
     choices = obj.get("choices")

@@ -60,6 +60,7 @@ class SSEProtocolError:
 
 SSEItem = SSEEvent | SSEComment | SSEProtocolError
 
+
 class SSEDecoder:
     """Feed bytes, get events. One instance per response body."""
 
