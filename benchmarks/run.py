@@ -290,6 +290,18 @@ def capture_supported() -> bool:
     return "--capture" in r.stdout
 
 
+def launch(children: Children, name: str, argv: list[str], workdir: str, health_url: str, timeout_s: float,
+           **popen: Any) -> tuple[subprocess.Popen[Any] | None, str]:
+    """Start a target with its output in WORKDIR/NAME.log; wait until `health_url` answers.
+    Returns the process (None, stopped, when it did not come up) and the log's path."""
+    log = open(os.path.join(workdir, f"{name}.log"), "w")
+    p = children.spawn(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
+    if wait_http(health_url, p, timeout_s):
+        return p, log.name
+    children.stop(p)
+    return None, log.name
+
+
 def start_mlxproxy(children: Children, name: str, up_port: int, workdir: str, capture: str | None = None,
                    src: str | None = None) -> Target:
     port = free_port()
@@ -300,10 +312,9 @@ def start_mlxproxy(children: Children, name: str, up_port: int, workdir: str, ca
     env = dict(os.environ)
     if src:  # an experimental copy of the package (its folder holds `mlxproxy/`)
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    log = open(os.path.join(workdir, f"{name}.log"), "w")
-    p = children.spawn(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src or REPO)
-    if not wait_http(f"http://{HOST}:{port}/healthz", p, 30):
-        raise RuntimeError(f"{name} did not start; see {log.name}")
+    p, log = launch(children, name, argv, workdir, f"http://{HOST}:{port}/healthz", 30, env=env, cwd=src or REPO)
+    if p is None:
+        raise RuntimeError(f"{name} did not start; see {log}")
     return Target(name, port, p)
 
 
@@ -311,10 +322,9 @@ def start_floor(children: Children, up_port: int, workdir: str) -> Target:
     """benchmarks/floor.py: the same server stack and upstream client, no mlxproxy work."""
     port = free_port()
     argv = [PY, os.path.join(HERE, "floor.py"), "--upstream", f"http://{HOST}:{up_port}", "--port", str(port)]
-    log = open(os.path.join(workdir, "floor.log"), "w")
-    p = children.spawn(argv, stdout=log, stderr=subprocess.STDOUT)
-    if not wait_http(f"http://{HOST}:{port}/healthz", p, 30):
-        raise RuntimeError(f"floor did not start; see {log.name}")
+    p, log = launch(children, "floor", argv, workdir, f"http://{HOST}:{port}/healthz", 30)
+    if p is None:
+        raise RuntimeError(f"floor did not start; see {log}")
     return Target("floor", port, p, note="uvicorn+aiohttp passthrough, no metering")
 
 
@@ -361,12 +371,10 @@ def start_nginx(children: Children, up_port: int, workdir: str) -> Target | None
     conf = os.path.join(d, "nginx.conf")
     with open(conf, "w") as f:
         f.write(NGINX_CONF.format(d=d, host=HOST, up=up_port, port=port))
-    log = open(os.path.join(workdir, "nginx.log"), "w")
-    p = children.spawn([exe, "-c", conf, "-p", d, "-e", os.path.join(d, "nginx-error.log")], stdout=log,
-                       stderr=subprocess.STDOUT)
-    if not wait_http(f"http://{HOST}:{port}/health", p, 15):
-        print(f"  nginx did not start (see {log.name}); skipped", flush=True)
-        children.stop(p)
+    p, log = launch(children, "nginx", [exe, "-c", conf, "-p", d, "-e", os.path.join(d, "nginx-error.log")], workdir,
+                    f"http://{HOST}:{port}/health", 15)
+    if p is None:
+        print(f"  nginx did not start (see {log}); skipped", flush=True)
         return None
     return Target("nginx", port, p, note="1 worker, proxy_buffering off, upstream keepalive")
 
@@ -393,12 +401,10 @@ def start_litellm(children: Children, exe: str, up_port: int, workdir: str, key:
         f.write(LITELLM_CONF.format(host=HOST, up=up_port))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "LITELLM"))}
     env.update({"LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True", "DISABLE_SCHEMA_UPDATE": "True"})
-    log = open(os.path.join(workdir, "litellm.log"), "w")
-    p = children.spawn([exe, "--config", conf, "--host", HOST, "--port", str(port), "--num_workers", "1"],
-                       stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    if not wait_http(f"http://{HOST}:{port}/health/liveliness", p, 120):
-        print(f"  litellm did not start (see {log.name}); skipped", flush=True)
-        children.stop(p)
+    p, log = launch(children, "litellm", [exe, "--config", conf, "--host", HOST, "--port", str(port), "--num_workers", "1"],
+                    workdir, f"http://{HOST}:{port}/health/liveliness", 120, env=env, cwd=workdir)
+    if p is None:
+        print(f"  litellm did not start (see {log}); skipped", flush=True)
         return None
     return Target("litellm", port, p, group=True, note="1 worker")
 
