@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
-from multidict import CIMultiDict
 from yarl import URL
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
@@ -139,7 +138,7 @@ class Upstream:
 
     async def open(self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
         """Send the request; return once status and headers arrived (body not read)."""
-        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
             resp = await self.session.request(method, url, headers=hdrs, data=body or None, allow_redirects=False,
                                               compress=None, chunked=None)
