@@ -9,6 +9,7 @@ port is read back from the socket, so nothing races for it.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -17,45 +18,73 @@ from typing import Any
 import uvicorn
 
 
-def _loop_setting() -> str:
+STACKS = ("plain", "fast")
+STACK_ENV = "MLXPROXY_STACK"
+
+
+def _importable(name: str) -> bool:
     try:
-        import uvloop  # noqa: F401
+        __import__(name)
     except ImportError:
-        return "asyncio"
-    return "uvloop"
+        return False
+    return True
 
 
-def _http_setting() -> str:
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
+def stack_settings(stack: str | None = None) -> tuple[str, str]:
+    """uvicorn's (loop, http) settings for a server stack.
+
+    `fast` is uvloop + httptools (uvicorn's standard extras, installed by default where the
+    platform has wheels); `plain` is the standard asyncio loop + h11, what a platform without
+    them gets. `None` reads `MLXPROXY_STACK` (`plain`, `fast`), and when that is unset picks
+    the fastest stack installed. Tests use it to run the same checks on both stacks.
+    """
+    if stack is None:
+        stack = os.environ.get(STACK_ENV) or None
+    if stack is None:
+        return ("uvloop" if _importable("uvloop") else "asyncio",
+                "httptools" if _importable("httptools") else "h11")
+    if stack == "plain":
+        return "asyncio", "h11"
+    if stack == "fast":
+        missing = [m for m in ("uvloop", "httptools") if not _importable(m)]
+        if missing:
+            raise RuntimeError(f"{STACK_ENV}=fast needs {' and '.join(missing)} installed")
+        return "uvloop", "httptools"
+    raise ValueError(f"{STACK_ENV} must be one of {', '.join(STACKS)}, got {stack!r}")
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else the standard one."""
-    try:
+def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
+    """An event loop of the stack's kind (see `stack_settings`)."""
+    if stack_settings(stack)[0] == "uvloop":
         import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
-def make_uvicorn_config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config with the fastest available loop and parser and no access log."""
+def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config for the stack (default: the fastest installed) with no access log."""
     kwargs.setdefault("log_level", "warning")
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("lifespan", "on")
     kwargs.setdefault("timeout_keep_alive", 30)
-    return uvicorn.Config(app, host=host, port=port, loop=_loop_setting(), http=_http_setting(), **kwargs)
+    loop, http = stack_settings(stack)
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=http, **kwargs)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind a listening TCP socket; port 0 picks a free port (read it with getsockname)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio's transports switch Nagle's algorithm off (TCP_NODELAY) only
+    # for sockets whose `proto` is IPPROTO_TCP, and accepted sockets inherit the listener's
+    # proto. With proto 0 every small write (an SSE event, a response head) waited for the
+    # client's delayed ACK, ~40 ms on Linux, on the standard loop; uvloop sets TCP_NODELAY
+    # whatever the proto, which is why only the plain stack showed it.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # and on the listener too, for loops that do not set it per connection (Linux and macOS
+    # copy it to each accepted socket)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
