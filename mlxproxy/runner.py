@@ -98,12 +98,14 @@ class ServerThread:
     uvicorn to shut down gracefully and waits for the thread.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kwargs: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, stack: str | None = None,
+                 **uvicorn_kwargs: Any) -> None:
         self.app = app
         self.host = host
+        self.stack = stack
         self.sock = bind_socket(host, port)
         self.port: int = self.sock.getsockname()[1]
-        self.config = make_uvicorn_config(app, host, self.port, **uvicorn_kwargs)
+        self.config = make_uvicorn_config(app, host, self.port, stack=stack, **uvicorn_kwargs)
         self.server = uvicorn.Server(self.config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -116,7 +118,7 @@ class ServerThread:
         return f"http://{host}:{self.port}"
 
     def _run(self) -> None:
-        loop = new_event_loop()
+        loop = new_event_loop(self.stack)
         asyncio.set_event_loop(loop)
         self.loop = loop
         try:
@@ -147,16 +149,16 @@ class ServerThread:
         self.stop()
 
 
-def serve_forever(app: Any, host: str, port: int, **uvicorn_kwargs: Any) -> None:
+def serve_forever(app: Any, host: str, port: int, *, stack: str | None = None, **uvicorn_kwargs: Any) -> None:
     """Serve `app` in the foreground until Ctrl-C / SIGTERM."""
     sock = bind_socket(host, port)
-    config = make_uvicorn_config(app, host, sock.getsockname()[1], **uvicorn_kwargs)
-    run_server(uvicorn.Server(config), sock)
+    config = make_uvicorn_config(app, host, sock.getsockname()[1], stack=stack, **uvicorn_kwargs)
+    run_server(uvicorn.Server(config), sock, stack=stack)
 
 
-def run_server(server: uvicorn.Server, sock: socket.socket) -> None:
+def run_server(server: uvicorn.Server, sock: socket.socket, *, stack: str | None = None) -> None:
     """Run a uvicorn server on an already bound socket until it exits."""
-    loop = new_event_loop()
+    loop = new_event_loop(stack)
     try:
         loop.run_until_complete(server.serve(sockets=[sock]))
     finally:

@@ -51,3 +51,23 @@ def closed_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def _fast_stack_installed() -> bool:
+    try:
+        import httptools  # noqa: F401
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(params=["plain", "fast"])
+def stack(request, monkeypatch):
+    """Run the test on both server stacks: `plain` (asyncio + h11, what a platform without
+    uvloop/httptools wheels gets) and `fast` (uvloop + httptools, the default install).
+    Every server the test starts through mlxproxy.runner picks it up from MLXPROXY_STACK."""
+    if request.param == "fast" and not _fast_stack_installed():
+        pytest.skip("the fast stack needs uvloop and httptools installed")
+    monkeypatch.setenv("MLXPROXY_STACK", request.param)
+    return request.param

@@ -22,6 +22,9 @@ from mlxproxy.runner import ServerThread
 from conftest import closed_port, read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
+# every forwarding test runs on both server stacks (conftest.stack): plain asyncio + h11 and uvloop + httptools
+pytestmark = pytest.mark.usefixtures("stack")
+
 STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
 
 
