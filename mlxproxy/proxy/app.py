@@ -37,6 +37,8 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, Scrubber
+from mlxproxy.proxy.finisher import Finisher
+from mlxproxy.proxy.looplag import LoopLagMonitor
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
 from mlxproxy.proxy.upstream import Upstream, UpstreamPool, UpstreamResponse
@@ -81,6 +83,8 @@ class ProxyApp:
         self._drop_request_headers = (HOP_BY_HOP | CLIENT_KEY_HEADERS) if key is not None else HOP_BY_HOP
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
+        self.loop_lag = LoopLagMonitor(self.registry)
+        self.finisher = Finisher()
         self.pool = UpstreamPool(config)
         self._scrub = Scrubber(tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ()),
                                config.redact_headers)
@@ -127,8 +131,12 @@ class ProxyApp:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
+                self.loop_lag.start()
+                self.finisher.start()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
+                self.loop_lag.stop()
+                self.finisher.stop()  # finishes what is queued: every record reaches the capture
                 await self.pool.aclose()
                 if self.capture is not None:
                     self.capture.close()
@@ -146,6 +154,7 @@ class ProxyApp:
             body = orjson.dumps({
                 "status": "ok", "version": __version__, "uptime_s": round(now() - self.started_mono, 3),
                 "in_flight": len(self.in_flight), "requests": self.requests_seen, "tasks": len(asyncio.all_tasks()),
+                "event_loop_lag_max_s": round(self.loop_lag.max_lag_s, 6),
                 "upstreams": [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
             })
             await _respond(send, 200, body)
@@ -211,7 +220,19 @@ class ProxyApp:
             body = inject_include_usage(body, obj)  # type: ignore[arg-type]
 
         request_id = os.urandom(8).hex()
+        # `concurrency` is what the server saw: requests to this upstream whose response is
+        # still being forwarded. A request leaves the count the moment its last byte has been
+        # forwarded (`release`), not when its record is done: a keep-alive client sends its
+        # next request while the proxy is still finishing the previous record.
         upstream.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                upstream.in_flight -= 1
+
         meter = RequestMeter(info, request_id=request_id, upstream=upstream.name, t_start=t_start, started_at=started_at,
                              usage_injected=inject, concurrency=upstream.in_flight, tags=tags,
                              keep_text=self.config.capture_responses)
@@ -220,15 +241,15 @@ class ProxyApp:
         model_label = self.metrics.model_label(info.model)
         self.metrics.request_started(upstream.name, model_label)
         try:
-            await self._forward(scope, receive, send, upstream, meter, method, headers, body, inject, exchange)
+            await self._forward(scope, receive, send, upstream, meter, method, headers, body, inject, exchange, release)
         finally:
-            upstream.in_flight -= 1
+            release()
             self.in_flight.pop(request_id, None)
             self.metrics.request_ended(upstream.name, model_label)
 
     async def _forward(self, scope: dict[str, Any], receive: Any, send: Any, upstream: Upstream, meter: RequestMeter,
                        method: str, headers: list[tuple[bytes, bytes]], body: bytes, inject: bool,
-                       exchange: Exchange | None) -> None:
+                       exchange: Exchange | None, release: Any) -> None:
         rid = meter.request_id.encode()
         url = upstream.url_for(scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?", 1)[0],
                                scope.get("query_string", b""))
@@ -336,17 +357,25 @@ class ProxyApp:
             else:
                 raise
         finally:
+            t_end = now()  # the last byte has been forwarded (or the request failed): duration_s ends here
+            release()
             state["finished"] = True
             watcher.cancel()
             if response is not None:
                 await _aclose_quietly(response)
-            t_end = now()
-            record = self._finish(meter, t_end, outcome, error)
-            if record.error is not None:
-                record = dataclasses.replace(record, error=self._scrub(record.error, scope["headers"]))
-            self._recent_by_upstream[record.upstream].append(record)
-            self.metrics.observe_overhead(request_overhead, chunk_overheads)
-            self.fanout.emit(record, exchange)
+            self.finisher.submit(self._complete, meter, t_end, outcome, error, scope["headers"], request_overhead,
+                                 chunk_overheads, exchange)
+
+    def _complete(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
+                  client_headers: Any, request_overhead: float | None, chunk_overheads: list[float],
+                  exchange: Exchange | None) -> None:
+        """Finish, check and hand out one request's record (run by the finisher)."""
+        record = self._finish(meter, t_end, outcome, error)
+        if record.error is not None:
+            record = dataclasses.replace(record, error=self._scrub(record.error, client_headers))
+        self._recent_by_upstream[record.upstream].append(record)
+        self.metrics.observe_overhead(request_overhead, chunk_overheads)
+        self.fanout.emit(record, exchange)
 
     def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
         try:
