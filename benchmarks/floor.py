@@ -75,7 +75,10 @@ def main() -> None:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--port", type=int, required=True)
     a = ap.parse_args()
-    uvicorn.run(Floor(a.upstream), host="127.0.0.1", port=a.port, loop="uvloop", http="httptools",
+    from mlxproxy.runner import stack_settings  # the proxy's own choice of stack (MLXPROXY_STACK)
+
+    loop, http = stack_settings()
+    uvicorn.run(Floor(a.upstream), host="127.0.0.1", port=a.port, loop=loop, http=http,
                 log_level="warning", access_log=False, server_header=False, date_header=False, lifespan="on")
 
 

@@ -550,7 +550,10 @@ class Bench:
                 vers.append(f"{pkg} {md.version(pkg)}")
             except md.PackageNotFoundError:
                 pass
-        self.say("proxy stack: " + ", ".join(vers))
+        from mlxproxy.runner import stack_settings
+
+        loop, http = stack_settings(self.args.stack)
+        self.say(f"proxy stack: {loop} + {http} (--stack {self.args.stack or 'default'}); installed: " + ", ".join(vers))
         self.say("targets: " + ", ".join(t.name + (f" ({t.note})" if t.note else "") for t in self.targets))
         p = self.plan
         self.say(f"plan: {p.rounds} interleaved rounds; seq {p.seq_n} req/round; ttft {p.ttft_n} req/round; "
@@ -1041,6 +1044,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "or sequential non-streaming requests")
     ap.add_argument("--profile-target", default="mlxproxy", metavar="NAME", help="which proxy to profile (default mlxproxy)")
     ap.add_argument("--keep-profile", metavar="FILE", help="copy py-spy's raw collapsed stacks to FILE")
+    ap.add_argument("--stack", choices=["plain", "fast"], default=None,
+                    help="the proxy's and floor's server stack: plain = asyncio + h11, fast = uvloop + httptools "
+                         "(default: the fastest installed; sets MLXPROXY_STACK for them)")
     ap.add_argument("--out", metavar="FILE", help="also write the printed report to FILE")
     ap.add_argument("--json", metavar="FILE", help="write raw per-round results to FILE")
     return ap.parse_args(argv)
@@ -1048,6 +1054,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.stack:  # inherited by every mlxproxy and floor child
+        os.environ["MLXPROXY_STACK"] = args.stack
     if args.litellm is None:
         args.litellm = LITELLM_DEFAULT if os.path.exists(LITELLM_DEFAULT) and not args.quick else ""
     plan = QUICK if args.quick else FULL
