@@ -39,7 +39,7 @@ class Thresholds:
     phantom_ratio: float = 3.0  # ... above this (and enough tokens): phantom_speed
     phantom_min_tokens: int = 20
     chars_per_token: float = 4.0  # streamed-token estimate for coarse chunks: chars / this
-    max_chars_per_token: float = 8.0  # no real text averages more per token: chars / this is a floor
+    max_chars_per_token: float = 24.0  # no real text averages more per token: chars / this is a floor
     tokenizer_tolerance: float = 0.10  # a tokenizer recount may miss the generated count by this fraction
     tool_call_tokens: int = 24  # tokens per tool call that no recount sees (markup a parser strips)
     burst_min_tokens: int = 20
