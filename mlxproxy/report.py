@@ -104,7 +104,8 @@ def untrusted_notes(items: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
         if not untrusted_mark(s):
             continue
         uf = s.get("usage_figures") or {}
-        src = " / ".join(sorted(uf.get("sources", {}))) or "streamed"
+        names = {"stream": "streamed", "tokenizer": "local tokenizer's"}
+        src = " / ".join(names.get(k, k) for k in sorted(uf.get("sources", {}))) or "streamed"
         lines.append(f"* {label}: usage not trusted in {s['untrusted_usage']} of {s['ok']} requests (the stream "
                      f"contradicts it); speeds use the {src} count. From the usage they would read wall "
                      f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s.")

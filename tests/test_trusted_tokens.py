@@ -232,7 +232,7 @@ def test_buffered_tool_call_of_43_tokens_is_no_phantom() -> None:
             + b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
                                          "usage": {"prompt_tokens": 50, "completion_tokens": 43, "total_tokens": 93}})
             + b"\n\ndata: [DONE]\n\n")
-    for tokenizer in (None, rough_tokenizer):
+    for tokenizer in (rough_tokenizer, None):
         _, r = run_body(body, count_tokens=tokenizer)
         assert not USAGE_KINDS & set(r.anomalies), r.anomaly_evidence
         assert r.tokens_source == "usage"
