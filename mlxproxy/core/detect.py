@@ -94,31 +94,36 @@ def streamed_band(r: Record, chars: int | None, th: Thresholds, *, nonascii_char
     shows. A usage count outside [low, high] (each widened by `usage_extra_tokens`) cannot
     be explained by the estimate's error (docs/METRICS.md, "Estimates and their error").
 
-    - Tokenizer count T (of all generated text, tool calls included): re-encoding the text
-      need not give back the generated tokens (non-canonical splits, whitespace runs), so
-      the band is T / (1 + tokenizer_tolerance) .. T * (1 + tokenizer_tolerance), plus
-      `tool_call_tokens` per tool call on the high side.
-    - Otherwise, from E generated events and the text: every event carries at least one
-      token and no text averages more than `max_chars_per_token` characters per token, so
-      low = max(E, chars / max_chars_per_token); the estimate is max(E, ASCII chars /
-      chars_per_token + non-ASCII UTF-8 bytes / 2), and high = usage_ratio x that (text
-      down to 2 characters, or one byte, per token) plus `tool_call_tokens` per tool call.
+    - low: every generated event carries at least one token. When the stream is
+      consistent with one token per event (at least as many events as the usage counts,
+      less `usage_extra_tokens`, and at most `max_chars_per_token` characters per event)
+      the events are the count and low is E. Otherwise (coarse chunks) low is also at
+      least T / (1 + tokenizer_tolerance) with a tokenizer count T, else chars /
+      max_chars_per_token: re-encoding text need not give back the generated tokens
+      (non-canonical splits re-encode to more, or fewer, tokens).
+    - estimate: T, else max(E, ASCII chars / chars_per_token + non-ASCII UTF-8 bytes / 2).
+    - high: with T, T * (1 + tokenizer_tolerance); else usage_ratio x the estimate (text
+      down to 2 characters, or one byte, per token); never below E; plus
+      `tool_call_tokens` per tool call (markup a server's parser strips).
     """
     events = r.completion_tokens_counted
     if events is None:
         return None, None, None
     tools = r.tool_calls * th.tool_call_tokens
     tok = r.completion_tokens_tokenizer
+    rep = r.completion_tokens_reported
+    one_per_event = (rep is not None and events >= rep - th.usage_extra_tokens
+                     and (chars or 0) <= th.max_chars_per_token * max(events, 1))
     if tok is not None:
-        low = max(events, math.floor(tok / (1.0 + th.tokenizer_tolerance)))
+        low = events if one_per_event else max(events, math.floor(tok / (1.0 + th.tokenizer_tolerance)))
         est = max(events, tok)
         return low, est, max(est, math.ceil(tok * (1.0 + th.tokenizer_tolerance)) + tools)
-    est = events
-    low = events
+    est = low = events
     if chars:
         ascii_chars = max(chars - nonascii_chars, 0)
         est = max(events, math.ceil(ascii_chars / th.chars_per_token + nonascii_bytes / 2.0))
-        low = max(events, math.ceil(chars / th.max_chars_per_token))
+        if not one_per_event:
+            low = max(events, math.ceil(chars / th.max_chars_per_token))
     return low, est, math.floor(th.usage_ratio * est) + tools
 
 
