@@ -149,8 +149,8 @@ def test_200_requests_of_real_text_raise_no_usage_alarm(fixed_text, mlx_server: 
 
 def test_over_reporting_server_still_fires(fixed_text) -> None:
     """A server whose usage over-reports 4x (the real server's stream, passed on event by
-    event by a relay that multiplies its usage): both checks fire, and the speeds use the
-    streamed count, with or without a tokenizer."""
+    event by a relay that multiplies its usage): the usage check fires, and the speeds use
+    the streamed count, or the tokenizer's."""
     from mlxproxy.runner import ServerThread
 
     model, fixed_url = fixed_text
@@ -191,7 +191,10 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
                     rec = px.record(s["id"])
                 assert s["usage"]["completion_tokens"] == 480 and s["events"] == 120
                 assert rec.completion_tokens_reported == 480 and rec.completion_tokens_counted == 120
-                assert {"usage_mismatch", "phantom_speed"} <= set(rec.anomalies), rec.anomaly_evidence
+                # phantom_speed needs 3x the estimate: without a tokenizer, this code's long tokens
+                # (6 chars on average) make chars/4 read 185 for its 120 tokens, so only the mismatch fires
+                expected = {"usage_mismatch", "phantom_speed"} if cfg else {"usage_mismatch"}
+                assert expected <= set(rec.anomalies), rec.anomaly_evidence
                 source = "tokenizer" if cfg else "stream"
                 n = rec.completion_tokens_tokenizer if cfg else 120
                 assert (rec.completion_tokens, rec.tokens_source) == (n, source)
