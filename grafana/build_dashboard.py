@@ -213,6 +213,10 @@ def row(title: str) -> dict[str, Any]:
 # -- the panels ---------------------------------------------------------------------------
 
 REQ = "mlxproxy_requests_total"
+# The trusted-count rule (docs/METRICS.md, "Trusted token count"), stated on every speed panel.
+TRUSTED = (" N_out is the record's trusted count: the server's usage when the stream agrees with it, else "
+           "a local tokenizer's count, else the counted events; a usage count that fired usage_mismatch or "
+           "phantom_speed is never used (those requests show in the anomaly panels).")
 TOK = "mlxproxy_tokens_total"
 TPS = "mlxproxy_output_tokens_per_second"
 USAGE = "mlxproxy_usage_reports_total"
@@ -305,7 +309,7 @@ def panels() -> list[list[dict[str, Any]]]:
                        quantile_targets("mlxproxy_inter_token_latency_seconds", qs=(0.5, 0.99), with_mean=False), "s"),
             heatmap("Decode tokens/s per stream (heatmap)", "Distribution of per-stream decode speed, (N_out - 1) / "
                     "(last token - first token), one observation per successful request, all concurrency levels. "
-                    "Colour: requests/s in each bucket.", heatmap_expr(TPS, 'kind="decode"'), "short"),
+                    "Colour: requests/s in each bucket." + TRUSTED, heatmap_expr(TPS, 'kind="decode"'), "short"),
             timeseries("Output tokens/s per upstream (all streams)", "Generated events per second summed over all "
                        "streams of an upstream: the server's live throughput under the real concurrency. Counted by "
                        "the proxy (not the server's usage) and added when a request finishes, so long requests "
@@ -315,8 +319,7 @@ def panels() -> list[list[dict[str, Any]]]:
         ],
         [
             timeseries("Time per output token (TPOT) p50 / p99", "Per request: (last token - first token) / "
-                       "(N_out - 1), the same definition as vLLM's TPOT and aiperf's ITL; N_out is the server's "
-                       "reported completion tokens, else the counted events.",
+                       "(N_out - 1), the same definition as vLLM's TPOT and aiperf's ITL." + TRUSTED,
                        quantile_targets("mlxproxy_time_per_output_token_seconds", qs=(0.5, 0.99), with_mean=False),
                        "s", w=12),
             timeseries("Prefill tokens/s p50", "Per request: (prompt tokens - cached tokens) / TTFT, with the "
@@ -329,12 +332,12 @@ def panels() -> list[list[dict[str, Any]]]:
             timeseries("Per-stream decode tokens/s by concurrency (p50)", "Median per-stream decode speed, split by "
                        "the number of requests in flight to the same upstream when the request started (1, 2, 3-4, "
                        "5-8, 9-16, 17+). On a batching server each stream slows a little as streams are added; on a "
-                       "serial server it does not slow, but requests queue (see TTFT).",
+                       "serial server it does not slow, but requests queue (see TTFT)." + TRUSTED,
                        targets((quantile(0.5, TPS, "upstream, concurrency", 'kind="decode"'),
                                 "{{upstream}} c={{concurrency}}")), "short"),
             bargauge("Mean per-stream decode tokens/s by concurrency (range)", "Mean per-stream decode speed over "
                      "the whole selected time range, per upstream and concurrency level: sum of observations / "
-                     "count, exact (no bucket interpolation).",
+                     "count, exact (no bucket interpolation)." + TRUSTED,
                      targets((range_mean(TPS, "upstream, concurrency", 'kind="decode"'),
                               "{{upstream}} c={{concurrency}}")), "short", decimals=1),
             bargauge("Implied decode speedup by concurrency (range)", "n x (mean per-stream decode tokens/s at "
@@ -342,7 +345,7 @@ def panels() -> list[list[dict[str, Any]]]:
                      "upstream, over the selected range. n is the lower bound of the level (3-4 counts as 3, 5-8 "
                      "as 5, 9-16 as 9, 17+ as 17), so the figure is a lower bound. 2.0 at c=2 is perfect batching; "
                      "1.0 means no gain over one stream; below 1 means worse than serial. Decode phase only: "
-                     "prefill and queueing are not in it. Empty for an upstream with no request that ran alone.",
+                     "prefill and queueing are not in it. Empty for an upstream with no request that ran alone." + TRUSTED,
                      targets((speedup_expr(), "{{upstream}} c={{concurrency}}")), "none", decimals=2,
                      thresholds=[(None, "red"), (1, "orange"), (1.5, "green")]),
         ],
@@ -354,7 +357,9 @@ def panels() -> list[list[dict[str, Any]]]:
                        "streamed (phantom speed in tools that trust usage) or sends several tokens per event. "
                        "Below 1 when some streams carried no usage (see the next panel); above 1 when non-streamed "
                        "answers are in the mix (they add reported tokens, but the proxy counts tokens only in "
-                       "streams). The anomaly panels judge each request on its own.",
+                       "streams). The anomaly panels judge each request on its own; a request whose usage fired "
+                       "usage_mismatch or phantom_speed has its speeds computed from its streamed (or tokenizer) "
+                       "count instead.",
                        targets((rsum(TOK, "upstream, model", REPORTED) + "\n/\n" + rsum(TOK, "upstream, model", COUNTED),
                                 "{{upstream}} {{model}}")), "none"),
             timeseries("Usage missing share", "Share of successful-status responses (streams and non-streamed "
@@ -390,8 +395,8 @@ def panels() -> list[list[dict[str, Any]]]:
             heatmap("Prompt length (tokens)", "Prompt tokens per successful request as the server reported them, "
                     "bucketed (16 ... 131072). Colour: requests/s in each bucket.",
                     heatmap_expr("mlxproxy_prompt_length_tokens"), "short", w=12, scheme="Blues"),
-            heatmap("Generation length (tokens)", "Output tokens per successful request (reported, else counted), "
-                    "bucketed. Colour: requests/s in each bucket.",
+            heatmap("Generation length (tokens)", "Output tokens per successful request, bucketed. Colour: "
+                    "requests/s in each bucket." + TRUSTED,
                     heatmap_expr("mlxproxy_generation_length_tokens"), "short", w=12, scheme="Greens"),
         ],
     ]

@@ -27,9 +27,9 @@ from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
-from mlxproxy.report import summarize_records
+from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
 
-__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "DEFAULT_SIZES"]
+__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "headline", "headline_notes", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (100, 500, 1000, 2000, 4000, 8000, 16000, 53000)
 
@@ -252,7 +252,7 @@ def headline(res: TargetResult) -> dict[str, str]:
     def f(v: float | None, fmt: str, unit: str = "") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt) + unit
 
-    return {
+    row = {
         "target": res.target.name,
         "wall_tps_p50": f(single["wall_tps"]["p50"], ".1f") if single else "-",
         "ttft_p50": f(single["ttft_s"]["p50"], ".3f", "s") if single else "-",
@@ -260,3 +260,19 @@ def headline(res: TargetResult) -> dict[str, str]:
         "speedup": f(double.get("speedup"), ".2f", "x") if double else "-",
         "verdict": verdict(res),
     }
+    if single:  # speeds that do not use the server's usage are marked (footnote: headline_notes)
+        mark_speeds(row, single, ("wall_tps_p50", "decode_tps_p50"))
+    if double:
+        mark_speeds(row, double, ("speedup",))
+    return row
+
+
+def headline_notes(results: Sequence[TargetResult]) -> list[str]:
+    """The footnotes of `headline` rows marked for untrusted usage."""
+    items = []
+    for res in results:
+        groups = {g["name"]: g for g in res.groups}
+        for name in ("single", "double"):
+            if name in groups:
+                items.append((f"{res.target.name} {name}", groups[name]["summary"]))
+    return untrusted_notes(items)

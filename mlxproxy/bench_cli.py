@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from mlxproxy.bench import DEFAULT_SIZES, BenchOptions, Target, TargetResult, bench_targets, headline, verdict
+from mlxproxy.bench import DEFAULT_SIZES, BenchOptions, Target, TargetResult, bench_targets, headline, headline_notes, verdict
 from mlxproxy.replay_cli import fail
 
 
@@ -37,6 +37,8 @@ def print_bench(results: list[TargetResult]) -> None:
     from mlxproxy.report import render_table
 
     click.echo(render_table([headline(r) for r in results]))
+    for note in headline_notes(results):
+        click.echo(note)
     sizes = sorted({g["params"]["prompt_tokens"] for r in results for g in r.groups if g["name"].startswith("single ")})
     if sizes:
         rows = []
@@ -96,6 +98,7 @@ def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: 
         cols = list(rows[0].keys())
         md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         md += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+        md += ["", *headline_notes(results)] if headline_notes(results) else []
         Path(md_path).write_text("\n".join(md) + "\n")
         click.echo(f"wrote {md_path}", err=True)
     if plot_path:

@@ -17,9 +17,11 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def print_groups(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> None:
-    from mlxproxy.report import SUMMARY_COLUMNS, render_table, summary_row
+    from mlxproxy.report import SUMMARY_COLUMNS, render_table, summary_row, untrusted_notes
 
     click.echo(render_table([summary_row(g["target"], g["mode"], g["summary"]) for g in groups], SUMMARY_COLUMNS))
+    for note in untrusted_notes((f"{g['target']} {g['mode']}", g["summary"]) for g in groups):
+        click.echo(note)
     for g in groups:
         s = g["summary"]
         lag = s.get("schedule_lag_s")

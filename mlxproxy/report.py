@@ -20,12 +20,12 @@ import orjson
 
 from mlxproxy import __version__
 from mlxproxy.core.detect import overlap_ratio
-from mlxproxy.core.record import OK_OUTCOMES, Record
+from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
-           "summary_row", "SUMMARY_COLUMNS"]
+           "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes"]
 
 RESULT_VERSION = 1
 
@@ -77,9 +77,39 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
         "overlap": overlap,
         "anomalies": anomalies,
     }
+    # rows whose speeds do not use the server's usage (the stream contradicted it), and what
+    # the usage would have made of them (tables mark the row and print both figures)
+    untrusted = [r for r in ok if r.usage_untrusted]
+    out["untrusted_usage"] = len(untrusted)
+    if untrusted:
+        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, r.duration_s) for r in ok]
+        out["usage_figures"] = {"wall_tps_p50": summarize(f[2] for f in by_usage)["p50"],
+                                "decode_tps_p50": summarize(f[1] for f in by_usage)["p50"],
+                                "sources": dict(Counter(r.tokens_source for r in untrusted))}
     if lag_s is not None:
         out["schedule_lag_s"] = summarize(lag_s)
     return out
+
+
+def untrusted_mark(s: dict[str, Any]) -> str:
+    """"*" for a group some of whose speeds do not use the server's usage count, else ""."""
+    return "*" if s.get("untrusted_usage") else ""
+
+
+def untrusted_notes(items: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One footnote line per marked group (`label`, summary): which count its speeds use and
+    the figures the server's usage would have given."""
+    lines = []
+    for label, s in items:
+        if not untrusted_mark(s):
+            continue
+        uf = s.get("usage_figures") or {}
+        names = {"stream": "streamed", "tokenizer": "local tokenizer's"}
+        src = " / ".join(names.get(k, k) for k in sorted(uf.get("sources", {}))) or "streamed"
+        lines.append(f"* {label}: usage not trusted in {s['untrusted_usage']} of {s['ok']} requests (the stream "
+                     f"contradicts it); speeds use the {src} count. From the usage they would read wall "
+                     f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s.")
+    return lines
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -94,7 +124,7 @@ SUMMARY_COLUMNS = ("target", "mode", "requests", "errors", "ttft_p50", "wall_tps
 
 def summary_row(target: str, mode: str, s: dict[str, Any]) -> dict[str, str]:
     errors = {k: v for k, v in s["outcomes"].items() if k not in OK_OUTCOMES}
-    return {
+    row = {
         "target": target,
         "mode": mode,
         "requests": str(s["requests"]),
@@ -108,6 +138,17 @@ def summary_row(target: str, mode: str, s: dict[str, Any]) -> dict[str, str]:
         "speedup": (_num(s["speedup"], ".2f") + "x") if s.get("speedup") is not None else "-",
         "anomalies": ", ".join(f"{k} {v['count']}" for k, v in sorted(s["anomalies"].items())) or "-",
     }
+    return mark_speeds(row, s, ("wall_tps_p50", "decode_tps_p50", "tpot_p50", "tpot_p99", "aggregate_tps", "speedup"))
+
+
+def mark_speeds(row: dict[str, str], s: dict[str, Any], keys: Sequence[str]) -> dict[str, str]:
+    """`row` with the untrusted-usage mark after each figure in `keys` (see `untrusted_notes`)."""
+    mark = untrusted_mark(s)
+    if mark:
+        for k in keys:
+            if row.get(k, "-") != "-":
+                row[k] += mark
+    return row
 
 
 def _ms(v: float | None) -> str:
@@ -150,7 +191,8 @@ def read_result(path: str | Path) -> dict[str, Any]:
 
 CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint", "stream", "status", "outcome", "ttfb_s",
               "ttft_s", "ttfc_s", "e2e_s", "tpot_s", "decode_tps", "wall_tps", "prefill_tps", "prompt_tokens",
-              "cached_tokens", "completion_tokens_reported", "completion_tokens_counted", "reasoning_tokens_counted",
+              "cached_tokens", "completion_tokens", "tokens_source", "completion_tokens_reported", "completion_tokens_counted",
+              "completion_tokens_tokenizer", "reasoning_tokens_counted",
               "usage_reports", "finish_reason", "concurrency", "anomalies", "error")
 
 

@@ -169,6 +169,51 @@ def test_phantom_usage_is_named(stack) -> None:
     (r,) = proxy_records(app, 1, since)
     assert set(r.anomalies) == {"usage_mismatch", "phantom_speed"}
     assert r.completion_tokens_reported == 4 * r.completion_tokens_counted
+    # the speeds use the streamed count, never the usage the stream contradicts
+    assert (r.completion_tokens, r.tokens_source) == (r.completion_tokens_counted, "stream")
+    assert r.decode_tps == pytest.approx(50.0 * SPEED, rel=0.10)
+
+
+def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -> None:
+    """What `mlxproxy demo` prints: the phantom-usage row reads ~50 tok/s (simulated) like a
+    healthy server, marked and footnoted, with the usage verdict beside it; the healthy
+    row is unmarked and unchanged (its speeds are its usage's)."""
+    from mlxproxy.bench import BenchOptions, headline, headline_notes
+    from mlxproxy.core.record import rate_figures
+
+    url, _, _ = stack
+    opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
+    results = asyncio.run(_bench_each(url, opts))
+    rows = {r.target.name: headline(r) for r in results}
+    healthy, phantom = rows["healthy"], rows["phantom-usage"]
+    assert "usage over-reports 4.0x" in phantom["verdict"] and "usage" not in healthy["verdict"]
+    # the batching speedup of two streams is measured on the streamed counts too: like the healthy one's
+    assert float(phantom["speedup"].rstrip("x*")) == pytest.approx(float(healthy["speedup"].rstrip("x")), rel=0.15)
+    assert phantom["decode_tps_p50"].endswith("*") and phantom["wall_tps_p50"].endswith("*")
+    assert not healthy["decode_tps_p50"].endswith("*") and not healthy["wall_tps_p50"].endswith("*")
+    for key in ("decode_tps_p50", "wall_tps_p50"):
+        ratio = float(phantom[key].rstrip("*")) / float(healthy[key])
+        assert 0.8 < ratio < 1.25, (key, phantom, healthy)
+    assert float(phantom["decode_tps_p50"].rstrip("*")) == pytest.approx(50.0 * SPEED, rel=0.10)
+    notes = headline_notes(results)
+    assert notes and notes[0].startswith("* phantom-usage single:") and "streamed count" in notes[0]
+    healthy_single = next(g for g in results[0].groups if g["name"] == "single")
+    for d in healthy_single["records"]:
+        rec = Record.from_dict(d)
+        assert rec.tokens_source == "usage" and not rec.anomalies
+        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rec.completion_tokens_reported, rec.ttft_s,
+                                                                          rec.e2e_s, rec.duration_s)
+
+
+def _bench_each(url: str, opts):
+    from mlxproxy.bench import BenchOptions, Target, bench_targets
+
+    async def go():
+        out = []
+        for name in ("healthy", "phantom-usage"):  # the model name routes to the simulator of that name
+            out += await bench_targets([Target(name, url, 60.0)], BenchOptions(**{**opts.__dict__, "model": name}))
+        return out
+    return go()
 
 
 def test_mlx_lm_wire_has_no_anomalies_and_usage_is_injected(stack) -> None:

@@ -196,6 +196,11 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     assert "rejects prompts > 32768 tokens" in lines["omlx"]
     assert "cyclic stalls" in lines["mlx-vlm"]
     assert "usage over-reports 4.0x" in lines["phantom-usage"]
+    # its speeds are the stream's (~50 tok/s like the others), marked, never the usage's 4x
+    ph, ok = lines["phantom-usage"].split(), lines["mlx-lm"].split()
+    assert ph[1].endswith("*") and ph[3].endswith("*") and not ok[1].endswith("*") and not ok[3].endswith("*")
+    assert 0.8 < float(ph[3].rstrip("*")) / float(ok[3]) < 1.25 and 40 < float(ph[3].rstrip("*")) < 60
+    assert "* phantom-usage single: usage not trusted" in out
     d = tmp_path / "d"
     for name in ("capture.jsonl", "bench.json", "bench.csv", "bench.md", "bench.svg", "metrics.prom"):
         assert (d / name).stat().st_size > 0, name

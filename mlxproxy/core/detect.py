@@ -14,11 +14,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mlxproxy.core.openai import parse_context_limit
-from mlxproxy.core.record import Record
+from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.stats import percentile
 
 __all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
-           "with_anomalies", "estimated_tokens", "stall_stats"]
+           "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
+           "stall_stats"]
 
 ANOMALY_KINDS = (
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
@@ -38,6 +39,9 @@ class Thresholds:
     phantom_ratio: float = 3.0  # ... above this (and enough tokens): phantom_speed
     phantom_min_tokens: int = 20
     chars_per_token: float = 4.0  # streamed-token estimate for coarse chunks: chars / this
+    max_chars_per_token: float = 24.0  # no real text averages more per token: chars / this is a floor
+    tokenizer_tolerance: float = 0.10  # a tokenizer recount may miss the generated count by this fraction
+    tool_call_tokens: int = 24  # tokens per tool call that no recount sees (markup a parser strips)
     burst_min_tokens: int = 20
     burst_fraction: float = 0.05  # all tokens within this fraction of the response time...
     burst_min_tps: float = 10000.0  # ...at a rate no local decoder reaches: non_incremental_stream
@@ -75,18 +79,52 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
 
 
-def estimated_tokens(r: Record, chars: int | None, th: Thresholds) -> int | None:
-    """Output tokens actually streamed: the tokenizer's count when there is one, else the
-    generated events, or the streamed characters / chars_per_token when that is more
-    (servers that send several tokens per event)."""
-    if r.completion_tokens_tokenizer is not None:
-        return r.completion_tokens_tokenizer
-    if r.completion_tokens_counted is None:
-        return None
-    est = r.completion_tokens_counted
+def estimated_tokens(r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0,
+                     nonascii_bytes: int = 0) -> int | None:
+    """Output tokens actually streamed, best guess: the tokenizer's count when there is one
+    (plus `tool_call_tokens` per tool call), else the generated events, or the text's
+    estimate when that is more (servers that send several tokens per event): ASCII
+    characters / chars_per_token plus one token per two UTF-8 bytes of other characters."""
+    return streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)[1]
+
+
+def streamed_band(r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0,
+                  nonascii_bytes: int = 0) -> tuple[int, int, int] | tuple[None, None, None]:
+    """(low, estimate, high): the output tokens a stream can have carried, given what it
+    shows. A usage count outside [low, high] (each widened by `usage_extra_tokens`) cannot
+    be explained by the estimate's error (docs/METRICS.md, "Estimates and their error").
+
+    - low: every generated event carries at least one token. When the stream is
+      consistent with one token per event (at least as many events as the usage counts,
+      less `usage_extra_tokens`, and at most `max_chars_per_token` characters per event)
+      the events are the count and low is E. Otherwise (coarse chunks) low is also at
+      least T / (1 + tokenizer_tolerance) with a tokenizer count T, else chars /
+      max_chars_per_token: re-encoding text need not give back the generated tokens
+      (non-canonical splits re-encode to more, or fewer, tokens).
+    - estimate: T, else max(E, ASCII chars / chars_per_token + non-ASCII UTF-8 bytes / 2).
+    - high: with T, T * (1 + tokenizer_tolerance); else usage_ratio x the estimate (text
+      down to 2 characters, or one byte, per token); never below E; plus
+      `tool_call_tokens` per tool call (markup a server's parser strips).
+    """
+    events = r.completion_tokens_counted
+    if events is None:
+        return None, None, None
+    tools = r.tool_calls * th.tool_call_tokens
+    tok = r.completion_tokens_tokenizer
+    rep = r.completion_tokens_reported
+    one_per_event = (rep is not None and events >= rep - th.usage_extra_tokens
+                     and (chars or 0) <= th.max_chars_per_token * max(events, 1))
+    if tok is not None:
+        low = events if one_per_event else max(events, math.floor(tok / (1.0 + th.tokenizer_tolerance)))
+        est = max(events, tok)
+        return low, est, max(est, math.ceil(tok * (1.0 + th.tokenizer_tolerance)) + tools)
+    est = low = events
     if chars:
-        est = max(est, math.ceil(chars / th.chars_per_token))
-    return est
+        ascii_chars = max(chars - nonascii_chars, 0)
+        est = max(events, math.ceil(ascii_chars / th.chars_per_token + nonascii_bytes / 2.0))
+        if not one_per_event:
+            low = max(events, math.ceil(chars / th.max_chars_per_token))
+    return low, est, math.floor(th.usage_ratio * est) + tools
 
 
 def stall_stats(r: Record, th: Thresholds) -> tuple[list[int], list[float]]:
@@ -112,10 +150,11 @@ def _cyclic(idx: list[int], th: Thresholds) -> float | None:
     return mean if sd / mean <= th.cyclic_cv_max else None
 
 
-def check_record(r: Record, th: Thresholds, *, chars: int | None = None,
-                 headers_to_first_byte_s: float | None = None) -> list[Anomaly]:
+def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonascii_chars: int = 0,
+                 nonascii_bytes: int = 0, headers_to_first_byte_s: float | None = None) -> list[Anomaly]:
     """The anomalies of one finished request. `chars` is the number of generated
-    characters streamed (content + reasoning + tool arguments), when known."""
+    characters streamed (content + reasoning + tool names and arguments), when known;
+    `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
     out: list[Anomaly] = []
     add = out.append
     ok = r.outcome in ("ok", "ok_no_done")
@@ -148,21 +187,25 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None,
     if not ok:
         return out
 
-    # usage checks
-    est = estimated_tokens(r, chars, th) if sse else None
+    # usage checks: does the stream explain the server's count?
+    low, est, high = (streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)
+                      if sse else (None, None, None))
     if sse and rep is None and (r.usage_requested or r.usage_injected):
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
     elif not sse and rep is None and r.endpoint in ("chat_completions", "completions") and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
-    if rep is not None and est is not None and max(rep, est) >= th.usage_min_tokens:
-        source = "tokenizer count" if r.completion_tokens_tokenizer is not None else "streamed"
-        if rep > th.usage_ratio * est + th.usage_extra_tokens or est > rep + th.usage_extra_tokens:
-            add(Anomaly("usage_mismatch", f"usage says {rep} output tokens, {est} {source}"
-                        f" ({r.generated_events} events{f', {chars} chars' if chars else ''})"))
+    if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
+        tok = r.completion_tokens_tokenizer
+        if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
+            seen = (f"tokenizer count {tok}" if tok is not None
+                    else f"{est} streamed ({r.generated_events} events{f', {chars} chars' if chars else ''})")
+            add(Anomaly("usage_mismatch", f"usage says {rep} output tokens, {seen}; the stream allows "
+                        f"{low}..{high} (+{th.usage_extra_tokens})"))
         window = None
         if r.event_offsets_s and len(r.event_offsets_s) >= 2:
             window = r.event_offsets_s[-1] - r.event_offsets_s[0]
-        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * est:
+        base = est + r.tool_calls * th.tool_call_tokens
+        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base:
             if window and window > 0:
                 implied = (rep - 1) / window
                 real = max(est - 1, 1) / window
@@ -171,8 +214,8 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None,
             else:
                 add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
 
-    # burst at the end: no incremental streaming
-    n_out = r.n_out
+    # burst at the end: no incremental streaming (judged on the count the speeds will use)
+    n_out = trusted_count(r, [a.kind for a in out])[0]
     if sse and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
         window = (r.event_offsets_s[-1] - r.event_offsets_s[0]) if r.event_offsets_s else 0.0
         rate = math.inf if window <= 0 else (n_out - 1) / window
@@ -198,8 +241,39 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None,
     return out
 
 
+UNTRUSTING = frozenset({"usage_mismatch", "phantom_speed"})  # usage that fired these is never used
+
+
+def trusted_count(r: Record, kinds: Iterable[str]) -> tuple[int | None, str | None]:
+    """The output count speeds use, and its source: the server's usage when the stream
+    agrees with it (neither `usage_mismatch` nor `phantom_speed` among `kinds`), else the
+    local tokenizer's count when there is one, else the streamed (events) count."""
+    bad = any(k in UNTRUSTING for k in kinds)
+    if r.completion_tokens_reported is not None and not bad:
+        return r.completion_tokens_reported, "usage"
+    if r.completion_tokens_tokenizer is not None:
+        return r.completion_tokens_tokenizer, "tokenizer"
+    if r.completion_tokens_counted is not None:
+        return r.completion_tokens_counted, "stream"
+    if r.completion_tokens_reported is not None:  # a JSON body: nothing to check usage against
+        return r.completion_tokens_reported, "usage"
+    return None, None
+
+
+def with_trusted_count(r: Record) -> Record:
+    """A copy of `r` whose `completion_tokens`, `tokens_source` and speeds (TPOT, decode
+    and wall tok/s) follow `trusted_count` over the record's anomalies."""
+    n, source = trusted_count(r, r.anomalies)
+    if (n, source) == (r.completion_tokens, r.tokens_source):
+        return r
+    tpot, decode, wall = rate_figures(n, r.ttft_s, r.e2e_s, r.duration_s)
+    return dataclasses.replace(r, completion_tokens=n, tokens_source=source, tpot_s=tpot, decode_tps=decode,
+                               wall_tps=wall)
+
+
 def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Record:
-    """A copy of `r` with the anomalies (deduplicated by kind) and the stall figures."""
+    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures and the
+    trusted token count (`with_trusted_count`)."""
     kinds = list(r.anomalies)
     evidence = dict(r.anomaly_evidence)
     for a in found:
@@ -207,8 +281,8 @@ def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Recor
             kinds.append(a.kind)
             evidence[a.kind] = a.evidence
     idx, lengths = stall_stats(r, th)
-    return dataclasses.replace(r, anomalies=tuple(kinds), anomaly_evidence=evidence,
-                               stall_count=len(idx), stall_total_s=sum(lengths))
+    return with_trusted_count(dataclasses.replace(r, anomalies=tuple(kinds), anomaly_evidence=evidence,
+                                                  stall_count=len(idx), stall_total_s=sum(lengths)))
 
 
 def _decode_window(r: Record) -> tuple[float, float] | None:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
-from mlxproxy.core.record import Record
+from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 
 __all__ = ["RequestMeter"]
@@ -256,8 +256,18 @@ class RequestMeter:
         }
 
     @property
+    def tool_call_text(self) -> str:
+        """The tool calls' names and arguments as streamed (what any recount must include)."""
+        return "".join(t["name"] + t["arguments"] for t in self.tool_calls.values())
+
+    @property
+    def generated_text(self) -> str:
+        """All generated text streamed: reasoning, content, tool-call names and arguments."""
+        return self.reasoning_text + self.content_text + self.tool_call_text
+
+    @property
     def generated_chars(self) -> int:
-        """Characters of generated text streamed (content, reasoning, tool arguments)."""
+        """Characters of generated text streamed (content, reasoning, tool names and arguments)."""
         return (sum(map(len, self.content_parts)) + sum(map(len, self.reasoning_parts))
                 + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values()))
 
@@ -364,7 +374,15 @@ class RequestMeter:
         if extra:
             claims["usage"] = extra
         counted = self.generated_events if self.decoder is not None else None
-        n_out = reported if reported is not None else counted
+        # provisional trusted count: the usage checks (core.detect) may still overrule it
+        if reported is not None:
+            n_out, source = reported, "usage"
+        elif tokenizer_tokens is not None:
+            n_out, source = tokenizer_tokens, "tokenizer"
+        elif counted is not None:
+            n_out, source = counted, "stream"
+        else:
+            n_out, source = None, None
 
         def rel(t: float | None) -> float | None:
             return None if t is None else t - t0
@@ -372,13 +390,7 @@ class RequestMeter:
         ttft = rel(self.t_first_token)
         duration = t_end - t0
         e2e = rel(self.t_last_token) if self.t_last_token is not None else duration
-        tpot = decode = None
-        if n_out is not None and n_out >= 2 and self.t_first_token is not None and self.t_last_token is not None:
-            window = self.t_last_token - self.t_first_token
-            if window > 0:
-                tpot = window / (n_out - 1)
-                decode = (n_out - 1) / window
-        wall = n_out / duration if n_out is not None and duration > 0 else None
+        tpot, decode, wall = rate_figures(n_out, ttft if self.t_last_token is not None else None, e2e, duration)
         prefill = None
         if prompt is not None and ttft is not None and ttft > 0:
             prefill = (prompt - (cached or 0)) / ttft
@@ -409,6 +421,8 @@ class RequestMeter:
             reasoning_tokens_reported=reasoning_rep,
             completion_tokens_counted=counted,
             completion_tokens_tokenizer=tokenizer_tokens,
+            completion_tokens=n_out,
+            tokens_source=source,
             reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
             usage_reports=self.usage_reports,
             usage_requested=self.request.usage_requested,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES"]
+__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES", "TOKENS_SOURCES", "rate_figures"]
 
 OUTCOMES = (
     "ok",
@@ -25,6 +25,23 @@ OUTCOMES = (
     "protocol_error",
 )
 OK_OUTCOMES = frozenset({"ok", "ok_no_done"})
+# Where a record's trusted `completion_tokens` came from (docs/METRICS.md, "Trusted token count").
+TOKENS_SOURCES = ("usage", "tokenizer", "stream")
+
+
+def rate_figures(n_out: int | None, ttft_s: float | None, e2e_s: float | None,
+                 duration_s: float | None) -> tuple[float | None, float | None, float | None]:
+    """(tpot_s, decode_tps, wall_tps) of `n_out` output tokens: the decode window runs from
+    the first to the last generated event (`ttft_s` to `e2e_s`), the wall time is `duration_s`."""
+    tpot = decode = wall = None
+    if n_out is not None and n_out >= 2 and ttft_s is not None and e2e_s is not None:
+        window = e2e_s - ttft_s
+        if window > 0:
+            tpot = window / (n_out - 1)
+            decode = (n_out - 1) / window
+    if n_out is not None and duration_s is not None and duration_s > 0:
+        wall = n_out / duration_s
+    return tpot, decode, wall
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +77,9 @@ class Record:
     completion_tokens_counted: int | None = None
     reasoning_tokens_counted: int | None = None
     completion_tokens_tokenizer: int | None = None
+    # the trusted output count every speed uses, and where it came from (TOKENS_SOURCES)
+    completion_tokens: int | None = None
+    tokens_source: str | None = None
     usage_reports: int = 0
     usage_requested: bool = False  # by the client
     usage_injected: bool = False  # by the proxy
@@ -92,10 +112,19 @@ class Record:
 
     @property
     def n_out(self) -> int | None:
-        """Output tokens: reported if present, else counted."""
+        """Output tokens every speed uses: the trusted `completion_tokens`. Records written
+        before it existed (no `tokens_source`) fall back to reported, else counted."""
+        if self.tokens_source is not None:
+            return self.completion_tokens
         if self.completion_tokens_reported is not None:
             return self.completion_tokens_reported
         return self.completion_tokens_counted
+
+    @property
+    def usage_untrusted(self) -> bool:
+        """The server reported usage but the speeds do not use it (the stream contradicted it)."""
+        return (self.completion_tokens_reported is not None and self.tokens_source is not None
+                and self.tokens_source != "usage")
 
     @property
     def t_end_mono(self) -> float:
