@@ -9,6 +9,7 @@ port is read back from the socket, so nothing races for it.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -16,39 +17,60 @@ from typing import Any
 
 import uvicorn
 
+from mlxproxy.proxy.limits import HeadLimits, protocol_class
 
-def _loop_setting() -> str:
+
+STACK_ENV = "MLXPROXY_STACK"
+STACKS = ("plain", "fast")
+
+
+def _importable(name: str) -> bool:
     try:
-        import uvloop  # noqa: F401
+        __import__(name)
     except ImportError:
-        return "asyncio"
-    return "uvloop"
+        return False
+    return True
 
 
-def _http_setting() -> str:
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
+def stack_settings(stack: str | None = None) -> tuple[str, str]:
+    """The (loop, http) pair uvicorn runs on: `plain` is asyncio + h11 (what a plain
+    `pip install mlxproxy` gives), `fast` is uvloop + httptools (the `fast` extras). None
+    reads the environment variable MLXPROXY_STACK; unset or empty picks the fastest
+    installed. Raises ValueError for another name, or `fast` without its packages."""
+    if stack is None:
+        stack = os.environ.get(STACK_ENV, "").strip().lower() or None
+    if stack is None:
+        return ("uvloop" if _importable("uvloop") else "asyncio", "httptools" if _importable("httptools") else "h11")
+    if stack == "plain":
+        return "asyncio", "h11"
+    if stack == "fast":
+        if not (_importable("uvloop") and _importable("httptools")):
+            raise ValueError(f"{STACK_ENV}=fast needs uvloop and httptools: pip install 'mlxproxy[fast]'")
+        return "uvloop", "httptools"
+    raise ValueError(f"{STACK_ENV} must be one of {', '.join(STACKS)} (or unset), got {stack!r}")
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else the standard one."""
-    try:
+def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
+    """An event loop of the chosen stack (see `stack_settings`)."""
+    if stack_settings(stack)[0] == "uvloop":
         import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
-def make_uvicorn_config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config with the fastest available loop and parser and no access log."""
+def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None,
+                        limits: HeadLimits | None = None, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config for `stack` (see `stack_settings`) with no access log. Its HTTP
+    protocol bounds request heads (`mlxproxy.proxy.limits`): `limits`, else the app's own
+    `head_limits` attribute, else the defaults."""
     kwargs.setdefault("log_level", "warning")
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("lifespan", "on")
     kwargs.setdefault("timeout_keep_alive", 30)
-    return uvicorn.Config(app, host=host, port=port, loop=_loop_setting(), http=_http_setting(), **kwargs)
+    loop, http = stack_settings(stack)
+    limits = limits or getattr(app, "head_limits", None) or HeadLimits()
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol_class(http, limits), **kwargs)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -69,12 +91,14 @@ class ServerThread:
     uvicorn to shut down gracefully and waits for the thread.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_kwargs: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, stack: str | None = None,
+                 **uvicorn_kwargs: Any) -> None:
         self.app = app
+        self.stack = stack
         self.host = host
         self.sock = bind_socket(host, port)
         self.port: int = self.sock.getsockname()[1]
-        self.config = make_uvicorn_config(app, host, self.port, **uvicorn_kwargs)
+        self.config = make_uvicorn_config(app, host, self.port, stack=stack, **uvicorn_kwargs)
         self.server = uvicorn.Server(self.config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
@@ -87,7 +111,7 @@ class ServerThread:
         return f"http://{host}:{self.port}"
 
     def _run(self) -> None:
-        loop = new_event_loop()
+        loop = new_event_loop(self.stack)
         asyncio.set_event_loop(loop)
         self.loop = loop
         try:
@@ -126,8 +150,9 @@ def serve_forever(app: Any, host: str, port: int, **uvicorn_kwargs: Any) -> None
 
 
 def run_server(server: uvicorn.Server, sock: socket.socket) -> None:
-    """Run a uvicorn server on an already bound socket until it exits."""
-    loop = new_event_loop()
+    """Run a uvicorn server on an already bound socket until it exits, on the event loop
+    its config names."""
+    loop = new_event_loop("fast" if server.config.loop == "uvloop" else "plain")
     try:
         loop.run_until_complete(server.serve(sockets=[sock]))
     finally:

@@ -37,6 +37,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, Scrubber
+from mlxproxy.proxy.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
 from mlxproxy.proxy.upstream import Upstream, UpstreamPool, UpstreamResponse
@@ -63,6 +64,11 @@ def json_error(status: int, message: str, code: str, err_type: str = "proxy_erro
     return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
 
 
+BAD_TARGET = json_error(400, "the request target must be a path starting with '/' (origin-form)",
+                        "invalid_request_target", "invalid_request_error")[1]
+INTERNAL_ERROR = json_error(500, "the proxy failed on this request (a bug; the log has details)", "internal_error")[1]
+RID_SCOPE_KEY = "mlxproxy.request_id"  # set in the scope once a request has a record
+
 UNAUTHORIZED = json_error(401, "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' "
                                "or 'x-api-key: <key>'", "invalid_api_key", "invalid_request_error")[1]
 
@@ -75,6 +81,8 @@ class ProxyApp:
                  observers: list[Observer] | None = None) -> None:
         """Raises `ConfigError` when `proxy_api_key_env` names an unset variable."""
         self.config = config
+        self.head_limits = HeadLimits(config.max_request_header_bytes, config.max_request_headers,
+                                      config.request_header_timeout_s)  # applied by the server (runner.py)
         key = proxy_api_key(config)
         self._authorized = KeyCheck(key) if key is not None else None
         self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
@@ -97,7 +105,8 @@ class ProxyApp:
         if config.capture:
             self.capture = CaptureWriter(config.capture, keep_responses=config.capture_responses,
                                          keep_prompts=config.capture_prompts, redact=config.redact_headers,
-                                         queue_size=config.capture_queue_size, on_drop=self.metrics.capture_dropped.inc,
+                                         queue_size=config.capture_queue_size, queue_bytes=config.capture_queue_bytes,
+                                         on_drop=self.metrics.capture_dropped.inc,
                                          on_error=self.metrics.capture_errors.inc)
             self.fanout.add(self.capture)
         _quiet_client_aborts()
@@ -112,16 +121,33 @@ class ProxyApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            path = scope["path"]
-            if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
-                await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
-                return
-            if path in OWN_ROUTES:
-                await self._own_route(path, scope, send)
-            else:
-                await self._proxy(scope, receive, send)
+            try:
+                await self._http(scope, receive, send)
+            except (_AbortClient, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # a bug: answer in the promised shape, log one line
+                log.error("internal error on a %s request: %s", bounded_field(str(scope.get("method"))),
+                          bounded_field(f"{type(exc).__name__}: {exc}"), exc_info=log.isEnabledFor(logging.DEBUG))
+                rid = scope.get(RID_SCOPE_KEY)
+                try:
+                    await _respond(send, 500, INTERNAL_ERROR, extra=[(REQUEST_ID_HEADER, rid.encode())] if rid else None)
+                except Exception:  # the response had started: let the server drop the connection
+                    raise exc from None
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+        if not origin_form(scope.get("raw_path") or path.encode("latin-1", "replace")):
+            await _respond(send, 400, BAD_TARGET)  # checked first: never forwarded, whatever the key
+            return
+        if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
+            await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
+            return
+        if path in OWN_ROUTES:
+            await self._own_route(path, scope, send)
+        else:
+            await self._proxy(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -184,6 +210,8 @@ class ProxyApp:
         method = scope["method"]
         info, obj = parse_request(method, scope["path"], body)
         upstream = self.pool.route(info.model)
+        if info.model is not None and (len(info.model) > MAX_FIELD_CHARS or not info.model.isprintable()):
+            info = dataclasses.replace(info, model=bounded_field(info.model))  # labels, records, logs: bounded
 
         headers: list[tuple[bytes, bytes]] = []
         tags: tuple[str, ...] = ()
@@ -211,6 +239,7 @@ class ProxyApp:
             body = inject_include_usage(body, obj)  # type: ignore[arg-type]
 
         request_id = os.urandom(8).hex()
+        scope[RID_SCOPE_KEY] = request_id
         upstream.in_flight += 1
         meter = RequestMeter(info, request_id=request_id, upstream=upstream.name, t_start=t_start, started_at=started_at,
                              usage_injected=inject, concurrency=upstream.in_flight, tags=tags,
