@@ -55,6 +55,7 @@ HOP_BY_HOP = frozenset(
 )
 RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"trailer"})
 OWN_ROUTES = ("/metrics", "/healthz", "/streams")
+OFF_LOOP_EVENTS = 20_000  # a stream with more generated events has its record finished off the event loop
 
 now = time.perf_counter
 
@@ -370,17 +371,50 @@ class ProxyApp:
             if response is not None:
                 await _aclose_quietly(response)
             t_end = now()
-            record = self._finish(meter, t_end, outcome, error)
+            if meter.generated_events <= OFF_LOOP_EVENTS:
+                record = self._finish(meter, t_end, outcome, error, self._recent_by_upstream[meter.upstream])
+                if record.error is not None:
+                    record = dataclasses.replace(record, error=self._scrub(record.error, scope["headers"]))
+                self._recent_by_upstream[record.upstream].append(record)
+                self.metrics.observe_overhead(request_overhead, chunk_overheads)
+                self.fanout.emit(record, exchange)
+            else:
+                self._finish_off_loop(meter, t_end, outcome, error, scope["headers"], request_overhead, chunk_overheads,
+                                      exchange)
+
+    def _finish_off_loop(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
+                         headers: list[tuple[bytes, bytes]], request_overhead: float | None,
+                         chunk_overheads: list[float], exchange: Exchange | None) -> None:
+        """Finish a very long stream's record in a worker thread: its checks and histogram
+        observations grow with its events (0.5 s and more at 10^6), and on the event loop
+        they would stall every other stream. The other observers get it on the loop."""
+        loop = asyncio.get_running_loop()
+        earlier = list(self._recent_by_upstream[meter.upstream])
+
+        def work() -> Record:
+            record = self._finish(meter, t_end, outcome, error, earlier)
             if record.error is not None:
-                record = dataclasses.replace(record, error=self._scrub(record.error, scope["headers"]))
+                record = dataclasses.replace(record, error=self._scrub(record.error, headers))
+            try:
+                self.metrics.on_record(record)
+            except Exception:  # as Fanout does for every observer
+                log.exception("observer metrics failed on record %s", record.id)
+                self.metrics.observer_errors.labels("metrics").inc()
+            return record
+
+        def done(fut: asyncio.Future[Record]) -> None:
+            record = fut.result()
             self._recent_by_upstream[record.upstream].append(record)
             self.metrics.observe_overhead(request_overhead, chunk_overheads)
-            self.fanout.emit(record, exchange)
+            self.fanout.emit(record, exchange, skip=self.metrics)
 
-    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
+        loop.run_in_executor(None, work).add_done_callback(done)
+
+    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
+                earlier: Any = ()) -> Record:
         try:
             return finish_checked(meter, t_end, self.thresholds, outcome=outcome, error=error,
-                                  earlier=self._recent_by_upstream[meter.upstream],
+                                  earlier=earlier,
                                   count_tokens=self.tokens.for_model(meter.request.model) if meter.decoder is not None else None)
         except Exception as exc:  # metering must never take the request down
             log.exception("metering failed for %s", meter.request_id)

@@ -13,7 +13,8 @@ returns a small subclass of either that, identically on both stacks:
   opened or after its first byte arrived (408 when part of a head came, else silently);
   an idle keep-alive connection is left to uvicorn's keep-alive timeout;
 - refuses ambiguous framing and anything but origin-form: both Content-Length and
-  Transfer-Encoding, an HTTP version other than 1.0/1.1, bare LF line ends, and a request
+  Transfer-Encoding, an HTTP version other than 1.0/1.1, bare LF line ends, folded header
+  lines (httptools refuses them; h11 would join them), and a request
   target not starting with `/` (so `*@host/x`, `http://host/x` or `*` never reach the app);
 - answers every such refusal, and every request the parser rejects, with an OpenAI-shaped
   JSON error and `Connection: close`, then closes the connection.
@@ -78,6 +79,10 @@ def error_response(status: int, message: str, code: str) -> bytes:
 
 def _bare_lf(head: bytes) -> bool:
     return head.count(b"\n") != head.count(b"\r\n")
+
+
+def _folded(head: bytes) -> bool:
+    return b"\n " in head or b"\n\t" in head
 
 
 def _framing_problem(headers: Any, version: bytes | str, target: bytes, count_max: int) -> tuple[int, str, str] | None:
@@ -251,9 +256,10 @@ def _plain_class(limits: HeadLimits) -> type:
                 if conn.their_state is h11.IDLE:
                     buffered = conn.trailing_data[0]
                     end = _head_end(buffered)
-                    if end >= 0 and _bare_lf(buffered[:end]):
-                        self._refusal = (400, "request line ends must be CRLF", "invalid_request")
-                        raise h11.RemoteProtocolError("bare LF")
+                    if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
+                        self._refusal = (400, "request lines must end in CRLF and headers must not be folded",
+                                         "invalid_request")
+                        raise h11.RemoteProtocolError("bare LF or obs-fold")
                 event = parse()
                 if type(event) is h11.Request:
                     problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target,
