@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +36,7 @@ import orjson
 
 from mlxproxy import __version__
 from mlxproxy.core.record import Record
-from mlxproxy.errors import CaptureFormatError
+from mlxproxy.errors import CaptureFormatError, ConfigError
 
 __all__ = ["CAPTURE_VERSION", "DEFAULT_REDACT", "Exchange", "CaptureWriter", "CapturedRequest", "read_capture",
            "redact_headers", "MIGRATIONS"]
@@ -92,8 +93,12 @@ class CaptureWriter:
     name = "capture"
 
     def __init__(self, path: str | Path, *, keep_responses: bool = False, keep_prompts: bool = True,
-                 redact: Iterable[str] = (), queue_size: int = 10000, t0_mono: float | None = None,
-                 on_drop: Callable[[], None] | None = None, on_error: Callable[[], None] | None = None) -> None:
+                 redact: Iterable[str] = (), queue_size: int = 10000, queue_bytes: int = 64 * 1024 * 1024,
+                 t0_mono: float | None = None, on_drop: Callable[[], None] | None = None,
+                 on_error: Callable[[], None] | None = None) -> None:
+        """Raises `ConfigError` when `path` is a symlink, not a regular file, lies under a
+        file, or is an existing file that is not a capture: the proxy never appends to (or
+        cuts) a file it did not write. Any other problem opening it is logged and retried."""
         self.path = Path(path)
         self.keep_responses = keep_responses
         self.keep_prompts = keep_prompts
@@ -105,6 +110,9 @@ class CaptureWriter:
         self._on_drop = on_drop
         self._on_error = on_error
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self.queue_bytes = queue_bytes
+        self.queued_bytes = 0  # estimated memory held by queued records
+        self._bytes_lock = threading.Lock()
         self._reported = False
         self._file: Any = None
         try:
@@ -118,12 +126,22 @@ class CaptureWriter:
         self.on_exchange(record, None)
 
     def on_exchange(self, record: Record, exchange: Exchange | None) -> None:
-        try:
-            self._queue.put_nowait((record, exchange))
-        except queue.Full:
-            self.dropped += 1
-            if self._on_drop is not None:
-                self._on_drop()
+        size = _held_bytes(record, exchange)
+        with self._bytes_lock:
+            # one record larger than the whole budget still goes through an empty queue
+            fits = not self.queued_bytes or self.queued_bytes + size <= self.queue_bytes
+            if fits:
+                self.queued_bytes += size
+        if fits:
+            try:
+                self._queue.put_nowait((record, exchange, size))
+                return
+            except queue.Full:
+                with self._bytes_lock:
+                    self.queued_bytes -= size
+        self.dropped += 1
+        if self._on_drop is not None:
+            self._on_drop()
 
     def line_for(self, record: Record, exchange: Exchange | None) -> bytes:
         d = record.to_dict(timeline=True)
@@ -152,13 +170,38 @@ class CaptureWriter:
     def _open(self) -> Any:
         """Open the file for appending, first cutting off a torn last line (a crash while
         it was written), so that every line after it stays readable."""
+        for parent in self.path.parents:
+            if parent.exists() or parent.is_symlink():
+                if not parent.is_dir():
+                    raise ConfigError(f"capture path {str(self.path)!r}: {str(parent)!r} is a file, not a directory")
+                break
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # owner-only when created: a capture holds prompts, which may hold secrets; read
-        # access to find a torn end
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        # access to find a torn end; never through a symlink
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or self.path.is_symlink():
+                raise ConfigError(f"capture path {str(self.path)!r} is a symlink; give the file itself") from None
+            raise
         f = open(fd, "a+b", buffering=0)  # noqa: SIM115 - closed by close()
         try:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"capture path {str(self.path)!r} is not a regular file")
+            os.set_blocking(f.fileno(), True)
+            size = st.st_size
+            if size and not _looks_like_capture(f.fileno(), size):
+                raise ConfigError(f"capture path {str(self.path)!r} holds a file that is not an mlxproxy capture; "
+                                  "refusing to append to it (choose a new file)")
+            if st.st_mode & 0o077:
+                try:
+                    os.fchmod(f.fileno(), 0o600)
+                    log.warning("capture %s was readable by others (mode %o): now 0600, as it holds prompts",
+                                self.path, stat.S_IMODE(st.st_mode))
+                except OSError:
+                    log.warning("capture %s is readable by others (mode %o) and could not be set to 0600; "
+                                "it holds prompts", self.path, stat.S_IMODE(st.st_mode))
             keep = _end_of_last_line(f.fileno(), size)
             if keep < size:
                 os.ftruncate(f.fileno(), keep)
@@ -202,8 +245,9 @@ class CaptureWriter:
             if item is _STOP:
                 self._queue.task_done()
                 return
+            record, exchange, size = item
             try:
-                self._write_line(self.line_for(*item))
+                self._write_line(self.line_for(record, exchange))
                 self.written += 1
             except Exception as exc:  # disk full, read-only path, ...: never block or kill streams
                 self.write_errors += 1
@@ -211,6 +255,9 @@ class CaptureWriter:
                     self._on_error()
                 self._report(exc)
             finally:
+                del record, exchange, item
+                with self._bytes_lock:
+                    self.queued_bytes -= size
                 self._queue.task_done()
 
     def flush(self) -> None:
@@ -225,6 +272,30 @@ class CaptureWriter:
             self._thread.join(timeout_s)
         if self._file is not None:
             self._file.close()
+
+
+def _held_bytes(record: Record, exchange: Exchange | None) -> int:
+    """A rough upper estimate of the memory a queued record holds."""
+    n = 1024 + 40 * len(record.event_offsets_s) + len(record.response_text or "") + len(record.reasoning_text or "")
+    if exchange is not None:
+        n += len(exchange.body) + sum(len(k) + len(v) + 64 for k, v in exchange.request_headers)
+        n += sum(len(k) + len(v) + 64 for k, v in exchange.response_headers)
+    return n
+
+
+def _looks_like_capture(fd: int, size: int) -> bool:
+    """Does an existing file hold capture lines? Its first line must be a JSON object with
+    a format version `v`; a first line not whole within 1 MiB (a crash during the first
+    write, or a long prompt) must at least start like one."""
+    head = os.pread(fd, min(size, 1 << 20), 0)
+    end = head.find(b"\n")
+    if end < 0:  # one torn line, or a first line longer than what was read
+        return head.startswith(b'{"id":')
+    try:
+        first = orjson.loads(head[:end])
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(first, dict) and isinstance(first.get("v"), int)
 
 
 def _end_of_last_line(fd: int, size: int, block: int = 1 << 16) -> int:

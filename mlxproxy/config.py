@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -68,6 +70,10 @@ class Config:
     capture_responses: bool = False
     capture_prompts: bool = True
     capture_queue_size: int = 10000
+    capture_queue_bytes: int = 64 * 1024 * 1024
+    max_request_header_bytes: int = 64 * 1024
+    max_request_headers: int = 100
+    request_header_timeout_s: float = 10.0
     redact_headers: tuple[str, ...] = ()
     proxy_api_key_env: str | None = None
     metrics_need_key: bool = True
@@ -77,6 +83,52 @@ class Config:
             if up.name == self.default_upstream:
                 return up
         return self.upstreams[0]
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 4
+_SHOW.maxlevel = 2
+
+
+def _show(value: Any) -> str:
+    """A short repr of a config value for an error message: bounded whatever its size."""
+    return _SHOW.repr(value)
+
+
+MAX_YAML_NODES = 10_000  # nodes a config may expand to, aliases counted at each use
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """A safe loader that refuses documents whose aliases expand past MAX_YAML_NODES nodes
+    (a "billion laughs" file), before anything walks the expanded value."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        weights: dict[int, int] = {}
+
+        def weight(n: Any) -> int:
+            w = weights.get(id(n))
+            if w is not None:
+                return w
+            weights[id(n)] = MAX_YAML_NODES + 1  # a cycle counts as too large
+            w = 1
+            if isinstance(n, yaml.SequenceNode):
+                for child in n.value:
+                    w += weight(child)
+                    if w > MAX_YAML_NODES:
+                        break
+            elif isinstance(n, yaml.MappingNode):
+                for k, v in n.value:
+                    w += weight(k) + weight(v)
+                    if w > MAX_YAML_NODES:
+                        break
+            weights[id(n)] = w
+            return w
+
+        if node is not None and weight(node) > MAX_YAML_NODES:
+            raise ConfigError(f"expands to more than {MAX_YAML_NODES} values through YAML aliases; write it out plainly")
+        return node
 
 
 def _type_name(tp: Any) -> str:
@@ -109,19 +161,19 @@ def _convert(key: str, tp: Any, value: Any) -> Any:
         return tuple(_convert(f"{key}[{i}]", inner, v) for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be true or false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be an integer, got {_show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a number, got {_show(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a string, got {_show(value)}")
         return value
     raise ConfigError(f"config key '{key}' has an unsupported type")  # pragma: no cover
 
@@ -132,7 +184,8 @@ def _build(cls: Any, raw: dict[str, Any], prefix: str = "") -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}{key}'; allowed here: {', '.join(names)}")
+            shown = key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else _show(key)
+            raise ConfigError(f"unknown config key '{prefix}{shown}'; allowed here: {', '.join(names)}")
         kwargs[key] = _convert(prefix + key, hints[key], value)
     try:
         return cls(**kwargs)
@@ -141,32 +194,62 @@ def _build(cls: Any, raw: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"config section '{prefix.rstrip('.') or 'top level'}' needs key(s): {', '.join(missing)}") from exc
 
 
+def _check_url(key: str, url: str) -> None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise ConfigError(f"config key '{key}' is not a valid URL ({exc}): {_show(url)}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"config key '{key}' must be an http:// or https:// URL with a host, got {_show(url)}")
+    if parts.query or parts.fragment or any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(f"config key '{key}' must be a plain base URL (no query, fragment, spaces or control "
+                          f"characters), got {_show(url)}")
+    try:
+        url.encode("ascii")
+    except UnicodeEncodeError:
+        raise ConfigError(f"config key '{key}' must be written in ASCII (percent-encode other characters), "
+                          f"got {_show(url)}") from None
+
+
+def _check_number(key: str, v: float, *, minimum: float = 0.0) -> None:
+    if not math.isfinite(v) or v < minimum:
+        raise ConfigError(f"config key '{key}' must be a finite number >= {minimum:g}, got {_show(v)}")
+
+
 def _validate(cfg: Config) -> None:
     if not (0 <= cfg.port <= 65535):
         raise ConfigError(f"config key 'port' must be between 0 and 65535, got {cfg.port}")
+    if not cfg.host or not cfg.host.isprintable() or " " in cfg.host:
+        raise ConfigError(f"config key 'host' must be an address or host name, got {_show(cfg.host)}")
     if not cfg.upstreams:
         raise ConfigError("config key 'upstreams' must list at least one upstream")
     seen: set[str] = set()
     for i, up in enumerate(cfg.upstreams):
-        if not up.name or up.name in seen:
-            raise ConfigError(f"config key 'upstreams[{i}].name' must be a unique non-empty name, got {up.name!r}")
+        if not up.name or up.name in seen or len(up.name) > 64 or not up.name.isprintable():
+            raise ConfigError(f"config key 'upstreams[{i}].name' must be a unique, printable name of 1-64 characters, "
+                              f"got {_show(up.name)}")
         seen.add(up.name)
-        parts = urlsplit(up.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"config key 'upstreams[{i}].url' must be an http:// or https:// URL, got {up.url!r}")
+        _check_url(f"upstreams[{i}].url", up.url)
         if up.api_key_env is not None and not up.api_key_env:
             raise ConfigError(f"config key 'upstreams[{i}].api_key_env' must name an environment variable")
     if cfg.default_upstream is not None and cfg.default_upstream not in seen:
-        raise ConfigError(f"config key 'default_upstream' must be one of the upstream names ({', '.join(sorted(seen))}), got {cfg.default_upstream!r}")
-    for section in (cfg.timeouts, cfg.detectors):
+        raise ConfigError(f"config key 'default_upstream' must be one of the upstream names ({', '.join(sorted(seen))}), "
+                          f"got {_show(cfg.default_upstream)}")
+    for name, section in (("timeouts", cfg.timeouts), ("detectors", cfg.detectors)):
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
-            if isinstance(v, (int, float)) and v < 0:
-                raise ConfigError(f"config key '{f.name}' must not be negative, got {v}")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                _check_number(f"{name}.{f.name}", v)
+    _check_number("request_header_timeout_s", cfg.request_header_timeout_s)
     if cfg.proxy_api_key_env is not None and not cfg.proxy_api_key_env:
         raise ConfigError("config key 'proxy_api_key_env' must name an environment variable")
-    if cfg.recent_records < 0 or cfg.max_model_labels < 1 or cfg.max_request_body_bytes < 1:
-        raise ConfigError("config keys 'recent_records' (>= 0), 'max_model_labels' (>= 1) and 'max_request_body_bytes' (>= 1) are out of range")
+    for key, minimum in (("recent_records", 0), ("max_model_labels", 1), ("max_request_body_bytes", 1),
+                         ("capture_queue_size", 1), ("capture_queue_bytes", 1), ("max_request_header_bytes", 1024),
+                         ("max_request_headers", 1)):
+        v = getattr(cfg, key)
+        if v < minimum:
+            raise ConfigError(f"config key '{key}' must be at least {minimum}, got {v}")
 
 
 def proxy_api_key(cfg: Config) -> bytes | None:
@@ -220,7 +303,9 @@ def load_config(path: str | os.PathLike[str] | None, *, upstream_url: str | None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from exc
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_BoundedLoader) or {}  # noqa: S506 - a SafeLoader subclass
+        except ConfigError as exc:
+            raise ConfigError(f"config file {str(p)!r} {exc}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""

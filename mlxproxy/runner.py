@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from mlxproxy.proxy.limits import HeadLimits, protocol_class
 
 STACKS = ("plain", "fast")
 STACK_ENV = "MLXPROXY_STACK"
@@ -31,30 +32,25 @@ def _importable(name: str) -> bool:
 
 
 def stack_settings(stack: str | None = None) -> tuple[str, str]:
-    """uvicorn's (loop, http) settings for a server stack.
-
-    `fast` is uvloop + httptools (uvicorn's standard extras, installed by default where the
-    platform has wheels); `plain` is the standard asyncio loop + h11, what a platform without
-    them gets. `None` reads `MLXPROXY_STACK` (`plain`, `fast`), and when that is unset picks
-    the fastest stack installed. Tests use it to run the same checks on both stacks.
-    """
+    """The (loop, http) pair uvicorn runs on: `plain` is asyncio + h11 (what a platform
+    without their wheels gets), `fast` is uvloop + httptools (installed by default). None
+    reads the environment variable MLXPROXY_STACK; unset or empty picks the fastest
+    installed. Raises ValueError for another name, or `fast` without its packages."""
     if stack is None:
-        stack = os.environ.get(STACK_ENV) or None
+        stack = os.environ.get(STACK_ENV, "").strip().lower() or None
     if stack is None:
-        return ("uvloop" if _importable("uvloop") else "asyncio",
-                "httptools" if _importable("httptools") else "h11")
+        return ("uvloop" if _importable("uvloop") else "asyncio", "httptools" if _importable("httptools") else "h11")
     if stack == "plain":
         return "asyncio", "h11"
     if stack == "fast":
-        missing = [m for m in ("uvloop", "httptools") if not _importable(m)]
-        if missing:
-            raise RuntimeError(f"{STACK_ENV}=fast needs {' and '.join(missing)} installed")
+        if not (_importable("uvloop") and _importable("httptools")):
+            raise ValueError(f"{STACK_ENV}=fast needs uvloop and httptools: pip install uvloop httptools")
         return "uvloop", "httptools"
-    raise ValueError(f"{STACK_ENV} must be one of {', '.join(STACKS)}, got {stack!r}")
+    raise ValueError(f"{STACK_ENV} must be one of {', '.join(STACKS)} (or unset), got {stack!r}")
 
 
 def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
-    """An event loop of the stack's kind (see `stack_settings`)."""
+    """An event loop of the chosen stack (see `stack_settings`)."""
     if stack_settings(stack)[0] == "uvloop":
         import uvloop
 
@@ -62,14 +58,18 @@ def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config for the stack (default: the fastest installed) with no access log."""
+def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None,
+                        limits: HeadLimits | None = None, **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn config for `stack` (see `stack_settings`) with no access log. Its HTTP
+    protocol bounds request heads (`mlxproxy.proxy.limits`): `limits`, else the app's own
+    `head_limits` attribute, else the defaults."""
     kwargs.setdefault("log_level", "warning")
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("lifespan", "on")
     kwargs.setdefault("timeout_keep_alive", 30)
     loop, http = stack_settings(stack)
-    return uvicorn.Config(app, host=host, port=port, loop=loop, http=http, **kwargs)
+    limits = limits or getattr(app, "head_limits", None) or HeadLimits()
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol_class(http, limits), **kwargs)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -157,8 +157,9 @@ def serve_forever(app: Any, host: str, port: int, *, stack: str | None = None, *
 
 
 def run_server(server: uvicorn.Server, sock: socket.socket, *, stack: str | None = None) -> None:
-    """Run a uvicorn server on an already bound socket until it exits."""
-    loop = new_event_loop(stack)
+    """Run a uvicorn server on an already bound socket until it exits, on the event loop
+    `stack` names (default: the one its config names)."""
+    loop = new_event_loop(stack or ("fast" if server.config.loop == "uvloop" else "plain"))
     try:
         loop.run_until_complete(server.serve(sockets=[sock]))
     finally:

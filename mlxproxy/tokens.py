@@ -27,7 +27,15 @@ def _hf_cache_dirs() -> list[Path]:
 
 
 def find_tokenizer_file(model: str) -> Path | None:
-    """`tokenizer.json` for a model name: a local folder, or a cached hub snapshot."""
+    """`tokenizer.json` for a model name: a local folder, or a cached hub snapshot. A name
+    that cannot be a path (too long, a NUL byte) finds none rather than raising."""
+    try:
+        return _find_tokenizer_file(model)
+    except (OSError, ValueError):
+        return None
+
+
+def _find_tokenizer_file(model: str) -> Path | None:
     p = Path(model).expanduser()
     if p.is_dir() and (p / "tokenizer.json").is_file():
         return p / "tokenizer.json"

@@ -39,6 +39,7 @@ from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamErro
 from mlxproxy.proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, Scrubber
 from mlxproxy.proxy.finisher import Finisher
 from mlxproxy.proxy.looplag import LoopLagMonitor
+from mlxproxy.proxy.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
 from mlxproxy.proxy.upstream import Upstream, UpstreamPool, UpstreamResponse
@@ -56,6 +57,7 @@ HOP_BY_HOP = frozenset(
 )
 RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"trailer"})
 OWN_ROUTES = ("/metrics", "/healthz", "/streams")
+OFF_LOOP_EVENTS = 20_000  # a stream with more generated events has its record finished off the event loop
 
 now = time.perf_counter
 
@@ -64,6 +66,11 @@ def json_error(status: int, message: str, code: str, err_type: str = "proxy_erro
     """An OpenAI-shaped error body."""
     return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
 
+
+BAD_TARGET = json_error(400, "the request target must be a path starting with '/' (origin-form)",
+                        "invalid_request_target", "invalid_request_error")[1]
+INTERNAL_ERROR = json_error(500, "the proxy failed on this request (a bug; the log has details)", "internal_error")[1]
+RID_SCOPE_KEY = "mlxproxy.request_id"  # set in the scope once a request has a record
 
 UNAUTHORIZED = json_error(401, "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' "
                                "or 'x-api-key: <key>'", "invalid_api_key", "invalid_request_error")[1]
@@ -77,6 +84,8 @@ class ProxyApp:
                  observers: list[Observer] | None = None) -> None:
         """Raises `ConfigError` when `proxy_api_key_env` names an unset variable."""
         self.config = config
+        self.head_limits = HeadLimits(config.max_request_header_bytes, config.max_request_headers,
+                                      config.request_header_timeout_s)  # applied by the server (runner.py)
         key = proxy_api_key(config)
         self._authorized = KeyCheck(key) if key is not None else None
         self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
@@ -101,7 +110,8 @@ class ProxyApp:
         if config.capture:
             self.capture = CaptureWriter(config.capture, keep_responses=config.capture_responses,
                                          keep_prompts=config.capture_prompts, redact=config.redact_headers,
-                                         queue_size=config.capture_queue_size, on_drop=self.metrics.capture_dropped.inc,
+                                         queue_size=config.capture_queue_size, queue_bytes=config.capture_queue_bytes,
+                                         on_drop=self.metrics.capture_dropped.inc,
                                          on_error=self.metrics.capture_errors.inc)
             self.fanout.add(self.capture)
         _quiet_client_aborts()
@@ -116,16 +126,33 @@ class ProxyApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
-            path = scope["path"]
-            if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
-                await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
-                return
-            if path in OWN_ROUTES:
-                await self._own_route(path, scope, send)
-            else:
-                await self._proxy(scope, receive, send)
+            try:
+                await self._http(scope, receive, send)
+            except (_AbortClient, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # a bug: answer in the promised shape, log one line
+                log.error("internal error on a %s request: %s", bounded_field(str(scope.get("method"))),
+                          bounded_field(f"{type(exc).__name__}: {exc}"), exc_info=log.isEnabledFor(logging.DEBUG))
+                rid = scope.get(RID_SCOPE_KEY)
+                try:
+                    await _respond(send, 500, INTERNAL_ERROR, extra=[(REQUEST_ID_HEADER, rid.encode())] if rid else None)
+                except Exception:  # the response had started: let the server drop the connection
+                    raise exc from None
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+        if not origin_form(scope.get("raw_path") or path.encode("latin-1", "replace")):
+            await _respond(send, 400, BAD_TARGET)  # checked first: never forwarded, whatever the key
+            return
+        if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
+            await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
+            return
+        if path in OWN_ROUTES:
+            await self._own_route(path, scope, send)
+        else:
+            await self._proxy(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -193,6 +220,8 @@ class ProxyApp:
         method = scope["method"]
         info, obj = parse_request(method, scope["path"], body)
         upstream = self.pool.route(info.model)
+        if info.model is not None and (len(info.model) > MAX_FIELD_CHARS or not info.model.isprintable()):
+            info = dataclasses.replace(info, model=bounded_field(info.model))  # labels, records, logs: bounded
 
         headers: list[tuple[bytes, bytes]] = []
         tags: tuple[str, ...] = ()
@@ -220,6 +249,7 @@ class ProxyApp:
             body = inject_include_usage(body, obj)  # type: ignore[arg-type]
 
         request_id = os.urandom(8).hex()
+        scope[RID_SCOPE_KEY] = request_id
         # `concurrency` is what the server saw: requests to this upstream whose response is
         # still being forwarded. A request leaves the count the moment its last byte has been
         # forwarded (`release`), not when its record is done: a keep-alive client sends its
@@ -367,20 +397,53 @@ class ProxyApp:
                                  chunk_overheads, exchange)
 
     def _complete(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
-                  client_headers: Any, request_overhead: float | None, chunk_overheads: list[float],
-                  exchange: Exchange | None) -> None:
+                  client_headers: list[tuple[bytes, bytes]], request_overhead: float | None,
+                  chunk_overheads: list[float], exchange: Exchange | None) -> None:
         """Finish, check and hand out one request's record (run by the finisher)."""
-        record = self._finish(meter, t_end, outcome, error)
+        if meter.generated_events > OFF_LOOP_EVENTS:
+            self._finish_off_loop(meter, t_end, outcome, error, client_headers, request_overhead, chunk_overheads,
+                                  exchange)
+            return
+        record = self._finish(meter, t_end, outcome, error, self._recent_by_upstream[meter.upstream])
         if record.error is not None:
             record = dataclasses.replace(record, error=self._scrub(record.error, client_headers))
         self._recent_by_upstream[record.upstream].append(record)
         self.metrics.observe_overhead(request_overhead, chunk_overheads)
         self.fanout.emit(record, exchange)
 
-    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None) -> Record:
+    def _finish_off_loop(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
+                         headers: list[tuple[bytes, bytes]], request_overhead: float | None,
+                         chunk_overheads: list[float], exchange: Exchange | None) -> None:
+        """Finish a very long stream's record in a worker thread: its checks and histogram
+        observations grow with its events (0.5 s and more at 10^6), and on the event loop
+        they would stall every other stream. The other observers get it on the loop."""
+        loop = asyncio.get_running_loop()
+        earlier = list(self._recent_by_upstream[meter.upstream])
+
+        def work() -> Record:
+            record = self._finish(meter, t_end, outcome, error, earlier)
+            if record.error is not None:
+                record = dataclasses.replace(record, error=self._scrub(record.error, headers))
+            try:
+                self.metrics.on_record(record)
+            except Exception:  # as Fanout does for every observer
+                log.exception("observer metrics failed on record %s", record.id)
+                self.metrics.observer_errors.labels("metrics").inc()
+            return record
+
+        def done(fut: asyncio.Future[Record]) -> None:
+            record = fut.result()
+            self._recent_by_upstream[record.upstream].append(record)
+            self.metrics.observe_overhead(request_overhead, chunk_overheads)
+            self.fanout.emit(record, exchange, skip=self.metrics)
+
+        loop.run_in_executor(None, work).add_done_callback(done)
+
+    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
+                earlier: Any = ()) -> Record:
         try:
             return finish_checked(meter, t_end, self.thresholds, outcome=outcome, error=error,
-                                  earlier=self._recent_by_upstream[meter.upstream],
+                                  earlier=earlier,
                                   count_tokens=self.tokens.for_model(meter.request.model) if meter.decoder is not None else None)
         except Exception as exc:  # metering must never take the request down
             log.exception("metering failed for %s", meter.request_id)

@@ -78,7 +78,11 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     import uvicorn
 
-    ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)
+    try:
+        ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)
+    except ValueError as exc:  # MLXPROXY_STACK names no installed stack
+        click.echo(f"mlxproxy: {exc}", err=True)
+        sys.exit(2)
     # Everything imported and built so far lives as long as the process: keep the cyclic
     # GC from scanning it again and again, and let it run less often (per-event objects are
     # freed by reference counting; benchmarks/README.md measures what this buys).

@@ -35,10 +35,13 @@ class Fanout:
     def add(self, observer: Observer) -> None:
         self.observers.append(observer)
 
-    def emit(self, record: Record, exchange: object | None = None) -> None:
-        """Hand `record` to every observer; those with `on_exchange` also get the exchange
-        (request body and headers), which only the capture needs."""
+    def emit(self, record: Record, exchange: object | None = None, skip: object | None = None) -> None:
+        """Hand `record` to every observer but `skip` (one that already has it); those with
+        `on_exchange` also get the exchange (request body and headers), which only the
+        capture needs."""
         for obs in self.observers:
+            if obs is skip:
+                continue
             try:
                 on_exchange = getattr(obs, "on_exchange", None)
                 if on_exchange is not None:

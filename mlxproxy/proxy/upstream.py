@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fnmatch
+import functools
 import os
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -20,13 +21,69 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import aiohttp
 from yarl import URL
 
+from aiohttp.client_proto import ResponseHandler
+
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
-from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
+from mlxproxy.errors import ConfigError, UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
 
 __all__ = ["Upstream", "UpstreamPool", "UpstreamResponse", "display_url"]
 
 # Headers aiohttp would add on its own; the proxy forwards the client's, not a library's.
 _NO_AUTO_HEADERS = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
+
+
+# An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
+# (vLLM, vllm-mlx) and llama.cpp, so the proxy never sends a request on a connection the
+# server is closing at that moment.
+POOL_IDLE_S = 4.0
+
+
+class _GuardedHandler(ResponseHandler):
+    """An upstream connection that remembers bytes arriving while it sat idle in the pool
+    (an extra response, or more body than the response announced)."""
+
+    idle = False
+    tainted = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle and data:
+            self.tainted = True
+        super().data_received(data)
+
+
+def _reusable(proto: ResponseHandler) -> bool:
+    """False after anything unexpected: bytes while idle, buffered or half-parsed data, an
+    error, or a read timer still armed after the response ended (aiohttp can leave one
+    behind after pausing for a large body; it would fail the next request at once)."""
+    return not (getattr(proto, "tainted", False) or proto.should_close
+                or getattr(proto, "_read_timeout_handle", None) is not None)
+
+
+class _GuardedConnector(aiohttp.TCPConnector):
+    """A connection pool that never hands out a connection after anything unexpected: each
+    is checked when it is given back and again when it is taken (SECURITY.md, "One request,
+    one response")."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._factory = functools.partial(_GuardedHandler, loop=self._loop)
+
+    def _release(self, key: object, protocol: ResponseHandler, *, should_close: bool = False) -> None:  # type: ignore[override]
+        if not should_close:
+            if _reusable(protocol):
+                protocol.idle = True  # type: ignore[attr-defined]
+            else:
+                should_close = True
+        super()._release(key, protocol, should_close=should_close)  # type: ignore[arg-type]
+
+    async def _get(self, key: object, traces: list) -> aiohttp.connector.Connection | None:  # type: ignore[override]
+        for proto, _t in self._conns.get(key, ()):  # type: ignore[call-overload]
+            if not _reusable(proto):
+                proto.close()  # not connected any more: the pool skips it
+        conn = await super()._get(key, traces)  # type: ignore[arg-type]
+        if conn is not None and conn.protocol is not None:
+            conn.protocol.idle = False  # type: ignore[attr-defined]
+        return conn
 
 
 def display_url(url: str) -> str:
@@ -100,13 +157,20 @@ class Upstream:
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         password = unquote(parts.password or "") if "@" in parts.netloc else None
         self.auth_header: bytes | None = None
-        if self.api_key is not None:
-            self.auth_header = b"Bearer " + self.api_key.encode("latin-1")
-        elif password is not None:
-            # credentials in the URL become Basic auth, so the URL itself (in errors, logs
-            # and /healthz) never carries them
-            user_pass = f"{unquote(parts.username or '')}:{password}".encode("latin-1")
-            self.auth_header = b"Basic " + base64.b64encode(user_pass)
+        try:
+            if self.api_key is not None:
+                self.auth_header = b"Bearer " + self.api_key.strip().encode("latin-1")
+            elif password is not None:
+                # credentials in the URL become Basic auth, so the URL itself (in errors, logs
+                # and /healthz) never carries them
+                user_pass = f"{unquote(parts.username or '')}:{password}".encode("latin-1")
+                self.auth_header = b"Basic " + base64.b64encode(user_pass)
+        except UnicodeEncodeError:
+            where = f"the environment variable {cfg.api_key_env}" if self.api_key is not None else "the URL's user:password"
+            raise ConfigError(f"upstream '{cfg.name}': {where} holds characters an HTTP header cannot carry "
+                              "(only latin-1)") from None
+        if self.auth_header is not None and any(c in self.auth_header for c in b"\r\n\0"):
+            raise ConfigError(f"upstream '{cfg.name}': its key holds a line break or NUL, which an HTTP header cannot carry")
         self.secrets = tuple(x for x in (self.api_key, parts.password, password) if x)
         self.in_flight = 0
         self.open_responses = 0  # responses opened and not yet closed (tests: nothing leaks)
@@ -121,7 +185,7 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+                connector=_GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S),
                 timeout=self._timeout,
                 auto_decompress=False,  # the client gets the bytes the upstream sent
                 cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies never reach another's request
@@ -131,6 +195,11 @@ class Upstream:
         return self._session
 
     def url_for(self, raw_path: str, query: bytes) -> URL:
+        """The upstream URL for a request target: this upstream's scheme, host and port,
+        then the target. Only an origin-form target (`/...`) is accepted, so no request
+        can name another host."""
+        if not raw_path.startswith("/"):
+            raise ValueError("only an origin-form request target (/path) is forwarded")
         url = self.base + raw_path
         if query:
             url += "?" + query.decode("latin-1")

@@ -1,0 +1,310 @@
+"""Limits on what a client controls before the app sees a request, on both server stacks.
+
+uvicorn's two HTTP/1.1 protocols differ: h11 (the plain install) bounds a request head at a
+buffer size but accepts `HTTP/9.9`, LF-only line ends and a request with both
+Content-Length and Transfer-Encoding; httptools (the fast extras) bounds nothing. Neither
+closes a connection that never completes a request head. `protocol_class(http, limits)`
+returns a small subclass of either that, identically on both stacks:
+
+- refuses a request head over `max_bytes` (431) as soon as that many bytes arrived
+  unfinished, so a slow or endless head costs at most `max_bytes` plus one socket read;
+- refuses more than `max_count` header lines (431);
+- closes a connection whose request head is not complete `timeout_s` after the connection
+  opened or after its first byte arrived (408 when part of a head came, else silently);
+  an idle keep-alive connection is left to uvicorn's keep-alive timeout;
+- refuses ambiguous framing and anything but origin-form: both Content-Length and
+  Transfer-Encoding, an HTTP version other than 1.0/1.1, bare LF line ends, folded header
+  lines (httptools refuses them; h11 would join them), and a request
+  target not starting with `/` (so `*@host/x`, `http://host/x` or `*` never reach the app);
+- answers every such refusal, and every request the parser rejects, with an OpenAI-shaped
+  JSON error and `Connection: close`, then closes the connection.
+
+Also here: `bounded_field`, which makes a client-sent name (the request's `model`) safe as
+a Prometheus label value and a log field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+
+__all__ = ["HeadLimits", "protocol_class", "error_response", "bounded_field", "MAX_FIELD_CHARS", "origin_form"]
+
+MAX_FIELD_CHARS = 128  # the longest model name kept as it is in labels, records and log lines
+_KEEP_CHARS = 100  # a longer one keeps this prefix, then "~" and 12 hex digits of its SHA-256
+
+
+@dataclass(frozen=True)
+class HeadLimits:
+    """Bounds on a request head (config keys `max_request_header_bytes`,
+    `max_request_headers`, `request_header_timeout_s`; 0 = no timeout)."""
+
+    max_bytes: int = 64 * 1024
+    max_count: int = 100
+    timeout_s: float = 10.0
+
+
+def bounded_field(value: str) -> str:
+    """`value` as it is when it is short and printable; otherwise control and other
+    unprintable characters escaped (`\\x1b`, `\\n`, `\\u2028`) and, past `MAX_FIELD_CHARS`,
+    cut to a prefix plus a hash, so distinct long names stay distinct. The result is at most
+    `MAX_FIELD_CHARS` characters and fits on one line."""
+    if len(value) <= MAX_FIELD_CHARS and value.isprintable():
+        return value
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value[: _KEEP_CHARS * 4])
+    if len(value) <= MAX_FIELD_CHARS and len(text) <= MAX_FIELD_CHARS:
+        return text
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{text[:_KEEP_CHARS]}~{digest}"
+
+
+def origin_form(target: bytes) -> bool:
+    """True for a request target the proxy forwards: an absolute path (`/...`)."""
+    return target[:1] == b"/"
+
+
+def error_response(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response: OpenAI-shaped JSON error, then the connection closes."""
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}})
+    phrase = HTTPStatus(status).phrase
+    head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+def _bare_lf(head: bytes) -> bool:
+    return head.count(b"\n") != head.count(b"\r\n")
+
+
+def _folded(head: bytes) -> bool:
+    return b"\n " in head or b"\n\t" in head
+
+
+def _framing_problem(headers: Any, version: bytes | str, target: bytes, count_max: int) -> tuple[int, str, str] | None:
+    """The refusal for a complete request head, or None when it may go to the app."""
+    if not origin_form(target):
+        return 400, "the request target must be a path starting with '/' (origin-form)", "invalid_request_target"
+    if version not in (b"1.1", b"1.0", "1.1", "1.0"):
+        return 400, "only HTTP/1.0 and HTTP/1.1 are served", "unsupported_http_version"
+    if len(headers) > count_max:
+        return 431, f"the request has more than {count_max} header lines (max_request_headers)", "request_headers_too_large"
+    cl = te = False
+    for k, _v in headers:
+        k = k.lower()
+        if k == b"content-length":
+            cl = True
+        elif k == b"transfer-encoding":
+            te = True
+    if cl and te:
+        return 400, "a request must not carry both Content-Length and Transfer-Encoding", "ambiguous_framing"
+    return None
+
+
+class _HeadGuard:
+    """What both protocol subclasses share: byte counting, the head timer, refusals."""
+
+    limits: HeadLimits
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+
+    def _guard_init(self) -> None:
+        self._awaiting_head = True  # no complete request head since the last one ended
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str, str] | None = None
+
+    def _arm_head_timer(self) -> None:
+        if self.limits.timeout_s > 0:
+            self._head_timer = self.loop.call_later(self.limits.timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._awaiting_head or self.transport.is_closing():
+            return
+        if self._head_bytes:
+            self._refuse(408, f"the request head did not arrive within {self.limits.timeout_s:g} s "
+                              "(request_header_timeout_s)", "request_header_timeout")
+        else:
+            self.transport.close()
+
+    def _count_head(self, data: bytes) -> None:
+        if self._awaiting_head:
+            if self._head_timer is None:  # the first byte of a request on a kept-alive connection
+                self._arm_head_timer()
+            self._head_bytes += len(data)
+
+    def _head_complete(self) -> None:
+        self._awaiting_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+
+    def _head_too_large(self) -> bool:
+        return self._awaiting_head and self._head_bytes > self.limits.max_bytes
+
+    def _refuse_too_large(self) -> None:
+        self._refuse(431, f"the request head is larger than {self.limits.max_bytes} bytes (max_request_header_bytes)",
+                     "request_headers_too_large")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self._cancel_head_timer()
+        self._awaiting_head = False
+        if not self.transport.is_closing():
+            self.transport.write(error_response(status, message, code))
+            self.transport.close()
+
+    def _refuse_malformed(self) -> None:
+        if self._refusal is not None:
+            self._refuse(*self._refusal)
+        elif self._head_too_large():
+            self._refuse_too_large()
+        else:
+            self._refuse(400, "malformed HTTP request", "invalid_request")
+
+
+def _fast_class(limits: HeadLimits) -> type:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class LimitedHttpToolsProtocol(_HeadGuard, HttpToolsProtocol):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limits = limits
+            self._guard_init()
+            self._header_count = 0
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            self._unset_keepalive_if_required()
+            self._count_head(data)
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            except httptools.HttpParserError:
+                self._refuse_malformed()
+                return
+            if self._head_too_large():
+                self._refuse_too_large()
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse_malformed()
+
+        def on_message_begin(self) -> None:
+            self._header_count = 0
+            super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > limits.max_count:
+                self._refusal = (431, f"the request has more than {limits.max_count} header lines (max_request_headers)",
+                                 "request_headers_too_large")
+                raise ValueError("too many headers")  # stops the parser; data_received answers
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url,
+                                       limits.max_count)
+            if problem is not None:
+                self._refusal = problem
+                raise ValueError(problem[2])
+            self._head_complete()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._awaiting_head = True
+            super().on_message_complete()
+
+    return LimitedHttpToolsProtocol
+
+
+def _plain_class(limits: HeadLimits) -> type:
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class LimitedH11Protocol(_HeadGuard, H11Protocol):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limits = limits
+            self._guard_init()
+            # h11's own bound, a backstop to the exact one in data_received
+            self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_bytes)
+            parse = self.conn.next_event
+
+            def next_event() -> Any:
+                conn = self.conn
+                if conn.their_state is h11.IDLE:
+                    buffered = conn.trailing_data[0]
+                    end = _head_end(buffered)
+                    if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
+                        self._refusal = (400, "request lines must end in CRLF and headers must not be folded",
+                                         "invalid_request")
+                        raise h11.RemoteProtocolError("bare LF or obs-fold")
+                event = parse()
+                if type(event) is h11.Request:
+                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target,
+                                               limits.max_count)
+                    if problem is not None:
+                        self._refusal = problem
+                        raise h11.RemoteProtocolError(problem[2])
+                    self._head_complete()
+                return event
+
+            self.conn.next_event = next_event  # type: ignore[method-assign]
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE:
+                self._awaiting_head = True
+                self._count_head(data)
+            super().data_received(data)
+            if self._head_too_large() and self.conn.their_state is h11.IDLE:
+                self._refuse_too_large()
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse_malformed()
+
+    return LimitedH11Protocol
+
+
+def _head_end(buf: bytes) -> int:
+    """Offset of the blank line that ends a request head (LF or CRLF line ends), or -1."""
+    ends = [i for i in (buf.find(b"\n\r\n"), buf.find(b"\n\n")) if i >= 0]
+    return min(ends) + 1 if ends else -1
+
+
+def protocol_class(http: str, limits: HeadLimits | None = None) -> type:
+    """The uvicorn protocol class for `http` ("httptools" or "h11") with `limits` applied."""
+    limits = limits or HeadLimits()
+    if http == "httptools":
+        return _fast_class(limits)
+    if http == "h11":
+        return _plain_class(limits)
+    raise ValueError(f"unknown HTTP protocol {http!r}")

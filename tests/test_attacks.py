@@ -1,0 +1,535 @@
+"""Attacks from issue 21, replayed against both server stacks: `plain` (asyncio + h11, what
+`pip install mlxproxy` gives) and `fast` (uvloop + httptools, the `fast` extras).
+
+Each test runs the proxy in-process on 127.0.0.1, port 0, in front of a scripted upstream
+(tests/fakeupstream.py), speaks raw bytes where the attack needs them, and is bounded in
+time by socket timeouts. SECURITY.md names these tests next to the guarantees they back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from mlxproxy.config import build_config
+from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.proxy.limits import MAX_FIELD_CHARS, bounded_field
+from mlxproxy.runner import ServerThread, stack_settings
+
+from conftest import read_fixture, wait_for
+from fakeupstream import Conn, FakeUpstream, Req
+
+STACKS = ["plain", "fast"]
+OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
+STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+              "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture(params=STACKS)
+def stack(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def ok_stream(req: Req, conn: Conn) -> None:
+    await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
+    for e in [e + b"\n\n" for e in OK_BODY.split(b"\n\n") if e]:
+        await conn.chunk(e)
+    await conn.end_chunked()
+
+
+async def json_answer(req: Req, conn: Conn) -> None:
+    body = orjson.dumps({"path": req.path, "n": len(req.body)})
+    await conn.send(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+@contextlib.contextmanager
+def proxy(stack: str, handler=json_answer, **cfg) -> Iterator[tuple[ServerThread, ProxyApp, FakeUpstream]]:
+    cfg.setdefault("log_requests", False)
+    with FakeUpstream(handler) as up:
+        app = create_app(build_config(upstream_url=up.url, **cfg))
+        with ServerThread(app, stack=stack) as srv:
+            yield srv, app, up
+
+
+class Listener:
+    """A loopback port that counts every connection made to it (a host the proxy must never reach)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.accepted += 1
+            c.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def exchange(port: int, data: bytes, *, timeout_s: float = 5.0) -> bytes:
+    """Send raw bytes, read until the server closes (or the timeout); the bytes received."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        with contextlib.suppress(OSError):
+            s.sendall(data)
+        return read_all(s)
+
+
+def read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        try:
+            part = s.recv(65536)
+        except (TimeoutError, OSError):
+            return out
+        if not part:
+            return out
+        out += part
+
+
+def parse_responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Content-Length-delimited HTTP/1.1 responses in `data`."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:] if ":" in x)}
+        n = int(headers.get("content-length", len(rest)))
+        out.append((status, headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def assert_openai_error(status: int, headers: dict[str, str], body: bytes, want_status: int | tuple[int, ...]) -> dict:
+    assert status in ((want_status,) if isinstance(want_status, int) else want_status), (status, body)
+    assert headers.get("content-type", "").startswith("application/json"), headers
+    err = orjson.loads(body)["error"]
+    assert set(err) == {"message", "type", "code", "param"} and err["message"] and err["code"], err
+    return err
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+linux_only = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+
+
+# -- the stack switch ---------------------------------------------------------------------------
+
+
+def test_stack_switch_picks_loop_and_parser(monkeypatch: pytest.MonkeyPatch, stack: str) -> None:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    monkeypatch.delenv("MLXPROXY_STACK", raising=False)
+    assert stack_settings(None) == ("uvloop", "httptools")  # the fast extras are installed here
+    monkeypatch.setenv("MLXPROXY_STACK", stack)
+    want = ("asyncio", "h11") if stack == "plain" else ("uvloop", "httptools")
+    assert stack_settings(None) == want
+    monkeypatch.setenv("MLXPROXY_STACK", "turbo")
+    with pytest.raises(ValueError, match="MLXPROXY_STACK must be one of plain, fast"):
+        stack_settings(None)
+    monkeypatch.delenv("MLXPROXY_STACK")
+    with proxy(stack) as (srv, _app, _up):
+        base = H11Protocol if stack == "plain" else HttpToolsProtocol
+        assert issubclass(srv.config.http_protocol_class, base)
+        assert srv.loop is not None and (type(srv.loop).__module__.startswith("uvloop")) == (stack == "fast")
+
+
+# -- 1. only the configured upstream is ever contacted ---------------------------------------------
+
+
+def test_non_origin_form_targets_are_refused_before_any_connection(stack: str) -> None:
+    """Every request target that is not a path is answered 400 (OpenAI-shaped JSON) and
+    reaches neither the upstream nor any other host, with or without a proxy key."""
+    elsewhere = Listener()
+    try:
+        with proxy(stack) as (srv, app, up):
+            p = elsewhere.port
+            targets = [f"*@127.0.0.1:{p}/v1/models", f"@127.0.0.1:{p}/v1/models", "*", "*.x/y", "x",
+                       f"http://127.0.0.1:{p}/v1/models", f"127.0.0.1:{p}", f"*@127.0.0.1:{p}", "v1/models",
+                       f"\\\\127.0.0.1:{p}/v1/models", f"?@127.0.0.1:{p}/"]
+            for method, target in [("POST", t) for t in targets] + [("OPTIONS", "*"), ("CONNECT", f"127.0.0.1:{p}")]:
+                req = f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1:{p}\r\nContent-Length: 2\r\n\r\n{{}}".encode()
+                got = parse_responses(exchange(srv.port, req))
+                assert len(got) == 1, (target, got)
+                err = assert_openai_error(*got[0], 400)
+                assert err["code"] in ("invalid_request_target", "invalid_request"), (target, err)
+                assert got[0][1].get("connection") == "close"
+            assert up.requests == [] and app.requests_seen == 0
+            # a path that merely looks like a host still goes to the configured upstream only
+            r = httpx.post(srv.url + f"//127.0.0.1:{p}/v1/models", json={})
+            assert r.status_code == 200 and r.json()["path"] == f"//127.0.0.1:{p}/v1/models"
+        assert elsewhere.accepted == 0
+    finally:
+        elsewhere.close()
+
+
+# -- 2. bounded everything a client controls --------------------------------------------------------
+
+
+def test_huge_model_names_keep_metrics_small_and_other_streams_flowing(stack: str) -> None:
+    """Three requests with 1 MiB model names: /metrics stays under 1 MB, records and log
+    lines carry a bounded name, and a stream in flight meanwhile never waits 50 ms more
+    than its upstream's 10 ms pace."""
+    events = 150
+    go = threading.Event()
+
+    async def handler(req: Req, conn: Conn) -> None:
+        if b'"paced"' not in req.body:
+            await json_answer(req, conn)
+            return
+        await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
+        for i in range(events):
+            await conn.chunk(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+            if i == 10:
+                go.set()
+            await asyncio.sleep(0.01)  # the upstream's pace, not a measurement
+        await conn.chunk(b"data: [DONE]\n\n")
+        await conn.end_chunked()
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    keep = Keep()
+    logging.getLogger("mlxproxy").addHandler(keep)
+    old_level = logging.getLogger("mlxproxy").level
+    logging.getLogger("mlxproxy").setLevel(logging.INFO)
+    try:
+        with proxy(stack, handler, log_requests=True) as (srv, app, up):
+            arrivals: list[float] = []
+
+            def paced() -> None:
+                body = {"model": "paced", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                    for _ in r.iter_raw():
+                        arrivals.append(time.perf_counter())
+
+            t = threading.Thread(target=paced)
+            t.start()
+            assert go.wait(10)
+            with httpx.Client(timeout=30) as c:
+                for i in range(3):
+                    name = f"{i}\x1b[31m\nFAKE LOG LINE " + "m" * (1 << 20)
+                    r = c.post(srv.url + "/v1/chat/completions", content=orjson.dumps({"model": name, "messages": []}),
+                               headers={"content-type": "application/json"})
+                    assert r.status_code == 200
+                metrics = c.get(srv.url + "/metrics").content
+            t.join(30)
+            assert len(metrics) < 1_000_000
+            gaps = [b - a for a, b in zip(arrivals[5:], arrivals[6:])]
+            assert len(gaps) > 50 and max(gaps) < 0.06, max(gaps)
+            assert wait_for(lambda: len(app.recent.records) == 4)
+            models = [r.model for r in app.recent.records]
+            for m in models:
+                assert m is not None and len(m) <= MAX_FIELD_CHARS and m.isprintable()
+            assert len({m for m in models}) == 4  # distinct long names stay distinct
+    finally:
+        logging.getLogger("mlxproxy").removeHandler(keep)
+        logging.getLogger("mlxproxy").setLevel(old_level)
+    assert len(lines) == 4
+    for line in lines:  # one request, one line; no terminal escapes
+        assert "\n" not in line and "\x1b" not in line and len(line) < 2000, line[:300]
+    assert not any(line.startswith("FAKE LOG LINE") for line in lines)
+
+
+def test_bounded_field() -> None:
+    assert bounded_field("mlx-community/Qwen3-4B-4bit") == "mlx-community/Qwen3-4B-4bit"
+    assert bounded_field("a\x1b[2Jb\nc\u2028") == "a\\x1b[2Jb\\nc\\u2028"
+    long_a, long_b = "q" * 1000 + "a", "q" * 1000 + "b"
+    assert len(bounded_field(long_a)) <= MAX_FIELD_CHARS and bounded_field(long_a) != bounded_field(long_b)
+    assert bounded_field(long_a) == bounded_field(long_a) and bounded_field(long_a).startswith("q" * 100 + "~")
+    assert len(bounded_field("\x00" * 100)) <= MAX_FIELD_CHARS and bounded_field("\x00" * 100).isprintable()
+
+
+def test_a_long_model_name_on_a_stream_is_measured_normally(stack: str) -> None:
+    """A 300-character model name is a valid request: the tokenizer lookup must not turn it
+    into a protocol_error (it once made a too-long file name of it)."""
+    with proxy(stack, ok_stream) as (srv, app, up):
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**STREAM_REQ, "model": "org/" + "n" * 300})
+        assert r.status_code == 200 and r.content == OK_BODY
+        assert wait_for(lambda: len(app.recent.records) == 1)
+        rec = app.recent.records[0]
+        assert rec.outcome == "ok" and rec.error is None, (rec.outcome, rec.error)
+
+
+@linux_only
+def test_100_mib_of_request_headers_is_refused_early_with_memory_flat(stack: str) -> None:
+    """Four clients each try to send a 100 MiB request head: each gets 431 after about
+    max_request_header_bytes, and the server's memory stays flat."""
+    chunk = b"a" * 65536
+    with proxy(stack) as (srv, app, up):
+        httpx.get(srv.url + "/healthz")  # warm up
+        before = rss_bytes()
+        answers: list[bytes] = []
+        sent: list[int] = []
+
+        def attack() -> None:
+            n = 0
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ")
+                try:
+                    while n < 100 << 20:
+                        s.sendall(chunk)
+                        n += len(chunk)
+                except OSError:  # the server answered and closed
+                    pass
+                sent.append(n)
+                answers.append(read_all(s))
+
+        threads = [threading.Thread(target=attack) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        grown = rss_bytes() - before
+    assert len(sent) == 4 and max(sent) < 32 << 20, sent  # refused long before 100 MiB
+    assert grown < 40 << 20, grown
+    assert up.requests == []
+    for a in answers:
+        if a:  # a reset may overtake the answer; when it arrives it is the 431 JSON
+            assert_openai_error(*parse_responses(a)[0], 431)
+    assert any(answers)
+
+
+def test_too_many_header_lines_get_431(stack: str) -> None:
+    with proxy(stack, max_request_headers=20) as (srv, app, up):
+        head = "".join(f"X-H{i}: v\r\n" for i in range(25))
+        got = parse_responses(exchange(srv.port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode()))
+        err = assert_openai_error(*got[0], 431)
+        assert "max_request_headers" in err["message"]
+        ok = "".join(f"X-H{i}: v\r\n" for i in range(10))
+        got = parse_responses(exchange(srv.port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{ok}\r\n".encode()))
+        assert got[0][0] == 200
+        assert len(up.requests) == 1
+
+
+def test_idle_and_unfinished_connections_are_closed_after_the_header_timeout(stack: str) -> None:
+    """Connections that send nothing, or half a request head, are closed once
+    request_header_timeout_s has passed (408 when part of a head came); others are served."""
+    with proxy(stack, request_header_timeout_s=0.5) as (srv, app, up):
+        t0 = time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(40)]
+        half = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(40)]
+        for s in half:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        idle_answers = [read_all(s) for s in idle]
+        half_answers = [read_all(s) for s in half]
+        elapsed = time.monotonic() - t0
+        for s in idle + half:
+            s.close()
+        assert elapsed < 4.0, elapsed  # closed by the server, not by the 5 s client timeout
+        assert idle_answers == [b""] * 40
+        for a in half_answers:
+            err = assert_openai_error(*parse_responses(a)[0], 408)
+            assert "request_header_timeout_s" in err["message"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 200
+        assert len(up.requests) == 1
+
+
+# -- 3. one request, one response -----------------------------------------------------------------
+
+
+SMUGGLING = [
+    # both framings: the plain stack once answered the request hidden in the body
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 48\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
+    b"0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+    b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\nHost: x\n\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\n X-Folded: y\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nBad Header Line\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\x00y\r\n\r\n",
+]
+
+
+@pytest.mark.parametrize("attack", range(len(SMUGGLING)))
+def test_ambiguous_or_malformed_requests_are_refused_and_the_connection_closed(stack: str, attack: int) -> None:
+    """A request with both Content-Length and Transfer-Encoding, duplicate lengths, an
+    unknown coding, a foreign HTTP version, bare LF line ends, a folded or broken header:
+    one OpenAI-shaped 400, the connection closed, nothing forwarded."""
+    with proxy(stack) as (srv, app, up):
+        data = SMUGGLING[attack] + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # a second request after it
+        got = parse_responses(exchange(srv.port, data))
+        assert len(got) == 1, got  # never a second answer on that connection
+        assert_openai_error(*got[0], 400)
+        assert got[0][1].get("connection") == "close"
+        assert up.requests == [] and app.requests_seen == 0
+
+
+def test_each_client_gets_its_own_answer_when_the_upstream_sends_extra_bytes(stack: str) -> None:
+    """An upstream that sends a whole extra response (or more body than it announced)
+    after its answer: the proxy never hands those bytes to the next request."""
+    sent_extra = threading.Event()
+
+    async def handler(req: Req, conn: Conn) -> None:
+        mine = orjson.loads(req.body)["mark"].encode()
+        extra = mine + b"-STALE"
+        if b"long" in mine:  # more body than Content-Length says, in the same write
+            await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(mine), mine)
+                            + b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(extra), extra))
+        else:  # a whole extra response a moment later, on the idle connection
+            await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(mine), mine))
+            await asyncio.sleep(0.02)
+            await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(extra), extra))
+        sent_extra.set()
+
+    with proxy(stack, handler) as (srv, app, up), httpx.Client(timeout=10) as c:
+        for i in range(8):
+            mark = f"req{i}" + ("long" if i % 2 else "")
+            sent_extra.clear()
+            r = c.post(srv.url + "/v1/x", json={"mark": mark})
+            assert r.status_code == 200 and r.content == mark.encode(), (i, r.status_code, r.content)
+            assert sent_extra.wait(5)
+
+
+def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
+    """After a large Content-Length answer and an idle pause longer than read_s, the next
+    request gets its own answer (aiohttp could leave the read timer of the old response
+    armed, which failed the next request on that connection at once)."""
+    big = b"b" * (2 << 20)
+
+    async def handler(req: Req, conn: Conn) -> None:
+        body = big if req.path == "/big" else b"small:" + req.body
+        await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+    with proxy(stack, handler, timeouts={"read_s": 0.3}) as (srv, app, up), httpx.Client(timeout=10) as c:
+        for i in range(3):
+            r = c.get(srv.url + "/big")
+            assert r.status_code == 200 and r.content == big
+            time.sleep(0.5)  # idle longer than read_s (waiting for the timer, not measuring)
+            r = c.post(srv.url + "/small", content=f"{i}".encode())
+            assert r.status_code == 200 and r.content == f"small:{i}".encode(), (i, r.status_code, r.text[:200])
+
+
+# -- 5. errors in the promised shape ------------------------------------------------------------------
+
+
+def test_every_error_the_proxy_makes_is_openai_shaped(stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import closed_port
+
+    monkeypatch.setenv("MLXPROXY_TEST_KEY", "pk-test-key-1234")
+    with proxy(stack, max_request_body_bytes=10) as (srv, app, up), httpx.Client(timeout=10) as c:
+        r = c.post(srv.url + "/v1/chat/completions", content=b"x" * 100)
+        assert_openai_error(r.status_code, dict(r.headers), r.content, 413)
+        r = c.post(srv.url + "/metrics")
+        assert_openai_error(r.status_code, dict(r.headers), r.content, 405)
+
+        def boom(*a, **k):
+            raise RuntimeError("secret-detail\nwith a second line")
+
+        monkeypatch.setattr(app, "_forward", boom)
+        r = c.post(srv.url + "/v1/chat/completions", content=b"{}")
+        err = assert_openai_error(r.status_code, dict(r.headers), r.content, 500)
+        assert err["code"] == "internal_error" and "secret-detail" not in err["message"]
+        assert len(r.headers["x-mlxproxy-request-id"]) == 16  # the request had a record id
+    with FakeUpstream(json_answer) as up:
+        cfg = build_config(upstream_url=up.url, log_requests=False, proxy_api_key_env="MLXPROXY_TEST_KEY")
+        with ServerThread(create_app(cfg), stack=stack) as srv:
+            r = httpx.get(srv.url + "/v1/models")
+            assert_openai_error(r.status_code, dict(r.headers), r.content, 401)
+    cfg = build_config(upstream_url=f"http://127.0.0.1:{closed_port()}", log_requests=False)
+    with ServerThread(create_app(cfg), stack=stack) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=STREAM_REQ)
+        assert_openai_error(r.status_code, dict(r.headers), r.content, 502)
+        assert r.headers["x-mlxproxy-request-id"]
+
+    async def silent(req: Req, conn: Conn) -> None:
+        await conn.wait_peer_close(5)
+
+    with proxy(stack, silent, timeouts={"read_s": 0.2}) as (srv, app, up):
+        r = httpx.post(srv.url + "/v1/chat/completions", json=STREAM_REQ, timeout=10)
+        assert_openai_error(r.status_code, dict(r.headers), r.content, 504)
+        assert r.headers["x-mlxproxy-request-id"]
+
+
+def test_finishing_a_huge_stream_record_does_not_stall_other_streams(stack: str) -> None:
+    """The record of a stream with 300,000 events is finished off the event loop: a paced
+    stream in flight meanwhile keeps its pace (gaps under 100 ms; finishing such a record
+    on the loop stalled it for longer)."""
+    n_chunks, per_chunk = 150, 2000
+    recorded = threading.Event()
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    end = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
+        if b'"paced"' in req.body:
+            after = 0
+            while after < 10:
+                await conn.chunk(event)
+                await asyncio.sleep(0.01)  # the upstream's pace, not a measurement
+                after += recorded.is_set()
+        else:
+            for _ in range(n_chunks):
+                await conn.chunk(event * per_chunk)
+        await conn.chunk(end)
+        await conn.end_chunked()
+
+    with proxy(stack, handler) as (srv, app, up):
+        arrivals: list[float] = []
+
+        def paced() -> None:
+            body = {"model": "paced", "stream": True, "messages": []}
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for _ in r.iter_raw():
+                    arrivals.append(time.perf_counter())
+
+        t = threading.Thread(target=paced)
+        t.start()
+        assert wait_for(lambda: len(arrivals) > 5, 10)
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={"model": "big", "stream": True},
+                          timeout=60) as r:
+            size = sum(len(part) for part in r.iter_raw())
+        t_end = time.perf_counter()
+        assert size == len(event) * n_chunks * per_chunk + len(end)
+        assert wait_for(lambda: any(r.model == "big" for r in app.recent.records), 30)
+        recorded.set()
+        t.join(30)
+        big = next(r for r in app.recent.records if r.model == "big")
+        assert big.outcome == "ok" and big.generated_events == n_chunks * per_chunk
+        assert app.registry.get_sample_value("mlxproxy_inter_token_latency_seconds_count",
+                                             {"upstream": "default", "model": "big"}) == n_chunks * per_chunk - 1
+        # while the big stream flows, this one process (upstream, proxy, both clients)
+        # shares one GIL; from the moment its end reached the client, the proxy is
+        # finishing its record: that phase is what must not stall the paced stream
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t_end]
+        assert len(gaps) >= 10
+        assert max(gaps) < 0.1, max(gaps)
