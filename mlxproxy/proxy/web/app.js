@@ -159,7 +159,7 @@
       svg("line", { x1: L, x2: R, y1: sy(t), y2: sy(t), class: "grid" }, root);
       svg("text", { x: L - 4, y: sy(t) + 3, class: "tick", "text-anchor": "end" }, root, shortNum(t));
     }
-    for (const t of (xfmt === clock ? timeTicks : niceTicks)(x0, x1, 4)) {
+    for (const t of (xfmt === clock ? timeTicks(x0, x1, 4) : niceTicks(x0, x1, 8))) {
       svg("line", { x1: sx(t), x2: sx(t), y1: B, y2: B + 3, class: "axis" }, root);
       svg("text", { x: sx(t), y: B + 14, class: "tick", "text-anchor": "middle" }, root, xfmt(t));
     }
