@@ -217,6 +217,10 @@ def test_streams_since_and_timeline() -> None:
             assert [r["id"] for r in d["recent"]] == ids[:2] and d["seq"] == 3
             assert all(len(r["event_offsets_ms"]) == r["generated_events"] > 0 for r in d["recent"])
             assert "response_text" not in d["recent"][0]
+            one = c.get("/streams", params={"id": ids[1], "timeline": 1}).json()["recent"]
+            assert [r["id"] for r in one] == [ids[1]] and len(one[0]["event_offsets_ms"]) == one[0]["generated_events"]
+            assert [r["id"] for r in c.get("/streams", params=[("id", ids[0]), ("id", ids[2]), ("id", "gone")]).json()["recent"]] \
+                == [ids[0], ids[2]]
             assert c.get("/streams", params={"since": 3}).json()["recent"] == []
             assert len(c.get("/streams", params={"since": 99}).json()["recent"]) == 3  # a restarted proxy: all
             for bad in ({"since": "-1"}, {"since": "x"}, {"timeline": "yes"}):
@@ -224,3 +228,40 @@ def test_streams_since_and_timeline() -> None:
                 err = r.json()["error"]
                 assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] is None, bad
                 assert list(bad)[0] in err["message"]
+
+
+def test_an_own_route_that_fails_answers_an_openai_shaped_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    with stack() as (url, app):
+        monkeypatch.setattr(app, "recent", None)  # a bug in the data endpoint
+        r = httpx.get(url + "/streams")
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["code"] == "internal_error" and "/streams" in err["message"]
+        assert httpx.get(url + "/healthz").status_code == 200  # the rest keeps working
+
+
+def test_record_to_dict_equals_the_deep_copy_it_replaced() -> None:
+    """`Record.to_dict` copies shallowly (asdict deep-copied every timeline float, ~1 ms per
+    500-event record, which stalled the event loop on each /streams answer); the result is the same."""
+    import dataclasses
+
+    from mlxproxy.core.record import Record
+
+    r = Record(id="r1", started_at=1.7e9, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
+               outcome="ok", ttft_s=0.1, anomalies=("stall",), anomaly_evidence={"stall": "3 gaps"}, tags=("replay",),
+               prefill_progress=(5, 10), server_claims={"timings": {"tps": 50.0}}, event_offsets_s=(0.1, 0.2),
+               response_text="hello")
+    for timeline in (False, True):
+        old = dataclasses.asdict(r)
+        old.update(anomalies=["stall"], tags=["replay"], prefill_progress=[5, 10])
+        old.pop("t_start_mono")
+        offs = old.pop("event_offsets_s")
+        if timeline:
+            old["event_offsets_ms"] = [round(o * 1000.0, 3) for o in offs]
+        else:
+            old.pop("response_text")
+            old.pop("reasoning_text")
+        new = r.to_dict(timeline=timeline)
+        assert orjson.dumps(new) == orjson.dumps(old) and list(new) == list(old)
+        new["server_claims"]["timings"]["tps"] = 0.0
+        new["anomaly_evidence"]["stall"] = "changed"
+        assert r.server_claims["timings"]["tps"] == 50.0 and r.anomaly_evidence["stall"] == "3 gaps"  # a copy

@@ -55,7 +55,7 @@
 
   async function poll() {
     try {
-      const d = await getJSON("/streams?timeline=1&since=" + state.seq);
+      const d = await getJSON("/streams?since=" + state.seq);
       ingest(d);
       state.polls += 1;
       setStatus("live · " + state.records.size + " requests kept · updated " + clock(state.now), "ok");
@@ -418,8 +418,20 @@
   }
 
   // -- one request's timeline ---------------------------------------------------------------
-  function select(id) {
+  async function select(id) {
     state.selected = id;
+    const known = state.records.get(id);
+    if (known && !known.event_offsets_ms) {  // the token timeline is fetched when a request is opened
+      try {
+        const d = await getJSON("/streams?timeline=1&id=" + encodeURIComponent(id));
+        const full = (d.recent || [])[0];
+        if (full && state.records.has(id)) state.records.set(id, full);
+        else known.event_offsets_ms = null;  // no longer kept by the proxy
+      } catch (err) {
+        setStatus("could not load the timeline: " + (err && err.message ? err.message : String(err)), "bad");
+      }
+    }
+    if (state.selected !== id) return;  // another request was opened meanwhile
     renderDetail();
     renderRecent();
     $("#detail").scrollIntoView({ block: "nearest" });
@@ -484,7 +496,8 @@
     const offs = r.event_offsets_ms || [];
     const endMs = (r.duration_s || 0) * 1000;
     if (!offs.length) {
-      holder.textContent = "No token events (a response that was not streamed, or none came).";
+      holder.textContent = r.event_offsets_ms === null ? "The proxy no longer keeps this request's timeline."
+        : "No token events (a response that was not streamed, or none came).";
       return;
     }
     const x1 = Math.max(endMs, offs[offs.length - 1]) / 1000 * 1.02;
