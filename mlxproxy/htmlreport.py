@@ -108,8 +108,8 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     for label, doc in docs:
         for g in doc["groups"]:
             row = summary_row(name(label, g["target"]), g["mode"], g["summary"])
-            out.append("<tr>" + "".join(f'<td class="{"num" if c not in ("target", "mode", "errors", "anomalies") else ""}">'
-                                        f"{escape(row[c])}</td>" for c in SUMMARY_COLUMNS)
+            out.append("<tr>" + "".join(("<td>" if c in ("target", "mode", "errors", "anomalies") else '<td class="num">')
+                                        + f"{escape(row[c])}</td>" for c in SUMMARY_COLUMNS)
                        + f"<td>{escape(g['name'])}</td></tr>")
     out.append("</table></section>")
 

@@ -149,3 +149,32 @@ def test_demo_writes_an_html_report_that_opens_offline(tmp_path: Path) -> None:
         for kind in ("non_incremental_stream", "context_limit", "stall", "usage_mismatch", "serialized"):
             assert kind in text, kind
         print(f"\nscreenshot: {page.screenshot(tmp_path / 'demo-report.png')}")
+
+
+def test_replay_html_report(tmp_path: Path) -> None:
+    """`replay --html`: the replayed group, its summary and one timeline lane per request."""
+    from mlxproxy.config import build_config
+    from mlxproxy.proxy.app import create_app
+
+    from conftest import wait_for
+
+    cap = tmp_path / "capture.jsonl"
+    with ServerThread(create_sim("healthy", speed=20.0)) as sim:
+        app = create_app(build_config({"upstreams": [{"name": "sim", "url": sim.url}], "capture": str(cap)}, log_requests=False))
+        with ServerThread(app) as px:
+            import httpx
+
+            for _ in range(3):
+                httpx.post(px.url + "/v1/chat/completions", json={"model": "m", "stream": True, "max_tokens": 20,
+                                                                  "messages": [{"role": "user", "content": "hi"}]})
+            assert wait_for(lambda: app.capture is not None and app.capture.written == 3)
+        out = tmp_path / "replay.html"
+        res = CliRunner().invoke(main, ["replay", str(cap), "--target", sim.url, "--name", "again", "--mode", "sequential",
+                                        "--html", str(out), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    html = out.read_text()
+    doc = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert external_refs(html) == [] and "<script" not in html
+    ids = {r["id"] for g in doc["groups"] for r in g["records"]}
+    assert len(ids) == 3 and set(re.findall(r'<g class="req" data-id="([0-9a-f]+)"', html)) == ids
+    assert "<td>again</td><td>sequential</td>" in html
