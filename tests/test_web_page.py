@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import yaml
 
 from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
@@ -76,11 +77,45 @@ def assert_no_errors(page: Page) -> None:
     assert page.errors == [], page.errors
 
 
-def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromium, artifacts: Path) -> None:
-    with stack() as (url, app):
+@contextlib.contextmanager
+def served(tmp_path: Path, key_env: str | None = None) -> Iterator[str]:
+    """`mlxproxy serve` (a real process) in front of three simulated servers; yields its URL."""
+    from test_soak import start
+
+    with contextlib.ExitStack() as es:
+        sims = {
+            "healthy": es.enter_context(ServerThread(create_sim("healthy", decode_tps=40.0))),
+            "mlx-lm": es.enter_context(ServerThread(create_sim("mlx-lm", speed=4.0))),
+            "phantom-usage": es.enter_context(ServerThread(create_sim("phantom-usage", speed=4.0))),
+        }
+        cfg: dict = {"port": 0, "log_requests": False,
+                     "upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}
+        if key_env:
+            cfg["proxy_api_key_env"] = key_env
+        config = tmp_path / "proxy.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        proxy = start(["serve", "--config", str(config), "--log-level", "warning"], "listening on")
+        es.callback(proxy.stop)
+        yield proxy.url
+        assert not [line for line in proxy.lines if "Traceback" in line or "ERROR" in line], "".join(proxy.lines[-30:])
+
+
+def streams(url: str, headers: dict[str, str] | None = None, **params) -> dict:
+    """What the proxy itself says (`/streams`), to check the page against."""
+    r = httpx.get(url + "/streams", params=params, headers=headers)
+    assert r.status_code == 200
+    return r.json()
+
+
+def finished(url: str, n: int, headers: dict[str, str] | None = None) -> bool:
+    return wait_for(lambda: streams(url, headers)["seq"] == n, 10)
+
+
+def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromium, artifacts: Path, tmp_path: Path) -> None:
+    with served(tmp_path) as url:
         for model in ("mlx-lm", "phantom-usage", "mlx-lm", "phantom-usage"):
             chat(url, model, 60)
-        assert wait_for(lambda: app.recent.total == 4)
+        assert finished(url, 4)
         page = chromium.page()
         page.goto(url + "/")
         # finished requests are listed, newest first, with their figures
@@ -90,7 +125,7 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         page.wait_for("document.querySelectorAll('#inflight tbody tr').length === 2")
         first = page.eval("Object.fromEntries([...document.querySelectorAll('#inflight tbody tr')]"
                           ".map(tr => [tr.dataset.id, +tr.querySelector('td.tokens').textContent]))")
-        assert set(first) == set(app.in_flight)  # the page shows exactly the proxy's streams in flight
+        assert set(first) == {s["id"] for s in streams(url)["in_flight"]}  # exactly the proxy's streams in flight
         rid = min(first, key=first.get)
         later = page.wait_for(f"(() => {{ const tr = document.querySelector('#inflight tr[data-id=\"{rid}\"]');"
                               f" const n = tr ? +tr.querySelector('td.tokens').textContent : 0;"
@@ -104,9 +139,10 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         print(f"\nscreenshot: {shot}")
         for t in threads:
             t.join(30)
-        assert wait_for(lambda: app.recent.total == 6, 10)
+        assert finished(url, 6)
         page.wait_for("document.querySelectorAll('#recent tbody tr').length === 6"
                       " && document.querySelectorAll('#inflight tbody tr').length === 0")
+        records = streams(url, timeline=1)["recent"]
 
         # the charts have one point per finished request (all six are ok)
         assert page.eval("document.querySelectorAll('#chart-ttft circle').length") == 6
@@ -115,28 +151,28 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         assert page.eval("document.querySelectorAll('#lanes g.span').length") == 6
 
         # a click on a finished request opens its timeline: one mark per token event, TTFT marked
-        rec = next(r for r in app.recent.records if r.model == "healthy")
-        page.click(f'#recent tr[data-id="{rec.id}"]')
+        rec = next(r for r in records if r["model"] == "healthy")
+        page.click(f'#recent tr[data-id="{rec["id"]}"]')
         page.wait_for("!document.querySelector('#detail').hidden")
-        assert page.eval("document.querySelector('#detail-id').textContent").startswith(rec.id)
-        assert page.eval("document.querySelectorAll('#detail-plot .tok line').length") == len(rec.event_offsets_s) > 200
+        assert page.eval("document.querySelector('#detail-id').textContent").startswith(rec["id"])
+        assert page.eval("document.querySelectorAll('#detail-plot .tok line').length") == len(rec["event_offsets_ms"]) > 200
         assert page.eval("!!document.querySelector('#detail-plot line.ttft')")
         figures = page.eval("Object.fromEntries([...document.querySelectorAll('#detail-figures dt')]"
                             ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
-        assert figures["TTFT"] == f"{rec.ttft_s:.3f} s" and figures["tokens counted"] == str(rec.completion_tokens_counted)
+        assert figures["TTFT"] == f"{rec['ttft_s']:.3f} s" and figures["tokens counted"] == str(rec["completion_tokens_counted"])
 
         # the anomalous profile: its anomalies are listed with the detector's evidence
-        bad = [r for r in app.recent.records if r.model == "phantom-usage"]
-        assert bad and all(r.anomalies for r in bad)
+        bad = [r for r in records if r["model"] == "phantom-usage"]
+        assert len(bad) == 2 and all(r["anomalies"] for r in bad)
         shown = page.eval("[...document.querySelectorAll('#anomalies li')].map(li => [li.dataset.id,"
                           " li.querySelector('b').textContent, li.querySelector('.evidence').textContent])")
-        expected = sorted([r.id, k, r.anomaly_evidence[k]] for r in bad for k in r.anomalies)
+        expected = sorted([r["id"], k, r["anomaly_evidence"][k]] for r in bad for k in r["anomalies"])
         assert sorted(shown) == expected and all(e for _, _, e in shown)
-        page.click(f'#anomalies li[data-id="{bad[0].id}"]')
-        page.wait_for(f"document.querySelector('#detail-id').textContent.startsWith('{bad[0].id}')")
+        page.click(f'#anomalies li[data-id="{bad[0]["id"]}"]')
+        page.wait_for(f"document.querySelector('#detail-id').textContent.startsWith('{bad[0]['id']}')")
         detail = page.eval("document.querySelector('#detail-anomalies').textContent")
-        for kind in bad[0].anomalies:
-            assert kind in detail and bad[0].anomaly_evidence[kind] in detail
+        for kind in bad[0]["anomalies"]:
+            assert kind in detail and bad[0]["anomaly_evidence"][kind] in detail
         # reported vs counted tokens: usage claims 4x what was streamed
         assert page.eval("document.querySelector('#detail-plot line.reported') !== null")
 
@@ -148,11 +184,12 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         assert_no_errors(page)
 
 
-def test_live_page_needs_the_proxy_key(chromium: Chromium, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_page_needs_the_proxy_key(chromium: Chromium, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MLXPROXY_WEB_TEST_KEY", KEY)
-    with stack(proxy_api_key_env="MLXPROXY_WEB_TEST_KEY") as (url, app):
-        chat(url, "mlx-lm", 30, {"authorization": f"Bearer {KEY}"})
-        assert wait_for(lambda: app.recent.total == 1)
+    auth = {"authorization": f"Bearer {KEY}"}
+    with served(tmp_path, "MLXPROXY_WEB_TEST_KEY") as url:
+        chat(url, "mlx-lm", 30, auth)
+        assert finished(url, 1, auth)
         assert httpx.get(url + "/").status_code == 200  # the page itself holds no data
         assert httpx.get(url + "/streams").status_code == 401  # its data does
         page = chromium.page()
