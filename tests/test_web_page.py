@@ -237,8 +237,8 @@ def test_page_files_are_packaged_and_open_without_the_key(monkeypatch: pytest.Mo
             assert app.requests_seen == 0  # none of these was forwarded
 
 
-def test_streams_since_and_timeline() -> None:
-    with stack() as (url, app):
+def test_streams_since_and_timeline(tmp_path: Path) -> None:
+    with stack(capture=str(tmp_path / "cap.jsonl"), capture_responses=True) as (url, app):
         with httpx.Client(base_url=url) as c:
             d = c.get("/streams").json()
             assert d["seq"] == 0 and d["recent"] == [] and d["in_flight"] == []
@@ -253,7 +253,10 @@ def test_streams_since_and_timeline() -> None:
             d = c.get("/streams", params={"since": 1, "timeline": 1}).json()
             assert [r["id"] for r in d["recent"]] == ids[:2] and d["seq"] == 3
             assert all(len(r["event_offsets_ms"]) == r["generated_events"] > 0 for r in d["recent"])
-            assert "response_text" not in d["recent"][0]
+            text = app.recent.records[-1].response_text  # kept for the capture...
+            assert text and len(text) > 20
+            body = c.get("/streams", params={"since": 0, "timeline": 1}).text
+            assert text not in body and "response_text" not in body and "reasoning_text" not in body  # ...never shown
             one = c.get("/streams", params={"id": ids[1], "timeline": 1}).json()["recent"]
             assert [r["id"] for r in one] == [ids[1]] and len(one[0]["event_offsets_ms"]) == one[0]["generated_events"]
             assert [r["id"] for r in c.get("/streams", params=[("id", ids[0]), ("id", ids[2]), ("id", "gone")]).json()["recent"]] \
