@@ -270,13 +270,16 @@ def test_streams_since_and_timeline(tmp_path: Path) -> None:
                 assert list(bad)[0] in err["message"]
 
 
-def test_an_own_route_that_fails_answers_an_openai_shaped_500(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_own_route_that_fails_answers_an_openai_shaped_500(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     with stack() as (url, app):
         monkeypatch.setattr(app, "recent", None)  # a bug in the data endpoint
         r = httpx.get(url + "/streams")
         err = r.json()["error"]
         assert r.status_code == 500 and err["code"] == "internal_error" and "/streams" in err["message"]
         assert httpx.get(url + "/healthz").status_code == 200  # the rest keeps working
+        assert any("own route /streams failed" in r.getMessage() for r in caplog.records)
+        assert not any(r.exc_info for r in caplog.records)  # one line, no traceback
 
 
 def test_record_to_dict_equals_the_deep_copy_it_replaced() -> None:

@@ -16,6 +16,7 @@ it is opened: a timeline costs ~1 µs per token event to encode).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from mlxproxy.proxy.app import ProxyApp
 
 __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes"]
+
+log = logging.getLogger("mlxproxy")
 
 WEB_DIR = Path(__file__).parent / "web"
 PAGE_FILES = {"/": "index.html", "/ui/app.js": "app.js", "/ui/app.css": "app.css", "/ui/LICENSE": "LICENSE"}
@@ -64,7 +67,7 @@ def _flag(request: Request, name: str) -> bool:
     return value in ("1", "true")
 
 
-def own_routes(proxy: "ProxyApp") -> Starlette:
+def own_routes(proxy: "ProxyApp") -> Any:
     """The Starlette app that answers `OWN_PATHS` for `proxy`."""
 
     async def page_file(request: Request) -> Response:
@@ -76,11 +79,15 @@ def own_routes(proxy: "ProxyApp") -> Starlette:
         return Response(generate_latest(proxy.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        return _json({
+        body: dict[str, Any] = {
             "status": "ok", "version": __version__, "uptime_s": round(time.perf_counter() - proxy.started_mono, 3),
             "in_flight": len(proxy.in_flight), "requests": proxy.requests_seen, "tasks": len(asyncio.all_tasks()),
-            "upstreams": [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams],
-        })
+        }
+        loop_lag = getattr(proxy, "loop_lag", None)  # the proxy's event-loop lag monitor, where it has one
+        if loop_lag is not None:
+            body["event_loop_lag_max_s"] = round(loop_lag.max_lag_s, 6)
+        body["upstreams"] = [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams]
+        return _json(body)
 
     async def streams(request: Request) -> Response:
         since_arg = request.query_params.get("since")
@@ -125,7 +132,21 @@ def own_routes(proxy: "ProxyApp") -> Starlette:
     routes = [Route(p, page_file, methods=["GET"]) for p in PAGE_FILES]
     routes += [Route("/metrics", metrics, methods=["GET"]), Route("/healthz", healthz, methods=["GET"]),
                Route("/streams", streams, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    return _Quiet(Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}))
+
+
+class _Quiet:
+    """Starlette re-raises a handler's exception after its 500 went out (for the server to log
+    a traceback); the client has its answer by then, so one log line is enough."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            log.error("the proxy's own route %s failed: %s: %s", scope.get("path"), type(exc).__name__, exc)
 
 
 def _record(record: Any, timeline: bool) -> dict[str, Any]:

@@ -109,7 +109,8 @@
     if (!state.colors.has(key)) state.colors.set(key, PALETTE[state.colors.size % PALETTE.length]);
     return state.colors.get(key);
   }
-  function nOut(r) {
+  function nOut(r) {  // the output count the proxy's speeds use
+    if (r.tokens_source) return r.completion_tokens;
     return r.completion_tokens_reported !== null && r.completion_tokens_reported !== undefined
       ? r.completion_tokens_reported : r.completion_tokens_counted;
   }
@@ -468,6 +469,7 @@
       ["prompt tokens", r.prompt_tokens ?? "–"], ["cached tokens", r.cached_tokens ?? "–"],
       ["tokens reported", r.completion_tokens_reported ?? "–"], ["tokens counted", r.completion_tokens_counted ?? "–"],
       ["tokens (tokenizer)", r.completion_tokens_tokenizer ?? "–"],
+      ...(r.tokens_source ? [["tokens used for speeds", `${r.completion_tokens ?? "–"} (from ${r.tokens_source})`]] : []),
       ["stalls", `${r.stall_count} (${fmt(r.stall_total_s, 2)} s)`], ["concurrency", r.concurrency],
     ];
     if (r.error) rows.push(["error", r.error]);
