@@ -106,6 +106,13 @@ def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: 
         click.echo(f"wrote {plot_path}", err=True)
 
 
+def write_bench_html(results: list[TargetResult], path: str) -> None:
+    from mlxproxy.htmlreport import result_doc, write_html
+
+    groups, verdicts, extra = results_doc(results)
+    write_html(path, [("bench", result_doc("bench", groups, verdicts, extra))])
+
+
 def plot_svg(results: list[TargetResult]) -> str:
     from mlxproxy.plot import svg_charts
 
@@ -188,9 +195,12 @@ def parse_targets(values: tuple[str, ...], timeouts: tuple[str, ...], api_key_en
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write one row per request.")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="Write the headline table as Markdown.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write an SVG of TTFT and prefill tok/s by prompt size and per-stream tok/s by streams.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a self-contained HTML report: verdicts, evidence, curves and every request's timeline.")
 def bench(targets: tuple[str, ...], prompt_tokens: str, max_tokens: int, repeat: int, batch: int, batch_prompt_tokens: int | None,
           concurrency: str | None, model: str | None, timeouts: tuple[str, ...], api_key_env: str | None, no_nonce: bool,
-          parallel: bool, json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None) -> None:
+          parallel: bool, json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
+          html_path: str | None) -> None:
     """Compare servers: one request at a time across prompt sizes, then requests
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
@@ -200,6 +210,12 @@ def bench(targets: tuple[str, ...], prompt_tokens: str, max_tokens: int, repeat:
     results = asyncio.run(bench_targets(tlist, opts, parallel=parallel))
     print_bench(results)
     write_outputs(results, json_path, csv_path, md_path, plot_path)
+    if html_path:
+        try:
+            write_bench_html(results, html_path)
+        except OSError as exc:
+            fail(f"cannot write {html_path}: {exc.strerror or exc}")
+        click.echo(f"wrote {html_path}", err=True)
     if all(r.error for r in results):
         sys.exit(1)
 
@@ -246,7 +262,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     app = create_app(cfg)
     proxy = ServerThread(app, port=port, server_header=False, date_header=False).start()
     click.echo(f"simulators: {', '.join(f'{n} {s.url}' for n, s in sims.items())}", err=True)
-    click.echo(f"proxy: {proxy.url}/v1  (metrics {proxy.url}/metrics, live {proxy.url}/streams)", err=True)
+    click.echo(f"proxy: {proxy.url}/v1  (live page {proxy.url}/, metrics {proxy.url}/metrics)", err=True)
     click.echo("benchmark through the proxy: prompts of 100, 2000 and 40000 tokens one at a time, then two at once"
                f" (x{repeat} each); about a minute...", err=True)
     try:
@@ -259,6 +275,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         click.echo("\nThe simulated servers imitate what a 2026 benchmark of MLX servers found (Qwen3.5-35B-A3B, M2 Max):"
                    " their decode speed is 50 tokens/s per stream; prefill runs at 20000 tok/s here to keep the demo short.")
         write_outputs(results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg"))
+        write_bench_html(results, str(out / "bench.html"))
         from prometheus_client import generate_latest
 
         (out / "metrics.prom").write_bytes(generate_latest(app.registry))
@@ -268,8 +285,9 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         click.echo(f"\nfinished in {elapsed:.0f} s. capture of all {n} requests: {capture} (replay it: mlxproxy replay {capture} "
                    f"--target URL); results: {out / 'bench.json'} (mlxproxy report {out / 'bench.json'}); plot: {out / 'bench.svg'}; "
                    f"metrics snapshot: {out / 'metrics.prom'}.")
+        click.echo(f"HTML report: {(out / 'bench.html').resolve()} (open it in a browser; it needs no network)")
         if serve:
-            click.echo(f"serving until Ctrl-C: metrics at {proxy.url}/metrics, live streams at {proxy.url}/streams", err=True)
+            click.echo(f"serving until Ctrl-C: live page at {proxy.url}/, metrics at {proxy.url}/metrics", err=True)
             try:
                 while True:
                     time.sleep(3600)

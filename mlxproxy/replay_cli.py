@@ -68,10 +68,12 @@ def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary and every per-request record here.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write one row per request here.")
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT and decode TPS next to its captured values.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a self-contained HTML report (tables, anomalies with evidence, every request's timeline).")
 def replay(capture: str, target_url: str, target_name: str | None, mode: str | None, speed: float, concurrency: int | None,
            batch: int | None, repeat: int, warmup: int, filters: tuple[str, ...], limit: int | None, nonce: bool,
            model: str | None, api_key_env: str | None, timeout_s: float, json_path: str | None, csv_path: str | None,
-           compare: bool) -> None:
+           compare: bool, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
@@ -120,21 +122,30 @@ def replay(capture: str, target_url: str, target_name: str | None, mode: str | N
     if csv_path:
         write_csv(csv_path, groups)
         click.echo(f"wrote {csv_path}", err=True)
+    if html_path:
+        from mlxproxy.htmlreport import result_doc, write_html
+
+        write_html(html_path, [(name, result_doc("replay", groups, extra={"capture": capture, "target": target_url}))])
+        click.echo(f"wrote {html_path}", err=True)
 
 
 @click.command("report")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-def report(files: tuple[str, ...]) -> None:
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the results as one self-contained HTML file (plots, evidence, timelines).")
+def report(files: tuple[str, ...], html_path: str | None) -> None:
     """Render saved replay/bench results (--json files) again, several side by side."""
     from mlxproxy.report import read_result
 
     groups: list[dict[str, Any]] = []
     verdicts: dict[str, str] = {}
+    docs: list[tuple[str, dict[str, Any]]] = []
     for f in files:
         try:
             doc = read_result(f)
         except MlxproxyError as exc:
             fail(str(exc))
+        docs.append((os.path.basename(f), doc))
         tag = os.path.basename(f)
         for g in doc["groups"]:
             g = dict(g)
@@ -144,3 +155,11 @@ def report(files: tuple[str, ...]) -> None:
         for t, v in doc.get("verdicts", {}).items():
             verdicts[f"{tag}:{t}" if len(files) > 1 else t] = v
     print_groups(groups, verdicts)
+    if html_path:
+        from mlxproxy.htmlreport import write_html
+
+        try:
+            write_html(html_path, docs)
+        except OSError as exc:
+            fail(f"cannot write {html_path}: {exc.strerror or exc}")
+        click.echo(f"wrote {html_path}", err=True)

@@ -734,14 +734,14 @@ def test_wrong_methods_and_unknown_paths() -> None:
 
     with rig({None: picky}) as t, t.healthy_stream_alongside():
         for method, path, status in [("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/chat/completions", 405),
-                                     ("PUT", "/v1/nope", 404), ("GET", "/nope/../x?y=1", 404), ("PATCH", "/", 404)]:
+                                     ("PUT", "/v1/nope", 404), ("GET", "/nope/../x?y=1", 404), ("PATCH", "/v2", 404)]:
             r = httpx.request(method, t.url + path)
             assert r.status_code == status and r.content in (b"Not Found", b"Method Not Allowed")
             assert t.upstream.requests[-1].method == method
             rec = t.record(r.headers["x-mlxproxy-request-id"])
             assert rec.outcome == "http_error" and rec.method == method
         for method in ["POST", "PUT", "DELETE", "OPTIONS"]:
-            for route in ["/metrics", "/healthz", "/streams"]:
+            for route in ["/metrics", "/healthz", "/streams", "/", "/ui/app.js"]:
                 r = httpx.request(method, t.url + route)
                 assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
                 assert r.json()["error"]["code"] == "method_not_allowed"

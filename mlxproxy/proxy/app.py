@@ -4,13 +4,14 @@ Forward first, measure second: each upstream read is written to the client as so
 arrives, then fed to the request's meter. The record is finalised in `finally`, so a
 client disconnect, an upstream failure or a cancelled task still yields exactly one record.
 
-Routes: `/metrics`, `/healthz`, `/streams` are the proxy's own; every other path (the
-whole OpenAI API under `/v1/`, and a server's own routes such as `/health`) is forwarded
-to the upstream chosen by the request's `model`, whatever its method.
+Routes: `/` (the live page and its files under `/ui/`), `/metrics`, `/healthz`, `/streams`
+are the proxy's own, answered by a Starlette app (`routes.py`); every other path (the whole
+OpenAI API under `/v1/`, and a server's own routes such as `/health`) is forwarded to the
+upstream chosen by the request's `model`, whatever its method.
 
-With `proxy_api_key_env` set, every request but `/healthz` (and, with `metrics_need_key:
-false`, `/metrics` and `/streams`) must carry the key, or gets 401; the key is removed
-before forwarding. What the proxy promises under faults and attacks: SECURITY.md.
+With `proxy_api_key_env` set, every request but `/healthz` and the page's static files (and,
+with `metrics_need_key: false`, `/metrics` and `/streams`) must carry the key, or gets 401;
+the key is removed before forwarding. What the proxy promises under faults and attacks: SECURITY.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from mlxproxy import __version__
 from mlxproxy.capture import CaptureWriter, Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
@@ -42,6 +41,7 @@ from mlxproxy.proxy.looplag import LoopLagMonitor
 from mlxproxy.proxy.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
+from mlxproxy.proxy.routes import OWN_PATHS, PAGE_PATHS, own_routes
 from mlxproxy.proxy.upstream import Upstream, UpstreamPool, UpstreamResponse
 from mlxproxy.tokens import TokenCounter
 
@@ -56,7 +56,7 @@ HOP_BY_HOP = frozenset(
      b"transfer-encoding", b"upgrade", b"host", b"content-length", b"accept-encoding", REPLAY_HEADER}
 )
 RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"trailer"})
-OWN_ROUTES = ("/metrics", "/healthz", "/streams")
+OWN_ROUTES = OWN_PATHS  # answered by routes.py, never forwarded
 OFF_LOOP_EVENTS = 20_000  # a stream with more generated events has its record finished off the event loop
 
 now = time.perf_counter
@@ -88,7 +88,7 @@ class ProxyApp:
                                       config.request_header_timeout_s)  # applied by the server (runner.py)
         key = proxy_api_key(config)
         self._authorized = KeyCheck(key) if key is not None else None
-        self._open_routes = frozenset({"/healthz"} if config.metrics_need_key else OWN_ROUTES)
+        self._open_routes = frozenset(PAGE_PATHS | {"/healthz"} if config.metrics_need_key else OWN_ROUTES)
         self._drop_request_headers = (HOP_BY_HOP | CLIENT_KEY_HEADERS) if key is not None else HOP_BY_HOP
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
@@ -117,6 +117,7 @@ class ProxyApp:
         _quiet_client_aborts()
         self.started_mono = now()
         self.requests_seen = 0
+        self._own_routes = own_routes(self)
 
     def add_observer(self, observer: Observer) -> None:
         self.fanout.add(observer)
@@ -150,7 +151,7 @@ class ProxyApp:
             await _respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
             return
         if path in OWN_ROUTES:
-            await self._own_route(path, scope, send)
+            await self._own_routes(scope, receive, send)
         else:
             await self._proxy(scope, receive, send)
 
@@ -169,29 +170,6 @@ class ProxyApp:
                     self.capture.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    async def _own_route(self, path: str, scope: dict[str, Any], send: Any) -> None:
-        if scope["method"] not in ("GET", "HEAD"):
-            status, body = json_error(405, f"{path} only answers GET", "method_not_allowed", "invalid_request_error")
-            await _respond(send, status, body, extra=[(b"allow", b"GET, HEAD")])
-            return
-        if path == "/metrics":
-            await _respond(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode())
-        elif path == "/healthz":
-            body = orjson.dumps({
-                "status": "ok", "version": __version__, "uptime_s": round(now() - self.started_mono, 3),
-                "in_flight": len(self.in_flight), "requests": self.requests_seen, "tasks": len(asyncio.all_tasks()),
-                "event_loop_lag_max_s": round(self.loop_lag.max_lag_s, 6),
-                "upstreams": [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
-            })
-            await _respond(send, 200, body)
-        else:
-            t = now()
-            body = orjson.dumps({
-                "in_flight": [m.live(t) for m in list(self.in_flight.values())],
-                "recent": [r.to_dict() for r in reversed(self.recent.records)],
-            })
-            await _respond(send, 200, body)
 
     # -- forwarding -------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
 
     Point clients at http://HOST:PORT/v1 instead of the server. Every request is
     forwarded unchanged (see the README for the few documented rewrites) and measured;
-    metrics at /metrics, live streams and recent records at /streams, health at /healthz.
+    a live page at http://HOST:PORT/, metrics at /metrics, live streams and recent records
+    as JSON at /streams, health at /healthz.
     """
     try:
         cfg = load_config(config_path, upstream_url=upstream_url, host=host, port=port,
@@ -73,7 +74,7 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
         sys.exit(1)
     bound = sock.getsockname()[1]
     ups = ", ".join(f"{u.name}={display_url(u.url)}" for u in cfg.upstreams)
-    click.echo(f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (metrics: /metrics, live: /streams)", err=True)
+    click.echo(f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (live page: http://{cfg.host}:{bound}/, metrics: /metrics)", err=True)
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     import uvicorn

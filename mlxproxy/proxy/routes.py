@@ -1,0 +1,156 @@
+"""The proxy's own routes, on Starlette: the live page, `/metrics`, `/healthz`, `/streams`.
+
+`ProxyApp` hands a request here only when its path is one of `OWN_PATHS` (one set lookup);
+everything else is forwarded by the pure ASGI code in `app.py`, and nothing here runs while
+nobody asks. The key check happens before dispatch, in `app.py`: `PAGE_PATHS` (the page and
+its script and stylesheet, static files that hold no data) are open like `/healthz`; the
+page reads its data from `/streams`, which follows the `/metrics` rule.
+
+`/streams` answers with the streams in flight and the recent records, newest first. With
+`?since=SEQ` (the `seq` of an earlier answer) only the records finished after that one are
+listed (the page polls it that way), `?id=ID` (repeatable) lists only those records, and
+`?timeline=1` adds each listed record's `event_offsets_ms` (the page asks for one record's when
+it is opened: a timeline costs ~1 µs per token event to encode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from mlxproxy import __version__
+
+if TYPE_CHECKING:
+    from mlxproxy.proxy.app import ProxyApp
+
+__all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes"]
+
+log = logging.getLogger("mlxproxy")
+
+WEB_DIR = Path(__file__).parent / "web"
+PAGE_FILES = {"/": "index.html", "/ui/app.js": "app.js", "/ui/app.css": "app.css", "/ui/LICENSE": "LICENSE"}
+PAGE_PATHS = frozenset(PAGE_FILES)
+DATA_PATHS = frozenset({"/metrics", "/streams"})
+OWN_PATHS = PAGE_PATHS | DATA_PATHS | {"/healthz"}
+MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+               ".css": "text/css; charset=utf-8", "": "text/plain; charset=utf-8"}
+# the page loads nothing from anywhere else and may not be framed
+PAGE_HEADERS = {"content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                                           "base-uri 'none'; form-action 'none'",
+                "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-cache"}
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "0").lower()
+    if value not in ("0", "1", "true", "false"):
+        raise HTTPException(400, f"query parameter {name!r} must be 0 or 1, got {value[:40]!r}")
+    return value in ("1", "true")
+
+
+def own_routes(proxy: "ProxyApp") -> Any:
+    """The Starlette app that answers `OWN_PATHS` for `proxy`."""
+
+    async def page_file(request: Request) -> Response:
+        name = PAGE_FILES[request.url.path]
+        path = WEB_DIR / name
+        return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers=PAGE_HEADERS)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(proxy.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(request: Request) -> Response:
+        body: dict[str, Any] = {
+            "status": "ok", "version": __version__, "uptime_s": round(time.perf_counter() - proxy.started_mono, 3),
+            "in_flight": len(proxy.in_flight), "requests": proxy.requests_seen, "tasks": len(asyncio.all_tasks()),
+        }
+        loop_lag = getattr(proxy, "loop_lag", None)  # the proxy's event-loop lag monitor, where it has one
+        if loop_lag is not None:
+            body["event_loop_lag_max_s"] = round(loop_lag.max_lag_s, 6)
+        body["upstreams"] = [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams]
+        return _json(body)
+
+    async def streams(request: Request) -> Response:
+        since_arg = request.query_params.get("since")
+        timeline = _flag(request, "timeline")
+        ring = proxy.recent
+        records = list(ring.records)
+        if since_arg is not None:
+            try:
+                since = int(since_arg)
+            except ValueError:
+                since = -1
+            if since < 0:
+                raise HTTPException(400, f"query parameter 'since' must be a whole number >= 0, got {since_arg[:40]!r}")
+            # since > total: the proxy restarted since that answer, so everything it holds is new
+            new = ring.total - since if since <= ring.total else len(records)
+            records = records[len(records) - min(new, len(records)):] if new > 0 else []
+        ids = request.query_params.getlist("id")
+        if ids:
+            records = [r for r in records if r.id in ids]
+        t = time.perf_counter()
+        return _json({
+            "now": time.time(),
+            "seq": ring.total,
+            "in_flight": [m.live(t) for m in list(proxy.in_flight.values())],
+            "recent": [_record(r, timeline) for r in reversed(records)],
+            "stall_rule": {"factor": proxy.thresholds.stall_factor, "min_s": proxy.thresholds.stall_min_s},
+        })
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            return _error(405, f"{request.url.path} only answers GET", "method_not_allowed", {"allow": "GET, HEAD"})
+        if exc.status_code == 404:
+            return _error(404, f"no route {request.url.path}", "not_found")
+        return _error(exc.status_code, str(exc.detail), "invalid_request")
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        body = {"error": {"message": f"the proxy failed to answer {request.url.path}: {type(exc).__name__}",
+                          "type": "proxy_error", "code": "internal_error", "param": None}}
+        return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+
+    routes = [Route(p, page_file, methods=["GET"]) for p in PAGE_FILES]
+    routes += [Route("/metrics", metrics, methods=["GET"]), Route("/healthz", healthz, methods=["GET"]),
+               Route("/streams", streams, methods=["GET"])]
+    return _Quiet(Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}))
+
+
+class _Quiet:
+    """Starlette re-raises a handler's exception after its 500 went out (for the server to log
+    a traceback); the client has its answer by then, so one log line is enough."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            log.error("the proxy's own route %s failed: %s: %s", scope.get("path"), type(exc).__name__, exc)
+
+
+def _record(record: Any, timeline: bool) -> dict[str, Any]:
+    d = record.to_dict(timeline=timeline)
+    d.pop("response_text", None)  # no prompt or completion text leaves through /streams
+    d.pop("reasoning_text", None)
+    return d
