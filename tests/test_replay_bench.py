@@ -54,8 +54,8 @@ def test_replayed_bodies_equal_captured_except_documented_rewrites(capture_file:
         await sse_response(body)(req, conn)
 
     with FakeUpstream(handler) as up:
-        run(caps, up.url, ReplayOptions(mode="sequential"))
-        run(caps[:1], up.url, ReplayOptions(mode="sequential", model="other", nonce=True))
+        run(caps, up.url, ReplayOptions(mode="sequential", nonce=False))  # --no-nonce: the captured bytes
+        run(caps[:1], up.url, ReplayOptions(mode="sequential", model="other"))  # the nonce is the default
     for c, got in zip(caps, received[:4]):
         original = orjson.dumps(c.request)
         if c.request.get("stream"):  # the SDK did not ask for usage: replay adds include_usage, nothing else
@@ -169,9 +169,9 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["replay", str(tmp_path / "nope.jsonl"), "--target", "http://127.0.0.1:1"])
     assert r.exit_code == 2 and "cannot read capture file" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["replay", str(tmp_path / "nope.jsonl"), "--target", "ftp://x"])
-    assert r.exit_code == 2 and "--target must be an http" in r.output
+    assert r.exit_code == 2 and "--target: must be an http" in r.output
     r = CliRunner().invoke(main, ["bench", "--target", "a=notaurl"])
-    assert r.exit_code == 2 and "NAME=URL" in r.output
+    assert r.exit_code == 2 and "[NAME=]URL" in r.output
     r = CliRunner().invoke(main, ["bench", "--target", "a=http://x", "--prompt-tokens", "1,x"])
     assert r.exit_code == 2 and "comma-separated" in r.output
     bad = tmp_path / "bad.json"
@@ -187,9 +187,11 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     lines: dict[str, str] = {}
-    for line in out.splitlines():  # the first table: one row per target with its verdict
-        if line.strip() and not line.startswith(("-", " ")):
-            lines.setdefault(line.split()[0], line)
+    verdicts = out[out.index("Verdicts:"):]
+    for line in verdicts.splitlines()[3:]:  # the verdict table: one row per target
+        if not line.strip():
+            break
+        lines.setdefault(line.split()[0], line)
     assert "continuous batching" in lines["mlx-openai-server"]
     assert "serial: 0." in lines["mlx-omni-server"]
     assert "no incremental streaming" in lines["rapid-mlx"]
