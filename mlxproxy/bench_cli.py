@@ -40,6 +40,12 @@ def results_from_doc(doc: dict[str, Any], prefix: str = "") -> tuple[list[Target
     return list(out.values()), verdicts
 
 
+def _wrap_lines(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=100)
+
+
 def _f(v: float | None, unit: str = "", fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
@@ -53,8 +59,9 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
     cols = [c for c in rows[0] if c != "TTFC p50" or reasoning] if rows else []
     sections.append(Section("One request at a time, smallest prompt size (p50 = median of the repeats):", rows, cols,
                             legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"])))
-    sections.append(Section("Verdicts:", [{"target": r.target.name, "verdict": verdicts.get(r.target.name, "")}
-                                          for r in results]))
+    width = max((len(r.target.name) for r in results), default=0)
+    sections.append(Section("Verdicts:", [], None, "",
+                            [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results]))
     sizes = sorted({g["params"]["prompt_tokens"] for r in results for g in r.groups if g["name"].startswith("single ")})
     if len(sizes) > 1:
         srows = []
@@ -110,8 +117,9 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                 k["count"] += a["count"]
                 k["where"].append(g["name"])
         for kind, k in sorted(per.items()):
-            notes.append(f"{r.target.name}: {kind} in {k['count']} of {total} requests ({', '.join(k['where'])}): "
-                         f"{' '.join(str(k['evidence']).split())}")
+            where = ("across prompt sizes" if k["where"] == ["single"]
+                     else f"in {k['count']} of {total} requests ({', '.join(k['where'])})")
+            notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
     if notes:
         sections.append(Section("Anomalies, with evidence:", [], None, "", notes))
     return sections
@@ -169,7 +177,7 @@ def plot_svg(results: list[TargetResult]) -> str:
         curve.append((r.target.name, pts_c))
         agg.append((r.target.name, pts_a))
     return svg_charts([
-        Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds", ttft, log_x=True),
+        Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
         Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
               note="no point: stream not incremental, prompt cached, or request refused"),
         Chart("Batching: speedup of streams released together", "streams released together", "speedup (x)", agg,
@@ -324,8 +332,10 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         elapsed = time.perf_counter() - started
         click.echo("")
         print_bench(results)
-        click.echo("\nThe simulated servers imitate what a 2026 benchmark of MLX servers found (Qwen3.5-35B-A3B, M2 Max):"
-                   " their decode speed is 50 tokens/s per stream; prefill runs at 20000 tok/s here to keep the demo short.")
+        click.echo("")
+        click.echo("\n".join(_wrap_lines("The simulated servers imitate what a 2026 benchmark of MLX servers found"
+                                         " (Qwen3.5-35B-A3B, M2 Max): their decode speed is 50 tokens/s per stream;"
+                                         " prefill runs at 20000 tok/s here to keep the demo short.")))
         write_outputs(results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg"))
         from prometheus_client import generate_latest
 
@@ -333,9 +343,11 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         if app.capture is not None:
             app.capture.flush()
         n = sum(1 for _ in capture.open("rb"))
-        click.echo(f"\nfinished in {elapsed:.0f} s. capture of all {n} requests: {capture} (replay it: mlxproxy replay {capture} "
-                   f"--target URL); results: {out / 'bench.json'} (mlxproxy report {out / 'bench.json'}); plot: {out / 'bench.svg'}; "
-                   f"metrics snapshot: {out / 'metrics.prom'}.")
+        click.echo(f"\nfinished in {elapsed:.0f} s. Written to {out}/:")
+        click.echo(f"  capture.jsonl  all {n} requests (replay them: mlxproxy replay {capture} --target URL)")
+        click.echo(f"  bench.json     the results (show them again: mlxproxy report {out / 'bench.json'})")
+        click.echo("  bench.csv      one row per request;  bench.md  these tables as Markdown")
+        click.echo("  bench.svg      the plot;  metrics.prom  a snapshot of the proxy's /metrics")
         if serve:
             click.echo(f"serving until Ctrl-C: metrics at {proxy.url}/metrics, live streams at {proxy.url}/streams", err=True)
             try:

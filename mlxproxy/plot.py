@@ -31,6 +31,7 @@ class Chart:
     series: Sequence[Series]
     log_x: bool = False
     integer_x: bool = False  # counts (streams): ticks at whole numbers only
+    log_y: bool = False  # for figures spanning decades (TTFT from 10 ms to 10 s)
     note: str = ""  # one line under the x label
 
 
@@ -81,7 +82,12 @@ def _marker(kind: str, x: float, y: float, color: str, r: float = 4.0) -> str:
 
 def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[str]:
     log_x = c.log_x
-    pts = [(x, y) for _, s in c.series for x, y in s if y is not None and (x > 0 or not log_x)]
+    log_y = c.log_y
+
+    def usable(x: float, y: float | None) -> bool:
+        return y is not None and (x > 0 or not log_x) and (y > 0 or not log_y)
+
+    pts = [(x, y) for _, s in c.series for x, y in s if usable(x, y)]
     out = [f'<text x="{x0 + (w - LEGEND_W) / 2 + 30}" y="{y0 + 20}" text-anchor="middle" font-size="15" '
            f'font-weight="bold">{escape(c.title)}</text>']
     left, right, top, bottom = x0 + 70, x0 + w - LEGEND_W - 10, y0 + 34, y0 + h - 58
@@ -94,6 +100,10 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
         if c.integer_x:
             xlo, xhi = math.floor(xlo), math.ceil(xhi)
         ylo, yhi = 0.0, max(ys) * 1.12 or 1.0
+        if log_y:
+            ylo, yhi = 10 ** math.floor(math.log10(min(ys))), 10 ** math.ceil(math.log10(max(ys)))
+            if ylo == yhi:
+                yhi = ylo * 10
     else:
         xlo, xhi, ylo, yhi = 1.0, 10.0, 0.0, 1.0
 
@@ -103,6 +113,8 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
         return left + (x - xlo) / (xhi - xlo) * (right - left)
 
     def sy(y: float) -> float:
+        if log_y:
+            return bottom - (math.log10(y) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo)) * (bottom - top)
         return bottom - (y - ylo) / (yhi - ylo) * (bottom - top)
 
     out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>')
@@ -114,7 +126,7 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
             if xlo <= t <= xhi:
                 out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" stroke="#666"/>'
                            f'<text x="{sx(t):.1f}" y="{bottom + 17}" text-anchor="middle" font-size="12">{_label(t)}</text>')
-        for t in _ticks(ylo, yhi, False):
+        for t in _ticks(ylo, yhi, log_y):
             if ylo <= t <= yhi:
                 out.append(f'<line x1="{left - 4}" y1="{sy(t):.1f}" x2="{right}" y2="{sy(t):.1f}" stroke="#e4e4e4"/>'
                            f'<text x="{left - 7}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="12">{_label(t)}</text>')
@@ -128,7 +140,7 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
     for i, (name, s) in enumerate(c.series):
         color, dash, marker = COLORS[i % len(COLORS)], DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)]
         width = 2.0 + 2.5 * (n - 1 - i) / max(1, n - 1)  # earlier lines wider: coinciding ones stay visible
-        good = sorted((x, float(y)) for x, y in s if y is not None and (x > 0 or not log_x))
+        good = sorted((x, float(y)) for x, y in s if usable(x, y) and y is not None)
         if len(good) > 1:
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""

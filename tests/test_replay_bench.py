@@ -188,7 +188,7 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     out = res.stdout
     lines: dict[str, str] = {}
     verdicts = out[out.index("Verdicts:"):]
-    for line in verdicts.splitlines()[3:]:  # the verdict table: one row per target
+    for line in verdicts.splitlines()[1:]:  # the verdicts: one line per target
         if not line.strip():
             break
         lines.setdefault(line.split()[0], line)
