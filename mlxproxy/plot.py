@@ -145,7 +145,7 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="{width:.1f}" '
-                       f'stroke-opacity="0.85"{dash_attr}/>')
+                       f'stroke-linejoin="round"{dash_attr}/>')
         out.extend(_marker(marker, sx(x), sy(y), color) for x, y in good)
         ly = top + 18 * i + 8
         lx = right + 14

@@ -328,3 +328,22 @@ def test_readme_vocabulary_table_matches_the_commands() -> None:
 def test_readme_exit_codes_match() -> None:
     rows = readme_table("exit-codes")
     assert {int(r[0]) for r in rows} == set(EXIT_CODES)
+
+
+def test_no_machine_specific_paths_in_the_repository() -> None:
+    """Paths of one machine (a developer's home, this project's build hosts) make the
+    repository work only there. Recorded client traffic in tests/fixtures/ is left as sent."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"(?<![\w.])(/Users/\w|/home/\w|/work/\w|/opt/homebrew)")
+    found = []
+    for f in files:
+        if f.startswith("tests/fixtures/") or f.endswith((".png", ".sse")) or f == "tests/test_cli_ux.py":
+            continue
+        try:
+            text = (REPO / f).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        found += [f"{f}:{i + 1}: {ln.strip()[:80]}" for i, ln in enumerate(text.splitlines()) if pattern.search(ln)]
+    assert not found, found
