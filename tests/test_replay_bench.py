@@ -68,6 +68,25 @@ def test_replayed_bodies_equal_captured_except_documented_rewrites(capture_file:
     assert rewritten["messages"][0]["content"].endswith(caps[0].request["messages"][0]["content"])
 
 
+def test_every_request_sent_carries_its_own_nonce(capture_file: Path) -> None:
+    """The baseline, every wave and every repeat send prompts no cache has seen: the waves
+    of `--batch` never reuse the baseline's bytes (a prompt cache would serve them)."""
+    caps = [c for c in read_capture(capture_file) if c.request.get("stream")]
+    body = read_fixture("wire/01_openai_reference_include_usage.sse")
+    received: list[Req] = []
+
+    async def handler(req: Req, conn: Conn) -> None:
+        received.append(req)
+        await sse_response(body)(req, conn)
+
+    with FakeUpstream(handler) as up:
+        groups = run(caps, up.url, ReplayOptions(mode="batch", batches=(2, 3), repeat=2))
+    firsts = [orjson.loads(r.body)["messages"][0]["content"] for r in received]
+    assert len(firsts) == len(caps) * 2 * 3  # baseline + waves of 2 + waves of 3, each x2
+    assert all(f.startswith("[nonce ") for f in firsts) and len(set(firsts)) == len(firsts)
+    assert [g["name"] for g in groups] == ["single", "batch 2", "batch 3"]
+
+
 @pytest.mark.parametrize("mode", ["recorded", "sequential", "concurrency", "batch"])
 def test_replay_every_mode_against_simulator(capture_file: Path, mode: str) -> None:
     caps = read_capture(capture_file)
