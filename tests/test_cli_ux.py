@@ -92,6 +92,22 @@ def test_serve_refuses_an_invalid_upstream_url_at_start(url: str) -> None:
     assert url in line
 
 
+def test_an_upstream_url_that_slipped_past_the_checks_gets_an_openai_shaped_error() -> None:
+    """Config checks refuse a bad URL at start; a Config built in code skips them, and even
+    then the client gets the OpenAI-shaped 502 with its request id, not a bare 500."""
+    import httpx
+
+    from mlxproxy.config import Config, UpstreamConfig
+    from mlxproxy.proxy.app import create_app
+
+    cfg = Config(upstreams=(UpstreamConfig("a", "http://127.0.0.1:80800"),), log_requests=False)
+    with ServerThread(create_app(cfg)) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+    assert r.status_code == 502 and r.headers.get("x-mlxproxy-request-id")
+    err = r.json()["error"]
+    assert err["code"] == "upstream_unreachable" and "invalid URL" in err["message"] and set(err) >= {"type", "param"}
+
+
 def test_serve_refuses_an_invalid_upstream_url_in_the_config(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("upstreams:\n  - name: a\n    url: http://127.0.0.1:80800\n")
