@@ -13,7 +13,8 @@ from mlxproxy.vocabulary import BATCH_SIZES, SECONDS, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
-    click.echo(f"mlxproxy: {message}", err=True)
+    """One line on stderr (whatever the message holds, e.g. a server's HTML error page), then exit."""
+    click.echo(f"mlxproxy: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
 
 
@@ -201,11 +202,11 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
 
 
 def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    def v(x: Any, fmt: str = ".3f") -> str:
-        return "-" if x is None else format(x, fmt) if isinstance(x, float) else str(x)
+    def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
+        return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
 
     return [{"source_id": str(r["source_id"])[:12], "model": str(r.get("model") or "-")[:24],
-             "ttft_captured": v(r["captured_ttft_s"]) + "s", "ttft_replayed": v(r["replayed_ttft_s"]) + "s",
+             "ttft_captured": v(r["captured_ttft_s"], unit="s"), "ttft_replayed": v(r["replayed_ttft_s"], unit="s"),
              "cached_captured": v(r.get("captured_cached_tokens")), "cached_replayed": v(r.get("replayed_cached_tokens")),
              "prompt_tok": v(r.get("replayed_prompt_tokens")),
              "decode_tok/s_captured": v(r["captured_decode_tps"], ".1f"), "decode_tok/s_replayed": v(r["replayed_decode_tps"], ".1f"),

@@ -280,6 +280,35 @@ def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: P
     assert 2 <= len(recs) < 100 and "interrupted" in doc["groups"][-1]["mode"] and "ok/req" in stdout
 
 
+# -- report renders what was measured --------------------------------------------------------
+
+
+def test_report_renders_the_runs_own_view_with_distinct_labels(tmp_path: Path) -> None:
+    import csv
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with ServerThread(create_sim("mlx-openai-server", speed=20)) as sim:
+        runs = [cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50,200", "--repeat", "2", "--max-tokens", "8",
+                    "--json", str(tmp_path / d / "bench.json")) for d in ("a", "b")]
+    for res in runs:
+        assert res.returncode == 0, res.stderr[-1500:]
+        assert "Verdicts:" in res.stdout and "TTFT: time to first token" in res.stdout  # a legend under the table
+        assert max(len(ln) for ln in res.stdout.splitlines()) <= 100
+    again = cli("report", str(tmp_path / "a" / "bench.json"), "--csv", str(tmp_path / "r.csv"),
+                "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.svg"))
+    assert again.returncode == 0, again.stderr[-1500:]
+    assert again.stdout == runs[0].stdout  # the same view as the run that wrote it
+    doc = orjson.loads((tmp_path / "a" / "bench.json").read_bytes())
+    ids = {r["id"] for g in doc["groups"] for r in g["records"]}
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(ids) == 2 * 2 + 2 * 2  # one row per request: 2 sizes x2, one wave of 2 x2
+    assert (tmp_path / "r.md").read_text().count("| s |") >= 2 and (tmp_path / "r.svg").read_text().startswith("<svg")
+    both = cli("report", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b" / "bench.json"))
+    assert both.returncode == 0 and "a/bench.json:s" in both.stdout and "b/bench.json:s" in both.stdout
+
+
 # -- one vocabulary ------------------------------------------------------------------------
 
 
