@@ -204,7 +204,7 @@ def _sent(records: Sequence[Record]) -> int | None:
 def verdict(res: TargetResult) -> str:
     """One line naming what the run found about a target."""
     if res.error:
-        return f"failing: {res.error}"
+        return res.error if res.error.startswith("interrupted") else f"failing: {res.error}"
     parts: list[str] = []
     groups = {g["name"]: g for g in res.groups}
     double = groups.get("double")

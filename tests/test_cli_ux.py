@@ -280,6 +280,25 @@ def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: P
     assert 2 <= len(recs) < 100 and "interrupted" in doc["groups"][-1]["mode"] and "ok/req" in stdout
 
 
+def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))
+    out = tmp_path / "partial.json"
+    with ServerThread(app) as sim:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "bench", "--target", f"s={sim.url}", "--prompt-tokens",
+                                 "50,100", "--repeat", "20", "--max-tokens", "8", "--json", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        deadline = time.monotonic() + 60
+        while app.done < 5 and time.monotonic() < deadline and proc.poll() is None:  # 2 probes + /v1/models + 2
+            time.sleep(0.02)  # waiting for progress, not measuring
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("mlxproxy: interrupted:")
+    doc = orjson.loads(out.read_bytes())
+    singles = [r for g in doc["groups"] if g["name"] == "single" for r in g["records"]]
+    assert 2 <= len(singles) < 40 and "interrupted" in doc["targets"][0]["error"] and "Verdicts:" in stdout
+
+
 # -- report renders what was measured --------------------------------------------------------
 
 
