@@ -132,6 +132,11 @@ def test_a_taken_port_is_one_line_and_exit_1() -> None:
         s.close()
 
 
+def test_serve_refuses_a_capture_it_cannot_write(tmp_path: Path) -> None:
+    one_line_error(cli("serve", "--port", "0", "--capture", str(tmp_path / "missing" / "c.jsonl")), 2,
+                   "cannot write the capture file", "does not exist")
+
+
 def test_demo_refuses_a_folder_it_cannot_write(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where a folder should be: mkdir fails even for root

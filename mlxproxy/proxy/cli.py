@@ -65,6 +65,14 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
         sys.exit(2)
     if timeout is not None:
         cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, read_s=timeout[1]))
+    if cfg.capture:  # checked now: a capture that cannot be written would lose the day's traffic
+        import os
+
+        parent = os.path.dirname(os.path.abspath(cfg.capture))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            click.echo(f"mlxproxy: cannot write the capture file {cfg.capture}: folder {parent} "
+                       f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}", err=True)
+            sys.exit(2)
     setup_logging(log_level)
     from mlxproxy.proxy.app import create_app
     from mlxproxy.proxy.upstream import display_url
