@@ -40,7 +40,8 @@ REPO = os.path.dirname(HERE)
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
-LITELLM_DEFAULT = "/work/litellm-venv/bin/litellm"
+# $MLXPROXY_LITELLM, else `litellm` on PATH (no machine-specific default)
+LITELLM_DEFAULT = os.environ.get("MLXPROXY_LITELLM") or shutil.which("litellm") or ""
 
 # -- targets (the figures, 2-core machine, ratios measured in one run) ------------
 T_SEQ_P50_MS = 0.5
@@ -1031,8 +1032,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="do not run benchmarks/floor.py (uvicorn + aiohttp passthrough with no metering)")
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
     ap.add_argument("--litellm", default=None, metavar="PATH",
-                    help=f"path of a `litellm` executable to include ('' = none; default: {LITELLM_DEFAULT} when "
-                         "present, except with --quick, where its 20-second start-up is left out)")
+                    help="path of a `litellm` executable to include ('' = none; default: $MLXPROXY_LITELLM, else "
+                         "`litellm` on PATH, except with --quick, where its 20-second start-up is left out)")
     ap.add_argument("--extra-proxy", action="append", default=[], metavar="NAME=DIR",
                     help="also run `python -m mlxproxy serve` from the package copy in DIR (experiments)")
     ap.add_argument("--only", choices=["seq", "ttft", "load", "churn"], action="append",
@@ -1057,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack:  # inherited by every mlxproxy and floor child
         os.environ["MLXPROXY_STACK"] = args.stack
     if args.litellm is None:
-        args.litellm = LITELLM_DEFAULT if os.path.exists(LITELLM_DEFAULT) and not args.quick else ""
+        args.litellm = LITELLM_DEFAULT if LITELLM_DEFAULT and os.path.exists(LITELLM_DEFAULT) and not args.quick else ""
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan.rounds = args.rounds

@@ -49,7 +49,8 @@ class BenchOptions:
     repeat: int = 5
     batch: int = 2
     batch_prompt_tokens: int | None = None  # default: the smallest size
-    concurrency: tuple[int, ...] = ()
+    concurrency: tuple[int, ...] = ()  # more wave sizes (kept for callers of the old spelling)
+    batches: tuple[int, ...] = ()  # wave sizes released together; default (batch, *concurrency)
     model: str | None = None
     nonce: bool = True
 
@@ -126,8 +127,11 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
             "records": [r.to_dict(timeline=True) for r in timed.records]}
 
 
-async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None) -> TargetResult:
-    res = TargetResult(target)
+async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None,
+                    res: TargetResult | None = None) -> TargetResult:
+    """Benchmark one target into `res` (a new one unless given). When cancelled (Ctrl-C),
+    the requests finished so far are in `res.groups` and `res.error` says so."""
+    res = res if res is not None else TargetResult(target)
     async with MeasuringClient(target.url, name=target.name, thresholds=th, api_key=target.api_key,
                                timeout_s=target.timeout_s) as client:
         try:
@@ -145,38 +149,51 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         bsize = opts.batch_prompt_tokens or min(sizes)
         if bsize not in sizes:
             sizes.append(bsize)
-        total = len(sizes) * opts.repeat + opts.batch * opts.repeat + sum(c * opts.repeat for c in opts.concurrency)
+        waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
+        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves)
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
-        for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
-            for size in sizes:
-                body = chat_body(res.model, _prompt(res.calibration, size, opts.nonce), opts.max_tokens)
-                r = await client.send(_req(body, f"single:{size}"))
-                single.records.append(r)
-                single.source_ids[r.id] = f"{size}"
-                tick()
-        params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat}
-        for size in sizes:
-            sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
-            res.groups.append(_group(f"single {size}", target.name, f"single {size}", {**params, "prompt_tokens": size,
+        params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
+        try:
+            for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
+                for size in sizes:
+                    body = chat_body(res.model, _prompt(res.calibration, size, opts.nonce), opts.max_tokens)
+                    r = await client.send(_req(body, f"single:{size}"))
+                    single.records.append(r)
+                    single.source_ids[r.id] = f"{size}"
+                    tick()
+            _single_groups(res, single, sizes, params, th)
+            base_recs = [r for r in single.records if single.source_ids[r.id] == f"{bsize}"]
+            base_wall = summarize_records(base_recs)["wall_tps"]["p50"]
+            for i, n in enumerate(waves):
+                # every request of every wave gets its own nonce: no wave is served from the cache
+                reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), f"x{n}")
+                        for _ in range(n * opts.repeat)]
+                timed, wave_recs = await client.run_waves(reqs, n, tick)
+                summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=base_wall)
+                name = "double" if n == 2 and i == 0 else f"x{n}"
+                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+        except asyncio.CancelledError:
+            if not res.groups:
+                _single_groups(res, single, sizes, params, th)
+            res.error = f"interrupted after {len(client.finished) - len(probes)} measured requests"
+            raise
+    return res
+
+
+def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: dict[str, Any], th: Thresholds) -> None:
+    """The one-at-a-time groups: `single` (every size) first, then `single N` per size."""
+    for size in sizes:
+        sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
+        if sub.records:
+            res.groups.append(_group(f"single {size}", res.target.name, f"single {size}", {**params, "prompt_tokens": size,
                                      "prompt_tokens_sent": _sent(sub.records)}, sub, summarize_records(sub.records)))
-        base_recs = [r for r in single.records if single.source_ids[r.id] == f"{bsize}"]
-        base_wall = summarize_records(base_recs)["wall_tps"]["p50"]
+    if single.records:
         all_single = summarize_records(single.records)
         scaling = prefill_scaling(single.records, th)
         if scaling is not None:
             all_single["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
-        res.groups.insert(0, _group("single", target.name, "single", params, single, all_single))
-        for n in [opts.batch, *[c for c in opts.concurrency if c != opts.batch]]:
-            if n < 2 and n != opts.batch:
-                continue
-            reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), f"x{n}")
-                    for _ in range(n * opts.repeat)]
-            timed, waves = await client.run_waves(reqs, n, tick)
-            summ = summarize_records(timed.records, waves=waves, single_wall_tps=base_wall)
-            name = "double" if n == 2 and n == opts.batch else f"x{n}"
-            res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
-    return res
+        res.groups.insert(0, _group("single", res.target.name, "single", params, single, all_single))
 
 
 def _sent(records: Sequence[Record]) -> int | None:
@@ -187,7 +204,7 @@ def _sent(records: Sequence[Record]) -> int | None:
 def verdict(res: TargetResult) -> str:
     """One line naming what the run found about a target."""
     if res.error:
-        return f"failing: {res.error}"
+        return res.error if res.error.startswith("interrupted") else f"failing: {res.error}"
     parts: list[str] = []
     groups = {g["name"]: g for g in res.groups}
     double = groups.get("double")
@@ -234,36 +251,57 @@ def verdict(res: TargetResult) -> str:
 
 
 async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thresholds | None = None,
-                        progress: bool | None = None, parallel: bool = False) -> list[TargetResult]:
+                        progress: bool | None = None, parallel: bool = False,
+                        out: list[TargetResult] | None = None) -> list[TargetResult]:
     """Benchmark each target (one after another unless `parallel`, which is only fair
-    when the targets do not share hardware, e.g. simulators)."""
+    when the targets do not share hardware, e.g. simulators). Results are appended to
+    `out` (when given) as each target starts, so a cancelled run keeps what it measured."""
     th = th or Thresholds()
+    results = out if out is not None else []
     if parallel:
-        return list(await asyncio.gather(*(bench_one(t, opts, th, progress) for t in targets)))
-    return [await bench_one(t, opts, th, progress) for t in targets]
+        results.extend(TargetResult(t) for t in targets)
+        await asyncio.gather(*(bench_one(t, opts, th, progress, res) for t, res in zip(targets, results)))
+        return results
+    for t in targets:
+        results.append(TargetResult(t))
+        await bench_one(t, opts, th, progress, results[-1])
+    return results
 
 
-def headline(res: TargetResult) -> dict[str, str]:
-    """The seed benchmark's columns for one target."""
-    groups = {g["name"]: g for g in res.groups}
-    single = groups.get("single", {}).get("summary")
-    double = groups.get("double", {}).get("summary")
+def smallest_single(res: TargetResult) -> dict[str, Any] | None:
+    """The one-at-a-time group at the smallest prompt size: the headline's figures come
+    from it, so a server that refuses big prompts cannot look fastest by a median over sizes."""
+    sized = [g for g in res.groups if g["name"].startswith("single ") and g["summary"]["ok"]]
+    return min(sized, key=lambda g: g["params"]["prompt_tokens"]) if sized else None
+
+
+def headline(res: TargetResult, size_label: bool = True) -> dict[str, str]:
+    """One row per target: TTFT, TTFC, decode and wall tok/s at the smallest prompt size,
+    and the speedup of the first batch test."""
+    g = smallest_single(res)
+    s = g["summary"] if g else None
+    batch = next((x for x in res.groups if x["params"].get("streams")), None)
+    b = batch["summary"] if batch else None
 
     def f(v: float | None, fmt: str, unit: str = "") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt) + unit
 
+    ok = sum(x["summary"]["ok"] for x in res.groups if x["name"] != "single")
+    sent = sum(x["summary"]["requests"] for x in res.groups if x["name"] != "single")
     row = {
         "target": res.target.name,
-        "wall_tps_p50": f(single["wall_tps"]["p50"], ".1f") if single else "-",
-        "ttft_p50": f(single["ttft_s"]["p50"], ".3f", "s") if single else "-",
-        "decode_tps_p50": f(single["decode_tps"]["p50"], ".1f") if single else "-",
-        "speedup": f(double.get("speedup"), ".2f", "x") if double else "-",
-        "verdict": verdict(res),
+        "prompt": f"{g['params'].get('prompt_tokens_sent') or g['params']['prompt_tokens']} tok" if g else "-",
+        "TTFT p50": f(s["ttft_s"]["p50"], ".3f", "s") if s else "-",
+        "TTFC p50": f(s["ttfc_s"]["p50"], ".3f", "s") if s else "-",
+        "decode tok/s": f(s["decode_tps"]["p50"], ".1f") if s else "-",
+        "wall tok/s": f(s["wall_tps"]["p50"], ".1f") if s else "-",
+        "speedup": (f(b.get("speedup"), ".2f", "x") + f" ({batch['params']['streams']})") if b and b.get("speedup") else "-",
+        "ok/req": f"{ok}/{sent}",
     }
-    if single:  # speeds that do not use the server's usage are marked (footnote: headline_notes)
-        mark_speeds(row, single, ("wall_tps_p50", "decode_tps_p50"))
-    if double:
-        mark_speeds(row, double, ("speedup",))
+    if s:  # speeds that do not use the server's usage are marked (footnote: headline_notes)
+        mark_speeds(row, s, ("decode tok/s", "wall tok/s"))
+    if b:
+        mark_speeds(row, b, ("speedup",))
     return row
 
 
@@ -271,8 +309,9 @@ def headline_notes(results: Sequence[TargetResult]) -> list[str]:
     """The footnotes of `headline` rows marked for untrusted usage."""
     items = []
     for res in results:
-        groups = {g["name"]: g for g in res.groups}
-        for name in ("single", "double"):
-            if name in groups:
-                items.append((f"{res.target.name} {name}", groups[name]["summary"]))
+        g = smallest_single(res)
+        batch = next((x for x in res.groups if x["params"].get("streams")), None)
+        for grp in (g, batch):
+            if grp is not None:
+                items.append((f"{res.target.name} {grp['name']}", grp["summary"]))
     return untrusted_notes(items)

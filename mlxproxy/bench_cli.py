@@ -11,18 +11,11 @@ from typing import Any
 
 import click
 
-from mlxproxy.bench import DEFAULT_SIZES, BenchOptions, Target, TargetResult, bench_targets, headline, headline_notes, verdict
-from mlxproxy.replay_cli import fail
-
-
-def _int_list(value: str, what: str) -> tuple[int, ...]:
-    try:
-        items = tuple(int(x) for x in value.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: give comma-separated whole numbers, e.g. 100,500,2000", param_hint=what) from None
-    if not items or any(i < 1 for i in items):
-        raise click.BadParameter(f"{value!r}: give at least one number, each >= 1", param_hint=what)
-    return items
+from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
+                            headline_notes, smallest_single, verdict)
+from mlxproxy.replay_cli import all_failed_reason, check_writable, env_key, fail, parse_target
+from mlxproxy.report import LEGEND, Section, legend_for
+from mlxproxy.vocabulary import BATCH_SIZES, INT_LIST, SECONDS, deprecated_alias, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -33,76 +26,129 @@ def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict
     return groups, verdicts, extra
 
 
-def print_bench(results: list[TargetResult]) -> None:
-    from mlxproxy.report import render_table
+def results_from_doc(doc: dict[str, Any], prefix: str = "") -> tuple[list[TargetResult], dict[str, str]]:
+    """A bench result file back into the results `bench` printed (for `report`)."""
+    out: dict[str, TargetResult] = {}
+    for t in doc.get("targets") or []:
+        r = TargetResult(Target(prefix + t["name"], t.get("url") or ""), t.get("model"),
+                         Calibration(source=t.get("calibration") or ""), [], t.get("error"))
+        out[t["name"]] = r
+    for g in doc["groups"]:
+        r = out.setdefault(g["target"], TargetResult(Target(prefix + g["target"], "")))
+        r.groups.append({**g, "target": prefix + g["target"]})
+    verdicts = {prefix + k: v for k, v in (doc.get("verdicts") or {}).items()}
+    return list(out.values()), verdicts
 
-    click.echo(render_table([headline(r) for r in results]))
-    for note in headline_notes(results):
-        click.echo(note)
-    sizes = sorted({g["params"]["prompt_tokens"] for r in results for g in r.groups if g["name"].startswith("single ")})
-    if sizes:
-        rows = []
-        for size in sizes:
-            row = {"prompt_tokens": str(size)}
-            for r in results:
-                g = next((g for g in r.groups if g["name"] == f"single {size}"), None)
-                if g is None:
-                    row[r.target.name] = "-"
-                    continue
-                s = g["summary"]
-                if s["ok"] == 0:
-                    row[r.target.name] = ",".join(sorted(s["outcomes"]))
-                    continue
-                ttft, pre = s["ttft_s"]["p50"], s["prefill_tps"]["p50"]
-                row[r.target.name] = f"{ttft:.2f}s" + (f" {pre:.0f}t/s" if pre else "") if ttft is not None else "-"
-            rows.append(row)
-        click.echo("\nTTFT p50 and prefill tokens/s by prompt size:")
-        click.echo(render_table(rows))
-    curves = [(r, g) for r in results for g in r.groups if g["params"].get("streams")]
-    if curves:
-        rows = [{"target": r.target.name, "streams": str(g["params"]["streams"]),
-                 "per_stream_decode_tps": _f(g["summary"]["decode_tps"]["p50"]), "aggregate_tps": _f(g["summary"]["aggregate_tps"]),
-                 "speedup": _f(g["summary"]["speedup"], "x", ".2f"), "overlap": _f(g["summary"]["overlap"], "", ".2f")} for r, g in curves]
-        click.echo("\nParallel requests released together:")
-        click.echo(render_table(rows))
-    notes = []
-    for r in results:
-        seen = set()
-        for g in r.groups:
-            for kind, a in sorted(g["summary"]["anomalies"].items()):
-                if kind not in seen:
-                    seen.add(kind)
-                    notes.append(f"  {r.target.name}: {kind} (x{a['count']} in {g['name']}): {a['evidence']}")
-    if notes:
-        click.echo("\nAnomalies, with evidence:")
-        click.echo("\n".join(notes))
+
+def _wrap_lines(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=100)
 
 
 def _f(v: float | None, unit: str = "", fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
 
-def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: str | None, md_path: str | None,
-                  plot_path: str | None) -> None:
-    from mlxproxy.report import write_csv, write_result
+def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None = None) -> list[Section]:
+    """Everything `bench` prints, as sections (the console and --markdown render the same)."""
+    verdicts = verdicts if verdicts is not None else {r.target.name: verdict(r) for r in results}
+    sections = []
+    rows = [headline(r) for r in results]
+    reasoning = any(g["summary"].get("reasoning") for r in results for g in r.groups)
+    cols = [c for c in rows[0] if c != "TTFC p50" or reasoning] if rows else []
+    sections.append(Section("One request at a time, smallest prompt size (p50 = median of the repeats):", rows, cols,
+                            legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"]),
+                            headline_notes(results)))
+    width = max((len(r.target.name) for r in results), default=0)
+    sections.append(Section("Verdicts:", [], None, "",
+                            [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results]))
+    sizes = sorted({g["params"]["prompt_tokens"] for r in results for g in r.groups if g["name"].startswith("single ")})
+    if len(sizes) > 1:
+        srows = []
+        for r in results:
+            row = {"target": r.target.name}
+            for size in sizes:
+                g = next((g for g in r.groups if g["name"] == f"single {size}"), None)
+                key = f"{size} tok"
+                if g is None:
+                    row[key] = "-"
+                    continue
+                s = g["summary"]
+                if s["ok"] == 0:
+                    row[key] = ",".join(sorted(s["outcomes"]))[:16]
+                    continue
+                ttft, pre = s["ttft_s"]["p50"], s["prefill_tps"]["p50"]
+                row[key] = "-" if ttft is None else f"{ttft:.2f}s " + (f"{pre:.0f}/s" if pre else "-")
+            srows.append(row)
+        sections.append(Section("TTFT p50 and prefill tok/s by prompt size:", srows, None,
+                                "each cell: TTFT p50, then prefill tok/s (uncached prompt tokens / TTFT; - when the stream"
+                                " was not incremental or the prompt mostly cached); an outcome name where every request"
+                                " failed (context_limit: the server refused the prompt's size)."))
+    crows = []
+    for r in results:
+        curve = [g for g in r.groups if g["params"].get("streams")]
+        single = smallest_single(r)
+        if curve and single:
+            s1 = single["summary"]
+            crows.append({"target": r.target.name, "streams": "1", "decode tok/s": _f(s1["decode_tps"]["p50"]),
+                          "agg tok/s": _f(s1["wall_tps"]["p50"]), "speedup": "1.00x", "overlap": "-"})
+        for g in curve:
+            s = g["summary"]
+            crows.append({"target": r.target.name, "streams": str(g["params"]["streams"]),
+                          "decode tok/s": _f(s["decode_tps"]["p50"]), "agg tok/s": _f(s["aggregate_tps"]),
+                          "speedup": _f(s["speedup"], "x", ".2f"), "overlap": _f(s["overlap"], "", ".2f")})
+    if crows:
+        sections.append(Section("Requests released together (batching):", crows, None,
+                                "streams: requests started at the same instant (1 = alone, wall tok/s); decode tok/s:"
+                                " per stream (median); " + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
+                                + "."))
+    notes = []
+    for r in results:
+        per: dict[str, dict[str, Any]] = {}
+        total = sum(g["summary"]["requests"] for g in r.groups if g["name"] != "single")
+        for g in r.groups:
+            if g["name"] == "single":  # holds every `single N` again
+                for kind, a in g["summary"]["anomalies"].items():
+                    if not any(kind in x["summary"]["anomalies"] for x in r.groups if x["name"] != "single"):
+                        per.setdefault(kind, {"count": a["count"], "evidence": a["evidence"], "where": ["single"]})
+                continue
+            for kind, a in g["summary"]["anomalies"].items():
+                k = per.setdefault(kind, {"count": 0, "evidence": a["evidence"], "where": []})
+                k["count"] += a["count"]
+                k["where"].append(g["name"])
+        for kind, k in sorted(per.items()):
+            where = ("across prompt sizes" if k["where"] == ["single"]
+                     else f"in {k['count']} of {total} requests ({', '.join(k['where'])})")
+            notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
+    if notes:
+        sections.append(Section("Anomalies, with evidence:", [], None, "", notes))
+    return sections
 
-    groups, verdicts, extra = results_doc(results)
-    if json_path:
+
+def print_bench(results: list[TargetResult], verdicts: dict[str, str] | None = None) -> None:
+    from mlxproxy.report import render_sections
+
+    click.echo(render_sections(bench_sections(results, verdicts)))
+
+
+def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: str | None, md_path: str | None,
+                  plot_path: str | None, verdicts: dict[str, str] | None = None, write_json: bool = True) -> None:
+    from mlxproxy.report import markdown_sections, write_csv, write_result
+
+    groups, computed, extra = results_doc(results)
+    verdicts = verdicts if verdicts is not None else computed
+    if json_path and write_json:
         write_result(json_path, "bench", groups, verdicts, extra)
         click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
         click.echo(f"wrote {csv_path}", err=True)
     if md_path:
-        rows = [headline(r) for r in results]
-        cols = list(rows[0].keys())
-        md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        md += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
-        md += ["", *headline_notes(results)] if headline_notes(results) else []
-        Path(md_path).write_text("\n".join(md) + "\n")
+        Path(md_path).write_text(markdown_sections(bench_sections(results, verdicts)), encoding="utf-8")
         click.echo(f"wrote {md_path}", err=True)
     if plot_path:
-        Path(plot_path).write_text(plot_svg(results))
+        Path(plot_path).write_text(plot_svg(results), encoding="utf-8")
         click.echo(f"wrote {plot_path}", err=True)
 
 
@@ -114,100 +160,83 @@ def write_bench_html(results: list[TargetResult], path: str) -> None:
 
 
 def plot_svg(results: list[TargetResult]) -> str:
-    from mlxproxy.plot import svg_charts
+    """TTFT and prefill tok/s by prompt size; per-stream decode tok/s, aggregate tok/s and
+    speedup by streams released together (1 = the smallest prompt alone)."""
+    from mlxproxy.plot import Chart, svg_charts
 
-    ttft, prefill, curve = [], [], []
+    ttft, prefill, curve, agg = [], [], [], []
     for r in results:
-        pts_t, pts_p, pts_c = [], [], []
+        pts_t, pts_p, pts_c, pts_a = [], [], [], []
         for g in r.groups:
             s = g["summary"]
-            if g["name"].startswith("single "):
+            if g["name"].startswith("single ") and s["ok"]:
                 size = g["params"].get("prompt_tokens_sent") or g["params"]["prompt_tokens"]
                 pts_t.append((float(size), s["ttft_s"]["p50"]))
                 pts_p.append((float(size), s["prefill_tps"]["p50"]))
             if g["params"].get("streams"):
                 pts_c.append((float(g["params"]["streams"]), s["decode_tps"]["p50"]))
-        sized = [g for g in r.groups if g["name"].startswith("single ")]
-        if sized:  # one stream alone, at the smallest prompt size
-            smallest = min(sized, key=lambda g: g["params"]["prompt_tokens"])
-            pts_c.append((1.0, smallest["summary"]["decode_tps"]["p50"]))
+                pts_a.append((float(g["params"]["streams"]), s["speedup"]))
+        alone = smallest_single(r)
+        if alone and (pts_c or pts_a):
+            pts_c.append((1.0, alone["summary"]["decode_tps"]["p50"]))
+            pts_a.append((1.0, 1.0))
         ttft.append((r.target.name, pts_t))
         prefill.append((r.target.name, pts_p))
         curve.append((r.target.name, pts_c))
+        agg.append((r.target.name, pts_a))
     return svg_charts([
-        ("TTFT by prompt size (p50)", "prompt tokens", "seconds", ttft, True),
-        ("Prefill tokens/s by prompt size (p50)", "prompt tokens", "tokens/s", prefill, True),
-        ("Per-stream decode tokens/s by parallel streams (p50)", "streams released together", "tokens/s", curve, False),
+        Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
+        Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
+              note="no point: stream not incremental, prompt cached, or request refused"),
+        Chart("Batching: speedup of streams released together", "streams released together", "speedup (x)", agg,
+              integer_x=True, note="speedup = aggregate tok/s / one stream alone; 1 = no batching"),
+        Chart("Per-stream decode tokens/s by streams released together (p50)", "streams released together", "tokens/s",
+              curve, integer_x=True),
     ])
 
 
-def parse_targets(values: tuple[str, ...], timeouts: tuple[str, ...], api_key_env: str | None) -> list[Target]:
-    from urllib.parse import urlsplit
-
-    default_timeout = 1800.0
-    per: dict[str, float] = {}
-    for t in timeouts:
-        name, sep, secs = t.rpartition("=")
-        try:
-            value = float(secs)
-        except ValueError:
-            raise click.BadParameter(f"{t!r}: give SECONDS or NAME=SECONDS", param_hint="--timeout") from None
-        if sep:
-            per[name] = value
-        else:
-            default_timeout = value
-    key = None
-    if api_key_env:
-        key = os.environ.get(api_key_env)
-        if key is None:
-            raise click.BadParameter(f"environment variable {api_key_env} is not set", param_hint="--api-key-env")
-    out = []
-    for v in values:
-        name, sep, url = v.partition("=")
-        if not sep:
-            name, url = urlsplit(v).netloc or v, v
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise click.BadParameter(f"{v!r}: give NAME=URL with an http:// URL", param_hint="--target")
-        out.append(Target(name, url.rstrip("/").removesuffix("/v1"), per.get(name, default_timeout), key))
-    names = [t.name for t in out]
-    if len(set(names)) != len(names):
-        raise click.BadParameter("target names must be unique", param_hint="--target")
-    return out
-
-
 @click.command("bench")
-@click.option("--target", "targets", multiple=True, required=True, metavar="NAME=URL",
-              help="A server or proxy to benchmark, e.g. mlx-lm=http://127.0.0.1:8080 (repeatable).")
-@click.option("--prompt-tokens", default=",".join(map(str, DEFAULT_SIZES)), show_default=True,
+@click.option("--target", "targets", multiple=True, required=True, metavar="[NAME=]URL",
+              help=help_for("--target", "E.g. mlx-lm=http://127.0.0.1:8080 (repeatable)."))
+@click.option("--prompt-tokens", type=INT_LIST, default=",".join(map(str, DEFAULT_SIZES)), show_default=True, metavar="N,N,...",
               help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).")
-@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="max_tokens of every request.")
-@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Repetitions of every test; medians are reported.")
-@click.option("--batch", type=click.IntRange(min=2), default=2, show_default=True, help="Requests released together in the batch test (2 = double batch).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help=help_for("--max-tokens"))
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help=help_for("--repeat"))
+@click.option("--batch", type=BATCH_SIZES, default="2", show_default=True, metavar="N[,N,...]",
+              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve."))
 @click.option("--batch-prompt-tokens", type=click.IntRange(min=1), default=None, help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]")
-@click.option("--concurrency", default=None, metavar="N,N,...", help="Also release N requests together for each N, e.g. 1,2,4,8 (per-stream speed curve).")
-@click.option("--model", default=None, help="Model name to request.  [default: the first of the target's /v1/models]")
-@click.option("--timeout", "timeouts", multiple=True, metavar="[NAME=]SECONDS", help="Request timeout, for all targets or one (repeatable).  [default: 1800]")
-@click.option("--api-key-env", default=None, metavar="VAR", help="Environment variable holding the targets' API key.")
-@click.option("--no-nonce", is_flag=True, help="Do not prefix prompts with a nonce (lets prompt caches serve repeats).")
+@click.option("--concurrency", "old_concurrency", type=INT_LIST, default=None, hidden=True,
+              callback=deprecated_alias("bench", "--concurrency"))
+@click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
+@click.option("--timeout", "timeouts", type=SECONDS, multiple=True, metavar="[NAME=]SECONDS",
+              help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"))
+@click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
+@click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
 @click.option("--parallel", is_flag=True, help="Benchmark all targets at once (only fair if they do not share hardware).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write every per-request record and the summaries.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write one row per request.")
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="Write the headline table as Markdown.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write an SVG of TTFT and prefill tok/s by prompt size and per-stream tok/s by streams.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a self-contained HTML report: verdicts, evidence, curves and every request's timeline.")
-def bench(targets: tuple[str, ...], prompt_tokens: str, max_tokens: int, repeat: int, batch: int, batch_prompt_tokens: int | None,
-          concurrency: str | None, model: str | None, timeouts: tuple[str, ...], api_key_env: str | None, no_nonce: bool,
-          parallel: bool, json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams."))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
+          batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, model: str | None,
+          timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
+          json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
           html_path: str | None) -> None:
     """Compare servers: one request at a time across prompt sizes, then requests
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
-    opts = BenchOptions(prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"), max_tokens=max_tokens, repeat=repeat,
-                        batch=batch, batch_prompt_tokens=batch_prompt_tokens,
-                        concurrency=_int_list(concurrency, "--concurrency") if concurrency else (), model=model, nonce=not no_nonce)
-    results = asyncio.run(bench_targets(tlist, opts, parallel=parallel))
+    check_writable(json_path, csv_path, md_path, plot_path, html_path)
+    sizes = tuple(dict.fromkeys((*batch, *(n for n in (old_concurrency or ()) if n >= 2))))
+    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0], batches=sizes,
+                        batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce)
+    results: list[TargetResult] = []
+    interrupted = False
+    try:
+        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results))
+    except KeyboardInterrupt:
+        interrupted = True
     print_bench(results)
     write_outputs(results, json_path, csv_path, md_path, plot_path)
     if html_path:
@@ -216,8 +245,32 @@ def bench(targets: tuple[str, ...], prompt_tokens: str, max_tokens: int, repeat:
         except OSError as exc:
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
-    if all(r.error for r in results):
-        sys.exit(1)
+    if interrupted:
+        fail(f"interrupted: what was measured so far is printed"
+             + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""), 130)
+    if results and all(r.error for r in results):
+        fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)
+    reason = all_failed_reason(results_doc(results)[0])
+    if reason:
+        fail(reason, 1)
+
+
+def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None) -> list[Target]:
+    key = env_key(api_key_env)
+    out = [Target(name, url, 1800.0, key) for name, url in (parse_target(v) for v in values)]
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise click.BadParameter("target names must be unique; give NAME=URL", param_hint="--target")
+    default_timeout, per = 1800.0, {}
+    for name, secs in timeouts:
+        if name is None:
+            default_timeout = secs
+        elif name not in names:
+            raise click.BadParameter(f"{name}={secs:g}: no target named {name!r} (targets: {', '.join(names)})",
+                                     param_hint="--timeout")
+        else:
+            per[name] = secs
+    return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key) for t in out]
 
 
 DEMO_PROFILES: dict[str, dict[str, Any]] = {
@@ -238,9 +291,10 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
 @click.command("demo")
 @click.option("--dir", "out_dir", type=click.Path(file_okay=False), default="mlxproxy-demo", show_default=True,
               help="Where the capture, the results and a metrics snapshot are written.")
-@click.option("--port", type=click.IntRange(min=0, max=65535), default=0, show_default=True, help="Proxy port (0 = any free port).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=0, show_default=True,
+              help=help_for("--port", "The proxy's port."))
 @click.option("--serve", is_flag=True, help="Keep the simulators and the proxy running after the run (Ctrl-C to stop), e.g. to scrape /metrics.")
-@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True, help="Repetitions of every test.")
+@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True, help=help_for("--repeat"))
 def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     """Run the whole product on built-in simulators: eight simulated MLX servers behind
     one proxy, a short benchmark through it, and the comparison table with verdicts.
@@ -251,29 +305,53 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     from mlxproxy.sim.app import create_app as create_sim
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # checked before anything starts: a folder we cannot write would lose the whole run
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".mlxproxy-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        fail(f"cannot write to --dir {out_dir}: {exc.strerror or exc}")
     capture = out / "capture.jsonl"
     if capture.exists():
         capture.unlink()
     started = time.perf_counter()
-    sims = {name: ServerThread(create_sim(name, prefill_tps=20000.0, **knobs)).start() for name, knobs in DEMO_PROFILES.items()}
-    upstreams = [{"name": name, "url": s.url, "models": [name]} for name, s in sims.items()]
-    cfg = build_config({"upstreams": upstreams, "capture": str(capture)}, port=port, log_requests=False)
-    app = create_app(cfg)
-    proxy = ServerThread(app, port=port, server_header=False, date_header=False).start()
-    click.echo(f"simulators: {', '.join(f'{n} {s.url}' for n, s in sims.items())}", err=True)
-    click.echo(f"proxy: {proxy.url}/v1  (live page {proxy.url}/, metrics {proxy.url}/metrics)", err=True)
-    click.echo("benchmark through the proxy: prompts of 100, 2000 and 40000 tokens one at a time, then two at once"
-               f" (x{repeat} each); about a minute...", err=True)
+    sims: dict[str, ServerThread] = {}
+    proxy = None
     try:
+        try:
+            from mlxproxy.runner import bind_socket
+
+            bind_socket("127.0.0.1", port).close()
+        except OSError as exc:
+            fail(f"cannot listen on 127.0.0.1:{port} (--port): {exc.strerror or exc}", 1)
+        for name, knobs in DEMO_PROFILES.items():
+            sims[name] = ServerThread(create_sim(name, prefill_tps=20000.0, **knobs)).start()
+        upstreams = [{"name": name, "url": s.url, "models": [name]} for name, s in sims.items()]
+        cfg = build_config({"upstreams": upstreams, "capture": str(capture)}, port=port, log_requests=False)
+        app = create_app(cfg)
+        try:
+            proxy = ServerThread(app, port=port, server_header=False, date_header=False).start()
+        except (OSError, RuntimeError) as exc:
+            fail(f"cannot start the proxy on 127.0.0.1:{port}: {getattr(exc, 'strerror', None) or exc}", 1)
+        click.echo(f"simulators: {', '.join(f'{n} {s.url}' for n, s in sims.items())}", err=True)
+        click.echo(f"proxy: {proxy.url}/v1  (live page {proxy.url}/, metrics {proxy.url}/metrics)", err=True)
+        click.echo("benchmark through the proxy: prompts of 100, 2000 and 40000 tokens one at a time, then two at once"
+                   f" (x{repeat} each); about a minute...", err=True)
         targets = [Target(name, proxy.url, 120.0) for name in sims]
         opts = BenchOptions(prompt_tokens=(100, 2000, 40000), max_tokens=96, repeat=repeat, batch=2, nonce=True)
-        results = asyncio.run(_demo_run(targets, opts))
+        results: list[TargetResult] = []
+        try:
+            asyncio.run(_demo_run(targets, opts, results))
+        except KeyboardInterrupt:
+            fail("interrupted before the benchmark finished; nothing written", 130)
         elapsed = time.perf_counter() - started
         click.echo("")
         print_bench(results)
-        click.echo("\nThe simulated servers imitate what a 2026 benchmark of MLX servers found (Qwen3.5-35B-A3B, M2 Max):"
-                   " their decode speed is 50 tokens/s per stream; prefill runs at 20000 tok/s here to keep the demo short.")
+        click.echo("")
+        click.echo("\n".join(_wrap_lines("The simulated servers imitate what a 2026 benchmark of MLX servers found"
+                                         " (Qwen3.5-35B-A3B, M2 Max): their decode speed is 50 tokens/s per stream;"
+                                         " prefill runs at 20000 tok/s here to keep the demo short.")))
         write_outputs(results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg"))
         write_bench_html(results, str(out / "bench.html"))
         from prometheus_client import generate_latest
@@ -282,9 +360,11 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         if app.capture is not None:
             app.capture.flush()
         n = sum(1 for _ in capture.open("rb"))
-        click.echo(f"\nfinished in {elapsed:.0f} s. capture of all {n} requests: {capture} (replay it: mlxproxy replay {capture} "
-                   f"--target URL); results: {out / 'bench.json'} (mlxproxy report {out / 'bench.json'}); plot: {out / 'bench.svg'}; "
-                   f"metrics snapshot: {out / 'metrics.prom'}.")
+        click.echo(f"\nfinished in {elapsed:.0f} s. Written to {out}/:")
+        click.echo(f"  capture.jsonl  all {n} requests (replay them: mlxproxy replay {capture} --target URL)")
+        click.echo(f"  bench.json     the results (show them again: mlxproxy report {out / 'bench.json'})")
+        click.echo("  bench.csv      one row per request;  bench.md  these tables as Markdown")
+        click.echo("  bench.svg      the plot;  metrics.prom  a snapshot of the proxy's /metrics")
         click.echo(f"HTML report: {(out / 'bench.html').resolve()} (open it in a browser; it needs no network)")
         if serve:
             click.echo(f"serving until Ctrl-C: live page at {proxy.url}/, metrics at {proxy.url}/metrics", err=True)
@@ -293,14 +373,21 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
                     time.sleep(3600)
             except KeyboardInterrupt:
                 pass
+    except OSError as exc:
+        fail(f"demo stopped: {exc.strerror or exc}", 1)
     finally:
-        proxy.stop()
+        if proxy is not None:
+            proxy.stop()
         for s in sims.values():
             s.stop()
 
 
-async def _demo_run(targets: list[Target], opts: BenchOptions) -> list[TargetResult]:
+async def _demo_run(targets: list[Target], opts: BenchOptions, out: list[TargetResult]) -> list[TargetResult]:
     # each target is the same proxy; the model name routes to the simulator of that name
-    results = await asyncio.gather(*(bench_targets([t], BenchOptions(**{**opts.__dict__, "model": t.name}), parallel=False)
-                                     for t in targets))
-    return [r[0] for r in results]
+    out.extend(TargetResult(t) for t in targets)
+    from mlxproxy.bench import bench_one
+    from mlxproxy.core.detect import Thresholds
+
+    await asyncio.gather(*(bench_one(t, BenchOptions(**{**opts.__dict__, "model": t.name}), Thresholds(), None, r)
+                           for t, r in zip(targets, out)))
+    return out

@@ -352,9 +352,11 @@ def _migrate(d: dict[str, Any], where: str) -> dict[str, Any]:
     return d
 
 
-def iter_capture(path: str | Path, warn: Callable[[str], None] | None = None) -> Iterator[CapturedRequest]:
+def iter_capture(path: str | Path, warn: Callable[[str], None] | None = None, *,
+                 skip_bad: bool = False, skipped: list[str] | None = None) -> Iterator[CapturedRequest]:
     """The requests of a capture file, oldest first. A torn last line (a crash while it
-    was written) is skipped with a warning; any other bad line is a `CaptureFormatError`."""
+    was written) is skipped with a warning; any other bad line is a `CaptureFormatError`,
+    unless `skip_bad`: then it is skipped and its reason appended to `skipped`."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -372,22 +374,37 @@ def iter_capture(path: str | Path, warn: Callable[[str], None] | None = None) ->
             if i == last:  # no newline after it: the writer was stopped mid-line
                 (warn or log.warning)(f"{where}: skipped a torn last line ({len(line)} bytes)")
                 continue
-            raise CaptureFormatError(f"{where}: not a JSON line ({exc})") from exc
-        if not isinstance(d, dict):
-            raise CaptureFormatError(f"{where}: a capture line must be a JSON object")
-        d = _migrate(d, where)
-        req = d.get("request")
-        b64 = d.get("request_b64")
+            bad: CaptureFormatError | None = CaptureFormatError(f"{where}: not a JSON line ({exc})")
+        else:
+            bad = None
         try:
-            record = Record.from_dict(d)
-        except TypeError as exc:
-            raise CaptureFormatError(f"{where}: missing record fields ({exc})") from exc
-        yield CapturedRequest(
-            record=record, method=str(d.get("method", "POST")), path=str(d.get("path", "")),
-            offset_s=float(d.get("offset_s", 0.0)), request=req if isinstance(req, dict) else None,
-            request_bytes=base64.b64decode(b64) if isinstance(b64, str) else None, raw=d,
-        )
+            if bad is not None:
+                raise bad
+            yield _captured(d, where)
+        except CaptureFormatError as exc:
+            if not skip_bad:
+                raise
+            if skipped is not None:
+                skipped.append(str(exc))
 
 
-def read_capture(path: str | Path, warn: Callable[[str], None] | None = None) -> list[CapturedRequest]:
-    return list(iter_capture(path, warn))
+def _captured(d: Any, where: str) -> CapturedRequest:
+    if not isinstance(d, dict):
+        raise CaptureFormatError(f"{where}: a capture line must be a JSON object")
+    d = _migrate(d, where)
+    req = d.get("request")
+    b64 = d.get("request_b64")
+    try:
+        record = Record.from_dict(d)
+    except TypeError as exc:
+        raise CaptureFormatError(f"{where}: missing record fields ({exc})") from exc
+    return CapturedRequest(
+        record=record, method=str(d.get("method", "POST")), path=str(d.get("path", "")),
+        offset_s=float(d.get("offset_s", 0.0)), request=req if isinstance(req, dict) else None,
+        request_bytes=base64.b64decode(b64) if isinstance(b64, str) else None, raw=d,
+    )
+
+
+def read_capture(path: str | Path, warn: Callable[[str], None] | None = None, *, skip_bad: bool = False,
+                 skipped: list[str] | None = None) -> list[CapturedRequest]:
+    return list(iter_capture(path, warn, skip_bad=skip_bad, skipped=skipped))

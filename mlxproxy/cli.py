@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import click
 
 from mlxproxy import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class OneLineErrors(click.Group):
+    """Every command-line mistake is one line on stderr and exit 2 (click's default is a
+    usage block of four lines); Ctrl-C outside a command's own handling exits 130 without
+    click's `Aborted!`. Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and the README."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            where = f"mlxproxy {exc.ctx.info_name}" if exc.ctx is not None and exc.ctx.parent is not None else "mlxproxy"
+            hint = f" (see {where} --help)" if exc.ctx is not None else ""
+            click.echo(f"{where}: {' '.join(exc.format_message().split())}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("mlxproxy: interrupted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            click.echo(f"mlxproxy: {' '.join(exc.format_message().split())}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("mlxproxy: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mlxproxy")
 def main() -> None:
     """Measure what a local OpenAI-compatible LLM server really does.

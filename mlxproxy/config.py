@@ -25,7 +25,7 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.errors import ConfigError
 
 __all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "Thresholds", "load_config", "build_config", "proxy_api_key",
-           "is_loopback_host"]
+           "is_loopback_host", "parse_upstream_url"]
 
 DEFAULT_UPSTREAM_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default port
 
@@ -231,6 +231,7 @@ def _validate(cfg: Config) -> None:
                               f"got {_show(up.name)}")
         seen.add(up.name)
         _check_url(f"upstreams[{i}].url", up.url)
+        parse_upstream_url(up.url, f"config key 'upstreams[{i}].url'")
         if up.api_key_env is not None and not up.api_key_env:
             raise ConfigError(f"config key 'upstreams[{i}].api_key_env' must name an environment variable")
     if cfg.default_upstream is not None and cfg.default_upstream not in seen:
@@ -250,6 +251,38 @@ def _validate(cfg: Config) -> None:
         v = getattr(cfg, key)
         if v < minimum:
             raise ConfigError(f"config key '{key}' must be at least {minimum}, got {v}")
+
+
+def parse_upstream_url(url: str, what: str = "the upstream URL") -> tuple[str, str | None]:
+    """Check a server's base URL (the proxy's upstream, a replay/bench target) and
+    normalize it; the one place every command parses such a URL.
+
+    Returns `(base_url, note)`: the URL without a trailing `/` and without a trailing
+    `/v1` (clients' URLs end in `/v1`, but request paths already start with it, so
+    keeping it would send `/v1/v1/...`), and a one-line note saying so when `/v1` was
+    dropped (else None). Raises `ConfigError` naming `what` for anything that cannot be
+    connected to: another scheme, no host, a port that is not a number in 1..65535, a
+    query or fragment.
+    """
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{what} must be http://HOST[:PORT], got {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080, got {url!r}")
+    if port == 0:
+        raise ConfigError(f"{what} must not use port 0, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{what} must not have a query or fragment, got {url!r}")
+    path = parts.path.rstrip("/")
+    note = None
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+        note = (f"{what} {url!r} ends in /v1; using {parts.scheme}://{parts.netloc}{path} "
+                "(request paths already start with /v1)")
+    return f"{parts.scheme}://{parts.netloc}{path}", note
 
 
 def proxy_api_key(cfg: Config) -> bytes | None:

@@ -1,18 +1,41 @@
-"""A small dependency-free SVG line chart (log-scaled x where asked), for bench results."""
+"""A small dependency-free SVG line chart (log-scaled x where asked), for bench results.
+
+Each series gets its own colour, marker shape and dash pattern, and lines drawn earlier
+are wider, so series that coincide (six healthy servers at the same speed) still show
+every colour; every series has a legend entry, with "(no data)" when nothing was drawn.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from html import escape
 
-__all__ = ["Series", "svg_charts"]
+__all__ = ["Series", "Chart", "svg_charts"]
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
-Series = tuple[str, Sequence[tuple[float, float]]]  # (name, [(x, y), ...])
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
+DASHES = ("", "8,4", "2,3", "10,3,2,3", "5,5", "1,2", "12,4,4,4", "6,2")
+MARKERS = ("circle", "square", "triangle", "diamond", "down", "cross", "plus", "star")
+Series = tuple[str, Sequence[tuple[float, float | None]]]  # (name, [(x, y), ...])
+
+WIDTH, HEIGHT = 760, 320
+LEGEND_W = 190
 
 
-def _ticks(lo: float, hi: float, log: bool) -> list[float]:
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    xlabel: str
+    ylabel: str
+    series: Sequence[Series]
+    log_x: bool = False
+    integer_x: bool = False  # counts (streams): ticks at whole numbers only
+    log_y: bool = False  # for figures spanning decades (TTFT from 10 ms to 10 s)
+    note: str = ""  # one line under the x label
+
+
+def _ticks(lo: float, hi: float, log: bool, integer: bool = False) -> list[float]:
     if log:
         lo_e, hi_e = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
         return [10.0**e for e in range(lo_e, hi_e + 1)]
@@ -23,6 +46,8 @@ def _ticks(lo: float, hi: float, log: bool) -> list[float]:
         if (hi - lo) / (step * mult) <= 6:
             step *= mult
             break
+    if integer:
+        step = max(1.0, round(step))
     start = math.floor(lo / step) * step
     return [start + i * step for i in range(int((hi - start) / step) + 2)]
 
@@ -30,23 +55,57 @@ def _ticks(lo: float, hi: float, log: bool) -> list[float]:
 def _label(v: float) -> str:
     if v >= 1000:
         return f"{v / 1000:g}k"
-    return f"{v:g}" if v >= 1 else f"{v:.2g}"
+    return f"{v:g}" if v >= 1 or v == 0 else f"{v:.2g}"
 
 
-def _chart(title: str, xlabel: str, ylabel: str, series: Sequence[Series], log_x: bool, x0: int, y0: int,
-           w: int = 520, h: int = 300) -> list[str]:
-    pts = [(x, y) for _, s in series for x, y in s if y is not None and (x > 0 or not log_x)]
-    out = [f'<text x="{x0 + w / 2}" y="{y0 + 18}" text-anchor="middle" font-size="14" font-weight="bold">{escape(title)}</text>']
-    if not pts:
-        out.append(f'<text x="{x0 + w / 2}" y="{y0 + h / 2}" text-anchor="middle" font-size="12">no data</text>')
-        return out
-    left, right, top, bottom = x0 + 60, x0 + w - 130, y0 + 30, y0 + h - 40
-    xs = [p[0] for p in pts]
-    ys = [p[1] for p in pts]
-    xlo, xhi = min(xs), max(xs)
-    if xlo == xhi:
-        xlo, xhi = (xlo / 2, xhi * 2) if log_x else (xlo - 1, xhi + 1)
-    ylo, yhi = 0.0, max(ys) * 1.1 or 1.0
+def _marker(kind: str, x: float, y: float, color: str, r: float = 4.0) -> str:
+    if kind == "circle":
+        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}"/>'
+    if kind == "square":
+        return f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r}" height="{2 * r}" fill="{color}"/>'
+    if kind in ("triangle", "down"):
+        s = -1 if kind == "triangle" else 1
+        return (f'<polygon points="{x:.1f},{y + s * r * 1.2:.1f} {x - r:.1f},{y - s * r * 0.8:.1f} '
+                f'{x + r:.1f},{y - s * r * 0.8:.1f}" fill="{color}"/>')
+    if kind == "diamond":
+        return f'<polygon points="{x:.1f},{y - r * 1.3:.1f} {x + r:.1f},{y:.1f} {x:.1f},{y + r * 1.3:.1f} {x - r:.1f},{y:.1f}" fill="{color}"/>'
+    if kind == "cross":
+        return (f'<path d="M{x - r:.1f},{y - r:.1f}L{x + r:.1f},{y + r:.1f}M{x - r:.1f},{y + r:.1f}L{x + r:.1f},{y - r:.1f}" '
+                f'stroke="{color}" stroke-width="2.2"/>')
+    if kind == "plus":
+        return (f'<path d="M{x - r * 1.2:.1f},{y:.1f}L{x + r * 1.2:.1f},{y:.1f}M{x:.1f},{y - r * 1.2:.1f}L{x:.1f},{y + r * 1.2:.1f}" '
+                f'stroke="{color}" stroke-width="2.2"/>')
+    pts = " ".join(f"{x + (r * 1.3 if i % 2 == 0 else r * 0.55) * math.sin(i * math.pi / 5):.1f},"
+                   f"{y - (r * 1.3 if i % 2 == 0 else r * 0.55) * math.cos(i * math.pi / 5):.1f}" for i in range(10))
+    return f'<polygon points="{pts}" fill="{color}"/>'
+
+
+def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[str]:
+    log_x = c.log_x
+    log_y = c.log_y
+
+    def usable(x: float, y: float | None) -> bool:
+        return y is not None and (x > 0 or not log_x) and (y > 0 or not log_y)
+
+    pts = [(x, y) for _, s in c.series for x, y in s if usable(x, y)]
+    out = [f'<text x="{x0 + (w - LEGEND_W) / 2 + 30}" y="{y0 + 20}" text-anchor="middle" font-size="15" '
+           f'font-weight="bold">{escape(c.title)}</text>']
+    left, right, top, bottom = x0 + 70, x0 + w - LEGEND_W - 10, y0 + 34, y0 + h - 58
+    if pts:
+        xs = [p[0] for p in pts]
+        ys = [float(p[1]) for p in pts if p[1] is not None]
+        xlo, xhi = min(xs), max(xs)
+        if xlo == xhi:
+            xlo, xhi = (xlo / 2, xhi * 2) if log_x else (xlo - 1, xhi + 1)
+        if c.integer_x:
+            xlo, xhi = math.floor(xlo), math.ceil(xhi)
+        ylo, yhi = 0.0, max(ys) * 1.12 or 1.0
+        if log_y:
+            ylo, yhi = 10 ** math.floor(math.log10(min(ys))), 10 ** math.ceil(math.log10(max(ys)))
+            if ylo == yhi:
+                yhi = ylo * 10
+    else:
+        xlo, xhi, ylo, yhi = 1.0, 10.0, 0.0, 1.0
 
     def sx(x: float) -> float:
         if log_x:
@@ -54,38 +113,55 @@ def _chart(title: str, xlabel: str, ylabel: str, series: Sequence[Series], log_x
         return left + (x - xlo) / (xhi - xlo) * (right - left)
 
     def sy(y: float) -> float:
+        if log_y:
+            return bottom - (math.log10(y) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo)) * (bottom - top)
         return bottom - (y - ylo) / (yhi - ylo) * (bottom - top)
 
     out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>')
-    for t in _ticks(xlo, xhi, log_x):
-        if xlo <= t <= xhi:
-            out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" stroke="#666"/>'
-                       f'<text x="{sx(t):.1f}" y="{bottom + 16}" text-anchor="middle" font-size="10">{_label(t)}</text>')
-    for t in _ticks(ylo, yhi, False):
-        if ylo <= t <= yhi:
-            out.append(f'<line x1="{left - 4}" y1="{sy(t):.1f}" x2="{right}" y2="{sy(t):.1f}" stroke="#eee"/>'
-                       f'<text x="{left - 6}" y="{sy(t) + 3:.1f}" text-anchor="end" font-size="10">{_label(t)}</text>')
-    out.append(f'<text x="{(left + right) / 2}" y="{bottom + 32}" text-anchor="middle" font-size="11">{escape(xlabel)}</text>')
-    out.append(f'<text x="{x0 + 14}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="11" '
-               f'transform="rotate(-90 {x0 + 14} {(top + bottom) / 2})">{escape(ylabel)}</text>')
-    for i, (name, s) in enumerate(series):
-        color = COLORS[i % len(COLORS)]
-        good = sorted((x, y) for x, y in s if y is not None and (x > 0 or not log_x))
-        if good:
+    if not pts:
+        out.append(f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13">'
+                   'no data</text>')
+    else:
+        for t in _ticks(xlo, xhi, log_x, c.integer_x):
+            if xlo <= t <= xhi:
+                out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" stroke="#666"/>'
+                           f'<text x="{sx(t):.1f}" y="{bottom + 17}" text-anchor="middle" font-size="12">{_label(t)}</text>')
+        for t in _ticks(ylo, yhi, log_y):
+            if ylo <= t <= yhi:
+                out.append(f'<line x1="{left - 4}" y1="{sy(t):.1f}" x2="{right}" y2="{sy(t):.1f}" stroke="#e4e4e4"/>'
+                           f'<text x="{left - 7}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="12">{_label(t)}</text>')
+    out.append(f'<text x="{(left + right) / 2}" y="{bottom + 35}" text-anchor="middle" font-size="13">{escape(c.xlabel)}</text>')
+    if c.note:
+        out.append(f'<text x="{(left + right) / 2}" y="{bottom + 51}" text-anchor="middle" font-size="11" fill="#555">'
+                   f'{escape(c.note)}</text>')
+    out.append(f'<text x="{x0 + 18}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13" '
+               f'transform="rotate(-90 {x0 + 18} {(top + bottom) / 2})">{escape(c.ylabel)}</text>')
+    n = len(c.series)
+    for i, (name, s) in enumerate(c.series):
+        color, dash, marker = COLORS[i % len(COLORS)], DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)]
+        width = 2.0 + 2.5 * (n - 1 - i) / max(1, n - 1)  # earlier lines wider: coinciding ones stay visible
+        good = sorted((x, float(y)) for x, y in s if usable(x, y) and y is not None)
+        if len(good) > 1:
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-            out.extend(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>' for x, y in good)
-        ly = top + 14 * i + 8
-        out.append(f'<rect x="{right + 10}" y="{ly - 8}" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{right + 24}" y="{ly}" font-size="11">{escape(name)}</text>')
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="{width:.1f}" '
+                       f'stroke-linejoin="round"{dash_attr}/>')
+        out.extend(_marker(marker, sx(x), sy(y), color) for x, y in good)
+        ly = top + 18 * i + 8
+        lx = right + 14
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 26}" y2="{ly}" stroke="{color}" stroke-width="2.5"{dash_attr}/>'
+                   + _marker(marker, lx + 13, ly, color, 3.5)
+                   + f'<text x="{lx + 32}" y="{ly + 4}" font-size="12">{escape(name)}{"" if good else " (no data)"}</text>')
     return out
 
 
-def svg_charts(charts: Sequence[tuple[str, str, str, Sequence[Series], bool]]) -> str:
-    """Charts stacked vertically: each (title, xlabel, ylabel, series, log_x)."""
-    h = 300
+def svg_charts(charts: Sequence[Chart | tuple[str, str, str, Sequence[Series], bool]]) -> str:
+    """Charts stacked vertically: each a `Chart` (or the old tuple: title, xlabel, ylabel, series, log_x)."""
     body: list[str] = []
-    for i, (title, xl, yl, series, log_x) in enumerate(charts):
-        body.extend(_chart(title, xl, yl, series, log_x, 0, i * h))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="520" height="{h * len(charts)}" '
-            f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>' + "".join(body) + "</svg>\n")
+    for i, c in enumerate(charts):
+        chart = c if isinstance(c, Chart) else Chart(c[0], c[1], c[2], c[3], log_x=c[4])
+        body.extend(_chart(chart, 0, i * HEIGHT))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT * len(charts)}" '
+            f'viewBox="0 0 {WIDTH} {HEIGHT * len(charts)}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">'
+            f'<rect width="100%" height="100%" fill="white"/>' + "".join(body) + "</svg>\n")

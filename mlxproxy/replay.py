@@ -3,8 +3,9 @@
 Documented rewrites of the captured request body (nothing else changes):
   - streaming requests get `stream_options.include_usage: true` (so usage can be checked);
   - `--model NAME` replaces `model`;
-  - `--nonce` prefixes the first message (or the prompt) with `[nonce <hex>] `, so no
-    prompt cache can serve the request;
+  - the nonce (on by default; `--no-nonce` turns it off) prefixes the first message (or
+    the prompt) with `[nonce <hex>] `, a new one for every request sent (the baseline and
+    the waves of `--batch`, every repeat), so no prompt cache can serve the request;
   - a privacy capture (`capture_prompts: false`) has only message lengths: each message is
     sent as filler text of its recorded length.
 Captured headers are sent again except redacted ones and hop-by-hop ones; `--api-key-env`
@@ -49,7 +50,8 @@ class ReplayOptions:
     batch: int = 2
     repeat: int = 1
     warmup: int = 0
-    nonce: bool = False
+    nonce: bool = True
+    batches: tuple[int, ...] = ()  # batch mode: wave sizes, one group each (default: (batch,))
     model: str | None = None
     limit: int | None = None
     filters: tuple[tuple[str, str], ...] = ()
@@ -142,9 +144,21 @@ def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[st
         if c is None:
             continue
         rows.append({"source_id": src, "model": r.model, "captured_ttft_s": c.record.ttft_s, "replayed_ttft_s": r.ttft_s,
+                     "captured_cached_tokens": c.record.cached_tokens, "replayed_cached_tokens": r.cached_tokens,
+                     "replayed_prompt_tokens": r.prompt_tokens,
                      "captured_decode_tps": c.record.decode_tps, "replayed_decode_tps": r.decode_tps,
                      "captured_outcome": c.record.outcome, "replayed_outcome": r.outcome})
     return rows
+
+
+def served_from_cache(records: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """(requests whose prompt was mostly cached, requests that reported prompt tokens):
+    their TTFT measures the prompt cache, not prefill."""
+    from mlxproxy.core.detect import MOSTLY_CACHED
+
+    reported = [r for r in records if r.get("prompt_tokens")]
+    cached = [r for r in reported if (r.get("cached_tokens") or 0) > MOSTLY_CACHED * r["prompt_tokens"]]
+    return len(cached), len(reported)
 
 
 def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any],
@@ -160,44 +174,70 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
 
 async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
                      api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
-                     progress: bool | None = None, compare: bool = False) -> list[dict[str, Any]]:
-    """Run one replay; return the result groups (see `mlxproxy.report`)."""
+                     progress: bool | None = None, compare: bool = False,
+                     out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
+    appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
+    the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()
-    reqs = [prepare(c, opts) for _ in range(opts.repeat) for c in caps]
     by_id = {c.record.id: c for c in caps}
-    groups: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = out if out is not None else []
+    sizes = opts.batches or (opts.batch,)
+
+    def fresh() -> list[PreparedRequest]:
+        # prepared anew for every phase: with the nonce on, the baseline, each wave size and
+        # each repeat send prompts no cache has seen
+        return [prepare(c, opts) for _ in range(opts.repeat) for c in caps]
+
+    params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
+              "nonce": opts.nonce, "model": opts.model}
+    mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
+            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch"}.get(opts.mode)
+    if mode is None:
+        raise ValueError(f"unknown replay mode {opts.mode!r}")
     async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
         if opts.warmup:
             await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
-        tick: Callable[[], None] = Progress(f"replay {target_name}", len(reqs) * (2 if opts.mode == "batch" else 1), progress)
-        params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
-                  "nonce": opts.nonce, "model": opts.model}
-        if opts.mode == "recorded":
-            timed = await client.run_recorded(reqs, opts.speed, tick)
-            summary = summarize_records(timed.records, lag_s=timed.lag_s)
-            mode = f"recorded x{opts.speed:g}"
-        elif opts.mode == "sequential":
-            timed = await client.run_sequential(reqs, tick)
-            summary = summarize_records(timed.records)
-            mode = "sequential"
-        elif opts.mode == "concurrency":
-            timed = await client.run_closed_loop(reqs, opts.concurrency, tick)
-            summary = summarize_records(timed.records)
-            mode = f"concurrency {opts.concurrency}"
-        elif opts.mode == "batch":
-            single = await client.run_sequential(reqs, tick)
-            s_single = summarize_records(single.records)
-            groups.append(_group("single", target_name, "single", params, single, s_single))
-            timed, waves = await client.run_waves(reqs, opts.batch, tick)
-            summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single["wall_tps"]["p50"])
-            mode = f"batch {opts.batch}"
-        else:
-            raise ValueError(f"unknown replay mode {opts.mode!r}")
-        scaling = prefill_scaling(timed.records, th)
-        if scaling is not None:
-            summary["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
-        groups.append(_group(mode, target_name, mode, params, timed, summary, compare_rows(by_id, timed) if compare else None))
+        measured_from = len(client.finished)
+        n = len(caps) * opts.repeat
+        tick: Callable[[], None] = Progress(f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress)
+        try:
+            if opts.mode == "recorded":
+                timed = await client.run_recorded(fresh(), opts.speed, tick)
+                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records, lag_s=timed.lag_s),
+                                      th, by_id, compare))
+            elif opts.mode == "sequential":
+                timed = await client.run_sequential(fresh(), tick)
+                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "concurrency":
+                timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
+                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            else:
+                single = await client.run_sequential(fresh(), tick)
+                s_single = summarize_records(single.records)
+                groups.append(_group("single", target_name, "single", params, single, s_single))
+                for size in sizes:
+                    timed, waves = await client.run_waves(fresh(), size, tick)
+                    summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single["wall_tps"]["p50"])
+                    name = f"batch {size}"
+                    groups.append(_finish(name, target_name, {**params, "batch": size}, timed, summary, th, by_id, compare))
+        except asyncio.CancelledError:
+            done = {r["id"] for g in groups for r in g["records"]}
+            rest = [r for r in client.finished[measured_from:] if r.id not in done]
+            if rest:
+                timed = Timed(rest)
+                groups.append(_group(f"{mode} interrupted", target_name, f"{mode} interrupted", params, timed,
+                                     summarize_records(rest)))
+            raise
     return groups
+
+
+def _finish(mode: str, target: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any], th: Thresholds,
+            by_id: dict[str, CapturedRequest], compare: bool) -> dict[str, Any]:
+    scaling = prefill_scaling(timed.records, th)
+    if scaling is not None:
+        summary["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
+    return _group(mode, target, mode, params, timed, summary, compare_rows(by_id, timed) if compare else None)
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[dict[str, Any]]:

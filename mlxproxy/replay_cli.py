@@ -9,29 +9,32 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.vocabulary import BATCH_SIZES, SECONDS, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
-    click.echo(f"mlxproxy: {message}", err=True)
+    """One line on stderr (whatever the message holds, e.g. a server's HTML error page), then exit."""
+    click.echo(f"mlxproxy: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
 
 
-def print_groups(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> None:
-    from mlxproxy.report import SUMMARY_COLUMNS, render_table, summary_row, untrusted_notes
+def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[Any]:
+    """Everything `replay` prints (and `report` prints again for a replay result)."""
+    from mlxproxy.report import Section, group_sections
 
-    click.echo(render_table([summary_row(g["target"], g["mode"], g["summary"]) for g in groups], SUMMARY_COLUMNS))
-    for note in untrusted_notes((f"{g['target']} {g['mode']}", g["summary"]) for g in groups):
-        click.echo(note)
+    sections = group_sections(groups, verdicts)
     for g in groups:
-        s = g["summary"]
-        lag = s.get("schedule_lag_s")
-        if lag and lag.get("count"):
-            click.echo(f"{g['target']} {g['mode']}: schedule lag p50 {lag['p50'] * 1000:.1f} ms, p99 {lag['p99'] * 1000:.1f} ms"
-                       " (how far the load generator itself fell behind the recorded offsets)")
-        for kind, a in sorted(s["anomalies"].items()):
-            click.echo(f"  {g['target']} {g['mode']}: {kind} x{a['count']}: {a['evidence']}")
-    for target, verdict in (verdicts or {}).items():
-        click.echo(f"verdict {target}: {verdict}")
+        if g.get("compare"):
+            sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
+                                    legend="ttft: time to first token; cached: prompt tokens the server took from its"
+                                           " prompt cache (- = not reported); prompt_tok: prompt tokens of the replay."))
+    return sections
+
+
+def print_groups(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> None:
+    from mlxproxy.report import render_sections
+
+    click.echo(render_sections(replay_sections(groups, verdicts)))
 
 
 def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -44,122 +47,280 @@ def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def parse_target(spec: str) -> tuple[str, str]:
+    """`[NAME=]URL` -> (name, base URL), the URL checked and normalized like the proxy's
+    upstream (`parse_upstream_url`); a dropped /v1 is said in one line on stderr."""
+    from urllib.parse import urlsplit
+
+    from mlxproxy.config import parse_upstream_url
+    from mlxproxy.errors import ConfigError
+
+    name, sep, url = spec.partition("=")
+    if not sep or "://" in name:  # no NAME= (a URL may contain "=" in its own parts)
+        name, url = "", spec
+    try:
+        base, note = parse_upstream_url(url, "--target")
+    except ConfigError as exc:
+        raise click.BadParameter(f"{str(exc).removeprefix('--target ')}; give [NAME=]URL",
+                                 param_hint="--target") from None
+    if note:
+        click.echo(f"mlxproxy: note: {note}", err=True)
+    return name or urlsplit(base).netloc, base
+
+
+def env_key(api_key_env: str | None) -> str | None:
+    if not api_key_env:
+        return None
+    key = os.environ.get(api_key_env)
+    if key is None:
+        raise click.BadParameter(f"environment variable {api_key_env} is not set", param_hint="--api-key-env")
+    return key
+
+
+def all_failed_reason(groups: list[dict[str, Any]]) -> str | None:
+    """When not one request succeeded: the outcomes and the first error, in one line."""
+    from collections import Counter
+
+    from mlxproxy.core.record import OK_OUTCOMES
+
+    recs = [r for g in groups for r in g["records"]]
+    if not recs or any(r["outcome"] in OK_OUTCOMES for r in recs):
+        return None
+    outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
+    first = next((r for r in recs if r.get("error") or r.get("status")), recs[0])
+    why = (first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"]))
+    why = " ".join(str(why).split())[:200]
+    return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
+
+
+def check_writable(*paths: str | None) -> None:
+    """Fail in one line, before anything runs, when an output file cannot be written."""
+    for p in paths:
+        if not p:
+            continue
+        parent = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(parent):
+            fail(f"cannot write {p}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
+            fail(f"cannot write {p}: permission denied")
+
+
 @click.command("replay")
 @click.argument("capture", type=click.Path(dir_okay=False))
-@click.option("--target", "target_url", required=True, metavar="URL",
-              help="Server or proxy to replay against, e.g. http://127.0.0.1:8080 (no /v1: paths come from the capture).")
-@click.option("--name", "target_name", default=None, help="Name of the target in reports.  [default: its host:port]")
+@click.option("--target", "target_spec", required=True, metavar="[NAME=]URL",
+              help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."))
+@click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
 @click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch"]), default=None,
               help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
                    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
                    "after a one-at-a-time baseline that gives the speedup.")
-@click.option("--speed", type=click.FloatRange(min=0.001), default=1.0, show_default=True,
-              help="recorded mode: 2 replays twice as fast, 0.5 half as fast.")
-@click.option("--concurrency", type=click.IntRange(min=1), default=None, help="Closed loop with N requests in flight (implies --mode concurrency).")
-@click.option("--batch", type=click.IntRange(min=1), default=None, help="Waves of N requests released together (implies --mode batch; 2 = the double-batch test).")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Send the selection K times.")
+@click.option("--speed", type=click.FloatRange(min=0.001), default=None,
+              help=help_for("--speed", "Recorded mode only.  [default: 1]"))
+@click.option("--concurrency", type=click.IntRange(min=1), default=None, help=help_for("--concurrency", "Implies --mode concurrency."))
+@click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True, help="Send the first K requests once first, unmeasured.")
 @click.option("--filter", "filters", multiple=True, metavar="KEY=GLOB", help="Only requests whose model/endpoint/path/outcome match (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N requests (after filtering).")
-@click.option("--nonce", is_flag=True, help="Prefix each prompt with a unique marker so no prompt cache can serve it.")
-@click.option("--model", default=None, help="Send this model name instead of the captured one.")
-@click.option("--api-key-env", default=None, metavar="VAR", help="Environment variable holding the target's API key.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=1800.0, show_default=True, help="Seconds of silence before a request times out.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the summary and every per-request record here.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write one row per request here.")
-@click.option("--compare", is_flag=True, help="Show each request's replayed TTFT and decode TPS next to its captured values.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a self-contained HTML report (tables, anomalies with evidence, every request's timeline).")
-def replay(capture: str, target_url: str, target_name: str | None, mode: str | None, speed: float, concurrency: int | None,
-           batch: int | None, repeat: int, warmup: int, filters: tuple[str, ...], limit: int | None, nonce: bool,
-           model: str | None, api_key_env: str | None, timeout_s: float, json_path: str | None, csv_path: str | None,
+@click.option("--skip-bad-lines", is_flag=True, help="Skip capture lines that cannot be read (their count is printed) instead of refusing the file.")
+@click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
+@click.option("--model", default=None, help=help_for("--model", "[default: the captured one]"))
+@click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
+@click.option("--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS", help=help_for("--timeout", "[default: 1800]"))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
+@click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
+           concurrency: int | None, batch: tuple[int, ...] | None, repeat: int, warmup: int, filters: tuple[str, ...],
+           limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
+           timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
            compare: bool, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
-    on streams, --model, --nonce, and filler text for privacy captures.
+    on streams, --model, the nonce (--no-nonce to send the captured prompts), and
+    filler text for privacy captures.
     """
-    from urllib.parse import urlsplit
+    import asyncio
 
     from mlxproxy.capture import read_capture
-    from mlxproxy.replay import ReplayOptions, run, select
-    from mlxproxy.report import write_csv, write_result
+    from mlxproxy.replay import ReplayOptions, run_replay, select, served_from_cache
 
-    if mode is None:
-        mode = "concurrency" if concurrency else "batch" if batch else "recorded"
-    parts = urlsplit(target_url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        fail(f"--target must be an http:// or https:// URL, got {target_url!r}")
-    api_key = None
-    if api_key_env:
-        api_key = os.environ.get(api_key_env)
-        if api_key is None:
-            fail(f"--api-key-env {api_key_env}: that environment variable is not set")
+    name, target_url = parse_target(target_spec)
+    if target_name:
+        name = target_name
+    implied = "concurrency" if concurrency else "batch" if batch else None
+    if concurrency and batch:
+        fail("--concurrency (a closed loop) and --batch (waves released together) are two different tests; give one")
+    if mode is not None and implied is not None and mode != implied:
+        fail(f"--mode {mode} conflicts with --{implied}; drop one")
+    mode = mode or implied or "recorded"
+    if speed is not None and mode != "recorded":
+        fail(f"--speed only applies to --mode recorded, not {mode}")
+    if timeout is not None and timeout[0] not in (None, name):
+        fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
+    api_key = env_key(api_key_env)
+    check_writable(json_path, csv_path, md_path, html_path)
+    skipped: list[str] = []
     try:
-        caps = read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True))
+        caps = read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
+                            skip_bad=skip_bad_lines, skipped=skipped)
     except MlxproxyError as exc:
-        fail(str(exc))
+        hint = "" if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc) else " (--skip-bad-lines skips such lines)"
+        fail(f"{exc}{hint}")
+    if skipped:
+        click.echo(f"mlxproxy: warning: skipped {len(skipped)} unreadable line(s) of {capture}; the first: {skipped[0]}", err=True)
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
-    opts = ReplayOptions(mode=mode, speed=speed, concurrency=concurrency or 1, batch=batch or 2, repeat=repeat, warmup=warmup,
-                         nonce=nonce, model=model, limit=limit, filters=parse_filters(filters))
-    name = target_name or parts.netloc
-    click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode})", err=True)
-    groups = run(chosen, target_url, opts, target_name=name, api_key=api_key, timeout_s=timeout_s, compare=compare)
+    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=concurrency or 1, batch=(batch or (2,))[0],
+                         batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
+                         filters=parse_filters(filters))
+    click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
+               f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
+    groups: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        asyncio.run(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
+                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups))
+    except KeyboardInterrupt:
+        interrupted = True
     print_groups(groups)
-    if compare:
-        from mlxproxy.report import render_table
+    cached, reported = served_from_cache([r for g in groups for r in g["records"]])
+    if cached:
+        click.echo(f"mlxproxy: warning: {cached} of {reported} replayed requests were served mostly from the prompt cache "
+                   "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
+                   + ("; drop --no-nonce to measure prefill" if not nonce else ""), err=True)
+    write_replay_outputs(groups, capture, target_url, json_path, csv_path, md_path, html_path)
+    if interrupted:
+        fail(f"interrupted: {sum(len(g['records']) for g in groups)} finished requests printed"
+             + (" and written" if json_path or csv_path or md_path or html_path else ""), 130)
+    reason = all_failed_reason(groups)
+    if reason:
+        fail(reason, 1)
 
-        for g in groups:
-            if g.get("compare"):
-                click.echo(f"\n{g['mode']}: captured vs replayed")
-                click.echo(render_table([{k: ("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
-                                          for k, v in row.items()} for row in g["compare"]]))
+
+def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
+        return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
+
+    return [{"source_id": str(r["source_id"])[:12], "model": str(r.get("model") or "-")[:24],
+             "ttft_captured": v(r["captured_ttft_s"], unit="s"), "ttft_replayed": v(r["replayed_ttft_s"], unit="s"),
+             "cached_captured": v(r.get("captured_cached_tokens")), "cached_replayed": v(r.get("replayed_cached_tokens")),
+             "prompt_tok": v(r.get("replayed_prompt_tokens")),
+             "decode_tok/s_captured": v(r["captured_decode_tps"], ".1f"), "decode_tok/s_replayed": v(r["replayed_decode_tps"], ".1f"),
+             "outcome": r["replayed_outcome"]} for r in rows]
+
+
+def write_replay_outputs(groups: list[dict[str, Any]], capture: str, target_url: str, json_path: str | None,
+                         csv_path: str | None, md_path: str | None, html_path: str | None = None) -> None:
+    from mlxproxy.report import markdown_sections, write_csv, write_result
+
     if json_path:
         write_result(json_path, "replay", groups, extra={"capture": capture, "target": target_url})
-        click.echo(f"wrote {json_path}", err=True)
+        click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
         click.echo(f"wrote {csv_path}", err=True)
+    if md_path:
+        with open(md_path, "w", encoding="utf-8") as f:
+            f.write(markdown_sections(replay_sections(groups)))
+        click.echo(f"wrote {md_path}", err=True)
     if html_path:
         from mlxproxy.htmlreport import result_doc, write_html
 
-        write_html(html_path, [(name, result_doc("replay", groups, extra={"capture": capture, "target": target_url}))])
+        try:
+            write_html(html_path, [(os.path.basename(capture), result_doc("replay", groups,
+                                                                          extra={"capture": capture, "target": target_url}))])
+        except OSError as exc:
+            fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
+
+
+def file_labels(files: tuple[str, ...] | list[str]) -> list[str]:
+    """Short labels that tell the files apart: the file name, or as many trailing path
+    parts as it takes (two runs' `bench.json` become `a/bench.json` and `b/bench.json`)."""
+    parts = [os.path.normpath(os.path.abspath(f)).split(os.sep) for f in files]
+    for n in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-n:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(i + 1) + ":" + f for i, f in enumerate(files)]  # the same file twice
+
+
+def _capture_hint(path: str) -> str | None:
+    import orjson
+
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+        d = orjson.loads(first)
+    except (OSError, ValueError):
+        return None
+    if isinstance(d, dict) and "v" in d and "id" in d and "outcome" in d:
+        return (f"{path} is a capture file (written by serve --capture), not a result; "
+                f"replay it to measure it: mlxproxy replay {path} --target URL --json result.json")
+    return None
 
 
 @click.command("report")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write the results as one self-contained HTML file (plots, evidence, timelines).")
-def report(files: tuple[str, ...], html_path: str | None) -> None:
-    """Render saved replay/bench results (--json files) again, several side by side."""
-    from mlxproxy.report import read_result
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help=help_for("--plot", "Bench results only."))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None,
+           html_path: str | None) -> None:
+    """Render saved replay/bench results (--json files) again, the same view as the run
+    that wrote them; several files side by side, each target labelled with its file."""
+    from mlxproxy.bench_cli import bench_sections, plot_svg, results_from_doc
+    from mlxproxy.report import markdown_sections, read_result, render_sections, write_csv
 
-    groups: list[dict[str, Any]] = []
-    verdicts: dict[str, str] = {}
-    docs: list[tuple[str, dict[str, Any]]] = []
+    check_writable(csv_path, md_path, plot_path, html_path)
+    docs = []
     for f in files:
         try:
-            doc = read_result(f)
+            docs.append(read_result(f))
         except MlxproxyError as exc:
-            fail(str(exc))
-        docs.append((os.path.basename(f), doc))
-        tag = os.path.basename(f)
-        for g in doc["groups"]:
-            g = dict(g)
-            if len(files) > 1:
-                g["target"] = f"{tag}:{g['target']}"
-            groups.append(g)
-        for t, v in doc.get("verdicts", {}).items():
-            verdicts[f"{tag}:{t}" if len(files) > 1 else t] = v
-    print_groups(groups, verdicts)
+            fail(_capture_hint(f) or str(exc))
+    labels = file_labels(files)
+    bench_results, bench_verdicts, replay_groups, replay_verdicts = [], {}, [], {}
+    for label, doc in zip(labels, docs):
+        prefix = f"{label}:" if len(files) > 1 else ""
+        if doc.get("kind") == "bench":
+            res, verdicts = results_from_doc(doc, prefix)
+            bench_results += res
+            bench_verdicts.update(verdicts)
+        else:
+            replay_groups += [{**g, "target": prefix + g["target"]} for g in doc["groups"]]
+            replay_verdicts.update({prefix + t: v for t, v in (doc.get("verdicts") or {}).items()})
+    if plot_path and not bench_results:
+        fail("--plot draws bench results; these files hold replay results (use --csv or --markdown)")
+    sections = []
+    if bench_results:
+        sections += bench_sections(bench_results, bench_verdicts)
+    if replay_groups:
+        sections += replay_sections(replay_groups, replay_verdicts)
+    click.echo(render_sections(sections))
+    if csv_path:
+        write_csv(csv_path, [g for r in bench_results for g in r.groups] + replay_groups)
+        click.echo(f"wrote {csv_path}", err=True)
+    if md_path:
+        with open(md_path, "w", encoding="utf-8") as fh:
+            fh.write(markdown_sections(sections))
+        click.echo(f"wrote {md_path}", err=True)
+    if plot_path:
+        with open(plot_path, "w", encoding="utf-8") as fh:
+            fh.write(plot_svg(bench_results))
+        click.echo(f"wrote {plot_path}", err=True)
     if html_path:
         from mlxproxy.htmlreport import write_html
 
         try:
-            write_html(html_path, docs)
+            write_html(html_path, list(zip(labels, docs)))
         except OSError as exc:
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)

@@ -19,13 +19,17 @@ from typing import Any
 import orjson
 
 from mlxproxy import __version__
-from mlxproxy.core.detect import overlap_ratio
+from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
-           "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes"]
+           "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
+           "Section", "render_sections", "markdown_sections", "markdown_table", "group_sections", "summary_rows",
+           "LINE_WIDTH"]
+
+LINE_WIDTH = 100  # console tables are split to fit this many columns
 
 RESULT_VERSION = 1
 
@@ -71,7 +75,10 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
         "wall_tps": stat("wall_tps"),
         "decode_tps": stat("decode_tps"),
         "tpot_s": stat("tpot_s"),
-        "prefill_tps": stat("prefill_tps"),
+        # prefill rates only where they mean something (uncached tokens, incremental stream)
+        "prefill_tps": summarize(r.prefill_tps for r in ok if prefill_judgeable(r)),
+        "cached_tokens": summarize(r.cached_tokens for r in ok if r.cached_tokens is not None),
+        "reasoning": any((r.reasoning_tokens_counted or 0) > 0 or (r.reasoning_tokens_reported or 0) > 0 for r in ok),
         "aggregate_tps": agg,
         "speedup": (agg / single_wall_tps) if (agg is not None and single_wall_tps) else None,
         "overlap": overlap,
@@ -118,27 +125,41 @@ def _num(v: Any, fmt: str) -> str:
     return format(v, fmt)
 
 
-SUMMARY_COLUMNS = ("target", "mode", "requests", "errors", "ttft_p50", "wall_tps_p50", "decode_tps_p50",
-                   "tpot_p50", "tpot_p99", "aggregate_tps", "speedup", "anomalies")
+SUMMARY_COLUMNS = ("target", "mode", "ok/req", "TTFT p50", "TTFC p50", "decode tok/s", "wall tok/s", "TPOT p50",
+                   "TPOT p99", "agg tok/s", "speedup")
+
+#: the legend printed under every table that has these columns (one meaning, everywhere)
+LEGEND = {
+    "ok/req": "ok/req: requests that succeeded / sent",
+    "TTFT p50": "TTFT: time to first token (p50 = median)",
+    "TTFC p50": "TTFC: time to first content token, after any reasoning",
+    "decode tok/s": "decode tok/s: one stream's output tokens/s after its first token (median)",
+    "wall tok/s": "wall tok/s: output tokens / whole request time (median)",
+    "TPOT p50": "TPOT: time per output token (p99 = 99th percentile)",
+    "agg tok/s": "agg tok/s: all streams' output tokens / wall time (per wave when released together)",
+    "speedup": "speedup: agg tok/s / one stream alone (2.00x = two streams at full speed, <=1x = one after another)",
+    "overlap": "overlap: share of a wave's time when its streams were all generating",
+    "prefill": "prefill tok/s: uncached prompt tokens / TTFT",
+}
+DASH = "-: does not apply or not measured"
 
 
 def summary_row(target: str, mode: str, s: dict[str, Any]) -> dict[str, str]:
-    errors = {k: v for k, v in s["outcomes"].items() if k not in OK_OUTCOMES}
     row = {
         "target": target,
         "mode": mode,
-        "requests": str(s["requests"]),
-        "errors": ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "0",
-        "ttft_p50": _num(s["ttft_s"]["p50"], ".3f") + ("s" if s["ttft_s"]["p50"] is not None else ""),
-        "wall_tps_p50": _num(s["wall_tps"]["p50"], ".1f"),
-        "decode_tps_p50": _num(s["decode_tps"]["p50"], ".1f"),
-        "tpot_p50": _ms(s["tpot_s"]["p50"]),
-        "tpot_p99": _ms(s["tpot_s"]["p99"]),
-        "aggregate_tps": _num(s["aggregate_tps"], ".1f"),
+        "ok/req": f"{s['ok']}/{s['requests']}",
+        "TTFT p50": _sec(s["ttft_s"]["p50"]),
+        "TTFC p50": _sec(s["ttfc_s"]["p50"]),
+        "decode tok/s": _num(s["decode_tps"]["p50"], ".1f"),
+        "wall tok/s": _num(s["wall_tps"]["p50"], ".1f"),
+        "TPOT p50": _ms(s["tpot_s"]["p50"]),
+        "TPOT p99": _ms(s["tpot_s"]["p99"]),
+        "agg tok/s": _num(s["aggregate_tps"], ".1f"),
         "speedup": (_num(s["speedup"], ".2f") + "x") if s.get("speedup") is not None else "-",
-        "anomalies": ", ".join(f"{k} {v['count']}" for k, v in sorted(s["anomalies"].items())) or "-",
     }
-    return mark_speeds(row, s, ("wall_tps_p50", "decode_tps_p50", "tpot_p50", "tpot_p99", "aggregate_tps", "speedup"))
+    # speeds that do not use the server's usage count are marked (footnote: untrusted_notes)
+    return mark_speeds(row, s, ("decode tok/s", "wall tok/s", "TPOT p50", "TPOT p99", "agg tok/s", "speedup"))
 
 
 def mark_speeds(row: dict[str, str], s: dict[str, Any], keys: Sequence[str]) -> dict[str, str]:
@@ -151,20 +172,132 @@ def mark_speeds(row: dict[str, str], s: dict[str, Any], keys: Sequence[str]) -> 
     return row
 
 
+def _sec(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}s"
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}ms"
 
 
-def render_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None = None) -> str:
-    """A plain-text table (no dependency), columns in order, widths fitted."""
+def _wrap(text: str, width: int = LINE_WIDTH, indent: str = "  ") -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+
+
+def legend_for(columns: Sequence[str], extra: Sequence[str] = ()) -> str:
+    parts = [LEGEND[c] for c in columns if c in LEGEND] + list(extra) + [DASH]
+    return "; ".join(parts) + "."
+
+
+def render_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None = None, width: int = LINE_WIDTH) -> str:
+    """A plain-text table (no dependency), columns in order, widths fitted. A table wider
+    than `width` is split into several, each repeating the first column."""
     if not rows:
         return "(no results)"
     cols = list(columns or rows[0].keys())
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
-    line = "  ".join(c.ljust(widths[c]) for c in cols)
-    sep = "  ".join("-" * widths[c] for c in cols)
-    body = ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
-    return "\n".join([line, sep, *body])
+    chunks: list[list[str]] = [[cols[0]]]
+    for c in cols[1:]:
+        used = sum(widths[x] + 2 for x in chunks[-1])
+        if len(chunks[-1]) > 1 and used + widths[c] > width:
+            chunks.append([cols[0]])
+        chunks[-1].append(c)
+    parts = []
+    for chunk in chunks:
+        line = "  ".join(c.ljust(widths[c]) for c in chunk).rstrip()
+        sep = "  ".join("-" * widths[c] for c in chunk)
+        body = ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in chunk).rstrip() for r in rows]
+        parts.append("\n".join([line, sep, *body]))
+    return "\n\n".join(parts)
+
+
+def markdown_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None = None) -> str:
+    if not rows:
+        return "(no results)\n"
+    cols = list(columns or rows[0].keys())
+    esc = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    md = ["| " + " | ".join(map(esc, cols)) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(esc(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(md) + "\n"
+
+
+class Section:
+    """One titled table with its legend and notes: rendered on the console and as Markdown alike."""
+
+    def __init__(self, title: str, rows: list[dict[str, str]], columns: Sequence[str] | None = None,
+                 legend: str = "", notes: Sequence[str] = ()) -> None:
+        self.title, self.rows, self.legend, self.notes = title, rows, legend, list(notes)
+        self.columns = list(columns or (rows[0].keys() if rows else ()))
+
+
+def render_sections(sections: Sequence[Section]) -> str:
+    out: list[str] = []
+    for sec in sections:
+        if out:
+            out.append("")
+        if sec.title:
+            out.append(sec.title)
+        if sec.rows:
+            out.append(render_table(sec.rows, sec.columns))
+        if sec.legend:
+            out.extend(_wrap(sec.legend))
+        for n in sec.notes:
+            out.extend(_wrap(n, indent="    "))
+    return "\n".join(out)
+
+
+def markdown_sections(sections: Sequence[Section]) -> str:
+    out: list[str] = []
+    for sec in sections:
+        if sec.title:
+            out.append(f"### {sec.title.rstrip(':')}\n")
+        if sec.rows:
+            out.append(markdown_table(sec.rows, sec.columns))
+        if sec.legend:
+            out.append(f"_{sec.legend}_\n")
+        if sec.notes:
+            out.append("\n".join(f"- {n.strip()}" for n in sec.notes) + "\n")
+    return "\n".join(out)
+
+
+def summary_rows(groups: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    return [summary_row(g["target"], g["mode"], g["summary"]) for g in groups]
+
+
+def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[Section]:
+    """The replay view: one row per group, its legend, then each anomaly once per target
+    (with how many requests of how many showed it) and the errors."""
+    rows = summary_rows(groups)
+    cols = [c for c in SUMMARY_COLUMNS if c != "TTFC p50" or any(g["summary"].get("reasoning") for g in groups)]
+    cols = [c for c in cols if c not in ("agg tok/s", "speedup") or any(r[c] != "-" for r in rows)]
+    notes: list[str] = []
+    for g in groups:
+        s = g["summary"]
+        lag = s.get("schedule_lag_s")
+        if lag and lag.get("count"):
+            notes.append(f"{g['target']} {g['mode']}: schedule lag p50 {lag['p50'] * 1000:.1f} ms, p99 {lag['p99'] * 1000:.1f} ms"
+                         " (how far the load generator itself fell behind the recorded offsets)")
+    for target in dict.fromkeys(g["target"] for g in groups):
+        mine = [g for g in groups if g["target"] == target]
+        total = sum(g["summary"]["requests"] for g in mine)
+        kinds: dict[str, dict[str, Any]] = {}
+        errors: Counter[str] = Counter()
+        for g in mine:
+            for kind, a in g["summary"]["anomalies"].items():
+                k = kinds.setdefault(kind, {"count": 0, "evidence": a["evidence"], "groups": []})
+                k["count"] += a["count"]
+                k["groups"].append(g["mode"])
+            errors.update({k: v for k, v in g["summary"]["outcomes"].items() if k not in OK_OUTCOMES})
+        if errors:
+            notes.append(f"{target}: failed requests: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}")
+        for kind, k in sorted(kinds.items()):
+            notes.append(f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}")
+    for target, v in (verdicts or {}).items():
+        notes.append(f"verdict {target}: {v}")
+    notes.extend(untrusted_notes((f"{g['target']} {g['mode']}", g["summary"]) for g in groups))
+    return [Section("", rows, cols, legend_for(cols), notes)]
 
 
 def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
@@ -197,12 +330,19 @@ CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint",
 
 
 def write_csv(path: str | Path, groups: list[dict[str, Any]]) -> None:
-    """One row per request of every group."""
+    """One row per request. A request that belongs to several groups (bench's `single`
+    holds every `single N`) is written once, under its most specific (last) group."""
+    rows: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for r in g["records"]:
+            row = dict(r)
+            row.update(group=g["name"], target=g["target"], mode=g["mode"], anomalies=";".join(r.get("anomalies", [])))
+            key = f"{g['target']}\0{r.get('id')}"
+            if key in rows:
+                rows[key].update(group=g["name"], mode=g["mode"])
+            else:
+                rows[key] = row
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
-        for g in groups:
-            for r in g["records"]:
-                row = dict(r)
-                row.update(group=g["name"], target=g["target"], mode=g["mode"], anomalies=";".join(r.get("anomalies", [])))
-                w.writerow(row)
+        w.writerows(rows.values())

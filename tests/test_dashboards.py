@@ -396,6 +396,21 @@ def test_every_panel_query_returns_data(live: Live, dashboard: dict[str, Any]) -
     assert not failures, "panel queries without data:\n" + "\n".join(failures)
 
 
+@needs_prometheus
+def test_the_docs_promql_for_prometheus_own_ui_returns_data(live: Live) -> None:
+    """docs/DASHBOARDS.md gives queries to paste into Prometheus's own UI: each one runs and
+    returns data on a loaded proxy."""
+    block = DOCS.read_text(encoding="utf-8").split("```promql")[1].split("```")[0]
+    exprs = [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert len(exprs) >= 5, exprs
+    failures = []
+    for expr in exprs:
+        ok, summary = ph.result_summary(live.prom.query(expr))
+        if not ok:
+            failures.append(f"{expr}: {summary}")
+    assert not failures, failures
+
+
 def _panel_result(live: Live, dashboard: dict[str, Any], title: str) -> dict[tuple[str, ...], float]:
     (expr,) = [t["expr"] for p, t in ph.panel_queries(dashboard) if p["title"] == title]
     ans = live.prom.query(ph.substitute(expr, live.variables))

@@ -183,6 +183,27 @@ def test_superlinear_prefill() -> None:
     assert prefill_scaling([p(4000, 1800), p(53000, 599)], TH) is not None
 
 
+def test_prefill_is_judged_on_uncached_incremental_prompts_only() -> None:
+    """A cache hit makes prefill look fast and `superlinear_prefill` fire on nothing: the
+    sizes are uncached prompt tokens, and mostly cached or non-incremental records are out."""
+    from mlxproxy.core.detect import prefill_judgeable
+
+    def p(size: int, tps: float, cached: int | None = None, anomalies: tuple[str, ...] = ()) -> Record:
+        return rec(prompt_tokens=size, prefill_tps=tps, cached_tokens=cached, anomalies=anomalies)
+
+    assert prefill_judgeable(p(1000, 900, cached=500)) and not prefill_judgeable(p(1000, 900, cached=501))
+    assert not prefill_judgeable(p(1000, 900, anomalies=("non_incremental_stream",)))
+    # the large prompt's rate comes from a cache hit (its uncached part is tiny): not judged
+    cached_hit = [p(100, 500), p(4000, 1800), p(53000, 100, cached=52990)]
+    assert prefill_scaling(cached_hit, TH) is None
+    # a non-incremental server: TTFT is the whole reply, its "prefill rate" means nothing
+    held = [p(100, 500), p(4000, 1800), p(53000, 100, anomalies=("non_incremental_stream",))]
+    assert prefill_scaling(held, TH) is None
+    # sizes are uncached tokens: 53000 with ~26000 cached is judged as a ~27000-token prefill
+    assert prefill_scaling([p(4000, 1800), p(53000, 500, cached=26000), p(53000, 500, cached=26400)], TH) is not None
+    assert prefill_scaling([p(4000, 1800), p(4400, 500, cached=0)], TH) is None  # too close in size to judge
+
+
 NORMAL_FIXTURES = [
     "wire/01_openai_reference_include_usage.sse", "wire/02_mlx_lm_server_reasoning_keepalive.sse",
     "wire/03_mlx_openai_server.sse", "wire/05_mlx_omni_server_include_usage.sse",

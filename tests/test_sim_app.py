@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app
 from mlxproxy.sim.cli import sim
+from timing import latency_ok, rate_ok
 
 
 @contextmanager
@@ -180,8 +181,8 @@ def test_healthy_ttft_and_decode_rate_match_the_truth() -> None:
         gen = s.generated()
         ttft_sim = gen[0][0] * speed
         decode_tps_sim = (len(gen) - 1) / (gen[-1][0] - gen[0][0]) / speed
-        assert ttft_sim == pytest.approx(2000 / 2000, rel=0.25)
-        assert decode_tps_sim == pytest.approx(50.0, rel=0.1)
+        assert latency_ok(ttft_sim, 2000 / 2000), ttft_sim
+        assert rate_ok(decode_tps_sim, 50.0), decode_tps_sim
 
 
 def parallel(client: httpx.Client, bodies: list[dict]) -> list[Stream]:
@@ -215,7 +216,8 @@ def test_continuous_batching_vs_serial() -> None:
     batched, pair = speedup("mlx-openai-server")
     assert batched > 1.6
     a, b = pair
-    assert b.t_headers < 0.05 and a.t_headers < 0.05  # both answered at once
+    # both answered at once: headers within the first fifth of the stream (not after the other)
+    assert max(a.t_headers, b.t_headers) < 0.2 * min(a.generated()[-1][0], b.generated()[-1][0])
     serial, pair = speedup("mlx-omni-server")
     assert serial < 1.0
     first, second = sorted(pair, key=lambda s: s.t_headers)

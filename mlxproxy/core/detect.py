@@ -19,7 +19,7 @@ from mlxproxy.core.stats import percentile
 
 __all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
-           "stall_stats"]
+           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats"]
 
 ANOMALY_KINDS = (
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
@@ -335,14 +335,40 @@ def overlap_ratio(records: Sequence[Record]) -> float | None:
     return both / union if union > 0 else None
 
 
+#: a prompt with more than this fraction of its tokens served from the prompt cache has no
+#: prefill rate worth judging: its TTFT measures the cache
+MOSTLY_CACHED = 0.5
+
+
+def uncached_prompt_tokens(r: Record) -> int | None:
+    """The prompt tokens the server really processed: prompt_tokens minus cached_tokens."""
+    if not r.prompt_tokens:
+        return None
+    return max(0, r.prompt_tokens - (r.cached_tokens or 0))
+
+
+def prefill_judgeable(r: Record) -> bool:
+    """Whether this record's prefill rate (uncached prompt tokens / TTFT) means anything:
+    a successful stream that was incremental (the first token was not held back with the
+    rest) and whose prompt was not mostly served from the cache."""
+    if r.outcome not in ("ok", "ok_no_done") or r.prefill_tps is None or not r.prompt_tokens:
+        return False
+    if "non_incremental_stream" in r.anomalies:
+        return False
+    return (r.cached_tokens or 0) <= MOSTLY_CACHED * r.prompt_tokens
+
+
 def prefill_scaling(records: Iterable[Record], th: Thresholds) -> Anomaly | None:
     """Superlinear prefill: the median prefill tok/s at the largest prompt size is far
     below the best median at any size at least `superlinear_min_size_ratio` times
-    smaller. (With linear prefill plus a fixed cost, tok/s only rises with size.)"""
+    smaller. (With linear prefill plus a fixed cost, tok/s only rises with size.)
+    Sizes are uncached prompt tokens; records whose prefill cannot be judged (mostly
+    cached, non-incremental stream: `prefill_judgeable`) are left out."""
     by_size: dict[int, list[float]] = {}
     for r in records:
-        if r.outcome in ("ok", "ok_no_done") and r.prefill_tps is not None and r.prompt_tokens:
-            by_size.setdefault(r.prompt_tokens, []).append(r.prefill_tps)
+        if prefill_judgeable(r) and r.prefill_tps is not None:
+            by_size.setdefault(uncached_prompt_tokens(r) or 0, []).append(r.prefill_tps)
+    by_size.pop(0, None)
     if len(by_size) < 2:
         return None
     med = {size: percentile(sorted(v), 50) or 0.0 for size, v in by_size.items()}

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
+from collections.abc import Callable
 
 import click
 
-from mlxproxy.config import Config, is_loopback_host, load_config
+from mlxproxy.config import Config, is_loopback_host, load_config, parse_upstream_url
 from mlxproxy.errors import ConfigError
+from mlxproxy.vocabulary import SECONDS, help_for
 
 
 def setup_logging(level: str) -> None:
@@ -27,10 +30,12 @@ def exposure_warning(cfg: Config) -> str | None:
 
 @click.command("serve")
 @click.option("--upstream", "upstream_url", metavar="URL",
-              help="Server to forward to, e.g. http://127.0.0.1:8080 (replaces the config's upstreams). "
-                   "Default: the config's upstreams, else http://127.0.0.1:8080 (mlx_lm.server's default port).")
-@click.option("--host", default=None, help="Address to listen on.  [default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="Port to listen on (0 picks a free one).  [default: 8000]")
+              help="Server to forward to, e.g. http://127.0.0.1:8080 (replaces the config's upstreams; a trailing /v1 "
+                   "is dropped). Default: the config's upstreams, else http://127.0.0.1:8080 (mlx_lm.server's default port).")
+@click.option("--host", default=None, help=help_for("--host", "[default: 127.0.0.1]"))
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help=help_for("--port", "[default: 8000]"))
+@click.option("--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS",
+              help=help_for("--timeout", "Replaces the config's timeouts.read_s.  [default: 1800]"))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML config file (keys: see config.example.yaml). Flags override it.")
 @click.option("--capture", "capture_path", type=click.Path(dir_okay=False), default=None,
@@ -39,8 +44,8 @@ def exposure_warning(cfg: Config) -> str | None:
               help="Do not add stream_options.include_usage upstream: pure byte-for-byte passthrough.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
               help="One line per finished request is logged at info.")
-def serve(upstream_url: str | None, host: str | None, port: int | None, config_path: str | None,
-          capture_path: str | None, no_inject_usage: bool, log_level: str) -> None:
+def serve(upstream_url: str | None, host: str | None, port: int | None, timeout: tuple[str | None, float] | None,
+          config_path: str | None, capture_path: str | None, no_inject_usage: bool, log_level: str) -> None:
     """Run the measuring proxy.
 
     Point clients at http://HOST:PORT/v1 instead of the server. Every request is
@@ -49,11 +54,26 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
     as JSON at /streams, health at /healthz.
     """
     try:
+        if upstream_url is not None:  # name the flag, not the config key, when the flag is wrong
+            parse_upstream_url(upstream_url, "--upstream")
+        if timeout is not None and timeout[0] is not None:
+            raise ConfigError("--timeout takes SECONDS here (the proxy has one read timeout for every upstream)")
         cfg = load_config(config_path, upstream_url=upstream_url, host=host, port=port,
                           inject_usage=False if no_inject_usage else None, capture=capture_path)
+        cfg = normalized_upstreams(cfg, upstream_url is not None, lambda m: click.echo(f"mlxproxy: note: {m}", err=True))
     except ConfigError as exc:
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
+    if timeout is not None:
+        cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, read_s=timeout[1]))
+    if cfg.capture:  # checked now: a capture that cannot be written would lose the day's traffic
+        import os
+
+        parent = os.path.dirname(os.path.abspath(cfg.capture))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            click.echo(f"mlxproxy: cannot write the capture file {cfg.capture}: folder {parent} "
+                       f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}", err=True)
+            sys.exit(2)
     setup_logging(log_level)
     from mlxproxy.proxy.app import create_app
     from mlxproxy.proxy.upstream import display_url
@@ -89,4 +109,20 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, config_p
     # freed by reference counting; benchmarks/README.md measures what this buys).
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    run_server(uvicorn.Server(ucfg), sock)
+    try:
+        run_server(uvicorn.Server(ucfg), sock)
+    except KeyboardInterrupt:  # Ctrl-C is how a foreground proxy is stopped: not an error
+        pass
+    click.echo("mlxproxy: stopped", err=True)
+
+
+def normalized_upstreams(cfg: Config, from_flag: bool, note: Callable[[str], None]) -> Config:
+    """The config with every upstream URL as `parse_upstream_url` normalizes it (a trailing
+    /v1 dropped, with one note line each)."""
+    ups = []
+    for i, up in enumerate(cfg.upstreams):
+        url, msg = parse_upstream_url(up.url, "--upstream" if from_flag else f"config key 'upstreams[{i}].url'")
+        if msg:
+            note(msg)
+        ups.append(dataclasses.replace(up, url=url))
+    return dataclasses.replace(cfg, upstreams=tuple(ups))

@@ -217,6 +217,8 @@ class Upstream:
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' failed before responding: {_reason(exc)}") from exc
+        except ValueError as exc:  # a URL that cannot be connected to (config checks refuse these at start)
+            raise UpstreamUnreachable(f"upstream '{self.name}' has an invalid URL {self.base}: {exc}") from exc
         self.open_responses += 1
         return UpstreamResponse(resp, self)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from mlxproxy.vocabulary import deprecated_alias, help_for
 from mlxproxy.sim.profiles import PROFILES, Profile, coerce_knob, get_profile, truth_lines
 
 
@@ -31,15 +32,18 @@ def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, .
 @click.command("sim")
 @click.option("--profile", "profile_name", type=click.Choice(list(PROFILES)), default="healthy", show_default=True,
               help="Which real server to imitate.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help=help_for("--host"))
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help=help_for("--port"))
 @click.option("--speed", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
-              help="Run simulated time this many times faster than the wall clock.")
+              help=help_for("--speed", "Simulated time against the wall clock."))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated text.")
 @click.option("--decode-tps", type=click.FloatRange(min=0.0, min_open=True), help="Single-stream decode tokens/s.")
 @click.option("--prefill-tps", type=click.FloatRange(min=0.0, min_open=True), help="Prefill tokens/s.")
 @click.option("--max-context", type=click.IntRange(min=0), help="Reject longer prompts with HTTP 400 (0 = no limit).")
-@click.option("--max-tokens", type=click.IntRange(min=1), help="Cap on output tokens per request.")
+@click.option("--max-output-tokens", "max_tokens", type=click.IntRange(min=1),
+              help="The server's cap on output tokens per request (a request asking for more gets this many).")
+@click.option("--max-tokens", "old_max_tokens", type=click.IntRange(min=1), hidden=True,
+              callback=deprecated_alias("sim", "--max-tokens"))
 @click.option("--output-tokens", type=click.IntRange(min=1), help="Output tokens when a request sets no max_tokens.")
 @click.option("--batch-penalty", type=click.FloatRange(min=0.0), help="Extra step cost per added stream (fraction).")
 @click.option("--max-batch", type=click.IntRange(min=0), help="Most streams decoding at once (0 = no limit).")
@@ -47,7 +51,8 @@ def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, .
 @click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Set any profile knob (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the effective knobs and exit without serving.")
 def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode_tps: float | None,
-        prefill_tps: float | None, max_context: int | None, max_tokens: int | None, output_tokens: int | None,
+        prefill_tps: float | None, max_context: int | None, max_tokens: int | None, old_max_tokens: int | None,
+        output_tokens: int | None,
         batch_penalty: float | None, max_batch: int | None, batching: str | None, sets: tuple[str, ...],
         dry_run: bool) -> None:
     """Serve a simulated MLX server: OpenAI-compatible, deterministic timing, a real server's wire format.
@@ -56,6 +61,8 @@ def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode
     mlx-vlm, phantom-usage (see docs/SIMULATOR.md). The effective knobs are printed first as one
     JSON line, so a test knows the truth it should measure; GET /sim/profile returns them too.
     """
+    if max_tokens is None:
+        max_tokens = old_max_tokens
     options = {
         "decode_tps": decode_tps, "prefill_tps": prefill_tps, "max_context_tokens": max_context,
         "max_output_tokens": max_tokens, "default_output_tokens": output_tokens,
@@ -82,4 +89,7 @@ def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode
     bound = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
     click.echo(f"mlxproxy sim ({profile.name}) listening on http://{shown_host}:{bound} (speed {speed:g}x)")
-    run_server(uvicorn.Server(make_uvicorn_config(app, host, bound)), sock)
+    try:
+        run_server(uvicorn.Server(make_uvicorn_config(app, host, bound)), sock)
+    except KeyboardInterrupt:  # Ctrl-C is how a foreground server is stopped: not an error
+        pass

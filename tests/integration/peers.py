@@ -38,10 +38,13 @@ from mlxproxy.core.record import Record
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: Where each client is looked for, in order, before ``PATH``.
+#: Where each client is looked for, in order, before ``PATH``: the executable an environment
+#: variable names (``MLXPROXY_AIDER``, ``MLXPROXY_OPENCODE``: a developer's own install), then
+#: where ``.ci/install-clients`` puts it.
+CLIENT_ENV = {"aider": "MLXPROXY_AIDER", "opencode": "MLXPROXY_OPENCODE"}
 CLIENT_PATHS: dict[str, tuple[Path, ...]] = {
-    "aider": (REPO / ".ci-tools/aider-venv/bin/aider", Path("/work/aider-venv/bin/aider")),
-    "opencode": (REPO / ".ci-tools/npm/bin/opencode", Path("/tmp/oc-prefix/bin/opencode")),
+    "aider": (REPO / ".ci-tools/aider-venv/bin/aider",),
+    "opencode": (REPO / ".ci-tools/npm/bin/opencode",),
 }
 
 T = TypeVar("T")
@@ -50,7 +53,11 @@ T = TypeVar("T")
 def find_client(name: str) -> tuple[str | None, list[str]]:
     """The first executable ``name`` among :data:`CLIENT_PATHS` then ``PATH``; also the places searched."""
     searched = []
-    for p in CLIENT_PATHS.get(name, ()):
+    var = CLIENT_ENV.get(name)
+    own = (Path(os.environ[var]),) if var and os.environ.get(var) else ()
+    if var and not own:
+        searched.append(f"${var} (unset)")
+    for p in (*own, *CLIENT_PATHS.get(name, ())):
         searched.append(str(p))
         if p.is_file() and os.access(p, os.X_OK):
             return str(p), searched

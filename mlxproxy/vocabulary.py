@@ -1,0 +1,117 @@
+"""One vocabulary for every command's options.
+
+An option spelled the same in two commands means the same thing in both: its meaning is
+written once here, each command's help starts with it (`help_for`), and
+tests/test_cli_ux.py checks every command's click parameters and the README's table
+against `MEANINGS`. Spellings that changed keep working for one release, hidden, with a
+deprecation line on stderr (`DEPRECATED`, `deprecated_alias`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "deprecated_alias", "EXIT_CODES"]
+
+#: option -> its one meaning (the first sentence of its help in every command that has it)
+MEANINGS: dict[str, str] = {
+    "--host": "Address to listen on.",
+    "--port": "Port to listen on (0 picks a free one).",
+    "--target": "[NAME=]URL of a server or proxy to send requests to (a trailing /v1 is dropped); "
+                "NAME labels it in reports (default: its host:port).",
+    "--timeout": "Seconds a request may wait in silence for its response or its next byte before it times out.",
+    "--model": "Model name to send in every request instead of the default.",
+    "--repeat": "How many times each request or test is sent; figures are medians.",
+    "--speed": "Time runs this many times faster than recorded or simulated (2 = twice as fast).",
+    "--batch": "N[,N,...]: waves of N requests released together, after a one-at-a-time baseline that gives "
+               "the speedup (2 = the double-batch test).",
+    "--concurrency": "N requests in flight at once, each next one sent when one finishes (closed loop).",
+    "--nonce": "Prefix every prompt with its own marker so no prompt cache can serve it "
+               "(on by default; --no-nonce sends the prompts' bytes unchanged).",
+    "--api-key-env": "Environment variable holding the target's API key.",
+    "--max-tokens": "max_tokens of every request sent.",
+    "--json": "Write every per-request record and the summaries to this JSON file.",
+    "--csv": "Write one row per request to this CSV file.",
+    "--markdown": "Write the console's tables as Markdown to this file.",
+    "--plot": "Write an SVG plot of the results to this file.",
+    "--html": "Write a self-contained HTML report (tables, verdicts with evidence, plots, every request's "
+              "timeline; no network needed to open it) to this file.",
+}
+
+#: old spelling -> (command, what to use instead); accepted until the next release
+DEPRECATED: dict[tuple[str, str], str] = {
+    ("replay", "--name"): "--target NAME=URL",
+    ("bench", "--concurrency"): "--batch N,N,... (bench releases requests together; --concurrency means a closed loop)",
+    ("sim", "--max-tokens"): "--max-output-tokens (the server's cap; --max-tokens is a request's max_tokens)",
+}
+
+#: exit codes of every command
+EXIT_CODES = {
+    0: "success (also: `serve` stopped with Ctrl-C)",
+    1: "the run failed: every request failed, a target was unreachable, a port could not be opened",
+    2: "the command line or an input file is wrong (one line says what and how to fix it)",
+    130: "interrupted with Ctrl-C (`bench`/`replay`: what was measured so far is printed and written)",
+}
+
+
+def help_for(option: str, extra: str = "") -> str:
+    """The option's shared meaning, then what is particular to this command."""
+    return MEANINGS[option] + (" " + extra if extra else "")
+
+
+class _Seconds(click.ParamType):
+    """SECONDS or NAME=SECONDS -> (name or None, seconds)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str | None, float]:
+        if isinstance(value, tuple):
+            return value
+        name, sep, secs = str(value).rpartition("=")
+        try:
+            v = float(secs)
+        except ValueError:
+            self.fail(f"{value!r}: give SECONDS (or NAME=SECONDS), e.g. 600", param, ctx)
+        if not v > 0:
+            self.fail(f"{value!r}: seconds must be more than 0", param, ctx)
+        return (name if sep else None), v
+
+
+class _IntList(click.ParamType):
+    """N or N,N,... -> tuple of ints >= `min`."""
+
+    name = "int_list"
+
+    def __init__(self, minimum: int = 1) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            items = tuple(int(x) for x in str(value).split(",") if x.strip())
+        except ValueError:
+            self.fail(f"{value!r}: give comma-separated whole numbers, e.g. 2,4,8", param, ctx)
+        if not items or any(i < self.minimum for i in items):
+            self.fail(f"{value!r}: give at least one number, each >= {self.minimum}", param, ctx)
+        return items
+
+
+SECONDS = _Seconds()
+INT_LIST = _IntList(1)
+BATCH_SIZES = _IntList(2)
+
+
+def deprecated_alias(command: str, option: str) -> Any:
+    """A click callback that prints the deprecation line when the old spelling is used."""
+    instead = DEPRECATED[(command, option)]
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None and value != () and value is not False:
+            click.echo(f"mlxproxy: warning: {command} {option} is deprecated and will be removed in the next "
+                       f"release; use {instead}", err=True)
+        return value
+
+    return callback

@@ -1,0 +1,418 @@
+"""The first hour of a new user: every mistake answered in one line with the documented
+exit code (driven through the real CLI in a subprocess), `/v1` on a URL handled the same
+way everywhere, Ctrl-C, and one vocabulary across commands (checked against each
+command's click parameters and the README's table)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+import pytest
+
+from mlxproxy.cli import main
+from mlxproxy.runner import ServerThread
+from mlxproxy.sim.app import create_app as create_sim
+from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mlxproxy", *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV, stdin=subprocess.DEVNULL)
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: str, ran: bool = False) -> str:
+    """The command failed with `code` and said why in exactly one stderr line (warnings
+    and notes may precede it), with no traceback. `ran`: the command started its run, so
+    its progress lines come first and the error is the last line."""
+    err = res.stderr
+    assert res.returncode == code, (res.returncode, err[-1500:])
+    assert "Traceback" not in err and "Aborted!" not in err, err[-1500:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("mlxproxy: warning:", "mlxproxy: note:"))]
+    if ran:
+        lines = [ln for ln in lines if ln.startswith("mlxproxy")]
+        assert lines and err.strip().splitlines()[-1] == lines[-1], err[-1500:]
+    assert len(lines) == 1, lines
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-request capture, its lines made by the capture writer's own `line_for`."""
+    from mlxproxy.capture import CaptureWriter
+    from mlxproxy.core.record import Record
+
+    path = tmp_path_factory.mktemp("ux") / "capture.jsonl"
+    w = CaptureWriter(path.with_suffix(".unused"))
+    lines = []
+    for i in range(2):
+        rec = Record(id=f"c{i}", started_at=1.0 + i, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                     status=200, outcome="ok", method="POST", path="/v1/chat/completions")
+        d = orjson.loads(w.line_for(rec, None))
+        d["path"] = "/v1/chat/completions"
+        d["request"] = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi " * 30}]}
+        lines.append(orjson.dumps(d))
+    w.close()
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+# -- every mistake: one line, the documented exit code -------------------------------------
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:80800", "http://:abc", "ftp://127.0.0.1:8080", "127.0.0.1:8080",
+                                 "http://127.0.0.1:8080?x=1"])
+def test_serve_refuses_an_invalid_upstream_url_at_start(url: str) -> None:
+    line = one_line_error(cli("serve", "--upstream", url, "--port", "0"), 2, "--upstream")
+    assert url in line
+
+
+def test_an_upstream_url_that_slipped_past_the_checks_gets_an_openai_shaped_error() -> None:
+    """Config checks refuse a bad URL at start; a Config built in code skips them, and even
+    then the client gets the OpenAI-shaped 502 with its request id, not a bare 500."""
+    import httpx
+
+    from mlxproxy.config import Config, UpstreamConfig
+    from mlxproxy.proxy.app import create_app
+
+    cfg = Config(upstreams=(UpstreamConfig("a", "http://127.0.0.1:80800"),), log_requests=False)
+    with ServerThread(create_app(cfg)) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+    assert r.status_code == 502 and r.headers.get("x-mlxproxy-request-id")
+    err = r.json()["error"]
+    assert err["code"] == "upstream_unreachable" and "invalid URL" in err["message"] and set(err) >= {"type", "param"}
+
+
+def test_serve_refuses_an_invalid_upstream_url_in_the_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("upstreams:\n  - name: a\n    url: http://127.0.0.1:80800\n")
+    one_line_error(cli("serve", "--config", str(cfg), "--port", "0"), 2, "config key 'upstreams[0].url'", "Port out of range")
+
+
+def test_flag_errors_name_the_flag_not_a_config_key() -> None:
+    line = one_line_error(cli("serve", "--port", "99999"), 2, "--port")
+    assert "config key" not in line
+    one_line_error(cli("serve", "--timeout", "abc"), 2, "--timeout")
+
+
+def test_a_taken_port_is_one_line_and_exit_1() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        port = str(s.getsockname()[1])
+        one_line_error(cli("serve", "--port", port), 1, "cannot listen", port)
+        one_line_error(cli("demo", "--port", port, "--repeat", "1"), 1, "cannot listen", port)
+    finally:
+        s.close()
+
+
+def test_serve_refuses_a_capture_it_cannot_write(tmp_path: Path) -> None:
+    one_line_error(cli("serve", "--port", "0", "--capture", str(tmp_path / "missing" / "c.jsonl")), 2,
+                   "cannot write the capture file", "does not exist")
+
+
+def test_demo_refuses_a_folder_it_cannot_write(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where a folder should be: mkdir fails even for root
+    one_line_error(cli("demo", "--dir", str(blocker / "out"), "--repeat", "1"), 2, "cannot write to --dir")
+
+
+@pytest.mark.parametrize("target", ["http://127.0.0.1:80800", "http://:abc", "a=ftp://x"])
+def test_replay_and_bench_refuse_an_invalid_target(capture: Path, target: str) -> None:
+    one_line_error(cli("replay", str(capture), "--target", target), 2, "--target")
+    one_line_error(cli("bench", "--target", target), 2, "--target")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch", "2", "--concurrency", "3"], "give one"),
+    (["--mode", "sequential", "--speed", "2"], "--speed only applies"),
+    (["--mode", "sequential", "--batch", "2"], "conflicts"),
+    (["--batch", "1"], "--batch"),
+    (["--timeout", "other=5"], "no target named"),
+])
+def test_replay_refuses_conflicting_flags_with_the_reason(capture: Path, args: list[str], needle: str) -> None:
+    one_line_error(cli("replay", str(capture), "--target", "a=http://127.0.0.1:9", *args), 2, needle)
+
+
+def test_bench_flag_errors(tmp_path: Path) -> None:
+    one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--batch", "1"), 2, "--batch")
+    one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--prompt-tokens", "1,x"), 2, "comma-separated")
+    one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--target", "a=http://127.0.0.1:8"), 2, "unique")
+    one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--json", str(tmp_path / "no" / "r.json")), 2,
+                   "does not exist")
+
+
+def test_replay_and_bench_exit_1_when_every_request_failed(capture: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    one_line_error(cli("replay", str(capture), "--target", dead, "--mode", "sequential"), 1, "every request failed",
+                   "upstream_unreachable", ran=True)
+    one_line_error(cli("bench", "--target", f"dead={dead}", "--prompt-tokens", "100", "--repeat", "1"), 1,
+                   "every target failed", "cannot reach", ran=True)
+
+
+def test_report_on_a_capture_says_replay_it(capture: Path, tmp_path: Path) -> None:
+    one_line_error(cli("report", str(capture)), 2, "is a capture file", "mlxproxy replay")
+    one_line_error(cli("report", str(tmp_path / "missing.json")), 2, "cannot read result file")
+
+
+def test_one_bad_capture_line_is_named_and_can_be_skipped(capture: Path, tmp_path: Path) -> None:
+    lines = capture.read_bytes().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(lines[0] + b"\n{not json\n" + lines[1] + b"\n")
+    one_line_error(cli("replay", str(bad), "--target", "http://127.0.0.1:9"), 2, "bad.jsonl:2", "--skip-bad-lines")
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli("replay", str(bad), "--target", sim.url, "--mode", "sequential", "--skip-bad-lines")
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert "skipped 1 unreadable line(s)" in res.stderr and "ok/req" in res.stdout and "2/2" in res.stdout
+
+
+# -- /v1 on a URL: stripped everywhere, with one line saying so -------------------------------
+
+
+def test_v1_on_a_target_is_dropped_with_one_note(capture: Path, tmp_path: Path) -> None:
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli("replay", str(capture), "--target", sim.url + "/v1/", "--mode", "sequential", "--json", str(tmp_path / "r.json"))
+        assert res.returncode == 0, res.stderr[-1500:]
+        notes = [ln for ln in res.stderr.splitlines() if "ends in /v1" in ln]
+        assert len(notes) == 1 and sim.url in notes[0]
+        doc = orjson.loads((tmp_path / "r.json").read_bytes())
+        assert all(r["outcome"] == "ok" for g in doc["groups"] for r in g["records"])
+        res = cli("bench", "--target", f"s={sim.url}/v1", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "4")
+        assert res.returncode == 0, res.stderr[-1500:]
+        assert sum("ends in /v1" in ln for ln in res.stderr.splitlines()) == 1
+
+
+@contextmanager
+def serve_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """`mlxproxy serve` in a subprocess; yields it, its URL and its stderr lines so far."""
+    proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--port", "0", *args], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=ENV)
+    lines: list[str] = []
+    got_url = threading.Event()
+    url: list[str] = []
+
+    def reader() -> None:
+        assert proc.stderr is not None
+        for ln in proc.stderr:
+            lines.append(ln.rstrip("\n"))
+            m = re.search(r"listening on (http://[\d.]+:\d+)/v1", ln)
+            if m:
+                url.append(m.group(1))
+                got_url.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        assert got_url.wait(60), lines
+        yield proc, url[0], lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        t.join(10)
+
+
+def test_serve_drops_v1_forwards_and_stops_quietly_on_ctrl_c() -> None:
+    import httpx
+
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        with serve_process("--upstream", sim.url + "/v1") as (proc, url, lines):
+            assert sum("ends in /v1" in ln for ln in lines) == 1, lines
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 4,
+                                                              "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "Aborted" not in text and lines[-1] == "mlxproxy: stopped", lines[-5:]
+
+
+class Counting:
+    """ASGI wrapper counting finished responses (so a test knows a request was measured)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.done = app, 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            self.done += 1
+
+
+def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))  # 8 tokens: ~0.4 s a request
+    out = tmp_path / "partial.json"
+    with ServerThread(app) as sim:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "replay", str(capture), "--target", sim.url,
+                                 "--mode", "sequential", "--repeat", "50", "--json", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        deadline = time.monotonic() + 60
+        while app.done < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)  # waiting for progress, not measuring
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and "Aborted!" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith("mlxproxy: interrupted:")
+    doc = orjson.loads(out.read_bytes())
+    recs = [r for g in doc["groups"] for r in g["records"]]
+    assert 2 <= len(recs) < 100 and "interrupted" in doc["groups"][-1]["mode"] and "ok/req" in stdout
+
+
+def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))
+    out = tmp_path / "partial.json"
+    with ServerThread(app) as sim:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "bench", "--target", f"s={sim.url}", "--prompt-tokens",
+                                 "50,100", "--repeat", "20", "--max-tokens", "8", "--json", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        deadline = time.monotonic() + 60
+        while app.done < 5 and time.monotonic() < deadline and proc.poll() is None:  # 2 probes + /v1/models + 2
+            time.sleep(0.02)  # waiting for progress, not measuring
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("mlxproxy: interrupted:")
+    doc = orjson.loads(out.read_bytes())
+    singles = [r for g in doc["groups"] if g["name"] == "single" for r in g["records"]]
+    assert 2 <= len(singles) < 40 and "interrupted" in doc["targets"][0]["error"] and "Verdicts:" in stdout
+
+
+# -- report renders what was measured --------------------------------------------------------
+
+
+def test_report_renders_the_runs_own_view_with_distinct_labels(tmp_path: Path) -> None:
+    import csv
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with ServerThread(create_sim("mlx-openai-server", speed=20)) as sim:
+        runs = [cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50,200", "--repeat", "2", "--max-tokens", "8",
+                    "--json", str(tmp_path / d / "bench.json")) for d in ("a", "b")]
+    for res in runs:
+        assert res.returncode == 0, res.stderr[-1500:]
+        assert "Verdicts:" in res.stdout and "TTFT: time to first token" in res.stdout  # a legend under the table
+        assert max(len(ln) for ln in res.stdout.splitlines()) <= 100
+    again = cli("report", str(tmp_path / "a" / "bench.json"), "--csv", str(tmp_path / "r.csv"),
+                "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.svg"))
+    assert again.returncode == 0, again.stderr[-1500:]
+    assert again.stdout == runs[0].stdout  # the same view as the run that wrote it
+    doc = orjson.loads((tmp_path / "a" / "bench.json").read_bytes())
+    ids = {r["id"] for g in doc["groups"] for r in g["records"]}
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(ids) == 2 * 2 + 2 * 2  # one row per request: 2 sizes x2, one wave of 2 x2
+    assert (tmp_path / "r.md").read_text().count("| s |") >= 2 and (tmp_path / "r.svg").read_text().startswith("<svg")
+    both = cli("report", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b" / "bench.json"))
+    assert both.returncode == 0 and "a/bench.json:s" in both.stdout and "b/bench.json:s" in both.stdout
+
+
+# -- one vocabulary ------------------------------------------------------------------------
+
+
+def _kind(p: click.Parameter) -> str:
+    if isinstance(p, click.Option) and p.is_flag:
+        return "flag"
+    name = p.type.name
+    return {"integer range": "integer", "float range": "float"}.get(name, name)
+
+
+def command_options() -> dict[str, dict[str, click.Option]]:
+    """option spelling -> {command: its click Option}, hidden (deprecated) ones left out."""
+    out: dict[str, dict[str, click.Option]] = {}
+    for cname, cmd in main.commands.items():
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.hidden:
+                continue
+            for spelling in p.opts:
+                if spelling.startswith("--") and spelling != "--help":
+                    out.setdefault(spelling, {})[cname] = p
+    return out
+
+
+def test_every_shared_option_has_one_meaning() -> None:
+    shared = {o: cmds for o, cmds in command_options().items() if len(cmds) > 1}
+    assert {"--target", "--timeout", "--batch", "--repeat", "--port", "--nonce", "--json"} <= set(shared)
+    for opt, cmds in shared.items():
+        assert opt in MEANINGS, f"{opt} is used by {sorted(cmds)} but has no entry in mlxproxy/vocabulary.py"
+        kinds = {c: _kind(p) for c, p in cmds.items()}
+        assert len(set(kinds.values())) == 1, (opt, kinds)
+        for c, p in cmds.items():
+            assert (p.help or "").startswith(MEANINGS[opt]), (opt, c, p.help)
+
+
+def test_old_spellings_still_work_with_a_deprecation_line(capture: Path) -> None:
+    for (command, opt), instead in DEPRECATED.items():
+        p = next(p for p in main.commands[command].params if opt in getattr(p, "opts", ()))
+        assert p.hidden, (command, opt)
+    res = cli("sim", "--max-tokens", "7", "--dry-run")
+    assert res.returncode == 0 and '"max_output_tokens": 7' in res.stdout
+    assert "sim --max-tokens is deprecated" in res.stderr and "--max-output-tokens" in res.stderr
+    res = cli("replay", str(capture), "--target", "http://127.0.0.1:80800", "--name", "x")
+    assert "replay --name is deprecated" in res.stderr
+
+
+def readme_table(marker: str) -> list[list[str]]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in block.splitlines() if ln.startswith("|")]
+    return rows[2:]  # header and separator
+
+
+def test_readme_vocabulary_table_matches_the_commands() -> None:
+    opts = command_options()
+    rows = {r[0].strip("`"): r for r in readme_table("vocabulary")}
+    assert set(rows) == set(MEANINGS), set(rows) ^ set(MEANINGS)
+    for opt, (_, commands, meaning) in rows.items():
+        assert meaning == MEANINGS[opt], opt
+        assert sorted(c.strip() for c in commands.split(",")) == sorted(opts.get(opt, {})), (opt, commands)
+
+
+def test_readme_exit_codes_match() -> None:
+    rows = readme_table("exit-codes")
+    assert {int(r[0]) for r in rows} == set(EXIT_CODES)
+
+
+def test_no_machine_specific_paths_in_the_repository() -> None:
+    """Paths of one machine (a developer's home, this project's build hosts) make the
+    repository work only there. Recorded client traffic in tests/fixtures/ is left as sent."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"(?<![\w.])(/Users/\w|/home/\w|/work/\w|/opt/homebrew)")
+    found = []
+    for f in files:
+        if f.startswith("tests/fixtures/") or f.endswith((".png", ".sse")) or f == "tests/test_cli_ux.py":
+            continue
+        try:
+            text = (REPO / f).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        found += [f"{f}:{i + 1}: {ln.strip()[:80]}" for i, ln in enumerate(text.splitlines()) if pattern.search(ln)]
+    assert not found, found
