@@ -173,6 +173,11 @@ def test_phantom_usage_is_named(stack) -> None:
     # the speeds use the streamed count, never the usage the stream contradicts
     assert (r.completion_tokens, r.tokens_source) == (r.completion_tokens_counted, "stream")
     assert r.decode_tps == pytest.approx(50.0 * SPEED, rel=0.10)
+    # and so does the Prometheus histogram the dashboards read
+    labels = {"upstream": "phantom-usage", "model": "phantom-usage", "kind": "decode", "concurrency": "1"}
+    total = app.registry.get_sample_value("mlxproxy_output_tokens_per_second_sum", labels)
+    count = app.registry.get_sample_value("mlxproxy_output_tokens_per_second_count", labels)
+    assert count and total / count == pytest.approx(50.0 * SPEED, rel=0.10)
 
 
 def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -> None:

@@ -81,10 +81,10 @@ def _fmt(x: float) -> str:
 
 def estimated_tokens(r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0,
                      nonascii_bytes: int = 0) -> int | None:
-    """Output tokens actually streamed, best guess: the tokenizer's count when there is one
-    (plus `tool_call_tokens` per tool call), else the generated events, or the text's
-    estimate when that is more (servers that send several tokens per event): ASCII
-    characters / chars_per_token plus one token per two UTF-8 bytes of other characters."""
+    """Output tokens actually streamed, best guess (the middle of `streamed_band`): the
+    tokenizer's count when there is one, else the generated events, or the text's estimate
+    when that is more (servers that send several tokens per event): ASCII characters /
+    chars_per_token plus one token per two UTF-8 bytes of other characters."""
     return streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)[1]
 
 

@@ -138,6 +138,9 @@ def test_openai_sdk_same_text_and_usage_through_proxy(mlx_server: str) -> None:
         assert rec.completion_tokens_counted == p_stream.content_chunks
         assert rec.ttft_s is not None and rec.decode_tps is not None and rec.prefill_tps is not None
         assert rec.completion_tokens_tokenizer is None  # no tokenizer configured, "default_model" is no folder
+        # the usage agrees with the stream: it is the trusted count, and the speeds are the usage's
+        assert (rec.completion_tokens, rec.tokens_source) == (p_stream.usage.completion_tokens, "usage")
+        assert rec.decode_tps == (rec.completion_tokens - 1) / (rec.e2e_s - rec.ttft_s)
 
         rec = px.record(p_once.request_id)
         assert (rec.outcome, rec.anomalies, rec.stream, rec.finish_reason) == ("ok", (), False, "length")
