@@ -3,6 +3,7 @@
 "use strict";
 (function () {
   const POLL_MS = 500;
+  const HIDDEN_POLL_MS = 5000;
   const LANE_WINDOW_S = 300;
   const CHART_WINDOW_S = 3600;
   const MAX_RECORDS = 2000;
@@ -60,7 +61,7 @@
       state.polls += 1;
       setStatus("live · " + state.records.size + " requests kept · updated " + clock(state.now), "ok");
       render();
-      schedule(POLL_MS);
+      schedule(document.hidden ? HIDDEN_POLL_MS : POLL_MS);  // a tab in the background asks rarely
     } catch (err) {
       if (err instanceof NeedKey) {
         const hadKey = !!sessionStorage.getItem(KEY_STORE);
@@ -547,5 +548,8 @@
     }
   }
 
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden && keybox.hidden) schedule(0);
+  });
   schedule(0);
 })();
