@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "deprecated_alias", "EXIT_CODES"]
+__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES"]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
 MEANINGS: dict[str, str] = {
