@@ -37,6 +37,10 @@ CONCURRENCY_LOWER_BOUND = (("1", 1), ("2", 2), ("3-4", 3), ("5-8", 5), ("9-16", 
 
 # -- PromQL helpers ------------------------------------------------------------------------
 
+CONCURRENCY = (" Concurrency counts the requests whose response was still being forwarded when this one was "
+               "sent, itself included: a sequential client on a keep-alive connection is always at 1.")
+
+
 def rate(series: str, window: str = RI) -> str:
     return f"rate({series}[{window}])"
 
@@ -330,14 +334,14 @@ def panels() -> list[list[dict[str, Any]]]:
         [row("Batching")],
         [
             timeseries("Per-stream decode tokens/s by concurrency (p50)", "Median per-stream decode speed, split by "
-                       "the number of requests in flight to the same upstream when the request started (1, 2, 3-4, "
-                       "5-8, 9-16, 17+). On a batching server each stream slows a little as streams are added; on a "
+                       "the number of requests in flight to the same upstream when the request was sent (1, 2, 3-4, "
+                       "5-8, 9-16, 17+)." + CONCURRENCY + " On a batching server each stream slows a little as streams are added; on a "
                        "serial server it does not slow, but requests queue (see TTFT)." + TRUSTED,
                        targets((quantile(0.5, TPS, "upstream, concurrency", 'kind="decode"'),
                                 "{{upstream}} c={{concurrency}}")), "short"),
             bargauge("Mean per-stream decode tokens/s by concurrency (range)", "Mean per-stream decode speed over "
                      "the whole selected time range, per upstream and concurrency level: sum of observations / "
-                     "count, exact (no bucket interpolation)." + TRUSTED,
+                     "count, exact (no bucket interpolation)." + CONCURRENCY + TRUSTED,
                      targets((range_mean(TPS, "upstream, concurrency", 'kind="decode"'),
                               "{{upstream}} c={{concurrency}}")), "short", decimals=1),
             bargauge("Implied decode speedup by concurrency (range)", "n x (mean per-stream decode tokens/s at "
@@ -345,7 +349,8 @@ def panels() -> list[list[dict[str, Any]]]:
                      "upstream, over the selected range. n is the lower bound of the level (3-4 counts as 3, 5-8 "
                      "as 5, 9-16 as 9, 17+ as 17), so the figure is a lower bound. 2.0 at c=2 is perfect batching; "
                      "1.0 means no gain over one stream; below 1 means worse than serial. Decode phase only: "
-                     "prefill and queueing are not in it. Empty for an upstream with no request that ran alone." + TRUSTED,
+                     "prefill and queueing are not in it. Empty for an upstream with no request that ran alone."
+                     + CONCURRENCY + TRUSTED,
                      targets((speedup_expr(), "{{upstream}} c={{concurrency}}")), "none", decimals=2,
                      thresholds=[(None, "red"), (1, "orange"), (1.5, "green")]),
         ],
@@ -388,7 +393,15 @@ def panels() -> list[list[dict[str, Any]]]:
                        "All upstreams (this histogram has no upstream label).",
                        [target(f"histogram_quantile({q}, sum by (le, phase) ({rate('mlxproxy_proxy_overhead_seconds_bucket')}))",
                                f"{{{{phase}}}} p{round(q * 100)}", chr(ord("A") + i)) for i, q in enumerate((0.5, 0.99))],
-                       "s", w=24, h=7),
+                       "s", w=12, h=7),
+            timeseries("Proxy event-loop lag p50 / p99", "How much later than scheduled the proxy's event "
+                       "loop ran a timer (sampled every 50 ms; ~1 ms resolution on uvloop). While the loop is late, "
+                       "requests wait unread in the proxy's sockets and tokens wait unforwarded: time no TTFT or "
+                       "overhead figure contains. Tens of milliseconds mean the proxy itself (or a starved machine) "
+                       "is slowing clients down.",
+                       [target(f"histogram_quantile({q}, sum by (le) ({rate('mlxproxy_event_loop_lag_seconds_bucket')}))",
+                               f"p{round(q * 100)}", chr(ord("A") + i)) for i, q in enumerate((0.5, 0.99))],
+                       "s", w=12, h=7),
         ],
         [row("Prompt and generation length")],
         [
