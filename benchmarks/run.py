@@ -44,13 +44,15 @@ HOST = "127.0.0.1"
 LITELLM_DEFAULT = os.environ.get("MLXPROXY_LITELLM") or shutil.which("litellm") or ""
 
 # -- targets (the issue's figures, 2-core machine, ratios measured in one run) ------------
-T_SEQ_P50_MS = 0.5
+# the targets of the timing issue (default install and fast stack alike)
+T_SEQ_P50_MS = 0.3
 T_SEQ_P99_MS = 2.0
-T_TTFT_P50_MS = 1.0
-T_EVENT_P99_MS = 1.0
+T_TTFT_P50_MS = 0.5
+T_EVENT_P99_MS = 0.5
 T_64_RATIO = 0.97
 T_64_GAP_MS = 2.0
-T_256_RATIO = 0.90
+T_256_RATIO = 0.95
+T_256_GAP_MS = 5.0
 T_CPU_US = 30.0
 T_CAPTURE = 0.20
 T_RSS_MB = 150.0
@@ -822,7 +824,9 @@ class Bench:
                 v = r["targets"].get(n) if r else None
                 if v is None or v["ratio"] is None:
                     return "n/a", None
-                return f"{v['ratio']:.3f}x, {v['errors']} err", v["ratio"] >= T_256_RATIO and v["errors"] == 0
+                gap = None if v.get("gap_p99_infl") is None else v["gap_p99_infl"] * 1000  # seconds -> ms
+                ok = v["ratio"] >= T_256_RATIO and v["errors"] == 0 and (gap is None or gap <= T_256_GAP_MS)
+                return f"{v['ratio']:.3f}x, {v['errors']} err, gap {fmt(gap, '+.1f')} ms", ok
             return f
 
         def capture_cost(n: str) -> tuple[str, bool | None]:
@@ -859,7 +863,8 @@ class Bench:
             ("single stream added event delay p99", f"<= {T_EVENT_P99_MS} ms", load_metric("paced", 1, "added_lat_p99", T_EVENT_P99_MS, "ms")),
             ("64 x 100 tok/s events/s vs direct", f">= {T_64_RATIO}x", load_metric("paced", 64, "ratio", T_64_RATIO, "ratio")),
             ("64 x 100 tok/s gap p99 inflation", f"<= {T_64_GAP_MS} ms", load_metric("paced", 64, "gap_p99_infl", T_64_GAP_MS, "ms")),
-            ("256 x 100 tok/s: ratio, errors", f">= {T_256_RATIO}x, 0 err", errors_and_ratio(256)),
+            ("256 x 100 tok/s: ratio, errors, gap p99", f">= {T_256_RATIO}x, 0 err, <= +{T_256_GAP_MS:g} ms",
+             errors_and_ratio(256)),
             ("CPU per event, 64 x 100 tok/s", f"<= {T_CPU_US:g} us", load_metric("paced", 64, "cpu_us_per_event", T_CPU_US, "us")),
             ("capture cost (CPU/event vs no capture)", f"<= +{T_CAPTURE:.0%}", capture_cost),
             ("peak RSS (VmHWM) after 256 streams", f"<= {T_RSS_MB:g} MB", rss_peak),
