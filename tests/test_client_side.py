@@ -89,16 +89,29 @@ def added_ms(direct: list[float], proxied: list[float]) -> float:
     return (statistics.median(proxied) - statistics.median(direct)) * 1000
 
 
+def assert_added_below(measure, bound_ms: float, what: str, attempts: int = 3) -> None:
+    """`measure()` -> (direct, proxied) samples. Other processes on a shared machine can only
+    make the proxied median worse relative to direct by chance, never better every time: so
+    the best of a few attempts is what the proxy allows. A systematic delay (the delayed-ACK
+    bug added 40 ms to every first event) fails every attempt."""
+    seen = []
+    for _ in range(attempts):
+        d, p = measure()
+        seen.append(round(added_ms(d, p), 2))
+        if seen[-1] < bound_ms:
+            return
+    raise AssertionError(f"{what} through the proxy: added {seen} ms (median of {ROUNDS}, {attempts} attempts)")
+
+
 def test_first_event_reaches_a_raw_socket_client_as_fast_as_direct(stack: str) -> None:
     with FakeUpstream(paced_stream()) as up, proxy(up.url) as (url, app):
         dc, pc = RawClient(up.url), RawClient(url)
         try:
-            d, p = interleaved(lambda: dc.stream()[0], lambda: pc.stream()[0])
+            # the bug this guards against added ~40 ms (a delayed ACK) to every first event;
+            # 10 ms leaves room for a loaded 2-core machine (typical: +1 to +2 ms)
+            assert_added_below(lambda: interleaved(lambda: dc.stream()[0], lambda: pc.stream()[0]), 10.0, "first event")
         finally:
             dc.close(), pc.close()
-    # the bug this guards against added ~40 ms (a delayed ACK) to every first event; 10 ms
-    # leaves room for a loaded 2-core machine (typical: +1 to +2 ms)
-    assert added_ms(d, p) < 10.0, f"first event through the proxy: +{added_ms(d, p):.2f} ms (median of {ROUNDS})"
 
 
 def test_every_event_reaches_a_raw_socket_client_as_fast_as_direct(stack: str) -> None:
@@ -106,10 +119,9 @@ def test_every_event_reaches_a_raw_socket_client_as_fast_as_direct(stack: str) -
     with FakeUpstream(paced_stream(0.001)) as up, proxy(up.url) as (url, app):
         dc, pc = RawClient(up.url), RawClient(url)
         try:
-            d, p = interleaved(lambda: dc.stream()[1], lambda: pc.stream()[1])
+            assert_added_below(lambda: interleaved(lambda: dc.stream()[1], lambda: pc.stream()[1]), 10.0, "whole stream")
         finally:
             dc.close(), pc.close()
-    assert added_ms(d, p) < 10.0, f"whole stream through the proxy: +{added_ms(d, p):.2f} ms (median of {ROUNDS})"
 
 
 SDK_CLIENT = r"""
@@ -139,11 +151,14 @@ def test_first_chunk_reaches_the_openai_sdk_as_fast_as_direct(stack: str) -> Non
     the upstream's threads for the GIL and measure that instead."""
     pytest.importorskip("openai")
     with FakeUpstream(paced_stream()) as up, proxy(up.url) as (url, app):
-        out = subprocess.run([sys.executable, "-c", SDK_CLIENT, up.url, url, str(ROUNDS)], capture_output=True,
-                             text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    d, p = json.loads(out.stdout)
-    assert added_ms(d, p) < 10.0, f"first chunk through the proxy: +{added_ms(d, p):.2f} ms (median of {ROUNDS})"
+        def measure() -> tuple[list[float], list[float]]:
+            out = subprocess.run([sys.executable, "-c", SDK_CLIENT, up.url, url, str(ROUNDS)], capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 0, out.stderr[-2000:]
+            d, p = json.loads(out.stdout)
+            return d, p
+
+        assert_added_below(measure, 10.0, "first chunk")
 
 
 @pytest.mark.parametrize("client", ["httpx", "raw"])

@@ -4,8 +4,9 @@ Finishing a record (the truth checks, the metrics, the log line, the capture han
 costs a few hundred microseconds. A batching server ends its streams together, so without
 care 16 of them are finished back to back while new requests sit unread in the proxy's
 sockets, and their clocks start late. The `Finisher` queues that work and runs one item per
-turn of the event loop, so requests and tokens that arrive meanwhile are served in between.
-Forwarding never waits for it: a request's last byte is sent before its record is finished.
+turn of the event loop (a `call_soon` callback that schedules itself again while work is
+left), so requests and tokens that arrive meanwhile are served in between. Forwarding never
+waits for it: a request's last byte is sent before its record is finished.
 """
 
 from __future__ import annotations
@@ -22,44 +23,42 @@ log = logging.getLogger("mlxproxy")
 
 
 class Finisher:
-    """A queue of finishing work run by one task. Before `start()` and after `stop()`
-    (no running loop, or an app used without lifespan) work runs at once."""
+    """A queue of finishing work drained one item per loop turn. Before `start()` and after
+    `stop()` (or an app used without lifespan) work runs at once."""
 
     def __init__(self) -> None:
         self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
 
     @property
     def pending(self) -> int:
         return len(self._queue)
 
     def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.ensure_future(self._run())
+        self._loop = asyncio.get_running_loop()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        if self._task is None or self._task.done() or self._wake is None:
+        if self._loop is None:
             _run_one(fn, args)
             return
         self._queue.append((fn, args))
-        self._wake.set()
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._drain_one)
 
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                fn, args = self._queue.popleft()
-                _run_one(fn, args)
-                await asyncio.sleep(0)  # let the loop serve sockets between two records
+    def _drain_one(self) -> None:
+        if self._queue:
+            fn, args = self._queue.popleft()
+            _run_one(fn, args)
+        if self._queue and self._loop is not None:
+            self._loop.call_soon(self._drain_one)  # the next one after the loop has polled its sockets
+        else:
+            self._scheduled = False
 
     def stop(self) -> None:
-        """Stop the task and finish everything still queued, now."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        """Finish everything still queued, now; later work runs at once."""
+        self._loop = None
         while self._queue:
             fn, args = self._queue.popleft()
             _run_one(fn, args)
