@@ -183,6 +183,8 @@ class CaptureWriter:
         except OSError as exc:
             if exc.errno == errno.ELOOP or self.path.is_symlink():
                 raise ConfigError(f"capture path {str(self.path)!r} is a symlink; give the file itself") from None
+            if exc.errno == errno.EISDIR:
+                raise ConfigError(f"capture path {str(self.path)!r} is not a regular file (a directory)") from None
             raise
         f = open(fd, "a+b", buffering=0)  # noqa: SIM115 - closed by close()
         try:

@@ -533,3 +533,111 @@ def test_finishing_a_huge_stream_record_does_not_stall_other_streams(stack: str)
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t_end]
         assert len(gaps) >= 10
         assert max(gaps) < 0.1, max(gaps)
+
+
+# -- 4. config and files ------------------------------------------------------------------------------
+
+
+def test_a_billion_laughs_config_is_refused_in_under_a_second(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from mlxproxy.cli import main
+
+    lines = ["port:", '  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"  - &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    p = tmp_path / "lol.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    assert p.stat().st_size < 500
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    elapsed = time.monotonic() - t0
+    assert res.exit_code == 2 and elapsed < 1.0, (res.exit_code, elapsed)
+    assert res.output.count("\n") == 1 and "YAML aliases" in res.output and len(res.output) < 300
+    # aliases that stay small are fine
+    from mlxproxy.config import load_config
+
+    p.write_text("upstreams:\n  - &u {name: a, url: 'http://127.0.0.1:1', models: &m [x, y]}\n"
+                 "  - {name: b, url: 'http://127.0.0.1:2', models: *m}\n")
+    assert load_config(p).upstreams[1].models == ("x", "y")
+
+
+def test_an_upstream_key_an_http_header_cannot_carry_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxproxy.errors import ConfigError
+
+    for value in ["ключ", "sk-1\r\nX-Injected: 1"]:
+        monkeypatch.setenv("MLXPROXY_UPSTREAM_KEY", value)
+        cfg = build_config({"upstreams": [{"name": "a", "url": "http://127.0.0.1:1", "api_key_env": "MLXPROXY_UPSTREAM_KEY"}]})
+        with pytest.raises(ConfigError, match="upstream 'a'") as ei:
+            create_app(cfg)
+        assert "\n" not in str(ei.value) and value not in str(ei.value)
+
+
+def test_capture_refuses_files_it_did_not_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--capture never appends to (or cuts) a file that is not a capture, never follows a
+    symlink, says what is wrong in one line, and tightens a capture readable by others."""
+    from click.testing import CliRunner
+
+    from mlxproxy.capture import CaptureWriter
+    from mlxproxy.cli import main
+    from mlxproxy.errors import ConfigError
+
+    notes = tmp_path / "notes.txt"
+    for content in [b"my notes\nlast line without newline", b"no newline at all", b'{"some": "json"}\n']:
+        notes.write_bytes(content)
+        with pytest.raises(ConfigError, match="not an mlxproxy capture"):
+            CaptureWriter(notes)
+        assert notes.read_bytes() == content  # untouched
+    real = tmp_path / "real.jsonl"
+    w = CaptureWriter(real)
+    w.close()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        CaptureWriter(link)
+    link2 = tmp_path / "link2.jsonl"
+    link2.symlink_to(notes)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        CaptureWriter(link2)
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        CaptureWriter(notes / "sub" / "c.jsonl")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        CaptureWriter(tmp_path)
+    res = CliRunner().invoke(main, ["serve", "--upstream", "http://127.0.0.1:9", "--capture", str(notes)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "not an mlxproxy capture" in res.output
+    assert notes.read_bytes() == b'{"some": "json"}\n'
+    # an existing capture with loose permissions is set to owner-only, with a warning
+    real.write_bytes(b'{"id":"x","v":1}\n')
+    real.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="mlxproxy"):
+        CaptureWriter(real).close()
+    assert real.stat().st_mode & 0o777 == 0o600
+    assert any("readable by others" in r.getMessage() for r in caplog.records)
+
+
+@linux_only
+def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) -> None:
+    """With the disk stuck, 200 requests with 1 MiB prompts hold at most
+    capture_queue_bytes in the queue (plus the line being written); the rest are dropped
+    and counted."""
+    from mlxproxy.capture import CaptureWriter, Exchange
+    from mlxproxy.core.record import Record
+
+    stuck = threading.Event()
+    w = CaptureWriter(tmp_path / "c.jsonl", queue_bytes=8 << 20)
+    real_write = w._write_line
+    w._write_line = lambda line: (stuck.wait(30), real_write(line))[1]  # type: ignore[method-assign]
+    before = rss_bytes()
+    for i in range(200):
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"{i}" + "p" * (1 << 20)}]})
+        rec = Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                     status=200, outcome="ok")
+        w.on_exchange(rec, Exchange(body, [(b"content-type", b"application/json")]))
+        del body
+    grown = rss_bytes() - before
+    assert w.queued_bytes <= 8 << 20 + (2 << 20)
+    assert 180 <= w.dropped < 200, w.dropped
+    assert grown < 40 << 20, grown  # was 200+ MiB with a queue bounded only by records
+    stuck.set()
+    w.close()
+    assert w.written == 200 - w.dropped and w.queued_bytes == 0
