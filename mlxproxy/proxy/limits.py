@@ -105,30 +105,61 @@ def _framing_problem(headers: Any, version: bytes | str, target: bytes, count_ma
     return None
 
 
+class _Deadlines:
+    """The head timeout without a timer per connection: connections waiting for a request
+    head, each with its deadline, checked by one timer every quarter of the timeout (so a
+    connection is closed between 1 and 1.25 times the timeout after it began waiting)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.waiting: dict[_HeadGuard, float] = {}
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, proto: _HeadGuard) -> None:
+        loop = proto.loop
+        self.waiting[proto] = loop.time() + self.timeout_s
+        if self._handle is None:
+            self._handle = loop.call_later(self.timeout_s / 4, self._sweep, loop)
+
+    def discard(self, proto: _HeadGuard) -> None:
+        self.waiting.pop(proto, None)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._handle = None
+        now = loop.time()
+        for proto in [p for p, deadline in self.waiting.items() if deadline <= now]:
+            del self.waiting[proto]
+            proto._head_timed_out()
+        if self.waiting:
+            self._handle = loop.call_later(self.timeout_s / 4, self._sweep, loop)
+
+
 class _HeadGuard:
     """What both protocol subclasses share: byte counting, the head timer, refusals."""
 
     limits: HeadLimits
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
+    _deadlines: _Deadlines | None = None  # one per server (protocol class)
 
     def _guard_init(self) -> None:
         self._awaiting_head = True  # no complete request head since the last one ended
         self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_timer_armed = False
         self._refusal: tuple[int, str, str] | None = None
 
     def _arm_head_timer(self) -> None:
-        if self.limits.timeout_s > 0:
-            self._head_timer = self.loop.call_later(self.limits.timeout_s, self._head_timed_out)
+        if self._deadlines is not None:
+            self._deadlines.add(self)
+            self._head_timer_armed = True
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._head_timer_armed:
+            self._head_timer_armed = False
+            self._deadlines.discard(self)  # type: ignore[union-attr]
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
+        self._head_timer_armed = False
         if not self._awaiting_head or self.transport.is_closing():
             return
         if self._head_bytes:
@@ -139,7 +170,7 @@ class _HeadGuard:
 
     def _count_head(self, data: bytes) -> None:
         if self._awaiting_head:
-            if self._head_timer is None:  # the first byte of a request on a kept-alive connection
+            if not self._head_timer_armed:  # the first byte of a request on a kept-alive connection
                 self._arm_head_timer()
             self._head_bytes += len(data)
 
@@ -176,11 +207,12 @@ def _fast_class(limits: HeadLimits) -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class LimitedHttpToolsProtocol(_HeadGuard, HttpToolsProtocol):  # type: ignore[misc]
+        _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.limits = limits
             self._guard_init()
-            self._header_count = 0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -210,18 +242,6 @@ def _fast_class(limits: HeadLimits) -> type:
         def send_400_response(self, msg: str) -> None:
             self._refuse_malformed()
 
-        def on_message_begin(self) -> None:
-            self._header_count = 0
-            super().on_message_begin()
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._header_count += 1
-            if self._header_count > limits.max_count:
-                self._refusal = (431, f"the request has more than {limits.max_count} header lines (max_request_headers)",
-                                 "request_headers_too_large")
-                raise ValueError("too many headers")  # stops the parser; data_received answers
-            super().on_header(name, value)
-
         def on_headers_complete(self) -> None:
             problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url,
                                        limits.max_count)
@@ -243,6 +263,8 @@ def _plain_class(limits: HeadLimits) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class LimitedH11Protocol(_HeadGuard, H11Protocol):  # type: ignore[misc]
+        _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.limits = limits
