@@ -38,6 +38,9 @@ STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "conte
 
 @pytest.fixture(params=STACKS)
 def stack(request: pytest.FixtureRequest) -> str:
+    if request.param == "fast":
+        pytest.importorskip("uvloop")  # the [test] extra installs both where they exist
+        pytest.importorskip("httptools")
     return request.param
 
 
@@ -134,6 +137,15 @@ def assert_openai_error(status: int, headers: dict[str, str], body: bytes, want_
     return err
 
 
+def _fast_installed() -> bool:
+    try:
+        import httptools  # noqa: F401
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -146,11 +158,8 @@ linux_only = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="r
 
 
 def test_stack_switch_picks_loop_and_parser(monkeypatch: pytest.MonkeyPatch, stack: str) -> None:
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    monkeypatch.delenv("MLXPROXY_STACK", raising=False)
-    assert stack_settings(None) == ("uvloop", "httptools")  # the fast extras are installed here
+    monkeypatch.delenv("MLXPROXY_STACK", raising=False)  # unset: the fastest installed
+    assert stack_settings(None) == (("uvloop", "httptools") if _fast_installed() else ("asyncio", "h11"))
     monkeypatch.setenv("MLXPROXY_STACK", stack)
     want = ("asyncio", "h11") if stack == "plain" else ("uvloop", "httptools")
     assert stack_settings(None) == want
@@ -159,7 +168,10 @@ def test_stack_switch_picks_loop_and_parser(monkeypatch: pytest.MonkeyPatch, sta
         stack_settings(None)
     monkeypatch.delenv("MLXPROXY_STACK")
     with proxy(stack) as (srv, _app, _up):
-        base = H11Protocol if stack == "plain" else HttpToolsProtocol
+        if stack == "plain":
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        else:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
         assert issubclass(srv.config.http_protocol_class, base)
         assert srv.loop is not None and (type(srv.loop).__module__.startswith("uvloop")) == (stack == "fast")
 
@@ -437,6 +449,28 @@ def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
             time.sleep(0.5)  # idle longer than read_s (waiting for the timer, not measuring)
             r = c.post(srv.url + "/small", content=f"{i}".encode())
             assert r.status_code == 200 and r.content == f"small:{i}".encode(), (i, r.status_code, r.text[:200])
+
+
+def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
+        stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled upstream connection idle longer than POOL_IDLE_S (4 s, below the 5 s
+    keep-alive of uvicorn-based servers) is not used again; one idle for less is."""
+    import mlxproxy.proxy.upstream as upstream_module
+
+    assert upstream_module.POOL_IDLE_S < 5
+    monkeypatch.setattr(upstream_module, "POOL_IDLE_S", 0.3)
+    peers: list[int] = []
+
+    async def handler(req: Req, conn: Conn) -> None:
+        peers.append(conn.writer.get_extra_info("peername")[1])
+        await json_answer(req, conn)
+
+    with proxy(stack, handler) as (srv, app, up), httpx.Client(timeout=10) as c:
+        for _ in range(2):
+            assert c.get(srv.url + "/v1/models").status_code == 200
+        time.sleep(0.6)  # idle past POOL_IDLE_S (waiting for it, not measuring)
+        assert c.get(srv.url + "/v1/models").status_code == 200
+    assert peers[0] == peers[1] and peers[2] != peers[1], peers
 
 
 # -- 5. errors in the promised shape ------------------------------------------------------------------
