@@ -676,3 +676,44 @@ def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) ->
     stuck.set()
     w.close()
     assert w.written == 200 - w.dropped and w.queued_bytes == 0
+
+
+def test_serve_refuses_an_unknown_stack_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from mlxproxy.cli import main
+
+    monkeypatch.setenv("MLXPROXY_STACK", "turbo")
+    res = CliRunner().invoke(main, ["serve", "--port", "0", "--upstream", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "MLXPROXY_STACK must be one of plain, fast" in res.output
+
+
+def test_mlxproxy_serve_applies_the_configured_limits_on_each_stack(stack: str, tmp_path: Path) -> None:
+    """The real `mlxproxy serve` process, on the stack MLXPROXY_STACK names, enforces the
+    config's head limits and refuses a foreign target."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_request_header_bytes: 2048\nrequest_header_timeout_s: 0.3\n")
+    with FakeUpstream(json_answer) as up:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--config", str(cfg), "--upstream", up.url,
+                                 "--port", "0", "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MLXPROXY_STACK": stack})
+        try:
+            port = 0
+            for line in proc.stderr:  # type: ignore[union-attr]
+                if "listening on http://127.0.0.1:" in line:
+                    port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+                    break
+            assert port
+            big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 4096 + b"\r\n\r\n"
+            assert_openai_error(*parse_responses(exchange(port, big))[0], 431)
+            assert exchange(port, b"") == b""  # an idle connection is closed by the server
+            got = parse_responses(exchange(port, f"GET http://127.0.0.1:{up.port}/v1/models HTTP/1.1\r\n\r\n".encode()))
+            assert_openai_error(*got[0], 400)
+            ok = parse_responses(exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            assert ok[0][0] == 200 and len(up.requests) == 1
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -85,21 +85,28 @@ def _folded(head: bytes) -> bool:
     return b"\n " in head or b"\n\t" in head
 
 
-def _framing_problem(headers: Any, version: bytes | str, target: bytes, count_max: int) -> tuple[int, str, str] | None:
-    """The refusal for a complete request head, or None when it may go to the app."""
+def _framing_problem(headers: Any, version: bytes | str, target: bytes, limits: HeadLimits) -> tuple[int, str, str] | None:
+    """The refusal for a complete request head, or None when it may go to the app. (A head
+    that arrived whole in one read is measured here; one still arriving, as it arrives.)"""
     if not origin_form(target):
         return 400, "the request target must be a path starting with '/' (origin-form)", "invalid_request_target"
     if version not in (b"1.1", b"1.0", "1.1", "1.0"):
         return 400, "only HTTP/1.0 and HTTP/1.1 are served", "unsupported_http_version"
-    if len(headers) > count_max:
-        return 431, f"the request has more than {count_max} header lines (max_request_headers)", "request_headers_too_large"
+    if len(headers) > limits.max_count:
+        return 431, f"the request has more than {limits.max_count} header lines (max_request_headers)", \
+            "request_headers_too_large"
     cl = te = False
-    for k, _v in headers:
+    size = len(target) + 16  # request line
+    for k, v in headers:
+        size += len(k) + len(v) + 4
         k = k.lower()
         if k == b"content-length":
             cl = True
         elif k == b"transfer-encoding":
             te = True
+    if size > limits.max_bytes:
+        return 431, f"the request head is larger than {limits.max_bytes} bytes (max_request_header_bytes)", \
+            "request_headers_too_large"
     if cl and te:
         return 400, "a request must not carry both Content-Length and Transfer-Encoding", "ambiguous_framing"
     return None
@@ -243,8 +250,7 @@ def _fast_class(limits: HeadLimits) -> type:
             self._refuse_malformed()
 
         def on_headers_complete(self) -> None:
-            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url,
-                                       limits.max_count)
+            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url, limits)
             if problem is not None:
                 self._refusal = problem
                 raise ValueError(problem[2])
@@ -284,8 +290,7 @@ def _plain_class(limits: HeadLimits) -> type:
                         raise h11.RemoteProtocolError("bare LF or obs-fold")
                 event = parse()
                 if type(event) is h11.Request:
-                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target,
-                                               limits.max_count)
+                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target, limits)
                     if problem is not None:
                         self._refusal = problem
                         raise h11.RemoteProtocolError(problem[2])
