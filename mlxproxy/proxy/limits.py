@@ -197,8 +197,13 @@ class _HeadGuard:
         self._cancel_head_timer()
         self._awaiting_head = False
         if not self.transport.is_closing():
-            self.transport.write(error_response(status, message, code))
-            self.transport.close()
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or cycle.response_complete or not cycle.response_started:
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True  # the app's own answer, if it comes, is dropped
+                    cycle.message_event.set()
+                self.transport.write(error_response(status, message, code))
+            self.transport.close()  # a response under way is cut, never followed by an error
 
     def _refuse_malformed(self) -> None:
         if self._refusal is not None:
