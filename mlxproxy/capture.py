@@ -96,9 +96,10 @@ class CaptureWriter:
                  redact: Iterable[str] = (), queue_size: int = 10000, queue_bytes: int = 64 * 1024 * 1024,
                  t0_mono: float | None = None, on_drop: Callable[[], None] | None = None,
                  on_error: Callable[[], None] | None = None) -> None:
-        """Raises `ConfigError` when `path` is a symlink, not a regular file, lies under a
-        file, or is an existing file that is not a capture: the proxy never appends to (or
-        cuts) a file it did not write. Any other problem opening it is logged and retried."""
+        """Raises `ConfigError` when `path` is a symlink, not a regular file, or an existing
+        file that is not a capture: the proxy never appends to (or cuts) a file it did not
+        write. Any other problem opening it (a path under a file, no permission, a full
+        disk) is logged once and retried."""
         self.path = Path(path)
         self.keep_responses = keep_responses
         self.keep_prompts = keep_prompts
@@ -172,8 +173,8 @@ class CaptureWriter:
         it was written), so that every line after it stays readable."""
         for parent in self.path.parents:
             if parent.exists() or parent.is_symlink():
-                if not parent.is_dir():
-                    raise ConfigError(f"capture path {str(self.path)!r}: {str(parent)!r} is a file, not a directory")
+                if not parent.is_dir():  # an unwritable path: reported and retried, as documented
+                    raise NotADirectoryError(errno.ENOTDIR, f"{str(parent)!r} is a file, not a directory")
                 break
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # owner-only when created: a capture holds prompts, which may hold secrets; read
@@ -183,6 +184,8 @@ class CaptureWriter:
         except OSError as exc:
             if exc.errno == errno.ELOOP or self.path.is_symlink():
                 raise ConfigError(f"capture path {str(self.path)!r} is a symlink; give the file itself") from None
+            if exc.errno == errno.EISDIR:
+                raise ConfigError(f"capture path {str(self.path)!r} is not a regular file (a directory)") from None
             raise
         f = open(fd, "a+b", buffering=0)  # noqa: SIM115 - closed by close()
         try:

@@ -38,6 +38,9 @@ STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "conte
 
 @pytest.fixture(params=STACKS)
 def stack(request: pytest.FixtureRequest) -> str:
+    if request.param == "fast":
+        pytest.importorskip("uvloop")  # the [test] extra installs both where they exist
+        pytest.importorskip("httptools")
     return request.param
 
 
@@ -134,6 +137,15 @@ def assert_openai_error(status: int, headers: dict[str, str], body: bytes, want_
     return err
 
 
+def _fast_installed() -> bool:
+    try:
+        import httptools  # noqa: F401
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -146,11 +158,8 @@ linux_only = pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="r
 
 
 def test_stack_switch_picks_loop_and_parser(monkeypatch: pytest.MonkeyPatch, stack: str) -> None:
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    monkeypatch.delenv("MLXPROXY_STACK", raising=False)
-    assert stack_settings(None) == ("uvloop", "httptools")  # the fast extras are installed here
+    monkeypatch.delenv("MLXPROXY_STACK", raising=False)  # unset: the fastest installed
+    assert stack_settings(None) == (("uvloop", "httptools") if _fast_installed() else ("asyncio", "h11"))
     monkeypatch.setenv("MLXPROXY_STACK", stack)
     want = ("asyncio", "h11") if stack == "plain" else ("uvloop", "httptools")
     assert stack_settings(None) == want
@@ -159,7 +168,10 @@ def test_stack_switch_picks_loop_and_parser(monkeypatch: pytest.MonkeyPatch, sta
         stack_settings(None)
     monkeypatch.delenv("MLXPROXY_STACK")
     with proxy(stack) as (srv, _app, _up):
-        base = H11Protocol if stack == "plain" else HttpToolsProtocol
+        if stack == "plain":
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        else:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
         assert issubclass(srv.config.http_protocol_class, base)
         assert srv.loop is not None and (type(srv.loop).__module__.startswith("uvloop")) == (stack == "fast")
 
@@ -439,6 +451,28 @@ def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
             assert r.status_code == 200 and r.content == f"small:{i}".encode(), (i, r.status_code, r.text[:200])
 
 
+def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
+        stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled upstream connection idle longer than POOL_IDLE_S (4 s, below the 5 s
+    keep-alive of uvicorn-based servers) is not used again; one idle for less is."""
+    import mlxproxy.proxy.upstream as upstream_module
+
+    assert upstream_module.POOL_IDLE_S < 5
+    monkeypatch.setattr(upstream_module, "POOL_IDLE_S", 0.3)
+    peers: list[int] = []
+
+    async def handler(req: Req, conn: Conn) -> None:
+        peers.append(conn.writer.get_extra_info("peername")[1])
+        await json_answer(req, conn)
+
+    with proxy(stack, handler) as (srv, app, up), httpx.Client(timeout=10) as c:
+        for _ in range(2):
+            assert c.get(srv.url + "/v1/models").status_code == 200
+        time.sleep(0.6)  # idle past POOL_IDLE_S (waiting for it, not measuring)
+        assert c.get(srv.url + "/v1/models").status_code == 200
+    assert peers[0] == peers[1] and peers[2] != peers[1], peers
+
+
 # -- 5. errors in the promised shape ------------------------------------------------------------------
 
 
@@ -533,3 +567,173 @@ def test_finishing_a_huge_stream_record_does_not_stall_other_streams(stack: str)
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t_end]
         assert len(gaps) >= 10
         assert max(gaps) < 0.1, max(gaps)
+
+
+# -- 4. config and files ------------------------------------------------------------------------------
+
+
+def test_a_billion_laughs_config_is_refused_in_under_a_second(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from mlxproxy.cli import main
+
+    lines = ["port:", '  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"  - &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    p = tmp_path / "lol.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    assert p.stat().st_size < 500
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["serve", "--config", str(p)])
+    elapsed = time.monotonic() - t0
+    assert res.exit_code == 2 and elapsed < 1.0, (res.exit_code, elapsed)
+    assert res.output.count("\n") == 1 and "YAML aliases" in res.output and len(res.output) < 300
+    # aliases that stay small are fine
+    from mlxproxy.config import load_config
+
+    p.write_text("upstreams:\n  - &u {name: a, url: 'http://127.0.0.1:1', models: &m [x, y]}\n"
+                 "  - {name: b, url: 'http://127.0.0.1:2', models: *m}\n")
+    assert load_config(p).upstreams[1].models == ("x", "y")
+
+
+def test_an_upstream_key_an_http_header_cannot_carry_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxproxy.errors import ConfigError
+
+    for value in ["ключ", "sk-1\r\nX-Injected: 1"]:
+        monkeypatch.setenv("MLXPROXY_UPSTREAM_KEY", value)
+        cfg = build_config({"upstreams": [{"name": "a", "url": "http://127.0.0.1:1", "api_key_env": "MLXPROXY_UPSTREAM_KEY"}]})
+        with pytest.raises(ConfigError, match="upstream 'a'") as ei:
+            create_app(cfg)
+        assert "\n" not in str(ei.value) and value not in str(ei.value)
+
+
+def test_capture_refuses_files_it_did_not_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--capture never appends to (or cuts) a file that is not a capture, never follows a
+    symlink, says what is wrong in one line, and tightens a capture readable by others."""
+    from click.testing import CliRunner
+
+    from mlxproxy.capture import CaptureWriter
+    from mlxproxy.cli import main
+    from mlxproxy.errors import ConfigError
+
+    notes = tmp_path / "notes.txt"
+    for content in [b"my notes\nlast line without newline", b"no newline at all", b'{"some": "json"}\n']:
+        notes.write_bytes(content)
+        with pytest.raises(ConfigError, match="not an mlxproxy capture"):
+            CaptureWriter(notes)
+        assert notes.read_bytes() == content  # untouched
+    real = tmp_path / "real.jsonl"
+    w = CaptureWriter(real)
+    w.close()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        CaptureWriter(link)
+    link2 = tmp_path / "link2.jsonl"
+    link2.symlink_to(notes)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        CaptureWriter(link2)
+    with caplog.at_level(logging.ERROR, logger="mlxproxy"):  # unwritable: reported once, the proxy runs on
+        CaptureWriter(notes / "sub" / "c.jsonl").close()
+    assert any("notes.txt' is a file, not a directory" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        CaptureWriter(tmp_path)
+    res = CliRunner().invoke(main, ["serve", "--upstream", "http://127.0.0.1:9", "--capture", str(notes)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "not an mlxproxy capture" in res.output
+    assert notes.read_bytes() == b'{"some": "json"}\n'
+    # an existing capture with loose permissions is set to owner-only, with a warning
+    real.write_bytes(b'{"id":"x","v":1}\n')
+    real.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="mlxproxy"):
+        CaptureWriter(real).close()
+    assert real.stat().st_mode & 0o777 == 0o600
+    assert any("readable by others" in r.getMessage() for r in caplog.records)
+
+
+@linux_only
+def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) -> None:
+    """With the disk stuck, 200 requests with 1 MiB prompts hold at most
+    capture_queue_bytes in the queue (plus the line being written); the rest are dropped
+    and counted."""
+    from mlxproxy.capture import CaptureWriter, Exchange
+    from mlxproxy.core.record import Record
+
+    stuck = threading.Event()
+    w = CaptureWriter(tmp_path / "c.jsonl", queue_bytes=8 << 20)
+    real_write = w._write_line
+    w._write_line = lambda line: (stuck.wait(30), real_write(line))[1]  # type: ignore[method-assign]
+    before = rss_bytes()
+    for i in range(200):
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"{i}" + "p" * (1 << 20)}]})
+        rec = Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                     status=200, outcome="ok")
+        w.on_exchange(rec, Exchange(body, [(b"content-type", b"application/json")]))
+        del body
+    grown = rss_bytes() - before
+    assert w.queued_bytes <= 8 << 20 + (2 << 20)
+    assert 180 <= w.dropped < 200, w.dropped
+    assert grown < 40 << 20, grown  # was 200+ MiB with a queue bounded only by records
+    stuck.set()
+    w.close()
+    assert w.written == 200 - w.dropped and w.queued_bytes == 0
+
+
+def test_serve_refuses_an_unknown_stack_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from mlxproxy.cli import main
+
+    monkeypatch.setenv("MLXPROXY_STACK", "turbo")
+    res = CliRunner().invoke(main, ["serve", "--port", "0", "--upstream", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "MLXPROXY_STACK must be one of plain, fast" in res.output
+
+
+def test_mlxproxy_serve_applies_the_configured_limits_on_each_stack(stack: str, tmp_path: Path) -> None:
+    """The real `mlxproxy serve` process, on the stack MLXPROXY_STACK names, enforces the
+    config's head limits and refuses a foreign target."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_request_header_bytes: 2048\nrequest_header_timeout_s: 0.3\n")
+    with FakeUpstream(json_answer) as up:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--config", str(cfg), "--upstream", up.url,
+                                 "--port", "0", "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MLXPROXY_STACK": stack})
+        try:
+            port = 0
+            for line in proc.stderr:  # type: ignore[union-attr]
+                if "listening on http://127.0.0.1:" in line:
+                    port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+                    break
+            assert port
+            big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 4096 + b"\r\n\r\n"
+            assert_openai_error(*parse_responses(exchange(port, big))[0], 431)
+            assert exchange(port, b"") == b""  # an idle connection is closed by the server
+            got = parse_responses(exchange(port, f"GET http://127.0.0.1:{up.port}/v1/models HTTP/1.1\r\n\r\n".encode()))
+            assert_openai_error(*got[0], 400)
+            ok = parse_responses(exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            assert ok[0][0] == 200 and len(up.requests) == 1
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_streams_stays_quick_with_a_million_event_record_in_the_recent_list(stack: str) -> None:
+    """/streams shows records without their timeline, so a 10^6-event record in the recent
+    list costs it no more than any other (copying its offsets took 0.8-1.5 s of the loop)."""
+    from mlxproxy.core.record import Record
+
+    with proxy(stack) as (srv, app, up), httpx.Client(timeout=30) as c:
+        small = Record(id="a", started_at=1.0, upstream="default", model="m", endpoint="chat_completions", stream=True,
+                       status=200, outcome="ok", event_offsets_s=(0.1, 0.2))
+        app.recent.on_record(small)
+        plain = c.get(srv.url + "/streams").json()["recent"]
+        assert plain == [small.to_dict()]  # the same document as before
+        app.recent.on_record(Record(id="b", started_at=2.0, upstream="default", model="m", endpoint="chat_completions",
+                                    stream=True, status=200, outcome="ok",
+                                    event_offsets_s=tuple(i * 1e-3 for i in range(1_000_000))))
+        t0 = time.perf_counter()
+        got = c.get(srv.url + "/streams").json()["recent"]
+        assert time.perf_counter() - t0 < 0.5
+        assert [r["id"] for r in got] == ["b", "a"] and "event_offsets_s" not in got[0]

@@ -77,8 +77,13 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
     setup_logging(log_level)
     from mlxproxy.proxy.app import create_app
     from mlxproxy.proxy.upstream import display_url
-    from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server
+    from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server, stack_settings
 
+    try:
+        stack_settings(None)
+    except ValueError as exc:  # MLXPROXY_STACK names no installed stack
+        click.echo(f"mlxproxy: {exc}", err=True)
+        sys.exit(2)
     try:
         app = create_app(cfg)
     except ConfigError as exc:
@@ -99,11 +104,7 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     import uvicorn
 
-    try:
-        ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)
-    except ValueError as exc:  # MLXPROXY_STACK names no installed stack
-        click.echo(f"mlxproxy: {exc}", err=True)
-        sys.exit(2)
+    ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)
     # Everything imported and built so far lives as long as the process: keep the cyclic
     # GC from scanning it again and again, and let it run less often (per-event objects are
     # freed by reference counting; benchmarks/README.md measures what this buys).

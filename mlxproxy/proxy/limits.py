@@ -85,24 +85,60 @@ def _folded(head: bytes) -> bool:
     return b"\n " in head or b"\n\t" in head
 
 
-def _framing_problem(headers: Any, version: bytes | str, target: bytes, count_max: int) -> tuple[int, str, str] | None:
-    """The refusal for a complete request head, or None when it may go to the app."""
+def _framing_problem(headers: Any, version: bytes | str, target: bytes, limits: HeadLimits) -> tuple[int, str, str] | None:
+    """The refusal for a complete request head, or None when it may go to the app. (A head
+    that arrived whole in one read is measured here; one still arriving, as it arrives.)"""
     if not origin_form(target):
         return 400, "the request target must be a path starting with '/' (origin-form)", "invalid_request_target"
     if version not in (b"1.1", b"1.0", "1.1", "1.0"):
         return 400, "only HTTP/1.0 and HTTP/1.1 are served", "unsupported_http_version"
-    if len(headers) > count_max:
-        return 431, f"the request has more than {count_max} header lines (max_request_headers)", "request_headers_too_large"
+    if len(headers) > limits.max_count:
+        return 431, f"the request has more than {limits.max_count} header lines (max_request_headers)", \
+            "request_headers_too_large"
     cl = te = False
-    for k, _v in headers:
+    size = len(target) + 16  # request line
+    for k, v in headers:
+        size += len(k) + len(v) + 4
         k = k.lower()
         if k == b"content-length":
             cl = True
         elif k == b"transfer-encoding":
             te = True
+    if size > limits.max_bytes:
+        return 431, f"the request head is larger than {limits.max_bytes} bytes (max_request_header_bytes)", \
+            "request_headers_too_large"
     if cl and te:
         return 400, "a request must not carry both Content-Length and Transfer-Encoding", "ambiguous_framing"
     return None
+
+
+class _Deadlines:
+    """The head timeout without a timer per connection: connections waiting for a request
+    head, each with its deadline, checked by one timer every quarter of the timeout (so a
+    connection is closed between 1 and 1.25 times the timeout after it began waiting)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.waiting: dict[_HeadGuard, float] = {}
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, proto: _HeadGuard) -> None:
+        loop = proto.loop
+        self.waiting[proto] = loop.time() + self.timeout_s
+        if self._handle is None:
+            self._handle = loop.call_later(self.timeout_s / 4, self._sweep, loop)
+
+    def discard(self, proto: _HeadGuard) -> None:
+        self.waiting.pop(proto, None)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._handle = None
+        now = loop.time()
+        for proto in [p for p, deadline in self.waiting.items() if deadline <= now]:
+            del self.waiting[proto]
+            proto._head_timed_out()
+        if self.waiting:
+            self._handle = loop.call_later(self.timeout_s / 4, self._sweep, loop)
 
 
 class _HeadGuard:
@@ -111,24 +147,26 @@ class _HeadGuard:
     limits: HeadLimits
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
+    _deadlines: _Deadlines | None = None  # one per server (protocol class)
 
     def _guard_init(self) -> None:
         self._awaiting_head = True  # no complete request head since the last one ended
         self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_timer_armed = False
         self._refusal: tuple[int, str, str] | None = None
 
     def _arm_head_timer(self) -> None:
-        if self.limits.timeout_s > 0:
-            self._head_timer = self.loop.call_later(self.limits.timeout_s, self._head_timed_out)
+        if self._deadlines is not None:
+            self._deadlines.add(self)
+            self._head_timer_armed = True
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._head_timer_armed:
+            self._head_timer_armed = False
+            self._deadlines.discard(self)  # type: ignore[union-attr]
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
+        self._head_timer_armed = False
         if not self._awaiting_head or self.transport.is_closing():
             return
         if self._head_bytes:
@@ -139,7 +177,7 @@ class _HeadGuard:
 
     def _count_head(self, data: bytes) -> None:
         if self._awaiting_head:
-            if self._head_timer is None:  # the first byte of a request on a kept-alive connection
+            if not self._head_timer_armed:  # the first byte of a request on a kept-alive connection
                 self._arm_head_timer()
             self._head_bytes += len(data)
 
@@ -159,8 +197,13 @@ class _HeadGuard:
         self._cancel_head_timer()
         self._awaiting_head = False
         if not self.transport.is_closing():
-            self.transport.write(error_response(status, message, code))
-            self.transport.close()
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or cycle.response_complete or not cycle.response_started:
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True  # the app's own answer, if it comes, is dropped
+                    cycle.message_event.set()
+                self.transport.write(error_response(status, message, code))
+            self.transport.close()  # a response under way is cut, never followed by an error
 
     def _refuse_malformed(self) -> None:
         if self._refusal is not None:
@@ -176,11 +219,12 @@ def _fast_class(limits: HeadLimits) -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class LimitedHttpToolsProtocol(_HeadGuard, HttpToolsProtocol):  # type: ignore[misc]
+        _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.limits = limits
             self._guard_init()
-            self._header_count = 0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -210,21 +254,8 @@ def _fast_class(limits: HeadLimits) -> type:
         def send_400_response(self, msg: str) -> None:
             self._refuse_malformed()
 
-        def on_message_begin(self) -> None:
-            self._header_count = 0
-            super().on_message_begin()
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._header_count += 1
-            if self._header_count > limits.max_count:
-                self._refusal = (431, f"the request has more than {limits.max_count} header lines (max_request_headers)",
-                                 "request_headers_too_large")
-                raise ValueError("too many headers")  # stops the parser; data_received answers
-            super().on_header(name, value)
-
         def on_headers_complete(self) -> None:
-            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url,
-                                       limits.max_count)
+            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url, limits)
             if problem is not None:
                 self._refusal = problem
                 raise ValueError(problem[2])
@@ -243,6 +274,8 @@ def _plain_class(limits: HeadLimits) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class LimitedH11Protocol(_HeadGuard, H11Protocol):  # type: ignore[misc]
+        _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.limits = limits
@@ -262,8 +295,7 @@ def _plain_class(limits: HeadLimits) -> type:
                         raise h11.RemoteProtocolError("bare LF or obs-fold")
                 event = parse()
                 if type(event) is h11.Request:
-                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target,
-                                               limits.max_count)
+                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target, limits)
                     if problem is not None:
                         self._refusal = problem
                         raise h11.RemoteProtocolError(problem[2])
