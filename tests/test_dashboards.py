@@ -51,7 +51,7 @@ DOCS = ROOT / "docs" / "DASHBOARDS.md"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 KNOWN_VARIABLES = {"__rate_interval", "__range", "__interval", "upstream", "model"}
 # Families without upstream/model labels: the only ones a panel may query unfiltered.
-UNFILTERED_OK = {"mlxproxy_proxy_overhead_seconds", "mlxproxy_build_info"}
+UNFILTERED_OK = {"mlxproxy_proxy_overhead_seconds", "mlxproxy_event_loop_lag_seconds", "mlxproxy_build_info"}  # no upstream label
 CONTRACT_FAMILIES = (
     "mlxproxy_requests_total", "mlxproxy_requests_in_flight", "mlxproxy_request_duration_seconds",
     "mlxproxy_time_to_first_byte_seconds", "mlxproxy_time_to_first_token_seconds",
@@ -59,7 +59,7 @@ CONTRACT_FAMILIES = (
     "mlxproxy_time_per_output_token_seconds", "mlxproxy_output_tokens_per_second",
     "mlxproxy_prefill_tokens_per_second", "mlxproxy_tokens_total", "mlxproxy_usage_reports_total",
     "mlxproxy_anomalies_total", "mlxproxy_proxy_overhead_seconds", "mlxproxy_build_info",
-    "mlxproxy_prompt_length_tokens", "mlxproxy_generation_length_tokens",
+    "mlxproxy_prompt_length_tokens", "mlxproxy_generation_length_tokens", "mlxproxy_event_loop_lag_seconds",
 )
 ROWS = ("traffic", "latency", "token flow", "batching", "truth", "overhead", "length")
 
