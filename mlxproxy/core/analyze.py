@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mlxproxy.core.detect import Thresholds, check_record, find_serialized, with_anomalies
+from mlxproxy.core.detect import Thresholds, check_record, check_tools, find_serialized, with_anomalies
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.record import Record
 
@@ -34,6 +34,8 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
             nonascii_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
     found = check_record(record, th, chars=chars if text is not None else None, nonascii_chars=nonascii_chars,
                          nonascii_bytes=nonascii_bytes, headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
+    if record.tool_calls_valid is not None:
+        found.extend(check_tools(record, meter.tool_problems(), meter.tool_markup() if not record.tool_calls else None))
     burst = any(a.kind == "non_incremental_stream" for a in found)  # token times say nothing about progress then
     ser = find_serialized(record, earlier, th) if earlier and not burst else None
     if ser is not None:

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from mlxproxy.core.openai import parse_context_limit
 from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.stats import percentile
+from mlxproxy.core.tools import TOOL_FINISH
 
 __all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
-           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats"]
+           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools"]
 
 ANOMALY_KINDS = (
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
     "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
     "silent_prefill", "serialized", "superlinear_prefill",
+    "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
 )
 
 
@@ -238,6 +240,35 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
 
     if (r.finish_reason == "stop" and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
         add(Anomaly("unreported_length", f"finish_reason 'stop' although {rep} tokens reached max_tokens {r.max_tokens}"))
+    return out
+
+
+# finish reasons that legitimately end a response with tool calls cut short (the token limit)
+_LIMIT_FINISH = frozenset({"length", "max_tokens", "max_output_tokens"})
+
+
+def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[Anomaly]:
+    """The tool-call checks of a request that offered tools (`r.tool_calls_valid` is not
+    None), judged on complete responses only. `problems` are the unusable structured
+    calls (`tools.call_problem`), `markup` the tool-call markup found in the content."""
+    out: list[Anomaly] = []
+    if r.tool_calls_valid is None or r.outcome not in ("ok", "ok_no_done"):
+        return out
+    if r.tool_calls == 0 and markup is not None:
+        out.append(Anomaly("tool_call_in_content", f"no structured tool call came back, but the content carries {markup}"
+                           f" (finish {r.finish_reason!r}): the server's tool parser is missing or wrong"))
+    if problems:
+        out.append(Anomaly("invalid_tool_arguments", f"{len(problems)} of {r.tool_calls} tool calls unusable: "
+                           + "; ".join(problems[:3])))
+    expected = TOOL_FINISH.get(r.endpoint)
+    fr = r.finish_reason
+    if expected is not None and fr is not None:
+        if r.tool_calls and fr != expected and fr not in _LIMIT_FINISH:
+            out.append(Anomaly("tool_call_finish_mismatch", f"{r.tool_calls} structured tool calls but finish reason "
+                               f"{fr!r}, not {expected!r}: clients that wait for {expected!r} never run them"))
+        elif not r.tool_calls and fr == expected:
+            out.append(Anomaly("tool_call_finish_mismatch", f"finish reason {expected!r} but no structured tool call "
+                               "came back"))
     return out
 
 

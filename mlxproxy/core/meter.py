@@ -21,6 +21,7 @@ import orjson
 from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
 from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
+from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
 
 __all__ = ["RequestMeter"]
 
@@ -97,6 +98,7 @@ class RequestMeter:
         self._content_chars = 0
         self.reasoning_parts: list[str] = []
         self.tool_calls: dict[int, dict[str, str]] = {}
+        self._tool_args_over: dict[int, int] = {}  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -212,15 +214,49 @@ class RequestMeter:
     def _tool_call(self, tc: dict[str, Any]) -> None:
         idx = _int(tc.get("index"))
         idx = 0 if idx is None else idx
-        slot = self.tool_calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
-        if isinstance(tc.get("id"), str):
-            slot["id"] = tc["id"]
         fn = tc.get("function")
         if isinstance(fn, dict):
-            if isinstance(fn.get("name"), str) and fn["name"]:
-                slot["name"] = fn["name"]
-            if isinstance(fn.get("arguments"), str):
-                slot["arguments"] += fn["arguments"]
+            self._call_part(idx, tc.get("id"), fn.get("name"), fn.get("arguments"))
+        else:
+            self._call_part(idx, tc.get("id"), None, None)
+
+    def _call_part(self, idx: int, call_id: Any, name: Any, arguments: Any) -> None:
+        """A structured call (or a piece of one) at position `idx`: arguments accumulate,
+        kept up to MAX_ARGUMENT_CHARS per call (the rest only counted)."""
+        slot = self.tool_calls.get(idx)
+        if slot is None:
+            if len(self.tool_calls) >= 4 * MAX_TOOLS:
+                return
+            slot = self.tool_calls[idx] = {"id": "", "name": "", "arguments": ""}
+        if isinstance(call_id, str):
+            slot["id"] = call_id[:256]
+        if isinstance(name, str) and name:
+            slot["name"] = name[:256]
+        if isinstance(arguments, str) and arguments:
+            room = MAX_ARGUMENT_CHARS - len(slot["arguments"])
+            if len(arguments) <= room:
+                slot["arguments"] += arguments
+            else:
+                slot["arguments"] += arguments[:max(room, 0)]
+                self._tool_args_over[idx] = self._tool_args_over.get(idx, 0) + len(arguments) - max(room, 0)
+
+    def tool_problems(self) -> list[str]:
+        """Why each structured call is unusable (empty when all are fine or no tools were offered)."""
+        tools = self.request.tools
+        if tools is None:
+            return []
+        out = []
+        for idx, slot in sorted(self.tool_calls.items()):
+            p = call_problem(tools, slot["name"], slot["arguments"], truncated=idx in self._tool_args_over)
+            if p is not None:
+                out.append(p)
+        return out
+
+    def tool_markup(self) -> str | None:
+        """Tool-call markup in the streamed content (evidence), when the request offered tools."""
+        if self.request.tools is None:
+            return None
+        return find_markup(self.content_text, self.request.tools)
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -269,7 +305,8 @@ class RequestMeter:
     def generated_chars(self) -> int:
         """Characters of generated text streamed (content, reasoning, tool names and arguments)."""
         return (sum(map(len, self.content_parts)) + sum(map(len, self.reasoning_parts))
-                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values()))
+                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values())
+                + sum(self._tool_args_over.values()))
 
     def silent_after_headers_s(self, t_end: float) -> float | None:
         """How long the body stayed silent after the headers (to the first byte, or to
@@ -434,6 +471,8 @@ class RequestMeter:
             finish_reason=self.finish_reason,
             finish_reasons_seen=self.finish_reasons_seen,
             tool_calls=len(self.tool_calls),
+            tool_calls_valid=(None if self.request.tools is None
+                              else len(self.tool_calls) - len(self.tool_problems())),
             error=None if err is None else err[:500],
             context_prompt_tokens=ctx[1],
             context_limit_tokens=ctx[2],

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from mlxproxy.core.tools import ToolSpec, parse_tools
+
 __all__ = [
     "RequestInfo",
     "Delta",
@@ -60,6 +62,8 @@ class RequestInfo:
     usage_requested: bool = False  # the client itself asked for stream_options.include_usage
     json_body: bool = False  # the body parsed as a JSON object
     prompt_chars: int | None = None
+    # the function tools the request declared (names and required keys only); None: no tools offered
+    tools: tuple[ToolSpec, ...] | None = None
 
 
 def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
@@ -91,6 +95,7 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             usage_requested=usage_requested,
             json_body=True,
             prompt_chars=_prompt_chars(obj),
+            tools=parse_tools(obj),
         ),
         obj,
     )

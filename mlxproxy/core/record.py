@@ -91,6 +91,7 @@ class Record:
     finish_reason: str | None = None
     finish_reasons_seen: int = 0
     tool_calls: int = 0
+    tool_calls_valid: int | None = None  # structured calls usable as streamed; None: the request offered no tools
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None

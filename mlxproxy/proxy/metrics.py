@@ -128,6 +128,8 @@ class ProxyMetrics:
                                      ["upstream", "model", "present"], registry=registry)
         self.anomalies = Counter("mlxproxy_anomalies", "Truth-check anomalies by kind.",
                                  ["upstream", "model", "kind"], registry=registry)
+        self.tool_calls = Counter("mlxproxy_tool_calls", "Structured tool calls on requests that offered tools, by outcome.",
+                                  ["upstream", "model", "outcome"], registry=registry)
         self.overhead = Histogram("mlxproxy_proxy_overhead_seconds", "Time the proxy itself adds, by phase.",
                                   ["phase"], buckets=OVERHEAD_BUCKETS, registry=registry)
         self.observer_errors = Counter("mlxproxy_observer_errors", "Observers that raised on a record (forwarding was not affected).",
@@ -184,6 +186,11 @@ class ProxyMetrics:
             c(self.duration, up, model, ep, stream).observe(r.duration_s)
         for kind in r.anomalies:
             c(self.anomalies, up, model, kind).inc()
+        if r.tool_calls_valid is not None and r.tool_calls:
+            if r.tool_calls_valid:
+                c(self.tool_calls, up, model, "valid").inc(r.tool_calls_valid)
+            if r.tool_calls > r.tool_calls_valid:
+                c(self.tool_calls, up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
         if r.endpoint not in ("chat_completions", "completions", "messages", "responses"):
             return
         ok = r.outcome in ("ok", "ok_no_done")
