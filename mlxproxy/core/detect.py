@@ -194,7 +194,9 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
                       if sse else (None, None, None))
     if sse and rep is None and (r.usage_requested or r.usage_injected):
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
-    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions") and r.status == 200:
+    elif sse and rep is None and r.endpoint in ("messages", "responses"):
+        add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
+    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
     if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
         tok = r.completion_tokens_tokenizer
@@ -238,8 +240,8 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
             ev += f"; cyclic: every ~{period:.0f} events"
         add(Anomaly("stall", ev))
 
-    if (r.finish_reason == "stop" and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
-        add(Anomaly("unreported_length", f"finish_reason 'stop' although {rep} tokens reached max_tokens {r.max_tokens}"))
+    if (r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
+        add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {rep} tokens reached max_tokens {r.max_tokens}"))
     return out
 
 

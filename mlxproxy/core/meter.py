@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from mlxproxy.core.apis import (STREAM_APIS, ApiEvent, messages_body, messages_event, messages_usage, responses_body,
+                                responses_event, responses_usage)
 from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
 from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
@@ -98,7 +100,11 @@ class RequestMeter:
         self._content_chars = 0
         self.reasoning_parts: list[str] = []
         self.tool_calls: dict[int, dict[str, str]] = {}
-        self._tool_args_over: dict[int, int] = {}  # characters of arguments past MAX_ARGUMENT_CHARS, per call
+        self._tool_args_over: dict[int, int] = {}
+        # Anthropic Messages / OpenAI Responses: their events follow core.apis, not the chat rules
+        self._api = request.endpoint if request.endpoint in STREAM_APIS else None
+        self._api_raw_usage: dict[str, Any] = {}
+        self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -166,6 +172,9 @@ class RequestMeter:
         except orjson.JSONDecodeError:
             self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
             return
+        if self._api is not None:
+            self._api_event(messages_event(obj) if self._api == "messages" else responses_event(obj), t)
+            return
         plain = plain_delta(obj)
         if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
             content, reasoning = plain
@@ -194,11 +203,17 @@ class RequestMeter:
                 and content == "".join(self.content_parts)):  # joined only when the lengths agree: linear overall
             self.duplicate_content = True  # a terminal chunk replaying the whole answer
             return
+        self._generated(t, content, reasoning, bool(tool_calls))
+        for tc in tool_calls:
+            self._tool_call(tc)
+
+    def _generated(self, t: float, content: str, reasoning: str, tool: bool) -> None:
+        """One generated event at `t` (a token on per-token servers), of any API."""
         self.generated_events += 1
         self.event_times.append(t)
         if self.t_first_token is None:
             self.t_first_token = t
-        if self.t_first_content is None and (content or tool_calls):
+        if self.t_first_content is None and (content or tool):
             self.t_first_content = t
         self.t_last_token = t
         if content:
@@ -208,8 +223,44 @@ class RequestMeter:
         if reasoning:
             self.reasoning_events += 1
             self.reasoning_parts.append(reasoning)
-        for tc in tool_calls:
-            self._tool_call(tc)
+
+    def _api_event(self, ev: ApiEvent, t: float | None) -> None:
+        """A Messages or Responses event (`t` None: part of a non-streamed body)."""
+        if ev.error is not None:
+            self.stream_error = self.stream_error or ev.error
+        if ev.usage is not None:
+            if ev.usage_final:
+                self.usage_reports += 1
+            if self._api == "messages":
+                self._api_raw_usage.update(ev.usage)
+                self._api_final_usage = self._api_final_usage or ev.usage_final
+                self.usage = messages_usage(self._api_raw_usage, self._api_final_usage)
+            else:
+                self.usage = responses_usage(ev.usage)
+        if ev.finish is not None:
+            self.finish_reasons_seen += 1
+            if self.finish_reason is None:
+                self.finish_reason = ev.finish
+        idx = ev.tool_index if ev.tool_index is not None else 0
+        if ev.tool_name is not None or ev.tool_id is not None:
+            self._call_part(idx, ev.tool_id, ev.tool_name, None)
+        if ev.generated:
+            if t is None:
+                if ev.content:
+                    self.content_parts.append(ev.content)
+                if ev.reasoning:
+                    self.reasoning_parts.append(ev.reasoning)
+            else:
+                self._generated(t, ev.content, ev.reasoning, bool(ev.tool_args))
+            if ev.tool_args:
+                self._call_part(idx, None, None, ev.tool_args)
+        if ev.tool_final_args is not None:
+            slot = self.tool_calls.get(idx)
+            if slot is None or (not slot["arguments"] and idx not in self._tool_args_over):
+                self._call_part(idx, None, None, ev.tool_final_args)  # sent whole, never streamed
+        if ev.terminal and t is not None:
+            self.done = True
+            self.t_done = t
 
     def _tool_call(self, tc: dict[str, Any]) -> None:
         idx = _int(tc.get("index"))
@@ -349,6 +400,15 @@ class RequestMeter:
 
     def _absorb_body(self, obj: dict[str, Any]) -> None:
         """A non-stream JSON response: usage, finish reason, error and (kept) text."""
+        if self._api is not None and obj.get("type") != "error" and not obj.get("error"):
+            evs, usage = messages_body(obj) if self._api == "messages" else responses_body(obj)
+            if usage is not None:
+                self.usage = usage
+                self.usage_reports += 1
+            for ev in evs:
+                ev.usage = None
+                self._api_event(ev, None)
+            return
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
             self.usage_reports += 1
@@ -389,7 +449,7 @@ class RequestMeter:
             if self.finish_reason is not None:
                 return "ok" if self.done else "ok_no_done"
             return "truncated"
-        if self.request.endpoint in ("chat_completions", "completions") and self.request.json_body:
+        if self.request.endpoint in ("chat_completions", "completions", *STREAM_APIS) and self.request.json_body:
             if body_obj is None and not self._body_overflow:
                 return "protocol_error"
         return "ok"

@@ -79,7 +79,7 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
     if not isinstance(obj, dict):
         return RequestInfo(method, path, endpoint), None
     model = obj.get("model")
-    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens", obj.get("max_output_tokens")))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         max_tokens = None
     so = obj.get("stream_options")
