@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from mlxproxy.core.prefix import PromptPrint, fingerprint
 from mlxproxy.core.tools import ToolSpec, parse_tools
 
 __all__ = [
@@ -64,6 +65,8 @@ class RequestInfo:
     prompt_chars: int | None = None
     # the function tools the request declared (names and required keys only); None: no tools offered
     tools: tuple[ToolSpec, ...] | None = None
+    # fingerprints of the prompt for prefix tracking (core.prefix); never its text
+    prompt_print: PromptPrint | None = None
 
 
 def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
@@ -96,6 +99,7 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             json_body=True,
             prompt_chars=_prompt_chars(obj),
             tools=parse_tools(obj),
+            prompt_print=fingerprint(endpoint, obj) if endpoint in ("chat_completions", "messages", "responses") else None,
         ),
         obj,
     )

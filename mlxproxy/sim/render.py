@@ -67,6 +67,7 @@ class Renderer:
         self.profile = profile
         self.plan = plan
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of prompt_tokens, served from the prompt cache (set by the app)
         self.stream = stream
         self.faults = faults
         self.admitted_s = admitted_s
@@ -139,6 +140,7 @@ class Renderer:
             reasoning_chars=len(reasoning),
             total_chars=len(reasoning) + len(self.plan.content_text),
             ttft_s=ttft, decode_s=decode, total_s=total, n_visible=self.plan.n_visible,
+            cached_tokens=self.cached_tokens,
         )
 
     # -- events -------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class UsageReport:
     decode_s: float | None = None
     total_s: float | None = None
     n_visible: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prompt cache
 
     @property
     def total_tokens(self) -> int:
@@ -168,7 +169,7 @@ class Style:
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         }
 
