@@ -8,7 +8,7 @@ import dataclasses
 
 from mlxproxy.core.detect import Thresholds, check_prefix, check_record, check_tools, find_serialized, with_anomalies
 from mlxproxy.core.meter import RequestMeter
-from mlxproxy.core.prefix import PrefixIndex
+from mlxproxy.core.prefix import PrefixIndex, fingerprint
 from mlxproxy.core.record import Record
 
 __all__ = ["finish_checked"]
@@ -45,7 +45,8 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
     ser = find_serialized(record, earlier, th) if earlier and not burst else None
     if ser is not None:
         found.append(ser)
-    pp = meter.request.prompt_print
+    info = meter.request
+    pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp)
         fields: dict = {}

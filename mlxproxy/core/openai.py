@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.core.prefix import PromptPrint, fingerprint
 from mlxproxy.core.tools import ToolSpec, parse_tools
 
 __all__ = [
@@ -65,8 +64,9 @@ class RequestInfo:
     prompt_chars: int | None = None
     # the function tools the request declared (names and required keys only); None: no tools offered
     tools: tuple[ToolSpec, ...] | None = None
-    # fingerprints of the prompt for prefix tracking (core.prefix); never its text
-    prompt_print: PromptPrint | None = None
+    # the parsed body of a chat, Messages or Responses request, held only while the request is
+    # metered so its prompt can be fingerprinted off the request path (core.analyze); never in a record
+    prompt_obj: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
@@ -99,7 +99,7 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             json_body=True,
             prompt_chars=_prompt_chars(obj),
             tools=parse_tools(obj),
-            prompt_print=fingerprint(endpoint, obj) if endpoint in ("chat_completions", "messages", "responses") else None,
+            prompt_obj=obj if endpoint in ("chat_completions", "messages", "responses") else None,
         ),
         obj,
     )
