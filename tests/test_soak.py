@@ -31,7 +31,7 @@ CONCURRENCY = 64
 CHAT = {"model": "m", "stream": True, "max_tokens": 6, "messages": [{"role": "user", "content": "hello there"}],
         "stream_options": {"include_usage": True}}
 
-SOAK_SYSTEM = "You are a coding agent working in a large repository. " * 160  # ~8 kB
+SOAK_SYSTEM = "You are a coding agent working in a large repository. " * 40  # ~2 kB
 
 # kind: (weight, X-Sim-Fault, outcome the proxy must record)
 MIX: dict[str, tuple[int, str | None, str]] = {

@@ -222,3 +222,38 @@ def test_tool_call_metric_by_outcome_and_anomaly_counters() -> None:
     assert reg.get_sample_value("mlxproxy_tool_calls_total", {**lab, "outcome": "invalid"}) == 1
     assert reg.get_sample_value("mlxproxy_anomalies_total", {**lab, "kind": "invalid_tool_arguments"}) == 1
     assert reg.get_sample_value("mlxproxy_anomalies_total", {**lab, "kind": "tool_call_in_content"}) == 0
+
+
+# -- the simulator's tool-call styles, through the proxy ------------------------------------
+
+@pytest.mark.parametrize("style,fires", [
+    ("structured", set()),
+    ("markup", {"tool_call_in_content"}),
+    ("invalid-json", {"invalid_tool_arguments"}),
+])
+def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) -> None:
+    import httpx
+
+    from mlxproxy.config import build_config
+    from mlxproxy.proxy.app import create_app
+    from mlxproxy.runner import ServerThread
+    from mlxproxy.sim.app import create_app as create_sim
+
+    from conftest import wait_for
+
+    with ServerThread(create_sim("healthy", speed=50, tool_call_style=style)) as sim:
+        app = create_app(build_config(None, upstream_url=sim.url, log_requests=False))
+        with ServerThread(app) as proxy, httpx.Client(timeout=30) as c:
+            recs = []
+            for req in (opencode_request(), WEATHER_REQ):
+                with c.stream("POST", proxy.url + "/v1/chat/completions", content=req,
+                              headers={"content-type": "application/json"}) as r:
+                    b"".join(r.iter_bytes())
+                    rid = r.headers["x-mlxproxy-request-id"]
+                assert wait_for(lambda: any(x.id == rid for x in app.recent.records))
+                recs.append(next(x for x in app.recent.records if x.id == rid))
+    for r in recs:
+        assert r.outcome == "ok" and set(r.anomalies) == fires, r.anomaly_evidence
+        assert r.tool_calls == (0 if style == "markup" else 1)
+        assert r.tool_calls_valid == (1 if style == "structured" else 0)
+        assert r.finish_reason == ("stop" if style == "markup" else "tool_calls")

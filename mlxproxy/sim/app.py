@@ -204,6 +204,8 @@ class SimApp:
         renderer = Renderer(self._style_cls(ctx), self.profile, plan, req.prompt_tokens,
                             stream=req.stream, faults=faults, admitted_s=admitted_s)
         renderer.cached_tokens = cached
+        if plan.tool_name:
+            renderer.style.tool_name = plan.tool_name
         truth: dict[str, Any] = {
             "request": req_id, "response_id": ctx.response_id, "endpoint": endpoint, "stream": req.stream,
             "prompt_tokens": req.prompt_tokens, "cached_tokens": cached, "n_tokens": plan.n_visible, "n_reasoning": plan.n_reasoning,

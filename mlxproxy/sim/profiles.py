@@ -79,6 +79,9 @@ class Profile:
     # Prompt cache (sim/cache.py): reuse the longest cached prefix, report it as cached_tokens.
     prompt_cache: bool = False
     cache_drop: str = ""  # "", "every", "every-other", "after:N"
+    # Answer to a chat request that declares tools (OpenAI wire only): "" (text), "structured",
+    # "markup" (<tool_call> in content), "invalid-json" (structured, broken arguments).
+    tool_call_style: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -116,6 +119,10 @@ def _validate(p: Profile) -> None:
         value = getattr(p, knob)
         if value is not None and not (isinstance(value, int) and value >= 1):
             raise bad(knob, "must be an integer >= 1 or None")
+    if p.tool_call_style not in ("", "structured", "markup", "invalid-json"):
+        raise bad("tool_call_style", "must be '', 'structured', 'markup' or 'invalid-json'")
+    if p.tool_call_style and p.wire != "openai":
+        raise bad("tool_call_style", "is only simulated on the openai wire")
     try:
         parse_cache_drop(p.cache_drop)
     except ValueError:

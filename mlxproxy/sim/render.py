@@ -181,7 +181,7 @@ class Renderer:
             data, ending = self.style.stream_error("Simulated stream error", self.plan.finish_reason, self.usage())
             writes.append(b"".join(self._burst) + data)
             return [*writes, Close(reset=False)] if ending == "close" else writes
-        kind = "reasoning" if i < self.plan.n_reasoning else "content"
+        kind = "tool" if self.plan.tool_name else "reasoning" if i < self.plan.n_reasoning else "content"
         text = self.plan.pieces[i]
         if self.style.finish_on_last_token and i == self.plan.n_visible - 1:
             self._deferred = (kind, text)
