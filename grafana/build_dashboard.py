@@ -29,6 +29,8 @@ GEN_ENDPOINTS = 'endpoint=~"chat_completions|completions|messages|responses"'
 OK_OUTCOMES = "ok|ok_no_done"
 ERR = f'outcome!~"{OK_OUTCOMES}"'
 RI = "$__rate_interval"
+PROMPT_CACHE = "mlxproxy_prompt_tokens_total"
+REUSED = 'cache="reused"'
 
 # The concurrency label's buckets and the stream count each one stands for in the implied
 # speedup: the bucket's lower bound, so the figure for a bucket is a lower bound too.
@@ -384,6 +386,23 @@ def panels() -> list[list[dict[str, Any]]]:
                        "anomaly can be matched with what you were doing at the time.",
                        targets((gsum("mlxproxy_anomalies_total", "$__interval", "upstream, kind"), "{{upstream}} {{kind}}")),
                        "short", w=24, h=7, stack=True, bars=True),
+        ],
+        [row("Prompt cache (agents' multi-turn conversations)")],
+        [
+            timeseries("Prompt cache hit ratio", "Share of prompt tokens the server served from its prompt cache "
+                       "(prompt_tokens_details.cached_tokens) among all prompt tokens of the requests that report "
+                       "cached tokens, per upstream: rate(prompt_tokens{cache=\"reused\"}) / rate(prompt_tokens). An "
+                       "agent resending its conversation every turn should sit near 1 after the first turn; a server "
+                       "that re-prefills every turn sits near 0. The prefix_cache_miss and prompt_prefix_changed "
+                       "anomalies say which turns missed and why.",
+                       targets((rsum(PROMPT_CACHE, "upstream", REUSED) + "\n/\n" + rsum(PROMPT_CACHE, "upstream"),
+                                "{{upstream}}")), "percentunit", w=12),
+            timeseries("Prefill time wasted on cache misses", "Seconds of TTFT lost to prefix_cache_miss in each "
+                       "interval, per upstream: for every turn whose reusable prefix the server did not reuse, its TTFT "
+                       "minus the TTFT a hit would have had (prefill_wasted_s; an estimate from the turn's own prefill "
+                       "rate). This is the time agents waited because the server re-prefilled what it already had.",
+                       targets((gsum("mlxproxy_prefill_wasted_seconds_total", "$__interval", "upstream"), "{{upstream}}")),
+                       "s", w=12, bars=True),
         ],
         [row("Proxy overhead")],
         [

@@ -84,7 +84,32 @@ def _strip_prompts(obj: Any) -> Any:
         obj["messages"] = new
     if isinstance(obj.get("prompt"), str):
         obj["prompt_chars"] = len(obj.pop("prompt"))
+    # Anthropic Messages `system`; OpenAI Responses `instructions` and `input`
+    for key in ("system", "instructions"):
+        if key in obj and obj[key] is not None:
+            obj[f"{key}_chars"] = _text_chars(obj.pop(key))
+    inp = obj.get("input")
+    if isinstance(inp, str):
+        obj["input_chars"] = len(obj.pop("input"))
+    elif isinstance(inp, list):
+        items = []
+        for it in inp:
+            if isinstance(it, dict):
+                it = dict(it)
+                n = sum(_text_chars(it.pop(k)) for k in ("content", "output", "arguments", "text", "summary") if k in it)
+                it["content_chars"] = n
+            items.append(it)
+        obj["input"] = items
     return obj
+
+
+def _text_chars(v: Any) -> int:
+    """Characters of text in a string, or in a list of parts with `text`."""
+    if isinstance(v, str):
+        return len(v)
+    if isinstance(v, list):
+        return sum(len(p["text"]) if isinstance(p, dict) and isinstance(p.get("text"), str) else 0 for p in v)
+    return 0
 
 
 class CaptureWriter:

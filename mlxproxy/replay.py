@@ -1,10 +1,11 @@
 """`mlxproxy replay`: send a capture again against any target and measure it.
 
 Documented rewrites of the captured request body (nothing else changes):
-  - streaming requests get `stream_options.include_usage: true` (so usage can be checked);
+  - streaming chat and text completions get `stream_options.include_usage: true` (so usage
+    can be checked; Anthropic Messages and OpenAI Responses streams always carry usage);
   - `--model NAME` replaces `model`;
   - the nonce (on by default; `--no-nonce` turns it off) prefixes the first message (or
-    the prompt) with `[nonce <hex>] `, a new one for every request sent (the baseline and
+    the prompt, or a Responses `input`) with `[nonce <hex>] `, a new one for every request sent (the baseline and
     the waves of `--batch`, every repeat), so no prompt cache can serve the request;
   - a privacy capture (`capture_prompts: false`) has only message lengths: each message is
     sent as filler text of its recorded length.
@@ -26,7 +27,7 @@ import orjson
 
 from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
-from mlxproxy.core.openai import inject_include_usage
+from mlxproxy.core.openai import endpoint_of, inject_include_usage
 from mlxproxy.core.record import Record
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.report import summarize_records
@@ -79,6 +80,16 @@ def _with_nonce(obj: dict[str, Any], nonce: str) -> None:
         obj["messages"] = [m, *msgs[1:]]
     elif isinstance(obj.get("prompt"), str):
         obj["prompt"] = nonce + obj["prompt"]
+    elif isinstance(obj.get("input"), str):  # OpenAI Responses
+        obj["input"] = nonce + obj["input"]
+    elif isinstance(obj.get("input"), list) and obj["input"] and isinstance(obj["input"][0], dict):
+        first = dict(obj["input"][0])
+        c = first.get("content")
+        if isinstance(c, str):
+            first["content"] = nonce + c
+        elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
+            first["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
+        obj["input"] = [first, *obj["input"][1:]]
 
 
 def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
@@ -93,10 +104,26 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
                 m["content"] = filler_text(n)
             new.append(m)
         obj = {**obj, "messages": new}
-    if "prompt_chars" in obj and "prompt" not in obj:
-        n = int(obj["prompt_chars"])
-        obj = {k: v for k, v in obj.items() if k != "prompt_chars"}
-        obj["prompt"] = filler_text(n)
+    for key in ("prompt", "system", "instructions", "input"):  # Messages `system`, Responses `instructions`/`input`
+        if f"{key}_chars" in obj and key not in obj:
+            n = int(obj[f"{key}_chars"])
+            obj = {k: v for k, v in obj.items() if k != f"{key}_chars"}
+            obj[key] = filler_text(n)
+    inp = obj.get("input")
+    if isinstance(inp, list) and any(isinstance(it, dict) and "content_chars" in it for it in inp):
+        items = []
+        for it in inp:
+            if isinstance(it, dict) and "content_chars" in it:
+                n = int(it["content_chars"])
+                it = {k: v for k, v in it.items() if k != "content_chars"}
+                if it.get("type") == "function_call_output":
+                    it["output"] = filler_text(n)
+                elif it.get("type") == "function_call":
+                    it["arguments"] = "{}"
+                else:
+                    it["content"] = filler_text(n)
+            items.append(it)
+        obj = {**obj, "input": items}
     return obj
 
 
@@ -112,7 +139,8 @@ def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
         obj = dict(obj)
         _with_nonce(obj, f"[nonce {os.urandom(6).hex()}] ")
     body = orjson.dumps(obj)
-    if obj.get("stream") is True:
+    if obj.get("stream") is True and endpoint_of(c.path) in ("chat_completions", "completions"):
+        # Messages and Responses streams always report usage (and reject stream_options)
         so = obj.get("stream_options")
         if not (isinstance(so, dict) and so.get("include_usage")):
             body = inject_include_usage(body, obj)

@@ -60,8 +60,9 @@ CONTRACT_FAMILIES = (
     "mlxproxy_prefill_tokens_per_second", "mlxproxy_tokens_total", "mlxproxy_usage_reports_total",
     "mlxproxy_anomalies_total", "mlxproxy_proxy_overhead_seconds", "mlxproxy_build_info",
     "mlxproxy_prompt_length_tokens", "mlxproxy_generation_length_tokens", "mlxproxy_event_loop_lag_seconds",
+    "mlxproxy_prompt_tokens_total", "mlxproxy_prefill_wasted_seconds_total",
 )
-ROWS = ("traffic", "latency", "token flow", "batching", "truth", "overhead", "length")
+ROWS = ("traffic", "latency", "token flow", "batching", "truth", "prompt cache", "overhead", "length")
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +279,10 @@ SIMS = (
     ("burst", "rapid-mlx", "sim-burst"),
     ("stalls", "mlx-vlm", "sim-stalls"),
     ("thinking", "vllm-mlx", "sim-thinking"),
+    ("cache", "healthy", "sim-cache"),  # a prompt cache dropped before every other request (SIM_KNOBS)
 )
+SIM_KNOBS = {"cache": {"prompt_cache": True, "cache_drop": "every-other"}}
+AGENT_SYSTEM = "You are a coding agent; keep the repository's conventions and run its tests. " * 80  # ~1600 tokens
 PROMPT_TOKENS = (40, 300, 1500, 6000)
 MAX_TOKENS = (16, 40, 80, 160)
 
@@ -308,9 +312,21 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, model: str, *, str
             raise
 
 
+async def _agent(client: httpx.AsyncClient, rng: random.Random, turns: int = 3) -> int:
+    """An agent conversation on the caching upstream: every turn resends the conversation."""
+    msgs = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"task {rng.random()}"}]
+    for turn in range(turns):
+        body = {"model": "sim-cache", "stream": True, "max_tokens": 8, "messages": msgs}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for _ in r.aiter_raw():
+                pass
+        msgs = msgs + [{"role": "assistant", "content": "done"}, {"role": "user", "content": f"next {turn}"}]
+    return turns
+
+
 async def _round(client: httpx.AsyncClient, rng: random.Random) -> int:
-    models = [m for _, _, m in SIMS]
-    sent = 0
+    models = [m for _, _, m in SIMS if m != "sim-cache"]
+    sent = await _agent(client, rng)
     # every upstream alone (concurrency 1 on each), then batches of 2 and 4 on each
     for n in (1, 2, 4):
         await asyncio.gather(*(_one(client, rng, m) for m in models for _ in range(n)))
@@ -356,7 +372,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with ExitStack() as stack:
         upstreams = []
         for name, profile, model in SIMS:
-            srv = stack.enter_context(ServerThread(create_sim(profile, speed=SPEED, seed=1), server_header=False, date_header=False))
+            srv = stack.enter_context(ServerThread(create_sim(profile, speed=SPEED, seed=1, **SIM_KNOBS.get(name, {})), server_header=False, date_header=False))
             upstreams.append({"name": name, "url": srv.url, "models": [model]})
         config = build_config({"upstreams": upstreams, "default_upstream": "healthy"}, log_requests=False)
         proxy = stack.enter_context(ServerThread(create_app(config), server_header=False, date_header=False))
@@ -478,3 +494,23 @@ def test_promtool_check_metrics_on_the_loaded_proxy(live: Live) -> None:
     assert "mlxproxy_output_tokens_per_second_bucket" in live.metrics_text
     r = promtool("check", "metrics", stdin=live.metrics_text.encode())
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+@needs_prometheus
+def test_prompt_cache_panels_show_the_dropping_server(live: Live, dashboard: dict[str, Any]) -> None:
+    """The caching upstream that drops its cache before every other request: its hit ratio lies
+    strictly between 0 and 1, and its misses cost prefill time. The healthy profile has no
+    prompt cache (it reports cached_tokens 0): its ratio is 0."""
+    variables = {**live.variables, "__interval": live.variables["__range"]}
+    by_title = {p["title"]: p for p, _ in ph.panel_queries(dashboard)}
+
+    def values(title: str) -> dict[str, float]:
+        expr = ph.substitute(by_title[title]["targets"][0]["expr"], variables)
+        ans = live.prom.query(expr)
+        return {r["metric"].get("upstream", ""): float(r["value"][1]) for r in ans["data"]["result"]}
+
+    ratio = values("Prompt cache hit ratio")
+    wasted = values("Prefill time wasted on cache misses")
+    assert 0.1 < ratio["cache"] < 0.95, ratio
+    assert wasted["cache"] > 0, wasted
+    assert ratio["healthy"] == 0, ratio

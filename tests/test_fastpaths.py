@@ -30,7 +30,9 @@ from mlxproxy.core.strip import UsageStripper
 
 from conftest import FIXTURES, splits
 
-SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse"))
+# chat and text completion streams (the Anthropic Messages and Responses recordings have their own rules)
+SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse")
+                      if not p.name.startswith(("anthropic_messages_", "openai_responses_")))
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 

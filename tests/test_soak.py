@@ -31,6 +31,8 @@ CONCURRENCY = 64
 CHAT = {"model": "m", "stream": True, "max_tokens": 6, "messages": [{"role": "user", "content": "hello there"}],
         "stream_options": {"include_usage": True}}
 
+SOAK_SYSTEM = "You are a coding agent working in a large repository. " * 40  # ~2 kB
+
 # kind: (weight, X-Sim-Fault, outcome the proxy must record)
 MIX: dict[str, tuple[int, str | None, str]] = {
     "ok": (60, None, "ok"),
@@ -105,6 +107,10 @@ async def one(client: httpx.AsyncClient, kind: str) -> str | None:
         r = await client.post("/v1/chat/completions", content=b'{"model": "m", "stream": tru', headers={"content-type": "application/json"})
         return None if r.status_code == 400 else f"{kind}: status {r.status_code}"
     body = dict(CHAT)
+    # every request starts a new conversation with an agent-sized system prompt: the prompt-prefix
+    # index (256 conversations per upstream) fills during the warm-up and must stay bounded after it
+    body["messages"] = [{"role": "system", "content": SOAK_SYSTEM},
+                        {"role": "user", "content": f"hello there {random.getrandbits(48):x}"}]
     if kind == "usage-injected":
         del body["stream_options"]
     if kind == "non-stream":

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mlxproxy.core.detect import Thresholds, check_record, find_serialized, with_anomalies
+import dataclasses
+
+from mlxproxy.core.detect import Thresholds, check_prefix, check_record, check_tools, find_serialized, with_anomalies
 from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.prefix import PrefixIndex, fingerprint
 from mlxproxy.core.record import Record
 
 __all__ = ["finish_checked"]
@@ -13,10 +16,12 @@ __all__ = ["finish_checked"]
 
 def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome: str | None = None,
                    error: str | None = None, earlier: Sequence[Record] = (),
-                   count_tokens: Callable[[str], int] | None = None) -> Record:
+                   count_tokens: Callable[[str], int] | None = None, prefixes: PrefixIndex | None = None) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
-    makes the usage check exact; a failing tokenizer is ignored."""
+    makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
+    upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
+    and remembers this request's prompt fingerprints."""
     tok = None
     text = meter.generated_text if meter.decoder is not None else None  # tool-call names and arguments too
     if count_tokens is not None and meter.generated_events and text is not None:
@@ -34,8 +39,28 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
             nonascii_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
     found = check_record(record, th, chars=chars if text is not None else None, nonascii_chars=nonascii_chars,
                          nonascii_bytes=nonascii_bytes, headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
+    if record.tool_calls_valid is not None:
+        found.extend(check_tools(record, meter.tool_problems(), meter.tool_markup() if not record.tool_calls else None))
     burst = any(a.kind == "non_incremental_stream" for a in found)  # token times say nothing about progress then
     ser = find_serialized(record, earlier, th) if earlier and not burst else None
     if ser is not None:
         found.append(ser)
+    info = meter.request
+    pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
+    if prefixes is not None and pp is not None:
+        match = prefixes.match(pp)
+        fields: dict = {}
+        if match is not None:
+            fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
+            found.extend(more)
+        if record.outcome in ("ok", "ok_no_done"):
+            cid, turn = prefixes.add(pp, match, record.id, record.prompt_tokens, t_end)
+            if (turn == 1 and not record.cached_tokens and record.prefill_tps and not burst
+                    and (record.prompt_tokens or 0) >= th.prefix_min_tokens):
+                prefixes.cold_prefill_tps.append(record.prefill_tps)
+        elif match is not None:
+            cid, turn = match.conversation_id, match.turn
+        else:
+            cid, turn = None, None
+        record = dataclasses.replace(record, conversation_id=cid, turn=turn, **fields)
     return with_anomalies(record, found, th)

@@ -15,16 +15,20 @@ from dataclasses import dataclass
 
 from mlxproxy.core.openai import parse_context_limit
 from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.prefix import Match
 from mlxproxy.core.stats import percentile
+from mlxproxy.core.tools import TOOL_FINISH
 
 __all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
-           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats"]
+           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools", "check_prefix"]
 
 ANOMALY_KINDS = (
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
     "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
     "silent_prefill", "serialized", "superlinear_prefill",
+    "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
+    "prefix_cache_miss", "prompt_prefix_changed",
 )
 
 
@@ -54,6 +58,8 @@ class Thresholds:
     serialized_min_wait_s: float = 0.25  # the later request waited at least this long for the earlier one
     superlinear_factor: float = 3.0  # prefill tok/s this many times lower at the largest prompt
     superlinear_min_size_ratio: float = 4.0
+    prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
+    prefix_miss_ratio: float = 0.5  # cached_tokens below this fraction of the reusable prefix: prefix_cache_miss
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +198,9 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
                       if sse else (None, None, None))
     if sse and rep is None and (r.usage_requested or r.usage_injected):
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
-    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions") and r.status == 200:
+    elif sse and rep is None and r.endpoint in ("messages", "responses"):
+        add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
+    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
     if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
         tok = r.completion_tokens_tokenizer
@@ -236,9 +244,86 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
             ev += f"; cyclic: every ~{period:.0f} events"
         add(Anomaly("stall", ev))
 
-    if (r.finish_reason == "stop" and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
-        add(Anomaly("unreported_length", f"finish_reason 'stop' although {rep} tokens reached max_tokens {r.max_tokens}"))
+    if (r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
+        add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {rep} tokens reached max_tokens {r.max_tokens}"))
     return out
+
+
+# finish reasons that legitimately end a response with tool calls cut short (the token limit)
+_LIMIT_FINISH = frozenset({"length", "max_tokens", "max_output_tokens"})
+
+
+def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[Anomaly]:
+    """The tool-call checks of a request that offered tools (`r.tool_calls_valid` is not
+    None), judged on complete responses only. `problems` are the unusable structured
+    calls (`tools.call_problem`), `markup` the tool-call markup found in the content."""
+    out: list[Anomaly] = []
+    if r.tool_calls_valid is None or r.outcome not in ("ok", "ok_no_done"):
+        return out
+    if r.tool_calls == 0 and markup is not None:
+        out.append(Anomaly("tool_call_in_content", f"no structured tool call came back, but the content carries {markup}"
+                           f" (finish {r.finish_reason!r}): the server's tool parser is missing or wrong"))
+    if problems:
+        out.append(Anomaly("invalid_tool_arguments", f"{len(problems)} of {r.tool_calls} tool calls unusable: "
+                           + "; ".join(problems[:3])))
+    expected = TOOL_FINISH.get(r.endpoint)
+    fr = r.finish_reason
+    if expected is not None and fr is not None:
+        if r.tool_calls and fr != expected and fr not in _LIMIT_FINISH:
+            out.append(Anomaly("tool_call_finish_mismatch", f"{r.tool_calls} structured tool calls but finish reason "
+                               f"{fr!r}, not {expected!r}: clients that wait for {expected!r} never run them"))
+        elif not r.tool_calls and fr == expected:
+            out.append(Anomaly("tool_call_finish_mismatch", f"finish reason {expected!r} but no structured tool call "
+                               "came back"))
+    return out
+
+
+def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict, list[Anomaly]]:
+    """Record fields and anomalies of a request that continues a conversation (`m`):
+    `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
+    `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
+    tokens were reusable but the server reported fewer than `prefix_miss_ratio` of them as
+    cached, or (no `cached_tokens` reported) its TTFT is closer to re-prefilling the whole
+    prompt than to prefilling only the new part, at `prefill_rate` (this upstream's rate on
+    first turns)."""
+    reusable, source = m.tokens(m.shared_chars)
+    prev_tokens = m.tokens(m.previous_chars)[0]
+    fields: dict = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
+                    "prefix_diverged_at": m.diverged_at}
+    cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
+    if cached is not None and reusable > 0:
+        fields["cache_hit_ratio"] = round(cached / reusable, 3)
+    out: list[Anomaly] = []
+    if r.outcome not in ("ok", "ok_no_done"):
+        return fields, out
+    lost = prev_tokens - reusable
+    if not m.extends and lost >= th.prefix_min_tokens:
+        out.append(Anomaly("prompt_prefix_changed", f"continues conversation {m.conversation_id} (turn {m.turn}: same "
+                           f"first user message and tools) but differs from its previous request {m.previous_id} at "
+                           f"{m.diverged_at}: ~{lost} of its {prev_tokens} prompt tokens cannot be reused by any "
+                           f"cache (counted from {source})"))
+    if reusable >= th.prefix_min_tokens and ttft is not None and ttft > 0:
+        if cached is not None:
+            if cached < th.prefix_miss_ratio * reusable:
+                wasted = ttft * (reusable - cached) / (prompt - cached) if prompt and prompt > cached else None
+                if wasted is not None:
+                    wasted = min(wasted, ttft)
+                    fields["prefill_wasted_s"] = wasted
+                cost = f"; TTFT {_fmt(ttft)} s, ~{_fmt(ttft - wasted)} s with a hit" if wasted is not None else ""
+                out.append(Anomaly("prefix_cache_miss", f"~{reusable} prompt tokens were reusable from request "
+                                   f"{m.previous_id} (turn {m.turn - 1}) but the server reported {cached} cached "
+                                   f"(ratio {cached / reusable:.2f}){cost}"))
+        elif prefill_rate and prompt and prompt >= reusable:
+            full, hit = prompt / prefill_rate, (prompt - reusable) / prefill_rate
+            if ttft > (full + hit) / 2:
+                wasted = min(ttft - hit, ttft)
+                fields["prefill_wasted_s"] = wasted
+                out.append(Anomaly("prefix_cache_miss", f"~{reusable} prompt tokens were reusable from request "
+                                   f"{m.previous_id} (turn {m.turn - 1}); no cached_tokens reported, but TTFT "
+                                   f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
+                                   f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
+                                   f"({_fmt(hit)} s)"))
+    return fields, out
 
 
 UNTRUSTING = frozenset({"usage_mismatch", "phantom_speed"})  # usage that fired these is never used

@@ -18,9 +18,12 @@ from typing import Any
 
 import orjson
 
+from mlxproxy.core.apis import (STREAM_APIS, ApiEvent, messages_body, messages_event, messages_usage, responses_body,
+                                responses_event, responses_usage)
 from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
 from mlxproxy.core.record import Record, rate_figures
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
+from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
 
 __all__ = ["RequestMeter"]
 
@@ -97,6 +100,11 @@ class RequestMeter:
         self._content_chars = 0
         self.reasoning_parts: list[str] = []
         self.tool_calls: dict[int, dict[str, str]] = {}
+        self._tool_args_over: dict[int, int] = {}
+        # Anthropic Messages / OpenAI Responses: their events follow core.apis, not the chat rules
+        self._api = request.endpoint if request.endpoint in STREAM_APIS else None
+        self._api_raw_usage: dict[str, Any] = {}
+        self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -164,6 +172,9 @@ class RequestMeter:
         except orjson.JSONDecodeError:
             self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
             return
+        if self._api is not None:
+            self._api_event(messages_event(obj) if self._api == "messages" else responses_event(obj), t)
+            return
         plain = plain_delta(obj)
         if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
             content, reasoning = plain
@@ -192,11 +203,17 @@ class RequestMeter:
                 and content == "".join(self.content_parts)):  # joined only when the lengths agree: linear overall
             self.duplicate_content = True  # a terminal chunk replaying the whole answer
             return
+        self._generated(t, content, reasoning, bool(tool_calls))
+        for tc in tool_calls:
+            self._tool_call(tc)
+
+    def _generated(self, t: float, content: str, reasoning: str, tool: bool) -> None:
+        """One generated event at `t` (a token on per-token servers), of any API."""
         self.generated_events += 1
         self.event_times.append(t)
         if self.t_first_token is None:
             self.t_first_token = t
-        if self.t_first_content is None and (content or tool_calls):
+        if self.t_first_content is None and (content or tool):
             self.t_first_content = t
         self.t_last_token = t
         if content:
@@ -206,21 +223,91 @@ class RequestMeter:
         if reasoning:
             self.reasoning_events += 1
             self.reasoning_parts.append(reasoning)
-        for tc in tool_calls:
-            self._tool_call(tc)
+
+    def _api_event(self, ev: ApiEvent, t: float | None) -> None:
+        """A Messages or Responses event (`t` None: part of a non-streamed body)."""
+        if ev.error is not None:
+            self.stream_error = self.stream_error or ev.error
+        if ev.usage is not None:
+            if ev.usage_final:
+                self.usage_reports += 1
+            if self._api == "messages":
+                self._api_raw_usage.update(ev.usage)
+                self._api_final_usage = self._api_final_usage or ev.usage_final
+                self.usage = messages_usage(self._api_raw_usage, self._api_final_usage)
+            else:
+                self.usage = responses_usage(ev.usage)
+        if ev.finish is not None:
+            self.finish_reasons_seen += 1
+            if self.finish_reason is None:
+                self.finish_reason = ev.finish
+        idx = ev.tool_index if ev.tool_index is not None else 0
+        if ev.tool_name is not None or ev.tool_id is not None:
+            self._call_part(idx, ev.tool_id, ev.tool_name, None)
+        if ev.generated:
+            if t is None:
+                if ev.content:
+                    self.content_parts.append(ev.content)
+                if ev.reasoning:
+                    self.reasoning_parts.append(ev.reasoning)
+            else:
+                self._generated(t, ev.content, ev.reasoning, bool(ev.tool_args))
+            if ev.tool_args:
+                self._call_part(idx, None, None, ev.tool_args)
+        if ev.tool_final_args is not None:
+            slot = self.tool_calls.get(idx)
+            if slot is None or (not slot["arguments"] and idx not in self._tool_args_over):
+                self._call_part(idx, None, None, ev.tool_final_args)  # sent whole, never streamed
+        if ev.terminal and t is not None:
+            self.done = True
+            self.t_done = t
 
     def _tool_call(self, tc: dict[str, Any]) -> None:
         idx = _int(tc.get("index"))
         idx = 0 if idx is None else idx
-        slot = self.tool_calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
-        if isinstance(tc.get("id"), str):
-            slot["id"] = tc["id"]
         fn = tc.get("function")
         if isinstance(fn, dict):
-            if isinstance(fn.get("name"), str) and fn["name"]:
-                slot["name"] = fn["name"]
-            if isinstance(fn.get("arguments"), str):
-                slot["arguments"] += fn["arguments"]
+            self._call_part(idx, tc.get("id"), fn.get("name"), fn.get("arguments"))
+        else:
+            self._call_part(idx, tc.get("id"), None, None)
+
+    def _call_part(self, idx: int, call_id: Any, name: Any, arguments: Any) -> None:
+        """A structured call (or a piece of one) at position `idx`: arguments accumulate,
+        kept up to MAX_ARGUMENT_CHARS per call (the rest only counted)."""
+        slot = self.tool_calls.get(idx)
+        if slot is None:
+            if len(self.tool_calls) >= 4 * MAX_TOOLS:
+                return
+            slot = self.tool_calls[idx] = {"id": "", "name": "", "arguments": ""}
+        if isinstance(call_id, str):
+            slot["id"] = call_id[:256]
+        if isinstance(name, str) and name:
+            slot["name"] = name[:256]
+        if isinstance(arguments, str) and arguments:
+            room = MAX_ARGUMENT_CHARS - len(slot["arguments"])
+            if len(arguments) <= room:
+                slot["arguments"] += arguments
+            else:
+                slot["arguments"] += arguments[:max(room, 0)]
+                self._tool_args_over[idx] = self._tool_args_over.get(idx, 0) + len(arguments) - max(room, 0)
+
+    def tool_problems(self) -> list[str]:
+        """Why each structured call is unusable (empty when all are fine or no tools were offered)."""
+        tools = self.request.tools
+        if tools is None:
+            return []
+        out = []
+        for idx, slot in sorted(self.tool_calls.items()):
+            p = call_problem(tools, slot["name"], slot["arguments"], truncated=idx in self._tool_args_over)
+            if p is not None:
+                out.append(p)
+        return out
+
+    def tool_markup(self) -> str | None:
+        """Tool-call markup in the streamed content (evidence), when the request offered tools."""
+        if self.request.tools is None:
+            return None
+        return find_markup(self.content_text, self.request.tools)
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -269,7 +356,8 @@ class RequestMeter:
     def generated_chars(self) -> int:
         """Characters of generated text streamed (content, reasoning, tool names and arguments)."""
         return (sum(map(len, self.content_parts)) + sum(map(len, self.reasoning_parts))
-                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values()))
+                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values())
+                + sum(self._tool_args_over.values()))
 
     def silent_after_headers_s(self, t_end: float) -> float | None:
         """How long the body stayed silent after the headers (to the first byte, or to
@@ -312,6 +400,15 @@ class RequestMeter:
 
     def _absorb_body(self, obj: dict[str, Any]) -> None:
         """A non-stream JSON response: usage, finish reason, error and (kept) text."""
+        if self._api is not None and obj.get("type") != "error" and not obj.get("error"):
+            evs, usage = messages_body(obj) if self._api == "messages" else responses_body(obj)
+            if usage is not None:
+                self.usage = usage
+                self.usage_reports += 1
+            for ev in evs:
+                ev.usage = None
+                self._api_event(ev, None)
+            return
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
             self.usage_reports += 1
@@ -352,7 +449,7 @@ class RequestMeter:
             if self.finish_reason is not None:
                 return "ok" if self.done else "ok_no_done"
             return "truncated"
-        if self.request.endpoint in ("chat_completions", "completions") and self.request.json_body:
+        if self.request.endpoint in ("chat_completions", "completions", *STREAM_APIS) and self.request.json_body:
             if body_obj is None and not self._body_overflow:
                 return "protocol_error"
         return "ok"
@@ -434,6 +531,8 @@ class RequestMeter:
             finish_reason=self.finish_reason,
             finish_reasons_seen=self.finish_reasons_seen,
             tool_calls=len(self.tool_calls),
+            tool_calls_valid=(None if self.request.tools is None
+                              else len(self.tool_calls) - len(self.tool_problems())),
             error=None if err is None else err[:500],
             context_prompt_tokens=ctx[1],
             context_limit_tokens=ctx[2],

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from mlxproxy.core.tools import ToolSpec, parse_tools
+
 __all__ = [
     "RequestInfo",
     "Delta",
@@ -60,6 +62,11 @@ class RequestInfo:
     usage_requested: bool = False  # the client itself asked for stream_options.include_usage
     json_body: bool = False  # the body parsed as a JSON object
     prompt_chars: int | None = None
+    # the function tools the request declared (names and required keys only); None: no tools offered
+    tools: tuple[ToolSpec, ...] | None = None
+    # the parsed body of a chat, Messages or Responses request, held only while the request is
+    # metered so its prompt can be fingerprinted off the request path (core.analyze); never in a record
+    prompt_obj: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
@@ -75,7 +82,7 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
     if not isinstance(obj, dict):
         return RequestInfo(method, path, endpoint), None
     model = obj.get("model")
-    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens", obj.get("max_output_tokens")))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         max_tokens = None
     so = obj.get("stream_options")
@@ -91,6 +98,8 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             usage_requested=usage_requested,
             json_body=True,
             prompt_chars=_prompt_chars(obj),
+            tools=parse_tools(obj),
+            prompt_obj=obj if endpoint in ("chat_completions", "messages", "responses") else None,
         ),
         obj,
     )

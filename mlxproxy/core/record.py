@@ -91,6 +91,15 @@ class Record:
     finish_reason: str | None = None
     finish_reasons_seen: int = 0
     tool_calls: int = 0
+    tool_calls_valid: int | None = None  # structured calls usable as streamed; None: the request offered no tools
+    # prompt-prefix tracking (core.prefix): None when the request was not tracked or continued nothing
+    conversation_id: str | None = None
+    turn: int | None = None
+    prefix_reusable_tokens: int | None = None
+    prefix_tokens_source: str | None = None  # "usage" (from the earlier turn's prompt_tokens) or "chars" (chars / 4)
+    prefix_diverged_at: str | None = None
+    cache_hit_ratio: float | None = None
+    prefill_wasted_s: float | None = None  # TTFT lost to a prefix_cache_miss (estimate)
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None

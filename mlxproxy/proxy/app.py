@@ -32,6 +32,7 @@ from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, parse_request
+from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
@@ -105,6 +106,7 @@ class ProxyApp:
         self.in_flight: dict[str, RequestMeter] = {}
         self.thresholds = config.detectors
         self._recent_by_upstream: dict[str, deque[Record]] = {u.name: deque(maxlen=64) for u in self.pool.upstreams}
+        self.prefixes = {u.name: PrefixIndex() for u in self.pool.upstreams}  # prompt fingerprints, no text
         self.tokens = TokenCounter(config.tokenizer, config.tokenizer_search)
         self.capture: CaptureWriter | None = None
         if config.capture:
@@ -421,7 +423,7 @@ class ProxyApp:
                 earlier: Any = ()) -> Record:
         try:
             return finish_checked(meter, t_end, self.thresholds, outcome=outcome, error=error,
-                                  earlier=earlier,
+                                  earlier=earlier, prefixes=self.prefixes.get(meter.upstream),
                                   count_tokens=self.tokens.for_model(meter.request.model) if meter.decoder is not None else None)
         except Exception as exc:  # metering must never take the request down
             log.exception("metering failed for %s", meter.request_id)

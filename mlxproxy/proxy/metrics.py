@@ -128,6 +128,13 @@ class ProxyMetrics:
                                      ["upstream", "model", "present"], registry=registry)
         self.anomalies = Counter("mlxproxy_anomalies", "Truth-check anomalies by kind.",
                                  ["upstream", "model", "kind"], registry=registry)
+        self.tool_calls = Counter("mlxproxy_tool_calls", "Structured tool calls on requests that offered tools, by outcome.",
+                                  ["upstream", "model", "outcome"], registry=registry)
+        self.prompt_cache = Counter("mlxproxy_prompt_tokens", "Prompt tokens the server served from its cache (reused) "
+                                    "or prefilled (recomputed), when it reports cached_tokens.",
+                                    ["upstream", "model", "cache"], registry=registry)
+        self.prefill_wasted = Counter("mlxproxy_prefill_wasted_seconds", "TTFT lost to prefix_cache_miss (estimate).",
+                                      ["upstream", "model"], registry=registry)
         self.overhead = Histogram("mlxproxy_proxy_overhead_seconds", "Time the proxy itself adds, by phase.",
                                   ["phase"], buckets=OVERHEAD_BUCKETS, registry=registry)
         self.observer_errors = Counter("mlxproxy_observer_errors", "Observers that raised on a record (forwarding was not affected).",
@@ -164,6 +171,9 @@ class ProxyMetrics:
         if child is None:  # a new upstream/model pair: start its anomaly counters at 0, so that
             for kind in ANOMALY_KINDS:  # rate()/increase() see the first anomaly of each kind
                 self._child(self.anomalies, upstream, model, kind)
+            for cache in ("reused", "recomputed"):
+                self._child(self.prompt_cache, upstream, model, cache)
+            self._child(self.prefill_wasted, upstream, model)
             child = self._child(self.in_flight, upstream, model)
         child.inc()
 
@@ -184,6 +194,17 @@ class ProxyMetrics:
             c(self.duration, up, model, ep, stream).observe(r.duration_s)
         for kind in r.anomalies:
             c(self.anomalies, up, model, kind).inc()
+        if r.prompt_tokens is not None and r.cached_tokens is not None:
+            reused = min(r.cached_tokens, r.prompt_tokens)
+            c(self.prompt_cache, up, model, "reused").inc(reused)
+            c(self.prompt_cache, up, model, "recomputed").inc(r.prompt_tokens - reused)
+        if r.prefill_wasted_s:
+            c(self.prefill_wasted, up, model).inc(r.prefill_wasted_s)
+        if r.tool_calls_valid is not None and r.tool_calls:
+            if r.tool_calls_valid:
+                c(self.tool_calls, up, model, "valid").inc(r.tool_calls_valid)
+            if r.tool_calls > r.tool_calls_valid:
+                c(self.tool_calls, up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
         if r.endpoint not in ("chat_completions", "completions", "messages", "responses"):
             return
         ok = r.outcome in ("ok", "ok_no_done")

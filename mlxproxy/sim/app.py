@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from mlxproxy.sim.cache import PromptCache
 from mlxproxy.sim.engine import Engine, Event, Finish, Headers, Rejected, Token
 from mlxproxy.sim.faults import parse_faults
 from mlxproxy.sim.profiles import Profile, get_profile, truth_lines
@@ -61,6 +62,7 @@ class SimApp:
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._count = 0
         self._style_cls = style_class(profile.wire)
+        self._prompt_cache = PromptCache(profile.chars_per_token, profile.cache_drop) if profile.prompt_cache else None
 
     # -- clock and pump -----------------------------------------------------------------------
 
@@ -196,13 +198,17 @@ class SimApp:
             stream_options_without_include_usage=req.stream and req.stream_options_without_include_usage,
         )
         plan = plan_output(req, self.profile, self.seed)
+        cached = self._prompt_cache.serve(req.prompt_text, req.prompt_tokens) if self._prompt_cache is not None else 0
         self._hold_clock_if_late()
         admitted_s = max(self.sim_now(), self.engine.now_s)
         renderer = Renderer(self._style_cls(ctx), self.profile, plan, req.prompt_tokens,
                             stream=req.stream, faults=faults, admitted_s=admitted_s)
+        renderer.cached_tokens = cached
+        if plan.tool_name:
+            renderer.style.tool_name = plan.tool_name
         truth: dict[str, Any] = {
             "request": req_id, "response_id": ctx.response_id, "endpoint": endpoint, "stream": req.stream,
-            "prompt_tokens": req.prompt_tokens, "n_tokens": plan.n_visible, "n_reasoning": plan.n_reasoning,
+            "prompt_tokens": req.prompt_tokens, "cached_tokens": cached, "n_tokens": plan.n_visible, "n_reasoning": plan.n_reasoning,
             "n_engine_tokens": plan.n_engine_tokens, "finish_reason": plan.finish_reason,
             "reported_completion_tokens": reported_completion_tokens(plan, self.profile),
             "faults": headers.get("x-sim-fault", self.profile.faults), "admitted_s": admitted_s,
@@ -216,7 +222,7 @@ class SimApp:
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[req_id] = queue
-        self.engine.admit(req_id, admitted_s, req.prompt_tokens, plan.n_engine_tokens)
+        self.engine.admit(req_id, admitted_s, req.prompt_tokens - cached, plan.n_engine_tokens)  # TTFT: uncached only
         self._pump()
         watcher = asyncio.ensure_future(_watch_disconnect(receive, queue))
         try:

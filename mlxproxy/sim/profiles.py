@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mlxproxy.sim.cache import parse_cache_drop
+
 WIRE_STYLES = (
     "openai",
     "mlx-lm",
@@ -74,6 +76,12 @@ class Profile:
     usage_multiplier: float = 1.0
     usage_counts_eos: bool = False
     faults: str = ""
+    # Prompt cache (sim/cache.py): reuse the longest cached prefix, report it as cached_tokens.
+    prompt_cache: bool = False
+    cache_drop: str = ""  # "", "every", "every-other", "after:N"
+    # Answer to a chat request that declares tools (OpenAI wire only): "" (text), "structured",
+    # "markup" (<tool_call> in content), "invalid-json" (structured, broken arguments).
+    tool_call_style: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -111,6 +119,14 @@ def _validate(p: Profile) -> None:
         value = getattr(p, knob)
         if value is not None and not (isinstance(value, int) and value >= 1):
             raise bad(knob, "must be an integer >= 1 or None")
+    if p.tool_call_style not in ("", "structured", "markup", "invalid-json"):
+        raise bad("tool_call_style", "must be '', 'structured', 'markup' or 'invalid-json'")
+    if p.tool_call_style and p.wire != "openai":
+        raise bad("tool_call_style", "is only simulated on the openai wire")
+    try:
+        parse_cache_drop(p.cache_drop)
+    except ValueError:
+        raise bad("cache_drop", "must be '', 'every', 'every-other' or 'after:N'") from None
     if p.keepalive_idle_s is not None and not p.keepalive_idle_s > 0:
         raise bad("keepalive_idle_s", "must be a number > 0 or None")
 

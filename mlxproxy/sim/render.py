@@ -67,6 +67,7 @@ class Renderer:
         self.profile = profile
         self.plan = plan
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of prompt_tokens, served from the prompt cache (set by the app)
         self.stream = stream
         self.faults = faults
         self.admitted_s = admitted_s
@@ -139,6 +140,7 @@ class Renderer:
             reasoning_chars=len(reasoning),
             total_chars=len(reasoning) + len(self.plan.content_text),
             ttft_s=ttft, decode_s=decode, total_s=total, n_visible=self.plan.n_visible,
+            cached_tokens=self.cached_tokens,
         )
 
     # -- events -------------------------------------------------------------------------------
@@ -179,7 +181,7 @@ class Renderer:
             data, ending = self.style.stream_error("Simulated stream error", self.plan.finish_reason, self.usage())
             writes.append(b"".join(self._burst) + data)
             return [*writes, Close(reset=False)] if ending == "close" else writes
-        kind = "reasoning" if i < self.plan.n_reasoning else "content"
+        kind = "tool" if self.plan.tool_name else "reasoning" if i < self.plan.n_reasoning else "content"
         text = self.plan.pieces[i]
         if self.style.finish_on_last_token and i == self.plan.n_visible - 1:
             self._deferred = (kind, text)

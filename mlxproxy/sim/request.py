@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from mlxproxy.core.tools import parse_tools
 from mlxproxy.sim.profiles import Profile
 
 # Short words, so a piece averages under 4 characters like a real token (a streamed-token
@@ -57,6 +58,7 @@ class SimRequest:
     seed: int | None
     prompt_text: str
     prompt_tokens: int
+    tool: tuple[str, tuple[str, ...]] | None = None  # the first declared function tool: (name, required keys)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class OutputPlan:
     n_reasoning: int  # the first n_reasoning pieces are reasoning, the rest answer
     finish_reason: str  # "stop" or "length"
     n_engine_tokens: int  # tokens the engine generates (visible + a silent EOS when counted)
+    tool_name: str | None = None  # set: every piece is a structured tool call's arguments fragment
 
     @property
     def n_visible(self) -> int:
@@ -140,6 +143,7 @@ def parse_request(
         raise RequestError(400, f"max_tokens must be >= 1, got {max_tokens}")
     options = body.get("stream_options")
     model = body.get("model")
+    specs = parse_tools(body) if endpoint == "chat" else None
     return SimRequest(
         endpoint=endpoint,
         model=model if isinstance(model, str) and model else None,
@@ -150,11 +154,14 @@ def parse_request(
         seed=_int_field(body, "seed"),
         prompt_text=text,
         prompt_tokens=prompt_tokens,
+        tool=(specs[0].name, specs[0].required) if specs else None,
     )
 
 
 def plan_output(req: SimRequest, profile: Profile, app_seed: int = 0) -> OutputPlan:
     """The deterministic answer to `req` (see the module docstring for the rules)."""
+    if profile.tool_call_style and req.tool is not None:
+        return _tool_plan(req.tool, profile.tool_call_style)
     if req.max_tokens is not None:
         n_visible = min(req.max_tokens, profile.max_output_tokens)
         finish = "length" if n_visible == req.max_tokens else "stop"
@@ -177,6 +184,23 @@ def plan_output(req: SimRequest, profile: Profile, app_seed: int = 0) -> OutputP
         pieces.append(word.capitalize() if first_of_part else " " + word)
     eos = 1 if profile.usage_counts_eos and finish == "stop" else 0
     return OutputPlan(tuple(pieces), n_reasoning, finish, n_visible + eos)
+
+
+def _tool_plan(tool: tuple[str, tuple[str, ...]], style: str) -> OutputPlan:
+    """A call to the request's first declared tool, every required key set to "x", in the
+    profile's `tool_call_style`: `structured` (tool_calls deltas, finish tool_calls),
+    `markup` (Hermes `<tool_call>` text in content, finish stop: a server without a tool
+    parser), `invalid-json` (structured, arguments missing their closing brace)."""
+    name, required = tool
+    args = "{" + ", ".join(f'"{k}": "x"' for k in required) + "}"
+    if style == "invalid-json":
+        args = args[:-1]
+    if style == "markup":
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+        pieces = tuple(text[i:i + 6] for i in range(0, len(text), 6))
+        return OutputPlan(pieces, 0, "stop", len(pieces))
+    pieces = tuple(args[i:i + 4] for i in range(0, len(args), 4)) or ("{}",)
+    return OutputPlan(pieces, 0, "tool_calls", len(pieces), tool_name=name)
 
 
 def reported_completion_tokens(plan: OutputPlan, profile: Profile) -> int:

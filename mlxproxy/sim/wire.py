@@ -70,6 +70,7 @@ class UsageReport:
     decode_s: float | None = None
     total_s: float | None = None
     n_visible: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prompt cache
 
     @property
     def total_tokens(self) -> int:
@@ -111,6 +112,8 @@ class Style:
 
     def __init__(self, ctx: WireContext) -> None:
         self.ctx = ctx
+        self.tool_name = ""  # set by the app for a plan that calls a tool
+        self._tool_started = False
 
     @classmethod
     def make_id(cls, seed: str, endpoint: str = "chat") -> str:
@@ -158,6 +161,13 @@ class Style:
         return self.keepalive_comment
 
     def delta(self, kind: str, text: str) -> dict[str, Any]:
+        if kind == "tool":  # a structured tool call's arguments fragment; the first names the tool
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self._tool_started:
+                self._tool_started = True
+                call = {"index": 0, "id": "call_" + self.ctx.response_id[-12:], "type": "function",
+                        "function": {"name": self.tool_name, "arguments": text}}
+            return {"tool_calls": [call]}
         return {"reasoning_content" if kind == "reasoning" else "content": text}
 
     def piece(self, kind: str, text: str, rate_tps: float | None = None) -> bytes:
@@ -168,7 +178,7 @@ class Style:
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         }
 

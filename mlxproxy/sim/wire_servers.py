@@ -80,7 +80,7 @@ class MlxLmStyle(Style):
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
         return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+                "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         out = self._stream_chunk(reason, None, "")
@@ -150,7 +150,7 @@ class MlxOpenAIServerStyle(Style):
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
         return {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens,
-                "completion_tokens": usage.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+                "completion_tokens": usage.completion_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         # Never "length": the server only ever says stop (or tool_calls).
@@ -283,7 +283,7 @@ class MlxVlmStyle(_DetailErrors):
                        "predicted_per_second": rate, "peak_memory": 19.8, "draft_kind": None,
                        "draft_rounds": None, "draft_n": None, "draft_n_accepted": None}
             usage_obj = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                         "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+                         "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
             out += self._chunk([], usage_obj, timings)
         return out + DONE
 
@@ -295,7 +295,7 @@ class MlxVlmStyle(_DetailErrors):
                    "reasoning": reasoning or None, "tool_calls": None}
         choice = {"index": 0, "finish_reason": reason, "message": message, "logprobs": None}
         usage_obj = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                     "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+                     "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
         return self.dumps({"id": self.ctx.response_id, "object": "chat.completion", "created": self.ctx.created,
                            "model": self.ctx.model, "choices": [choice], "usage": usage_obj})
 

@@ -139,7 +139,7 @@ class OmlxStyle(RapidMlxStyle):
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
         ttft, decode, total = usage.ttft_s or 0.0, usage.decode_s or 0.0, usage.total_s or 0.0
         return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens, "cached_tokens": 0,
+                "total_tokens": usage.total_tokens, "cached_tokens": usage.cached_tokens,
                 "time_to_first_token": round(ttft, 2), "total_time": round(total, 2),
                 "prompt_eval_duration": round(ttft, 2), "generation_duration": round(decode, 2),
                 "prompt_tokens_per_second": round(usage.prompt_tokens / ttft, 2) if ttft else 0.0,
