@@ -25,6 +25,7 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
+from mlxproxy.load import schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -53,6 +54,10 @@ class BenchOptions:
     batches: tuple[int, ...] = ()  # wave sizes released together; default (batch, *concurrency)
     model: str | None = None
     nonce: bool = True
+    rate: float | None = None  # an open-loop test at this many requests/s (after the others)
+    arrival: str = "constant"
+    seed: int = 0
+    requests: int = 50  # requests of the open-loop test
 
 
 @dataclass
@@ -150,7 +155,7 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         if bsize not in sizes:
             sizes.append(bsize)
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
-        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves)
+        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate else 0)
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
@@ -173,6 +178,14 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                 summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=base_wall)
                 name = "double" if n == 2 and i == 0 else f"x{n}"
                 res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+            if opts.rate:
+                reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                        for _ in range(opts.requests)]
+                offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)
+                timed = await client.run_open_loop(reqs, offsets, tick)
+                summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+                name = f"{opts.arrival} {opts.rate:g}/s"
+                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, **sched}, timed, summ))
         except asyncio.CancelledError:
             if not res.groups:
                 _single_groups(res, single, sizes, params, th)

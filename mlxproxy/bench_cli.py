@@ -101,6 +101,16 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                                 "streams: requests started at the same instant (1 = alone, wall tok/s); decode tok/s:"
                                 " per stream (median); " + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
                                 + "."))
+    rate_groups = [g for r in results for g in r.groups if g["params"].get("rate")]
+    if rate_groups:
+        from mlxproxy.load import generator_note
+        from mlxproxy.report import SUMMARY_COLUMNS, summary_row
+
+        cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
+        lines = [generator_note(f"{g['target']} {g['mode']}", g["summary"], g["params"]) for g in rate_groups]
+        sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
+                                [summary_row(g["target"], g["mode"], g["summary"]) for g in rate_groups], cols,
+                                legend_for(cols), [ln for ln in lines if ln]))
     notes = []
     for r in results:
         per: dict[str, dict[str, Any]] = {}
@@ -205,6 +215,13 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--batch-prompt-tokens", type=click.IntRange(min=1), default=None, help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]")
 @click.option("--concurrency", "old_concurrency", type=INT_LIST, default=None, hidden=True,
               callback=deprecated_alias("bench", "--concurrency"))
+@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
+              help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size."))
+@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+              help=help_for("--arrival"))
+@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
+              help="Requests of the open-loop (--rate) test.")
 @click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
 @click.option("--timeout", "timeouts", type=SECONDS, multiple=True, metavar="[NAME=]SECONDS",
               help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"))
@@ -218,7 +235,8 @@ def plot_svg(results: list[TargetResult]) -> str:
               help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
-          batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, model: str | None,
+          batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, rate: float | None, arrival: str,
+          seed: int, n_requests: int, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
           html_path: str | None) -> None:
@@ -228,7 +246,8 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
     sizes = tuple(dict.fromkeys((*batch, *(n for n in (old_concurrency or ()) if n >= 2))))
     opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0], batches=sizes,
-                        batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce)
+                        batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate, arrival=arrival,
+                        seed=seed, requests=n_requests)
     results: list[TargetResult] = []
     interrupted = False
     try:

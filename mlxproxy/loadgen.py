@@ -173,6 +173,15 @@ class MeasuringClient:
         await asyncio.gather(*(one(r) for r in sorted(reqs, key=lambda r: r.offset_s)))
         return out
 
+    async def run_open_loop(self, reqs: Sequence[PreparedRequest], offsets: Sequence[float],
+                            progress: Callable[[], None] | None = None) -> Timed:
+        """Open loop: request i is sent at `offsets[i]` seconds from now, whatever the server
+        does (see `mlxproxy.load.arrival_offsets`); the schedule lag of every send is kept."""
+        import dataclasses
+
+        timed = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, offsets)]
+        return await self.run_recorded(timed, 1.0, progress)
+
     async def run_closed_loop(self, reqs: Sequence[PreparedRequest], concurrency: int,
                               progress: Callable[[], None] | None = None) -> Timed:
         """`concurrency` workers, each sending the next request as soon as its last one ended."""

@@ -28,6 +28,7 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
+from mlxproxy.load import schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.report import summarize_records
 
@@ -44,7 +45,7 @@ def filler_text(n: int) -> str:
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    mode: str = "recorded"  # recorded | sequential | concurrency | batch
+    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate
     speed: float = 1.0
     concurrency: int = 1
     batch: int = 2
@@ -55,6 +56,9 @@ class ReplayOptions:
     model: str | None = None
     limit: int | None = None
     filters: tuple[tuple[str, str], ...] = ()
+    rate: float | None = None  # rate mode: requests/s (open loop)
+    arrival: str = "constant"  # rate mode: constant | poisson
+    seed: int = 0  # rate mode: the Poisson schedule's seed
 
 
 def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
@@ -191,21 +195,32 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
 
     params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
               "nonce": opts.nonce, "model": opts.model}
+    n = len(caps) * opts.repeat
+    offsets: list[float] = []
+    if opts.mode == "rate":
+        offsets, sched = schedule(n, opts.rate or 1.0, opts.arrival, opts.seed)
+        params.update(sched)
     mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
-            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch"}.get(opts.mode)
+            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch",
+            "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None}.get(opts.mode)
     if mode is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
     async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
         if opts.warmup:
             await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)
-        n = len(caps) * opts.repeat
         tick: Callable[[], None] = Progress(f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress)
         try:
             if opts.mode == "recorded":
                 timed = await client.run_recorded(fresh(), opts.speed, tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records, lag_s=timed.lag_s),
                                       th, by_id, compare))
+            elif opts.mode == "rate":
+                reqs = fresh()
+                timed = await client.run_open_loop(reqs, offsets, tick)
+                summary = summarize_records(timed.records, lag_s=timed.lag_s,
+                                            send_times=[r.t_start_mono for r in timed.records])
+                groups.append(_finish(mode, target_name, params, timed, summary, th, by_id, compare))
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))

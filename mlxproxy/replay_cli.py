@@ -105,19 +105,27 @@ def check_writable(*paths: str | None) -> None:
             fail(f"cannot write {p}: permission denied")
 
 
+_TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "rate": "an open loop"}
+
+
 @click.command("replay")
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--target", "target_spec", required=True, metavar="[NAME=]URL",
               help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."))
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
-@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch"]), default=None,
+@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate"]), default=None,
               help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
                    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-                   "after a one-at-a-time baseline that gives the speedup.")
+                   "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate.")
 @click.option("--speed", type=click.FloatRange(min=0.001), default=None,
               help=help_for("--speed", "Recorded mode only.  [default: 1]"))
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help=help_for("--concurrency", "Implies --mode concurrency."))
 @click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
+@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
+              help=help_for("--rate", "The captured requests in order, --repeat times. Implies --mode rate."))
+@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+              help=help_for("--arrival"))
+@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True, help="Send the first K requests once first, unmeasured.")
 @click.option("--filter", "filters", multiple=True, metavar="KEY=GLOB", help="Only requests whose model/endpoint/path/outcome match (repeatable).")
@@ -133,7 +141,7 @@ def check_writable(*paths: str | None) -> None:
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: int | None, batch: tuple[int, ...] | None, repeat: int, warmup: int, filters: tuple[str, ...],
+           concurrency: int | None, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
            compare: bool, html_path: str | None) -> None:
@@ -151,12 +159,15 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     name, target_url = parse_target(target_spec)
     if target_name:
         name = target_name
-    implied = "concurrency" if concurrency else "batch" if batch else None
-    if concurrency and batch:
-        fail("--concurrency (a closed loop) and --batch (waves released together) are two different tests; give one")
+    given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate)) if v]
+    implied = given[0] if given else None
+    if len(given) > 1:
+        fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
     mode = mode or implied or "recorded"
+    if mode == "rate" and not rate:
+        fail("--mode rate needs --rate R (requests per second)")
     if speed is not None and mode != "recorded":
         fail(f"--speed only applies to --mode recorded, not {mode}")
     if timeout is not None and timeout[0] not in (None, name):
@@ -177,7 +188,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
     opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=concurrency or 1, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters))
+                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
     groups: list[dict[str, Any]] = []

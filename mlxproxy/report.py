@@ -23,6 +23,7 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.load import generator_note, sent_rate
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
            "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
@@ -44,7 +45,8 @@ def aggregate_tps(records: Iterable[Record]) -> float | None:
 
 
 def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Record]] | None = None,
-                      single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None) -> dict[str, Any]:
+                      single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None,
+                      send_times: Sequence[float] | None = None) -> dict[str, Any]:
     """Headline figures of a group: medians (p50) first, then p90/p99/min/max/count.
     Failed requests never enter latency statistics; they are counted by outcome."""
     ok = [r for r in records if r.outcome in OK_OUTCOMES]
@@ -95,6 +97,8 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
                                 "sources": dict(Counter(r.tokens_source for r in untrusted))}
     if lag_s is not None:
         out["schedule_lag_s"] = summarize(lag_s)
+    if send_times is not None:
+        out["sent_rate"] = sent_rate(send_times)
     return out
 
 
@@ -275,10 +279,9 @@ def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | 
     notes: list[str] = []
     for g in groups:
         s = g["summary"]
-        lag = s.get("schedule_lag_s")
-        if lag and lag.get("count"):
-            notes.append(f"{g['target']} {g['mode']}: schedule lag p50 {lag['p50'] * 1000:.1f} ms, p99 {lag['p99'] * 1000:.1f} ms"
-                         " (how far the load generator itself fell behind the recorded offsets)")
+        note = generator_note(f"{g['target']} {g['mode']}", s, g.get("params"))
+        if note:
+            notes.append(note)
     for target in dict.fromkeys(g["target"] for g in groups):
         mine = [g for g in groups if g["target"] == target]
         total = sum(g["summary"]["requests"] for g in mine)

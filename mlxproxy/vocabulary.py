@@ -28,6 +28,10 @@ MEANINGS: dict[str, str] = {
     "--batch": "N[,N,...]: waves of N requests released together, after a one-at-a-time baseline that gives "
                "the speedup (2 = the double-batch test).",
     "--concurrency": "N requests in flight at once, each next one sent when one finishes (closed loop).",
+    "--rate": "Open loop: send R requests per second whatever the server does (arrivals spaced by --arrival).",
+    "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
+                 "1/R, from --seed).",
+    "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
     "--nonce": "Prefix every prompt with its own marker so no prompt cache can serve it "
                "(on by default; --no-nonce sends the prompts' bytes unchanged).",
     "--api-key-env": "Environment variable holding the target's API key.",
