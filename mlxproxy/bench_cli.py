@@ -11,9 +11,9 @@ import click
 
 from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
                             headline_notes, smallest_single, verdict)
-from mlxproxy.replay_cli import all_failed_reason, check_writable, env_key, fail, parse_target
+from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
 from mlxproxy.report import LEGEND, Section, legend_for
-from mlxproxy.vocabulary import BATCH_SIZES, INT_LIST, SECONDS, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -111,6 +111,11 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
         sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
                                 [summary_row(g["target"], g["mode"], g["summary"]) for g in rate_groups], cols,
                                 legend_for(cols), [ln for ln in lines if ln]))
+    from mlxproxy.report import slo_section
+
+    slo = slo_section([g for r in results for g in r.groups])
+    if slo is not None:
+        sections.append(slo)
     notes = []
     for r in results:
         per: dict[str, dict[str, Any]] = {}
@@ -222,6 +227,11 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
 @click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
               help="Requests of the open-loop (--rate) test.")
+@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
+              help=help_for("--slo", "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
+                                     "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]"))
+@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
+              help=help_for("--fail-on", "[default: none: exit 1 only when every target failed]"))
 @click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
 @click.option("--timeout", "timeouts", type=SECONDS, multiple=True, metavar="[NAME=]SECONDS",
               help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"))
@@ -236,7 +246,7 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
           batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, rate: float | None, arrival: str,
-          seed: int, n_requests: int, model: str | None,
+          seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
           html_path: str | None) -> None:
@@ -254,6 +264,7 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
         asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results))
     except KeyboardInterrupt:
         interrupted = True
+    judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
     write_outputs(results, json_path, csv_path, md_path, plot_path)
     if html_path:
@@ -270,6 +281,19 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     reason = all_failed_reason(results_doc(results)[0])
     if reason:
         fail(reason, 1)
+    check_fail_on(fail_on, results_doc(results)[0])
+
+
+def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:
+    """SLO and goodput of the tests at the batch prompt size (the one-at-a-time test at that
+    size, the waves, --rate and --sweep steps): `summary.slo`, `summary.goodput`."""
+    from mlxproxy.load import DEFAULT_SLO, judge, parse_slo
+
+    slo = slo or parse_slo(DEFAULT_SLO)
+    for r in results:
+        for g in r.groups:
+            if g["name"] != "single" and g["params"].get("prompt_tokens") == prompt_tokens:
+                g["summary"].update(judge(g["records"], slo))
 
 
 def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None) -> list[Target]:

@@ -15,11 +15,13 @@ generator, not the server.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule"]
+__all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
+           "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks"]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -80,3 +82,202 @@ def generator_note(label: str, summary: dict[str, Any], params: dict[str, Any] |
         return (head + f": the load generator, not the server, was the limit ({', '.join(why)}); these figures do"
                 " not describe the server at the load asked")
     return head + " (the load generator kept to its schedule)"
+
+
+# -- SLOs and goodput ----------------------------------------------------------------------
+#
+# An SLO is a set of thresholds `METRIC_pNN=VALUE`: the NNth percentile of METRIC over a
+# step's successful requests must be at most VALUE (at least VALUE for decode_tps). Times
+# take `ms` or `s` (a bare number is seconds). Goodput is the share (and the rate, per
+# second of the step's wall time) of the step's requests that succeeded and whose own
+# figures met every threshold; a figure a request cannot have (TPOT of a one-token answer)
+# is not held against it.
+
+#: metric -> (record key, unit, True when the threshold is a lower bound, label)
+SLO_METRICS: dict[str, tuple[str, str, bool, str]] = {
+    "ttft": ("ttft_s", "s", False, "TTFT"),
+    "tpot": ("tpot_s", "s", False, "TPOT"),
+    "itl": ("tpot_s", "s", False, "ITL"),  # inter-token latency: a stream's mean gap, the same as TPOT
+    "e2e": ("e2e_s", "s", False, "E2E"),
+    "decode_tps": ("decode_tps", "tok/s", True, "decode tok/s"),
+}
+#: for interactive coding agents: 95 % of requests start answering within 5 s and then
+#: stream at least 10 tokens/s (faster than anyone reads a diff)
+DEFAULT_SLO = "ttft_p95=5s,tpot_p95=100ms"
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """`ttft_p95=3s,tpot_p50=60ms` -> {"ttft_p95": 3.0, "tpot_p50": 0.06}; ValueError (one
+    sentence naming the bad part and the right form) otherwise."""
+    out: dict[str, float] = {}
+    form = "give KEY=VALUE,... with KEY one of " + ", ".join(f"{m}_pNN" for m in SLO_METRICS) + ", e.g. ttft_p95=3s,tpot_p50=60ms"
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        metric, _, pct = key.rpartition("_p")
+        if not sep or metric not in SLO_METRICS or not pct.isdigit() or not 1 <= int(pct) <= 100:
+            raise ValueError(f"{part!r}: {form}")
+        unit = SLO_METRICS[metric][1]
+        scale = 1.0
+        if unit == "s":
+            if value.endswith("ms"):
+                value, scale = value[:-2], 0.001
+            elif value.endswith("s"):
+                value = value[:-1]
+        elif value.endswith("tok/s"):
+            value = value[:-5]
+        try:
+            v = float(value) * scale
+        except ValueError:
+            raise ValueError(f"{part!r}: the value must be a number" + (" (with ms or s)" if unit == "s" else "")
+                             + f"; {form}") from None
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{part!r}: the value must be more than 0; {form}")
+        out[f"{metric}_p{int(pct)}"] = v
+    if not out:
+        raise ValueError(f"no thresholds in {text!r}; {form}")
+    return out
+
+
+def _split(key: str) -> tuple[str, int]:
+    metric, _, pct = key.rpartition("_p")
+    return metric, int(pct)
+
+
+def slo_text(slo: dict[str, float]) -> str:
+    """`TTFT p95 <= 5 s, TPOT p95 <= 100 ms`."""
+    parts = []
+    for key, v in slo.items():
+        metric, pct = _split(key)
+        _, unit, lower, label = SLO_METRICS[metric]
+        parts.append(f"{label} p{pct} {'>=' if lower else '<='} {fmt_value(v, unit)}")
+    return ", ".join(parts)
+
+
+def fmt_value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "s":
+        if v < 0.01:
+            return f"{v * 1000:.1f} ms"
+        return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s".replace(".00 s", " s")
+    return f"{v:.1f} {unit}"
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return r.get("outcome") in ("ok", "ok_no_done")
+
+
+def request_meets(r: dict[str, Any], slo: dict[str, float]) -> bool:
+    """One request's own figures against every threshold (a failed request never meets it)."""
+    if not _ok(r):
+        return False
+    for key, v in slo.items():
+        field, _, lower, _ = SLO_METRICS[_split(key)[0]]
+        x = r.get(field)
+        if x is None:
+            continue
+        if (x < v) if lower else (x > v):
+            return False
+    return True
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    from mlxproxy.core.stats import percentile
+
+    return percentile(sorted(values), q)
+
+
+def judge(records: Sequence[dict[str, Any]], slo: dict[str, float]) -> dict[str, Any]:
+    """The SLO and goodput of one step (records as in result files): `{"slo": {"met",
+    "breaches": [{"key", "value", "threshold"}]}, "goodput": {"good", "requests", "share",
+    "rate"}}`. A step with failed requests or none that succeeded does not meet the SLO."""
+    ok = [r for r in records if _ok(r)]
+    breaches, values = [], {}
+    for key, v in slo.items():
+        metric, pct = _split(key)
+        field, _, lower, _ = SLO_METRICS[metric]
+        value = values[key] = _pct([r[field] for r in ok if r.get(field) is not None], pct)
+        if value is not None and ((value < v) if lower else (value > v)):
+            breaches.append({"key": key, "value": value, "threshold": v})
+    good = sum(1 for r in records if request_meets(r, slo))
+    starts = [r["started_at"] for r in records if r.get("started_at") is not None]
+    ends = [r["started_at"] + (r.get("duration_s") or 0.0) for r in records if r.get("started_at") is not None]
+    span = (max(ends) - min(starts)) if starts else 0.0
+    errors = len(records) - len(ok)
+    return {"slo": {"met": bool(ok) and not breaches and not errors, "breaches": breaches, "errors": errors,
+                    "values": values, "thresholds": dict(slo)},
+            "goodput": {"good": good, "requests": len(records), "share": good / len(records) if records else None,
+                        "rate": good / span if span > 0 else None}}
+
+
+def breach_text(b: dict[str, Any]) -> str:
+    """`TTFT p95 is 5.2 s (> 3 s)`."""
+    metric, pct = _split(b["key"])
+    _, unit, lower, label = SLO_METRICS[metric]
+    return f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
+
+
+def step_problem(step: dict[str, Any]) -> str:
+    """Why a judged step broke the SLO, in words (empty when it held)."""
+    s = step["slo"]
+    parts = [breach_text(b) for b in s["breaches"]]
+    if s.get("errors"):
+        parts.append(f"{s['errors']} of {step['goodput']['requests']} requests failed")
+    if not parts and not s["met"]:
+        parts.append("no request succeeded")
+    return "; ".join(parts)
+
+
+# -- --fail-on -------------------------------------------------------------------------------
+
+FAIL_ON_WORDS = {"slo": "a judged test broke the SLO (a sweep: its lightest step)",
+                 "errors": "a request failed",
+                 "anomaly": "any anomaly was found"}
+
+
+def parse_fail_on(text: str) -> tuple[str, ...]:
+    from mlxproxy.core.detect import ANOMALY_KINDS
+
+    kinds = tuple(dict.fromkeys(k.strip().lower() for k in text.split(",") if k.strip()))
+    known = (*FAIL_ON_WORDS, *ANOMALY_KINDS)
+    bad = [k for k in kinds if k not in known]
+    if bad or not kinds:
+        raise ValueError(f"{(bad or [text])[0]!r} is not a check; give KIND,... with KIND one of {', '.join(known)}")
+    return kinds
+
+
+def failed_checks(kinds: Sequence[str], groups: Sequence[dict[str, Any]]) -> list[str]:
+    """What broke, one phrase per failed check (empty: every check held). `groups` are
+    result groups; the SLO is read from the judged ones (`summary.slo`)."""
+    from mlxproxy.core.detect import ANOMALY_KINDS
+
+    out = []
+    uniq = {(g["target"], r["id"]): r for g in groups for r in g["records"]}.values()
+    total = len(uniq)
+    for kind in kinds:
+        if kind == "slo":
+            by_target: dict[str, list[dict[str, Any]]] = {}
+            for g in groups:
+                if "slo" in g["summary"]:
+                    by_target.setdefault(g["target"], []).append(g)
+            for target, gs in by_target.items():
+                steps = [g for g in gs if g["params"].get("sweep")]
+                judged = steps[:1] if steps else [g for g in gs if not g["params"].get("sweep")]
+                broken = [g for g in judged if not g["summary"]["slo"]["met"]]
+                if broken:
+                    g = broken[0]
+                    out.append(f"SLO broken on {target} {g['mode']}: {step_problem(g['summary'])}")
+        elif kind == "errors":
+            bad = [r for r in uniq if not _ok(r)]
+            if bad:
+                out.append(f"{len(bad)} of {total} requests failed")
+        else:
+            kinds_ = ANOMALY_KINDS if kind == "anomaly" else (kind,)
+            hit = [r for r in uniq if any(k in kinds_ for k in r.get("anomalies", ()))]
+            if hit:
+                seen = sorted({k for r in hit for k in r.get("anomalies", ()) if k in kinds_})
+                out.append(f"{', '.join(seen)} in {len(hit)} of {total} requests")
+    return out

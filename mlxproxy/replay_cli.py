@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.vocabulary import BATCH_SIZES, SECONDS, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, SECONDS, SLO, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -22,7 +22,12 @@ def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | Non
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
 
+    from mlxproxy.report import slo_section
+
     sections = group_sections(groups, verdicts)
+    slo = slo_section(groups)
+    if slo is not None:
+        sections.append(slo)
     for g in groups:
         if g.get("compare"):
             sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
@@ -138,13 +143,17 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
+@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
+              help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"))
+@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
+              help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"))
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
            concurrency: int | None, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
-           compare: bool, html_path: str | None) -> None:
+           compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
@@ -198,6 +207,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
                                timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups))
     except KeyboardInterrupt:
         interrupted = True
+    judge_groups(groups, slo)
     print_groups(groups)
     cached, reported = served_from_cache([r for g in groups for r in g["records"]])
     if cached:
@@ -211,6 +221,28 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     reason = all_failed_reason(groups)
     if reason:
         fail(reason, 1)
+    check_fail_on(fail_on, groups)
+
+
+def judge_groups(groups: list[dict[str, Any]], slo: dict[str, float] | None) -> None:
+    """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO)."""
+    from mlxproxy.load import DEFAULT_SLO, judge, parse_slo
+
+    slo = slo or parse_slo(DEFAULT_SLO)
+    for g in groups:
+        g["summary"].update(judge(g["records"], slo))
+
+
+def check_fail_on(kinds: tuple[str, ...] | None, groups: list[dict[str, Any]]) -> None:
+    """`--fail-on`: one line on stderr either way; exit 1 when a check failed."""
+    from mlxproxy.load import failed_checks
+
+    if not kinds:
+        return
+    failed = failed_checks(kinds, groups)
+    if failed:
+        fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
+    click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
 
 
 def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:

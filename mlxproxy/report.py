@@ -303,6 +303,34 @@ def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | 
     return [Section("", rows, cols, legend_for(cols), notes)]
 
 
+def slo_section(groups: Sequence[dict[str, Any]]) -> Section | None:
+    """The judged groups against their SLO: goodput (share and rate of requests that met
+    every threshold), each threshold's measured value, and whether the SLO held."""
+    from mlxproxy.load import SLO_METRICS, fmt_value, slo_text, step_problem
+
+    judged = [g for g in groups if "slo" in g["summary"]]
+    if not judged:
+        return None
+    thresholds = judged[0]["summary"]["slo"]["thresholds"]
+    rows = []
+    for g in judged:
+        s = g["summary"]
+        gp, slo = s["goodput"], s["slo"]
+        row = {"target": g["target"], "test": g["mode"], "ok/req": f"{s['ok']}/{s['requests']}",
+               "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+               "good req/s": _num(gp["rate"], ".2f")}
+        for key in thresholds:
+            metric, _, pct = key.rpartition("_p")
+            row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo["values"].get(key), SLO_METRICS[metric][1])
+        row["SLO"] = "held" if slo["met"] else "broken"
+        rows.append(row)
+    notes = [f"{g['target']} {g['mode']}: {step_problem(g['summary'])}" for g in judged if not g["summary"]["slo"]["met"]]
+    return Section(f"SLO ({slo_text(thresholds)}):", rows, None,
+                   "goodput: requests that succeeded and met every threshold themselves / sent; good req/s: those"
+                   " per second of the test's wall time; SLO: held when every percentile met its threshold and no"
+                   " request failed.", notes)
+
+
 def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
                  extra: dict[str, Any] | None = None) -> None:
     doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),

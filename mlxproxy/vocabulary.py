@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES"]
+__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
+           "FAIL_ON"]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
 MEANINGS: dict[str, str] = {
@@ -32,6 +33,11 @@ MEANINGS: dict[str, str] = {
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
                  "1/R, from --seed).",
     "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
+    "--slo": "KEY=VALUE,...: latency targets a test must meet, e.g. ttft_p95=3s,tpot_p50=60ms (keys ttft, tpot, "
+             "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "
+             "every one.",
+    "--fail-on": "KIND,...: exit 1, with one line saying what failed, when a check fails: slo, errors, anomaly "
+                 "(any), or an anomaly kind such as phantom_speed.",
     "--nonce": "Prefix every prompt with its own marker so no prompt cache can serve it "
                "(on by default; --no-nonce sends the prompts' bytes unchanged).",
     "--api-key-env": "Environment variable holding the target's API key.",
@@ -54,7 +60,8 @@ DEPRECATED: dict[tuple[str, str], str] = {
 #: exit codes of every command
 EXIT_CODES = {
     0: "success (also: `serve` stopped with Ctrl-C)",
-    1: "the run failed: every request failed, a target was unreachable, a port could not be opened",
+    1: "the run failed: every request failed, a target was unreachable, a port could not be opened, "
+       "a --fail-on check failed",
     2: "the command line or an input file is wrong (one line says what and how to fix it)",
     130: "interrupted with Ctrl-C (`bench`/`replay`: what was measured so far is printed and written)",
 }
@@ -103,6 +110,35 @@ class _IntList(click.ParamType):
         return items
 
 
+class _Parsed(click.ParamType):
+    """A value parsed by `parse` (which raises ValueError with the one-line reason)."""
+
+    def __init__(self, name: str, parse: Any) -> None:
+        self.name, self._parse = name, parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self._parse(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _slo(text: str) -> Any:
+    from mlxproxy.load import parse_slo
+
+    return parse_slo(text)
+
+
+def _fail_on(text: str) -> Any:
+    from mlxproxy.load import parse_fail_on
+
+    return parse_fail_on(text)
+
+
+SLO = _Parsed("slo", _slo)
+FAIL_ON = _Parsed("fail_on", _fail_on)
 SECONDS = _Seconds()
 INT_LIST = _IntList(1)
 BATCH_SIZES = _IntList(2)
