@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import schedule
+from mlxproxy.load import DEFAULT_SLO, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -58,6 +58,9 @@ class BenchOptions:
     arrival: str = "constant"
     seed: int = 0
     requests: int = 50  # requests of the open-loop test
+    sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
+    sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
 
 
 @dataclass
@@ -133,7 +136,7 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
 
 
 async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None,
-                    res: TargetResult | None = None) -> TargetResult:
+                    res: TargetResult | None = None, say: Callable[[str], None] | None = None) -> TargetResult:
     """Benchmark one target into `res` (a new one unless given). When cancelled (Ctrl-C),
     the requests finished so far are in `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
@@ -155,6 +158,8 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         if bsize not in sizes:
             sizes.append(bsize)
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
+        if opts.sweep and not opts.batches:
+            waves = []  # a sweep replaces the batch waves unless they were asked for
         total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate else 0)
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
@@ -178,6 +183,13 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                 summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=base_wall)
                 name = "double" if n == 2 and i == 0 else f"x{n}"
                 res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+            if opts.sweep:
+                def make(n: int) -> list[PreparedRequest]:
+                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep")
+                            for _ in range(n)]
+
+                await run_sweep(client, make, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), per_stream=opts.repeat,
+                                target=target.name, params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
             if opts.rate:
                 reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
                         for _ in range(opts.requests)]
@@ -265,7 +277,8 @@ def verdict(res: TargetResult) -> str:
 
 async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thresholds | None = None,
                         progress: bool | None = None, parallel: bool = False,
-                        out: list[TargetResult] | None = None) -> list[TargetResult]:
+                        out: list[TargetResult] | None = None,
+                        say: Callable[[str], None] | None = None) -> list[TargetResult]:
     """Benchmark each target (one after another unless `parallel`, which is only fair
     when the targets do not share hardware, e.g. simulators). Results are appended to
     `out` (when given) as each target starts, so a cancelled run keeps what it measured."""
@@ -273,11 +286,11 @@ async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thres
     results = out if out is not None else []
     if parallel:
         results.extend(TargetResult(t) for t in targets)
-        await asyncio.gather(*(bench_one(t, opts, th, progress, res) for t, res in zip(targets, results)))
+        await asyncio.gather(*(bench_one(t, opts, th, progress, res, say) for t, res in zip(targets, results)))
         return results
     for t in targets:
         results.append(TargetResult(t))
-        await bench_one(t, opts, th, progress, results[-1])
+        await bench_one(t, opts, th, progress, results[-1], say)
     return results
 
 

@@ -13,7 +13,7 @@ from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, Ta
                             headline_notes, smallest_single, verdict)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
 from mlxproxy.report import LEGEND, Section, legend_for
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -111,11 +111,12 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
         sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
                                 [summary_row(g["target"], g["mode"], g["summary"]) for g in rate_groups], cols,
                                 legend_for(cols), [ln for ln in lines if ln]))
-    from mlxproxy.report import slo_section
+    from mlxproxy.report import slo_section, sweep_sections
 
     slo = slo_section([g for r in results for g in r.groups])
     if slo is not None:
         sections.append(slo)
+    sections += sweep_sections([g for r in results for g in r.groups])
     notes = []
     for r in results:
         per: dict[str, dict[str, Any]] = {}
@@ -215,11 +216,13 @@ def plot_svg(results: list[TargetResult]) -> str:
               help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help=help_for("--max-tokens"))
 @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help=help_for("--repeat"))
-@click.option("--batch", type=BATCH_SIZES, default="2", show_default=True, metavar="N[,N,...]",
-              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve."))
+@click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]",
+              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]"))
 @click.option("--batch-prompt-tokens", type=click.IntRange(min=1), default=None, help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]")
-@click.option("--concurrency", "old_concurrency", type=INT_LIST, default=None, hidden=True,
-              callback=deprecated_alias("bench", "--concurrency"))
+@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
+              help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."))
+@click.option("--sweep", is_flag=True,
+              help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."))
 @click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
               help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size."))
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
@@ -245,7 +248,7 @@ def plot_svg(results: list[TargetResult]) -> str:
               help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
-          batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, rate: float | None, arrival: str,
+          batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: float | None, arrival: str,
           seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
@@ -254,14 +257,16 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
-    sizes = tuple(dict.fromkeys((*batch, *(n for n in (old_concurrency or ()) if n >= 2))))
-    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0], batches=sizes,
-                        batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate, arrival=arrival,
-                        seed=seed, requests=n_requests)
+    sweep = sweep or bool(concurrency)
+    sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
+    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
+                        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate,
+                        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo)
     results: list[TargetResult] = []
     interrupted = False
     try:
-        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results))
+        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results,
+                                  say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:
         interrupted = True
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
-           "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks"]
+           "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
+           "step_figures", "capacity_of", "capacity_line", "run_sweep"]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -281,3 +282,134 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[dict[str, Any]]) -> lis
                 seen = sorted({k for r in hit for k in r.get("anomalies", ()) if k in kinds_})
                 out.append(f"{', '.join(seen)} in {len(hit)} of {total} requests")
     return out
+
+
+# -- sweeps and the capacity verdict ---------------------------------------------------------
+#
+# A sweep runs closed-loop steps of growing concurrency (given, or doubling from 1) with the
+# same requests. Doubling stops at saturation: the step broke the SLO, or had failed
+# requests, or its aggregate tok/s rose less than `RISE` over the best earlier step. The
+# capacity is the largest concurrency up to which every step met the SLO.
+
+MAX_AUTO_CONCURRENCY = 256
+RISE = 1.05  # aggregate tok/s must grow at least 5 % per doubling, else the server is saturated
+MIN_PER_STREAM = 3  # each stream of a sweep step sends at least this many requests
+
+
+def step_figures(g: dict[str, Any]) -> dict[str, Any]:
+    """The per-step figures of a sweep group (what `capacity.steps` holds)."""
+    recs = g["records"]
+    ok = [r for r in recs if _ok(r)]
+
+    def p(field: str, q: float) -> float | None:
+        return _pct([r[field] for r in ok if r.get(field) is not None], q)
+
+    anomalies: dict[str, int] = {}
+    for r in recs:
+        for k in r.get("anomalies", ()):
+            anomalies[k] = anomalies.get(k, 0) + 1
+    s = g["summary"]
+    return {"concurrency": g["params"]["concurrency"], "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
+            "ttft_p50_s": p("ttft_s", 50), "ttft_p95_s": p("ttft_s", 95), "tpot_p50_s": p("tpot_s", 50),
+            "tpot_p95_s": p("tpot_s", 95), "decode_tps_p50": p("decode_tps", 50), "aggregate_tps": s.get("aggregate_tps"),
+            "anomalies": anomalies, "goodput": s["goodput"], "slo_met": s["slo"]["met"],
+            "breaches": s["slo"]["breaches"], "problem": step_problem(s)}
+
+
+def stop_reason(steps: Sequence[dict[str, Any]]) -> str | None:
+    """Why doubling stops after the last of `steps` (step_figures), or None to go on."""
+    last = steps[-1]
+    if last["errors"]:
+        return "errors"
+    if not last["slo_met"]:
+        return "slo"
+    earlier = [s["aggregate_tps"] for s in steps[:-1] if s["aggregate_tps"] is not None]
+    if earlier and (last["aggregate_tps"] or 0.0) < RISE * max(earlier):
+        return "throughput"
+    return None
+
+
+def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The `capacity` object per target of a run's sweep groups (empty without a sweep):
+    `{"max_concurrency", "slo", "limited_by", "steps"}`; limited_by is `slo` or `errors`
+    (the first step past the capacity broke the SLO / had failed requests), `throughput`
+    (aggregate tok/s stopped rising while the SLO still held) or `steps` (every step held)."""
+    out: dict[str, dict[str, Any]] = {}
+    targets = dict.fromkeys(g["target"] for g in groups if g["params"].get("sweep") and "slo" in g["summary"])
+    for target in targets:
+        gs = sorted((g for g in groups if g["target"] == target and g["params"].get("sweep") and "slo" in g["summary"]),
+                    key=lambda g: g["params"]["concurrency"])
+        steps = [step_figures(g) for g in gs]
+        best, broke = 0, None
+        for st in steps:
+            if not st["slo_met"]:
+                broke = st
+                break
+            best = st["concurrency"]
+        if broke is not None:
+            limited = "errors" if broke["errors"] else "slo"
+        else:
+            limited = "throughput" if len(steps) > 1 and stop_reason(steps) == "throughput" else "steps"
+        cap = {"max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"], "limited_by": limited, "steps": steps}
+        if broke is not None:
+            cap["broken_at"] = broke["concurrency"]
+        out[target] = cap
+    return out
+
+
+def _streams(n: int) -> str:
+    return f"{n} concurrent stream" + ("" if n == 1 else "s")
+
+
+def capacity_line(target: str, cap: dict[str, Any]) -> str:
+    """The one-line verdict: `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95 is 5.2 s (> 3 s)`."""
+    steps = cap["steps"]
+    broke = next((s for s in steps if s["concurrency"] == cap.get("broken_at")), None)
+    if broke is not None and cap["max_concurrency"] == 0:
+        return f"{target}: does not meet the SLO even at {_streams(broke['concurrency'])}: {broke['problem']}"
+    if broke is not None:
+        return f"{target}: meets the SLO up to {_streams(cap['max_concurrency'])}; at {broke['concurrency']}, {broke['problem']}"
+    last = steps[-1]
+    line = f"{target}: meets the SLO at every step, up to {_streams(last['concurrency'])}"
+    if cap["limited_by"] == "throughput":
+        best = max(steps, key=lambda s: s["aggregate_tps"] or 0.0)
+        line += (f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {best['concurrency']},"
+                 f" {last['aggregate_tps'] or 0.0:.0f} at {last['concurrency']})")
+    return line
+
+
+async def run_sweep(client: Any, make: Callable[[int], list[Any]], steps: Sequence[int], slo: dict[str, float], *,
+                    per_stream: int, target: str, params: dict[str, Any], out: list[dict[str, Any]],
+                    say: Callable[[str], None] | None = None) -> None:
+    """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
+    saturation); each step sends `concurrency * per_stream` requests made by `make(n)`.
+    Each step's group is appended to `out` as it finishes; `say` gets one line per step."""
+    from mlxproxy.report import summarize_records
+
+    auto = not steps
+    per_stream = max(per_stream, MIN_PER_STREAM)
+    done: list[dict[str, Any]] = []
+    i, conc = 0, 1
+    while True:
+        if not auto:
+            if i >= len(steps):
+                break
+            conc = steps[i]
+        timed = await client.run_closed_loop(make(conc * per_stream), conc)
+        g = {"name": f"sweep {conc}", "target": target, "mode": f"concurrency {conc}",
+             "params": {**params, "concurrency": conc, "sweep": True, "auto": auto},
+             "summary": summarize_records(timed.records),
+             "records": [dict(r.to_dict(timeline=True), source_id=timed.source_ids.get(r.id)) for r in timed.records]}
+        g["summary"].update(judge(g["records"], slo))
+        out.append(g)
+        done.append(step_figures(g))
+        st = done[-1]
+        if say:
+            say(f"sweep {target}: {_streams(conc)}: {st['ok']}/{st['requests']} ok, aggregate "
+                f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {st['goodput']['share'] or 0.0:.0%}, SLO "
+                + ("held" if st["slo_met"] else "broken: " + st["problem"]))
+        i += 1
+        if auto:
+            if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
+                break
+            conc *= 2

@@ -28,7 +28,7 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
-from mlxproxy.load import schedule
+from mlxproxy.load import DEFAULT_SLO, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.report import summarize_records
 
@@ -59,6 +59,9 @@ class ReplayOptions:
     rate: float | None = None  # rate mode: requests/s (open loop)
     arrival: str = "constant"  # rate mode: constant | poisson
     seed: int = 0  # rate mode: the Poisson schedule's seed
+    sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
+    sweep_steps: tuple[int, ...] = ()
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
 
 
 def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
@@ -179,7 +182,8 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
 async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
                      api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
                      progress: bool | None = None, compare: bool = False,
-                     out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                     out: list[dict[str, Any]] | None = None,
+                     say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
@@ -224,6 +228,12 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "concurrency" and opts.sweep:
+                def make(k: int) -> list[PreparedRequest]:
+                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
+
+                await run_sweep(client, make, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), per_stream=opts.repeat,
+                                target=target_name, params=params, out=groups, say=say)
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))

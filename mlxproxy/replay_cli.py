@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, SECONDS, SLO, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -22,12 +22,13 @@ def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | Non
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
 
-    from mlxproxy.report import slo_section
+    from mlxproxy.report import slo_section, sweep_sections
 
     sections = group_sections(groups, verdicts)
     slo = slo_section(groups)
     if slo is not None:
         sections.append(slo)
+    sections += sweep_sections(groups)
     for g in groups:
         if g.get("compare"):
             sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
@@ -124,7 +125,11 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
                    "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate.")
 @click.option("--speed", type=click.FloatRange(min=0.001), default=None,
               help=help_for("--speed", "Recorded mode only.  [default: 1]"))
-@click.option("--concurrency", type=click.IntRange(min=1), default=None, help=help_for("--concurrency", "Implies --mode concurrency."))
+@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
+              help=help_for("--concurrency", "Implies --mode concurrency (several values: --sweep)."))
+@click.option("--sweep", is_flag=True,
+              help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through "
+                                       "the capture."))
 @click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
 @click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
               help=help_for("--rate", "The captured requests in order, --repeat times. Implies --mode rate."))
@@ -150,7 +155,7 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: int | None, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, repeat: int, warmup: int, filters: tuple[str, ...],
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
            compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
@@ -174,6 +179,13 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
+    sweep = sweep or len(concurrency or ()) > 1
+    if sweep:
+        other = ("--batch" if batch else "--rate" if rate else "--speed" if speed is not None
+                 else f"--mode {mode}" if mode not in (None, "concurrency") else None)
+        if other:
+            fail(f"--sweep steps the concurrency of a closed loop; it cannot run with {other}")
+        implied = "concurrency"
     mode = mode or implied or "recorded"
     if mode == "rate" and not rate:
         fail("--mode rate needs --rate R (requests per second)")
@@ -195,7 +207,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
-    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=concurrency or 1, batch=(batch or (2,))[0],
+    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
+                         sweep_steps=concurrency if sweep and concurrency else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
                          filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
@@ -204,7 +217,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     interrupted = False
     try:
         asyncio.run(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
-                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups))
+                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups,
+                               say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:
         interrupted = True
     judge_groups(groups, slo)

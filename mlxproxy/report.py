@@ -331,10 +331,41 @@ def slo_section(groups: Sequence[dict[str, Any]]) -> Section | None:
                    " request failed.", notes)
 
 
+def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+    """The sweep's steps per target and the capacity verdict, one line per target."""
+    from mlxproxy.load import capacity_line, capacity_of
+
+    caps = capacity_of(groups)
+    if not caps:
+        return []
+    rows = []
+    for target, cap in caps.items():
+        for st in cap["steps"]:
+            gp = st["goodput"]
+            rows.append({"target": target, "streams": str(st["concurrency"]), "ok/req": f"{st['ok']}/{st['requests']}",
+                         "TTFT p50": _sec(st["ttft_p50_s"]), "TTFT p95": _sec(st["ttft_p95_s"]),
+                         "TPOT p50": _ms(st["tpot_p50_s"]), "TPOT p95": _ms(st["tpot_p95_s"]),
+                         "decode tok/s": _num(st["decode_tps_p50"], ".1f"), "agg tok/s": _num(st["aggregate_tps"], ".1f"),
+                         "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+                         "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
+                         "SLO": "held" if st["slo_met"] else "broken"})
+    legend = ("streams: requests in flight at once (closed loop); " + "; ".join(
+        LEGEND[k] for k in ("ok/req", "TTFT p50", "decode tok/s", "agg tok/s")) +
+        "; TPOT p95 / TTFT p95: 95th percentile; goodput: share of requests that met every threshold.")
+    return [Section("Sweep (closed loop at each concurrency):", rows, None, legend),
+            Section("Capacity (largest concurrency at which every step met the SLO):", [], None, "",
+                    [capacity_line(t, c) for t, c in caps.items()])]
+
+
 def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
                  extra: dict[str, Any] | None = None) -> None:
     doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),
            "groups": groups, "verdicts": verdicts or {}, **(extra or {})}
+    from mlxproxy.load import capacity_of
+
+    capacity = capacity_of(groups)
+    if capacity:
+        doc["capacity"] = capacity
     Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
 
 

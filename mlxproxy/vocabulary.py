@@ -28,7 +28,11 @@ MEANINGS: dict[str, str] = {
     "--speed": "Time runs this many times faster than recorded or simulated (2 = twice as fast).",
     "--batch": "N[,N,...]: waves of N requests released together, after a one-at-a-time baseline that gives "
                "the speedup (2 = the double-batch test).",
-    "--concurrency": "N requests in flight at once, each next one sent when one finishes (closed loop).",
+    "--concurrency": "N[,N,...]: N requests in flight at once, each next one sent when one finishes (closed loop); "
+                     "several values are the steps of a --sweep.",
+    "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
+               "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
+               "the --slo.",
     "--rate": "Open loop: send R requests per second whatever the server does (arrivals spaced by --arrival).",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
                  "1/R, from --seed).",
@@ -53,7 +57,6 @@ MEANINGS: dict[str, str] = {
 #: old spelling -> (command, what to use instead); accepted until the next release
 DEPRECATED: dict[tuple[str, str], str] = {
     ("replay", "--name"): "--target NAME=URL",
-    ("bench", "--concurrency"): "--batch N,N,... (bench releases requests together; --concurrency means a closed loop)",
     ("sim", "--max-tokens"): "--max-output-tokens (the server's cap; --max-tokens is a request's max_tokens)",
 }
 

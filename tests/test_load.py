@@ -61,12 +61,13 @@ def test_schedules_are_exact_and_seeded() -> None:
         arrival_offsets(3, 0.0)
 
 
-def _caps(n: int) -> list[CapturedRequest]:
+def _caps(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
     out = []
     for i in range(n):
         rec = Record(id=f"c{i}", started_at=1.0 + i, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
                      outcome="ok", method="POST", path="/v1/chat/completions")
-        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": f"hello {i}"}]}
+        body = {"model": "m", "stream": True, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": f"hello {i}"}]}
         out.append(CapturedRequest(record=rec, raw={}, request=body, request_bytes=None, offset_s=0.0,
                                    method="POST", path="/v1/chat/completions"))
     return out
@@ -204,3 +205,110 @@ def test_bad_slo_and_fail_on_exit_2_with_one_line(tmp_path: Path, command: str, 
     res = cli(*args, opt, value)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and opt in lines[0] and needle in lines[0], res.stderr
+
+
+# -- sweeps and capacity -------------------------------------------------------------------------
+
+
+def truth_goodput(profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int, ttft_max_s: float,
+                  tpot_max_s: float) -> float:
+    """The goodput share a closed loop of `conc` streams sending `n_total` requests must get,
+    from the simulator's own engine in scripted time (speed 1: simulated == wall seconds;
+    the network's milliseconds are left out)."""
+    from mlxproxy.sim.engine import Engine, Finish, Token
+
+    eng = Engine(profile)
+    issued, good, done = 0, 0, 0
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+
+    def issue(t: float) -> None:
+        nonlocal issued
+        rid = f"r{issued}"
+        issued += 1
+        eng.admit(rid, t, prompt_tokens, n_tokens)
+        started[rid] = t
+
+    for _ in range(min(conc, n_total)):
+        issue(0.0)
+    while done < n_total:
+        t = eng.next_event_time()
+        assert t is not None
+        for ev in eng.advance(t):
+            if isinstance(ev, Token) and ev.index == 0:
+                first[ev.req_id] = ev.t_s
+            elif isinstance(ev, Finish):
+                done += 1
+                ttft = first[ev.req_id] - started[ev.req_id]
+                tpot = (ev.t_s - first[ev.req_id]) / (n_tokens - 1)
+                good += ttft <= ttft_max_s and tpot <= tpot_max_s
+                if issued < n_total:
+                    issue(ev.t_s)
+    return good / n_total
+
+
+def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_truth(tmp_path: Path) -> None:
+    from mlxproxy.sim.profiles import get_profile
+
+    # batches up to 4 streams at exactly 50 tok/s each (no batch penalty), then queues: a 5th
+    # stream waits a whole answer (40 tokens = 0.8 s) for a slot, far past the 250 ms TTFT target,
+    # while a stream that gets a slot at once waits only for prefills of 2.5 ms each
+    knobs = {"max_batch_streams": 4, "batch_penalty": 0.0, "prefill_tps": 20000.0}
+    out = tmp_path / "sweep.json"
+    with ServerThread(create_sim("healthy", **knobs)) as sim:
+        res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "3", "--max-tokens", "40",
+                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=250ms,tpot_p95=100ms", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]
+    doc = orjson.loads(out.read_bytes())
+    cap = doc["capacity"]["s"]
+    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "slo" and cap["slo"] == {"ttft_p95": 0.25, "tpot_p95": 0.1}
+    assert "s: meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in res.stdout
+    profile = get_profile("healthy", **knobs)
+    prompt = doc["groups"][0]["params"].get("prompt_tokens") or 50
+    for st in cap["steps"]:
+        c = st["concurrency"]
+        truth = truth_goodput(profile, c, 3 * c, prompt, 40, 0.25, 0.1)
+        assert st["requests"] == 3 * c and st["errors"] == 0
+        assert abs(st["goodput"]["share"] - truth) <= 0.05, (c, st["goodput"], truth)
+    assert [st["slo_met"] for st in cap["steps"]] == [True] * 4 + [False] * 2
+    # the doubling from 1 stops at the first step that breaks the SLO, and the aggregate grows until 4
+    aggs = [st["aggregate_tps"] for st in cap["steps"]]
+    assert aggs[3] > 3.5 * aggs[0] and aggs[4] < 1.05 * aggs[3]
+    again = cli("report", str(out))
+    assert again.returncode == 0 and "meets the SLO up to 4 concurrent streams" in again.stdout
+
+
+def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
+    cap_file = write_capture(tmp_path / "c.jsonl", _caps(2, max_tokens=40))
+    out = tmp_path / "r.json"
+    with ServerThread(create_sim("mlx-omni-server", prefill_tps=20000.0)) as sim:
+        res = cli("replay", str(cap_file), "--target", f"omni={sim.url}", "--sweep", "--slo", "ttft_p95=250ms",
+                  "--fail-on", "slo", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]  # --fail-on slo judges a sweep's lightest step
+    cap = orjson.loads(out.read_bytes())["capacity"]["omni"]
+    # automatic doubling: 1 held, 2 broke (the second request gets no headers until the first ends)
+    assert [st["concurrency"] for st in cap["steps"]] == [1, 2]
+    assert cap["max_concurrency"] == 1 and cap["limited_by"] == "slo"
+    assert "omni: meets the SLO up to 1 concurrent stream; at 2, TTFT p95 is" in " ".join(res.stdout.split())
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("mlxproxy: sweep omni:")][1].endswith("(> 250 ms)")
+
+
+def test_capacity_lines_for_every_ending() -> None:
+    from mlxproxy.load import capacity_line, capacity_of, judge
+
+    def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> dict:
+        recs = [_rec(i, ttft, tpot, outcome) for i in range(4)]
+        summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0})}
+        return {"target": "t", "mode": f"concurrency {c}", "params": {"concurrency": c, "sweep": True},
+                "summary": summary, "records": recs}
+
+    cap = capacity_of([group(1, 2.0)])["t"]
+    assert cap["max_concurrency"] == 0
+    assert capacity_line("t", cap) == "t: does not meet the SLO even at 1 concurrent stream: TTFT p95 is 2 s (> 1 s)"
+    cap = capacity_of([group(1, 0.1, agg=50), group(2, 0.1, agg=52)])["t"]
+    assert cap["limited_by"] == "throughput" and cap["max_concurrency"] == 2
+    assert "aggregate tok/s stopped rising (52 tok/s at 2, 52 at 2)" in capacity_line("t", cap)
+    cap = capacity_of([group(1, 0.1, agg=50), group(2, 0.1, agg=100)])["t"]
+    assert cap["limited_by"] == "steps" and capacity_line("t", cap) == "t: meets the SLO at every step, up to 2 concurrent streams"
+    cap = capacity_of([group(1, 0.1), group(2, 0.1, outcome="upstream_timeout")])["t"]
+    assert cap["limited_by"] == "errors" and "at 2, 4 of 4 requests failed" in capacity_line("t", cap)
