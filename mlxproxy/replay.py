@@ -30,6 +30,7 @@ from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
 from mlxproxy.load import DEFAULT_SLO, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
@@ -62,6 +63,8 @@ class ReplayOptions:
     sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
     sweep_steps: tuple[int, ...] = ()
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
+    sessions: int = 1  # sessions mode: conversations run at once
+    think_time: float | None = None  # sessions mode: seconds between a response's end and the next turn (None: captured)
 
 
 def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
@@ -107,8 +110,10 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
-    """The request to send for one captured request, with only the documented rewrites."""
+def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -> PreparedRequest:
+    """The request to send for one captured request, with only the documented rewrites.
+    `nonce`: this marker instead of a new one (the turns of one replayed session share one,
+    so each turn can reuse the prompt cache of the turns before it, as in real use)."""
     headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED)  # hop-by-hop: loadgen drops
     if c.request is None:
         return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
@@ -117,13 +122,48 @@ def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
         obj = {**obj, "model": opts.model}
     if opts.nonce:
         obj = dict(obj)
-        _with_nonce(obj, f"[nonce {os.urandom(6).hex()}] ")
+        _with_nonce(obj, nonce or f"[nonce {os.urandom(6).hex()}] ")
     body = orjson.dumps(obj)
     if obj.get("stream") is True:
         so = obj.get("stream_options")
         if not (isinstance(so, dict) and so.get("include_usage")):
             body = inject_include_usage(body, obj)
     return PreparedRequest(c.method, c.path, body, headers, c.offset_s, c.record.id, label=c.record.id)
+
+
+def _first_user(obj: dict[str, Any]) -> bytes | None:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list):
+        return None
+    first = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first is None:
+        return None
+    return orjson.dumps({k: first.get(k) for k in ("content", "content_chars")}, option=orjson.OPT_SORT_KEYS)
+
+
+def split_sessions(caps: Sequence[CapturedRequest]) -> list[list[CapturedRequest]]:
+    """A capture split into conversations, in the order they began: the requests whose
+    first user message is the same, while their message lists keep growing (a list that
+    does not grow starts a new conversation: the same task begun again). A request without
+    a message list is a conversation of its own."""
+    sessions: list[list[CapturedRequest]] = []
+    open_by_key: dict[bytes, int] = {}
+    for c in sorted(caps, key=lambda c: c.offset_s):
+        key = _first_user(c.request) if c.request is not None else None
+        n = len(c.request["messages"]) if key is not None and c.request is not None else 0
+        i = open_by_key.get(key) if key is not None else None
+        if i is not None and n > len(sessions[i][-1].request["messages"]):  # type: ignore[index]
+            sessions[i].append(c)
+            continue
+        sessions.append([c])
+        if key is not None:
+            open_by_key[key] = len(sessions) - 1
+    return sessions
+
+
+def captured_think_s(prev: CapturedRequest, c: CapturedRequest) -> float:
+    """Seconds between the end of `prev`'s response and the start of `c`, as captured."""
+    return max(0.0, c.offset_s - (prev.offset_s + (prev.record.duration_s or 0.0)))
 
 
 class Progress:
@@ -206,7 +246,8 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
         params.update(sched)
     mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
             "concurrency": f"concurrency {opts.concurrency}", "batch": "batch",
-            "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None}.get(opts.mode)
+            "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
+            "sessions": f"sessions {opts.sessions}"}.get(opts.mode)
     if mode is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
     async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
@@ -228,6 +269,8 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "sessions":
+                groups.append(await _run_sessions(client, caps, opts, target_name, params, th, tick))
             elif opts.mode == "concurrency" and opts.sweep:
                 def make(k: int) -> list[PreparedRequest]:
                     return [prepare(caps[i % len(caps)], opts) for i in range(k)]
@@ -255,6 +298,49 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                                      summarize_records(rest)))
             raise
     return groups
+
+
+async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
+                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> dict[str, Any]:
+    """`opts.sessions` conversations at once, each its turns in order with the think time
+    between a response's end and the next turn; a worker takes the next conversation when
+    its last one ends. The capture's conversations are run `repeat` times, cycled to at
+    least `sessions`; each run of a conversation has its own nonce."""
+    import asyncio
+    import time
+
+    convs = split_sessions(caps)
+    todo = [convs[i % len(convs)] for i in range(max(opts.sessions, len(convs) * opts.repeat))]
+    queue = list(enumerate(todo))[::-1]
+    timed = Timed()
+    where: dict[str, tuple[int, int, float]] = {}
+    session_s: list[float] = []
+
+    async def worker() -> None:
+        while queue:
+            si, conv = queue.pop()
+            nonce = f"[nonce {os.urandom(6).hex()}] " if opts.nonce else None
+            t0 = time.perf_counter()
+            for ti, c in enumerate(conv):
+                think = 0.0
+                if ti:
+                    think = opts.think_time if opts.think_time is not None else captured_think_s(conv[ti - 1], c)
+                    await asyncio.sleep(think)
+                r = await client.send(prepare(c, opts, nonce))
+                timed.records.append(r)
+                timed.source_ids[r.id] = c.record.id
+                where[r.id] = (si, ti, think)
+                tick()
+            session_s.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, opts.sessions))))
+    summary = summarize_records(timed.records)
+    summary["sessions"] = {"count": len(todo), "conversations": len(convs), "session_s": summarize(session_s)}
+    g = _group(f"sessions {opts.sessions}", target, f"sessions {opts.sessions}",
+               {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary)
+    for d in g["records"]:
+        d["session"], d["turn"], d["think_s"] = where[d["id"]]
+    return g
 
 
 def _finish(mode: str, target: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any], th: Thresholds,

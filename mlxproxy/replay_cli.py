@@ -22,13 +22,14 @@ def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | Non
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
 
-    from mlxproxy.report import slo_section, sweep_sections
+    from mlxproxy.report import session_sections, slo_section, sweep_sections
 
     sections = group_sections(groups, verdicts)
     slo = slo_section(groups)
     if slo is not None:
         sections.append(slo)
     sections += sweep_sections(groups)
+    sections += session_sections(groups)
     for g in groups:
         if g.get("compare"):
             sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
@@ -111,7 +112,8 @@ def check_writable(*paths: str | None) -> None:
             fail(f"cannot write {p}: permission denied")
 
 
-_TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "rate": "an open loop"}
+_TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "rate": "an open loop",
+          "sessions": "conversations"}
 
 
 @click.command("replay")
@@ -119,10 +121,12 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--target", "target_spec", required=True, metavar="[NAME=]URL",
               help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."))
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
-@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate"]), default=None,
+@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate", "sessions"]),
+              default=None,
               help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
                    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-                   "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate.")
+                   "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
+                   "conversations, --sessions at once.")
 @click.option("--speed", type=click.FloatRange(min=0.001), default=None,
               help=help_for("--speed", "Recorded mode only.  [default: 1]"))
 @click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
@@ -136,6 +140,12 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@click.option("--sessions", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Split the capture into conversations (same first user message, growing message list) and run N "
+                   "at once, each its turns in order with the think time between them; one nonce per conversation "
+                   "run, so turns reuse the prompt cache as captured. Implies --mode sessions.")
+@click.option("--think-time", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
+              help="Seconds between a response's end and the conversation's next turn.  [default: as captured]")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True, help="Send the first K requests once first, unmeasured.")
 @click.option("--filter", "filters", multiple=True, metavar="KEY=GLOB", help="Only requests whose model/endpoint/path/outcome match (repeatable).")
@@ -155,7 +165,8 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, repeat: int, warmup: int, filters: tuple[str, ...],
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, sessions: int | None,
+           think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
            compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
@@ -173,7 +184,9 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     name, target_url = parse_target(target_spec)
     if target_name:
         name = target_name
-    given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate)) if v]
+    given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v]
+    if think_time is not None and not sessions:
+        fail("--think-time applies to --sessions only")
     implied = given[0] if given else None
     if len(given) > 1:
         fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
@@ -181,7 +194,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
     sweep = sweep or len(concurrency or ()) > 1
     if sweep:
-        other = ("--batch" if batch else "--rate" if rate else "--speed" if speed is not None
+        other = ("--batch" if batch else "--rate" if rate else "--sessions" if sessions else "--speed" if speed is not None
                  else f"--mode {mode}" if mode not in (None, "concurrency") else None)
         if other:
             fail(f"--sweep steps the concurrency of a closed loop; it cannot run with {other}")
@@ -189,6 +202,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     mode = mode or implied or "recorded"
     if mode == "rate" and not rate:
         fail("--mode rate needs --rate R (requests per second)")
+    if mode == "sessions" and not sessions:
+        fail("--mode sessions needs --sessions N (conversations at once)")
     if speed is not None and mode != "recorded":
         fail(f"--speed only applies to --mode recorded, not {mode}")
     if timeout is not None and timeout[0] not in (None, name):
@@ -210,7 +225,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
                          sweep_steps=concurrency if sweep and concurrency else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed)
+                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed, sessions=sessions or 1,
+                         think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
     groups: list[dict[str, Any]] = []

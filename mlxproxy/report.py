@@ -357,6 +357,39 @@ def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
                     [capacity_line(t, c) for t, c in caps.items()])]
 
 
+def session_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+    """Replayed conversations (`replay --sessions`): TTFT and prompt-cache reuse by turn, and
+    the whole-session time."""
+    out = []
+    for g in groups:
+        sess = g["summary"].get("sessions")
+        if not sess:
+            continue
+        by_turn: dict[int, list[dict[str, Any]]] = {}
+        for r in g["records"]:
+            by_turn.setdefault(int(r.get("turn") or 0), []).append(r)
+        rows = []
+        for turn, recs in sorted(by_turn.items()):
+            ok = [r for r in recs if r.get("outcome") in OK_OUTCOMES]
+            ttft = sorted(r["ttft_s"] for r in ok if r.get("ttft_s") is not None)
+            cached = sorted(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None)
+            prompt = sorted(r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None)
+            think = sorted(r["think_s"] for r in recs if r.get("think_s") is not None)
+            rows.append({"target": g["target"], "turn": str(turn + 1), "ok/req": f"{len(ok)}/{len(recs)}",
+                         "think p50": _sec(percentile(think, 50)) if turn else "-",
+                         "TTFT p50": _sec(percentile(ttft, 50)), "TTFT p95": _sec(percentile(ttft, 95)),
+                         "prompt tok p50": _num(percentile(prompt, 50), ".0f"),
+                         "cached tok p50": _num(percentile(cached, 50), ".0f")})
+        st = sess["session_s"]
+        out.append(Section(f"{g['target']} {g['mode']}: {sess['count']} sessions ({sess['conversations']} captured"
+                           " conversations), by turn:", rows, None,
+                           "turn: the turn's place in its conversation; think: seconds between the previous response's"
+                           " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
+                           " (- = not reported).",
+                           [f"whole session: p50 {_num(st['p50'], '.2f')} s, max {_num(st['max'], '.2f')} s"]))
+    return out
+
+
 def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
                  extra: dict[str, Any] | None = None) -> None:
     doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),

@@ -312,3 +312,71 @@ def test_capacity_lines_for_every_ending() -> None:
     assert cap["limited_by"] == "steps" and capacity_line("t", cap) == "t: meets the SLO at every step, up to 2 concurrent streams"
     cap = capacity_of([group(1, 0.1), group(2, 0.1, outcome="upstream_timeout")])["t"]
     assert cap["limited_by"] == "errors" and "at 2, 4 of 4 requests failed" in capacity_line("t", cap)
+
+
+# -- agent sessions --------------------------------------------------------------------------------
+
+
+def _conversation_caps() -> list[CapturedRequest]:
+    """Conversation A: three turns, each 0.1 s long and 0.5 s of think time apart, its message list
+    growing; conversation B: one turn, with another first user message, begun between them."""
+    out = []
+
+    def add(rid: str, offset: float, messages: list[dict]) -> None:
+        rec = Record(id=rid, started_at=1000.0 + offset, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                     status=200, outcome="ok", method="POST", path="/v1/chat/completions", duration_s=0.1)
+        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": messages}
+        out.append(CapturedRequest(record=rec, raw={}, request=body, request_bytes=None, offset_s=offset, method="POST",
+                                   path="/v1/chat/completions"))
+
+    sys_msg = {"role": "system", "content": "You are a coding agent."}
+    u1, a1 = {"role": "user", "content": "fix the failing test"}, {"role": "assistant", "content": "reading tests"}
+    u2, a2 = {"role": "tool", "content": "test output ..."}, {"role": "assistant", "content": "patched"}
+    add("a0", 0.0, [sys_msg, u1])
+    add("b0", 0.3, [sys_msg, {"role": "user", "content": "write a README"}])
+    add("a1", 0.6, [sys_msg, u1, a1, u2])
+    add("a2", 1.2, [sys_msg, u1, a1, u2, a2, {"role": "user", "content": "run it again"}])
+    return out
+
+
+def test_a_capture_splits_into_conversations_and_a_session_shares_one_nonce() -> None:
+    from mlxproxy.replay import captured_think_s, prepare, split_sessions
+
+    caps = _conversation_caps()
+    sessions = split_sessions(caps)
+    assert [[c.record.id for c in s] for s in sessions] == [["a0", "a1", "a2"], ["b0"]]
+    assert captured_think_s(caps[0], caps[2]) == pytest.approx(0.5)
+    import dataclasses
+
+    redo = dataclasses.replace(caps[0], offset_s=2.0, record=dataclasses.replace(caps[0].record, id="redo"))
+    again = split_sessions(caps + [redo])  # the same task begun again (its list shrank): a new conversation
+    assert [[c.record.id for c in s] for s in again] == [["a0", "a1", "a2"], ["b0"], ["redo"]]
+    opts = ReplayOptions()
+    bodies = [orjson.loads(prepare(c, opts, "[nonce abc] ").body) for c in sessions[0]]
+    assert all(b["messages"][0]["content"].startswith("[nonce abc] ") for b in bodies)
+
+
+@pytest.mark.parametrize("think", [None, 0.2])
+def test_replay_sessions_keep_turn_order_and_think_time(tmp_path: Path, think: float | None) -> None:
+    cap = write_capture(tmp_path / "c.jsonl", _conversation_caps())
+    out = tmp_path / "s.json"
+    extra = [] if think is None else ["--think-time", str(think)]
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli("replay", str(cap), "--target", f"s={sim.url}", "--sessions", "3", *extra, "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]
+    (g,) = orjson.loads(out.read_bytes())["groups"]
+    assert g["mode"] == "sessions 3" and g["summary"]["sessions"]["count"] == 3
+    by_session: dict[int, list[dict]] = {}
+    for r in g["records"]:
+        by_session.setdefault(r["session"], []).append(r)
+    assert sorted(len(v) for v in by_session.values()) == [1, 3, 3]  # A, B, and A again to make three
+    want = 0.5 if think is None else think
+    for recs in by_session.values():
+        recs.sort(key=lambda r: r["started_at"])
+        assert [r["turn"] for r in recs] == list(range(len(recs)))
+        assert [r["source_id"] for r in recs] in (["a0", "a1", "a2"], ["b0"])
+        for prev, r in zip(recs, recs[1:]):
+            gap = r["started_at"] - (prev["started_at"] + prev["duration_s"])
+            assert r["think_s"] == pytest.approx(want)
+            assert want - 0.01 <= gap <= want + 0.25, (gap, want)
+    assert "by turn:" in res.stdout and "whole session: p50" in res.stdout
