@@ -198,6 +198,9 @@ def plot_svg(results: list[TargetResult]) -> str:
         prefill.append((r.target.name, pts_p))
         curve.append((r.target.name, pts_c))
         agg.append((r.target.name, pts_a))
+    from mlxproxy.load import sweep_charts
+
+    sweep = sweep_charts([g for r in results for g in r.groups])
     return svg_charts([
         Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
         Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
@@ -206,6 +209,7 @@ def plot_svg(results: list[TargetResult]) -> str:
               integer_x=True, note="speedup = aggregate tok/s / one stream alone; 1 = no batching"),
         Chart("Per-stream decode tokens/s by streams released together (p50)", "streams released together", "tokens/s",
               curve, integer_x=True),
+        *sweep,
     ])
 
 
@@ -245,7 +249,8 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams."))
+              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
+                                     "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
           batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: float | None, arrival: str,

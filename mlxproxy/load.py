@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
-           "step_figures", "capacity_of", "capacity_line", "run_sweep"]
+           "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts"]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -413,3 +413,39 @@ async def run_sweep(client: Any, make: Callable[[int], list[Any]], steps: Sequen
             if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
                 break
             conc *= 2
+
+
+def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
+    """The plot of a sweep: TTFT and TPOT p50/p95 and aggregate tok/s by concurrency, one
+    line per target and percentile, the SLO's thresholds as dashed lines ([] without a sweep)."""
+    from mlxproxy.plot import Chart
+
+    caps = capacity_of(groups)
+    if not caps:
+        return []
+    ttft, tpot, agg = [], [], []
+    for target, cap in caps.items():
+        steps = cap["steps"]
+        for q in ("p50", "p95"):
+            ttft.append((f"{target} {q}", [(float(s["concurrency"]), s[f"ttft_{q}_s"]) for s in steps]))
+            tpot.append((f"{target} {q}", [(float(s["concurrency"]), None if s[f"tpot_{q}_s"] is None
+                                            else s[f"tpot_{q}_s"] * 1000.0) for s in steps]))
+        agg.append((target, [(float(s["concurrency"]), s["aggregate_tps"]) for s in steps]))
+    slo = next(iter(caps.values()))["slo"]
+
+    def lines(metric: str, scale: float) -> list[tuple[str, float]]:
+        out = []
+        for key, v in slo.items():
+            m, pct = _split(key)
+            if m in metric.split("|"):
+                out.append((f"SLO {SLO_METRICS[m][3]} p{pct} {fmt_value(v, 's')}", v * scale))
+        return out
+
+    return [
+        Chart("TTFT by concurrency (p50, p95)", "concurrent streams", "seconds", ttft, integer_x=True,
+              hlines=lines("ttft", 1.0), note="dashed: the SLO's thresholds"),
+        Chart("TPOT by concurrency (p50, p95)", "concurrent streams", "milliseconds per token", tpot, integer_x=True,
+              hlines=lines("tpot|itl", 1000.0)),
+        Chart("Aggregate tokens/s by concurrency", "concurrent streams", "tokens/s (all streams)", agg, integer_x=True,
+              note="flat or falling: the server is saturated"),
+    ]

@@ -162,6 +162,8 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
               help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"))
 @click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
               help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help=help_for("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
@@ -169,7 +171,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
            think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
-           compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
+           plot_path: str | None, compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
@@ -209,7 +211,9 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
-    check_writable(json_path, csv_path, md_path, html_path)
+    check_writable(json_path, csv_path, md_path, html_path, plot_path)
+    if plot_path and not sweep:
+        fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     skipped: list[str] = []
     try:
         caps = read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
@@ -245,6 +249,10 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
                    "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
                    + ("; drop --no-nonce to measure prefill" if not nonce else ""), err=True)
     write_replay_outputs(groups, capture, target_url, json_path, csv_path, md_path, html_path)
+    if plot_path:
+        with open(plot_path, "w", encoding="utf-8") as fh:
+            fh.write(sweep_svg(groups))
+        click.echo(f"wrote {plot_path}", err=True)
     if interrupted:
         fail(f"interrupted: {sum(len(g['records']) for g in groups)} finished requests printed"
              + (" and written" if json_path or csv_path or md_path or html_path else ""), 130)
@@ -273,6 +281,13 @@ def check_fail_on(kinds: tuple[str, ...] | None, groups: list[dict[str, Any]]) -
     if failed:
         fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
     click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
+
+
+def sweep_svg(groups: list[dict[str, Any]]) -> str:
+    from mlxproxy.load import sweep_charts
+    from mlxproxy.plot import svg_charts
+
+    return svg_charts(sweep_charts(groups))
 
 
 def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -343,7 +358,7 @@ def _capture_hint(path: str) -> str | None:
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "Bench results only."))
+              help=help_for("--plot", "Bench results, and sweeps of replay results."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None,
            html_path: str | None) -> None:
@@ -370,8 +385,11 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
         else:
             replay_groups += [{**g, "target": prefix + g["target"]} for g in doc["groups"]]
             replay_verdicts.update({prefix + t: v for t, v in (doc.get("verdicts") or {}).items()})
-    if plot_path and not bench_results:
-        fail("--plot draws bench results; these files hold replay results (use --csv or --markdown)")
+    from mlxproxy.load import capacity_of
+
+    if plot_path and not bench_results and not capacity_of(replay_groups):
+        fail("--plot draws bench results and sweeps; these files hold replay results without a sweep "
+             "(use --csv or --markdown)")
     sections = []
     if bench_results:
         sections += bench_sections(bench_results, bench_verdicts)
@@ -387,7 +405,7 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
         click.echo(f"wrote {md_path}", err=True)
     if plot_path:
         with open(plot_path, "w", encoding="utf-8") as fh:
-            fh.write(plot_svg(bench_results))
+            fh.write(plot_svg(bench_results) if bench_results else sweep_svg(replay_groups))
         click.echo(f"wrote {plot_path}", err=True)
     if html_path:
         from mlxproxy.htmlreport import write_html

@@ -257,7 +257,8 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     out = tmp_path / "sweep.json"
     with ServerThread(create_sim("healthy", **knobs)) as sim:
         res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "3", "--max-tokens", "40",
-                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=250ms,tpot_p95=100ms", "--json", str(out))
+                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=250ms,tpot_p95=100ms", "--json", str(out),
+                  "--plot", str(tmp_path / "sweep.svg"))
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
@@ -276,6 +277,14 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     assert aggs[3] > 3.5 * aggs[0] and aggs[4] < 1.05 * aggs[3]
     again = cli("report", str(out))
     assert again.returncode == 0 and "meets the SLO up to 4 concurrent streams" in again.stdout
+    svg = (tmp_path / "sweep.svg").read_text()
+    for text in ("TTFT by concurrency (p50, p95)", "TPOT by concurrency (p50, p95)", "Aggregate tokens/s by concurrency",
+                 "SLO TTFT p95 250 ms", "SLO TPOT p95 100 ms", ">s p95<"):
+        assert text in svg, text
+
+
+def sim_url_unused() -> str:
+    return "http://127.0.0.1:9"  # refused before anything is sent
 
 
 def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
@@ -291,6 +300,10 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
     assert cap["max_concurrency"] == 1 and cap["limited_by"] == "slo"
     assert "omni: meets the SLO up to 1 concurrent stream; at 2, TTFT p95 is" in " ".join(res.stdout.split())
     assert [ln for ln in res.stderr.splitlines() if ln.startswith("mlxproxy: sweep omni:")][1].endswith("(> 250 ms)")
+    plot = cli("report", str(out), "--plot", str(tmp_path / "p.svg"))
+    assert plot.returncode == 0 and "SLO TTFT p95 250 ms" in (tmp_path / "p.svg").read_text()
+    res = cli("replay", str(cap_file), "--target", sim_url_unused(), "--plot", str(tmp_path / "x.svg"))
+    assert res.returncode == 2 and "add --sweep" in res.stderr
 
 
 def test_capacity_lines_for_every_ending() -> None:
