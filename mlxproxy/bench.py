@@ -25,7 +25,7 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import DEFAULT_SLO, parse_slo, run_sweep, schedule
+from mlxproxy.load import DEFAULT_SLO, closed_loop_step, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -188,8 +188,9 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                     return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep")
                             for _ in range(n)]
 
-                await run_sweep(client, make, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), per_stream=opts.repeat,
-                                target=target.name, params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
+                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
+                                params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
             if opts.rate:
                 reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
                         for _ in range(opts.requests)]

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 __all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
-           "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts"]
+           "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts",
+           "closed_loop_step"]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -350,27 +351,29 @@ def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             limited = "errors" if broke["errors"] else "slo"
         else:
             limited = "throughput" if len(steps) > 1 and stop_reason(steps) == "throughput" else "steps"
-        cap = {"max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"], "limited_by": limited, "steps": steps}
+        cap = {"max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"], "limited_by": limited,
+               "unit": gs[0]["params"].get("unit", "streams"), "steps": steps}
         if broke is not None:
             cap["broken_at"] = broke["concurrency"]
         out[target] = cap
     return out
 
 
-def _streams(n: int) -> str:
-    return f"{n} concurrent stream" + ("" if n == 1 else "s")
+def _streams(n: int, unit: str = "streams") -> str:
+    return f"{n} concurrent {unit[:-1] if n == 1 else unit}"
 
 
 def capacity_line(target: str, cap: dict[str, Any]) -> str:
     """The one-line verdict: `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95 is 5.2 s (> 3 s)`."""
-    steps = cap["steps"]
+    steps, unit = cap["steps"], cap.get("unit", "streams")
     broke = next((s for s in steps if s["concurrency"] == cap.get("broken_at")), None)
     if broke is not None and cap["max_concurrency"] == 0:
-        return f"{target}: does not meet the SLO even at {_streams(broke['concurrency'])}: {broke['problem']}"
+        return f"{target}: does not meet the SLO even at {_streams(broke['concurrency'], unit)}: {broke['problem']}"
     if broke is not None:
-        return f"{target}: meets the SLO up to {_streams(cap['max_concurrency'])}; at {broke['concurrency']}, {broke['problem']}"
+        return (f"{target}: meets the SLO up to {_streams(cap['max_concurrency'], unit)}; at {broke['concurrency']}, "
+                f"{broke['problem']}")
     last = steps[-1]
-    line = f"{target}: meets the SLO at every step, up to {_streams(last['concurrency'])}"
+    line = f"{target}: meets the SLO at every step, up to {_streams(last['concurrency'], unit)}"
     if cap["limited_by"] == "throughput":
         best = max(steps, key=lambda s: s["aggregate_tps"] or 0.0)
         line += (f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {best['concurrency']},"
@@ -378,16 +381,16 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
     return line
 
 
-async def run_sweep(client: Any, make: Callable[[int], list[Any]], steps: Sequence[int], slo: dict[str, float], *,
-                    per_stream: int, target: str, params: dict[str, Any], out: list[dict[str, Any]],
-                    say: Callable[[str], None] | None = None) -> None:
+async def run_sweep(step: Callable[[int], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]], steps: Sequence[int],
+                    slo: dict[str, float], *, target: str, params: dict[str, Any], out: list[dict[str, Any]],
+                    say: Callable[[str], None] | None = None, unit: str = "streams") -> None:
     """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
-    saturation); each step sends `concurrency * per_stream` requests made by `make(n)`.
-    Each step's group is appended to `out` as it finishes; `say` gets one line per step."""
+    saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
+    per record id (e.g. a session's turn). Each step's group is appended to `out` as it
+    finishes; `say` gets one line per step. `unit`: what runs concurrently (streams, sessions)."""
     from mlxproxy.report import summarize_records
 
     auto = not steps
-    per_stream = max(per_stream, MIN_PER_STREAM)
     done: list[dict[str, Any]] = []
     i, conc = 0, 1
     while True:
@@ -395,17 +398,23 @@ async def run_sweep(client: Any, make: Callable[[int], list[Any]], steps: Sequen
             if i >= len(steps):
                 break
             conc = steps[i]
-        timed = await client.run_closed_loop(make(conc * per_stream), conc)
-        g = {"name": f"sweep {conc}", "target": target, "mode": f"concurrency {conc}",
-             "params": {**params, "concurrency": conc, "sweep": True, "auto": auto},
-             "summary": summarize_records(timed.records),
-             "records": [dict(r.to_dict(timeline=True), source_id=timed.source_ids.get(r.id)) for r in timed.records]}
+        timed, extra = await step(conc)
+        records = []
+        for r in timed.records:
+            d = r.to_dict(timeline=True)
+            d["source_id"] = timed.source_ids.get(r.id)
+            d.update(extra.get(r.id, {}))
+            records.append(d)
+        label = "concurrency" if unit == "streams" else unit
+        g = {"name": f"sweep {conc}", "target": target, "mode": f"{label} {conc}",
+             "params": {**params, "concurrency": conc, "sweep": True, "auto": auto, "unit": unit},
+             "summary": summarize_records(timed.records), "records": records}
         g["summary"].update(judge(g["records"], slo))
         out.append(g)
         done.append(step_figures(g))
         st = done[-1]
         if say:
-            say(f"sweep {target}: {_streams(conc)}: {st['ok']}/{st['requests']} ok, aggregate "
+            say(f"sweep {target}: {_streams(conc, unit)}: {st['ok']}/{st['requests']} ok, aggregate "
                 f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {st['goodput']['share'] or 0.0:.0%}, SLO "
                 + ("held" if st["slo_met"] else "broken: " + st["problem"]))
         i += 1
@@ -413,6 +422,17 @@ async def run_sweep(client: Any, make: Callable[[int], list[Any]], steps: Sequen
             if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
                 break
             conc *= 2
+
+
+def closed_loop_step(client: Any, make: Callable[[int], list[Any]], per_stream: int) -> Callable[[int], Awaitable[Any]]:
+    """A sweep step of `concurrency` streams sending `concurrency * per_stream` (at least
+    MIN_PER_STREAM each) requests made by `make(n)`."""
+    per = max(per_stream, MIN_PER_STREAM)
+
+    async def step(conc: int) -> tuple[Any, dict[str, dict[str, Any]]]:
+        return await client.run_closed_loop(make(conc * per), conc), {}
+
+    return step
 
 
 def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
@@ -432,6 +452,7 @@ def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
                                             else s[f"tpot_{q}_s"] * 1000.0) for s in steps]))
         agg.append((target, [(float(s["concurrency"]), s["aggregate_tps"]) for s in steps]))
     slo = next(iter(caps.values()))["slo"]
+    xl = f"concurrent {next(iter(caps.values())).get('unit', 'streams')}"
 
     def lines(metric: str, scale: float) -> list[tuple[str, float]]:
         out = []
@@ -442,10 +463,10 @@ def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
         return out
 
     return [
-        Chart("TTFT by concurrency (p50, p95)", "concurrent streams", "seconds", ttft, integer_x=True,
+        Chart("TTFT by concurrency (p50, p95)", xl, "seconds", ttft, integer_x=True,
               hlines=lines("ttft", 1.0), note="dashed: the SLO's thresholds"),
-        Chart("TPOT by concurrency (p50, p95)", "concurrent streams", "milliseconds per token", tpot, integer_x=True,
+        Chart("TPOT by concurrency (p50, p95)", xl, "milliseconds per token", tpot, integer_x=True,
               hlines=lines("tpot|itl", 1000.0)),
-        Chart("Aggregate tokens/s by concurrency", "concurrent streams", "tokens/s (all streams)", agg, integer_x=True,
+        Chart("Aggregate tokens/s by concurrency", xl, "tokens/s (all streams)", agg, integer_x=True,
               note="flat or falling: the server is saturated"),
     ]

@@ -28,7 +28,7 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
-from mlxproxy.load import DEFAULT_SLO, parse_slo, run_sweep, schedule
+from mlxproxy.load import DEFAULT_SLO, closed_loop_step, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
@@ -269,14 +269,21 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "sessions" and opts.sweep:
+                async def sessions_step(k: int) -> tuple[Timed, dict[str, dict[str, Any]]]:
+                    timed, where, _ = await run_sessions(client, caps, opts, k, k * opts.repeat)
+                    return timed, where
+
+                await run_sweep(sessions_step, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), target=target_name,
+                                params={**params, "think_time": opts.think_time}, out=groups, say=say, unit="sessions")
             elif opts.mode == "sessions":
                 groups.append(await _run_sessions(client, caps, opts, target_name, params, th, tick))
             elif opts.mode == "concurrency" and opts.sweep:
                 def make(k: int) -> list[PreparedRequest]:
                     return [prepare(caps[i % len(caps)], opts) for i in range(k)]
 
-                await run_sweep(client, make, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), per_stream=opts.repeat,
-                                target=target_name, params=params, out=groups, say=say)
+                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target_name, params=params, out=groups, say=say)
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
@@ -300,20 +307,21 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
     return groups
 
 
-async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
-                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> dict[str, Any]:
-    """`opts.sessions` conversations at once, each its turns in order with the think time
-    between a response's end and the next turn; a worker takes the next conversation when
-    its last one ends. The capture's conversations are run `repeat` times, cycled to at
-    least `sessions`; each run of a conversation has its own nonce."""
+async def run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, at_once: int,
+                       runs: int, tick: Callable[[], None] | None = None
+                       ) -> tuple[Timed, dict[str, dict[str, Any]], dict[str, Any]]:
+    """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
+    conversations in order, cycled), each its turns in order with the think time between
+    a response's end and the next turn; a worker takes the next conversation when its last
+    one ends; each run has its own nonce. Returns the records, each record's `session`,
+    `turn` and `think_s`, and the `sessions` summary."""
     import asyncio
     import time
 
     convs = split_sessions(caps)
-    todo = [convs[i % len(convs)] for i in range(max(opts.sessions, len(convs) * opts.repeat))]
-    queue = list(enumerate(todo))[::-1]
+    queue = list(enumerate(convs[i % len(convs)] for i in range(runs)))[::-1]
     timed = Timed()
-    where: dict[str, tuple[int, int, float]] = {}
+    where: dict[str, dict[str, Any]] = {}
     session_s: list[float] = []
 
     async def worker() -> None:
@@ -329,17 +337,27 @@ async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest]
                 r = await client.send(prepare(c, opts, nonce))
                 timed.records.append(r)
                 timed.source_ids[r.id] = c.record.id
-                where[r.id] = (si, ti, think)
-                tick()
+                where[r.id] = {"session": si, "turn": ti, "think_s": think}
+                if tick:
+                    tick()
             session_s.append(time.perf_counter() - t0)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, opts.sessions))))
+    await asyncio.gather(*(worker() for _ in range(max(1, at_once))))
+    return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
+
+
+async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
+                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> dict[str, Any]:
+    """`opts.sessions` conversations at once; the capture's conversations run `repeat`
+    times, cycled to at least `sessions`."""
+    runs = max(opts.sessions, len(split_sessions(caps)) * opts.repeat)
+    timed, where, sess = await run_sessions(client, caps, opts, opts.sessions, runs, tick)
     summary = summarize_records(timed.records)
-    summary["sessions"] = {"count": len(todo), "conversations": len(convs), "session_s": summarize(session_s)}
+    summary["sessions"] = sess
     g = _group(f"sessions {opts.sessions}", target, f"sessions {opts.sessions}",
                {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary)
     for d in g["records"]:
-        d["session"], d["turn"], d["think_s"] = where[d["id"]]
+        d.update(where[d["id"]])
     return g
 
 

@@ -140,10 +140,11 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
-@click.option("--sessions", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--sessions", type=INT_LIST, default=None, metavar="N[,N,...]",
               help="Split the capture into conversations (same first user message, growing message list) and run N "
                    "at once, each its turns in order with the think time between them; one nonce per conversation "
-                   "run, so turns reuse the prompt cache as captured. Implies --mode sessions.")
+                   "run, so turns reuse the prompt cache as captured. Implies --mode sessions; several values (or "
+                   "--sweep) step the number of sessions.")
 @click.option("--think-time", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
               help="Seconds between a response's end and the conversation's next turn.  [default: as captured]")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
@@ -167,7 +168,7 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, sessions: int | None,
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, sessions: tuple[int, ...] | None,
            think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
@@ -187,24 +188,24 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     if target_name:
         name = target_name
     given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v]
-    if think_time is not None and not sessions:
+    if think_time is not None and not sessions and mode != "sessions":
         fail("--think-time applies to --sessions only")
     implied = given[0] if given else None
     if len(given) > 1:
         fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
-    sweep = sweep or len(concurrency or ()) > 1
+    sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1
     if sweep:
-        other = ("--batch" if batch else "--rate" if rate else "--sessions" if sessions else "--speed" if speed is not None
-                 else f"--mode {mode}" if mode not in (None, "concurrency") else None)
+        other = ("--batch" if batch else "--rate" if rate else "--speed" if speed is not None
+                 else f"--mode {mode}" if mode not in (None, "concurrency", "sessions") else None)
         if other:
-            fail(f"--sweep steps the concurrency of a closed loop; it cannot run with {other}")
-        implied = "concurrency"
+            fail(f"--sweep steps the concurrency of a closed loop or the number of --sessions; it cannot run with {other}")
+        implied = "sessions" if sessions or mode == "sessions" else "concurrency"
     mode = mode or implied or "recorded"
     if mode == "rate" and not rate:
         fail("--mode rate needs --rate R (requests per second)")
-    if mode == "sessions" and not sessions:
+    if mode == "sessions" and not sessions and not sweep:
         fail("--mode sessions needs --sessions N (conversations at once)")
     if speed is not None and mode != "recorded":
         fail(f"--speed only applies to --mode recorded, not {mode}")
@@ -226,10 +227,11 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
+    steps = (sessions if mode == "sessions" else concurrency) or ()
     opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
-                         sweep_steps=concurrency if sweep and concurrency else (), slo=slo, batch=(batch or (2,))[0],
+                         sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed, sessions=sessions or 1,
+                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed, sessions=(sessions or (1,))[0],
                          think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)

@@ -393,3 +393,22 @@ def test_replay_sessions_keep_turn_order_and_think_time(tmp_path: Path, think: f
             assert r["think_s"] == pytest.approx(want)
             assert want - 0.01 <= gap <= want + 0.25, (gap, want)
     assert "by turn:" in res.stdout and "whole session: p50" in res.stdout
+
+
+def test_the_sweep_steps_the_number_of_agent_sessions(tmp_path: Path) -> None:
+    cap = write_capture(tmp_path / "c.jsonl", _conversation_caps())
+    out = tmp_path / "s.json"
+    # serial: a turn of one session waits for the other session's turn (4 tokens at 10 tok/s = 0.4 s)
+    with ServerThread(create_sim("mlx-omni-server", decode_tps=10.0, prefill_tps=20000.0)) as sim:
+        res = cli("replay", str(cap), "--target", f"agents={sim.url}", "--sessions", "1,2", "--think-time", "0.05",
+                  "--repeat", "2", "--slo", "ttft_p95=200ms", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]
+    doc = orjson.loads(out.read_bytes())
+    cap_ = doc["capacity"]["agents"]
+    assert cap_["unit"] == "sessions" and cap_["max_concurrency"] == 1 and [s["concurrency"] for s in cap_["steps"]] == [1, 2]
+    assert "agents: meets the SLO up to 1 concurrent session; at 2, TTFT p95 is" in " ".join(res.stdout.split())
+    step2 = next(g for g in doc["groups"] if g["params"]["concurrency"] == 2)
+    assert step2["mode"] == "sessions 2" and len(step2["records"]) == 2 * 4  # four runs: A (3 turns), B (1), A, B
+    for s in {r["session"] for r in step2["records"]}:
+        turns = sorted((r for r in step2["records"] if r["session"] == s), key=lambda r: r["started_at"])
+        assert [r["turn"] for r in turns] == list(range(len(turns)))
