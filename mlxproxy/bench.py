@@ -25,7 +25,7 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import DEFAULT_SLO, closed_loop_step, parse_slo, run_sweep, schedule
+from mlxproxy.load import DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -57,7 +57,8 @@ class BenchOptions:
     rate: float | None = None  # an open-loop test at this many requests/s (after the others)
     arrival: str = "constant"
     seed: int = 0
-    requests: int = 50  # requests of the open-loop test
+    requests: int = 50  # requests of the open-loop test (of each step of a rate sweep)
+    rate_steps: tuple[float, ...] = ()  # a sweep of open-loop rates instead of the one --rate test
     sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
@@ -160,7 +161,7 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
         if opts.sweep and not opts.batches:
             waves = []  # a sweep replaces the batch waves unless they were asked for
-        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate else 0)
+        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate and not opts.rate_steps else 0)
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
@@ -191,7 +192,16 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                 await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
                                 opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
                                 params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
-            if opts.rate:
+            if opts.rate_steps:
+                def make_rate(n: int) -> list[PreparedRequest]:
+                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                            for _ in range(n)]
+
+                await run_sweep(open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed), opts.rate_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
+                                params={**params, "prompt_tokens": bsize, "arrival": opts.arrival, "seed": opts.seed},
+                                out=res.groups, say=say, unit=RATE_UNIT)
+            elif opts.rate:
                 reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
                         for _ in range(opts.requests)]
                 offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)

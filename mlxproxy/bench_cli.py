@@ -13,7 +13,7 @@ from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, Ta
                             headline_notes, smallest_single, verdict)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
 from mlxproxy.report import LEGEND, Section, legend_for
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -101,7 +101,7 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                                 "streams: requests started at the same instant (1 = alone, wall tok/s); decode tok/s:"
                                 " per stream (median); " + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
                                 + "."))
-    rate_groups = [g for r in results for g in r.groups if g["params"].get("rate")]
+    rate_groups = [g for r in results for g in r.groups if g["params"].get("rate") and not g["params"].get("sweep")]
     if rate_groups:
         from mlxproxy.load import generator_note
         from mlxproxy.report import SUMMARY_COLUMNS, summary_row
@@ -227,8 +227,9 @@ def plot_svg(results: list[TargetResult]) -> str:
               help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."))
 @click.option("--sweep", is_flag=True,
               help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."))
-@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
-              help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size."))
+@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
+              help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size "
+                                     "(several values: one per step, with the capacity in req/s)."))
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
@@ -253,7 +254,7 @@ def plot_svg(results: list[TargetResult]) -> str:
                                      "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
-          batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: float | None, arrival: str,
+          batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: tuple[float, ...] | None, arrival: str,
           seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
@@ -265,7 +266,8 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     sweep = sweep or bool(concurrency)
     sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
     opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
-                        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate,
+                        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate[0] if rate else None,
+                        rate_steps=rate if rate and len(rate) > 1 else (),
                         arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo)
     results: list[TargetResult] = []
     interrupted = False

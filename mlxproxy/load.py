@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
            "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts",
-           "closed_loop_step"]
+           "closed_loop_step", "open_loop_step", "capacity_value", "RATE_UNIT"]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -310,7 +310,9 @@ def step_figures(g: dict[str, Any]) -> dict[str, Any]:
         for k in r.get("anomalies", ()):
             anomalies[k] = anomalies.get(k, 0) + 1
     s = g["summary"]
-    return {"concurrency": g["params"]["concurrency"], "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
+    step = _step_value(g)
+    key = "rate" if g["params"].get("unit") == RATE_UNIT else "concurrency"
+    return {"step": step, key: step, "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
             "ttft_p50_s": p("ttft_s", 50), "ttft_p95_s": p("ttft_s", 95), "tpot_p50_s": p("tpot_s", 50),
             "tpot_p95_s": p("tpot_s", 95), "decode_tps_p50": p("decode_tps", 50), "aggregate_tps": s.get("aggregate_tps"),
             "anomalies": anomalies, "goodput": s["goodput"], "slo_met": s["slo"]["met"],
@@ -339,49 +341,66 @@ def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     targets = dict.fromkeys(g["target"] for g in groups if g["params"].get("sweep") and "slo" in g["summary"])
     for target in targets:
         gs = sorted((g for g in groups if g["target"] == target and g["params"].get("sweep") and "slo" in g["summary"]),
-                    key=lambda g: g["params"]["concurrency"])
+                    key=_step_value)
         steps = [step_figures(g) for g in gs]
         best, broke = 0, None
         for st in steps:
             if not st["slo_met"]:
                 broke = st
                 break
-            best = st["concurrency"]
+            best = st["step"]
         if broke is not None:
             limited = "errors" if broke["errors"] else "slo"
         else:
             limited = "throughput" if len(steps) > 1 and stop_reason(steps) == "throughput" else "steps"
-        cap = {"max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"], "limited_by": limited,
-               "unit": gs[0]["params"].get("unit", "streams"), "steps": steps}
+        unit = gs[0]["params"].get("unit", "streams")
+        cap = {"max_rate" if unit == RATE_UNIT else "max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"],
+               "limited_by": limited, "unit": unit, "steps": steps}
         if broke is not None:
-            cap["broken_at"] = broke["concurrency"]
+            cap["broken_at"] = broke["step"]
         out[target] = cap
     return out
 
 
-def _streams(n: int, unit: str = "streams") -> str:
-    return f"{n} concurrent {unit[:-1] if n == 1 else unit}"
+RATE_UNIT = "req/s"
+
+
+def _step_value(g: dict[str, Any]) -> float:
+    p = g["params"]
+    return p["step"] if "step" in p else p["concurrency"]
+
+
+def _streams(n: float, unit: str = "streams") -> str:
+    if unit == RATE_UNIT:
+        return f"{n:g} req/s"
+    return f"{n:g} concurrent {unit[:-1] if n == 1 else unit}"
+
+
+def capacity_value(cap: dict[str, Any]) -> float:
+    """The capacity figure: `max_concurrency` or, for a sweep of rates, `max_rate`."""
+    return cap["max_rate"] if "max_rate" in cap else cap["max_concurrency"]
 
 
 def capacity_line(target: str, cap: dict[str, Any]) -> str:
     """The one-line verdict: `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95 is 5.2 s (> 3 s)`."""
     steps, unit = cap["steps"], cap.get("unit", "streams")
-    broke = next((s for s in steps if s["concurrency"] == cap.get("broken_at")), None)
-    if broke is not None and cap["max_concurrency"] == 0:
-        return f"{target}: does not meet the SLO even at {_streams(broke['concurrency'], unit)}: {broke['problem']}"
+    broke = next((s for s in steps if s["step"] == cap.get("broken_at")), None)
+    at = (lambda v: f"{v:g} req/s") if unit == RATE_UNIT else (lambda v: f"{v:g}")  # noqa: E731
+    if broke is not None and capacity_value(cap) == 0:
+        return f"{target}: does not meet the SLO even at {_streams(broke['step'], unit)}: {broke['problem']}"
     if broke is not None:
-        return (f"{target}: meets the SLO up to {_streams(cap['max_concurrency'], unit)}; at {broke['concurrency']}, "
+        return (f"{target}: meets the SLO up to {_streams(capacity_value(cap), unit)}; at {at(broke['step'])}, "
                 f"{broke['problem']}")
     last = steps[-1]
-    line = f"{target}: meets the SLO at every step, up to {_streams(last['concurrency'], unit)}"
+    line = f"{target}: meets the SLO at every step, up to {_streams(last['step'], unit)}"
     if cap["limited_by"] == "throughput":
         best = max(steps, key=lambda s: s["aggregate_tps"] or 0.0)
-        line += (f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {best['concurrency']},"
-                 f" {last['aggregate_tps'] or 0.0:.0f} at {last['concurrency']})")
+        line += (f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {at(best['step'])},"
+                 f" {last['aggregate_tps'] or 0.0:.0f} at {at(last['step'])})")
     return line
 
 
-async def run_sweep(step: Callable[[int], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]], steps: Sequence[int],
+async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]], steps: Sequence[float],
                     slo: dict[str, float], *, target: str, params: dict[str, Any], out: list[dict[str, Any]],
                     say: Callable[[str], None] | None = None, unit: str = "streams") -> None:
     """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
@@ -405,10 +424,13 @@ async def run_sweep(step: Callable[[int], Awaitable[tuple[Any, dict[str, dict[st
             d["source_id"] = timed.source_ids.get(r.id)
             d.update(extra.get(r.id, {}))
             records.append(d)
-        label = "concurrency" if unit == "streams" else unit
-        g = {"name": f"sweep {conc}", "target": target, "mode": f"{label} {conc}",
-             "params": {**params, "concurrency": conc, "sweep": True, "auto": auto, "unit": unit},
-             "summary": summarize_records(timed.records), "records": records}
+        label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
+        key = "rate" if unit == RATE_UNIT else "concurrency"
+        g = {"name": f"sweep {conc:g}", "target": target, "mode": f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""),
+             "params": {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
+             "summary": summarize_records(timed.records, lag_s=timed.lag_s or None,
+                                          send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None),
+             "records": records}
         g["summary"].update(judge(g["records"], slo))
         out.append(g)
         done.append(step_figures(g))
@@ -422,6 +444,16 @@ async def run_sweep(step: Callable[[int], Awaitable[tuple[Any, dict[str, dict[st
             if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
                 break
             conc *= 2
+
+
+def open_loop_step(client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant",
+                   seed: int = 0) -> Callable[[float], Awaitable[Any]]:
+    """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate."""
+
+    async def step(rate: float) -> tuple[Any, dict[str, dict[str, Any]]]:
+        return await client.run_open_loop(make(n), arrival_offsets(n, rate, arrival, seed)), {}
+
+    return step
 
 
 def closed_loop_step(client: Any, make: Callable[[int], list[Any]], per_stream: int) -> Callable[[int], Awaitable[Any]]:
@@ -447,12 +479,14 @@ def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
     for target, cap in caps.items():
         steps = cap["steps"]
         for q in ("p50", "p95"):
-            ttft.append((f"{target} {q}", [(float(s["concurrency"]), s[f"ttft_{q}_s"]) for s in steps]))
-            tpot.append((f"{target} {q}", [(float(s["concurrency"]), None if s[f"tpot_{q}_s"] is None
+            ttft.append((f"{target} {q}", [(float(s["step"]), s[f"ttft_{q}_s"]) for s in steps]))
+            tpot.append((f"{target} {q}", [(float(s["step"]), None if s[f"tpot_{q}_s"] is None
                                             else s[f"tpot_{q}_s"] * 1000.0) for s in steps]))
-        agg.append((target, [(float(s["concurrency"]), s["aggregate_tps"]) for s in steps]))
+        agg.append((target, [(float(s["step"]), s["aggregate_tps"]) for s in steps]))
     slo = next(iter(caps.values()))["slo"]
-    xl = f"concurrent {next(iter(caps.values())).get('unit', 'streams')}"
+    unit = next(iter(caps.values())).get("unit", "streams")
+    xl = "requests/s sent (open loop)" if unit == RATE_UNIT else f"concurrent {unit}"
+    by = "rate" if unit == RATE_UNIT else "concurrency"
 
     def lines(metric: str, scale: float) -> list[tuple[str, float]]:
         out = []
@@ -463,10 +497,10 @@ def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
         return out
 
     return [
-        Chart("TTFT by concurrency (p50, p95)", xl, "seconds", ttft, integer_x=True,
+        Chart(f"TTFT by {by} (p50, p95)", xl, "seconds", ttft, integer_x=unit != RATE_UNIT,
               hlines=lines("ttft", 1.0), note="dashed: the SLO's thresholds"),
-        Chart("TPOT by concurrency (p50, p95)", xl, "milliseconds per token", tpot, integer_x=True,
+        Chart(f"TPOT by {by} (p50, p95)", xl, "milliseconds per token", tpot, integer_x=unit != RATE_UNIT,
               hlines=lines("tpot|itl", 1000.0)),
-        Chart("Aggregate tokens/s by concurrency", xl, "tokens/s (all streams)", agg, integer_x=True,
+        Chart(f"Aggregate tokens/s by {by}", xl, "tokens/s (all streams)", agg, integer_x=unit != RATE_UNIT,
               note="flat or falling: the server is saturated"),
     ]

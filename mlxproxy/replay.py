@@ -28,7 +28,7 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
-from mlxproxy.load import DEFAULT_SLO, closed_loop_step, parse_slo, run_sweep, schedule
+from mlxproxy.load import DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, run_sweep, schedule
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
@@ -269,6 +269,10 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "rate" and opts.sweep:
+                await run_sweep(open_loop_step(client, lambda k: fresh()[:k], n, opts.arrival, opts.seed),
+                                opts.sweep_steps or (opts.rate or 1.0,), opts.slo or parse_slo(DEFAULT_SLO),
+                                target=target_name, params=params, out=groups, say=say, unit=RATE_UNIT)
             elif opts.mode == "sessions" and opts.sweep:
                 async def sessions_step(k: int) -> tuple[Timed, dict[str, dict[str, Any]]]:
                     timed, where, _ = await run_sessions(client, caps, opts, k, k * opts.repeat)

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -135,8 +135,9 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
               help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through "
                                        "the capture."))
 @click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
-@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="R",
-              help=help_for("--rate", "The captured requests in order, --repeat times. Implies --mode rate."))
+@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
+              help=help_for("--rate", "The captured requests in order, --repeat times (each step of a sweep). "
+                                     "Implies --mode rate."))
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
@@ -168,7 +169,7 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: float | None, arrival: str, seed: int, sessions: tuple[int, ...] | None,
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: tuple[float, ...] | None, arrival: str, seed: int, sessions: tuple[int, ...] | None,
            think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
@@ -195,13 +196,13 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
-    sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1
+    sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1 or len(rate or ()) > 1
     if sweep:
-        other = ("--batch" if batch else "--rate" if rate else "--speed" if speed is not None
-                 else f"--mode {mode}" if mode not in (None, "concurrency", "sessions") else None)
+        other = ("--batch" if batch else "--speed" if speed is not None
+                 else f"--mode {mode}" if mode not in (None, "concurrency", "sessions", "rate") else None)
         if other:
-            fail(f"--sweep steps the concurrency of a closed loop or the number of --sessions; it cannot run with {other}")
-        implied = "sessions" if sessions or mode == "sessions" else "concurrency"
+            fail(f"--sweep steps the concurrency, the number of --sessions or the --rate; it cannot run with {other}")
+        implied = "sessions" if sessions or mode == "sessions" else "rate" if rate or mode == "rate" else "concurrency"
     mode = mode or implied or "recorded"
     if mode == "rate" and not rate:
         fail("--mode rate needs --rate R (requests per second)")
@@ -227,11 +228,11 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
-    steps = (sessions if mode == "sessions" else concurrency) or ()
+    steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
     opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
                          sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters), rate=rate, arrival=arrival, seed=seed, sessions=(sessions or (1,))[0],
+                         filters=parse_filters(filters), rate=rate[0] if rate else None, arrival=arrival, seed=seed, sessions=(sessions or (1,))[0],
                          think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)

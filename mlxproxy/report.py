@@ -342,7 +342,8 @@ def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
     for target, cap in caps.items():
         for st in cap["steps"]:
             gp = st["goodput"]
-            rows.append({"target": target, "at once": f"{st['concurrency']} {cap.get('unit', 'streams')[:4]}.",
+            unit = cap.get("unit", "streams")
+            rows.append({"target": target, "step": f"{st['step']:g} " + (unit if unit == "req/s" else unit[:4] + "."),
                          "ok/req": f"{st['ok']}/{st['requests']}",
                          "TTFT p50": _sec(st["ttft_p50_s"]), "TTFT p95": _sec(st["ttft_p95_s"]),
                          "TPOT p50": _ms(st["tpot_p50_s"]), "TPOT p95": _ms(st["tpot_p95_s"]),
@@ -350,11 +351,12 @@ def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
                          "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
                          "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
                          "SLO": "held" if st["slo_met"] else "broken"})
-    legend = ("at once: streams (requests in flight, closed loop) or agent sessions (conversations) at once; " + "; ".join(
+    legend = ("step: streams (requests in flight, closed loop), agent sessions at once, or requests/s sent (open loop); "
+              + "; ".join(
         LEGEND[k] for k in ("ok/req", "TTFT p50", "decode tok/s", "agg tok/s")) +
         "; TPOT p95 / TTFT p95: 95th percentile; goodput: share of requests that met every threshold.")
-    return [Section("Sweep (a closed loop at each step):", rows, None, legend),
-            Section("Capacity (largest concurrency at which every step met the SLO):", [], None, "",
+    return [Section("Sweep (one load test per step):", rows, None, legend),
+            Section("Capacity (the largest step up to which every step met the SLO):", [], None, "",
                     [capacity_line(t, c) for t, c in caps.items()])]
 
 

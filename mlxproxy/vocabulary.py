@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 __all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
-           "FAIL_ON"]
+           "FAIL_ON", "FLOAT_LIST"]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
 MEANINGS: dict[str, str] = {
@@ -33,7 +33,8 @@ MEANINGS: dict[str, str] = {
     "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
                "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
                "the --slo.",
-    "--rate": "Open loop: send R requests per second whatever the server does (arrivals spaced by --arrival).",
+    "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
+              "--arrival); several values are the steps of a sweep.",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
                  "1/R, from --seed).",
     "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
@@ -142,6 +143,24 @@ def _fail_on(text: str) -> Any:
 
 SLO = _Parsed("slo", _slo)
 FAIL_ON = _Parsed("fail_on", _fail_on)
+class _FloatList(click.ParamType):
+    """R or R,R,... -> tuple of floats > 0."""
+
+    name = "float_list"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[float, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            items = tuple(float(x) for x in str(value).split(",") if x.strip())
+        except ValueError:
+            self.fail(f"{value!r}: give comma-separated numbers, e.g. 1,2,4", param, ctx)
+        if not items or any(not (i > 0 and i < float("inf")) for i in items):
+            self.fail(f"{value!r}: give at least one number, each more than 0", param, ctx)
+        return items
+
+
+FLOAT_LIST = _FloatList()
 SECONDS = _Seconds()
 INT_LIST = _IntList(1)
 BATCH_SIZES = _IntList(2)

@@ -412,3 +412,17 @@ def test_the_sweep_steps_the_number_of_agent_sessions(tmp_path: Path) -> None:
     for s in {r["session"] for r in step2["records"]}:
         turns = sorted((r for r in step2["records"] if r["session"] == s), key=lambda r: r["started_at"])
         assert [r["turn"] for r in turns] == list(range(len(turns)))
+
+
+def test_a_sweep_of_rates_gives_the_capacity_in_requests_per_second(tmp_path: Path) -> None:
+    out = tmp_path / "rate.json"
+    # 4 slots, each answer 40 tokens at 50 tok/s = 0.8 s simulated, 0.2 s wall at speed 4: constant arrivals at
+    # 16/s keep at most 4 in flight; at 40/s the queue grows and TTFT with it
+    with ServerThread(create_sim("healthy", speed=4, max_batch_streams=4, batch_penalty=0.0, prefill_tps=20000.0)) as sim:
+        res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "40",
+                  "--rate", "8,16,40", "--requests", "16", "--slo", "ttft_p95=60ms", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap = orjson.loads(out.read_bytes())["capacity"]["s"]
+    assert cap["unit"] == "req/s" and cap["max_rate"] == 16 and "max_concurrency" not in cap and cap["limited_by"] == "slo"
+    assert [st["rate"] for st in cap["steps"]] == [8, 16, 40] and all(st["requests"] == 16 for st in cap["steps"])
+    assert "s: meets the SLO up to 16 req/s; at 40 req/s, TTFT p95 is" in " ".join(res.stdout.split())
