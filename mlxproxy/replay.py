@@ -166,6 +166,43 @@ def captured_think_s(prev: CapturedRequest, c: CapturedRequest) -> float:
     return max(0.0, c.offset_s - (prev.offset_s + (prev.record.duration_s or 0.0)))
 
 
+BUILTIN_AGENT = "builtin:agent"
+
+
+def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: int = 256) -> list[CapturedRequest]:
+    """A small made-up coding-agent conversation, for `replay builtin:agent` when there is no
+    capture: a ~1,500-token system prompt with tool definitions, a task, then turns that each
+    add the assistant's tool call and the tool's result (~800 tokens of file or test output),
+    so the prompt grows as an agent's does; `think_s` between a response's end and the next
+    turn stands for the tool running. Each turn is recorded as lasting 4 s. Deterministic."""
+    from mlxproxy.core.record import Record
+
+    tools = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}}
+        for name, desc in (("read_file", "Read a file of the repository."), ("run_tests", "Run the test suite."),
+                           ("edit_file", "Replace a range of lines in a file."))]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent working in a Python repository. " + filler_text(6000)},
+        {"role": "user", "content": "The test tests/test_parser.py::test_nested fails; find out why and fix it."}]
+    out: list[CapturedRequest] = []
+    offset = 0.0
+    for i in range(turns):
+        body = {"model": "default_model", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [dict(m) for m in messages], "tools": tools}
+        rec = Record(id=f"agent-turn-{i + 1}", started_at=offset, upstream="synthetic", model="default_model",
+                     endpoint="chat_completions", stream=True, status=200, outcome="ok", method="POST",
+                     path="/v1/chat/completions", duration_s=4.0)
+        out.append(CapturedRequest(record=rec, method="POST", path="/v1/chat/completions", offset_s=offset, request=body,
+                                   request_bytes=None, raw={}))
+        tool = ("read_file", "run_tests", "edit_file")[i % 3]
+        call_id = f"call_{i + 1}"
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": tool, "arguments": f'{{"arg": "step {i + 1}"}}'}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": filler_text(3200)})
+        offset += 4.0 + think_s
+    return out
+
+
 class Progress:
     """A one-line progress counter on stderr (only when stderr is a terminal)."""
 

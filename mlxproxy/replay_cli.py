@@ -175,6 +175,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
            plot_path: str | None, compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
+    CAPTURE may be builtin:agent, a small synthetic coding-agent conversation.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
     on streams, --model, the nonce (--no-nonce to send the captured prompts), and
@@ -183,7 +184,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     import asyncio
 
     from mlxproxy.capture import read_capture
-    from mlxproxy.replay import ReplayOptions, run_replay, select, served_from_cache
+    from mlxproxy.replay import (BUILTIN_AGENT, ReplayOptions, run_replay, select, served_from_cache,
+                                 synthetic_agent_session)
 
     name, target_url = parse_target(target_spec)
     if target_name:
@@ -218,8 +220,9 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     skipped: list[str] = []
     try:
-        caps = read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
-                            skip_bad=skip_bad_lines, skipped=skipped)
+        caps = (synthetic_agent_session() if capture == BUILTIN_AGENT else
+                read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
+                             skip_bad=skip_bad_lines, skipped=skipped))
     except MlxproxyError as exc:
         hint = "" if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc) else " (--skip-bad-lines skips such lines)"
         fail(f"{exc}{hint}")

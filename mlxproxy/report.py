@@ -424,7 +424,7 @@ CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint",
               "ttft_s", "ttfc_s", "e2e_s", "tpot_s", "decode_tps", "wall_tps", "prefill_tps", "prompt_tokens",
               "cached_tokens", "completion_tokens", "tokens_source", "completion_tokens_reported", "completion_tokens_counted",
               "completion_tokens_tokenizer", "reasoning_tokens_counted",
-              "usage_reports", "finish_reason", "concurrency", "anomalies", "error")
+              "usage_reports", "finish_reason", "concurrency", "anomalies", "error", "session", "turn", "think_s")
 
 
 def write_csv(path: str | Path, groups: list[dict[str, Any]]) -> None:

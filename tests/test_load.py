@@ -426,3 +426,25 @@ def test_a_sweep_of_rates_gives_the_capacity_in_requests_per_second(tmp_path: Pa
     assert cap["unit"] == "req/s" and cap["max_rate"] == 16 and "max_concurrency" not in cap and cap["limited_by"] == "slo"
     assert [st["rate"] for st in cap["steps"]] == [8, 16, 40] and all(st["requests"] == 16 for st in cap["steps"])
     assert "s: meets the SLO up to 16 req/s; at 40 req/s, TTFT p95 is" in " ".join(res.stdout.split())
+
+
+def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: Path) -> None:
+    from mlxproxy.replay import split_sessions, synthetic_agent_session
+
+    caps = synthetic_agent_session(turns=4)
+    (conv,) = split_sessions(caps)  # one conversation of four turns
+    sizes = [len(orjson.dumps(c.request)) for c in conv]
+    assert len(conv) == 4 and sizes == sorted(sizes) and sizes[-1] > sizes[0] + 3 * 3000
+    last = conv[-1].request["messages"]
+    assert [m["role"] for m in last[2:]] == ["assistant", "tool"] * 3 and last[2]["tool_calls"][0]["type"] == "function"
+    with ServerThread(create_sim("healthy", speed=50)) as sim:
+        res = cli("replay", "builtin:agent", "--target", f"s={sim.url}", "--sessions", "2", "--think-time", "0",
+                  "--csv", str(tmp_path / "a.csv"))
+    assert res.returncode == 0, res.stderr[-1500:]
+    import csv
+
+    with open(tmp_path / "a.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and sorted({r["turn"] for r in rows}) == [str(i) for i in range(6)]
+    prompt = {int(r["turn"]): int(r["prompt_tokens"]) for r in rows}
+    assert all(prompt[i + 1] > prompt[i] for i in range(5))  # the prompt grows turn by turn
