@@ -264,6 +264,9 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     tlist = parse_targets(targets, timeouts, api_key_env)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
     sweep = sweep or bool(concurrency)
+    if sweep and rate and len(rate) > 1:
+        fail("--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
+             "per run; give one")
     sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
     opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
                         batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate[0] if rate else None,

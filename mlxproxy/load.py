@@ -287,10 +287,11 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[dict[str, Any]]) -> lis
 
 # -- sweeps and the capacity verdict ---------------------------------------------------------
 #
-# A sweep runs closed-loop steps of growing concurrency (given, or doubling from 1) with the
-# same requests. Doubling stops at saturation: the step broke the SLO, or had failed
-# requests, or its aggregate tok/s rose less than `RISE` over the best earlier step. The
-# capacity is the largest concurrency up to which every step met the SLO.
+# A sweep runs steps of growing load with the same requests: closed-loop streams or agent
+# sessions at once (given, or doubling from 1), or open-loop rates (given). Doubling stops at
+# saturation: the step broke the SLO, or had failed requests, or its aggregate tok/s rose less
+# than `RISE` over the best earlier step. The capacity is the largest step up to which every
+# step met the SLO. One sweep per target and run.
 
 MAX_AUTO_CONCURRENCY = 256
 RISE = 1.05  # aggregate tok/s must grow at least 5 % per doubling, else the server is saturated

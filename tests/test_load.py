@@ -134,6 +134,10 @@ def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
     assert res.returncode == 2 and "two different tests" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = cli("replay", str(tmp_path / "none.jsonl"), "--target", "http://127.0.0.1:9", "--mode", "rate")
     assert res.returncode == 2 and "--mode rate needs --rate" in res.stderr
+    res = cli("bench", "--target", "http://127.0.0.1:9", "--sweep", "--rate", "1,2")
+    assert res.returncode == 2 and "one sweep per run" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = cli("replay", str(tmp_path / "none.jsonl"), "--target", "http://127.0.0.1:9", "--sweep", "--batch", "2")
+    assert res.returncode == 2 and "--sweep steps" in res.stderr
 
 
 # -- SLOs, goodput, --fail-on ------------------------------------------------------------------
