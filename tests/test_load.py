@@ -262,7 +262,7 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     with ServerThread(create_sim("healthy", **knobs)) as sim:
         res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "3", "--max-tokens", "40",
                   "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=250ms,tpot_p95=100ms", "--json", str(out),
-                  "--plot", str(tmp_path / "sweep.svg"))
+                  "--plot", str(tmp_path / "sweep.svg"), "--html", str(tmp_path / "sweep.html"))
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
@@ -281,6 +281,9 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     assert aggs[3] > 3.5 * aggs[0] and aggs[4] < 1.05 * aggs[3]
     again = cli("report", str(out))
     assert again.returncode == 0 and "meets the SLO up to 4 concurrent streams" in again.stdout
+    html = (tmp_path / "sweep.html").read_text()
+    assert '<section id="capacity">' in html and "meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in html
+    assert "TTFT by concurrency (p50, p95)" in html
     svg = (tmp_path / "sweep.svg").read_text()
     for text in ("TTFT by concurrency (p50, p95)", "TPOT by concurrency (p50, p95)", "Aggregate tokens/s by concurrency",
                  "SLO TTFT p95 250 ms", "SLO TPOT p95 100 ms", ">s p95<"):
