@@ -25,7 +25,8 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, run_sweep, schedule
+from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
+                           run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -59,6 +60,7 @@ class BenchOptions:
     seed: int = 0
     requests: int = 50  # requests of the open-loop test (of each step of a rate sweep)
     rate_steps: tuple[float, ...] = ()  # a sweep of open-loop rates instead of the one --rate test
+    ramp_s: float = 0.0  # an unmeasured ramp up to the rate before each open-loop test
     sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
@@ -197,18 +199,24 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                     return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
                             for _ in range(n)]
 
-                await run_sweep(open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed), opts.rate_steps,
+                await run_sweep(open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed, opts.ramp_s),
+                                opts.rate_steps,
                                 opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
-                                params={**params, "prompt_tokens": bsize, "arrival": opts.arrival, "seed": opts.seed},
+                                params={**params, "prompt_tokens": bsize, "arrival": opts.arrival, "seed": opts.seed,
+                                        "ramp_s": opts.ramp_s},
                                 out=res.groups, say=say, unit=RATE_UNIT)
             elif opts.rate:
                 reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
                         for _ in range(opts.requests)]
                 offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)
-                timed = await client.run_open_loop(reqs, offsets, tick)
+                ramp = ramp_offsets(opts.rate, opts.ramp_s, opts.arrival, opts.seed)
+                ramp_reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "ramp")
+                             for _ in ramp]
+                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
                 summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
                 name = f"{opts.arrival} {opts.rate:g}/s"
-                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, **sched}, timed, summ))
+                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, **sched,
+                                                                   "ramp_s": opts.ramp_s}, timed, summ))
         except asyncio.CancelledError:
             if not res.groups:
                 _single_groups(res, single, sizes, params, th)

@@ -232,6 +232,8 @@ def plot_svg(results: list[TargetResult]) -> str:
                                      "(several values: one per step, with the capacity in req/s)."))
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
+@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
+              help=help_for("--ramp"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
 @click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
               help="Requests of the open-loop (--rate) test.")
@@ -255,7 +257,7 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
           batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: tuple[float, ...] | None, arrival: str,
-          seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
+          ramp_s: float, seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
           html_path: str | None) -> None:
@@ -264,13 +266,15 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     tlist = parse_targets(targets, timeouts, api_key_env)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
     sweep = sweep or bool(concurrency)
+    if ramp_s and not rate:
+        fail("--ramp applies to --rate only")
     if sweep and rate and len(rate) > 1:
         fail("--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
              "per run; give one")
     sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
     opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
                         batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate[0] if rate else None,
-                        rate_steps=rate if rate and len(rate) > 1 else (),
+                        rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
                         arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo)
     results: list[TargetResult] = []
     interrupted = False

@@ -20,7 +20,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-__all__ = ["ARRIVALS", "arrival_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
+__all__ = ["ARRIVALS", "arrival_offsets", "ramp_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
            "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts",
            "closed_loop_step", "open_loop_step", "capacity_value", "RATE_UNIT"]
@@ -45,6 +45,25 @@ def arrival_offsets(n: int, rate: float, arrival: str = "constant", seed: int = 
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def ramp_offsets(rate: float, ramp_s: float, arrival: str = "constant", seed: int = 0) -> list[float]:
+    """Due times of a ramp: the arrival rate rising linearly from 0 to `rate` over `ramp_s`
+    seconds (about rate * ramp_s / 2 requests). Arrivals are those of a unit-rate schedule
+    (evenly spaced, or Poisson from `seed`) mapped through the inverse of the ramp's
+    cumulative rate, Lambda(t) = rate * t**2 / (2 * ramp_s)."""
+    if not ramp_s > 0:
+        return []
+    total = rate * ramp_s / 2.0
+    if arrival == "constant":
+        units = [float(i) for i in range(int(total))]
+    else:
+        rng = random.Random(seed + 1)  # not the measured schedule's draws
+        units, s = [], rng.expovariate(1.0)
+        while s < total:
+            units.append(s)
+            s += rng.expovariate(1.0)
+    return [math.sqrt(2.0 * ramp_s * u / rate) for u in units]
 
 
 def schedule(n: int, rate: float, arrival: str = "constant", seed: int = 0) -> tuple[list[float], dict[str, Any]]:
@@ -448,11 +467,14 @@ async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[st
 
 
 def open_loop_step(client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant",
-                   seed: int = 0) -> Callable[[float], Awaitable[Any]]:
-    """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate."""
+                   seed: int = 0, ramp_s: float = 0.0) -> Callable[[float], Awaitable[Any]]:
+    """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate
+    (after an unmeasured ramp of `ramp_s` seconds up to it)."""
 
     async def step(rate: float) -> tuple[Any, dict[str, dict[str, Any]]]:
-        return await client.run_open_loop(make(n), arrival_offsets(n, rate, arrival, seed)), {}
+        ramp = ramp_offsets(rate, ramp_s, arrival, seed)
+        return await client.run_open_loop(make(n), arrival_offsets(n, rate, arrival, seed),
+                                          ramp=(make(len(ramp)), ramp, ramp_s) if ramp else None), {}
 
     return step
 

@@ -28,7 +28,8 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import inject_include_usage
 from mlxproxy.core.record import Record
-from mlxproxy.load import DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, run_sweep, schedule
+from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
+                           run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
@@ -60,6 +61,7 @@ class ReplayOptions:
     rate: float | None = None  # rate mode: requests/s (open loop)
     arrival: str = "constant"  # rate mode: constant | poisson
     seed: int = 0  # rate mode: the Poisson schedule's seed
+    ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
     sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
     sweep_steps: tuple[int, ...] = ()
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
@@ -280,7 +282,7 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
     offsets: list[float] = []
     if opts.mode == "rate":
         offsets, sched = schedule(n, opts.rate or 1.0, opts.arrival, opts.seed)
-        params.update(sched)
+        params.update(sched, ramp_s=opts.ramp_s)
     mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
             "concurrency": f"concurrency {opts.concurrency}", "batch": "batch",
             "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
@@ -299,7 +301,9 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                                       th, by_id, compare))
             elif opts.mode == "rate":
                 reqs = fresh()
-                timed = await client.run_open_loop(reqs, offsets, tick)
+                ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
+                ramp_reqs = [prepare(caps[i % len(caps)], opts) for i in range(len(ramp))]
+                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
                 summary = summarize_records(timed.records, lag_s=timed.lag_s,
                                             send_times=[r.t_start_mono for r in timed.records])
                 groups.append(_finish(mode, target_name, params, timed, summary, th, by_id, compare))
@@ -307,7 +311,10 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
             elif opts.mode == "rate" and opts.sweep:
-                await run_sweep(open_loop_step(client, lambda k: fresh()[:k], n, opts.arrival, opts.seed),
+                def cycle(k: int) -> list[PreparedRequest]:
+                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
+
+                await run_sweep(open_loop_step(client, cycle, n, opts.arrival, opts.seed, opts.ramp_s),
                                 opts.sweep_steps or (opts.rate or 1.0,), opts.slo or parse_slo(DEFAULT_SLO),
                                 target=target_name, params=params, out=groups, say=say, unit=RATE_UNIT)
             elif opts.mode == "sessions" and opts.sweep:

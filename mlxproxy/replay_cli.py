@@ -140,6 +140,8 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
                                      "Implies --mode rate."))
 @click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
               help=help_for("--arrival"))
+@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
+              help=help_for("--ramp"))
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
 @click.option("--sessions", type=INT_LIST, default=None, metavar="N[,N,...]",
               help="Split the capture into conversations (same first user message, growing message list) and run N "
@@ -169,7 +171,7 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: tuple[float, ...] | None, arrival: str, seed: int, sessions: tuple[int, ...] | None,
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: tuple[float, ...] | None, arrival: str, ramp_s: float, seed: int, sessions: tuple[int, ...] | None,
            think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
@@ -206,6 +208,8 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
             fail(f"--sweep steps the concurrency, the number of --sessions or the --rate; it cannot run with {other}")
         implied = "sessions" if sessions or mode == "sessions" else "rate" if rate or mode == "rate" else "concurrency"
     mode = mode or implied or "recorded"
+    if ramp_s and not rate:
+        fail("--ramp applies to --rate only")
     if mode == "rate" and not rate:
         fail("--mode rate needs --rate R (requests per second)")
     if mode == "sessions" and not sessions and not sweep:
@@ -235,7 +239,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
                          sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters), rate=rate[0] if rate else None, arrival=arrival, seed=seed, sessions=(sessions or (1,))[0],
+                         filters=parse_filters(filters), rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0],
                          think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)

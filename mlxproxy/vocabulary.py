@@ -37,6 +37,8 @@ MEANINGS: dict[str, str] = {
               "--arrival); several values are the steps of a sweep.",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
                  "1/R, from --seed).",
+    "--ramp": "SECONDS: before each --rate test, raise the rate linearly from 0 to R over this long; those "
+              "requests are sent but not measured.",
     "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
     "--slo": "KEY=VALUE,...: latency targets a test must meet, e.g. ttft_p95=3s,tpot_p50=60ms (keys ttft, tpot, "
              "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "

@@ -455,3 +455,34 @@ def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: P
     assert len(rows) == 12 and sorted({r["turn"] for r in rows}) == [str(i) for i in range(6)]
     prompt = {int(r["turn"]): int(r["prompt_tokens"]) for r in rows}
     assert all(prompt[i + 1] > prompt[i] for i in range(5))  # the prompt grows turn by turn
+
+
+def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
+    from mlxproxy.load import ramp_offsets
+
+    ramp = ramp_offsets(20.0, 2.0)  # 20/s reached after 2 s: 20 requests, due at sqrt(i / 5)
+    assert len(ramp) == 20 and ramp[-1] < 2.0 and ramp[5] == pytest.approx(1.0)
+    first_half = sum(1 for t in ramp if t < 1.0)
+    assert first_half == 5  # a quarter of the ramp's requests in its first half: the rate rose linearly
+    poisson = ramp_offsets(200.0, 2.0, "poisson", seed=4)
+    assert 160 <= len(poisson) <= 240 and sum(1 for t in poisson if t < 1.0) < 0.4 * len(poisson)
+    assert ramp_offsets(20.0, 0.0) == []
+    cap = write_capture(tmp_path / "c.jsonl", _caps(2))
+    out = tmp_path / "r.json"
+    served = []
+
+    async def counting(scope, receive, send):  # noqa: ANN001 - an ASGI app counting completions requests
+        await app(scope, receive, send)
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            served.append(1)
+
+    app = create_sim("healthy", speed=50)
+    with ServerThread(counting) as sim:
+        res = cli("replay", str(cap), "--target", sim.url, "--rate", "20", "--ramp", "1", "--repeat", "5",
+                  "--json", str(out))
+    assert res.returncode == 0, res.stderr[-1500:]
+    (g,) = orjson.loads(out.read_bytes())["groups"]
+    assert g["summary"]["requests"] == 10 and g["params"]["ramp_s"] == 1.0  # the ramp's 10 requests are not in it
+    assert len(served) == 20  # ... but they were sent
+    res = cli("replay", str(cap), "--target", sim.url, "--ramp", "1")
+    assert res.returncode == 2 and "--ramp applies to --rate only" in res.stderr
