@@ -486,3 +486,28 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
     assert len(served) == 20  # ... but they were sent
     res = cli("replay", str(cap), "--target", sim.url, "--ramp", "1")
     assert res.returncode == 2 and "--ramp applies to --rate only" in res.stderr
+
+
+def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
+    """On a simulator with a prompt cache, each replayed conversation starts cold (its own nonce)
+    and every later turn reuses the cache of the turn before it, as an agent's turns do."""
+    from mlxproxy.sim.profiles import knob_names
+
+    if "prompt_cache" not in knob_names():
+        pytest.skip("this simulator has no prompt cache knob (it comes with the simulator's prompt-cache work)")
+    from mlxproxy.replay import synthetic_agent_session
+
+    caps = synthetic_agent_session(turns=4)
+    with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:
+        (g,) = asyncio.run(run_replay(caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0),
+                                      progress=False))
+    runs: dict[int, list[dict]] = {}
+    for r in g["records"]:
+        runs.setdefault(r["session"], []).append(r)
+    assert len(runs) == 2
+    for recs in runs.values():
+        recs.sort(key=lambda r: r["turn"])
+        # a new run of the conversation: nothing of it cached but the marker's own "[nonce " (~2 tokens)
+        assert (recs[0]["cached_tokens"] or 0) <= 2 < recs[0]["prompt_tokens"] // 100
+        for prev, r in zip(recs, recs[1:]):
+            assert r["cached_tokens"] >= prev["prompt_tokens"] - 2, (prev["prompt_tokens"], r["cached_tokens"])
