@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,8 @@ import orjson
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
+from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
+                           run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
@@ -53,6 +55,15 @@ class BenchOptions:
     batches: tuple[int, ...] = ()  # wave sizes released together; default (batch, *concurrency)
     model: str | None = None
     nonce: bool = True
+    rate: float | None = None  # an open-loop test at this many requests/s (after the others)
+    arrival: str = "constant"
+    seed: int = 0
+    requests: int = 50  # requests of the open-loop test (of each step of a rate sweep)
+    rate_steps: tuple[float, ...] = ()  # a sweep of open-loop rates instead of the one --rate test
+    ramp_s: float = 0.0  # an unmeasured ramp up to the rate before each open-loop test
+    sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
+    sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
 
 
 @dataclass
@@ -128,7 +139,7 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
 
 
 async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None,
-                    res: TargetResult | None = None) -> TargetResult:
+                    res: TargetResult | None = None, say: Callable[[str], None] | None = None) -> TargetResult:
     """Benchmark one target into `res` (a new one unless given). When cancelled (Ctrl-C),
     the requests finished so far are in `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
@@ -150,7 +161,9 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         if bsize not in sizes:
             sizes.append(bsize)
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
-        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves)
+        if opts.sweep and not opts.batches:
+            waves = []  # a sweep replaces the batch waves unless they were asked for
+        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate and not opts.rate_steps else 0)
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
@@ -173,6 +186,37 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                 summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=base_wall)
                 name = "double" if n == 2 and i == 0 else f"x{n}"
                 res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+            if opts.sweep:
+                def make(n: int) -> list[PreparedRequest]:
+                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep")
+                            for _ in range(n)]
+
+                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
+                                params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
+            if opts.rate_steps:
+                def make_rate(n: int) -> list[PreparedRequest]:
+                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                            for _ in range(n)]
+
+                await run_sweep(open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed, opts.ramp_s),
+                                opts.rate_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
+                                params={**params, "prompt_tokens": bsize, "arrival": opts.arrival, "seed": opts.seed,
+                                        "ramp_s": opts.ramp_s},
+                                out=res.groups, say=say, unit=RATE_UNIT)
+            elif opts.rate:
+                reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                        for _ in range(opts.requests)]
+                offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)
+                ramp = ramp_offsets(opts.rate, opts.ramp_s, opts.arrival, opts.seed)
+                ramp_reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "ramp")
+                             for _ in ramp]
+                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
+                summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+                name = f"{opts.arrival} {opts.rate:g}/s"
+                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, **sched,
+                                                                   "ramp_s": opts.ramp_s}, timed, summ))
         except asyncio.CancelledError:
             if not res.groups:
                 _single_groups(res, single, sizes, params, th)
@@ -252,7 +296,8 @@ def verdict(res: TargetResult) -> str:
 
 async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thresholds | None = None,
                         progress: bool | None = None, parallel: bool = False,
-                        out: list[TargetResult] | None = None) -> list[TargetResult]:
+                        out: list[TargetResult] | None = None,
+                        say: Callable[[str], None] | None = None) -> list[TargetResult]:
     """Benchmark each target (one after another unless `parallel`, which is only fair
     when the targets do not share hardware, e.g. simulators). Results are appended to
     `out` (when given) as each target starts, so a cancelled run keeps what it measured."""
@@ -260,11 +305,11 @@ async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thres
     results = out if out is not None else []
     if parallel:
         results.extend(TargetResult(t) for t in targets)
-        await asyncio.gather(*(bench_one(t, opts, th, progress, res) for t, res in zip(targets, results)))
+        await asyncio.gather(*(bench_one(t, opts, th, progress, res, say) for t, res in zip(targets, results)))
         return results
     for t in targets:
         results.append(TargetResult(t))
-        await bench_one(t, opts, th, progress, results[-1])
+        await bench_one(t, opts, th, progress, results[-1], say)
     return results
 
 

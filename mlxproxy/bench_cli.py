@@ -11,9 +11,9 @@ import click
 
 from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
                             headline_notes, smallest_single, verdict)
-from mlxproxy.replay_cli import all_failed_reason, check_writable, env_key, fail, parse_target
+from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
 from mlxproxy.report import LEGEND, Section, legend_for
-from mlxproxy.vocabulary import BATCH_SIZES, INT_LIST, SECONDS, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -101,6 +101,22 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                                 "streams: requests started at the same instant (1 = alone, wall tok/s); decode tok/s:"
                                 " per stream (median); " + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
                                 + "."))
+    rate_groups = [g for r in results for g in r.groups if g["params"].get("rate") and not g["params"].get("sweep")]
+    if rate_groups:
+        from mlxproxy.load import generator_note
+        from mlxproxy.report import SUMMARY_COLUMNS, summary_row
+
+        cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
+        lines = [generator_note(f"{g['target']} {g['mode']}", g["summary"], g["params"]) for g in rate_groups]
+        sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
+                                [summary_row(g["target"], g["mode"], g["summary"]) for g in rate_groups], cols,
+                                legend_for(cols), [ln for ln in lines if ln]))
+    from mlxproxy.report import slo_section, sweep_sections
+
+    slo = slo_section([g for r in results for g in r.groups])
+    if slo is not None:
+        sections.append(slo)
+    sections += sweep_sections([g for r in results for g in r.groups])
     notes = []
     for r in results:
         per: dict[str, dict[str, Any]] = {}
@@ -182,6 +198,9 @@ def plot_svg(results: list[TargetResult]) -> str:
         prefill.append((r.target.name, pts_p))
         curve.append((r.target.name, pts_c))
         agg.append((r.target.name, pts_a))
+    from mlxproxy.load import sweep_charts
+
+    sweep = sweep_charts([g for r in results for g in r.groups])
     return svg_charts([
         Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
         Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
@@ -190,6 +209,7 @@ def plot_svg(results: list[TargetResult]) -> str:
               integer_x=True, note="speedup = aggregate tok/s / one stream alone; 1 = no batching"),
         Chart("Per-stream decode tokens/s by streams released together (p50)", "streams released together", "tokens/s",
               curve, integer_x=True),
+        *sweep,
     ])
 
 
@@ -200,11 +220,28 @@ def plot_svg(results: list[TargetResult]) -> str:
               help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help=help_for("--max-tokens"))
 @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help=help_for("--repeat"))
-@click.option("--batch", type=BATCH_SIZES, default="2", show_default=True, metavar="N[,N,...]",
-              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve."))
+@click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]",
+              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]"))
 @click.option("--batch-prompt-tokens", type=click.IntRange(min=1), default=None, help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]")
-@click.option("--concurrency", "old_concurrency", type=INT_LIST, default=None, hidden=True,
-              callback=deprecated_alias("bench", "--concurrency"))
+@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
+              help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."))
+@click.option("--sweep", is_flag=True,
+              help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."))
+@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
+              help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size "
+                                     "(several values: one per step, with the capacity in req/s)."))
+@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+              help=help_for("--arrival"))
+@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
+              help=help_for("--ramp"))
+@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
+              help="Requests of the open-loop (--rate) test.")
+@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
+              help=help_for("--slo", "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
+                                     "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]"))
+@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
+              help=help_for("--fail-on", "[default: none: exit 1 only when every target failed]"))
 @click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
 @click.option("--timeout", "timeouts", type=SECONDS, multiple=True, metavar="[NAME=]SECONDS",
               help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"))
@@ -215,10 +252,12 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams."))
+              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
+                                     "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
-          batch_prompt_tokens: int | None, old_concurrency: tuple[int, ...] | None, model: str | None,
+          batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: tuple[float, ...] | None, arrival: str,
+          ramp_s: float, seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
           timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
           html_path: str | None) -> None:
@@ -226,15 +265,25 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
-    sizes = tuple(dict.fromkeys((*batch, *(n for n in (old_concurrency or ()) if n >= 2))))
-    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0], batches=sizes,
-                        batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce)
+    sweep = sweep or bool(concurrency)
+    if ramp_s and not rate:
+        fail("--ramp applies to --rate only")
+    if sweep and rate and len(rate) > 1:
+        fail("--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
+             "per run; give one")
+    sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
+    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
+                        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate[0] if rate else None,
+                        rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
+                        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo)
     results: list[TargetResult] = []
     interrupted = False
     try:
-        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results))
+        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results,
+                                  say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:
         interrupted = True
+    judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
     write_outputs(results, json_path, csv_path, md_path, plot_path)
     if html_path:
@@ -251,6 +300,19 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     reason = all_failed_reason(results_doc(results)[0])
     if reason:
         fail(reason, 1)
+    check_fail_on(fail_on, results_doc(results)[0])
+
+
+def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:
+    """SLO and goodput of the tests at the batch prompt size (the one-at-a-time test at that
+    size, the waves, --rate and --sweep steps): `summary.slo`, `summary.goodput`."""
+    from mlxproxy.load import DEFAULT_SLO, judge, parse_slo
+
+    slo = slo or parse_slo(DEFAULT_SLO)
+    for r in results:
+        for g in r.groups:
+            if g["name"] != "single" and g["params"].get("prompt_tokens") == prompt_tokens:
+                g["summary"].update(judge(g["records"], slo))
 
 
 def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None) -> list[Target]:

@@ -100,6 +100,17 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 for t, v in verdicts]
         out.append("</table></section>")
 
+    # capacity (sweeps)
+    from mlxproxy.load import capacity_line, capacity_of
+
+    caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc["groups"]).items()]
+    if caps:
+        out.append('<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
+                   "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>")
+        out += [f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
+                for t, c in caps]
+        out.append("</table></section>")
+
     # summary
     out.append('<section id="summary"><h2>Summary</h2><p class="muted">medians (p50) unless named; failed requests are '
                "counted by outcome and kept out of the latency figures</p><table><tr>")
@@ -130,7 +141,11 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     out.append("</section>")
 
     # curves
-    charts = _charts(docs, name)
+    from mlxproxy.load import sweep_charts
+
+    charts: list[Any] = list(_charts(docs, name))
+    for label, doc in docs:
+        charts += sweep_charts([{**g, "target": name(label, g["target"])} for g in doc["groups"]])
     if charts:
         out.append('<section id="plots"><h2>Curves</h2><div class="plots">')
         out += [svg_charts([c]) for c in charts]

@@ -173,6 +173,28 @@ class MeasuringClient:
         await asyncio.gather(*(one(r) for r in sorted(reqs, key=lambda r: r.offset_s)))
         return out
 
+    async def run_open_loop(self, reqs: Sequence[PreparedRequest], offsets: Sequence[float],
+                            progress: Callable[[], None] | None = None,
+                            ramp: tuple[Sequence[PreparedRequest], Sequence[float], float] | None = None) -> Timed:
+        """Open loop: request i is sent at `offsets[i]` seconds from now, whatever the server
+        does (see `mlxproxy.load.arrival_offsets`); the schedule lag of every send is kept.
+        `ramp` = (requests, offsets, seconds): those are sent first, on their own schedule
+        (`mlxproxy.load.ramp_offsets`), and the measured requests start `seconds` later; the
+        ramp's requests are sent but not returned (not measured)."""
+        import dataclasses
+
+        timed = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, offsets)]
+        if ramp is None or not ramp[0]:
+            return await self.run_recorded(timed, 1.0, progress)
+        ramp_reqs = [dataclasses.replace(r, offset_s=o) for r, o in zip(ramp[0], ramp[1])]
+
+        async def main() -> Timed:
+            await asyncio.sleep(ramp[2])
+            return await self.run_recorded(timed, 1.0, progress)
+
+        _, out = await asyncio.gather(self.run_recorded(ramp_reqs, 1.0), main())
+        return out
+
     async def run_closed_loop(self, reqs: Sequence[PreparedRequest], concurrency: int,
                               progress: Callable[[], None] | None = None) -> Timed:
         """`concurrency` workers, each sending the next request as soon as its last one ended."""

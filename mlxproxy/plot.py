@@ -33,6 +33,7 @@ class Chart:
     integer_x: bool = False  # counts (streams): ticks at whole numbers only
     log_y: bool = False  # for figures spanning decades (TTFT from 10 ms to 10 s)
     note: str = ""  # one line under the x label
+    hlines: Sequence[tuple[str, float]] = ()  # (label, y): reference lines across the chart (e.g. an SLO)
 
 
 def _ticks(lo: float, hi: float, log: bool, integer: bool = False) -> list[float]:
@@ -88,6 +89,8 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
         return y is not None and (x > 0 or not log_x) and (y > 0 or not log_y)
 
     pts = [(x, y) for _, s in c.series for x, y in s if usable(x, y)]
+    if pts:  # reference lines stay inside the y range
+        pts += [(pts[0][0], y) for _, y in c.hlines if usable(pts[0][0], y)]
     out = [f'<text x="{x0 + (w - LEGEND_W) / 2 + 30}" y="{y0 + 20}" text-anchor="middle" font-size="15" '
            f'font-weight="bold">{escape(c.title)}</text>']
     left, right, top, bottom = x0 + 70, x0 + w - LEGEND_W - 10, y0 + 34, y0 + h - 58
@@ -136,6 +139,12 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
                    f'{escape(c.note)}</text>')
     out.append(f'<text x="{x0 + 18}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13" '
                f'transform="rotate(-90 {x0 + 18} {(top + bottom) / 2})">{escape(c.ylabel)}</text>')
+    if pts:
+        for label, y in c.hlines:
+            if usable(pts[0][0], y):
+                out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{right}" y2="{sy(y):.1f}" stroke="#444" '
+                           f'stroke-width="1.5" stroke-dasharray="6,4"/><text x="{left + 6}" y="{sy(y) - 5:.1f}" '
+                           f'text-anchor="start" font-size="11" fill="#444">{escape(label)}</text>')
     n = len(c.series)
     for i, (name, s) in enumerate(c.series):
         color, dash, marker = COLORS[i % len(COLORS)], DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)]

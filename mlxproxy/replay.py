@@ -29,7 +29,10 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import endpoint_of, inject_include_usage
 from mlxproxy.core.record import Record
+from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
+                           run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
@@ -45,7 +48,7 @@ def filler_text(n: int) -> str:
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    mode: str = "recorded"  # recorded | sequential | concurrency | batch
+    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate
     speed: float = 1.0
     concurrency: int = 1
     batch: int = 2
@@ -56,6 +59,15 @@ class ReplayOptions:
     model: str | None = None
     limit: int | None = None
     filters: tuple[tuple[str, str], ...] = ()
+    rate: float | None = None  # rate mode: requests/s (open loop)
+    arrival: str = "constant"  # rate mode: constant | poisson
+    seed: int = 0  # rate mode: the Poisson schedule's seed
+    ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
+    sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
+    sweep_steps: tuple[int, ...] = ()
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
+    sessions: int = 1  # sessions mode: conversations run at once
+    think_time: float | None = None  # sessions mode: seconds between a response's end and the next turn (None: captured)
 
 
 def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
@@ -127,8 +139,10 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
-    """The request to send for one captured request, with only the documented rewrites."""
+def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -> PreparedRequest:
+    """The request to send for one captured request, with only the documented rewrites.
+    `nonce`: this marker instead of a new one (the turns of one replayed session share one,
+    so each turn can reuse the prompt cache of the turns before it, as in real use)."""
     headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED)  # hop-by-hop: loadgen drops
     if c.request is None:
         return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
@@ -137,7 +151,7 @@ def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
         obj = {**obj, "model": opts.model}
     if opts.nonce:
         obj = dict(obj)
-        _with_nonce(obj, f"[nonce {os.urandom(6).hex()}] ")
+        _with_nonce(obj, nonce or f"[nonce {os.urandom(6).hex()}] ")
     body = orjson.dumps(obj)
     if obj.get("stream") is True and endpoint_of(c.path) in ("chat_completions", "completions"):
         # Messages and Responses streams always report usage (and reject stream_options)
@@ -145,6 +159,78 @@ def prepare(c: CapturedRequest, opts: ReplayOptions) -> PreparedRequest:
         if not (isinstance(so, dict) and so.get("include_usage")):
             body = inject_include_usage(body, obj)
     return PreparedRequest(c.method, c.path, body, headers, c.offset_s, c.record.id, label=c.record.id)
+
+
+def _first_user(obj: dict[str, Any]) -> bytes | None:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list):
+        return None
+    first = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first is None:
+        return None
+    return orjson.dumps({k: first.get(k) for k in ("content", "content_chars")}, option=orjson.OPT_SORT_KEYS)
+
+
+def split_sessions(caps: Sequence[CapturedRequest]) -> list[list[CapturedRequest]]:
+    """A capture split into conversations, in the order they began: the requests whose
+    first user message is the same, while their message lists keep growing (a list that
+    does not grow starts a new conversation: the same task begun again). A request without
+    a message list is a conversation of its own."""
+    sessions: list[list[CapturedRequest]] = []
+    open_by_key: dict[bytes, int] = {}
+    for c in sorted(caps, key=lambda c: c.offset_s):
+        key = _first_user(c.request) if c.request is not None else None
+        n = len(c.request["messages"]) if key is not None and c.request is not None else 0
+        i = open_by_key.get(key) if key is not None else None
+        if i is not None and n > len(sessions[i][-1].request["messages"]):  # type: ignore[index]
+            sessions[i].append(c)
+            continue
+        sessions.append([c])
+        if key is not None:
+            open_by_key[key] = len(sessions) - 1
+    return sessions
+
+
+def captured_think_s(prev: CapturedRequest, c: CapturedRequest) -> float:
+    """Seconds between the end of `prev`'s response and the start of `c`, as captured."""
+    return max(0.0, c.offset_s - (prev.offset_s + (prev.record.duration_s or 0.0)))
+
+
+BUILTIN_AGENT = "builtin:agent"
+
+
+def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: int = 256) -> list[CapturedRequest]:
+    """A small made-up coding-agent conversation, for `replay builtin:agent` when there is no
+    capture: a ~1,500-token system prompt with tool definitions, a task, then turns that each
+    add the assistant's tool call and the tool's result (~800 tokens of file or test output),
+    so the prompt grows as an agent's does; `think_s` between a response's end and the next
+    turn stands for the tool running. Each turn is recorded as lasting 4 s. Deterministic."""
+    from mlxproxy.core.record import Record
+
+    tools = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}}
+        for name, desc in (("read_file", "Read a file of the repository."), ("run_tests", "Run the test suite."),
+                           ("edit_file", "Replace a range of lines in a file."))]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent working in a Python repository. " + filler_text(6000)},
+        {"role": "user", "content": "The test tests/test_parser.py::test_nested fails; find out why and fix it."}]
+    out: list[CapturedRequest] = []
+    offset = 0.0
+    for i in range(turns):
+        body = {"model": "default_model", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [dict(m) for m in messages], "tools": tools}
+        rec = Record(id=f"agent-turn-{i + 1}", started_at=offset, upstream="synthetic", model="default_model",
+                     endpoint="chat_completions", stream=True, status=200, outcome="ok", method="POST",
+                     path="/v1/chat/completions", duration_s=4.0)
+        out.append(CapturedRequest(record=rec, method="POST", path="/v1/chat/completions", offset_s=offset, request=body,
+                                   request_bytes=None, raw={}))
+        tool = ("read_file", "run_tests", "edit_file")[i % 3]
+        call_id = f"call_{i + 1}"
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": tool, "arguments": f'{{"arg": "step {i + 1}"}}'}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": filler_text(3200)})
+        offset += 4.0 + think_s
+    return out
 
 
 class Progress:
@@ -203,7 +289,8 @@ def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Tim
 async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
                      api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
                      progress: bool | None = None, compare: bool = False,
-                     out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                     out: list[dict[str, Any]] | None = None,
+                     say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
@@ -219,24 +306,60 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
 
     params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
               "nonce": opts.nonce, "model": opts.model}
+    n = len(caps) * opts.repeat
+    offsets: list[float] = []
+    if opts.mode == "rate":
+        offsets, sched = schedule(n, opts.rate or 1.0, opts.arrival, opts.seed)
+        params.update(sched, ramp_s=opts.ramp_s)
     mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
-            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch"}.get(opts.mode)
+            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch",
+            "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
+            "sessions": f"sessions {opts.sessions}"}.get(opts.mode)
     if mode is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
     async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
         if opts.warmup:
             await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)
-        n = len(caps) * opts.repeat
         tick: Callable[[], None] = Progress(f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress)
         try:
             if opts.mode == "recorded":
                 timed = await client.run_recorded(fresh(), opts.speed, tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records, lag_s=timed.lag_s),
                                       th, by_id, compare))
+            elif opts.mode == "rate":
+                reqs = fresh()
+                ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
+                ramp_reqs = [prepare(caps[i % len(caps)], opts) for i in range(len(ramp))]
+                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
+                summary = summarize_records(timed.records, lag_s=timed.lag_s,
+                                            send_times=[r.t_start_mono for r in timed.records])
+                groups.append(_finish(mode, target_name, params, timed, summary, th, by_id, compare))
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+            elif opts.mode == "rate" and opts.sweep:
+                def cycle(k: int) -> list[PreparedRequest]:
+                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
+
+                await run_sweep(open_loop_step(client, cycle, n, opts.arrival, opts.seed, opts.ramp_s),
+                                opts.sweep_steps or (opts.rate or 1.0,), opts.slo or parse_slo(DEFAULT_SLO),
+                                target=target_name, params=params, out=groups, say=say, unit=RATE_UNIT)
+            elif opts.mode == "sessions" and opts.sweep:
+                async def sessions_step(k: int) -> tuple[Timed, dict[str, dict[str, Any]]]:
+                    timed, where, _ = await run_sessions(client, caps, opts, k, k * opts.repeat)
+                    return timed, where
+
+                await run_sweep(sessions_step, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), target=target_name,
+                                params={**params, "think_time": opts.think_time}, out=groups, say=say, unit="sessions")
+            elif opts.mode == "sessions":
+                groups.append(await _run_sessions(client, caps, opts, target_name, params, th, tick))
+            elif opts.mode == "concurrency" and opts.sweep:
+                def make(k: int) -> list[PreparedRequest]:
+                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
+
+                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
+                                opts.slo or parse_slo(DEFAULT_SLO), target=target_name, params=params, out=groups, say=say)
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
                 groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
@@ -258,6 +381,60 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                                      summarize_records(rest)))
             raise
     return groups
+
+
+async def run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, at_once: int,
+                       runs: int, tick: Callable[[], None] | None = None
+                       ) -> tuple[Timed, dict[str, dict[str, Any]], dict[str, Any]]:
+    """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
+    conversations in order, cycled), each its turns in order with the think time between
+    a response's end and the next turn; a worker takes the next conversation when its last
+    one ends; each run has its own nonce. Returns the records, each record's `session`,
+    `turn` and `think_s`, and the `sessions` summary."""
+    import asyncio
+    import time
+
+    convs = split_sessions(caps)
+    queue = list(enumerate(convs[i % len(convs)] for i in range(runs)))[::-1]
+    timed = Timed()
+    where: dict[str, dict[str, Any]] = {}
+    session_s: list[float] = []
+
+    async def worker() -> None:
+        while queue:
+            si, conv = queue.pop()
+            nonce = f"[nonce {os.urandom(6).hex()}] " if opts.nonce else None
+            t0 = time.perf_counter()
+            for ti, c in enumerate(conv):
+                think = 0.0
+                if ti:
+                    think = opts.think_time if opts.think_time is not None else captured_think_s(conv[ti - 1], c)
+                    await asyncio.sleep(think)
+                r = await client.send(prepare(c, opts, nonce))
+                timed.records.append(r)
+                timed.source_ids[r.id] = c.record.id
+                where[r.id] = {"session": si, "turn": ti, "think_s": think}
+                if tick:
+                    tick()
+            session_s.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, at_once))))
+    return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
+
+
+async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
+                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> dict[str, Any]:
+    """`opts.sessions` conversations at once; the capture's conversations run `repeat`
+    times, cycled to at least `sessions`."""
+    runs = max(opts.sessions, len(split_sessions(caps)) * opts.repeat)
+    timed, where, sess = await run_sessions(client, caps, opts, opts.sessions, runs, tick)
+    summary = summarize_records(timed.records)
+    summary["sessions"] = sess
+    g = _group(f"sessions {opts.sessions}", target, f"sessions {opts.sessions}",
+               {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary)
+    for d in g["records"]:
+        d.update(where[d["id"]])
+    return g
 
 
 def _finish(mode: str, target: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any], th: Thresholds,

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.vocabulary import BATCH_SIZES, SECONDS, deprecated_alias, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -22,7 +22,14 @@ def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | Non
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
 
+    from mlxproxy.report import session_sections, slo_section, sweep_sections
+
     sections = group_sections(groups, verdicts)
+    slo = slo_section(groups)
+    if slo is not None:
+        sections.append(slo)
+    sections += sweep_sections(groups)
+    sections += session_sections(groups)
     for g in groups:
         if g.get("compare"):
             sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
@@ -105,19 +112,44 @@ def check_writable(*paths: str | None) -> None:
             fail(f"cannot write {p}: permission denied")
 
 
+_TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "rate": "an open loop",
+          "sessions": "conversations"}
+
+
 @click.command("replay")
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--target", "target_spec", required=True, metavar="[NAME=]URL",
               help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."))
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
-@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch"]), default=None,
+@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate", "sessions"]),
+              default=None,
               help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
                    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-                   "after a one-at-a-time baseline that gives the speedup.")
+                   "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
+                   "conversations, --sessions at once.")
 @click.option("--speed", type=click.FloatRange(min=0.001), default=None,
               help=help_for("--speed", "Recorded mode only.  [default: 1]"))
-@click.option("--concurrency", type=click.IntRange(min=1), default=None, help=help_for("--concurrency", "Implies --mode concurrency."))
+@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
+              help=help_for("--concurrency", "Implies --mode concurrency (several values: --sweep)."))
+@click.option("--sweep", is_flag=True,
+              help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through "
+                                       "the capture."))
 @click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
+@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
+              help=help_for("--rate", "The captured requests in order, --repeat times (each step of a sweep). "
+                                     "Implies --mode rate."))
+@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+              help=help_for("--arrival"))
+@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
+              help=help_for("--ramp"))
+@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@click.option("--sessions", type=INT_LIST, default=None, metavar="N[,N,...]",
+              help="Split the capture into conversations (same first user message, growing message list) and run N "
+                   "at once, each its turns in order with the think time between them; one nonce per conversation "
+                   "run, so turns reuse the prompt cache as captured. Implies --mode sessions; several values (or "
+                   "--sweep) step the number of sessions.")
+@click.option("--think-time", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
+              help="Seconds between a response's end and the conversation's next turn.  [default: as captured]")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True, help="Send the first K requests once first, unmeasured.")
 @click.option("--filter", "filters", multiple=True, metavar="KEY=GLOB", help="Only requests whose model/endpoint/path/outcome match (repeatable).")
@@ -130,14 +162,22 @@ def check_writable(*paths: str | None) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
+@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
+              help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"))
+@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
+              help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help=help_for("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
 @click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: int | None, batch: tuple[int, ...] | None, repeat: int, warmup: int, filters: tuple[str, ...],
+           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: tuple[float, ...] | None, arrival: str, ramp_s: float, seed: int, sessions: tuple[int, ...] | None,
+           think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
            limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
            timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
-           compare: bool, html_path: str | None) -> None:
+           plot_path: str | None, compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
+    CAPTURE may be builtin:agent, a small synthetic coding-agent conversation.
 
     Bodies are sent as captured, except for the documented rewrites: include_usage
     on streams, --model, the nonce (--no-nonce to send the captured prompts), and
@@ -146,27 +186,47 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     import asyncio
 
     from mlxproxy.capture import read_capture
-    from mlxproxy.replay import ReplayOptions, run_replay, select, served_from_cache
+    from mlxproxy.replay import (BUILTIN_AGENT, ReplayOptions, run_replay, select, served_from_cache,
+                                 synthetic_agent_session)
 
     name, target_url = parse_target(target_spec)
     if target_name:
         name = target_name
-    implied = "concurrency" if concurrency else "batch" if batch else None
-    if concurrency and batch:
-        fail("--concurrency (a closed loop) and --batch (waves released together) are two different tests; give one")
+    given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v]
+    if think_time is not None and not sessions and mode != "sessions":
+        fail("--think-time applies to --sessions only")
+    implied = given[0] if given else None
+    if len(given) > 1:
+        fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
+    sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1 or len(rate or ()) > 1
+    if sweep:
+        other = ("--batch" if batch else "--speed" if speed is not None
+                 else f"--mode {mode}" if mode not in (None, "concurrency", "sessions", "rate") else None)
+        if other:
+            fail(f"--sweep steps the concurrency, the number of --sessions or the --rate; it cannot run with {other}")
+        implied = "sessions" if sessions or mode == "sessions" else "rate" if rate or mode == "rate" else "concurrency"
     mode = mode or implied or "recorded"
+    if ramp_s and not rate:
+        fail("--ramp applies to --rate only")
+    if mode == "rate" and not rate:
+        fail("--mode rate needs --rate R (requests per second)")
+    if mode == "sessions" and not sessions and not sweep:
+        fail("--mode sessions needs --sessions N (conversations at once)")
     if speed is not None and mode != "recorded":
         fail(f"--speed only applies to --mode recorded, not {mode}")
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
-    check_writable(json_path, csv_path, md_path, html_path)
+    check_writable(json_path, csv_path, md_path, html_path, plot_path)
+    if plot_path and not sweep:
+        fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     skipped: list[str] = []
     try:
-        caps = read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
-                            skip_bad=skip_bad_lines, skipped=skipped)
+        caps = (synthetic_agent_session() if capture == BUILTIN_AGENT else
+                read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
+                             skip_bad=skip_bad_lines, skipped=skipped))
     except MlxproxyError as exc:
         hint = "" if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc) else " (--skip-bad-lines skips such lines)"
         fail(f"{exc}{hint}")
@@ -175,18 +235,23 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
-    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=concurrency or 1, batch=(batch or (2,))[0],
+    steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
+    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
+                         sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0],
                          batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters))
+                         filters=parse_filters(filters), rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0],
+                         think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
     groups: list[dict[str, Any]] = []
     interrupted = False
     try:
         asyncio.run(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
-                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups))
+                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups,
+                               say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:
         interrupted = True
+    judge_groups(groups, slo)
     print_groups(groups)
     cached, reported = served_from_cache([r for g in groups for r in g["records"]])
     if cached:
@@ -194,12 +259,45 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
                    "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
                    + ("; drop --no-nonce to measure prefill" if not nonce else ""), err=True)
     write_replay_outputs(groups, capture, target_url, json_path, csv_path, md_path, html_path)
+    if plot_path:
+        with open(plot_path, "w", encoding="utf-8") as fh:
+            fh.write(sweep_svg(groups))
+        click.echo(f"wrote {plot_path}", err=True)
     if interrupted:
         fail(f"interrupted: {sum(len(g['records']) for g in groups)} finished requests printed"
              + (" and written" if json_path or csv_path or md_path or html_path else ""), 130)
     reason = all_failed_reason(groups)
     if reason:
         fail(reason, 1)
+    check_fail_on(fail_on, groups)
+
+
+def judge_groups(groups: list[dict[str, Any]], slo: dict[str, float] | None) -> None:
+    """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO)."""
+    from mlxproxy.load import DEFAULT_SLO, judge, parse_slo
+
+    slo = slo or parse_slo(DEFAULT_SLO)
+    for g in groups:
+        g["summary"].update(judge(g["records"], slo))
+
+
+def check_fail_on(kinds: tuple[str, ...] | None, groups: list[dict[str, Any]]) -> None:
+    """`--fail-on`: one line on stderr either way; exit 1 when a check failed."""
+    from mlxproxy.load import failed_checks
+
+    if not kinds:
+        return
+    failed = failed_checks(kinds, groups)
+    if failed:
+        fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
+    click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
+
+
+def sweep_svg(groups: list[dict[str, Any]]) -> str:
+    from mlxproxy.load import sweep_charts
+    from mlxproxy.plot import svg_charts
+
+    return svg_charts(sweep_charts(groups))
 
 
 def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -270,7 +368,7 @@ def _capture_hint(path: str) -> str | None:
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "Bench results only."))
+              help=help_for("--plot", "Bench results, and sweeps of replay results."))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
 def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None,
            html_path: str | None) -> None:
@@ -297,8 +395,11 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
         else:
             replay_groups += [{**g, "target": prefix + g["target"]} for g in doc["groups"]]
             replay_verdicts.update({prefix + t: v for t, v in (doc.get("verdicts") or {}).items()})
-    if plot_path and not bench_results:
-        fail("--plot draws bench results; these files hold replay results (use --csv or --markdown)")
+    from mlxproxy.load import capacity_of
+
+    if plot_path and not bench_results and not capacity_of(replay_groups):
+        fail("--plot draws bench results and sweeps; these files hold replay results without a sweep "
+             "(use --csv or --markdown)")
     sections = []
     if bench_results:
         sections += bench_sections(bench_results, bench_verdicts)
@@ -314,7 +415,7 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
         click.echo(f"wrote {md_path}", err=True)
     if plot_path:
         with open(plot_path, "w", encoding="utf-8") as fh:
-            fh.write(plot_svg(bench_results))
+            fh.write(plot_svg(bench_results) if bench_results else sweep_svg(replay_groups))
         click.echo(f"wrote {plot_path}", err=True)
     if html_path:
         from mlxproxy.htmlreport import write_html

@@ -23,6 +23,7 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.load import generator_note, sent_rate
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
            "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
@@ -44,7 +45,8 @@ def aggregate_tps(records: Iterable[Record]) -> float | None:
 
 
 def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Record]] | None = None,
-                      single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None) -> dict[str, Any]:
+                      single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None,
+                      send_times: Sequence[float] | None = None) -> dict[str, Any]:
     """Headline figures of a group: medians (p50) first, then p90/p99/min/max/count.
     Failed requests never enter latency statistics; they are counted by outcome."""
     ok = [r for r in records if r.outcome in OK_OUTCOMES]
@@ -95,6 +97,8 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
                                 "sources": dict(Counter(r.tokens_source for r in untrusted))}
     if lag_s is not None:
         out["schedule_lag_s"] = summarize(lag_s)
+    if send_times is not None:
+        out["sent_rate"] = sent_rate(send_times)
     return out
 
 
@@ -275,10 +279,9 @@ def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | 
     notes: list[str] = []
     for g in groups:
         s = g["summary"]
-        lag = s.get("schedule_lag_s")
-        if lag and lag.get("count"):
-            notes.append(f"{g['target']} {g['mode']}: schedule lag p50 {lag['p50'] * 1000:.1f} ms, p99 {lag['p99'] * 1000:.1f} ms"
-                         " (how far the load generator itself fell behind the recorded offsets)")
+        note = generator_note(f"{g['target']} {g['mode']}", s, g.get("params"))
+        if note:
+            notes.append(note)
     for target in dict.fromkeys(g["target"] for g in groups):
         mine = [g for g in groups if g["target"] == target]
         total = sum(g["summary"]["requests"] for g in mine)
@@ -300,10 +303,105 @@ def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | 
     return [Section("", rows, cols, legend_for(cols), notes)]
 
 
+def slo_section(groups: Sequence[dict[str, Any]]) -> Section | None:
+    """The judged groups against their SLO: goodput (share and rate of requests that met
+    every threshold), each threshold's measured value, and whether the SLO held."""
+    from mlxproxy.load import SLO_METRICS, fmt_value, slo_text, step_problem
+
+    judged = [g for g in groups if "slo" in g["summary"]]
+    if not judged:
+        return None
+    thresholds = judged[0]["summary"]["slo"]["thresholds"]
+    rows = []
+    for g in judged:
+        s = g["summary"]
+        gp, slo = s["goodput"], s["slo"]
+        row = {"target": g["target"], "test": g["mode"], "ok/req": f"{s['ok']}/{s['requests']}",
+               "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+               "good req/s": _num(gp["rate"], ".2f")}
+        for key in thresholds:
+            metric, _, pct = key.rpartition("_p")
+            row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo["values"].get(key), SLO_METRICS[metric][1])
+        row["SLO"] = "held" if slo["met"] else "broken"
+        rows.append(row)
+    notes = [f"{g['target']} {g['mode']}: {step_problem(g['summary'])}" for g in judged if not g["summary"]["slo"]["met"]]
+    return Section(f"SLO ({slo_text(thresholds)}):", rows, None,
+                   "goodput: requests that succeeded and met every threshold themselves / sent; good req/s: those"
+                   " per second of the test's wall time; SLO: held when every percentile met its threshold and no"
+                   " request failed.", notes)
+
+
+def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+    """The sweep's steps per target and the capacity verdict, one line per target."""
+    from mlxproxy.load import capacity_line, capacity_of
+
+    caps = capacity_of(groups)
+    if not caps:
+        return []
+    rows = []
+    for target, cap in caps.items():
+        for st in cap["steps"]:
+            gp = st["goodput"]
+            unit = cap.get("unit", "streams")
+            rows.append({"target": target, "step": f"{st['step']:g} " + (unit if unit == "req/s" else unit[:4] + "."),
+                         "ok/req": f"{st['ok']}/{st['requests']}",
+                         "TTFT p50": _sec(st["ttft_p50_s"]), "TTFT p95": _sec(st["ttft_p95_s"]),
+                         "TPOT p50": _ms(st["tpot_p50_s"]), "TPOT p95": _ms(st["tpot_p95_s"]),
+                         "decode tok/s": _num(st["decode_tps_p50"], ".1f"), "agg tok/s": _num(st["aggregate_tps"], ".1f"),
+                         "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+                         "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
+                         "SLO": "held" if st["slo_met"] else "broken"})
+    legend = ("step: streams (requests in flight, closed loop), agent sessions at once, or requests/s sent (open loop); "
+              + "; ".join(
+        LEGEND[k] for k in ("ok/req", "TTFT p50", "decode tok/s", "agg tok/s")) +
+        "; TPOT p95 / TTFT p95: 95th percentile; goodput: share of requests that met every threshold.")
+    return [Section("Sweep (one load test per step):", rows, None, legend),
+            Section("Capacity (the largest step up to which every step met the SLO):", [], None, "",
+                    [capacity_line(t, c) for t, c in caps.items()])]
+
+
+def session_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+    """Replayed conversations (`replay --sessions`): TTFT and prompt-cache reuse by turn, and
+    the whole-session time."""
+    out = []
+    for g in groups:
+        sess = g["summary"].get("sessions")
+        if not sess:
+            continue
+        by_turn: dict[int, list[dict[str, Any]]] = {}
+        for r in g["records"]:
+            by_turn.setdefault(int(r.get("turn") or 0), []).append(r)
+        rows = []
+        for turn, recs in sorted(by_turn.items()):
+            ok = [r for r in recs if r.get("outcome") in OK_OUTCOMES]
+            ttft = sorted(r["ttft_s"] for r in ok if r.get("ttft_s") is not None)
+            cached = sorted(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None)
+            prompt = sorted(r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None)
+            think = sorted(r["think_s"] for r in recs if r.get("think_s") is not None)
+            rows.append({"target": g["target"], "turn": str(turn + 1), "ok/req": f"{len(ok)}/{len(recs)}",
+                         "think p50": _sec(percentile(think, 50)) if turn else "-",
+                         "TTFT p50": _sec(percentile(ttft, 50)), "TTFT p95": _sec(percentile(ttft, 95)),
+                         "prompt tok p50": _num(percentile(prompt, 50), ".0f"),
+                         "cached tok p50": _num(percentile(cached, 50), ".0f")})
+        st = sess["session_s"]
+        out.append(Section(f"{g['target']} {g['mode']}: {sess['count']} sessions ({sess['conversations']} captured"
+                           " conversations), by turn:", rows, None,
+                           "turn: the turn's place in its conversation; think: seconds between the previous response's"
+                           " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
+                           " (- = not reported).",
+                           [f"whole session: p50 {_num(st['p50'], '.2f')} s, max {_num(st['max'], '.2f')} s"]))
+    return out
+
+
 def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
                  extra: dict[str, Any] | None = None) -> None:
     doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),
            "groups": groups, "verdicts": verdicts or {}, **(extra or {})}
+    from mlxproxy.load import capacity_of
+
+    capacity = capacity_of(groups)
+    if capacity:
+        doc["capacity"] = capacity
     Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
 
 
@@ -326,7 +424,7 @@ CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint",
               "ttft_s", "ttfc_s", "e2e_s", "tpot_s", "decode_tps", "wall_tps", "prefill_tps", "prompt_tokens",
               "cached_tokens", "completion_tokens", "tokens_source", "completion_tokens_reported", "completion_tokens_counted",
               "completion_tokens_tokenizer", "reasoning_tokens_counted",
-              "usage_reports", "finish_reason", "concurrency", "anomalies", "error")
+              "usage_reports", "finish_reason", "concurrency", "anomalies", "error", "session", "turn", "think_s")
 
 
 def write_csv(path: str | Path, groups: list[dict[str, Any]]) -> None:

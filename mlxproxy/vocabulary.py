@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES"]
+__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
+           "FAIL_ON", "FLOAT_LIST"]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
 MEANINGS: dict[str, str] = {
@@ -27,7 +28,23 @@ MEANINGS: dict[str, str] = {
     "--speed": "Time runs this many times faster than recorded or simulated (2 = twice as fast).",
     "--batch": "N[,N,...]: waves of N requests released together, after a one-at-a-time baseline that gives "
                "the speedup (2 = the double-batch test).",
-    "--concurrency": "N requests in flight at once, each next one sent when one finishes (closed loop).",
+    "--concurrency": "N[,N,...]: N requests in flight at once, each next one sent when one finishes (closed loop); "
+                     "several values are the steps of a --sweep.",
+    "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
+               "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
+               "the --slo.",
+    "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
+              "--arrival); several values are the steps of a sweep.",
+    "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
+                 "1/R, from --seed).",
+    "--ramp": "SECONDS: before each --rate test, raise the rate linearly from 0 to R over this long; those "
+              "requests are sent but not measured.",
+    "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
+    "--slo": "KEY=VALUE,...: latency targets a test must meet, e.g. ttft_p95=3s,tpot_p50=60ms (keys ttft, tpot, "
+             "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "
+             "every one.",
+    "--fail-on": "KIND,...: exit 1, with one line saying what failed, when a check fails: slo, errors, anomaly "
+                 "(any), or an anomaly kind such as phantom_speed.",
     "--nonce": "Prefix every prompt with its own marker so no prompt cache can serve it "
                "(on by default; --no-nonce sends the prompts' bytes unchanged).",
     "--api-key-env": "Environment variable holding the target's API key.",
@@ -43,14 +60,14 @@ MEANINGS: dict[str, str] = {
 #: old spelling -> (command, what to use instead); accepted until the next release
 DEPRECATED: dict[tuple[str, str], str] = {
     ("replay", "--name"): "--target NAME=URL",
-    ("bench", "--concurrency"): "--batch N,N,... (bench releases requests together; --concurrency means a closed loop)",
     ("sim", "--max-tokens"): "--max-output-tokens (the server's cap; --max-tokens is a request's max_tokens)",
 }
 
 #: exit codes of every command
 EXIT_CODES = {
     0: "success (also: `serve` stopped with Ctrl-C)",
-    1: "the run failed: every request failed, a target was unreachable, a port could not be opened",
+    1: "the run failed: every request failed, a target was unreachable, a port could not be opened, "
+       "a --fail-on check failed",
     2: "the command line or an input file is wrong (one line says what and how to fix it)",
     130: "interrupted with Ctrl-C (`bench`/`replay`: what was measured so far is printed and written)",
 }
@@ -99,6 +116,53 @@ class _IntList(click.ParamType):
         return items
 
 
+class _Parsed(click.ParamType):
+    """A value parsed by `parse` (which raises ValueError with the one-line reason)."""
+
+    def __init__(self, name: str, parse: Any) -> None:
+        self.name, self._parse = name, parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self._parse(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _slo(text: str) -> Any:
+    from mlxproxy.load import parse_slo
+
+    return parse_slo(text)
+
+
+def _fail_on(text: str) -> Any:
+    from mlxproxy.load import parse_fail_on
+
+    return parse_fail_on(text)
+
+
+SLO = _Parsed("slo", _slo)
+FAIL_ON = _Parsed("fail_on", _fail_on)
+class _FloatList(click.ParamType):
+    """R or R,R,... -> tuple of floats > 0."""
+
+    name = "float_list"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[float, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            items = tuple(float(x) for x in str(value).split(",") if x.strip())
+        except ValueError:
+            self.fail(f"{value!r}: give comma-separated numbers, e.g. 1,2,4", param, ctx)
+        if not items or any(not (i > 0 and i < float("inf")) for i in items):
+            self.fail(f"{value!r}: give at least one number, each more than 0", param, ctx)
+        return items
+
+
+FLOAT_LIST = _FloatList()
 SECONDS = _Seconds()
 INT_LIST = _IntList(1)
 BATCH_SIZES = _IntList(2)

@@ -37,7 +37,7 @@ def sims() -> Iterator[dict[str, str]]:
 def bench_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     d = tmp_path_factory.mktemp("bench")
     with sims() as urls:
-        args = ["bench", "--prompt-tokens", "100,800", "--max-tokens", "40", "--repeat", "1", "--concurrency", "2,3"]
+        args = ["bench", "--prompt-tokens", "100,800", "--max-tokens", "40", "--repeat", "1", "--batch", "2,3"]
         for n, u in urls.items():
             args += ["--target", f"{n}={u}"]
         res = CliRunner().invoke(main, args + ["--json", str(d / "a.json"), "--html", str(d / "a.html")])

@@ -36,7 +36,7 @@ def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, .
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help=help_for("--port"))
 @click.option("--speed", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               help=help_for("--speed", "Simulated time against the wall clock."))
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated text.")
+@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the generated text."))
 @click.option("--decode-tps", type=click.FloatRange(min=0.0, min_open=True), help="Single-stream decode tokens/s.")
 @click.option("--prefill-tps", type=click.FloatRange(min=0.0, min_open=True), help="Prefill tokens/s.")
 @click.option("--max-context", type=click.IntRange(min=0), help="Reject longer prompts with HTTP 400 (0 = no limit).")

@@ -1,0 +1,230 @@
+"""Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
+
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (httpx,
+every response metered by the shared core). This script drives it against
+`benchmarks/upstream.py` (a fast SSE server in its own process) and, side by side, the
+overhead harness's own raw-asyncio client (`benchmarks/loadgen.py`, its own process):
+
+1. open loop, non-streaming: `--rates` requests/s (default 500, 1000, 2000, 3000) for
+   `--seconds` each, constant arrivals, exactly as `--rate R` sends them: the rate really
+   sent, the rate completed, schedule lag p50/p99, the generator's CPU (cores);
+2. `--streams` (default 256) concurrent streams at 100 tokens/s each: an open loop of
+   100-token streams at `streams` requests/s (so about `streams` are in flight), with the
+   schedule lag and the per-stream decode tok/s the client measured (the truth is 100);
+   the harness's `load` job with the same streams for the same time, for comparison;
+3. closed loop, 64 workers of 1-token streams as fast as the upstream answers: requests/s
+   of mlxproxy's client and of the harness's `churn` job.
+
+Targets (issue 18): >= 2,000 non-streaming requests/s sent and completed with schedule lag
+p99 <= 5 ms, and 256 streams at 100 tok/s with schedule lag p99 <= 5 ms. Run it on a quiet
+machine (it prints the background load it saw):
+
+    .venv/bin/python benchmarks/generator.py            # ~2 minutes
+    .venv/bin/python benchmarks/generator.py --quick    # smoke, ~20 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PY = sys.executable
+now = time.perf_counter
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _busy() -> float:
+    """CPU-seconds the whole machine spent busy so far (/proc/stat), for the background load."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def start_upstream() -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([PY, os.path.join(HERE, "upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], 15)
+    line = p.stdout.readline() if ready else ""
+    if not line.startswith("READY "):
+        p.kill()
+        raise SystemExit(f"benchmark upstream did not start: {line!r}")
+    return p, int(line.split()[1])
+
+
+def set_rate(port: int, rate: float) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/_bench/config?rate={rate}", timeout=5) as r:
+        r.read()
+
+
+class Harness:
+    """The overhead harness's client (benchmarks/loadgen.py) in its own process."""
+
+    def __init__(self) -> None:
+        self.p = subprocess.Popen([PY, os.path.join(HERE, "loadgen.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1)
+
+    def job(self, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(job) + "\n")
+        self.p.stdin.flush()
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout_s)
+        if not ready:
+            return {"fatal": "no answer"}
+        return dict(json.loads(self.p.stdout.readline()))
+
+    def close(self) -> None:
+        try:
+            self.job({"kind": "quit"}, 2)
+        except (OSError, ValueError):
+            pass
+        self.p.kill()
+        self.p.wait(5)
+
+
+def _body(stream: bool, tokens: int) -> bytes:
+    obj: dict[str, Any] = {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": tokens}
+    if stream:
+        obj.update(stream=True, stream_options={"include_usage": True})
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: int, concurrency: int = 0) -> dict[str, Any]:
+    """mlxproxy's client: an open loop at `rate` (as `--rate` sends), or a closed loop of
+    `concurrency` workers; every response metered and checked as in a real run."""
+    sys.path.insert(0, REPO)
+    from mlxproxy.load import arrival_offsets, sent_rate
+    from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+
+    reqs = [PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
+            for _ in range(n)]
+    async with MeasuringClient(url, timeout_s=60.0) as client:
+        cpu0, t0 = _cpu(), now()
+        if rate:
+            timed = await client.run_open_loop(reqs, arrival_offsets(n, rate, "constant"))
+        else:
+            timed = await client.run_closed_loop(reqs, concurrency)
+        elapsed, cpu = now() - t0, _cpu() - cpu0
+    ok = [r for r in timed.records if r.outcome in ("ok", "ok_no_done")]
+    span = (max(r.t_end_mono for r in ok) - min(r.t_start_mono for r in ok)) if ok else 0.0
+    return {"requests": n, "ok": len(ok), "sent_rps": sent_rate([r.t_start_mono for r in timed.records]),
+            "done_rps": len(ok) / span if span else None, "lag_p50_ms": _ms(pct(timed.lag_s, 50)),
+            "lag_p99_ms": _ms(pct(timed.lag_s, 99)), "decode_tps_p50": pct([r.decode_tps for r in ok if r.decode_tps], 50),
+            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed}
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000.0
+
+
+def _f(x: Any, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small smoke run (~20 s)")
+    ap.add_argument("--rates", default="500,1000,2000,3000", help="non-streaming open-loop rates, requests/s")
+    ap.add_argument("--seconds", type=float, default=10.0, help="seconds per step")
+    ap.add_argument("--streams", type=int, default=256, help="concurrent 100 tok/s streams")
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args()
+    rates = [float(x) for x in args.rates.split(",")]
+    seconds, streams = args.seconds, args.streams
+    if args.quick:
+        rates, seconds, streams = [200.0, 500.0], 2.0, 32
+
+    up, port = start_upstream()
+    url = f"http://127.0.0.1:{port}"
+    harness = Harness()
+    results: dict[str, Any] = {"nonstream": [], "streams": {}, "closed": {}}
+    busy0, wall0 = _busy(), now()
+    try:
+        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client vs the overhead harness's client")
+        print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
+        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}")
+        for rate in rates:
+            r = asyncio.run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
+            results["nonstream"].append({"rate": rate, **r})
+            print(f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
+                  f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
+                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6}")
+
+        print(f"\n2. {streams} concurrent streams at 100 tok/s (100-token answers, {streams} requests/s open loop)")
+        set_rate(port, 100.0)
+        r = asyncio.run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
+        results["streams"]["mlxproxy"] = r
+        h = harness.job({"kind": "load", "host": "127.0.0.1", "port": port, "streams": streams, "tokens": 100,
+                         "warmup_s": 1.0, "window_s": seconds, "ramp_s": 1.0, "drain_s": 5}, seconds + 60)
+        gaps = h.get("gaps") or []
+        per_stream = (h["events"] / h["window_s"] / streams) if h.get("window_s") else None
+        results["streams"]["harness"] = {"per_stream_tps": per_stream, "gap_p99_ms": _ms(pct(gaps, 99)),
+                                         "errors": h.get("errors"), "client_cores": (h.get("client_cpu_s") or 0.0)
+                                         / (h.get("elapsed_s") or 1.0)}
+        print(f"  mlxproxy client: {r['ok']}/{r['requests']} ok, sent {_f(r['sent_rps'], '.0f')}/s, schedule lag p50 "
+              f"{_f(r['lag_p50_ms'], '.2f')} ms, p99 {_f(r['lag_p99_ms'], '.2f')} ms, decode tok/s p50 "
+              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores")
+        hs = results["streams"]["harness"]
+        print(f"  harness client:  {_f(hs['per_stream_tps'])} tok/s per stream, event gap p99 {_f(hs['gap_p99_ms'], '.2f')}"
+              f" ms, {hs['errors']} errors, {_f(hs['client_cores'], '.2f')} cores")
+
+        print("\n3. closed loop, 64 workers, 1-token streams as fast as the upstream answers")
+        set_rate(port, 0.0)
+        n = int(1000 * seconds / 5) if not args.quick else 500
+        r = asyncio.run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
+        t0 = now()
+        h = harness.job({"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64,
+                         "max_s": 120}, 180)
+        h_rps = (h.get("done") or 0) / (now() - t0)
+        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"]}
+        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores); "
+              f"harness client: {h_rps:.0f} req/s (incl. its job round trip)")
+    finally:
+        harness.close()
+        up.kill()
+        up.wait(5)
+    wall = now() - wall0
+    background = max(0.0, (_busy() - busy0) / wall) if wall else 0.0
+    results["machine"] = {"cores": os.cpu_count(), "busy_cores_total": background}
+    print(f"\nmachine busy (all processes, this run included): {background:.2f} of {os.cpu_count()} cores on average")
+    at = [x for x in results["nonstream"] if x["rate"] >= 2000]
+    ok_2000 = bool(at) and all((x["done_rps"] or 0) >= 0.95 * x["rate"] and (x["lag_p99_ms"] or 1e9) <= 5.0 for x in at)
+    s = results["streams"]["mlxproxy"]
+    ok_streams = (s["lag_p99_ms"] or 1e9) <= 5.0 and s["ok"] == s["requests"]
+    print(f"target >= 2000 req/s non-streaming with lag p99 <= 5 ms: {'met' if ok_2000 else 'NOT met' if at else 'not run'}")
+    print(f"target {streams} streams at 100 tok/s with lag p99 <= 5 ms: {'met' if ok_streams else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
