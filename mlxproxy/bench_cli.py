@@ -13,7 +13,7 @@ from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, Ta
                             headline_notes, smallest_single, verdict)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
 from mlxproxy.report import LEGEND, Section, legend_for
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, help_for
+from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, help_for
 
 
 def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
@@ -230,11 +230,7 @@ def plot_svg(results: list[TargetResult]) -> str:
 @click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
               help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size "
                                      "(several values: one per step, with the capacity in req/s)."))
-@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
-              help=help_for("--arrival"))
-@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
-              help=help_for("--ramp"))
-@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@arrival_options
 @click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
               help="Requests of the open-loop (--rate) test.")
 @click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",

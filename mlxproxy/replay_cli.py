@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, deprecated_alias, help_for
+from mlxproxy.vocabulary import (BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, deprecated_alias,
+                                  help_for)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -138,11 +139,7 @@ _TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "r
 @click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
               help=help_for("--rate", "The captured requests in order, --repeat times (each step of a sweep). "
                                      "Implies --mode rate."))
-@click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
-              help=help_for("--arrival"))
-@click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True, metavar="SECONDS",
-              help=help_for("--ramp"))
-@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule."))
+@arrival_options
 @click.option("--sessions", type=INT_LIST, default=None, metavar="N[,N,...]",
               help="Split the capture into conversations (same first user message, growing message list) and run N "
                    "at once, each its turns in order with the think time between them; one nonce per conversation "

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-__all__ = ["MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
+__all__ = ["arrival_options", "MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
            "FAIL_ON", "FLOAT_LIST"]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
@@ -179,3 +179,16 @@ def deprecated_alias(command: str, option: str) -> Any:
         return value
 
     return callback
+
+
+def arrival_options(command: Any) -> Any:
+    """`--arrival`, `--ramp` and `--seed`: the open-loop schedule options `bench` and `replay` share."""
+    for option in reversed((
+        click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
+                     help=help_for("--arrival")),
+        click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+                     metavar="SECONDS", help=help_for("--ramp")),
+        click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule.")),
+    )):
+        command = option(command)
+    return command
