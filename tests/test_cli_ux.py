@@ -273,7 +273,9 @@ def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: P
                                  "--mode", "sequential", "--repeat", "50", "--json", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         deadline = time.monotonic() + 60
-        while app.done < 2 and time.monotonic() < deadline and proc.poll() is None:
+        # the server counts a response when it has sent it, the client records it a moment
+        # later; in sequential mode a third request means the second one was recorded
+        while app.done < 3 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)  # waiting for progress, not measuring
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
@@ -293,7 +295,8 @@ def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
                                  "50,100", "--repeat", "20", "--max-tokens", "8", "--json", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         deadline = time.monotonic() + 60
-        while app.done < 5 and time.monotonic() < deadline and proc.poll() is None:  # 2 probes + /v1/models + 2
+        # 2 probes + /v1/models + 2 singles, and one more so the second single has been recorded
+        while app.done < 6 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)  # waiting for progress, not measuring
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
