@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from mlxproxy.bench import BenchOptions, Target, TargetResult, bench_targets
-from mlxproxy.core.detect import overlap_ratio
+from mlxproxy.core.detect import Thresholds, overlap_ratio
 from mlxproxy.core.record import Record
 from mlxproxy.report import aggregate_tps
 
@@ -243,6 +243,8 @@ def test_local_tokenizer_makes_usage_check_exact(mlx_server: str, tiny_model: Pa
 
     tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     tok_diffs, chunk_diffs = [], []
+    reported: list[int] = []
+    alarms: list[str] = []
 
     def check(px: Any, s: Seen) -> None:
         rec = px.record(s.request_id)
@@ -252,6 +254,8 @@ def test_local_tokenizer_makes_usage_check_exact(mlx_server: str, tiny_model: Pa
         assert rec.completion_tokens_tokenizer == len(tok.encode(s.text, add_special_tokens=False).ids)
         assert rec.completion_tokens_counted == s.content_chunks
         tok_diffs.append(rec.completion_tokens_reported - rec.completion_tokens_tokenizer)
+        reported.append(rec.completion_tokens_reported)
+        alarms.extend(k for k in rec.anomalies if k in ("usage_mismatch", "phantom_speed"))
         chunk_diffs.append(rec.completion_tokens_reported - rec.completion_tokens_counted)
 
     with mlxproxy_serve(mlx_server, {"tokenizer": str(tiny_model / "tokenizer.json")}) as px:
@@ -274,9 +278,13 @@ def test_local_tokenizer_makes_usage_check_exact(mlx_server: str, tiny_model: Pa
     print(f"\nusage - tokenizer count per request: {tok_diffs}\nusage - streamed chunks per request: {chunk_diffs}")
     # Re-encoding the streamed text is not always the generated token sequence: a random
     # model emits non-canonical splits that BPE merges (count lower) and whitespace tokens
-    # that the pre-tokenizer splits (count higher); measured: at most 2 either way. The
-    # bound is the usage check's own allowance for such tokens (usage_extra_tokens = 3).
-    assert all(abs(d) <= 3 for d in tok_diffs), tok_diffs
+    # that the pre-tokenizer splits (count higher). Usually within 2 either way, but more on
+    # long replies (a clean-clone CI run saw more than 3), which is why the usage check
+    # allows the tokenizer a relative tolerance (detectors.tokenizer_tolerance, 10 %) plus
+    # usage_extra_tokens (3). What must hold is that band, and no false usage alarm.
+    tol = Thresholds().tokenizer_tolerance
+    assert all(abs(d) <= 3 + tol * r for d, r in zip(tok_diffs, reported)), (tok_diffs, reported)
+    assert not alarms, alarms
     assert all(d >= 0 for d in chunk_diffs), chunk_diffs
 
 
