@@ -10,11 +10,13 @@ This model's answer is fixed by what kind of request it gets, not by its words:
   short ``get_time`` call instead (:data:`SHORT_TOOL_CALL`);
 * a request whose last message mentions ``think`` gets ``<think>...</think>`` then a
   short answer, then EOS (:data:`REASONING`);
+* a request whose last message mentions ``forever`` gets :data:`LOOP` over and over
+  until ``max_tokens`` (a long stream, to disconnect from or to run two at once);
 * any other request gets exactly :data:`WORDS_N` words, then EOS (:data:`WORDS`): a
   natural stop after a known number of tokens.
 
 How: the chat template ends the prompt with a selector token (``<|rig_tool|>``,
-``<|rig_think|>`` or ``<|rig_words|>``) chosen from the request as above. Every layer's
+``<|rig_think|>``, ``<|rig_loop|>`` or ``<|rig_words|>``) chosen from the request as above. Every layer's
 attention and MLP output projections are zero, so the last hidden state is the embedding
 of the last token; each chain token (selectors included) has a one-hot embedding, and an
 untied ``lm_head`` maps each chain token to its successor and the last one to EOS. The
@@ -36,6 +38,7 @@ from pathlib import Path
 from .tinymodel import SPECIAL_TOKENS, TRAINING_TEXT
 
 __all__ = [
+    "LOOP",
     "REASONING",
     "REASONING_ANSWER",
     "REASONING_THOUGHT",
@@ -47,7 +50,7 @@ __all__ = [
     "build_rigged_model",
 ]
 
-SELECTORS = ("<|rig_tool|>", "<|rig_think|>", "<|rig_words|>")
+SELECTORS = ("<|rig_tool|>", "<|rig_think|>", "<|rig_loop|>", "<|rig_words|>")
 MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 _CONTENT_WORDS = ("Apples bananas cherries dates elderberries figs grapes honeydew kiwis lemons mangoes "
@@ -68,6 +71,8 @@ WORDS = ("Alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo l
 REASONING_THOUGHT = "\nThe user asks for the weather; a short answer will do.\n"
 REASONING_ANSWER = "\n\nIt is sunny today."
 REASONING = "<think>" + REASONING_THOUGHT + "</think>" + REASONING_ANSWER
+#: The endless answer: these twelve words over and over, to ``max_tokens`` (one token each).
+LOOP = " one two three four five six seven eight nine ten eleven twelve"
 
 #: ChatML with tools rendered (Hermes style, so tool parsers engage: ``tool_call.name`` is
 #: what mlx_lm looks for) and the selector token at the end of the generation prompt.
@@ -84,6 +89,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if tools %}<|rig_tool|>"
     "{%- elif 'think' in (messages[-1]['content'] | string) %}<|rig_think|>"
+    "{%- elif 'forever' in (messages[-1]['content'] | string) %}<|rig_loop|>"
     "{%- else %}<|rig_words|>{% endif %}{% endif %}"
 )
 
@@ -132,7 +138,7 @@ def build_rigged_model(dir: Path, *, short_tool_call: bool = False, vocab_size: 
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     tool_call = SHORT_TOOL_CALL if short_tool_call else TOOL_CALL
-    answers = {"<|rig_tool|>": tool_call, "<|rig_think|>": REASONING, "<|rig_words|>": WORDS}
+    answers = {"<|rig_tool|>": tool_call, "<|rig_think|>": REASONING, "<|rig_loop|>": LOOP, "<|rig_words|>": WORDS}
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -196,7 +202,7 @@ def build_rigged_model(dir: Path, *, short_tool_call: bool = False, vocab_size: 
     for chain in chains.values():
         for k, t in enumerate(chain):
             embed[t][dim[t]] = 1.0
-            nxt = chain[k + 1] if k + 1 < len(chain) else eos
+            nxt = chain[k + 1] if k + 1 < len(chain) else (chain[1] if chain[0] == ids["<|rig_loop|>"] else eos)
             head[nxt][dim[t]] = 8.0  # logit 8 * sqrt(hidden) after the final RMSNorm; all others 0
     weights["model.embed_tokens.weight"] = mx.array(embed, dtype=mx.float32)
     weights["lm_head.weight"] = mx.array(head, dtype=mx.float32)
