@@ -64,10 +64,11 @@ TOOL_CALL = ('<tool_call>\n{"name": "write_file", "arguments": '
 SHORT_TOOL_ARGUMENTS = {"zone": "UTC"}
 #: The short tool call (7 tokens with the markup).
 SHORT_TOOL_CALL = '<tool_call>\n{"name": "get_time", "arguments": ' + json.dumps(SHORT_TOOL_ARGUMENTS) + '}\n</tool_call>'
-#: The natural stop: this many words (one token each), then EOS.
-WORDS_N = 20
-WORDS = ("Alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike "
-         "november oscar papa quebec romeo sierra tango")
+#: The natural stop: this many words (one token each), then EOS. Fewer than the burst check's
+#: 20 tokens: the rigged model decodes far faster than any real one, and vllm-mlx and Rapid-MLX
+#: then send a short answer's events in one read (a burst that real models never produce).
+WORDS_N = 16
+WORDS = "Alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa"
 REASONING_THOUGHT = "\nThe user asks for the weather; a short answer will do.\n"
 REASONING_ANSWER = "\n\nIt is sunny today."
 REASONING = "<think>" + REASONING_THOUGHT + "</think>" + REASONING_ANSWER
