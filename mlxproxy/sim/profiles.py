@@ -151,6 +151,7 @@ PROFILES: dict[str, Profile] = {
             wire="mlx-openai-server",
             batch_penalty=0.02,
             reasoning_share=0.25,
+            usage_counts_eos=True,  # live 1.6.3: 16 words + EOS = usage 17
         ),
         Profile(
             name="mlx-omni-server",
@@ -177,6 +178,7 @@ PROFILES: dict[str, Profile] = {
             burst_at_end=True,
             reasoning_share=0.25,
             keepalive_idle_s=20.0,
+            usage_counts_eos=True,  # live 0.16.10: 16 words + EOS = usage 17
         ),
         Profile(
             name="omlx",
@@ -197,6 +199,7 @@ PROFILES: dict[str, Profile] = {
             stall_s=2.0,
             superlinear_after_tokens=30000,
             superlinear_exponent=5.5,
+            usage_counts_eos=True,  # live 0.7.10: 16 words + EOS = usage 17
         ),
         Profile(
             name="phantom-usage",
