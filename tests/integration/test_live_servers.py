@@ -221,18 +221,27 @@ def raw_post(base: str, body: dict[str, Any]) -> tuple[int, bytes]:
         return r.status_code, r.content
 
 
+FAITHFUL_CASES = {
+    "words": ({"messages": user("Say the words."), "max_tokens": 64}, WORDS.split()[-1]),
+    "tool": ({"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 64}, "zucchini"),
+    "reasoning": ({"messages": user("Please think: is it sunny?"), "max_tokens": 64}, "sunny"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAITHFUL_CASES))
 @pytest.mark.parametrize("stream_mode", ["stream+usage", "nonstream"])
-def test_bytes_forwarded_faithfully(live: Live, stream_mode: str) -> None:
+def test_bytes_forwarded_faithfully(live: Live, stream_mode: str, case: str) -> None:
     """The same rigged request direct and through the proxy: the same events, byte for byte
     once ids, timestamps and the cache-dependent prompt counts are masked."""
-    body: dict[str, Any] = {"model": live.server.model, "messages": user("Say the words."), "max_tokens": 64}
+    body, marker = FAITHFUL_CASES[case]
+    body = {"model": live.server.model, **body}
     if stream_mode == "stream+usage":
         body.update(stream=True, **USAGE)
     d_status, direct = raw_post(live.server.url, body)
     p_status, proxied = raw_post(live.proxy.url, body)
     assert d_status == p_status == 200
     assert normalised_events(proxied) == normalised_events(direct)
-    assert WORDS.split()[-1].encode() in proxied  # the rigged answer, really
+    assert marker.encode() in proxied  # the rigged answer, really
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
