@@ -27,10 +27,6 @@ from .tinymodel import free_port
 
 SERVERS_DIR = Path(os.environ.get("MLXPROXY_SERVERS_DIR") or Path.home() / ".cache" / "mlxproxy-servers")
 
-#: The versions ``.ci/install-servers`` pins (what docs/VERIFIED.md says was run).
-VERSIONS = {"rapid-mlx-bare": "Rapid-MLX 0.16.10", "vllm-mlx": "vllm-mlx 0.6.0", "vllm-mlx-cb": "vllm-mlx 0.6.0", "mlx-vlm": "mlx-vlm 0.7.10",
-            "mlx-openai-server": "mlx-openai-server 1.6.3", "rapid-mlx": "Rapid-MLX 0.16.10"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
