@@ -39,30 +39,92 @@ class Spec:
 
 def _vllm(extra: Sequence[str]) -> Callable[[Path, Path, str, int], list[str]]:
     def cmd(venv: Path, model: Path, host: str, port: int) -> list[str]:
-        return [str(venv / "bin/vllm-mlx"), "serve", str(model), "--host", host, "--port", str(port),
-                "--served-model-name", "rigged", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                "--reasoning-parser", "qwen3", *extra]
+        return [
+            str(venv / "bin/vllm-mlx"),
+            "serve",
+            str(model),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "rigged",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+            *extra,
+        ]
+
     return cmd
 
 
 def _mlx_openai(venv: Path, model: Path, host: str, port: int) -> list[str]:
-    return [str(venv / "bin/mlx-openai-server"), "launch", "--model-path", str(model), "--model-type", "lm",
-            "--context-length", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--reasoning-parser", "qwen3", "--host", host, "--port", str(port)]
+    return [
+        str(venv / "bin/mlx-openai-server"),
+        "launch",
+        "--model-path",
+        str(model),
+        "--model-type",
+        "lm",
+        "--context-length",
+        "4096",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
 
 
 def _rapid(venv: Path, model: Path, host: str, port: int) -> list[str]:
-    return [str(venv / "bin/rapid-mlx"), "serve", str(model), "--host", host, "--port", str(port),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    return [
+        str(venv / "bin/rapid-mlx"),
+        "serve",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+    ]
 
 
 def _rapid_bare(venv: Path, model: Path, host: str, port: int) -> list[str]:
-    return [str(venv / "bin/rapid-mlx"), "serve", str(model), "--host", host, "--port", str(port),
-            "--no-tool-call-parser", "--no-reasoning-parser"]
+    return [
+        str(venv / "bin/rapid-mlx"),
+        "serve",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--no-tool-call-parser",
+        "--no-reasoning-parser",
+    ]
 
 
 def _mlx_vlm(venv: Path, model: Path, host: str, port: int) -> list[str]:
-    return [str(venv / "bin/python"), "-m", "mlx_vlm.server", "--model", str(model), "--host", host, "--port", str(port)]
+    return [
+        str(venv / "bin/python"),
+        "-m",
+        "mlx_vlm.server",
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
 
 
 SPECS: dict[str, Spec] = {
@@ -98,8 +160,10 @@ def unavailable_reason(name: str) -> str | None:
     venv = SERVERS_DIR / spec.venv
     argv = spec.command(venv, Path("M"), "127.0.0.1", 0)
     if not Path(argv[0]).exists():
-        return (f"{name}: {argv[0]} not found; run .ci/install-servers "
-                f"(venvs in $MLXPROXY_SERVERS_DIR, default ~/.cache/mlxproxy-servers)")
+        return (
+            f"{name}: {argv[0]} not found; run .ci/install-servers "
+            f"(venvs in $MLXPROXY_SERVERS_DIR, default ~/.cache/mlxproxy-servers)"
+        )
     return None
 
 
@@ -128,8 +192,9 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def live_server(name: str, model_dir: Path, *, host: str = "127.0.0.1", log_path: Path | None = None,
-                attempts: int = 2) -> Iterator[LiveServer]:
+def live_server(
+    name: str, model_dir: Path, *, host: str = "127.0.0.1", log_path: Path | None = None, attempts: int = 2
+) -> Iterator[LiveServer]:
     """Run server ``name`` on ``model_dir``; yield it once a 1-token chat completion succeeded.
 
     Raises ``RuntimeError`` with the log's tail when it does not get ready (callers skip with it).
@@ -141,25 +206,43 @@ def live_server(name: str, model_dir: Path, *, host: str = "127.0.0.1", log_path
         for sub in ("hf-cache", "hf-home", "home"):
             (tmpdir / sub).mkdir()
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and k != "PYTHONPATH"}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(tmpdir / "hf-cache"),
-                   HF_HOME=str(tmpdir / "hf-home"), HOME=str(tmpdir / "home"), HF_HUB_DISABLE_TELEMETRY="1",
-                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost",
-                   **dict(spec.env), VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}")
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            HF_HUB_CACHE=str(tmpdir / "hf-cache"),
+            HF_HOME=str(tmpdir / "hf-home"),
+            HOME=str(tmpdir / "home"),
+            HF_HUB_DISABLE_TELEMETRY="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+            NO_PROXY="127.0.0.1,localhost",
+            **dict(spec.env),
+            VIRTUAL_ENV=str(venv),
+            PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
+        )
         log = Path(log_path) if log_path is not None else tmpdir / "server.log"
         last = "not started"
         for _ in range(max(1, attempts)):
             port = free_port(host)
             with open(log, "ab") as logf:
-                proc = subprocess.Popen(spec.command(venv, Path(model_dir), host, port), env=env, stdout=logf,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = subprocess.Popen(
+                    spec.command(venv, Path(model_dir), host, port),
+                    env=env,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    cwd=tmpdir,  # servers that write logs/ or caches into their working directory write there
+                )
             try:
                 model, last = _wait_ready(proc, host, port, spec.startup_timeout_s)
                 if model is None:
                     if proc.poll() is not None:
                         last += f"\n--- {name} log ---\n{_tail(log)}"
                         continue
-                    raise RuntimeError(f"{name} not ready after {spec.startup_timeout_s} s: {last}\n"
-                                       f"--- {name} log ---\n{_tail(log)}")
+                    raise RuntimeError(
+                        f"{name} not ready after {spec.startup_timeout_s} s: {last}\n--- {name} log ---\n{_tail(log)}"
+                    )
                 yield LiveServer(name, f"http://{host}:{port}", model, proc, log)
                 return
             finally:
@@ -189,9 +272,14 @@ def _wait_ready(proc: subprocess.Popen[bytes], host: str, port: int, timeout: fl
                     data = json.loads(body).get("data") or []
                     model = data[0]["id"] if data else "default_model"
             if model is not None:
-                status, body = _request(host, port, "POST", "/v1/chat/completions",
-                                        {"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                         "max_tokens": 1}, max(2.0, deadline - time.monotonic()))
+                status, body = _request(
+                    host,
+                    port,
+                    "POST",
+                    "/v1/chat/completions",
+                    {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                    max(2.0, deadline - time.monotonic()),
+                )
                 if status == 200:
                     return model, ""
                 last = f"warm-up chat completion -> {status} {body[:300]!r}"

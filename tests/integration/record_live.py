@@ -29,10 +29,20 @@ from .tinymodel import mlx_lm_server
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "tests/fixtures/live"
 
-TOOLS = [{"type": "function", "function": {
-    "name": "write_file", "description": "Write a text file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["path", "content"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a text file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    }
+]
 USAGE = {"stream_options": {"include_usage": True}}
 
 
@@ -43,15 +53,27 @@ def user(text: str) -> list[dict[str, str]]:
 def cases(words_n: int) -> list[tuple[str, dict[str, Any]]]:
     long_prompt = " ".join(f"word{i}" for i in range(6000))
     return [
-        ("tool_stream", {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 64, "stream": True, **USAGE}),
+        (
+            "tool_stream",
+            {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 64, "stream": True, **USAGE},
+        ),
         ("tool_nonstream", {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 64}),
-        ("tool_cut_stream", {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 8, "stream": True, **USAGE}),
+        (
+            "tool_cut_stream",
+            {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 8, "stream": True, **USAGE},
+        ),
         ("tool_cut_nonstream", {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 8}),
         # the natural stop: words_n words then EOS, max_tokens exactly words_n + 1 (EOS counted) and words_n
-        ("stop_at_max_stream", {"messages": user("Say the words."), "max_tokens": words_n + 1, "stream": True, **USAGE}),
+        (
+            "stop_at_max_stream",
+            {"messages": user("Say the words."), "max_tokens": words_n + 1, "stream": True, **USAGE},
+        ),
         ("stop_at_max_nonstream", {"messages": user("Say the words."), "max_tokens": words_n + 1}),
         ("stop_at_words_stream", {"messages": user("Say the words."), "max_tokens": words_n, "stream": True, **USAGE}),
-        ("reasoning_stream", {"messages": user("Please think: is it sunny?"), "max_tokens": 64, "stream": True, **USAGE}),
+        (
+            "reasoning_stream",
+            {"messages": user("Please think: is it sunny?"), "max_tokens": 64, "stream": True, **USAGE},
+        ),
         ("reasoning_nonstream", {"messages": user("Please think: is it sunny?"), "max_tokens": 64}),
         ("context_refusal_stream", {"messages": user(long_prompt), "max_tokens": 16, "stream": True, **USAGE}),
         ("context_refusal_nonstream", {"messages": user(long_prompt), "max_tokens": 16}),
@@ -70,8 +92,11 @@ def _summary(body: bytes, stream: bool) -> dict[str, Any]:
         if not stream:
             obj = json.loads(body)
             ch = (obj.get("choices") or [{}])[0]
-            out.update(finish_reason=ch.get("finish_reason"), usage=obj.get("usage"),
-                       tool_calls=bool((ch.get("message") or {}).get("tool_calls")))
+            out.update(
+                finish_reason=ch.get("finish_reason"),
+                usage=obj.get("usage"),
+                tool_calls=bool((ch.get("message") or {}).get("tool_calls")),
+            )
             return out
         events = [ln[6:] for ln in body.decode(errors="replace").splitlines() if ln.startswith("data: ")]
         out["events"] = len(events)
@@ -144,9 +169,14 @@ def disconnect(http: httpx.Client, base: str, model: str, outdir: Path) -> dict[
                 ttfb = time.monotonic() - t1
     (outdir / "disconnect_next.sse").write_text("\n".join(lines) + "\n")
     (outdir / "disconnect_next.request.json").write_text(json.dumps(nxt, indent=1) + "\n")
-    return {"status": status, "next_status": next_status, "bytes_read_before_close": len(got), "closed_after_s": round(t_closed, 3),
-            "next_request_first_content_s": None if ttfb is None else round(ttfb, 3),
-            "next_request_total_s": round(time.monotonic() - t1, 3)}
+    return {
+        "status": status,
+        "next_status": next_status,
+        "bytes_read_before_close": len(got),
+        "closed_after_s": round(t_closed, 3),
+        "next_request_first_content_s": None if ttfb is None else round(ttfb, 3),
+        "next_request_total_s": round(time.monotonic() - t1, 3),
+    }
 
 
 def _has_text(line: str) -> bool:

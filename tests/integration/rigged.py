@@ -53,17 +53,20 @@ __all__ = [
 SELECTORS = ("<|rig_tool|>", "<|rig_think|>", "<|rig_loop|>", "<|rig_words|>")
 MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
-_CONTENT_WORDS = ("Apples bananas cherries dates elderberries figs grapes honeydew kiwis lemons mangoes "
-                  "nectarines oranges papayas quinces raspberries strawberries tangerines ugli vanilla "
-                  "watermelons yams zucchini apricots blueberries cranberries gooseberries guavas limes lychees plums.")
+_CONTENT_WORDS = (
+    "Apples bananas cherries dates elderberries figs grapes honeydew kiwis lemons mangoes "
+    "nectarines oranges papayas quinces raspberries strawberries tangerines ugli vanilla "
+    "watermelons yams zucchini apricots blueberries cranberries gooseberries guavas limes lychees plums."
+)
 #: The long tool call's arguments (a JSON object, as the server returns it).
 TOOL_ARGUMENTS = {"path": "notes/fruit.txt", "content": _CONTENT_WORDS}
 #: The long tool call, as the model writes it (about 40 tokens with the markup).
-TOOL_CALL = ('<tool_call>\n{"name": "write_file", "arguments": '
-             + json.dumps(TOOL_ARGUMENTS) + '}\n</tool_call>')
+TOOL_CALL = '<tool_call>\n{"name": "write_file", "arguments": ' + json.dumps(TOOL_ARGUMENTS) + "}\n</tool_call>"
 SHORT_TOOL_ARGUMENTS = {"zone": "UTC"}
 #: The short tool call (7 tokens with the markup).
-SHORT_TOOL_CALL = '<tool_call>\n{"name": "get_time", "arguments": ' + json.dumps(SHORT_TOOL_ARGUMENTS) + '}\n</tool_call>'
+SHORT_TOOL_CALL = (
+    '<tool_call>\n{"name": "get_time", "arguments": ' + json.dumps(SHORT_TOOL_ARGUMENTS) + "}\n</tool_call>"
+)
 #: The natural stop: this many words (one token each), then EOS. Fewer than the burst check's
 #: 20 tokens: the rigged model decodes far faster than any real one, and vllm-mlx and Rapid-MLX
 #: then send a short answer's events in one read (a burst that real models never produce).
@@ -80,12 +83,12 @@ LOOP = " one two three four five six seven eight nine ten eleven twelve"
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n"
     "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
-    "Call a tool as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|im_end|>\n{% endif %}"
+    'Call a tool as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{%- if message['content'] is string %}{{ message['content'] }}{% endif %}"
     "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
     "{%- for tc in message['tool_calls'] %}{%- set tool_call = tc['function'] if tc['function'] is defined else tc %}"
-    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
     "{%- endfor %}{%- endif %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if tools %}<|rig_tool|>"
@@ -125,7 +128,7 @@ def _pieces(text: str) -> list[str]:
         if mark is None:
             break
         out.append(mark)
-        rest = rest[cut[0] + len(mark):]  # type: ignore[index]
+        rest = rest[cut[0] + len(mark) :]  # type: ignore[index]
     return out
 
 
@@ -142,14 +145,20 @@ def build_rigged_model(dir: Path, *, short_tool_call: bool = False, vocab_size: 
     answers = {"<|rig_tool|>": tool_call, "<|rig_think|>": REASONING, "<|rig_loop|>": LOOP, "<|rig_words|>": WORDS}
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(" "), behavior="merged_with_next"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(" "), behavior="merged_with_next"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1,
-                                  special_tokens=[*SPECIAL_TOKENS, *SELECTORS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=[*SPECIAL_TOKENS, *SELECTORS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = TRAINING_TEXT.splitlines(keepends=True)
     for text in answers.values():
         corpus += [p for p in _pieces(text) if p not in MARKUP] * 8
@@ -168,25 +177,51 @@ def build_rigged_model(dir: Path, *, short_tool_call: bool = False, vocab_size: 
             raise RuntimeError(f"the rig's tokenizer does not cut {text!r} into its pieces: {enc}")
         for t in enc:
             if t in seen:
-                raise RuntimeError(f"token {tok.id_to_token(t)!r} is in two places ({seen[t]}, {sel}): one successor only")
+                raise RuntimeError(
+                    f"token {tok.id_to_token(t)!r} is in two places ({seen[t]}, {sel}): one successor only"
+                )
             seen[t] = sel
         chains[sel] = [ids[sel], *enc]
     states = [t for chain in chains.values() for t in chain]
     hidden = 64 * ((len(states) + 63) // 64)
 
     config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
-        "num_hidden_layers": 1, "intermediate_size": 2 * hidden, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": hidden // 4, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": eos, "torch_dtype": "float32",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
     }
     (dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
-    (dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False, "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    (dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)

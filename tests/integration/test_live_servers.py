@@ -43,19 +43,27 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [te
 
 SERVERS = ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "rapid-mlx", "mlx-vlm")
 
-TOOLS = [{"type": "function", "function": {
-    "name": "write_file", "description": "Write a text file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["path", "content"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a text file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    }
+]
 
 #: The anomalies each case must raise on each server: the true ones, nothing else.
 #: vllm-mlx with --reasoning-parser qwen3 streams a think-less answer entirely as reasoning
 #: (``reasoning_only``); mlx-openai-server keeps generating after a disconnect
 #: (``generation_after_disconnect`` on the next request) and serves one stream at a time
 #: (``serialized``); mlx-vlm ends a cut tool call with an in-stream error and no finish.
-EXPECTED: dict[str, dict[str, frozenset[str]]] = {
-    name: {} for name in SERVERS
-}
+EXPECTED: dict[str, dict[str, frozenset[str]]] = {name: {} for name in SERVERS}
 for _vllm in ("vllm-mlx", "vllm-mlx-cb"):
     EXPECTED[_vllm].update(words_stream=frozenset({"reasoning_only"}), after_disconnect=frozenset({"reasoning_only"}))
 #: ... except where simple mode says "length" at max_tokens 17 (EOS counted) though the model stopped
@@ -69,12 +77,15 @@ TIMING_DEPENDENT = frozenset({"stall"})
 EXPECTED["vllm-mlx"].update(two_at_once_b=frozenset({"stream_error"}))
 #: mlx-openai-server: never says "length" (1000 of 1000 tokens, finish "stop"), serves one stream
 #: at a time, and keeps generating after a disconnect
-EXPECTED["mlx-openai-server"].update(after_disconnect=frozenset({"generation_after_disconnect"}),
-                                     two_at_once_a=frozenset({"unreported_length"}),
-                                     two_at_once_b=frozenset({"unreported_length", "serialized"}))
+EXPECTED["mlx-openai-server"].update(
+    after_disconnect=frozenset({"generation_after_disconnect"}),
+    two_at_once_a=frozenset({"unreported_length"}),
+    two_at_once_b=frozenset({"unreported_length", "serialized"}),
+)
 #: mlx-vlm: a cut tool call ends with an error event; reasoning comes in both fields
-EXPECTED["mlx-vlm"].update(tool_cut_stream=frozenset({"stream_error"}),
-                           reasoning_stream=frozenset({"dual_reasoning_fields"}))
+EXPECTED["mlx-vlm"].update(
+    tool_cut_stream=frozenset({"stream_error"}), reasoning_stream=frozenset({"dual_reasoning_fields"})
+)
 
 
 def expected(server: str, case: str) -> frozenset[str]:
@@ -90,8 +101,13 @@ class Live:
 
     def client(self, direct: bool = False) -> Any:
         base = self.server.url if direct else self.proxy.url
-        return openai.OpenAI(base_url=base + "/v1", api_key="dummy", max_retries=0, timeout=120.0,
-                             http_client=httpx.Client(trust_env=False, timeout=120.0))
+        return openai.OpenAI(
+            base_url=base + "/v1",
+            api_key="dummy",
+            max_retries=0,
+            timeout=120.0,
+            http_client=httpx.Client(trust_env=False, timeout=120.0),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +131,9 @@ def live(request: pytest.FixtureRequest, rig: RiggedModel, tmp_path_factory: pyt
             server = stack.enter_context(live_server(name, rig.path, log_path=log))
         except RuntimeError as exc:
             pytest.skip(f"{name} did not start: {str(exc)[-1500:]}")
-        proxy = stack.enter_context(mlxproxy_serve(server.url, {"tokenizer": str(rig.path / "tokenizer.json")},
-                                                   capture=True))
+        proxy = stack.enter_context(
+            mlxproxy_serve(server.url, {"tokenizer": str(rig.path / "tokenizer.json")}, capture=True)
+        )
         yield Live(name, server, proxy, rig)
 
 
@@ -167,11 +184,16 @@ def once(client: Any, model: str, **body: Any) -> Seen:
     raw = client.chat.completions.with_raw_response.create(model=model, **body)
     obj = raw.parse()
     msg = obj.choices[0].message
-    return Seen(content=msg.content or "", reasoning=_reasoning_of(msg),
-                tool_calls={i: {"name": t.function.name, "arguments": t.function.arguments}
-                            for i, t in enumerate(msg.tool_calls or [])},
-                finish_reason=obj.choices[0].finish_reason, usage=obj.usage,
-                request_id=raw.headers.get("x-mlxproxy-request-id"))
+    return Seen(
+        content=msg.content or "",
+        reasoning=_reasoning_of(msg),
+        tool_calls={
+            i: {"name": t.function.name, "arguments": t.function.arguments} for i, t in enumerate(msg.tool_calls or [])
+        },
+        finish_reason=obj.choices[0].finish_reason,
+        usage=obj.usage,
+        request_id=raw.headers.get("x-mlxproxy-request-id"),
+    )
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -248,8 +270,13 @@ def test_bytes_forwarded_faithfully(live: Live, stream_mode: str, case: str) -> 
 def test_words_stream(live: Live, include_usage: bool) -> None:
     """The rigged 16-word answer streamed, with and without include_usage: the SDK gets the
     words, usage only when it asked, and the record's usage is the server's."""
-    seen = stream(live.client(), live.server.model, messages=user("Say the words."), max_tokens=64,
-                  **(USAGE if include_usage else {}))
+    seen = stream(
+        live.client(),
+        live.server.model,
+        messages=user("Say the words."),
+        max_tokens=64,
+        **(USAGE if include_usage else {}),
+    )
     assert seen.error is None
     assert words_text(seen) == WORDS
     assert seen.finish_reason == "stop"
@@ -290,8 +317,11 @@ def test_tool_call(live: Live, streamed: bool) -> None:
     false usage alarm (the recount includes names and arguments) or burst alarm (parsers send a
     whole call as one delta)."""
     body = {"messages": user("Save my fruit list."), "tools": TOOLS, "max_tokens": 64}
-    seen = stream(live.client(), live.server.model, **body, **USAGE) if streamed else \
-        once(live.client(), live.server.model, **body)
+    seen = (
+        stream(live.client(), live.server.model, **body, **USAGE)
+        if streamed
+        else once(live.client(), live.server.model, **body)
+    )
     assert seen.error is None
     assert [c["name"] for c in seen.tool_calls.values()] == ["write_file"], seen
     assert json.loads(seen.tool_calls[min(seen.tool_calls)]["arguments"]) == TOOL_ARGUMENTS
@@ -299,14 +329,16 @@ def test_tool_call(live: Live, streamed: bool) -> None:
     assert seen.usage.completion_tokens in (39, 40)
     rec = live.proxy.record(seen.request_id)
     assert rec.outcome == "ok" and rec.tool_calls_valid == 1, rec
-    assert frozenset(rec.anomalies) == expected(live.name, "tool_stream" if streamed else "tool_nonstream"), \
+    assert frozenset(rec.anomalies) == expected(live.name, "tool_stream" if streamed else "tool_nonstream"), (
         rec.anomaly_evidence
+    )
 
 
 def test_tool_call_cut_by_max_tokens(live: Live) -> None:
     """max_tokens 30 cuts the 39-token call: what each server does with it, named as what it is."""
-    seen = stream(live.client(), live.server.model, messages=user("Save my fruit list."), tools=TOOLS,
-                  max_tokens=30, **USAGE)
+    seen = stream(
+        live.client(), live.server.model, messages=user("Save my fruit list."), tools=TOOLS, max_tokens=30, **USAGE
+    )
     assert not seen.tool_calls or live.name == "mlx-vlm", seen  # no complete call can come back
     rec = live.proxy.record(seen.request_id)
     assert frozenset(rec.anomalies) == expected(live.name, "tool_cut_stream"), rec.anomaly_evidence
@@ -316,8 +348,11 @@ def test_tool_call_cut_by_max_tokens(live: Live) -> None:
 def test_reasoning(live: Live, streamed: bool) -> None:
     """``<think>...</think>`` then an answer: reasoning and content apart, as the parser splits them."""
     body = {"messages": user("Please think: is it sunny?"), "max_tokens": 64}
-    seen = stream(live.client(), live.server.model, **body, **USAGE) if streamed else \
-        once(live.client(), live.server.model, **body)
+    seen = (
+        stream(live.client(), live.server.model, **body, **USAGE)
+        if streamed
+        else once(live.client(), live.server.model, **body)
+    )
     assert seen.reasoning.strip() == REASONING_THOUGHT.strip()
     assert seen.content.strip() == REASONING_ANSWER.strip()
     assert seen.finish_reason == "stop"
@@ -335,9 +370,10 @@ def test_two_at_once(live: Live) -> None:
     def one() -> None:
         try:
             go.wait()
-            results.append(stream(live.client(), live.server.model, messages=user("Count forever."),
-                                  max_tokens=1000, **USAGE))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+            results.append(
+                stream(live.client(), live.server.model, messages=user("Count forever."), max_tokens=1000, **USAGE)
+            )
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=one) for _ in range(2)]
@@ -348,9 +384,10 @@ def test_two_at_once(live: Live) -> None:
     assert not errors, errors
     recs = sorted((live.proxy.record(s.request_id) for s in results), key=lambda r: r.t_start_mono)
     got = sorted(frozenset(r.anomalies) - TIMING_DEPENDENT for r in recs)
-    assert got == sorted(expected(live.name, k) for k in ("two_at_once_a", "two_at_once_b")), \
-        [(r.anomaly_evidence, f"start {r.t_start_mono - recs[0].t_start_mono:.3f} ttft {r.ttft_s} e2e {r.e2e_s}")
-         for r in recs]
+    assert got == sorted(expected(live.name, k) for k in ("two_at_once_a", "two_at_once_b")), [
+        (r.anomaly_evidence, f"start {r.t_start_mono - recs[0].t_start_mono:.3f} ttft {r.ttft_s} e2e {r.e2e_s}")
+        for r in recs
+    ]
     for s in results:
         if not s.error:
             assert (s.content or s.reasoning).strip().startswith(LOOP.strip()[:20])

@@ -20,8 +20,17 @@ import httpx
 import pytest
 
 from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve
-from .rigged import (LOOP, REASONING_ANSWER, REASONING_THOUGHT, SHORT_TOOL_ARGUMENTS, TOOL_ARGUMENTS, WORDS,
-                     WORDS_N, RiggedModel, build_rigged_model)
+from .rigged import (
+    LOOP,
+    REASONING_ANSWER,
+    REASONING_THOUGHT,
+    SHORT_TOOL_ARGUMENTS,
+    TOOL_ARGUMENTS,
+    WORDS,
+    WORDS_N,
+    RiggedModel,
+    build_rigged_model,
+)
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
@@ -30,19 +39,33 @@ _REASON = mlx_unavailable_reason()
 if _REASON is not None:
     pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
 
-TOOLS = [{"type": "function", "function": {
-    "name": name, "description": "A tool.",
-    "parameters": {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": list(keys)}}}
-    for name, keys in (("write_file", ("path", "content")), ("get_time", ("zone",)))]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "A tool.",
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": "string"} for k in keys},
+                "required": list(keys),
+            },
+        },
+    }
+    for name, keys in (("write_file", ("path", "content")), ("get_time", ("zone",)))
+]
 
 
 @pytest.fixture(scope="module", params=["long", "short"])
-def rigged(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RiggedModel, Any]]:
+def rigged(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RiggedModel, Any]]:
     """(the rigged model, a running proxy in front of mlx_lm.server serving it)."""
     from .tinymodel import mlx_lm_server
 
-    rig = build_rigged_model(tmp_path_factory.mktemp(f"rig-{request.param}") / "model",
-                             short_tool_call=request.param == "short")
+    rig = build_rigged_model(
+        tmp_path_factory.mktemp(f"rig-{request.param}") / "model", short_tool_call=request.param == "short"
+    )
     with contextlib.ExitStack() as stack:
         with cpu_affinity(SERVER_CPUS):
             url = stack.enter_context(mlx_lm_server(rig.path, max_tokens=64))
@@ -82,7 +105,12 @@ def test_rigged_tool_call(rigged: tuple[RiggedModel, Any], stream: bool) -> None
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     last, chunks, rid = chat(px, tools=TOOLS, **extra)
     if stream:
-        calls = [tc for c in chunks for ch in c.get("choices") or [] for tc in (ch.get("delta") or {}).get("tool_calls") or []]
+        calls = [
+            tc
+            for c in chunks
+            for ch in c.get("choices") or []
+            for tc in (ch.get("delta") or {}).get("tool_calls") or []
+        ]
         finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices") or [] if ch.get("finish_reason")]
     else:
         calls = last["choices"][0]["message"]["tool_calls"]
@@ -105,8 +133,12 @@ def test_rigged_natural_stop_at_max_tokens(rigged: tuple[RiggedModel, Any]) -> N
 
 def test_rigged_reasoning(rigged: tuple[RiggedModel, Any]) -> None:
     _, px = rigged
-    last, chunks, rid = chat(px, messages=[{"role": "user", "content": "Please think first."}], stream=True,
-                             stream_options={"include_usage": True})
+    last, chunks, rid = chat(
+        px,
+        messages=[{"role": "user", "content": "Please think first."}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     assert deltas(chunks, "reasoning") == REASONING_THOUGHT
     assert deltas(chunks, "content") == REASONING_ANSWER
     no_anomalies(px, rid)
@@ -114,8 +146,13 @@ def test_rigged_reasoning(rigged: tuple[RiggedModel, Any]) -> None:
 
 def test_rigged_loop_runs_to_max_tokens(rigged: tuple[RiggedModel, Any]) -> None:
     _, px = rigged
-    last, chunks, rid = chat(px, messages=[{"role": "user", "content": "Count forever."}], max_tokens=30,
-                             stream=True, stream_options={"include_usage": True})
+    last, chunks, rid = chat(
+        px,
+        messages=[{"role": "user", "content": "Count forever."}],
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     words = LOOP.split()
     assert deltas(chunks, "content").split() == (words * 3)[:30]
     assert last["usage"]["completion_tokens"] == 30
