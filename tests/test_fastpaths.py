@@ -495,3 +495,25 @@ def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
         out.append(samples(pm.registry))
     assert out[0] == out[1]
     assert any(name == "mlxproxy_inter_token_latency_seconds_count" and v > 0 for name, _, v in out[0])
+
+
+# -- Record.evolve (finishing copies each record once, without dataclasses.replace) ------
+
+def test_record_evolve_is_dataclasses_replace() -> None:
+    import dataclasses
+
+    from mlxproxy.core.record import Record
+
+    base = Record(id="r1", started_at=1.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                  status=200, outcome="ok", anomalies=("stall",), anomaly_evidence={"stall": "x"},
+                  event_offsets_s=(0.1, 0.2))
+    changes = {"anomalies": ("stall", "usage_mismatch"), "wall_tps": 12.5, "conversation_id": "c", "turn": 2}
+    new = base.evolve(**changes)
+    assert new == dataclasses.replace(base, **changes)
+    assert new is not base and base.anomalies == ("stall",)  # the original is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.wall_tps = 1.0  # type: ignore[misc]
+    for f in dataclasses.fields(Record):  # every field copied, not only the changed ones
+        assert getattr(new, f.name) == changes.get(f.name, getattr(base, f.name)), f.name
+    with pytest.raises(AttributeError):
+        base.evolve(not_a_field=1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import dataclasses
 
 from mlxproxy.core.detect import Thresholds, check_prefix, check_record, check_tools, find_serialized, with_anomalies
 from mlxproxy.core.meter import RequestMeter
@@ -47,9 +46,9 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
         found.append(ser)
     info = meter.request
     pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
+    fields: dict = {}
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp)
-        fields: dict = {}
         if match is not None:
             fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
             found.extend(more)
@@ -62,5 +61,5 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
             cid, turn = match.conversation_id, match.turn
         else:
             cid, turn = None, None
-        record = dataclasses.replace(record, conversation_id=cid, turn=turn, **fields)
-    return with_anomalies(record, found, th)
+        fields.update(conversation_id=cid, turn=turn)
+    return with_anomalies(record, found, th, **fields)  # the record's one copy

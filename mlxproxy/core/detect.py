@@ -8,10 +8,10 @@ Pure functions over finished records. `check_record` looks at one record;
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlxproxy.core.openai import parse_context_limit
 from mlxproxy.core.record import Record, rate_figures
@@ -351,14 +351,18 @@ def with_trusted_count(r: Record) -> Record:
     n, source = trusted_count(r, r.anomalies)
     if (n, source) == (r.completion_tokens, r.tokens_source):
         return r
+    return r.evolve(**_trusted_fields(r, n, source))
+
+
+def _trusted_fields(r: Record, n: int | None, source: str | None) -> dict[str, Any]:
     tpot, decode, wall = rate_figures(n, r.ttft_s, r.e2e_s, r.duration_s)
-    return dataclasses.replace(r, completion_tokens=n, tokens_source=source, tpot_s=tpot, decode_tps=decode,
-                               wall_tps=wall)
+    return {"completion_tokens": n, "tokens_source": source, "tpot_s": tpot, "decode_tps": decode, "wall_tps": wall}
 
 
-def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Record:
-    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures and the
-    trusted token count (`with_trusted_count`)."""
+def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds, **changes: Any) -> Record:
+    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures, the
+    trusted token count (`with_trusted_count`) and any other `changes` (fields that do not
+    feed the trusted count), made in one copy: finishing copies each record once."""
     kinds = list(r.anomalies)
     evidence = dict(r.anomaly_evidence)
     for a in found:
@@ -366,8 +370,11 @@ def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Recor
             kinds.append(a.kind)
             evidence[a.kind] = a.evidence
     idx, lengths = stall_stats(r, th)
-    return with_trusted_count(dataclasses.replace(r, anomalies=tuple(kinds), anomaly_evidence=evidence,
-                                                  stall_count=len(idx), stall_total_s=sum(lengths)))
+    n, source = trusted_count(r, kinds)
+    if (n, source) != (r.completion_tokens, r.tokens_source):
+        changes.update(_trusted_fields(r, n, source))
+    return r.evolve(anomalies=tuple(kinds), anomaly_evidence=evidence, stall_count=len(idx),
+                    stall_total_s=sum(lengths), **changes)
 
 
 def _decode_window(r: Record) -> tuple[float, float] | None:
