@@ -357,3 +357,16 @@ def test_wall_tps_stops_at_done_and_the_tail_is_reported() -> None:
     _, r = run(request(max_tokens=8), reads[:-1], t_done + 0.6)
     assert r.tail_after_done_s is None and r.wall_tps == pytest.approx(8 / (t_done + 0.6))
     assert math.isclose(r.duration_s, t_done + 0.6)
+
+
+def test_every_anomaly_kind_is_documented() -> None:
+    """A kind a user can see (record, metric label, report) is explained in README and the dashboard guide."""
+    from pathlib import Path
+
+    from mlxproxy.core.detect import ANOMALY_KINDS
+
+    root = Path(__file__).parent.parent
+    for doc in ("README.md", "docs/DASHBOARDS.md"):
+        text = (root / doc).read_text()
+        missing = [k for k in ANOMALY_KINDS if f"`{k}`" not in text]
+        assert not missing, f"{doc} does not explain {missing}"
