@@ -506,44 +506,66 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
     return None
 
 
+def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, str]:
+    """What `r`'s TTFT would usually be on this upstream, from its other finished requests:
+    their median TTFT, or `r`'s own uncached prompt at their best prefill rate when that is
+    longer (a long prompt is slow on its own). (None, "") when they show neither."""
+    ok = [o for o in others if o.outcome in ("ok", "ok_no_done")]
+    ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    median = percentile(ttfts, 50) if ttfts else None
+    rates = [o.prefill_tps for o in ok if o.prefill_tps and prefill_judgeable(o)]
+    own = uncached_tokens(r.prompt_tokens, r.cached_tokens)
+    prefill = own / max(rates) if rates and own else None
+    if prefill is not None and (median is None or prefill > median):
+        return prefill, f"{own} uncached prompt tokens at this upstream's best {_fmt(max(rates))} tok/s prefill"
+    if median is not None:
+        return median, "the median TTFT here"
+    return None, ""
+
+
 def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
     """Generation that went on after its client left. An earlier request on the same
     upstream ended in `client_disconnect`; at its streamed rate it would have generated up
     to its `max_tokens` for `run_on` seconds more. `later` arrived before that time was
     over, its first token came at least `abandoned_min_wait_s` and at least half of
     `run_on` after the client left, and its TTFT is at least `abandoned_min_wait_s` and
-    (when the upstream's other finished requests show one) `abandoned_ttft_factor` times
-    their median TTFT. A server that stops on disconnect serves `later` at once.
-    Requests without `max_tokens` are not judged (how long they would run is unknown)."""
+    `abandoned_ttft_factor` times what it would usually be (`_expected_ttft`, when the
+    upstream's other finished requests show it). Without `max_tokens` the abandoned request
+    could have run on indefinitely: then the usual TTFT must be known. A server that stops
+    on disconnect serves `later` at once."""
     if later.outcome not in ("ok", "ok_no_done") or later.ttft_s is None:
         return None
     b_start, ttft = later.t_start_mono, later.ttft_s
     if ttft < th.abandoned_min_wait_s:
         return None
     same = [r for r in earlier if r.upstream == later.upstream and r is not later and r.id != later.id]
-    usual = sorted(r.ttft_s for r in same if r.outcome in ("ok", "ok_no_done") and r.ttft_s is not None)
-    median = percentile(usual, 50) if usual else None
-    if median is not None and ttft < th.abandoned_ttft_factor * median:
+    expected, basis = _expected_ttft(later, same)
+    if expected is not None and ttft < th.abandoned_ttft_factor * expected:
         return None
     b_first = b_start + ttft
     for a in same:
-        if a.outcome != "client_disconnect" or a.max_tokens is None or len(a.event_offsets_s) < 2:
+        if a.outcome != "client_disconnect" or len(a.event_offsets_s) < 2:
             continue
         left = a.t_end_mono
         window = a.event_offsets_s[-1] - a.event_offsets_s[0]
-        if window <= 0:
+        if window <= 0 or (a.max_tokens is None and expected is None):
             continue
         rate = (len(a.event_offsets_s) - 1) / window
-        remaining = max(a.max_tokens - a.generated_events, 0)
-        run_on = remaining / rate  # how long the abandoned generation would have gone on after the client left
-        waited = b_first - left  # how long `later` still waited for its first token after that
-        if b_start >= left + run_on or waited < th.abandoned_min_wait_s or waited < 0.5 * run_on:
+        waited = b_first - left  # how long `later` still waited for its first token after the client left
+        if a.max_tokens is not None:
+            run_on = max(a.max_tokens - a.generated_events, 0) / rate  # how long it would have gone on
+            if b_start >= left + run_on or waited < 0.5 * run_on:
+                continue
+            would = (f"left at event {a.generated_events} of max_tokens {a.max_tokens}, whose generation would "
+                     f"have run {_dur(run_on)} more at its {_fmt(rate)} events/s")
+        else:
+            would = f"left at event {a.generated_events} (no max_tokens: it could run on until its end)"
+        if waited < th.abandoned_min_wait_s:
             continue
-        usual_txt = f" (the median TTFT here is {_dur(median)})" if median is not None else ""
+        usual_txt = f" ({_dur(expected)} expected from {basis})" if expected is not None else ""
         return Anomaly("generation_after_disconnect", f"TTFT {_dur(ttft)}{usual_txt}: the first token came "
-                       f"{_dur(waited)} after the client of request {a.id} left at event {a.generated_events} of "
-                       f"max_tokens {a.max_tokens}, whose generation would have run {_dur(run_on)} more at its "
-                       f"{_fmt(rate)} events/s: the server kept generating for a client that had gone")
+                       f"{_dur(waited)} after the client of request {a.id} {would}: the server kept generating "
+                       "for a client that had gone")
     return None
 
 
