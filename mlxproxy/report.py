@@ -20,7 +20,7 @@ import orjson
 
 from mlxproxy import __version__
 from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
-from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
+from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load import generator_note, sent_rate
@@ -91,7 +91,8 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
     untrusted = [r for r in ok if r.usage_untrusted]
     out["untrusted_usage"] = len(untrusted)
     if untrusted:
-        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, r.duration_s) for r in ok]
+        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
+                    for r in ok]
         out["usage_figures"] = {"wall_tps_p50": summarize(f[2] for f in by_usage)["p50"],
                                 "decode_tps_p50": summarize(f[1] for f in by_usage)["p50"],
                                 "sources": dict(Counter(r.tokens_source for r in untrusted))}

@@ -11,7 +11,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES", "TOKENS_SOURCES", "rate_figures"]
+__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES", "TOKENS_SOURCES", "rate_figures", "uncached_tokens",
+           "wall_window_s"]
 
 OUTCOMES = (
     "ok",
@@ -45,6 +46,26 @@ def rate_figures(n_out: int | None, ttft_s: float | None, e2e_s: float | None,
     return tpot, decode, wall
 
 
+def uncached_tokens(prompt: int | None, cached: int | None) -> int | None:
+    """The prompt tokens a server really prefilled. Usually prompt_tokens - cached_tokens;
+    but `cached_tokens > prompt_tokens` can only mean the server's prompt_tokens already
+    leaves the cached ones out (mlx-openai-server: prompt_tokens 1, cached_tokens 41), so
+    prompt_tokens is the uncached count. None without prompt_tokens."""
+    if prompt is None:
+        return None
+    if cached is None or cached <= 0:
+        return max(prompt, 0)
+    return prompt if cached > prompt else prompt - cached
+
+
+def wall_window_s(duration_s: float | None, tail_after_done_s: float | None) -> float | None:
+    """The time wall tok/s divides by: to the end-of-stream event ([DONE]) when there was
+    one (an SDK stops reading there), else the whole request."""
+    if duration_s is None:
+        return None
+    return duration_s - (tail_after_done_s or 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """Everything measured about one request (definitions: docs/METRICS.md)."""
@@ -66,6 +87,7 @@ class Record:
     e2e_s: float | None = None
     headers_s: float | None = None
     duration_s: float | None = None  # t_end - t_start
+    tail_after_done_s: float | None = None  # body kept open after [DONE] (wall_tps stops at [DONE]); None: no [DONE]
     tpot_s: float | None = None
     decode_tps: float | None = None
     wall_tps: float | None = None
