@@ -242,7 +242,7 @@ class LoadGens:
             p.stdin.flush()
         out = []
         deadline = time.monotonic() + timeout_s
-        for i, (p, _) in enumerate(jobs):
+        for p, _ in jobs:
             assert p.stdout is not None
             left = deadline - time.monotonic()
             ready, _, _ = select.select([p.stdout], [], [], max(left, 0))

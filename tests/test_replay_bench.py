@@ -151,7 +151,7 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     assert res.error is None
     groups = {g["name"]: g for g in res.groups}
-    single = [r for r in groups["single"]["records"]]
+    single = list(groups["single"]["records"])
     truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
     truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
     s = groups["single"]["summary"]

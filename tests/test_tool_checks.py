@@ -250,7 +250,7 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
                               headers={"content-type": "application/json"}) as r:
                     b"".join(r.iter_bytes())
                     rid = r.headers["x-mlxproxy-request-id"]
-                assert wait_for(lambda: any(x.id == rid for x in app.recent.records))
+                assert wait_for(lambda: any(x.id == rid for x in app.recent.records))  # noqa: B023
                 recs.append(next(x for x in app.recent.records if x.id == rid))
     for r in recs:
         assert r.outcome == "ok" and set(r.anomalies) == fires, r.anomaly_evidence

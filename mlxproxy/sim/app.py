@@ -21,7 +21,8 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 
