@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import dataclasses
+from typing import Any
 
 from mlxproxy.core.detect import Thresholds, check_prefix, check_record, check_tools, find_serialized, with_anomalies
 from mlxproxy.core.meter import RequestMeter
@@ -49,7 +50,7 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
     pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp)
-        fields: dict = {}
+        fields: dict[str, Any] = {}
         if match is not None:
             fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
             found.extend(more)

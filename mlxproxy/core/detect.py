@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlxproxy.core.openai import parse_context_limit
 from mlxproxy.core.record import Record, rate_figures
@@ -278,7 +279,7 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     return out
 
 
-def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict, list[Anomaly]]:
+def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict[str, Any], list[Anomaly]]:
     """Record fields and anomalies of a request that continues a conversation (`m`):
     `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
     `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
@@ -288,7 +289,7 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     first turns)."""
     reusable, source = m.tokens(m.shared_chars)
     prev_tokens = m.tokens(m.previous_chars)[0]
-    fields: dict = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
+    fields: dict[str, Any] = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
                     "prefix_diverged_at": m.diverged_at}
     cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
     if cached is not None and reusable > 0:

@@ -39,9 +39,9 @@ class PromptPrint:
 
     key: int  # the conversation key: first user message and declared tool names
     labels: tuple[str, ...]
-    hashes: array  # one per piece
-    chars: array  # characters per piece
-    blocks: tuple[array | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
+    hashes: array[int]  # one per piece
+    chars: array[int]  # characters per piece
+    blocks: tuple[array[int] | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
     tools_set: int  # fingerprint of the tools in name order (to tell "tools order" from a change)
 
     @property
@@ -94,7 +94,7 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
                         else "" for t in (tools if isinstance(tools, list) else ()))
     key = hash((first_user, tuple(str(n) for n in tool_names)))
     budget = MAX_BLOCKS
-    blocks: list[array | None] = []
+    blocks: list[array[int] | None] = []
     for _, text in pieces:
         n = (len(text) + BLOCK_CHARS - 1) // BLOCK_CHARS
         if n <= budget:
