@@ -17,7 +17,7 @@ from mlxproxy.capture import MIGRATIONS, CaptureWriter, Exchange, read_capture
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError
 
-from conftest import read_fixture
+from support import read_fixture
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from test_proxy_e2e import proxy, wait_for
 

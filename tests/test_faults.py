@@ -40,8 +40,8 @@ from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import closed_port, read_fixture
-from conftest import wait_for as _wait_for
+from support import closed_port, read_fixture
+from support import wait_for as _wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")

@@ -25,7 +25,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.cache import PromptCache
 
-from conftest import FIXTURES, wait_for
+from support import FIXTURES, wait_for
 
 TH = Thresholds()
 REAL2 = FIXTURES / "real2"

@@ -21,7 +21,7 @@ from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
 
-from conftest import read_fixture
+from support import read_fixture
 from timing import latency_ok, rate_ok
 from fakeupstream import FakeUpstream, Req, Conn, sse_response
 from test_proxy_e2e import proxy, wait_for
