@@ -36,7 +36,7 @@ ANOMALY_KINDS = (
 @dataclass(frozen=True)
 class Thresholds:
     """Detector thresholds (units in the names). Defaults are chosen to stay silent on
-    every healthy server style in WIRE.md while catching each benchmark pathology."""
+    every healthy server style in docs/WIRE.md#what-each-server-sends while catching each benchmark pathology."""
 
     usage_min_tokens: int = 16  # below this many tokens the usage checks do not judge
     usage_extra_tokens: int = 3  # EOS and think-control tokens a server may count but not stream

@@ -4,8 +4,8 @@ A style object formats one response (`WireContext` fixes its id, model echo, cre
 endpoint). The base `Style` is the OpenAI reference format (compact JSON, role chunk with
 `content: ""`, usage only with `include_usage` as a `choices: []` chunk); `DetailErrors` is the
 base of the FastAPI servers whose own errors are `{"detail": ...}`. `wire_servers.py` and
-`wire_vllm.py` hold one subclass per real MLX server, following docs/WIRE.md and
-tests/fixtures/{wire,real}; `styles.py` names them all (`style_class`, `style_for`). The
+`wire_vllm.py` hold one subclass per real MLX server, following
+docs/WIRE.md#what-each-server-sends and tests/fixtures/{wire,real}; `styles.py` names them all (`style_class`, `style_for`). The
 dependencies run one way: this module imports neither of those. Styles that use spaced JSON
 (`json.dumps` defaults, ASCII escapes) override `dumps`.
 

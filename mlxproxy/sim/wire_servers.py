@@ -1,9 +1,10 @@
-"""One `Style` per real MLX server, following docs/WIRE.md and the recorded fixtures.
+"""One `Style` per real MLX server, following docs/WIRE.md#what-each-server-sends and the fixtures.
 
 This module: mlx_lm.server, mlx-openai-server, mlx-omni-server, mlx-vlm; the vllm-mlx
 lineage (vllm-mlx, Rapid-MLX, oMLX) is in `wire_vllm.py`.
 
-Deliberate simplifications (the body bytes are copied; these are not): every style is served
+Deliberate simplifications (docs/WIRE.md#the-simulators-styles; the body bytes follow the
+servers, these do not): every style is served
 over HTTP/1.1 by uvicorn (mlx_lm.server speaks HTTP/1.0 and ends the body at connection
 close); `created` stays fixed within a response; ids are deterministic per request.
 """

@@ -1,6 +1,6 @@
 """Styles of the vllm-mlx lineage: vllm-mlx, its fork Rapid-MLX, and oMLX (same chunk shapes).
 
-Following docs/WIRE.md and tests/fixtures/{wire,real}; see `wire_servers.py` for the
+Following docs/WIRE.md#what-each-server-sends and tests/fixtures/{wire,real}; see `wire_servers.py` for the
 simplifications shared by every style.
 """
 
