@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from support import fast_stack_installed, read_fixture
+
+# FIXTURES, closed_port, splits and wait_for stay importable from here for test files written before
+# support.py existed (branches merged later); tests/test_architecture.py names any file that does.
+from support import FIXTURES, closed_port, fast_stack_installed, read_fixture, splits, wait_for  # noqa: F401
 
 
 @pytest.fixture

@@ -164,6 +164,15 @@ def test_no_module_of_the_package_imports_a_private_name_of_another() -> None:
     assert private == []
 
 
+def test_tests_import_their_helpers_from_support_not_conftest() -> None:
+    tests = Path(__file__).resolve().parent
+    files = sorted(tests.rglob("*.py"))
+    assert any(p.name == "support.py" for p in files)
+    bad = [f"{p.relative_to(tests)}:{line}" for p in files if p.name != "conftest.py"
+           for target, _, line in imports_of("tests", p) if target == "conftest"]
+    assert bad == [], "import shared helpers with `from support import ...` (conftest.py is for fixtures)"
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
