@@ -289,7 +289,7 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
     if interrupted:
-        fail(f"interrupted: what was measured so far is printed"
+        fail("interrupted: what was measured so far is printed"
              + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""), 130)
     if results and all(r.error for r in results):
         fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)

@@ -23,7 +23,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.proxy.app import create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import FIXTURES, splits, wait_for
+from support import FIXTURES, splits, wait_for
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
 TH = Thresholds()

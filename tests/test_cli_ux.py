@@ -371,7 +371,7 @@ def test_every_shared_option_has_one_meaning() -> None:
 
 
 def test_old_spellings_still_work_with_a_deprecation_line(capture: Path) -> None:
-    for (command, opt), instead in DEPRECATED.items():
+    for command, opt in DEPRECATED:
         p = next(p for p in main.commands[command].params if opt in getattr(p, "opts", ()))
         assert p.hidden, (command, opt)
     res = cli("sim", "--max-tokens", "7", "--dry-run")

@@ -28,7 +28,7 @@ from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
 
-from conftest import FIXTURES, splits
+from support import FIXTURES, splits
 
 # chat and text completion streams (the Anthropic Messages and Responses recordings have their own rules)
 SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse")

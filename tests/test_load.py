@@ -471,7 +471,7 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     served = []
 
-    async def counting(scope, receive, send):  # noqa: ANN001 - an ASGI app counting completions requests
+    async def counting(scope, receive, send):  # an ASGI app counting completions requests
         await app(scope, receive, send)
         if scope["type"] == "http" and scope["path"].endswith("/completions"):
             served.append(1)

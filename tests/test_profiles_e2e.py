@@ -256,8 +256,6 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
-    url, app, _ = stack
-    since = app.recent.total
     fast = ServerThread(create_sim("healthy", speed=8.0)).start()  # 400 tok/s: 2.5 ms token gaps
     try:
         raw = {"upstreams": [{"name": "fast", "url": fast.url}]}

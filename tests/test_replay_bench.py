@@ -21,7 +21,7 @@ from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
 
-from conftest import read_fixture
+from support import read_fixture
 from timing import latency_ok, rate_ok
 from fakeupstream import FakeUpstream, Req, Conn, sse_response
 from test_proxy_e2e import proxy, wait_for
@@ -151,7 +151,7 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     assert res.error is None
     groups = {g["name"]: g for g in res.groups}
-    single = [r for r in groups["single"]["records"]]
+    single = list(groups["single"]["records"])
     truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
     truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
     s = groups["single"]["summary"]

@@ -17,7 +17,7 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record, rate_figures, wall_window_s
 from mlxproxy.report import summarize_records, summary_row, untrusted_notes
 
-from conftest import read_fixture
+from support import read_fixture
 
 TH = Thresholds()
 GAP = 0.02  # one event every 20 ms: 50 tok/s when each event is a token

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
+from typing import Any
 
 from mlxproxy.core.detect import (Thresholds, check_markup, check_prefix, check_record, check_tools, find_abandoned,
                                   find_serialized, with_anomalies)
@@ -52,7 +52,7 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
         found.append(gone)
     info = meter.request
     pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
-    fields: dict = {}
+    fields: dict[str, Any] = {}
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp)
         if match is not None:

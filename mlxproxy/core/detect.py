@@ -38,7 +38,7 @@ ANOMALY_KINDS = (
 @dataclass(frozen=True)
 class Thresholds:
     """Detector thresholds (units in the names). Defaults are chosen to stay silent on
-    every healthy server style in WIRE.md while catching each benchmark pathology."""
+    every healthy server style in docs/WIRE.md#what-each-server-sends while catching each benchmark pathology."""
 
     usage_min_tokens: int = 16  # below this many tokens the usage checks do not judge
     usage_extra_tokens: int = 3  # EOS and think-control tokens a server may count but not stream
@@ -350,7 +350,7 @@ def check_markup(r: Record, content: str) -> list[Anomaly]:
     return out
 
 
-def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict, list[Anomaly]]:
+def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict[str, Any], list[Anomaly]]:
     """Record fields and anomalies of a request that continues a conversation (`m`):
     `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
     `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
@@ -360,7 +360,7 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     first turns)."""
     reusable, source = m.tokens(m.shared_chars)
     prev_tokens = m.tokens(m.previous_chars)[0]
-    fields: dict = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
+    fields: dict[str, Any] = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
                     "prefix_diverged_at": m.diverged_at}
     cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
     if cached is not None and reusable > 0:

@@ -382,7 +382,7 @@ class RequestMeter:
             except orjson.JSONDecodeError:
                 body_obj = None
         err_msg = error
-        ctx = (False, None, None)
+        ctx: tuple[bool, int | None, int | None] = (False, None, None)
         st = self.status
         if st is not None and st >= 400:
             err_msg = err_msg or error_message(body_obj) or _text_snippet(self._body)

@@ -1,4 +1,4 @@
-"""What OpenAI-compatible requests, chunks and error bodies mean, following WIRE.md (b).
+"""What OpenAI-compatible requests, chunks and error bodies mean (docs/WIRE.md#rules-the-core-applies).
 
 Pure functions over already-decoded JSON values (and request bytes); no I/O. Servers
 disagree about nearly everything, so every rule here reacts to what is on the wire, never

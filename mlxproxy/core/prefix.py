@@ -39,9 +39,9 @@ class PromptPrint:
 
     key: int  # the conversation key: first user message and declared tool names
     labels: tuple[str, ...]
-    hashes: array  # one per piece
-    chars: array  # characters per piece
-    blocks: tuple[array | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
+    hashes: array[int]  # one per piece
+    chars: array[int]  # characters per piece
+    blocks: tuple[array[int] | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
     tools_set: int  # fingerprint of the tools in name order (to tell "tools order" from a change)
 
     @property
@@ -110,7 +110,7 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
             else "" for t in tools))
     key = hash((first_user, names))
     budget = MAX_BLOCKS
-    blocks: list[array | None] = []
+    blocks: list[array[int] | None] = []
     hashes: list[int] = []
     lengths: list[int] = []
     for _, text in pieces:

@@ -198,7 +198,7 @@ class Record:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Record":
+    def from_dict(cls, d: dict[str, Any]) -> Record:
         """Inverse of `to_dict` (unknown keys ignored; used by capture and report readers)."""
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}

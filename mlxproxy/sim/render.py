@@ -12,7 +12,6 @@ multiplier) and the request's faults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from mlxproxy.sim.engine import Event, Finish, Headers, PrefillProgress, Rejected, Token
 from mlxproxy.sim.faults import Faults
@@ -45,7 +44,7 @@ class Close:
     reset: bool
 
 
-Write = Union[Start, bytes, Stall, Close]
+Write = Start | bytes | Stall | Close
 
 
 def context_message(prompt_tokens: int, max_context_tokens: int) -> str:

@@ -127,7 +127,7 @@ def test_200_requests_of_real_text_raise_no_usage_alarm(fixed_text, mlx_server: 
         cfg = {"recent_records": 500, **({"tokenizer": str(model.path / "tokenizer.json")} if tokenizer else {})}
         with mlxproxy_serve(fixed_url, cfg) as px:
             seen = []
-            for kind, prompt, max_tokens in varied_requests(model, seed=14):
+            for _kind, prompt, max_tokens in varied_requests(model, seed=14):
                 s = stream_chat(http, px.url, prompt, max_tokens)
                 seen.append(s)
             totals["rigged"] = check_records(px, seen, tokenizer)
