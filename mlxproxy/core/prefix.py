@@ -103,7 +103,7 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
             first_user = _text(m.get("content"))
     if first_user is None:
         return None
-    names = ()
+    names: tuple[str, ...] = ()
     if isinstance(tools, list) and tools:
         names = tuple(str(n) for n in sorted(
             t.get("function", t).get("name", "") if isinstance(t, dict) and isinstance(t.get("function", t), dict)
