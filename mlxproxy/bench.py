@@ -29,7 +29,7 @@ from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_s
                            run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
-from mlxproxy.report import aggregate_tps, mark_speeds, summarize_records, untrusted_notes
+from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 
 __all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class", "headline", "headline_notes", "DEFAULT_SIZES"]
 
@@ -340,12 +340,6 @@ def wave_class(w: dict[str, Any]) -> str:
     return "continuous batching" if sp is None or sp >= GAIN else "batches, no gain"
 
 
-def _range(lo: float | None, hi: float | None, fmt: str) -> str:
-    if lo is None or hi is None or format(lo, fmt) == format(hi, fmt):
-        return ""
-    return f" ({format(lo, fmt)}\u2013{format(hi, fmt)})"
-
-
 def batching_verdict(group: dict[str, Any]) -> str | None:
     """The batching part of a verdict, from a wave group (`double`, `xN`): the class most
     waves agree on (two thirds of them), with the median speedup and its spread over the waves
@@ -363,8 +357,8 @@ def batching_verdict(group: dict[str, Any]) -> str | None:
     top = max(counts, key=lambda c: counts[c])
     at = "" if n == 2 else f" at {n} streams"
     sp, ov = s.get("speedup"), s.get("overlap")
-    sp_txt = "" if sp is None else f"{sp:.2f}x" + _range(s.get("speedup_min"), s.get("speedup_max"), ".2f")
-    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + _range(s.get("overlap_min"), s.get("overlap_max"), ".2f")
+    sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
+    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")
     if counts[top] * 3 < len(rows) * 2:
         mix = ", ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
         figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
