@@ -371,8 +371,7 @@ def batching_verdict(group: dict[str, Any]) -> str | None:
         return f"rejects concurrent requests{at} ({counts[top]} of {len(rows)} waves: {', '.join(how)})"
     parts = [top + at]
     if top == "overlap not measurable":
-        parts = [f"speedup{at} {sp_txt}" if sp_txt else top + at, "overlap not measurable (streams not incremental)"]
-        return ", ".join(parts)
+        return f"speedup{at} {sp_txt}, overlap not measurable" if sp_txt else top + at
     if sp_txt:
         parts[0] += (": " if top in ("serial", "batches, no gain") else " ") + sp_txt
     over = [w["speedup"] for w in rows if w.get("speedup") is not None and w["speedup"] > n * IMPOSSIBLE_MARGIN]

@@ -49,7 +49,7 @@ def group(rows: list[dict[str, Any]], streams: int = 2) -> dict[str, Any]:
     (wave(0.9, 0.0), "serial"),
     (wave(1.43, 0.40), "partial batching"),
     (wave(0.98, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]), "rejects concurrent requests"),
-    (wave(1.9, None), "overlap not measurable"),
+    (wave(1.9, None), "overlap not measurable"),  # e.g. each answer in one burst
 ])
 def test_wave_class(w: dict[str, Any], expected: str) -> None:
     assert wave_class(w) == expected
