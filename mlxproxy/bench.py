@@ -349,7 +349,7 @@ def batching_verdict(group: dict[str, Any]) -> str | None:
     rows = s.get("waves")
     if rows is None:  # an older result file: one judgment from the medians
         rows = [{"speedup": s.get("speedup"), "overlap": s.get("overlap"), "ok": s.get("ok"), "failed": []}]
-    rows = [w for w in rows if w.get("ok") or w.get("failed")]
+    rows = [w for w in rows if w.get("ok")]  # a wave with nothing served says nothing about batching
     if not rows:
         return None
     classes = [wave_class(w) for w in rows]
@@ -360,7 +360,7 @@ def batching_verdict(group: dict[str, Any]) -> str | None:
     sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
     ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")
     if counts[top] * 3 < len(rows) * 2:
-        mix = ", ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
+        mix = " / ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
         figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
         return f"inconclusive{at}: the {len(rows)} waves disagree ({mix}){'; ' + figures if figures else ''}"
     if top == "rejects concurrent requests":
