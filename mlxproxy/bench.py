@@ -1,9 +1,11 @@
 """`mlxproxy bench`: compare servers the way the 2026 MLX benchmark did.
 
-Per target: one request at a time at each prompt size (`single`), then waves of two
+Per target: one request at a time at each prompt size (`single`), then rounds of waves of two
 identical-size requests released together (`double`), optionally waves of N for a
-concurrency curve; every test repeated and summarised by medians. Each request is metered
-by the shared core and checked by the truth checks; a verdict names what was found.
+concurrency curve, each round between two requests alone (`baseline`); every test repeated
+and summarised by medians. Each request is metered by the shared core and checked by the
+truth checks; a verdict names what was found, the batching part judged wave by wave
+(`wave_class`, `batching_verdict`).
 
 Prompts of a given token count are built without any download: two probe requests
 calibrate characters per token against the target's own `usage.prompt_tokens` (a linear
@@ -31,7 +33,8 @@ from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 
-__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class", "headline", "headline_notes", "DEFAULT_SIZES"]
+__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class",
+           "headline", "headline_notes", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (100, 500, 1000, 2000, 4000, 8000, 16000, 53000)
 
@@ -309,8 +312,8 @@ def _sent(records: Sequence[Record]) -> int | None:
     return int(percentile(vals, 50)) if vals else None
 
 
-#: overlap (share of a wave's time when its streams were all generating) at or below which the
-#: streams were served one after another, and at or above which they were generated together
+#: overlap (share of a wave's decode time when at least two of its streams were generating) at or
+#: below which the streams were served one after another, and at or above which they were generated together
 OVERLAP_SERIAL = 0.25
 OVERLAP_BATCHING = 0.6
 #: with overlapping streams, a speedup below this is no gain (a CPU-bound server shares one compute)
