@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +168,15 @@ def test_bench_verdict_holds_over_three_runs(case: str, tmp_path: Path) -> None:
     with ServerThread(create_sim(profile, speed=8.0 if case == "partial" else 4.0)) as sim:
         for run in range(3):
             out = tmp_path / f"r{run}.json"
+            html = tmp_path / f"r{run}.html"
             r = CliRunner().invoke(main, ["bench", "--target", f"{case}={sim.url}", "--prompt-tokens", "100",
-                                          "--max-tokens", "32", "--repeat", "3", "--json", str(out)])
+                                          "--max-tokens", "32", "--repeat", "3", "--json", str(out), "--html", str(html)])
             assert r.exit_code == 0, r.output
             doc = orjson.loads(out.read_bytes())
             text = doc["verdicts"][case]
             assert text.startswith(expected), (run, text)
             assert f"{case}  {text[:40]}" in " ".join(r.output.split("\n    "))  # the console shows it too
+            assert f'<td class="verdict">{escape(text)}</td>' in html.read_text(encoding="utf-8")  # and the HTML
             groups = {g["name"]: g for g in doc["groups"]}
             s = groups["double"]["summary"]
             assert len(s["waves"]) == 3 and groups["baseline"]["summary"]["requests"] == 4
