@@ -191,7 +191,8 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
         strict = cli(*bench_args(sim.url, "--fail-on", "slo", "--slo", "ttft_p50=0.1ms"))
     assert bad.returncode == 1, bad.stderr[-1500:]
     last = bad.stderr.strip().splitlines()[-1]
-    assert last.startswith("mlxproxy: --fail-on") and "phantom_speed in 6 of 6 requests" in last and "Traceback" not in bad.stderr
+    # 2 alone + 2 waves of 2 + 3 alone around the waves (the baseline)
+    assert last.startswith("mlxproxy: --fail-on") and "phantom_speed in 9 of 9 requests" in last and "Traceback" not in bad.stderr
     assert plain.returncode == 0, plain.stderr[-1500:]
     assert good.returncode == 0, good.stderr[-1500:]
     assert good.stderr.strip().splitlines()[-1] == f"mlxproxy: --fail-on {checks}: every check held"

@@ -210,10 +210,15 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     out = res.stdout
     lines: dict[str, str] = {}
     verdicts = out[out.index("Verdicts:"):]
-    for line in verdicts.splitlines()[1:]:  # the verdicts: one line per target
+    last = ""
+    for line in verdicts.splitlines()[1:]:  # the verdicts: one per target, long ones wrapped (indented)
         if not line.strip():
             break
-        lines.setdefault(line.split()[0], line)
+        if line.startswith(" ") and last:
+            lines[last] += " " + line.strip()
+            continue
+        last = line.split()[0]
+        lines.setdefault(last, line)
     assert "continuous batching" in lines["mlx-openai-server"]
     assert "serial: " in lines["mlx-omni-server"]  # 0.88x on a quiet machine; the verdict is what counts
     assert "no incremental streaming" in lines["rapid-mlx"]

@@ -218,6 +218,8 @@ class SimApp:
         }
         self.truths.append(truth)
         early = renderer.before_admission()
+        if not renderer.done and self.profile.reject_concurrent and self._queues:  # busy: refuse it
+            early = renderer.reject_busy(self.profile.reject_concurrent)
         if renderer.done:
             truth["outcome"] = "fault"
             await self._play(early, send, receive, renderer, _Offset())
