@@ -265,6 +265,19 @@ def test_abandoned_generation_needs_the_usual_ttft_and_time_left() -> None:
     assert "generation_after_disconnect" not in abandoned_pair(9.5, b_start=4.2).anomalies
 
 
+def test_a_request_served_promptly_after_the_disconnect_clears_the_server() -> None:
+    """C arrived after A's client left and got its first token in 20 ms: the server had
+    stopped, so B's slow TTFT is something else."""
+    usual = [text_stream(20, -10.0 + i + 0.02, 0.02, f"U{i}", -10.0 + i) for i in range(3)]
+    a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200,
+                    earlier=usual)
+    c = text_stream(5, 0.62, 0.02, "C", 0.6, earlier=[*usual, a])
+    b = text_stream(20, 4.13, 0.02, "B", 1.0, earlier=[*usual, a, c])
+    assert "generation_after_disconnect" not in b.anomalies
+    b = text_stream(20, 4.13, 0.02, "B", 1.0, earlier=[*usual, a])
+    assert "generation_after_disconnect" in b.anomalies
+
+
 def test_a_long_prompt_explains_a_long_ttft_after_a_disconnect() -> None:
     """4000 uncached prompt tokens at this upstream's 1000 tok/s prefill take ~4 s on their own."""
     assert "generation_after_disconnect" not in abandoned_pair(4.13, prompt=4000).anomalies
