@@ -60,7 +60,7 @@ class Thresholds:
     silent_prefill_s: float = 120.0  # no byte at all this long after the headers
     serialized_min_wait_s: float = 1.0  # waited this long for another stream (> 2 admission slices of 0.5 s)
     abandoned_min_wait_s: float = 1.0  # generation_after_disconnect: a TTFT at least this long...
-    abandoned_ttft_factor: float = 5.0  # ...and this many times the upstream's median TTFT
+    abandoned_ttft_factor: float = 5.0  # ...and this many times its usual TTFT on the upstream
     superlinear_factor: float = 3.0  # prefill tok/s this many times lower at the largest prompt
     superlinear_min_size_ratio: float = 4.0
     prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
@@ -456,8 +456,8 @@ def _decode_window(r: Record) -> tuple[float, float] | None:
     return r.t_start_mono + r.event_offsets_s[0], r.t_start_mono + r.event_offsets_s[-1]
 
 
-def _busy_span(a: Record) -> tuple[float, float, str] | None:
-    """(first token, end, how it ended) of a stream the server was generating, on the
+def _busy_span(a: Record) -> tuple[float, float] | None:
+    """(first token, end) of a stream the server was generating, on the
     monotonic clock: a complete incremental stream to its last token; a `client_disconnect`
     from its first token (else its arrival) until the proxy closed the connection, the
     moment a server that honours disconnects stops. None for anything else."""
@@ -465,10 +465,10 @@ def _busy_span(a: Record) -> tuple[float, float, str] | None:
         if "non_incremental_stream" in a.anomalies:  # its token times say nothing about progress
             return None
         w = _decode_window(a)
-        return None if w is None else (w[0], w[1], "last token")
+        return w
     if a.outcome == "client_disconnect":
         w = _decode_window(a)
-        return (w[0] if w is not None else a.t_start_mono), a.t_end_mono, "client left"
+        return (w[0] if w is not None else a.t_start_mono), a.t_end_mono
     return None
 
 
@@ -493,7 +493,7 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
         span = _busy_span(a)
         if span is None:
             continue
-        a_first, a_end, how = span
+        a_first, a_end = span
         waited_during = a_end - max(b_start, a.t_start_mono)  # a ran while `later` had no token yet
         if a_end > b_first or waited_during < th.serialized_min_wait_s:
             continue
