@@ -302,6 +302,15 @@ def test_think_markup_in_content_is_reasoning_in_content() -> None:
     _, r = run(request(), reads, 1.0)
     assert r.anomalies == ("reasoning_in_content",), r.anomaly_evidence
     assert "'<think>' at char 0" in r.anomaly_evidence["reasoning_in_content"]
+    # the block opened in the prompt (Qwen3's template): only its end is streamed
+    reads = paced([delta({"content": p}) for p in parts[1:]] + [delta({}, "stop"),
+                  data({"choices": [], "usage": usage(10)}), DONE], 0.1, 0.02)
+    assert run(request(), reads, 1.0)[1].anomalies == ("reasoning_in_content",)
+    # an answer that mentions the tag is not reasoning markup
+    parts = ["Wrap", " it", " in", " a", " <think>", " tag", "."]
+    reads = paced([delta({"content": p}) for p in parts] + [delta({}, "stop"),
+                  data({"choices": [], "usage": usage(8)}), DONE], 0.1, 0.02)
+    assert run(request(), reads, 1.0)[1].anomalies == ()
 
 
 def test_answer_streamed_entirely_as_reasoning_is_reasoning_only() -> None:

@@ -327,8 +327,10 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     return out
 
 
-# reasoning markup a server's reasoning parser should have taken out of the content
-_THINK = re.compile(r"</?think>|<\|channel\|>analysis|<\|begin_of_thought\|>")
+# reasoning markup a server's reasoning parser should have taken out of the content: an answer
+# that opens with a reasoning block, or the end of one anywhere (Qwen3's template opens the block
+# in the prompt); a `<think>` mentioned mid-answer is not judged
+_THINK = re.compile(r"^\s*(?:<think>|<\|channel\|>analysis|<\|begin_of_thought\|>)|</think>|<\|end_of_thought\|>")
 _SCAN_CHARS = 64 * 1024
 
 
