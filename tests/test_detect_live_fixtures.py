@@ -141,6 +141,7 @@ def test_tool_calls_are_recounted_and_never_a_burst(server: str) -> None:
         assert r.tool_calls == 0 and r.completion_tokens_tokenizer is not None
         return
     assert r.tool_calls == 1 and r.tool_calls_valid == 1
+    assert "non_incremental_stream" not in r.anomalies, r.anomaly_evidence
     assert r.completion_tokens_reported == 40
     assert 30 <= r.completion_tokens_tokenizer <= 44, r.completion_tokens_tokenizer
     assert r.tokens_source == "usage"
