@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import orjson
 import pytest
@@ -21,11 +20,7 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 
-FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def read_fixture(rel: str) -> bytes:
-    return (FIXTURES / rel).read_bytes()
+from conftest import read_fixture
 
 TH = Thresholds()
 USAGE_KINDS = {"usage_mismatch", "phantom_speed"}
@@ -405,6 +400,8 @@ def test_wall_tps_stops_at_done_and_the_tail_is_reported() -> None:
 
 def test_every_anomaly_kind_is_documented() -> None:
     """A kind a user can see (record, metric label, report) is explained in README and the dashboard guide."""
+    from pathlib import Path
+
     from mlxproxy.core.detect import ANOMALY_KINDS
 
     root = Path(__file__).parent.parent
