@@ -229,14 +229,15 @@ def test_serialized_with_a_client_disconnect_counted_until_the_server_stopped() 
 
 # -- generation after the client left -------------------------------------------------------
 
-def abandoned_pair(b_first: float, *, usual_before: bool = True, no_max: bool = False, prompt: int = 20) -> Record:
+def abandoned_pair(b_first: float, *, usual_before: bool = True, no_max: bool = False, prompt: int = 20,
+                   b_start: float = 1.0) -> Record:
     """A (max_tokens 200) streams 20 tokens at 50 tok/s and its client leaves at 0.5 s; the
     server would need 3.6 s more to finish it. Earlier requests had a 20 ms TTFT (prompts
     of 20 tokens: 1000 tok/s prefill)."""
     usual = [text_stream(20, -10.0 + i + 0.02, 0.02, f"U{i}", -10.0 + i) for i in range(3)] if usual_before else []
     a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200,
                     no_max=no_max, earlier=usual)
-    return text_stream(20, b_first, 0.02, "B", 1.0, earlier=[*usual, a], prompt=prompt)
+    return text_stream(20, b_first, 0.02, "B", b_start, earlier=[*usual, a], prompt=prompt)
 
 
 def test_generation_after_disconnect_inflates_the_next_ttft() -> None:
@@ -246,7 +247,7 @@ def test_generation_after_disconnect_inflates_the_next_ttft() -> None:
     assert "generation_after_disconnect" in b.anomalies, b.anomaly_evidence
     ev = b.anomaly_evidence["generation_after_disconnect"]
     assert "TTFT 3.13 s (20 ms expected from the median TTFT here)" in ev and "left at event 20 of max_tokens 200" in ev
-    assert "would have run 3.60 s more" in ev
+    assert "(up to 3.60 s more at its 50.0 events/s)" in ev
     assert "serialized" not in b.anomalies  # it arrived after the client left: nothing to wait for but the server
 
 
@@ -254,14 +255,27 @@ def test_a_server_that_stops_on_disconnect_is_not_flagged() -> None:
     assert "generation_after_disconnect" not in abandoned_pair(1.03).anomalies
 
 
-def test_abandoned_generation_without_max_tokens_needs_the_usual_ttft() -> None:
+def test_abandoned_generation_needs_the_usual_ttft_and_time_left() -> None:
     b = abandoned_pair(4.13, no_max=True)
     assert "generation_after_disconnect" in b.anomalies
-    assert "(no max_tokens: it could run on until its end)" in b.anomaly_evidence["generation_after_disconnect"]
+    assert "left at event 20 (no max_tokens)" in b.anomaly_evidence["generation_after_disconnect"]
     # nothing to compare the TTFT with: not judged
-    assert "generation_after_disconnect" not in abandoned_pair(4.13, no_max=True, usual_before=False).anomalies
-    # with max_tokens the abandoned request's own rate is the yardstick
-    assert "generation_after_disconnect" in abandoned_pair(4.13, usual_before=False).anomalies
+    assert "generation_after_disconnect" not in abandoned_pair(4.13, usual_before=False).anomalies
+    # arrived after the abandoned request would have finished (0.5 + 3.6 s): not its doing
+    assert "generation_after_disconnect" not in abandoned_pair(9.5, b_start=4.2).anomalies
+
+
+def test_a_request_served_promptly_after_the_disconnect_clears_the_server() -> None:
+    """C arrived after A's client left and got its first token in 20 ms: the server had
+    stopped, so B's slow TTFT is something else."""
+    usual = [text_stream(20, -10.0 + i + 0.02, 0.02, f"U{i}", -10.0 + i) for i in range(3)]
+    a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200,
+                    earlier=usual)
+    c = text_stream(5, 0.62, 0.02, "C", 0.6, earlier=[*usual, a])
+    b = text_stream(20, 4.13, 0.02, "B", 1.0, earlier=[*usual, a, c])
+    assert "generation_after_disconnect" not in b.anomalies
+    b = text_stream(20, 4.13, 0.02, "B", 1.0, earlier=[*usual, a])
+    assert "generation_after_disconnect" in b.anomalies
 
 
 def test_a_long_prompt_explains_a_long_ttft_after_a_disconnect() -> None:
@@ -288,6 +302,15 @@ def test_think_markup_in_content_is_reasoning_in_content() -> None:
     _, r = run(request(), reads, 1.0)
     assert r.anomalies == ("reasoning_in_content",), r.anomaly_evidence
     assert "'<think>' at char 0" in r.anomaly_evidence["reasoning_in_content"]
+    # the block opened in the prompt (Qwen3's template): only its end is streamed
+    reads = paced([delta({"content": p}) for p in parts[1:]] + [delta({}, "stop"),
+                  data({"choices": [], "usage": usage(10)}), DONE], 0.1, 0.02)
+    assert run(request(), reads, 1.0)[1].anomalies == ("reasoning_in_content",)
+    # an answer that mentions the tag is not reasoning markup
+    parts = ["Wrap", " it", " in", " a", " <think>", " tag", "."]
+    reads = paced([delta({"content": p}) for p in parts] + [delta({}, "stop"),
+                  data({"choices": [], "usage": usage(8)}), DONE], 0.1, 0.02)
+    assert run(request(), reads, 1.0)[1].anomalies == ()
 
 
 def test_answer_streamed_entirely_as_reasoning_is_reasoning_only() -> None:

@@ -60,7 +60,7 @@ class Thresholds:
     silent_prefill_s: float = 120.0  # no byte at all this long after the headers
     serialized_min_wait_s: float = 1.0  # waited this long for another stream (> 2 admission slices of 0.5 s)
     abandoned_min_wait_s: float = 1.0  # generation_after_disconnect: a TTFT at least this long...
-    abandoned_ttft_factor: float = 5.0  # ...and this many times the upstream's median TTFT
+    abandoned_ttft_factor: float = 5.0  # ...and this many times its usual TTFT on the upstream
     superlinear_factor: float = 3.0  # prefill tok/s this many times lower at the largest prompt
     superlinear_min_size_ratio: float = 4.0
     prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
@@ -207,6 +207,14 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
     elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
+    cut_call = est is not None and _cut_tool_call(r, est, th)
+    if cut_call:
+        # tools offered, the token limit reached, no call came back and usage counts tokens the stream
+        # lacks: the server's tool parser held back the unfinished call and dropped it. The tokens were
+        # generated (not a phantom rate), and an agent gets an empty answer. Judged at any size.
+        add(Anomaly("truncated_tool_call", f"usage says {rep} output tokens but {est} were streamed, finish "
+                    f"{r.finish_reason!r} at max_tokens {r.max_tokens} with tools offered and no tool call back: "
+                    "a tool call cut by the token limit that the server's tool parser held back and never sent"))
     if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
         tok = r.completion_tokens_tokenizer
         if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
@@ -218,14 +226,7 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         if r.event_offsets_s and len(r.event_offsets_s) >= 2:
             window = r.event_offsets_s[-1] - r.event_offsets_s[0]
         base = est + r.tool_calls * th.tool_call_tokens
-        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base and _cut_tool_call(r):
-            # tools offered, cut by the token limit, no call came back: the server's tool parser held
-            # back the unfinished call and dropped it. The tokens were generated, not a phantom rate.
-            add(Anomaly("truncated_tool_call", f"usage says {rep} output tokens but {est} were streamed, finish "
-                        f"{r.finish_reason!r} with tools offered and no tool call back: a tool call cut by "
-                        f"max_tokens{'' if r.max_tokens is None else f' {r.max_tokens}'} that the server's tool "
-                        "parser held back and never sent"))
-        elif rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base:
+        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base and not cut_call:
             if window and window > 0:
                 implied = (rep - 1) / window
                 real = max(est - 1, 1) / window
@@ -260,15 +261,22 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
 
     if r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None:
         n, seen = _generated_count(r, chars, th)
+        if cut_call:  # nothing of the cut call was streamed, and a cut call has no EOS: usage is the count
+            n, seen = rep, f"usage {rep} (a withheld tool call, no EOS)"
         if n >= r.max_tokens:
             add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached max_tokens "
                         f"{r.max_tokens} (usage {rep})"))
     return out
 
 
-def _cut_tool_call(r: Record) -> bool:
-    """Tools were offered, the token limit ended the response and no structured call came back."""
-    return r.tool_calls_valid is not None and r.tool_calls == 0 and r.finish_reason in _LIMIT_FINISH
+def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
+    """Tools were offered, the token limit ended the response (a limit finish reason, or
+    usage at `max_tokens`: mlx-openai-server says `stop`), no structured call came back, and
+    usage counts more than `usage_extra_tokens` tokens beyond what the stream carried."""
+    rep = r.completion_tokens_reported
+    if r.tool_calls_valid is None or r.tool_calls or rep is None or rep <= est + th.usage_extra_tokens:
+        return False
+    return r.finish_reason in _LIMIT_FINISH or (r.max_tokens is not None and rep >= r.max_tokens)
 
 
 def _generated_count(r: Record, chars: int | None, th: Thresholds) -> tuple[int, str]:
@@ -319,8 +327,10 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     return out
 
 
-# reasoning markup a server's reasoning parser should have taken out of the content
-_THINK = re.compile(r"</?think>|<\|channel\|>analysis|<\|begin_of_thought\|>")
+# reasoning markup a server's reasoning parser should have taken out of the content: an answer
+# that opens with a reasoning block, or the end of one anywhere (Qwen3's template opens the block
+# in the prompt); a `<think>` mentioned mid-answer is not judged
+_THINK = re.compile(r"^\s*(?:<think>|<\|channel\|>analysis|<\|begin_of_thought\|>)|</think>|<\|end_of_thought\|>")
 _SCAN_CHARS = 64 * 1024
 
 
@@ -455,8 +465,8 @@ def _decode_window(r: Record) -> tuple[float, float] | None:
     return r.t_start_mono + r.event_offsets_s[0], r.t_start_mono + r.event_offsets_s[-1]
 
 
-def _busy_span(a: Record) -> tuple[float, float, str] | None:
-    """(first token, end, how it ended) of a stream the server was generating, on the
+def _busy_span(a: Record) -> tuple[float, float] | None:
+    """(first token, end) of a stream the server was generating, on the
     monotonic clock: a complete incremental stream to its last token; a `client_disconnect`
     from its first token (else its arrival) until the proxy closed the connection, the
     moment a server that honours disconnects stops. None for anything else."""
@@ -464,10 +474,10 @@ def _busy_span(a: Record) -> tuple[float, float, str] | None:
         if "non_incremental_stream" in a.anomalies:  # its token times say nothing about progress
             return None
         w = _decode_window(a)
-        return None if w is None else (w[0], w[1], "last token")
+        return w
     if a.outcome == "client_disconnect":
         w = _decode_window(a)
-        return (w[0] if w is not None else a.t_start_mono), a.t_end_mono, "client left"
+        return (w[0] if w is not None else a.t_start_mono), a.t_end_mono
     return None
 
 
@@ -492,7 +502,7 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
         span = _busy_span(a)
         if span is None:
             continue
-        a_first, a_end, how = span
+        a_first, a_end = span
         waited_during = a_end - max(b_start, a.t_start_mono)  # a ran while `later` had no token yet
         if a_end > b_first or waited_during < th.serialized_min_wait_s:
             continue
@@ -532,14 +542,15 @@ def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, s
 
 def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
     """Generation that went on after its client left. An earlier request on the same
-    upstream ended in `client_disconnect`; at its streamed rate it would have generated up
-    to its `max_tokens` for `run_on` seconds more. `later` arrived before that time was
-    over, its first token came at least `abandoned_min_wait_s` and at least half of
-    `run_on` after the client left, and its TTFT is at least `abandoned_min_wait_s` and
-    `abandoned_ttft_factor` times what it would usually be (`_expected_ttft`, when the
-    upstream's other finished requests show it). Without `max_tokens` the abandoned request
-    could have run on indefinitely: then the usual TTFT must be known. A server that stops
-    on disconnect serves `later` at once."""
+    upstream ended in `client_disconnect`, and `later`'s first token came at least
+    `abandoned_min_wait_s` after that client left, with a TTFT at least
+    `abandoned_min_wait_s` and `abandoned_ttft_factor` times what it would usually be
+    (`_expected_ttft`: without that yardstick nothing is judged). When the abandoned request
+    had a `max_tokens` and a streamed rate, `later` must have arrived while it would still
+    have been generating; and no request that arrived after the client left may have been
+    served promptly (under `abandoned_min_wait_s`) before `later`'s first token: that
+    would show the server had stopped. A server that stops on disconnect serves `later`
+    at once."""
     if later.outcome not in ("ok", "ok_no_done") or later.ttft_s is None:
         return None
     b_start, ttft = later.t_start_mono, later.ttft_s
@@ -547,32 +558,32 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
         return None
     same = [r for r in earlier if r.upstream == later.upstream and r is not later and r.id != later.id]
     expected, basis = _expected_ttft(later, same)
-    if expected is not None and ttft < th.abandoned_ttft_factor * expected:
+    if expected is None or ttft < th.abandoned_ttft_factor * expected:
         return None
     b_first = b_start + ttft
     for a in same:
-        if a.outcome != "client_disconnect" or len(a.event_offsets_s) < 2:
+        if a.outcome != "client_disconnect":
             continue
         left = a.t_end_mono
-        window = a.event_offsets_s[-1] - a.event_offsets_s[0]
-        if window <= 0 or (a.max_tokens is None and expected is None):
-            continue
-        rate = (len(a.event_offsets_s) - 1) / window
         waited = b_first - left  # how long `later` still waited for its first token after the client left
-        if a.max_tokens is not None:
-            run_on = max(a.max_tokens - a.generated_events, 0) / rate  # how long it would have gone on
-            if b_start >= left + run_on or waited < 0.5 * run_on:
-                continue
-            would = (f"left at event {a.generated_events} of max_tokens {a.max_tokens}, whose generation would "
-                     f"have run {_dur(run_on)} more at its {_fmt(rate)} events/s")
-        else:
-            would = f"left at event {a.generated_events} (no max_tokens: it could run on until its end)"
         if waited < th.abandoned_min_wait_s:
             continue
-        usual_txt = f" ({_dur(expected)} expected from {basis})" if expected is not None else ""
-        return Anomaly("generation_after_disconnect", f"TTFT {_dur(ttft)}{usual_txt}: the first token came "
-                       f"{_dur(waited)} after the client of request {a.id} {would}: the server kept generating "
-                       "for a client that had gone")
+        if any(o.outcome in ("ok", "ok_no_done") and o.ttft_s is not None and o.t_start_mono >= left
+               and o.t_start_mono + o.ttft_s < b_first and o.ttft_s < th.abandoned_min_wait_s for o in same):
+            continue  # served promptly in between: the server was free
+        window = a.event_offsets_s[-1] - a.event_offsets_s[0] if len(a.event_offsets_s) >= 2 else 0.0
+        if a.max_tokens is not None and window > 0:
+            rate = (len(a.event_offsets_s) - 1) / window
+            run_on = max(a.max_tokens - a.generated_events, 0) / rate  # how long it would have gone on
+            if b_start >= left + run_on:
+                continue
+            would = (f"left at event {a.generated_events} of max_tokens {a.max_tokens} (up to {_dur(run_on)} more "
+                     f"at its {_fmt(rate)} events/s)")
+        else:
+            would = f"left at event {a.generated_events}" + ("" if a.max_tokens else " (no max_tokens)")
+        return Anomaly("generation_after_disconnect", f"TTFT {_dur(ttft)} ({_dur(expected)} expected from {basis}): "
+                       f"the first token came {_dur(waited)} after the client of request {a.id} {would}: the server "
+                       "kept generating for a client that had gone")
     return None
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.record import Record, rate_figures, wall_window_s
 
 from .conftest import PREFILL_STEP
 from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve
@@ -108,7 +108,7 @@ def check_records(px: Any, seen: list[dict[str, Any]], tokenizer: bool) -> dict[
         assert rec.completion_tokens_reported == rep and rec.completion_tokens_counted == s["events"]
         # the trusted count is the server's usage, and so are the speeds
         assert (rec.completion_tokens, rec.tokens_source, rec.n_out) == (rep, "usage", rep)
-        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rep, rec.ttft_s, rec.e2e_s, rec.duration_s)
+        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rep, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
         assert (rec.completion_tokens_tokenizer is not None) == (tokenizer and s["events"] > 0)
         stats["stop"] += rec.finish_reason == "stop"
         stats["chars_over_4"] += len(s["text"]) / 4 > rep + 3  # where chars/4 used to cry wolf
@@ -198,6 +198,6 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
                 source = "tokenizer" if cfg else "stream"
                 n = rec.completion_tokens_tokenizer if cfg else 120
                 assert (rec.completion_tokens, rec.tokens_source) == (n, source)
-                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(n, rec.ttft_s, rec.e2e_s, rec.duration_s)
+                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(n, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
     finally:
         http.close()
