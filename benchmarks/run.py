@@ -43,6 +43,18 @@ HOST = "127.0.0.1"
 # $MLXPROXY_LITELLM, else `litellm` on PATH (no machine-specific default)
 LITELLM_DEFAULT = os.environ.get("MLXPROXY_LITELLM") or shutil.which("litellm") or ""
 
+
+def choose_litellm(option: str | None, quick: bool, found: str) -> tuple[str, str]:
+    """(executable, why it is left out): from `--litellm` (None: not given; a bare name is looked
+    up on PATH), else `found` ($MLXPROXY_LITELLM or `litellm` on PATH). Exactly one is non-empty."""
+    if option is not None:
+        return (shutil.which(option) or option, "") if option else ("", "left out (--litellm '')")
+    if quick:
+        return "", "left out with --quick (its start-up takes 20 s; --litellm PATH includes it)"
+    if found and os.path.exists(found):
+        return found, ""
+    return "", "not found: set $MLXPROXY_LITELLM or --litellm PATH, or put `litellm` on PATH"
+
 # -- targets (the issue's figures, 2-core machine, ratios measured in one run) ------------
 # the targets of the timing issue (default install and fast stack alike)
 T_SEQ_P50_MS = 0.3
@@ -242,7 +254,7 @@ class LoadGens:
             p.stdin.flush()
         out = []
         deadline = time.monotonic() + timeout_s
-        for i, (p, _) in enumerate(jobs):
+        for p, _ in jobs:
             assert p.stdout is not None
             left = deadline - time.monotonic()
             ready, _, _ = select.select([p.stdout], [], [], max(left, 0))
@@ -1062,8 +1074,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.stack:  # inherited by every mlxproxy and floor child
         os.environ["MLXPROXY_STACK"] = args.stack
-    if args.litellm is None:
-        args.litellm = LITELLM_DEFAULT if LITELLM_DEFAULT and os.path.exists(LITELLM_DEFAULT) and not args.quick else ""
+    args.litellm, litellm_skipped = choose_litellm(args.litellm, args.quick, LITELLM_DEFAULT)
+    if args.litellm and not os.path.exists(args.litellm):
+        print(f"error: --litellm: no such file: {args.litellm}", file=sys.stderr)
+        return 2
+    if litellm_skipped:
+        print(f"litellm: skipped, {litellm_skipped}", flush=True)
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan.rounds = args.rounds

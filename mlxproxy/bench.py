@@ -1,9 +1,11 @@
 """`mlxproxy bench`: compare servers the way the 2026 MLX benchmark did.
 
-Per target: one request at a time at each prompt size (`single`), then waves of two
+Per target: one request at a time at each prompt size (`single`), then rounds of waves of two
 identical-size requests released together (`double`), optionally waves of N for a
-concurrency curve; every test repeated and summarised by medians. Each request is metered
-by the shared core and checked by the truth checks; a verdict names what was found.
+concurrency curve, each round between two requests alone (`baseline`); every test repeated
+and summarised by medians. Each request is metered by the shared core and checked by the
+truth checks; a verdict names what was found, the batching part judged wave by wave
+(`wave_class`, `batching_verdict`).
 
 Prompts of a given token count are built without any download: two probe requests
 calibrate characters per token against the target's own `usage.prompt_tokens` (a linear
@@ -22,16 +24,17 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.core.detect import Thresholds, prefill_scaling
+from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
                            run_sweep, schedule)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
-from mlxproxy.report import mark_speeds, summarize_records, untrusted_notes
+from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 
-__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "headline", "headline_notes", "DEFAULT_SIZES"]
+__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class",
+           "headline", "headline_notes", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (100, 500, 1000, 2000, 4000, 8000, 16000, 53000)
 
@@ -163,7 +166,8 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
         if opts.sweep and not opts.batches:
             waves = []  # a sweep replaces the batch waves unless they were asked for
-        total = len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.requests if opts.rate and not opts.rate_steps else 0)
+        total = (len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.repeat + 1 if waves else 0)
+                 + (opts.requests if opts.rate and not opts.rate_steps else 0))
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
@@ -176,16 +180,8 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                     single.source_ids[r.id] = f"{size}"
                     tick()
             _single_groups(res, single, sizes, params, th)
-            base_recs = [r for r in single.records if single.source_ids[r.id] == f"{bsize}"]
-            base_wall = summarize_records(base_recs)["wall_tps"]["p50"]
-            for i, n in enumerate(waves):
-                # every request of every wave gets its own nonce: no wave is served from the cache
-                reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), f"x{n}")
-                        for _ in range(n * opts.repeat)]
-                timed, wave_recs = await client.run_waves(reqs, n, tick)
-                summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=base_wall)
-                name = "double" if n == 2 and i == 0 else f"x{n}"
-                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+            if waves:
+                await _measure_waves(client, res, opts, bsize, waves, params, tick)
             if opts.sweep:
                 def make(n: int) -> list[PreparedRequest]:
                     return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep")
@@ -225,6 +221,77 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
     return res
 
 
+#: a request of a wave that failed this way, while another of the wave was served, means the
+#: server refused to serve them together (context_limit is about the prompt, not concurrency)
+REJECT_OUTCOMES = frozenset({"http_error", "stream_error", "truncated", "protocol_error", "upstream_unreachable",
+                             "upstream_timeout"})
+
+
+async def _measure_waves(client: MeasuringClient, res: TargetResult, opts: BenchOptions, bsize: int, waves: list[int],
+                         params: dict[str, Any], tick: Callable[[], None]) -> None:
+    """The batch tests: `repeat` rounds of one wave of each size, every round bracketed by a
+    request alone at the same prompt size (the `baseline` group), so each wave's speedup is
+    judged against one stream measured just before and just after it, not minutes earlier.
+    The groups are added even when cancelled, with what was measured."""
+    baseline = Timed()
+    per: dict[int, tuple[Timed, list[list[Record]]]] = {n: (Timed(), []) for n in waves}
+
+    def body() -> bytes:  # every request gets its own nonce: no wave is served from the cache
+        return chat_body(res.model or "", _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens)
+
+    async def alone() -> None:
+        r = await client.send(_req(body(), "baseline"))
+        baseline.records.append(r)
+        baseline.source_ids[r.id] = "baseline"
+        tick()
+
+    try:
+        await alone()
+        for _ in range(opts.repeat):
+            for n in waves:
+                timed, wave_recs = await client.run_waves([_req(body(), f"x{n}") for _ in range(n)], n, tick)
+                acc, recs = per[n]
+                acc.records.extend(timed.records)
+                acc.source_ids.update(timed.source_ids)
+                recs.extend(wave_recs)
+            await alone()
+    finally:
+        _wave_groups(res, baseline, per, waves, params, bsize)
+
+
+def _wave_groups(res: TargetResult, baseline: Timed, per: dict[int, tuple[Timed, list[list[Record]]]], waves: list[int],
+                 params: dict[str, Any], bsize: int) -> None:
+    if baseline.records:
+        res.groups.append(_group("baseline", res.target.name, "baseline", {**params, "prompt_tokens": bsize}, baseline,
+                                 summarize_records(baseline.records)))
+    walls = [r.wall_tps if r.outcome in OK_OUTCOMES else None for r in baseline.records]
+    ok_walls = sorted(w for w in walls if w)
+    median_wall = percentile(ok_walls, 50)
+    for i, n in enumerate(waves):
+        timed, wave_recs = per[n]
+        if not wave_recs:
+            continue
+        summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=median_wall)
+        rows = []
+        for k, wave in enumerate(wave_recs):  # wave k ran between baseline requests k and k + 1
+            around = [w for w in walls[k:k + 2] if w]
+            base = sum(around) / len(around) if around else median_wall
+            agg = aggregate_tps(wave)
+            failed = [r for r in wave if r.outcome in REJECT_OUTCOMES]
+            rows.append({"aggregate_tps": agg, "baseline_wall_tps": base, "overlap": overlap_ratio(wave),
+                         "speedup": agg / base if agg is not None and base else None,
+                         "ok": sum(1 for r in wave if r.outcome in OK_OUTCOMES),
+                         "failed": [{"outcome": r.outcome, "status": r.status} for r in failed]})
+        speedups = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
+        overlaps = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
+        summ.update({"speedup": percentile(speedups, 50), "speedup_min": speedups[0] if speedups else None,
+                     "speedup_max": speedups[-1] if speedups else None,
+                     "overlap_min": overlaps[0] if overlaps else None, "overlap_max": overlaps[-1] if overlaps else None,
+                     "baseline_wall_tps": median_wall, "waves": rows})
+        name = "double" if n == 2 and i == 0 else f"x{n}"
+        res.groups.append(_group(name, res.target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+
+
 def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: dict[str, Any], th: Thresholds) -> None:
     """The one-at-a-time groups: `single` (every size) first, then `single N` per size."""
     for size in sizes:
@@ -245,49 +312,139 @@ def _sent(records: Sequence[Record]) -> int | None:
     return int(percentile(vals, 50)) if vals else None
 
 
+#: overlap (share of a wave's decode time when at least two of its streams were generating) at or
+#: below which the streams were served one after another, and at or above which they were generated together
+OVERLAP_SERIAL = 0.25
+OVERLAP_BATCHING = 0.6
+#: with overlapping streams, a speedup below this is no gain (a CPU-bound server shares one compute)
+GAIN = 1.2
+#: N streams can give at most N x one stream; beyond N x this margin the baseline was not comparable
+IMPOSSIBLE_MARGIN = 1.1
+#: a verdict names an anomaly only when at least this share of the target's requests had it
+ANOMALY_SHARE = 0.25
+
+BATCH_CLASSES = ("rejects concurrent requests", "serial", "partial batching", "batches, no gain",
+                 "continuous batching", "overlap not measurable")
+
+
+def wave_class(w: dict[str, Any]) -> str:
+    """What one wave of the batch test showed (one of BATCH_CLASSES): a request failed while
+    another was served; else by overlap first (serial only with low overlap, batching only with
+    high), the speedup deciding only between gain and no gain among overlapping streams."""
+    if w.get("failed") and w.get("ok"):
+        return "rejects concurrent requests"
+    ov, sp = w.get("overlap"), w.get("speedup")
+    if ov is None:
+        return "overlap not measurable"
+    if ov <= OVERLAP_SERIAL:
+        return "serial"
+    if ov < OVERLAP_BATCHING:
+        return "partial batching"
+    return "continuous batching" if sp is None or sp >= GAIN else "batches, no gain"
+
+
+def batching_verdict(group: dict[str, Any]) -> str | None:
+    """The batching part of a verdict, from a wave group (`double`, `xN`): the class most
+    waves agree on (two thirds of them), with the median speedup and its spread over the waves
+    and the overlap; "inconclusive" with the reason when they disagree. Groups written before
+    per-wave figures existed are judged as one wave from their summary."""
+    s, n = group["summary"], group["params"].get("streams") or 2
+    rows = s.get("waves")
+    if rows is None:  # an older result file: one judgment from the medians
+        rows = [{"speedup": s.get("speedup"), "overlap": s.get("overlap"), "ok": s.get("ok"), "failed": []}]
+    rows = [w for w in rows if w.get("ok")]  # a wave with nothing served says nothing about batching
+    if not rows:
+        return None
+    classes = [wave_class(w) for w in rows]
+    counts = {c: classes.count(c) for c in BATCH_CLASSES if c in classes}
+    top = max(counts, key=lambda c: counts[c])
+    at = "" if n == 2 else f" at {n} streams"
+    sp, ov = s.get("speedup"), s.get("overlap")
+    sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
+    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")
+    if counts[top] * 3 < len(rows) * 2:
+        mix = " / ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
+        figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
+        return f"inconclusive{at}: the {len(rows)} waves disagree ({mix}){'; ' + figures if figures else ''}"
+    if top == "rejects concurrent requests":
+        failed = [f for w in rows for f in w.get("failed", [])]
+        how = sorted({"HTTP 200 then an error in the stream" if f["outcome"] == "stream_error" and f.get("status") == 200
+                      else f"HTTP 200 then {f['outcome']}" if f.get("status") == 200
+                      else f"HTTP {f['status']}" if f.get("status") else f["outcome"] for f in failed})
+        return f"rejects concurrent requests{at} ({counts[top]} of {len(rows)} waves: {', '.join(how)})"
+    parts = [top + at]
+    if top == "overlap not measurable":
+        return f"speedup{at} {sp_txt}, overlap not measurable" if sp_txt else top + at
+    if sp_txt:
+        parts[0] += (": " if top in ("serial", "batches, no gain") else " ") + sp_txt
+    over = [w["speedup"] for w in rows if w.get("speedup") is not None and w["speedup"] > n * IMPOSSIBLE_MARGIN]
+    if over:
+        parts.append(f"speedup unreliable: {len(over)} of {len(rows)} waves above what {n} streams can give ({n}x)")
+    if ov_txt:
+        parts.append(ov_txt)
+    return ", ".join(parts)
+
+
 def verdict(res: TargetResult) -> str:
     """One line naming what the run found about a target."""
     if res.error:
         return res.error if res.error.startswith("interrupted") else f"failing: {res.error}"
     parts: list[str] = []
-    groups = {g["name"]: g for g in res.groups}
-    double = groups.get("double")
-    if double and double["summary"].get("speedup") is not None:
-        sp = double["summary"]["speedup"]
-        if sp >= 1.5:
-            parts.append(f"continuous batching {sp:.2f}x")
-        elif sp <= 1.05:
-            parts.append(f"serial: {sp:.2f}x")
-        else:
-            parts.append(f"partial batching {sp:.2f}x")
-    anomalies: dict[str, dict[str, Any]] = {}
+    wave_group = next((g for g in res.groups if g["params"].get("streams") and not g["params"].get("sweep")
+                       and not g["params"].get("rate")), None)
+    if wave_group is not None:
+        b = batching_verdict(wave_group)
+        if b:
+            parts.append(b)
     records = [Record.from_dict(r) for g in res.groups if g["name"] != "single" for r in g["records"]]
+    total = len(records)
+    counts: dict[str, int] = {}
+    for r in records:
+        for kind in r.anomalies:
+            counts[kind] = counts.get(kind, 0) + 1
+    anomalies: dict[str, dict[str, Any]] = {}
     for g in res.groups:
         for k, a in g["summary"]["anomalies"].items():
             anomalies.setdefault(k, a)
-    if "non_incremental_stream" in anomalies:
-        parts.append("no incremental streaming")
+
+    def named(kind: str) -> str | None:
+        """" (k of n requests)" when `kind` is in a meaningful share of the requests, else None;
+        "" for a judgment made once over the whole run (no per-request count)."""
+        if kind not in anomalies:
+            return None
+        k = counts.get(kind, 0)
+        if k == 0:
+            return ""
+        return f" ({k} of {total} requests)" if k >= ANOMALY_SHARE * total else None
+
+    share = named("non_incremental_stream")
+    if share is not None:
+        parts.append("no incremental streaming" + share)
     limits = sorted({r.context_limit_tokens for r in records if r.outcome == "context_limit" and r.context_limit_tokens})
     rejected = sorted({r.context_prompt_tokens or 0 for r in records if r.outcome == "context_limit"})
     if limits:
         parts.append(f"rejects prompts > {limits[0]} tokens")
     elif rejected:
         parts.append(f"rejects prompts of {rejected[0]} tokens")
-    if "stall" in anomalies:
-        parts.append("cyclic stalls" if "cyclic" in anomalies["stall"]["evidence"] else "stalls")
-    if "usage_mismatch" in anomalies or "phantom_speed" in anomalies:
+    share = named("stall")
+    if share is not None:
+        parts.append(("cyclic stalls" if "cyclic" in anomalies["stall"]["evidence"] else "stalls") + share)
+    usage = [x for x in (named("usage_mismatch"), named("phantom_speed")) if x is not None]
+    if usage:
         ratios = [r.completion_tokens_reported / r.completion_tokens_counted for r in records
                   if r.completion_tokens_reported and r.completion_tokens_counted]
         if ratios:
             ratio = percentile(sorted(ratios), 50) or 0.0
-            parts.append(f"usage over-reports {ratio:.1f}x" if ratio > 1 else f"usage under-reports {1 / ratio:.1f}x")
+            text = f"usage over-reports {ratio:.1f}x" if ratio > 1 else f"usage under-reports {1 / ratio:.1f}x"
+            parts.append(text + max(usage, key=len))
     if "superlinear_prefill" in anomalies:
         parts.append("superlinear prefill")
-    for kind, text in (("serialized", None), ("dual_reasoning_fields", "dual reasoning fields"),
-                       ("unreported_length", "never reports length"), ("stream_error", "errors inside streams"),
-                       ("missing_finish", "streams end without finish_reason"), ("usage_missing", "no usage")):
-        if kind in anomalies and text:
-            parts.append(text)
+    for kind, text in (("dual_reasoning_fields", "dual reasoning fields"), ("unreported_length", "never reports length"),
+                       ("stream_error", "errors inside streams"), ("missing_finish", "streams end without finish_reason"),
+                       ("usage_missing", "no usage")):
+        share = named(kind)
+        if share is not None:
+            parts.append(text + share)
     failed = sum(1 for r in records if r.outcome not in OK_OUTCOMES and r.outcome != "context_limit")
     if failed:
         parts.append(f"{failed} failed requests")

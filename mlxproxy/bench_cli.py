@@ -12,7 +12,7 @@ import click
 from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
                             headline_notes, smallest_single, verdict)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
-from mlxproxy.report import LEGEND, Section, legend_for
+from mlxproxy.report import LEGEND, Section, legend_for, range_text, speedup_text
 from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, help_for
 
 
@@ -86,7 +86,8 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
     crows = []
     for r in results:
         curve = [g for g in r.groups if g["params"].get("streams")]
-        single = smallest_single(r)
+        # one stream alone: the baseline measured between the waves (older results: the smallest single size)
+        single = next((g for g in r.groups if g["name"] == "baseline"), None) or smallest_single(r)
         if curve and single:
             s1 = single["summary"]
             crows.append({"target": r.target.name, "streams": "1", "decode tok/s": _f(s1["decode_tps"]["p50"]),
@@ -95,12 +96,14 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
             s = g["summary"]
             crows.append({"target": r.target.name, "streams": str(g["params"]["streams"]),
                           "decode tok/s": _f(s["decode_tps"]["p50"]), "agg tok/s": _f(s["aggregate_tps"]),
-                          "speedup": _f(s["speedup"], "x", ".2f"), "overlap": _f(s["overlap"], "", ".2f")})
+                          "speedup": speedup_text(s), "overlap": _f(s["overlap"], "", ".2f")
+                          + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")})
     if crows:
         sections.append(Section("Requests released together (batching):", crows, None,
-                                "streams: requests started at the same instant (1 = alone, wall tok/s); decode tok/s:"
-                                " per stream (median); " + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
-                                + "."))
+                                "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
+                                " between the waves); decode tok/s: per stream (median); "
+                                + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
+                                + "; (a\u2013b): lowest and highest over the waves."))
     rate_groups = [g for r in results for g in r.groups if g["params"].get("rate") and not g["params"].get("sweep")]
     if rate_groups:
         from mlxproxy.load import generator_note
@@ -289,7 +292,7 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
     if interrupted:
-        fail(f"interrupted: what was measured so far is printed"
+        fail("interrupted: what was measured so far is printed"
              + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""), 130)
     if results and all(r.error for r in results):
         fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)

@@ -212,7 +212,7 @@ class CaptureWriter:
             if exc.errno == errno.EISDIR:
                 raise ConfigError(f"capture path {str(self.path)!r} is not a regular file (a directory)") from None
             raise
-        f = open(fd, "a+b", buffering=0)  # noqa: SIM115 - closed by close()
+        f = open(fd, "a+b", buffering=0)  # closed by close()
         try:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):

@@ -336,7 +336,7 @@ def load_config(path: str | os.PathLike[str] | None, *, upstream_url: str | None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from exc
         try:
-            raw = yaml.load(text, Loader=_BoundedLoader) or {}  # noqa: S506 - a SafeLoader subclass
+            raw = yaml.load(text, Loader=_BoundedLoader) or {}  # a SafeLoader subclass: plain data only
         except ConfigError as exc:
             raise ConfigError(f"config file {str(p)!r} {exc}") from None
         except yaml.YAMLError as exc:

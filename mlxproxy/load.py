@@ -405,7 +405,7 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
     """The one-line verdict: `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95 is 5.2 s (> 3 s)`."""
     steps, unit = cap["steps"], cap.get("unit", "streams")
     broke = next((s for s in steps if s["step"] == cap.get("broken_at")), None)
-    at = (lambda v: f"{v:g} req/s") if unit == RATE_UNIT else (lambda v: f"{v:g}")  # noqa: E731
+    at = (lambda v: f"{v:g} req/s") if unit == RATE_UNIT else (lambda v: f"{v:g}")
     if broke is not None and capacity_value(cap) == 0:
         return f"{target}: does not meet the SLO even at {_streams(broke['step'], unit)}: {broke['problem']}"
     if broke is not None:

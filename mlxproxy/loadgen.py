@@ -82,7 +82,7 @@ class MeasuringClient:
         await self._client.aclose()
         await self._fresh.aclose()
 
-    async def __aenter__(self) -> "MeasuringClient":
+    async def __aenter__(self) -> MeasuringClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -227,12 +227,13 @@ class MeasuringClient:
             ready = 0
             all_ready = asyncio.Event()
 
+            # awaited within this iteration (gather below), so the loop variables are this wave's
             async def one(req: PreparedRequest) -> Record:
                 nonlocal ready
                 ready += 1
-                if ready == len(wave):
-                    all_ready.set()
-                await gate.wait()
+                if ready == len(wave):  # noqa: B023
+                    all_ready.set()  # noqa: B023
+                await gate.wait()  # noqa: B023
                 return await self.send(req, fresh_connection=True)
 
             tasks = [asyncio.ensure_future(one(r)) for r in wave]

@@ -20,7 +20,7 @@ import orjson
 
 from mlxproxy import __version__
 from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
-from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures
+from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load import generator_note, sent_rate
@@ -28,7 +28,7 @@ from mlxproxy.load import generator_note, sent_rate
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
            "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
            "Section", "render_sections", "markdown_sections", "markdown_table", "group_sections", "summary_rows",
-           "LINE_WIDTH"]
+           "LINE_WIDTH", "range_text", "speedup_text"]
 
 LINE_WIDTH = 100  # console tables are split to fit this many columns
 
@@ -91,7 +91,8 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
     untrusted = [r for r in ok if r.usage_untrusted]
     out["untrusted_usage"] = len(untrusted)
     if untrusted:
-        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, r.duration_s) for r in ok]
+        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
+                    for r in ok]
         out["usage_figures"] = {"wall_tps_p50": summarize(f[2] for f in by_usage)["p50"],
                                 "decode_tps_p50": summarize(f[1] for f in by_usage)["p50"],
                                 "sources": dict(Counter(r.tokens_source for r in untrusted))}
@@ -123,6 +124,20 @@ def untrusted_notes(items: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def range_text(lo: float | None, hi: float | None, fmt: str) -> str:
+    """" (lo\u2013hi)" of a figure's spread over bench waves; "" when absent or equal once formatted."""
+    if lo is None or hi is None or format(lo, fmt) == format(hi, fmt):
+        return ""
+    return f" ({format(lo, fmt)}\u2013{format(hi, fmt)})"
+
+
+def speedup_text(s: dict[str, Any]) -> str:
+    """A group's speedup, "1.79x", with its spread over the waves where bench measured one: "1.79x (1.19\u20131.81)"."""
+    if s.get("speedup") is None:
+        return "-"
+    return _num(s["speedup"], ".2f") + "x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
+
+
 def _num(v: Any, fmt: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -141,7 +156,8 @@ LEGEND = {
     "wall tok/s": "wall tok/s: output tokens / whole request time (median)",
     "TPOT p50": "TPOT: time per output token (p99 = 99th percentile)",
     "agg tok/s": "agg tok/s: all streams' output tokens / wall time (per wave when released together)",
-    "speedup": "speedup: agg tok/s / one stream alone (2.00x = two streams at full speed, <=1x = one after another)",
+    "speedup": "speedup: agg tok/s / one stream alone, per wave then the median (2.00x = two streams at full speed, "
+               "<=1x = one after another)",
     "overlap": "overlap: share of a wave's time when its streams were all generating",
     "prefill": "prefill tok/s: uncached prompt tokens / TTFT",
 }
@@ -160,7 +176,7 @@ def summary_row(target: str, mode: str, s: dict[str, Any]) -> dict[str, str]:
         "TPOT p50": _ms(s["tpot_s"]["p50"]),
         "TPOT p99": _ms(s["tpot_s"]["p99"]),
         "agg tok/s": _num(s["aggregate_tps"], ".1f"),
-        "speedup": (_num(s["speedup"], ".2f") + "x") if s.get("speedup") is not None else "-",
+        "speedup": speedup_text(s),
     }
     # speeds that do not use the server's usage count are marked (footnote: untrusted_notes)
     return mark_speeds(row, s, ("decode tok/s", "wall tok/s", "TPOT p50", "TPOT p99", "agg tok/s", "speedup"))

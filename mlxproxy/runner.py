@@ -128,7 +128,7 @@ class ServerThread:
         finally:
             loop.close()
 
-    def start(self, timeout_s: float = 10.0) -> "ServerThread":
+    def start(self, timeout_s: float = 10.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
@@ -142,7 +142,7 @@ class ServerThread:
         self._thread.join(timeout_s)
         self.sock.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

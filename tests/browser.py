@@ -66,7 +66,7 @@ class Chromium:
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pages: dict[str, Page] = {}
 
-    def __enter__(self) -> "Chromium":
+    def __enter__(self) -> Chromium:
         self.proc = subprocess.Popen([self.exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file = Path(self.profile) / "DevToolsActivePort"
@@ -125,7 +125,7 @@ class Chromium:
              timeout: float = 30.0) -> dict[str, Any]:
         return self._run(self._send(method, params, session), timeout)
 
-    def page(self, offline: bool = False) -> "Page":
+    def page(self, offline: bool = False) -> Page:
         """A new tab; `offline` cuts it off from every network (file: URLs still load)."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]

@@ -127,7 +127,7 @@ class FakeUpstream:
         finally:
             writer.close()
 
-    def __enter__(self) -> "FakeUpstream":
+    def __enter__(self) -> FakeUpstream:
         self._thread.start()
         self._ready.wait(5)
         return self

@@ -76,7 +76,7 @@ class Prometheus:
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = httpx.Client(base_url=self.url, timeout=10.0)
 
-    def start(self, timeout_s: float = 20.0) -> "Prometheus":
+    def start(self, timeout_s: float = 20.0) -> Prometheus:
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(
@@ -142,7 +142,7 @@ class Prometheus:
             self.proc.kill()
             self.proc.wait(5)
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

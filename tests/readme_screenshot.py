@@ -23,7 +23,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
 sys.path.insert(0, str(Path(__file__).parent))
-from browser import Chromium  # noqa: E402
+from browser import Chromium
 
 PROFILES = {"mlx-openai-server": {}, "mlx-omni-server": {}, "mlx-vlm": {"stall_every_tokens": 40, "stall_s": 1.5},
             "phantom-usage": {}, "omlx": {}, "mlx-lm": {}}

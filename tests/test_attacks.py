@@ -27,7 +27,7 @@ from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.limits import MAX_FIELD_CHARS, bounded_field
 from mlxproxy.runner import ServerThread, stack_settings
 
-from conftest import read_fixture, wait_for
+from support import read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 STACKS = ["plain", "fast"]
@@ -266,7 +266,7 @@ def test_huge_model_names_keep_metrics_small_and_other_streams_flowing(stack: st
             models = [r.model for r in app.recent.records]
             for m in models:
                 assert m is not None and len(m) <= MAX_FIELD_CHARS and m.isprintable()
-            assert len({m for m in models}) == 4  # distinct long names stay distinct
+            assert len(set(models)) == 4  # distinct long names stay distinct
     finally:
         logging.getLogger("mlxproxy").removeHandler(keep)
         logging.getLogger("mlxproxy").setLevel(old_level)
@@ -477,7 +477,7 @@ def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
 
 
 def test_every_error_the_proxy_makes_is_openai_shaped(stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import closed_port
+    from support import closed_port
 
     monkeypatch.setenv("MLXPROXY_TEST_KEY", "pk-test-key-1234")
     with proxy(stack, max_request_body_bytes=10) as (srv, app, up), httpx.Client(timeout=10) as c:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from mlxproxy.capture import MIGRATIONS, CaptureWriter, Exchange, read_capture
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError
 
-from conftest import read_fixture
+from support import read_fixture
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from test_proxy_e2e import proxy, wait_for
 
@@ -54,11 +53,11 @@ def test_capture_through_proxy_redacts_both_directions(tmp_path: Path) -> None:
     first, second = lines(cap)
     assert first["v"] == 1 and first["method"] == "POST" and first["path"] == "/v1/chat/completions"
     assert first["request"] == req  # the client's body, before the proxy's include_usage injection
-    heads = dict((k.lower(), v) for k, v in first["request_headers"])
+    heads = {k.lower(): v for k, v in first["request_headers"]}
     assert heads["authorization"] == heads["x-team-token"] == heads["cookie"] == "[REDACTED]"
     assert first["outcome"] == "ok" and len(first["event_offsets_ms"]) == 2 and first["offset_s"] >= 0
     assert "response_text" not in first
-    assert dict((k.lower(), v) for k, v in second["response_headers"])["set-cookie"] == "[REDACTED]"
+    assert {k.lower(): v for k, v in second["response_headers"]}["set-cookie"] == "[REDACTED]"
     caps = read_capture(cap)
     assert [c.record.outcome for c in caps] == ["ok", "ok"] and caps[0].body() == orjson.dumps(req)
     assert caps[0].record.event_offsets_s[0] == pytest.approx(first["event_offsets_ms"][0] / 1000)

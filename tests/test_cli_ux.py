@@ -330,7 +330,8 @@ def test_report_renders_the_runs_own_view_with_distinct_labels(tmp_path: Path) -
     ids = {r["id"] for g in doc["groups"] for r in g["records"]}
     with open(tmp_path / "r.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(ids) == 2 * 2 + 2 * 2  # one row per request: 2 sizes x2, one wave of 2 x2
+    # one row per request: 2 sizes x2, one wave of 2 x2, one request alone around each wave (the baseline)
+    assert len(rows) == len(ids) == 2 * 2 + 2 * 2 + (2 + 1)
     assert (tmp_path / "r.md").read_text().count("| s |") >= 2 and (tmp_path / "r.svg").read_text().startswith("<svg")
     both = cli("report", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b" / "bench.json"))
     assert both.returncode == 0 and "a/bench.json:s" in both.stdout and "b/bench.json:s" in both.stdout
@@ -371,7 +372,7 @@ def test_every_shared_option_has_one_meaning() -> None:
 
 
 def test_old_spellings_still_work_with_a_deprecation_line(capture: Path) -> None:
-    for (command, opt), instead in DEPRECATED.items():
+    for command, opt in DEPRECATED:
         p = next(p for p in main.commands[command].params if opt in getattr(p, "opts", ()))
         assert p.hidden, (command, opt)
     res = cli("sim", "--max-tokens", "7", "--dry-run")

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import read_fixture, wait_for
+from support import read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 from test_proxy_e2e import proxy
 

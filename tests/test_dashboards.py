@@ -451,7 +451,7 @@ def test_range_counts_are_exact(live: Live, dashboard: dict[str, Any]) -> None:
     want = _proxy_counter(live, "mlxproxy_anomalies_total", ("upstream", "kind"))
     got = _panel_result(live, dashboard, "Anomalies in range by kind")
     assert got == want
-    failed = _proxy_counter(live, "mlxproxy_requests_total", (), lambda l: l["outcome"] not in ("ok", "ok_no_done"))
+    failed = _proxy_counter(live, "mlxproxy_requests_total", (), lambda labels: labels["outcome"] not in ("ok", "ok_no_done"))
     assert _panel_result(live, dashboard, "Failed requests (range)") == failed and failed[()] > 0
 
 

@@ -11,7 +11,7 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 
-from conftest import read_fixture
+from support import read_fixture
 
 TH = Thresholds()
 

@@ -28,7 +28,7 @@ from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
 
-from conftest import FIXTURES, splits
+from support import FIXTURES, splits
 
 # chat and text completion streams (the Anthropic Messages and Responses recordings have their own rules)
 SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse")
@@ -495,3 +495,114 @@ def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
         out.append(samples(pm.registry))
     assert out[0] == out[1]
     assert any(name == "mlxproxy_inter_token_latency_seconds_count" and v > 0 for name, _, v in out[0])
+
+
+# -- Record.evolve (finishing copies each record once, without dataclasses.replace) ------
+
+def test_record_evolve_is_dataclasses_replace() -> None:
+    import dataclasses
+
+    from mlxproxy.core.record import Record
+
+    base = Record(id="r1", started_at=1.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
+                  status=200, outcome="ok", anomalies=("stall",), anomaly_evidence={"stall": "x"},
+                  event_offsets_s=(0.1, 0.2))
+    changes = {"anomalies": ("stall", "usage_mismatch"), "wall_tps": 12.5, "conversation_id": "c", "turn": 2}
+    new = base.evolve(**changes)
+    assert new == dataclasses.replace(base, **changes)
+    assert new is not base and base.anomalies == ("stall",)  # the original is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.wall_tps = 1.0  # type: ignore[misc]
+    for f in dataclasses.fields(Record):  # every field copied, not only the changed ones
+        assert getattr(new, f.name) == changes.get(f.name, getattr(base, f.name)), f.name
+    with pytest.raises(AttributeError):
+        base.evolve(not_a_field=1)
+
+
+# -- prompt fingerprints: the fast paths give what the plain rule gives -------------------
+
+def _fingerprint_reference(endpoint, obj):
+    """The plain rule, written without shortcuts: pieces in rendering order, a hash per piece
+    and per BLOCK_CHARS block, within the MAX_BLOCKS budget."""
+    from array import array
+
+    from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, _text
+
+    if not isinstance(obj, dict):
+        return None
+    pieces = []
+    tools = obj.get("tools")
+    if isinstance(tools, list) and tools:
+        pieces.append(("tools", _text(tools)))
+    if endpoint == "messages" and obj.get("system") is not None:
+        pieces.append(("system", _text(obj["system"])))
+    if endpoint == "responses" and obj.get("instructions") is not None:
+        pieces.append(("instructions", _text(obj["instructions"])))
+    items = obj.get("input") if endpoint == "responses" else obj.get("messages")
+    if endpoint == "responses" and isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    name = "input" if endpoint == "responses" else "messages"
+    if not isinstance(items, list) or not items:
+        return None
+    first_user = None
+    for i, m in enumerate(items):
+        if not isinstance(m, dict):
+            pieces.append((f"{name}[{i}]", _text(m)))
+            continue
+        for field in sorted(m, key=lambda k: (k != "role", k != "content", k)):
+            pieces.append((f"{name}[{i}].{field}", _text(m[field])))
+        if first_user is None and m.get("role") == "user":
+            first_user = _text(m.get("content"))
+    if first_user is None:
+        return None
+    budget, blocks = MAX_BLOCKS, []
+    for _, text in pieces:
+        n = (len(text) + BLOCK_CHARS - 1) // BLOCK_CHARS
+        if n <= budget:
+            blocks.append(array("q", [hash(text[k:k + BLOCK_CHARS]) for k in range(0, len(text), BLOCK_CHARS)]))
+            budget -= n
+        else:
+            blocks.append(None)
+    return ([label for label, _ in pieces], [hash(t) for _, t in pieces], [len(t) for _, t in pieces], blocks)
+
+
+_texts = st.one_of(st.text(max_size=40), st.text(min_size=250, max_size=600))
+_ints = st.integers(-(2**63), 2**64 - 1)  # orjson.loads turns larger integers into floats
+_values = st.one_of(_texts, st.none(), _ints, st.lists(st.dictionaries(st.text(max_size=5), _texts, max_size=2),
+                                                       max_size=2))
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": _values}),
+    st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls", "reasoning_content", "tool_call_id"]),
+                    _values, max_size=5),
+    _texts,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(endpoint=st.sampled_from(["chat_completions", "messages", "responses"]),
+       messages=st.lists(_message, max_size=6),
+       extra=st.dictionaries(st.sampled_from(["tools", "system", "instructions"]), _values, max_size=3))
+def test_fingerprint_matches_the_plain_rule(endpoint, messages, extra) -> None:
+    from mlxproxy.core.prefix import fingerprint
+
+    body = dict(extra, **({"input": messages} if endpoint == "responses" else {"messages": messages}))
+    got, want = fingerprint(endpoint, body), _fingerprint_reference(endpoint, body)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    assert (list(got.labels), list(got.hashes), list(got.chars), list(got.blocks)) == want
+
+
+def test_fingerprint_block_budget_matches_the_plain_rule() -> None:
+    from mlxproxy.core import prefix
+
+    # a tiny budget: short pieces stop being fingerprinted by block exactly where the rule says
+    body = {"messages": [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": ""},
+                         {"role": "user", "content": "b" * 600}, {"role": "user", "content": "c"}]}
+    with mock.patch.object(prefix, "MAX_BLOCKS", 3):
+        got = prefix.fingerprint("chat_completions", body)
+        want = _fingerprint_reference("chat_completions", body)
+    assert got is not None and want is not None
+    assert [None if b is None else list(b) for b in got.blocks] == [None if b is None else list(b) for b in want[3]]
+    assert any(b is None for b in got.blocks) and any(b is not None and len(b) for b in got.blocks)

@@ -40,8 +40,8 @@ from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import closed_port, read_fixture
-from conftest import wait_for as _wait_for
+from support import closed_port, read_fixture
+from support import wait_for as _wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -574,7 +574,7 @@ def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: 
         for i in range(5):
             s = raw_post(t.url, body)
             if when == "before-headers":  # the upstream has the request and is "prefilling"
-                assert wait_for(lambda: len(t.app.in_flight) == 1 and len(received) == i + 1)
+                assert wait_for(lambda: len(t.app.in_flight) == 1 and len(received) == i + 1)  # noqa: B023
             else:  # the client has the headers and the first event (or keepalive)
                 got = b""
                 while b"\r\n\r\n" not in got or not (b"keepalive" in got or b"data:" in got):
@@ -583,7 +583,7 @@ def test_client_disconnect_cancels_the_upstream_request_and_leaks_nothing(when: 
                     got += part
                 assert got.startswith(b"HTTP/1.1 200")
             s.close()
-            assert wait_for(lambda: len(closed) == i + 1) and all(closed), "the upstream request was not cancelled"
+            assert wait_for(lambda: len(closed) == i + 1) and all(closed), "the upstream request was not cancelled"  # noqa: B023
             assert wait_for(lambda: not t.app.in_flight)  # so that the next in_flight == 1 is the next request
         recs = t.records(6)[1:]
         assert {r.outcome for r in recs} == {"client_disconnect"}

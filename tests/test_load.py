@@ -191,7 +191,8 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
         strict = cli(*bench_args(sim.url, "--fail-on", "slo", "--slo", "ttft_p50=0.1ms"))
     assert bad.returncode == 1, bad.stderr[-1500:]
     last = bad.stderr.strip().splitlines()[-1]
-    assert last.startswith("mlxproxy: --fail-on") and "phantom_speed in 6 of 6 requests" in last and "Traceback" not in bad.stderr
+    # 2 alone + 2 waves of 2 + 3 alone around the waves (the baseline)
+    assert last.startswith("mlxproxy: --fail-on") and "phantom_speed in 9 of 9 requests" in last and "Traceback" not in bad.stderr
     assert plain.returncode == 0, plain.stderr[-1500:]
     assert good.returncode == 0, good.stderr[-1500:]
     assert good.stderr.strip().splitlines()[-1] == f"mlxproxy: --fail-on {checks}: every check held"
@@ -255,24 +256,25 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     from mlxproxy.sim.profiles import get_profile
 
     # batches up to 4 streams at exactly 50 tok/s each (no batch penalty), then queues: a 5th
-    # stream waits a whole answer (40 tokens = 0.8 s) for a slot, far past the 250 ms TTFT target,
-    # while a stream that gets a slot at once waits only for prefills of 2.5 ms each
+    # stream waits a whole answer (40 tokens = 0.8 s) for a slot, far past the 500 ms TTFT target,
+    # while a stream that gets a slot at once waits only for prefills of 2.5 ms each (the target
+    # leaves room for a loaded machine: 250 ms was once missed at 3 streams on a busy box)
     knobs = {"max_batch_streams": 4, "batch_penalty": 0.0, "prefill_tps": 20000.0}
     out = tmp_path / "sweep.json"
     with ServerThread(create_sim("healthy", **knobs)) as sim:
         res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "3", "--max-tokens", "40",
-                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=250ms,tpot_p95=100ms", "--json", str(out),
+                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=500ms,tpot_p95=100ms", "--json", str(out),
                   "--plot", str(tmp_path / "sweep.svg"), "--html", str(tmp_path / "sweep.html"))
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "slo" and cap["slo"] == {"ttft_p95": 0.25, "tpot_p95": 0.1}
+    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "slo" and cap["slo"] == {"ttft_p95": 0.5, "tpot_p95": 0.1}
     assert "s: meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in res.stdout
     profile = get_profile("healthy", **knobs)
     prompt = doc["groups"][0]["params"].get("prompt_tokens") or 50
     for st in cap["steps"]:
         c = st["concurrency"]
-        truth = truth_goodput(profile, c, 3 * c, prompt, 40, 0.25, 0.1)
+        truth = truth_goodput(profile, c, 3 * c, prompt, 40, 0.5, 0.1)
         assert st["requests"] == 3 * c and st["errors"] == 0
         assert abs(st["goodput"]["share"] - truth) <= 0.05, (c, st["goodput"], truth)
     assert [st["slo_met"] for st in cap["steps"]] == [True] * 4 + [False] * 2
@@ -286,7 +288,7 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     assert "TTFT by concurrency (p50, p95)" in html
     svg = (tmp_path / "sweep.svg").read_text()
     for text in ("TTFT by concurrency (p50, p95)", "TPOT by concurrency (p50, p95)", "Aggregate tokens/s by concurrency",
-                 "SLO TTFT p95 250 ms", "SLO TPOT p95 100 ms", ">s p95<"):
+                 "SLO TTFT p95 500 ms", "SLO TPOT p95 100 ms", ">s p95<"):
         assert text in svg, text
 
 
@@ -471,7 +473,7 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     served = []
 
-    async def counting(scope, receive, send):  # noqa: ANN001 - an ASGI app counting completions requests
+    async def counting(scope, receive, send):  # an ASGI app counting completions requests
         await app(scope, receive, send)
         if scope["type"] == "http" and scope["path"].endswith("/completions"):
             served.append(1)

@@ -8,7 +8,7 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 
-from conftest import read_fixture, splits
+from support import read_fixture, splits
 
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 

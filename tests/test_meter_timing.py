@@ -49,7 +49,8 @@ def test_exact_ttft_tpot_decode_wall() -> None:
     assert r.completion_tokens_reported == 9 and r.completion_tokens_counted == 9
     assert r.tpot_s == pytest.approx(0.1)  # (1.3 - 0.5) / (9 - 1)
     assert r.decode_tps == pytest.approx(10.0)
-    assert r.wall_tps == pytest.approx(9 / 1.5)
+    assert r.wall_tps == pytest.approx(9 / 1.45)  # to [DONE]: the body's last 50 ms after it are the tail
+    assert r.tail_after_done_s == pytest.approx(0.05)
     assert r.prefill_tps == pytest.approx((100 - 40) / 0.5)
     assert r.reasoning_tokens_counted == 1
     assert r.event_gaps_s() == pytest.approx([0.1] * 8)

@@ -7,7 +7,6 @@ prompt cache."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -26,7 +25,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.cache import PromptCache
 
-from conftest import FIXTURES, wait_for
+from support import FIXTURES, wait_for
 
 TH = Thresholds()
 REAL2 = FIXTURES / "real2"
@@ -201,7 +200,7 @@ def agent_turns(url: str, app, first: str, n: int, *, change_system_at: int | No
         with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             text = b"".join(r.iter_bytes())
             rid = r.headers["x-mlxproxy-request-id"]
-        assert wait_for(lambda: any(x.id == rid for x in app.recent.records))
+        assert wait_for(lambda: any(x.id == rid for x in app.recent.records))  # noqa: B023
         rec = next(x for x in app.recent.records if x.id == rid)
         out.append(rec)
         answer = "".join(orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""

@@ -39,7 +39,9 @@ PROFILES = {
 def stack() -> Iterator[tuple[str, ProxyApp, dict[str, ServerThread]]]:
     with contextlib.ExitStack() as es:
         sims = {n: es.enter_context(ServerThread(create_sim(n, speed=SPEED, **k))) for n, k in PROFILES.items()}
-        raw = {"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}
+        raw = {"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()],
+               # simulated time runs SPEED x faster: a serial wait of ~1 s simulated is 0.25 s here
+               "detectors": {"serialized_min_wait_s": 1.0 / SPEED}}
         app = create_app(build_config(raw, log_requests=False))
         px = es.enter_context(ServerThread(app, server_header=False, date_header=False))
         yield px.url, app, sims
@@ -185,7 +187,7 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     healthy server, marked and footnoted, with the usage verdict beside it; the healthy
     row is unmarked and unchanged (its speeds are its usage's)."""
     from mlxproxy.bench import BenchOptions, headline, headline_notes, verdict
-    from mlxproxy.core.record import rate_figures
+    from mlxproxy.core.record import rate_figures, wall_window_s
 
     url, _, _ = stack
     opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
@@ -210,7 +212,7 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
         rec = Record.from_dict(d)
         assert rec.tokens_source == "usage" and not rec.anomalies
         assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rec.completion_tokens_reported, rec.ttft_s,
-                                                                          rec.e2e_s, rec.duration_s)
+                                                                          rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
 
 
 def _bench_each(url: str, opts):
@@ -254,8 +256,6 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
-    url, app, _ = stack
-    since = app.recent.total
     fast = ServerThread(create_sim("healthy", speed=8.0)).start()  # 400 tok/s: 2.5 ms token gaps
     try:
         raw = {"upstreams": [{"name": "fast", "url": fast.url}]}

@@ -19,7 +19,7 @@ from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
-from conftest import closed_port, read_fixture, wait_for
+from support import closed_port, read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
 # every forwarding test runs on both server stacks (conftest.stack): plain asyncio + h11 and uvloop + httptools

@@ -21,7 +21,7 @@ from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
 
-from conftest import read_fixture
+from support import read_fixture
 from timing import latency_ok, rate_ok
 from fakeupstream import FakeUpstream, Req, Conn, sse_response
 from test_proxy_e2e import proxy, wait_for
@@ -151,7 +151,7 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     assert res.error is None
     groups = {g["name"]: g for g in res.groups}
-    single = [r for r in groups["single"]["records"]]
+    single = list(groups["single"]["records"])
     truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
     truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
     s = groups["single"]["summary"]
@@ -210,10 +210,15 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     out = res.stdout
     lines: dict[str, str] = {}
     verdicts = out[out.index("Verdicts:"):]
-    for line in verdicts.splitlines()[1:]:  # the verdicts: one line per target
+    last = ""
+    for line in verdicts.splitlines()[1:]:  # the verdicts: one per target, long ones wrapped (indented)
         if not line.strip():
             break
-        lines.setdefault(line.split()[0], line)
+        if line.startswith(" ") and last:
+            lines[last] += " " + line.strip()
+            continue
+        last = line.split()[0]
+        lines.setdefault(last, line)
     assert "continuous batching" in lines["mlx-openai-server"]
     assert "serial: " in lines["mlx-omni-server"]  # 0.88x on a quiet machine; the verdict is what counts
     assert "no incremental streaming" in lines["rapid-mlx"]

@@ -25,8 +25,8 @@ from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.cli import exposure_warning
 from mlxproxy.runner import ServerThread
 
-from conftest import read_fixture
-from conftest import wait_for as _wait_for
+from support import read_fixture
+from support import wait_for as _wait_for
 from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")

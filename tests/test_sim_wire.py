@@ -8,10 +8,11 @@ import pytest
 
 from mlxproxy.sim.engine import Arrival, Finish, Headers, Token, plan
 from mlxproxy.sim.faults import MIDDLE, Faults, parse_faults
-from mlxproxy.sim.profiles import PROFILES, coerce_knob, get_profile
+from mlxproxy.sim.profiles import PROFILES, WIRE_STYLES, coerce_knob, get_profile
 from mlxproxy.sim.render import MALFORMED, Close, Renderer, Stall, Start, context_message
 from mlxproxy.sim.request import RequestError, count_prompt_tokens, parse_request, plan_output
-from mlxproxy.sim.wire import WireContext, style_class
+from mlxproxy.sim.styles import STYLES, style_class
+from mlxproxy.sim.wire import WireContext
 
 
 def chat_body(content: str = "hi", **extra: object) -> dict:
@@ -159,6 +160,14 @@ def test_stream_shapes_match_the_fixtures(fixture_bytes, profile_name, fixture, 
     ours, theirs = data_shapes(body_of(writes)), data_shapes(fixture_bytes(fixture))
     assert ours <= theirs, sorted(ours - theirs)
     assert len(ours) >= min(len(theirs) - 1, 3)
+
+
+def test_every_profile_wire_name_has_one_style() -> None:
+    """The registry and the profiles' list of wire names agree, and each class answers to its name."""
+    assert sorted(STYLES) == sorted(WIRE_STYLES)
+    assert all(style_class(name).name == name for name in WIRE_STYLES)
+    with pytest.raises(KeyError):
+        style_class("no-such-server")
 
 
 def test_json_spacing_per_style() -> None:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEProtocolError
 
-from conftest import splits
+from support import splits
 
 
 def decode(parts: list[bytes], **kw) -> list:

@@ -9,7 +9,7 @@ import pytest
 
 from mlxproxy.tokens import TokenCounter, find_tokenizer_file
 
-from conftest import read_fixture
+from support import read_fixture
 from fakeupstream import FakeUpstream, sse_response
 from test_proxy_e2e import last_record, proxy
 

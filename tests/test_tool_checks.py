@@ -15,7 +15,7 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, ToolSpec, call_problem, find_markup, parse_tools
 
-from conftest import FIXTURES, read_fixture, splits
+from support import FIXTURES, read_fixture, splits
 
 TH = Thresholds()
 TOOL_KINDS = {"tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch"}
@@ -239,7 +239,7 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
     from mlxproxy.runner import ServerThread
     from mlxproxy.sim.app import create_app as create_sim
 
-    from conftest import wait_for
+    from support import wait_for
 
     with ServerThread(create_sim("healthy", speed=50, tool_call_style=style)) as sim:
         app = create_app(build_config(None, upstream_url=sim.url, log_requests=False))
@@ -250,7 +250,7 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
                               headers={"content-type": "application/json"}) as r:
                     b"".join(r.iter_bytes())
                     rid = r.headers["x-mlxproxy-request-id"]
-                assert wait_for(lambda: any(x.id == rid for x in app.recent.records))
+                assert wait_for(lambda: any(x.id == rid for x in app.recent.records))  # noqa: B023
                 recs.append(next(x for x in app.recent.records if x.id == rid))
     for r in recs:
         assert r.outcome == "ok" and set(r.anomalies) == fires, r.anomaly_evidence

@@ -14,10 +14,10 @@ from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds, check_record
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
-from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.record import Record, rate_figures, wall_window_s
 from mlxproxy.report import summarize_records, summary_row, untrusted_notes
 
-from conftest import read_fixture
+from support import read_fixture
 
 TH = Thresholds()
 GAP = 0.02  # one event every 20 ms: 50 tok/s when each event is a token
@@ -62,7 +62,7 @@ def times_usage(body: bytes, factor: int) -> bytes:
 
 
 def usage_rates(r: Record) -> tuple[float | None, float | None, float | None]:
-    return rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, r.duration_s)
+    return rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
 
 
 # -- the trusted count -------------------------------------------------------------------
@@ -110,7 +110,7 @@ def test_over_reporting_recordings_fire_and_speeds_use_the_stream(name: str, pha
     assert r.usage_untrusted and not honest.usage_untrusted
     n, window = r.completion_tokens_counted, r.e2e_s - r.ttft_s
     assert r.decode_tps == pytest.approx((n - 1) / window)
-    assert r.wall_tps == pytest.approx(n / r.duration_s)
+    assert r.wall_tps == pytest.approx(n / wall_window_s(r.duration_s, r.tail_after_done_s))
     assert r.decode_tps < usage_rates(r)[1] / 2
 
 

@@ -24,7 +24,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
 from browser import Chromium, Page, require_chromium
-from conftest import wait_for
+from support import wait_for
 
 KEY = "pk-web-test-3b9d2f"
 

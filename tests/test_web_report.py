@@ -156,7 +156,7 @@ def test_replay_html_report(tmp_path: Path) -> None:
     from mlxproxy.config import build_config
     from mlxproxy.proxy.app import create_app
 
-    from conftest import wait_for
+    from support import wait_for
 
     cap = tmp_path / "capture.jsonl"
     with ServerThread(create_sim("healthy", speed=20.0)) as sim:

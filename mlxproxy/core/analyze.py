@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import dataclasses
-
-from mlxproxy.core.detect import Thresholds, check_prefix, check_record, check_tools, find_serialized, with_anomalies
+from mlxproxy.core.detect import (Thresholds, check_markup, check_prefix, check_record, check_tools, find_abandoned,
+                                  find_serialized, with_anomalies)
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.prefix import PrefixIndex, fingerprint
 from mlxproxy.core.record import Record
@@ -41,15 +41,20 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
                          nonascii_bytes=nonascii_bytes, headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
     if record.tool_calls_valid is not None:
         found.extend(check_tools(record, meter.tool_problems(), meter.tool_markup() if not record.tool_calls else None))
+    if meter.decoder is not None:
+        found.extend(check_markup(record, meter.content_text))
     burst = any(a.kind == "non_incremental_stream" for a in found)  # token times say nothing about progress then
     ser = find_serialized(record, earlier, th) if earlier and not burst else None
     if ser is not None:
         found.append(ser)
+    gone = find_abandoned(record, earlier, th) if earlier else None
+    if gone is not None:
+        found.append(gone)
     info = meter.request
     pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
+    fields: dict[str, Any] = {}
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp)
-        fields: dict = {}
         if match is not None:
             fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
             found.extend(more)
@@ -62,5 +67,5 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
             cid, turn = match.conversation_id, match.turn
         else:
             cid, turn = None, None
-        record = dataclasses.replace(record, conversation_id=cid, turn=turn, **fields)
-    return with_anomalies(record, found, th)
+        fields.update(conversation_id=cid, turn=turn)
+    return with_anomalies(record, found, th, **fields)  # the record's one copy

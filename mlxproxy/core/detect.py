@@ -8,18 +8,20 @@ Pure functions over finished records. `check_record` looks at one record;
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlxproxy.core.openai import parse_context_limit
-from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.record import Record, rate_figures, uncached_tokens, wall_window_s
 from mlxproxy.core.prefix import Match
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
-__all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "prefill_scaling",
+__all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
+           "check_markup", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
            "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools", "check_prefix"]
 
@@ -29,13 +31,14 @@ ANOMALY_KINDS = (
     "silent_prefill", "serialized", "superlinear_prefill",
     "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
     "prefix_cache_miss", "prompt_prefix_changed",
+    "truncated_tool_call", "generation_after_disconnect", "reasoning_in_content", "reasoning_only",
 )
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """Detector thresholds (units in the names). Defaults are chosen to stay silent on
-    every healthy server style in WIRE.md while catching each benchmark pathology."""
+    every healthy server style in docs/WIRE.md#what-each-server-sends while catching each benchmark pathology."""
 
     usage_min_tokens: int = 16  # below this many tokens the usage checks do not judge
     usage_extra_tokens: int = 3  # EOS and think-control tokens a server may count but not stream
@@ -55,7 +58,9 @@ class Thresholds:
     stall_min_gaps: int = 5
     cyclic_cv_max: float = 0.25  # stall spacing this regular (coefficient of variation) is cyclic
     silent_prefill_s: float = 120.0  # no byte at all this long after the headers
-    serialized_min_wait_s: float = 0.25  # the later request waited at least this long for the earlier one
+    serialized_min_wait_s: float = 1.0  # waited this long for another stream (> 2 admission slices of 0.5 s)
+    abandoned_min_wait_s: float = 1.0  # generation_after_disconnect: a TTFT at least this long...
+    abandoned_ttft_factor: float = 5.0  # ...and this many times its usual TTFT on the upstream
     superlinear_factor: float = 3.0  # prefill tok/s this many times lower at the largest prompt
     superlinear_min_size_ratio: float = 4.0
     prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
@@ -202,6 +207,14 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
     elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
+    cut_call = est is not None and _cut_tool_call(r, est, th)
+    if cut_call:
+        # tools offered, the token limit reached, no call came back and usage counts tokens the stream
+        # lacks: the server's tool parser held back the unfinished call and dropped it. The tokens were
+        # generated (not a phantom rate), and an agent gets an empty answer. Judged at any size.
+        add(Anomaly("truncated_tool_call", f"usage says {rep} output tokens but {est} were streamed, finish "
+                    f"{r.finish_reason!r} at max_tokens {r.max_tokens} with tools offered and no tool call back: "
+                    "a tool call cut by the token limit that the server's tool parser held back and never sent"))
     if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
         tok = r.completion_tokens_tokenizer
         if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
@@ -213,7 +226,7 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         if r.event_offsets_s and len(r.event_offsets_s) >= 2:
             window = r.event_offsets_s[-1] - r.event_offsets_s[0]
         base = est + r.tool_calls * th.tool_call_tokens
-        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base:
+        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base and not cut_call:
             if window and window > 0:
                 implied = (rep - 1) / window
                 real = max(est - 1, 1) / window
@@ -223,8 +236,10 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
                 add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
 
     # burst at the end: no incremental streaming (judged on the count the speeds will use)
+    # A stream with tool calls is not judged: servers' tool parsers send a whole call as one
+    # delta by design (mlx_lm.server, vllm-mlx, mlx-openai-server), however incremental the rest.
     n_out = trusted_count(r, [a.kind for a in out])[0]
-    if sse and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
+    if sse and not r.tool_calls and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
         window = (r.event_offsets_s[-1] - r.event_offsets_s[0]) if r.event_offsets_s else 0.0
         rate = math.inf if window <= 0 else (n_out - 1) / window
         tpe = n_out / r.generated_events if r.generated_events else math.inf
@@ -244,9 +259,43 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
             ev += f"; cyclic: every ~{period:.0f} events"
         add(Anomaly("stall", ev))
 
-    if (r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None and rep >= r.max_tokens):
-        add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {rep} tokens reached max_tokens {r.max_tokens}"))
+    if r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None:
+        n, seen = _generated_count(r, chars, th)
+        if cut_call:  # nothing of the cut call was streamed, and a cut call has no EOS: usage is the count
+            n, seen = rep, f"usage {rep} (a withheld tool call, no EOS)"
+        if n >= r.max_tokens:
+            add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached max_tokens "
+                        f"{r.max_tokens} (usage {rep})"))
     return out
+
+
+def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
+    """Tools were offered, the token limit ended the response (a limit finish reason, or
+    usage at `max_tokens`: mlx-openai-server says `stop`), no structured call came back, and
+    usage counts more than `usage_extra_tokens` tokens beyond what the stream carried."""
+    rep = r.completion_tokens_reported
+    if r.tool_calls_valid is None or r.tool_calls or rep is None or rep <= est + th.usage_extra_tokens:
+        return False
+    return r.finish_reason in _LIMIT_FINISH or (r.max_tokens is not None and rep >= r.max_tokens)
+
+
+def _generated_count(r: Record, chars: int | None, th: Thresholds) -> tuple[int, str]:
+    """The tokens the model generated, without the end-of-sequence token that many servers
+    count in usage (mlx_lm.server, mlx-openai-server, Rapid-MLX, mlx-vlm: 20 words + EOS =
+    21): the stream's events when they are one per token, else the tokenizer's recount
+    of the stream, else usage less `usage_extra_tokens` (the EOS and control tokens a server may
+    count but not stream), and for a non-streamed body usage less one."""
+    rep = r.completion_tokens_reported or 0
+    events = r.completion_tokens_counted
+    if events is None:
+        return rep - 1, f"usage {rep} (less a possible EOS)"
+    one_per_event = (events >= rep - th.usage_extra_tokens
+                     and (chars or 0) <= th.max_chars_per_token * max(events, 1))
+    if one_per_event:  # exact: a re-encoded text may count one more or less
+        return events, f"{events} streamed tokens"
+    if r.completion_tokens_tokenizer is not None:
+        return r.completion_tokens_tokenizer, f"{r.completion_tokens_tokenizer} streamed tokens (tokenizer recount)"
+    return rep - th.usage_extra_tokens, f"usage {rep} (less {th.usage_extra_tokens} uncounted control tokens)"
 
 
 # finish reasons that legitimately end a response with tool calls cut short (the token limit)
@@ -278,7 +327,40 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     return out
 
 
-def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict, list[Anomaly]]:
+# reasoning markup a server's reasoning parser should have taken out of the content: an answer
+# that opens with a reasoning block, or the end of one anywhere (Qwen3's template opens the block
+# in the prompt); a `<think>` mentioned mid-answer is not judged
+_THINK = re.compile(r"^\s*(?:<think>|<\|channel\|>analysis|<\|begin_of_thought\|>)|</think>|<\|end_of_thought\|>")
+_SCAN_CHARS = 64 * 1024
+
+
+def check_markup(r: Record, content: str) -> list[Anomaly]:
+    """Reasoning in the wrong field, judged on complete streams: `reasoning_in_content`
+    when the streamed `content` carries reasoning markup (`<think>`, `</think>`, ...) that
+    a reasoning parser should have moved to the reasoning field; `reasoning_only` when a
+    stream that ended on its own (not at the token limit) carried reasoning but no content
+    and no tool call, so a client shows no answer (TTFC never set): a parser that takes a
+    think-less answer for reasoning (vllm-mlx `--reasoning-parser qwen3`). Tool-call markup
+    in content is `check_tools`'s `tool_call_in_content`."""
+    out: list[Anomaly] = []
+    if r.outcome not in ("ok", "ok_no_done") or r.completion_tokens_counted is None:
+        return out
+    if content:
+        text = content if len(content) <= 2 * _SCAN_CHARS else content[:_SCAN_CHARS] + "\n" + content[-_SCAN_CHARS:]
+        m = _THINK.search(text)
+        if m:
+            out.append(Anomaly("reasoning_in_content", f"the streamed content carries reasoning markup {m.group(0)!r} "
+                               f"at char {m.start()}: {text[max(m.start() - 20, 0):m.start() + 60]!r}; clients show "
+                               "the model's reasoning as its answer (no reasoning parser, or the wrong one)"))
+    elif (r.reasoning_tokens_counted and r.ttfc_s is None and not r.tool_calls
+          and r.finish_reason is not None and r.finish_reason not in _LIMIT_FINISH):
+        out.append(Anomaly("reasoning_only", f"{r.reasoning_tokens_counted} reasoning events and no content or tool "
+                           f"call, finish {r.finish_reason!r}: the whole answer was streamed as reasoning, so a client "
+                           "shows none (TTFC never set)"))
+    return out
+
+
+def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict[str, Any], list[Anomaly]]:
     """Record fields and anomalies of a request that continues a conversation (`m`):
     `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
     `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
@@ -288,7 +370,7 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     first turns)."""
     reusable, source = m.tokens(m.shared_chars)
     prev_tokens = m.tokens(m.previous_chars)[0]
-    fields: dict = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
+    fields: dict[str, Any] = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
                     "prefix_diverged_at": m.diverged_at}
     cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
     if cached is not None and reusable > 0:
@@ -351,14 +433,18 @@ def with_trusted_count(r: Record) -> Record:
     n, source = trusted_count(r, r.anomalies)
     if (n, source) == (r.completion_tokens, r.tokens_source):
         return r
-    tpot, decode, wall = rate_figures(n, r.ttft_s, r.e2e_s, r.duration_s)
-    return dataclasses.replace(r, completion_tokens=n, tokens_source=source, tpot_s=tpot, decode_tps=decode,
-                               wall_tps=wall)
+    return r.evolve(**_trusted_fields(r, n, source))
 
 
-def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Record:
-    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures and the
-    trusted token count (`with_trusted_count`)."""
+def _trusted_fields(r: Record, n: int | None, source: str | None) -> dict[str, Any]:
+    tpot, decode, wall = rate_figures(n, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
+    return {"completion_tokens": n, "tokens_source": source, "tpot_s": tpot, "decode_tps": decode, "wall_tps": wall}
+
+
+def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds, **changes: Any) -> Record:
+    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures, the
+    trusted token count (`with_trusted_count`) and any other `changes` (fields that do not
+    feed the trusted count), made in one copy: finishing copies each record once."""
     kinds = list(r.anomalies)
     evidence = dict(r.anomaly_evidence)
     for a in found:
@@ -366,8 +452,11 @@ def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds) -> Recor
             kinds.append(a.kind)
             evidence[a.kind] = a.evidence
     idx, lengths = stall_stats(r, th)
-    return with_trusted_count(dataclasses.replace(r, anomalies=tuple(kinds), anomaly_evidence=evidence,
-                                                  stall_count=len(idx), stall_total_s=sum(lengths)))
+    n, source = trusted_count(r, kinds)
+    if (n, source) != (r.completion_tokens, r.tokens_source):
+        changes.update(_trusted_fields(r, n, source))
+    return r.evolve(anomalies=tuple(kinds), anomaly_evidence=evidence, stall_count=len(idx),
+                    stall_total_s=sum(lengths), **changes)
 
 
 def _decode_window(r: Record) -> tuple[float, float] | None:
@@ -376,27 +465,125 @@ def _decode_window(r: Record) -> tuple[float, float] | None:
     return r.t_start_mono + r.event_offsets_s[0], r.t_start_mono + r.event_offsets_s[-1]
 
 
+def _busy_span(a: Record) -> tuple[float, float] | None:
+    """(first token, end) of a stream the server was generating, on the
+    monotonic clock: a complete incremental stream to its last token; a `client_disconnect`
+    from its first token (else its arrival) until the proxy closed the connection, the
+    moment a server that honours disconnects stops. None for anything else."""
+    if a.outcome in ("ok", "ok_no_done"):
+        if "non_incremental_stream" in a.anomalies:  # its token times say nothing about progress
+            return None
+        w = _decode_window(a)
+        return w
+    if a.outcome == "client_disconnect":
+        w = _decode_window(a)
+        return (w[0] if w is not None else a.t_start_mono), a.t_end_mono
+    return None
+
+
 def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
-    """Whether `later` waited for an overlapping earlier request on the same upstream
-    instead of progressing with it: it arrived while that stream still had at least
-    `serialized_min_wait_s` to go, yet its first token came only after that stream's
-    last token. All records must come from one clock (one process)."""
+    """Whether `later` waited for another request on the same upstream instead of
+    progressing with it: while it waited for its first token, the other stream went on for
+    at least `serialized_min_wait_s`, and that stream had ended (its last token, or its
+    client gone) before `later`'s first token came. Arrival order does not matter: a
+    request that arrived first but was served second is caught as well as the usual case.
+    `earlier` are the records finished before `later` (one clock, one process).
+
+    `serialized_min_wait_s` (1 s) is two of mlx_lm.server's 0.5 s decode slices: that
+    server batches, but admits a new request only between slices, so a request arriving
+    near the end of another stream can wait up to a slice for it to end; that is not serial."""
     w = _decode_window(later)
     if w is None or later.outcome not in ("ok", "ok_no_done"):
         return None
     b_start, b_first = later.t_start_mono, w[0]
     for a in earlier:
-        if (a is later or a.upstream != later.upstream or a.outcome not in ("ok", "ok_no_done")
-                or "non_incremental_stream" in a.anomalies):
+        if a is later or a.id == later.id or a.upstream != later.upstream:
             continue
-        aw = _decode_window(a)
-        if aw is None or a.t_start_mono > b_start:
+        span = _busy_span(a)
+        if span is None:
             continue
-        a_last = aw[1]
-        if a_last - b_start >= th.serialized_min_wait_s and b_first >= a_last:
-            return Anomaly("serialized", f"arrived {_dur(b_start - a.t_start_mono)} after request {a.id}, whose stream "
-                           f"still had {_dur(a_last - b_start)} to go, but its first token came "
-                           f"{_dur(b_first - a_last)} after that stream's last: the two never progressed together")
+        a_first, a_end = span
+        waited_during = a_end - max(b_start, a.t_start_mono)  # a ran while `later` had no token yet
+        if a_end > b_first or waited_during < th.serialized_min_wait_s:
+            continue
+        after = f"its first token came {_dur(b_first - a_end)} after"
+        if a.outcome == "client_disconnect":
+            ev = (f"arrived {_dur(abs(b_start - a.t_start_mono))} {'after' if a.t_start_mono <= b_start else 'before'} "
+                  f"request {a.id} and waited while that one generated for {_dur(waited_during)} until its client left; "
+                  f"{after} the server stopped (the disconnect): the two never progressed together")
+        elif a.t_start_mono <= b_start:
+            ev = (f"arrived {_dur(b_start - a.t_start_mono)} after request {a.id}, whose stream still had "
+                  f"{_dur(a_end - b_start)} to go, but {after} that stream's last: it waited for the rest of "
+                  "another stream instead of progressing with it")
+        else:
+            ev = (f"arrived {_dur(a.t_start_mono - b_start)} before request {a.id} but was served after it: it waited "
+                  f"while the whole of that stream ({a.generated_events} events over {_dur(a_end - a_first)}) "
+                  f"was generated, and {after} that stream's last")
+        return Anomaly("serialized", ev)
+    return None
+
+
+def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, str]:
+    """What `r`'s TTFT would usually be on this upstream, from its other finished requests:
+    their median TTFT, or `r`'s own uncached prompt at their best prefill rate when that is
+    longer (a long prompt is slow on its own). (None, "") when they show neither."""
+    ok = [o for o in others if o.outcome in ("ok", "ok_no_done")]
+    ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    median = percentile(ttfts, 50) if ttfts else None
+    rates = [o.prefill_tps for o in ok if o.prefill_tps and prefill_judgeable(o)]
+    own = uncached_tokens(r.prompt_tokens, r.cached_tokens)
+    prefill = own / max(rates) if rates and own else None
+    if prefill is not None and (median is None or prefill > median):
+        return prefill, f"{own} uncached prompt tokens at this upstream's best {_fmt(max(rates))} tok/s prefill"
+    if median is not None:
+        return median, "the median TTFT here"
+    return None, ""
+
+
+def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
+    """Generation that went on after its client left. An earlier request on the same
+    upstream ended in `client_disconnect`, and `later`'s first token came at least
+    `abandoned_min_wait_s` after that client left, with a TTFT at least
+    `abandoned_min_wait_s` and `abandoned_ttft_factor` times what it would usually be
+    (`_expected_ttft`: without that yardstick nothing is judged). When the abandoned request
+    had a `max_tokens` and a streamed rate, `later` must have arrived while it would still
+    have been generating; and no request that arrived after the client left may have been
+    served promptly (under `abandoned_min_wait_s`) before `later`'s first token: that
+    would show the server had stopped. A server that stops on disconnect serves `later`
+    at once."""
+    if later.outcome not in ("ok", "ok_no_done") or later.ttft_s is None:
+        return None
+    b_start, ttft = later.t_start_mono, later.ttft_s
+    if ttft < th.abandoned_min_wait_s:
+        return None
+    same = [r for r in earlier if r.upstream == later.upstream and r is not later and r.id != later.id]
+    expected, basis = _expected_ttft(later, same)
+    if expected is None or ttft < th.abandoned_ttft_factor * expected:
+        return None
+    b_first = b_start + ttft
+    for a in same:
+        if a.outcome != "client_disconnect":
+            continue
+        left = a.t_end_mono
+        waited = b_first - left  # how long `later` still waited for its first token after the client left
+        if waited < th.abandoned_min_wait_s:
+            continue
+        if any(o.outcome in ("ok", "ok_no_done") and o.ttft_s is not None and o.t_start_mono >= left
+               and o.t_start_mono + o.ttft_s < b_first and o.ttft_s < th.abandoned_min_wait_s for o in same):
+            continue  # served promptly in between: the server was free
+        window = a.event_offsets_s[-1] - a.event_offsets_s[0] if len(a.event_offsets_s) >= 2 else 0.0
+        if a.max_tokens is not None and window > 0:
+            rate = (len(a.event_offsets_s) - 1) / window
+            run_on = max(a.max_tokens - a.generated_events, 0) / rate  # how long it would have gone on
+            if b_start >= left + run_on:
+                continue
+            would = (f"left at event {a.generated_events} of max_tokens {a.max_tokens} (up to {_dur(run_on)} more "
+                     f"at its {_fmt(rate)} events/s)")
+        else:
+            would = f"left at event {a.generated_events}" + ("" if a.max_tokens else " (no max_tokens)")
+        return Anomaly("generation_after_disconnect", f"TTFT {_dur(ttft)} ({_dur(expected)} expected from {basis}): "
+                       f"the first token came {_dur(waited)} after the client of request {a.id} {would}: the server "
+                       "kept generating for a client that had gone")
     return None
 
 
@@ -426,10 +613,11 @@ MOSTLY_CACHED = 0.5
 
 
 def uncached_prompt_tokens(r: Record) -> int | None:
-    """The prompt tokens the server really processed: prompt_tokens minus cached_tokens."""
+    """The prompt tokens the server really processed: prompt_tokens minus cached_tokens, or
+    prompt_tokens itself when cached_tokens exceeds it (`record.uncached_tokens`)."""
     if not r.prompt_tokens:
         return None
-    return max(0, r.prompt_tokens - (r.cached_tokens or 0))
+    return uncached_tokens(r.prompt_tokens, r.cached_tokens)
 
 
 def prefill_judgeable(r: Record) -> bool:
@@ -440,7 +628,9 @@ def prefill_judgeable(r: Record) -> bool:
         return False
     if "non_incremental_stream" in r.anomalies:
         return False
-    return (r.cached_tokens or 0) <= MOSTLY_CACHED * r.prompt_tokens
+    uncached = uncached_tokens(r.prompt_tokens, r.cached_tokens) or 0
+    whole = max(r.prompt_tokens, uncached + (r.cached_tokens or 0))  # prompt_tokens may leave cached ones out
+    return whole - uncached <= MOSTLY_CACHED * whole
 
 
 def prefill_scaling(records: Iterable[Record], th: Thresholds) -> Anomaly | None:

@@ -21,7 +21,7 @@ import orjson
 from mlxproxy.core.apis import (STREAM_APIS, ApiEvent, messages_body, messages_event, messages_usage, responses_body,
                                 responses_event, responses_usage)
 from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
-from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.record import Record, rate_figures, uncached_tokens
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
 
@@ -382,7 +382,7 @@ class RequestMeter:
             except orjson.JSONDecodeError:
                 body_obj = None
         err_msg = error
-        ctx = (False, None, None)
+        ctx: tuple[bool, int | None, int | None] = (False, None, None)
         st = self.status
         if st is not None and st >= 400:
             err_msg = err_msg or error_message(body_obj) or _text_snippet(self._body)
@@ -487,10 +487,16 @@ class RequestMeter:
         ttft = rel(self.t_first_token)
         duration = t_end - t0
         e2e = rel(self.t_last_token) if self.t_last_token is not None else duration
-        tpot, decode, wall = rate_figures(n_out, ttft if self.t_last_token is not None else None, e2e, duration)
+        # wall tok/s stops at [DONE] (or the API's terminal event): a body kept open after it is
+        # not the client's wait (SDKs stop reading there); the tail is reported on its own
+        done_at = rel(self.t_done)
+        tail = max(duration - done_at, 0.0) if done_at is not None else None
+        tpot, decode, wall = rate_figures(n_out, ttft if self.t_last_token is not None else None, e2e,
+                                          duration - (tail or 0.0))
         prefill = None
-        if prompt is not None and ttft is not None and ttft > 0:
-            prefill = (prompt - (cached or 0)) / ttft
+        uncached = uncached_tokens(prompt, cached)
+        if uncached and ttft is not None and ttft > 0:  # None when nothing was prefilled
+            prefill = uncached / ttft
         return Record(
             id=self.request_id,
             started_at=self.started_at,
@@ -508,6 +514,7 @@ class RequestMeter:
             e2e_s=e2e,
             headers_s=rel(self.t_headers),
             duration_s=duration,
+            tail_after_done_s=tail,
             tpot_s=tpot,
             decode_tps=decode,
             wall_tps=wall,

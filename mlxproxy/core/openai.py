@@ -1,4 +1,4 @@
-"""What OpenAI-compatible requests, chunks and error bodies mean, following WIRE.md (b).
+"""What OpenAI-compatible requests, chunks and error bodies mean (docs/WIRE.md#rules-the-core-applies).
 
 Pure functions over already-decoded JSON values (and request bytes); no I/O. Servers
 disagree about nearly everything, so every rule here reacts to what is on the wire, never
@@ -319,6 +319,11 @@ _CTX_PATTERNS = (
     re.compile(r"maximum context length is (?P<limit>\d{1,18}) tokens", re.I),
     re.compile(r"(?:prompt|input)[^.]{0,40}?(?:too long|exceeds?)[^.]{0,60}?context", re.I),
     re.compile(r"context (?:window|length)[^.]{0,40}?exceed", re.I),
+    # llama.cpp: "request (4476 tokens) exceeds the available context size (4096 tokens)"
+    re.compile(r"\((?P<prompt>\d{1,18}) tokens\) exceeds? the available context size \((?P<limit>\d{1,18}) tokens\)", re.I),
+    # mlx-vlm 0.7.10 (HTTP 400 {"detail": ...}): "Protected conversation exceeds the available context budget."
+    re.compile(r"exceeds? the available context (?:budget|size)", re.I),
+    re.compile(r"context[_ ]length[_ ]exceeded", re.I),
 )
 
 

@@ -39,9 +39,9 @@ class PromptPrint:
 
     key: int  # the conversation key: first user message and declared tool names
     labels: tuple[str, ...]
-    hashes: array  # one per piece
-    chars: array  # characters per piece
-    blocks: tuple[array | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
+    hashes: array[int]  # one per piece
+    chars: array[int]  # characters per piece
+    blocks: tuple[array[int] | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
     tools_set: int  # fingerprint of the tools in name order (to tell "tools order" from a change)
 
     @property
@@ -51,6 +51,17 @@ class PromptPrint:
 
 def _text(v: Any) -> str:
     return v if isinstance(v, str) else orjson.dumps(v, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _field_order(k: str) -> tuple[bool, bool, str]:
+    return (k != "role", k != "content", k)
+
+
+def _message_fields(m: dict[str, Any]) -> Any:
+    """The fields of a message in rendering order: role, content, then the rest by name."""
+    if len(m) == 2 and "role" in m and "content" in m:  # by far the most common message
+        return ("role", "content")
+    return sorted(m, key=_field_order)
 
 
 def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
@@ -78,32 +89,47 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
+    add = pieces.append
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
             break
         if not isinstance(m, dict):
-            pieces.append((f"{name}[{i}]", _text(m)))
+            add((f"{name}[{i}]", _text(m)))
             continue
-        for field in sorted(m, key=lambda k: (k != "role", k != "content", k)):  # role, content, then the rest
-            pieces.append((f"{name}[{i}].{field}", _text(m[field])))
+        for field in _message_fields(m):
+            v = m[field]
+            add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
         if first_user is None and m.get("role") == "user":
             first_user = _text(m.get("content"))
     if first_user is None:
         return None
-    tool_names = sorted(t.get("function", t).get("name", "") if isinstance(t, dict) and isinstance(t.get("function", t), dict)
-                        else "" for t in (tools if isinstance(tools, list) else ()))
-    key = hash((first_user, tuple(str(n) for n in tool_names)))
+    names: tuple[str, ...] = ()
+    if isinstance(tools, list) and tools:
+        names = tuple(str(n) for n in sorted(
+            t.get("function", t).get("name", "") if isinstance(t, dict) and isinstance(t.get("function", t), dict)
+            else "" for t in tools))
+    key = hash((first_user, names))
     budget = MAX_BLOCKS
-    blocks: list[array | None] = []
+    blocks: list[array[int] | None] = []
+    hashes: list[int] = []
+    lengths: list[int] = []
     for _, text in pieces:
-        n = (len(text) + BLOCK_CHARS - 1) // BLOCK_CHARS
+        size = len(text)
+        h = hash(text)
+        hashes.append(h)
+        lengths.append(size)
+        if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
+            blocks.append(array("q", (h,) if size else ()))
+            budget -= 1 if size else 0
+            continue
+        n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
         if n <= budget:
-            blocks.append(array("q", (hash(text[k:k + BLOCK_CHARS]) for k in range(0, len(text), BLOCK_CHARS))))
+            blocks.append(array("q", [hash(text[k:k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
             budget -= n
         else:
             blocks.append(None)
-    return PromptPrint(key, tuple(label for label, _ in pieces), array("q", (hash(t) for _, t in pieces)),
-                       array("q", (len(t) for _, t in pieces)), tuple(blocks), tools_set)
+    return PromptPrint(key, tuple(label for label, _ in pieces), array("q", hashes), array("q", lengths),
+                       tuple(blocks), tools_set)
 
 
 @dataclass(frozen=True, slots=True)

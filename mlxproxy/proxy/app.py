@@ -386,7 +386,7 @@ class ProxyApp:
             return
         record = self._finish(meter, t_end, outcome, error, self._recent_by_upstream[meter.upstream])
         if record.error is not None:
-            record = dataclasses.replace(record, error=self._scrub(record.error, client_headers))
+            record = record.evolve(error=self._scrub(record.error, client_headers))
         self._recent_by_upstream[record.upstream].append(record)
         self.metrics.observe_overhead(request_overhead, chunk_overheads)
         self.fanout.emit(record, exchange)
@@ -403,7 +403,7 @@ class ProxyApp:
         def work() -> Record:
             record = self._finish(meter, t_end, outcome, error, earlier)
             if record.error is not None:
-                record = dataclasses.replace(record, error=self._scrub(record.error, headers))
+                record = record.evolve(error=self._scrub(record.error, headers))
             try:
                 self.metrics.on_record(record)
             except Exception:  # as Fanout does for every observer

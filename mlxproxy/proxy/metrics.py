@@ -229,7 +229,7 @@ class ProxyMetrics:
             c(self.tps, up, model, "wall", conc).observe(r.wall_tps)
         if r.decode_tps is not None:
             c(self.tps, up, model, "decode", conc).observe(r.decode_tps)
-        if r.prefill_tps is not None:
+        if r.prefill_tps is not None and r.prefill_tps > 0:  # a rate is never negative (records of older versions)
             c(self.prefill, up, model).observe(r.prefill_tps)
         if r.prompt_tokens is not None:
             c(self.prompt_len, up, model).observe(r.prompt_tokens)

@@ -67,7 +67,7 @@ def _flag(request: Request, name: str) -> bool:
     return value in ("1", "true")
 
 
-def own_routes(proxy: "ProxyApp") -> Any:
+def own_routes(proxy: ProxyApp) -> Any:
     """The Starlette app that answers `OWN_PATHS` for `proxy`."""
 
     async def page_file(request: Request) -> Response:

@@ -21,7 +21,8 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -31,7 +32,8 @@ from mlxproxy.sim.faults import parse_faults
 from mlxproxy.sim.profiles import Profile, get_profile, truth_lines
 from mlxproxy.sim.render import Close, Renderer, Stall, Start, Write, json_start
 from mlxproxy.sim.request import RequestError, parse_request, plan_output, reported_completion_tokens
-from mlxproxy.sim.wire import Style, WireContext, style_class
+from mlxproxy.sim.styles import style_class
+from mlxproxy.sim.wire import Style, WireContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -216,6 +218,8 @@ class SimApp:
         }
         self.truths.append(truth)
         early = renderer.before_admission()
+        if not renderer.done and self.profile.reject_concurrent and self._queues:  # busy: refuse it
+            early = renderer.reject_busy(self.profile.reject_concurrent)
         if renderer.done:
             truth["outcome"] = "fault"
             await self._play(early, send, receive, renderer, _Offset())

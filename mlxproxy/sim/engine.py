@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 from mlxproxy.sim.profiles import Profile
 
@@ -97,7 +97,7 @@ class Finish:
     n_tokens: int
 
 
-Event = Union[Headers, Rejected, PrefillProgress, Token, Finish]
+Event = Headers | Rejected | PrefillProgress | Token | Finish
 
 
 @dataclass

@@ -82,6 +82,10 @@ class Profile:
     # Answer to a chat request that declares tools (OpenAI wire only): "" (text), "structured",
     # "markup" (<tool_call> in content), "invalid-json" (structured, broken arguments).
     tool_call_style: str = ""
+    # A request that arrives while another is being served: "" (served as the engine plans),
+    # "stream" (HTTP 200, then at once an error in the stream, like vllm-mlx's simple mode) or
+    # "http" (HTTP 503 at once).
+    reject_concurrent: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -123,6 +127,8 @@ def _validate(p: Profile) -> None:
         raise bad("tool_call_style", "must be '', 'structured', 'markup' or 'invalid-json'")
     if p.tool_call_style and p.wire != "openai":
         raise bad("tool_call_style", "is only simulated on the openai wire")
+    if p.reject_concurrent not in ("", "stream", "http"):
+        raise bad("reject_concurrent", "must be '', 'stream' or 'http'")
     try:
         parse_cache_drop(p.cache_drop)
     except ValueError:

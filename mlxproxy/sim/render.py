@@ -12,7 +12,6 @@ multiplier) and the request's faults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from mlxproxy.sim.engine import Event, Finish, Headers, PrefillProgress, Rejected, Token
 from mlxproxy.sim.faults import Faults
@@ -45,7 +44,7 @@ class Close:
     reset: bool
 
 
-Write = Union[Start, bytes, Stall, Close]
+Write = Start | bytes | Stall | Close
 
 
 def context_message(prompt_tokens: int, max_context_tokens: int) -> str:
@@ -98,6 +97,18 @@ class Renderer:
             )
             return json_start(status, headers, body)
         return []
+
+    def reject_busy(self, how: str) -> list[Write]:
+        """The answer of a server busy with another request (the `reject_concurrent` knob):
+        HTTP 200 then an error in the stream ("stream"; a non-stream request gets HTTP 500), or HTTP 503 ("http")."""
+        self.done = True
+        message = "Simulated rejection: another request is being served"
+        if how == "http" or not self.stream:
+            return json_start(*self.style.error(503 if how == "http" else 500, message))
+        self.started = True
+        data, ending = self.style.stream_error(message, self.plan.finish_reason, self.usage())
+        writes: list[Write] = [Start(200, tuple(self.style.stream_headers())), self.style.open_stream(), data]
+        return [*writes, Close(reset=False)] if ending == "close" else writes
 
     def on_event(self, ev: Event) -> list[Write]:
         if self.done:

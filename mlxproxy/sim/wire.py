@@ -2,10 +2,12 @@
 
 A style object formats one response (`WireContext` fixes its id, model echo, creation time and
 endpoint). The base `Style` is the OpenAI reference format (compact JSON, role chunk with
-`content: ""`, usage only with `include_usage` as a `choices: []` chunk); `wire_servers.py`
-and `wire_vllm.py` hold one subclass per real MLX server, copying docs/WIRE.md and tests/fixtures/{wire,real}.
-`style_for(name, ctx)` picks one. Styles that use spaced JSON (`json.dumps` defaults, ASCII
-escapes) override `dumps`.
+`content: ""`, usage only with `include_usage` as a `choices: []` chunk); `DetailErrors` is the
+base of the FastAPI servers whose own errors are `{"detail": ...}`. `wire_servers.py` and
+`wire_vllm.py` hold one subclass per real MLX server, following
+docs/WIRE.md#what-each-server-sends and tests/fixtures/{wire,real}; `styles.py` names them all (`style_class`, `style_for`). The
+dependencies run one way: this module imports neither of those. Styles that use spaced JSON
+(`json.dumps` defaults, ASCII escapes) override `dumps`.
 
 Stream methods return the exact bytes to write at that moment: `open_stream` (with the
 headers), `progress` (prefill comment), `piece` (one token), `finish` (everything after the
@@ -241,16 +243,20 @@ class Style:
         return self.dumps({"status": "ok"})
 
 
-def style_class(name: str) -> type[Style]:
-    """The style class for a profile's `wire` name; raises KeyError for an unknown one."""
-    from mlxproxy.sim.wire_servers import SERVER_STYLES
-    from mlxproxy.sim.wire_vllm import VLLM_STYLES
-
-    if name == Style.name:
-        return Style
-    return {**SERVER_STYLES, **VLLM_STYLES}[name]
+JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def style_for(name: str, ctx: WireContext) -> Style:
-    """A style object formatting one response."""
-    return style_class(name)(ctx)
+def detail_validation_error(style: Style, field_name: str, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """A missing required field as FastAPI/pydantic reports it: 422 with a `detail` list."""
+    detail = [{"type": "missing", "loc": ["body", field_name], "msg": "Field required", "input": body}]
+    return 422, list(JSON_HEADERS), style.dumps({"detail": detail})
+
+
+class DetailErrors(Style):
+    """FastAPI servers whose own errors are `{"detail": ...}` (vllm-mlx, Rapid-MLX, mlx-vlm, omni)."""
+
+    def error_body(self, status: int, message: str) -> bytes:
+        return self.dumps({"detail": message})
+
+    def validation_error(self, field_name: str, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        return detail_validation_error(self, field_name, body)

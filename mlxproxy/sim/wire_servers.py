@@ -1,9 +1,10 @@
-"""One `Style` per real MLX server, copied from docs/WIRE.md and the recorded fixtures.
+"""One `Style` per real MLX server, following docs/WIRE.md#what-each-server-sends and the fixtures.
 
 This module: mlx_lm.server, mlx-openai-server, mlx-omni-server, mlx-vlm; the vllm-mlx
 lineage (vllm-mlx, Rapid-MLX, oMLX) is in `wire_vllm.py`.
 
-Deliberate simplifications (the body bytes are copied; these are not): every style is served
+Deliberate simplifications (docs/WIRE.md#the-simulators-styles; the body bytes follow the
+servers, these do not): every style is served
 over HTTP/1.1 by uvicorn (mlx_lm.server speaks HTTP/1.0 and ends the body at connection
 close); `created` stays fixed within a response; ids are deterministic per request.
 """
@@ -14,29 +15,18 @@ from typing import Any
 
 from mlxproxy.sim.wire import (
     DONE,
+    JSON_HEADERS,
+    DetailErrors,
     Style,
     UsageReport,
     comment,
+    detail_validation_error,
     dumps_spaced,
     error_type,
     hex_id,
     sse,
     uuid_like,
 )
-
-JSON = [(b"content-type", b"application/json")]
-
-
-class _DetailErrors(Style):
-    """FastAPI servers whose own errors are `{"detail": ...}` (vllm-mlx, Rapid-MLX, mlx-vlm, omni)."""
-
-    def error_body(self, status: int, message: str) -> bytes:
-        return self.dumps({"detail": message})
-
-    def validation_error(self, field_name: str, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        detail = [{"type": "missing", "loc": ["body", field_name], "msg": "Field required", "input": body}]
-        return 422, JSON, self.dumps({"detail": detail})
-
 
 class MlxLmStyle(Style):
     """mlx_lm.server: spaced JSON, role in every delta, `reasoning`, `: keepalive P/T` comments."""
@@ -112,7 +102,7 @@ class MlxLmStyle(Style):
         return self.dumps({"error": message})
 
     def not_found(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        return 404, JSON, b"Not Found"
+        return 404, list(JSON_HEADERS), b"Not Found"
 
     def validation_error(self, field_name: str, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         return self.error(404, f"'{field_name}'")
@@ -176,13 +166,13 @@ class MlxOpenAIServerStyle(Style):
         return self.dumps({"error": {"message": message, "type": error_type(status), "param": None, "code": str(status)}})
 
     def not_found(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        return 404, JSON, self.dumps({"detail": "Not Found"})
+        return 404, list(JSON_HEADERS), self.dumps({"detail": "Not Found"})
 
     def validation_error(self, field_name: str, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        return _DetailErrors.validation_error(self, field_name, body)  # type: ignore[arg-type]
+        return detail_validation_error(self, field_name, body)
 
 
-class MlxOmniServerStyle(_DetailErrors):
+class MlxOmniServerStyle(DetailErrors):
     """mlx-omni-server: spaced JSON, reasoning as plain content, finish_reason repeated with usage."""
 
     name = "mlx-omni-server"
@@ -238,7 +228,7 @@ class MlxOmniServerStyle(_DetailErrors):
         return self.dumps(obj)
 
 
-class MlxVlmStyle(_DetailErrors):
+class MlxVlmStyle(DetailErrors):
     """mlx-vlm: every delta field present (nulls), both reasoning fields, per-chunk timings."""
 
     name = "mlx-vlm"
@@ -299,7 +289,3 @@ class MlxVlmStyle(_DetailErrors):
         return self.dumps({"id": self.ctx.response_id, "object": "chat.completion", "created": self.ctx.created,
                            "model": self.ctx.model, "choices": [choice], "usage": usage_obj})
 
-
-SERVER_STYLES: dict[str, type[Style]] = {
-    cls.name: cls for cls in (MlxLmStyle, MlxOpenAIServerStyle, MlxOmniServerStyle, MlxVlmStyle)
-}

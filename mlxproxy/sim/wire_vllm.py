@@ -1,6 +1,6 @@
 """Styles of the vllm-mlx lineage: vllm-mlx, its fork Rapid-MLX, and oMLX (same chunk shapes).
 
-Copied from docs/WIRE.md and tests/fixtures/{wire,real}; see `wire_servers.py` for the
+Following docs/WIRE.md#what-each-server-sends and tests/fixtures/{wire,real}; see `wire_servers.py` for the
 simplifications shared by every style.
 """
 
@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxproxy.sim.wire import DONE, Style, UsageReport, comment, hex_id, sse
-from mlxproxy.sim.wire_servers import _DetailErrors
+from mlxproxy.sim.wire import DONE, DetailErrors, Style, UsageReport, comment, hex_id, sse
 
 
-class VllmMlxStyle(_DetailErrors):
+class VllmMlxStyle(DetailErrors):
     """vllm-mlx: compact JSON with nulls, role-only first chunk, usage on the last token and again."""
 
     name = "vllm-mlx"
@@ -183,5 +182,3 @@ class OmlxStyle(RapidMlxStyle):
                  "capabilities": {"max_tokens": max_context_tokens}}
         return self.dumps({"object": "list", "data": [entry]})
 
-
-VLLM_STYLES: dict[str, type[Style]] = {cls.name: cls for cls in (VllmMlxStyle, RapidMlxStyle, OmlxStyle)}

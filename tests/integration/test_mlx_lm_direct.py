@@ -1,7 +1,7 @@
 """Direct checks of a real ``mlx_lm.server`` (no proxy) serving the tiny local model.
 
-These pin down the wire behaviour the proxy relies on (see shared docs WIRE.md,
-"mlx_lm.server"): HTTP/1.0 with the body ending at connection close,
+These pin down the wire behaviour the proxy relies on (see
+docs/WIRE.md#what-each-server-sends, "mlx_lm.server"): HTTP/1.0 with the body ending at connection close,
 ``: keepalive P/T`` prefill comments before the first data event, ``role`` in
 every delta, a ``choices: []`` usage chunk with ``object: "chat.completion"``
 when ``include_usage`` is set, and ``data: [DONE]`` last.
@@ -19,7 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest

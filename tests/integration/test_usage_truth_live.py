@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxproxy.core.record import Record, rate_figures
+from mlxproxy.core.record import Record, rate_figures, wall_window_s
 
 from .conftest import PREFILL_STEP
 from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve
@@ -108,7 +108,7 @@ def check_records(px: Any, seen: list[dict[str, Any]], tokenizer: bool) -> dict[
         assert rec.completion_tokens_reported == rep and rec.completion_tokens_counted == s["events"]
         # the trusted count is the server's usage, and so are the speeds
         assert (rec.completion_tokens, rec.tokens_source, rec.n_out) == (rep, "usage", rep)
-        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rep, rec.ttft_s, rec.e2e_s, rec.duration_s)
+        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rep, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
         assert (rec.completion_tokens_tokenizer is not None) == (tokenizer and s["events"] > 0)
         stats["stop"] += rec.finish_reason == "stop"
         stats["chars_over_4"] += len(s["text"]) / 4 > rep + 3  # where chars/4 used to cry wolf
@@ -127,7 +127,7 @@ def test_200_requests_of_real_text_raise_no_usage_alarm(fixed_text, mlx_server: 
         cfg = {"recent_records": 500, **({"tokenizer": str(model.path / "tokenizer.json")} if tokenizer else {})}
         with mlxproxy_serve(fixed_url, cfg) as px:
             seen = []
-            for kind, prompt, max_tokens in varied_requests(model, seed=14):
+            for _kind, prompt, max_tokens in varied_requests(model, seed=14):
                 s = stream_chat(http, px.url, prompt, max_tokens)
                 seen.append(s)
             totals["rigged"] = check_records(px, seen, tokenizer)
@@ -198,6 +198,6 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
                 source = "tokenizer" if cfg else "stream"
                 n = rec.completion_tokens_tokenizer if cfg else 120
                 assert (rec.completion_tokens, rec.tokens_source) == (n, source)
-                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(n, rec.ttft_s, rec.e2e_s, rec.duration_s)
+                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(n, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
     finally:
         http.close()

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = [
     "MODEL_NAME",
@@ -127,7 +127,7 @@ def requires_mlx() -> bool:
     return True
 
 
-def _train_tokenizer(vocab_size: int) -> "object":
+def _train_tokenizer(vocab_size: int) -> object:
     """Train a byte-level BPE ``tokenizers.Tokenizer`` on :data:`TRAINING_TEXT`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 

@@ -466,6 +466,7 @@
       ["status", r.status ?? "–"], ["finish reason", r.finish_reason ?? "–"],
       ["TTFT", fmt(r.ttft_s, 3) + " s"], ["e2e", fmt(r.e2e_s, 3) + " s"],
       ["decode", fmt(r.decode_tps, 1) + " tok/s"], ["wall", fmt(r.wall_tps, 1) + " tok/s"],
+      ...(r.tail_after_done_s ? [["open after [DONE]", fmt(r.tail_after_done_s, 3) + " s"]] : []),
       ["prefill", fmt(r.prefill_tps, 0) + " tok/s"],
       ["prompt tokens", r.prompt_tokens ?? "–"], ["cached tokens", r.cached_tokens ?? "–"],
       ["tokens reported", r.completion_tokens_reported ?? "–"], ["tokens counted", r.completion_tokens_counted ?? "–"],

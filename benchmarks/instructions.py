@@ -1,0 +1,138 @@
+"""Instructions per proxied request, counted by valgrind's callgrind: an A/B that a busy
+machine cannot blur.
+
+Timings on a shared 2-core machine move by tens of percent with the neighbours' load; the
+number of instructions the proxy executes for the same requests does not (two runs of the
+same code agree within about 1%). This runs `python -m mlxproxy serve` from each SRC folder
+under callgrind against `benchmarks/upstream.py`, warms it up, then counts, with the
+counters zeroed before and dumped after each phase:
+
+  * 300 sequential non-streaming requests (16 tokens): instructions per request;
+  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream.
+
+    python benchmarks/instructions.py [SRC ...]     # default: this repository
+
+SRC is a folder holding an `mlxproxy/` package (e.g. `git archive <commit> mlxproxy | tar -x
+-C /tmp/old`). Everything the proxy process does in a phase is counted, its event-loop lag
+timer included (20 ticks a second), so a phase that lasts longer counts a few more ticks.
+Needs valgrind (Debian: `apt-get install valgrind`); takes about a minute per SRC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PROMPT = [{"role": "user", "content": "Say hello."}]
+NON_STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 16}).encode()
+STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 100, "stream": True}).encode()
+PHASES = (("non-stream request", NON_STREAM, 300), ("stream of 100 events", STREAM, 10))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the proxy exited with {proc.returncode} before answering")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/healthz")
+            c.getresponse().read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the proxy did not answer /healthz within {timeout_s:g} s")
+
+
+def send(conn: http.client.HTTPConnection, body: bytes, n: int) -> None:
+    for _ in range(n):
+        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status} through the proxy")
+
+
+def total_instructions(path: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"no instruction total in {path}")
+
+
+def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
+    port = free_port()
+    out = os.path.join(workdir, "callgrind.out")
+    env = dict(os.environ, PYTHONPATH=src)
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "mlxproxy", "serve",
+            "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port), "--log-level", "warning"]
+    with open(os.path.join(workdir, "valgrind.log"), "w") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_healthy(port, proc)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        send(conn, NON_STREAM, 40)  # warm-up: imports, caches, the upstream pool
+        send(conn, STREAM, 4)
+        time.sleep(1.0)  # the finisher drains (not a measurement: the counters are zeroed next)
+        result = {}
+        for name, body, n in PHASES:
+            subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+            send(conn, body, n)
+            time.sleep(1.0)  # let the last records be finished before the dump
+            before = set(glob.glob(out + "*"))
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            dumps = sorted(set(glob.glob(out + "*")) - before, key=os.path.getmtime)
+            result[name] = total_instructions(dumps[-1]) / n
+        return result
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Instructions per proxied request under callgrind (A/B on a busy machine).")
+    ap.add_argument("src", nargs="*", default=[REPO], help="folders holding an mlxproxy package (default: this repository)")
+    args = ap.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions.py: valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        return 2
+    for src in args.src:
+        if not os.path.isdir(os.path.join(src, "mlxproxy")):
+            print(f"instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
+            return 2
+    up = subprocess.Popen([sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", "200"],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        line = up.stdout.readline() if up.stdout else ""
+        up_port = int(line.split()[1])
+        for src in args.src:
+            with tempfile.TemporaryDirectory(prefix="mlxproxy-instr-") as workdir:
+                res = measure(os.path.abspath(src), up_port, workdir)
+            figures = ", ".join(f"{name}: {v / 1e6:.3f} M" for name, v in res.items())
+            print(f"{src}: instructions per {figures}", flush=True)
+    finally:
+        up.terminate()
+        up.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
