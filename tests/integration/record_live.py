@@ -1,6 +1,6 @@
 """Record the rigged cases' raw bytes from a live seed server into tests/fixtures/live/<server>/.
 
-    PYTHONPATH=. /work/main/.venv/bin/python -m tests.integration.record_live SERVER [SERVER ...]
+    PYTHONPATH=. .venv/bin/python -m tests.integration.record_live SERVER [SERVER ...]
 
 SERVER is a name of :data:`live_servers.SPECS` (or ``mlx-lm`` for mlx_lm.server from this
 interpreter). Each case writes ``<case>.headers`` (status line and response headers as
