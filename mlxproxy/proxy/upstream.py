@@ -77,13 +77,17 @@ class _GuardedConnector(aiohttp.TCPConnector):
         super()._release(key, protocol, should_close=should_close)  # type: ignore[arg-type]
 
     async def _get(self, key: object, traces: list) -> aiohttp.connector.Connection | None:  # type: ignore[override]
-        for proto, _t in self._conns.get(key, ()):  # type: ignore[call-overload]
-            if not _reusable(proto):
-                proto.close()  # not connected any more: the pool skips it
-        conn = await super()._get(key, traces)  # type: ignore[arg-type]
-        if conn is not None and conn.protocol is not None:
-            conn.protocol.idle = False  # type: ignore[attr-defined]
-        return conn
+        # only the connection about to be handed out is checked (walking every idle one cost
+        # O(pool) per request: 2 % of a load generator's CPU at 800 req/s); one that fails is
+        # closed and the next is taken
+        while True:
+            conn = await super()._get(key, traces)  # type: ignore[arg-type]
+            if conn is None or conn.protocol is None:
+                return conn
+            if _reusable(conn.protocol):
+                conn.protocol.idle = False  # type: ignore[attr-defined]
+                return conn
+            conn.close()  # bytes arrived while it sat idle, or it is half-parsed: never reused
 
 
 def display_url(url: str) -> str:
