@@ -181,18 +181,21 @@ class MeasuringClient:
     async def run_recorded(self, reqs: Sequence[PreparedRequest], speed: float = 1.0,
                            progress: Callable[[], None] | None = None) -> Timed:
         """Each request sent at its recorded offset / speed, against absolute deadlines;
-        the lag of every actual send behind its deadline is kept."""
+        the lag of every actual send behind its deadline is kept.
+
+        One dispatcher sleeps until the next deadline and only then starts that request's
+        task: creating every task up front would spend the first moments of a long run
+        starting thousands of sleeping tasks, late for the first deadlines. The lag is taken
+        inside the started task, just before it sends, so the loop's own delay is in it."""
         out = Timed()
         if not reqs:
             return out
-        first = min(r.offset_s for r in reqs)
+        ordered = sorted(reqs, key=lambda r: r.offset_s)
+        first = ordered[0].offset_s
         t0 = now()
+        tasks: list[asyncio.Task[None]] = []
 
-        async def one(req: PreparedRequest) -> None:
-            deadline = t0 + (req.offset_s - first) / speed
-            delay = deadline - now()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async def one(req: PreparedRequest, deadline: float) -> None:
             out.lag_s.append(max(0.0, now() - deadline))
             r = await self.send(req)
             out.records.append(r)
@@ -200,7 +203,17 @@ class MeasuringClient:
             if progress:
                 progress()
 
-        await asyncio.gather(*(one(r) for r in sorted(reqs, key=lambda r: r.offset_s)))
+        try:
+            for req in ordered:
+                deadline = t0 + (req.offset_s - first) / speed
+                delay = deadline - now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(req, deadline)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # cancelled (Ctrl-C, a timeout around the run): no orphans
+                task.cancel()
         return out
 
     async def run_open_loop(self, reqs: Sequence[PreparedRequest], offsets: Sequence[float],
