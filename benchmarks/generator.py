@@ -1,7 +1,9 @@
 """Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
 
-`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (httpx,
-every response metered by the shared core). This script drives it against
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (the
+proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
+the CLI runs it on: `mlxproxy.runner.run_async`, uvloop where installed, asyncio with
+MLXPROXY_STACK=plain). This script drives it against
 `benchmarks/upstream.py` (a fast SSE server in its own process) and, side by side, the
 overhead harness's own raw-asyncio client (`benchmarks/loadgen.py`, its own process):
 
@@ -26,7 +28,6 @@ machine (it prints the background load it saw):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource
@@ -141,6 +142,14 @@ async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: in
             "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed}
 
 
+def _run(coro: Any) -> dict[str, Any]:
+    """As `mlxproxy replay`/`bench` run their client: on the stack's event loop."""
+    sys.path.insert(0, REPO)
+    from mlxproxy.runner import run_async
+
+    return dict(run_async(coro))
+
+
 def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1000.0
 
@@ -168,11 +177,15 @@ def main() -> None:
     results: dict[str, Any] = {"nonstream": [], "streams": {}, "closed": {}}
     busy0, wall0 = _busy(), now()
     try:
-        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client vs the overhead harness's client")
+        sys.path.insert(0, REPO)
+        from mlxproxy.runner import stack_settings
+
+        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "
+              "harness's client")
         print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
         print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}")
         for rate in rates:
-            r = asyncio.run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
+            r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
             results["nonstream"].append({"rate": rate, **r})
             print(f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
                   f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
@@ -180,7 +193,7 @@ def main() -> None:
 
         print(f"\n2. {streams} concurrent streams at 100 tok/s (100-token answers, {streams} requests/s open loop)")
         set_rate(port, 100.0)
-        r = asyncio.run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
+        r = _run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
         results["streams"]["mlxproxy"] = r
         h = harness.job({"kind": "load", "host": "127.0.0.1", "port": port, "streams": streams, "tokens": 100,
                          "warmup_s": 1.0, "window_s": seconds, "ramp_s": 1.0, "drain_s": 5}, seconds + 60)
@@ -199,7 +212,7 @@ def main() -> None:
         print("\n3. closed loop, 64 workers, 1-token streams as fast as the upstream answers")
         set_rate(port, 0.0)
         n = int(1000 * seconds / 5) if not args.quick else 500
-        r = asyncio.run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
+        r = _run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
         t0 = now()
         h = harness.job({"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64,
                          "max_s": 120}, 180)

@@ -206,8 +206,7 @@ class MeasuringClient:
         try:
             for req in ordered:
                 deadline = t0 + (req.offset_s - first) / speed
-                delay = deadline - now()
-                if delay > 0:
+                while (delay := deadline - now()) > 0:  # uvloop's timers (1 ms) can wake early
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.ensure_future(one(req, deadline)))
             await asyncio.gather(*tasks)
