@@ -63,9 +63,8 @@ def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
 
 def run_async(coro: Coroutine[Any, Any, T], stack: str | None = None) -> T:
     """`asyncio.run(coro)` on the chosen stack's event loop (see `stack_settings`): `replay`
-    and `bench` run their client on uvloop where it is installed, which costs about half
-    the CPU per streamed event of the standard loop (benchmarks/README.md, "Is the load
-    generator ever the bottleneck?"). Ctrl-C cancels `coro` as with `asyncio.run`."""
+    and `bench` run their client on the same stack as the proxy (uvloop where installed,
+    asyncio with MLXPROXY_STACK=plain). Ctrl-C cancels `coro` as with `asyncio.run`."""
     if not hasattr(asyncio, "Runner"):  # Python 3.10: the standard loop
         return asyncio.run(coro)
     with asyncio.Runner(loop_factory=lambda: new_event_loop(stack)) as runner:
