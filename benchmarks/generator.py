@@ -139,7 +139,9 @@ async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: in
     return {"requests": n, "ok": len(ok), "sent_rps": sent_rate([r.t_start_mono for r in timed.records]),
             "done_rps": len(ok) / span if span else None, "lag_p50_ms": _ms(pct(timed.lag_s, 50)),
             "lag_p99_ms": _ms(pct(timed.lag_s, 99)), "decode_tps_p50": pct([r.decode_tps for r in ok if r.decode_tps], 50),
-            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed}
+            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed,
+            "cpu_us_per_request": cpu / n * 1e6 if n else None,
+            "cpu_us_per_event": cpu / events * 1e6 if (events := sum(r.generated_events for r in ok)) else None}
 
 
 def _run(coro: Any) -> dict[str, Any]:
@@ -183,13 +185,14 @@ def main() -> None:
         print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "
               "harness's client")
         print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
-        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}")
+        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
+              f" {'CPU us/req':>10}")
         for rate in rates:
             r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
             results["nonstream"].append({"rate": rate, **r})
             print(f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
                   f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
-                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6}")
+                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}")
 
         print(f"\n2. {streams} concurrent streams at 100 tok/s (100-token answers, {streams} requests/s open loop)")
         set_rate(port, 100.0)
@@ -204,7 +207,8 @@ def main() -> None:
                                          / (h.get("elapsed_s") or 1.0)}
         print(f"  mlxproxy client: {r['ok']}/{r['requests']} ok, sent {_f(r['sent_rps'], '.0f')}/s, schedule lag p50 "
               f"{_f(r['lag_p50_ms'], '.2f')} ms, p99 {_f(r['lag_p99_ms'], '.2f')} ms, decode tok/s p50 "
-              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores")
+              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores, "
+              f"{_f(r['cpu_us_per_event'])} CPU us per event")
         hs = results["streams"]["harness"]
         print(f"  harness client:  {_f(hs['per_stream_tps'])} tok/s per stream, event gap p99 {_f(hs['gap_p99_ms'], '.2f')}"
               f" ms, {hs['errors']} errors, {_f(hs['client_cores'], '.2f')} cores")
@@ -217,8 +221,10 @@ def main() -> None:
         h = harness.job({"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64,
                          "max_s": 120}, 180)
         h_rps = (h.get("done") or 0) / (now() - t0)
-        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"]}
-        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores); "
+        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"],
+                             "mlxproxy_cpu_us_per_request": r["cpu_us_per_request"]}
+        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores, "
+              f"{_f(r['cpu_us_per_request'], '.0f')} CPU us/req); "
               f"harness client: {h_rps:.0f} req/s (incl. its job round trip)")
     finally:
         harness.close()

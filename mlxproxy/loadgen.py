@@ -23,6 +23,7 @@ from mlxproxy.proxy.upstream import Upstream
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
 now = time.perf_counter
+_TIMER_RESOLUTION_S = 0.001
 REPLAY_HEADER = "x-mlxproxy-replay"
 # hop-by-hop and framing headers, and ones this client sets itself, are never sent as given
 _NOT_RESENT = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade",
@@ -206,7 +207,9 @@ class MeasuringClient:
         try:
             for req in ordered:
                 deadline = t0 + (req.offset_s - first) / speed
-                while (delay := deadline - now()) > 0:  # uvloop's timers (1 ms) can wake early
+                # uvloop's timers have 1 ms resolution and wake up to ~1 ms early: sleep again
+                # only for what a timer can resolve (sleeping for less spins the loop)
+                while (delay := deadline - now()) > _TIMER_RESOLUTION_S:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.ensure_future(one(req, deadline)))
             await asyncio.gather(*tasks)
