@@ -30,6 +30,15 @@ _NOT_RESENT = frozenset({"host", "content-length", "transfer-encoding", "connect
                          "accept-encoding", "proxy-authorization", REPLAY_HEADER})
 
 
+def _wire(text: str) -> bytes:
+    """A header name or value as bytes: latin-1 (HTTP's own), UTF-8 for what latin-1 cannot
+    hold (a hand-edited capture), never an exception in the middle of a run."""
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     """A request ready to send. `offset_s` is its recorded time from the start of a
@@ -106,7 +115,11 @@ class MeasuringClient:
         headers.append(("accept-encoding", "identity"))
         if self.tag_replay:
             headers.append((REPLAY_HEADER, "1"))
-        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        out = [(_wire(k), _wire(v)) for k, v in headers]
+        for k, v in out:
+            if any(c in k + v for c in b"\r\n\0"):
+                raise ValueError(f"the header {k[:40].decode('latin-1')!r} holds a line break or NUL, which HTTP cannot carry")
+        return out
 
     def _url(self, path: str) -> object:
         target, _, query = path.partition("?")
@@ -143,10 +156,11 @@ class MeasuringClient:
         try:
             try:
                 url = self._url(req.path)
+                headers = self._headers(req)
             except ValueError as exc:
                 raise UpstreamError(f"cannot send {req.path[:80]!r} to {self.base_url}: {exc}") from None
             meter.upstream_sent(now())
-            response = await up.open(req.method, url, self._headers(req), req.body)  # type: ignore[arg-type]
+            response = await up.open(req.method, url, headers, req.body)  # type: ignore[arg-type]
             try:
                 meter.response_started(now(), response.status_code, response.content_type)
                 read = response.read

@@ -209,3 +209,24 @@ def test_open_loop_starts_each_task_when_it_is_due() -> None:
     with FakeUpstream(handler) as up:
         run(main())
     assert seen[0] < 20, seen[:5]
+
+
+def test_unsendable_requests_are_one_line_records() -> None:
+    """A hand-edited capture cannot stop a run: a header with a line break (header injection)
+    or a target that is not a path becomes a failed record; a non-latin-1 value is sent."""
+    got: list[Req] = []
+
+    async def handler(req: Req, conn: Conn) -> None:
+        got.append(req)
+        await sse_response(SSE)(req, conn)
+
+    async def main():  # noqa: ANN202
+        async with MeasuringClient(up.url) as c:
+            return [await c.send(PreparedRequest("POST", path, _body(), headers)) for path, headers in
+                    ((CHAT, (("x-a", "a\r\nx-injected: 1"),)), ("v1/chat/completions", ()), (CHAT, (("x-b", "caf\u2603"),)))]
+
+    with FakeUpstream(handler) as up:
+        injected, no_path, utf8 = run(main())
+    assert injected.outcome == no_path.outcome == "upstream_unreachable"
+    assert "line break" in (injected.error or "") and "origin-form" in (no_path.error or "")
+    assert utf8.outcome == "ok" and len(got) == 1 and got[0].header("x-injected") is None
