@@ -230,3 +230,34 @@ def test_unsendable_requests_are_one_line_records() -> None:
     assert injected.outcome == no_path.outcome == "upstream_unreachable"
     assert "line break" in (injected.error or "") and "origin-form" in (no_path.error or "")
     assert utf8.outcome == "ok" and len(got) == 1 and got[0].header("x-injected") is None
+
+
+def test_the_client_runs_on_the_chosen_stack() -> None:
+    """`replay`/`bench` run their client through `runner.run_async`: asyncio for the plain
+    stack, uvloop for the fast one (where installed)."""
+    import pytest
+
+    from mlxproxy.runner import run_async
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_async(loop_module(), "plain").startswith("asyncio")
+    pytest.importorskip("uvloop")
+    assert run_async(loop_module(), "fast").startswith("uvloop")
+
+
+def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "MLXPROXY_STACK": "turbo"}
+    for args in (["replay", "builtin:agent", "--target", "http://127.0.0.1:9"],
+                 ["bench", "--target", "http://127.0.0.1:9"]):
+        res = subprocess.run([sys.executable, "-m", "mlxproxy", *args], capture_output=True, text=True, timeout=120,
+                             env=env, stdin=subprocess.DEVNULL)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-800:]
+        assert res.stderr.strip().splitlines()[-1] == "mlxproxy: MLXPROXY_STACK must be one of plain, fast (or unset), got 'turbo'"
