@@ -22,7 +22,8 @@ def fail(message: str, code: int = 2) -> None:
 def run_async(coro: Any) -> Any:
     """Run the client (`coro`) on the stack's event loop (`mlxproxy.runner.run_async`); a bad
     MLXPROXY_STACK is one line and exit 2, before anything is sent."""
-    from mlxproxy.runner import run_async as run_on_stack, stack_settings
+    from mlxproxy.runner import run_async as run_on_stack
+    from mlxproxy.runner import stack_settings
 
     try:
         stack_settings(None)

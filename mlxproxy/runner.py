@@ -16,12 +16,11 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-T = TypeVar("T")
-
 import uvicorn
 
 from mlxproxy.proxy.limits import HeadLimits, protocol_class
 
+T = TypeVar("T")
 STACKS = ("plain", "fast")
 STACK_ENV = "MLXPROXY_STACK"
 

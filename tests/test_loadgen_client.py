@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import orjson
 
-from mlxproxy.loadgen import MeasuringClient, PreparedRequest
-
 from conftest import read_fixture
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
+from mlxproxy.loadgen import MeasuringClient, PreparedRequest
 
 SSE = read_fixture("wire/01_openai_reference_include_usage.sse")
 CHAT = "/v1/chat/completions"
+T = TypeVar("T")
 
 
 def _body(stream: bool = True) -> bytes:
     return orjson.dumps({"model": "m", "stream": stream, "messages": [{"role": "user", "content": "héllo \u2603"}]})
 
 
-def run(coro):  # noqa: ANN001, ANN201 - a test helper
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
@@ -37,10 +39,21 @@ def test_body_sent_byte_exact_and_headers_not_resent() -> None:
         await sse_response(SSE)(req, conn)
 
     body = _body() + b"  "  # bytes as captured, even with trailing whitespace
-    captured = (("Host", "elsewhere:1"), ("Content-Length", "999"), ("Transfer-Encoding", "chunked"),
-                ("Connection", "close"), ("Keep-Alive", "timeout=5"), ("TE", "trailers"), ("Upgrade", "h2c"),
-                ("Accept-Encoding", "gzip"), ("Proxy-Authorization", "Basic eA=="), ("x-mlxproxy-replay", "0"),
-                ("Authorization", "Bearer captured"), ("X-Custom", "kept"), ("Content-Type", "application/json"))
+    captured = (
+        ("Host", "elsewhere:1"),
+        ("Content-Length", "999"),
+        ("Transfer-Encoding", "chunked"),
+        ("Connection", "close"),
+        ("Keep-Alive", "timeout=5"),
+        ("TE", "trailers"),
+        ("Upgrade", "h2c"),
+        ("Accept-Encoding", "gzip"),
+        ("Proxy-Authorization", "Basic eA=="),
+        ("x-mlxproxy-replay", "0"),
+        ("Authorization", "Bearer captured"),
+        ("X-Custom", "kept"),
+        ("Content-Type", "application/json"),
+    )
 
     async def main() -> None:
         async with MeasuringClient(up.url, api_key="sk-new") as c:
@@ -64,9 +77,14 @@ def test_body_sent_byte_exact_and_headers_not_resent() -> None:
 def test_received_bytes_metered_with_one_timestamp_per_event() -> None:
     """Every event is stamped when it arrives: a pause the server makes between two events
     shows up between exactly those two, and the body is metered byte for byte."""
+
     def chunk(delta: dict, finish: str | None = None) -> bytes:
-        obj = {"id": "c", "object": "chat.completion.chunk", "model": "m",
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        obj = {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": f"w{i} "}) for i in range(8)]
@@ -82,7 +100,7 @@ def test_received_bytes_metered_with_one_timestamp_per_event() -> None:
             await conn.chunk(e)
         await conn.end_chunked()
 
-    async def main():  # noqa: ANN202
+    async def main():
         async with MeasuringClient(up.url, tag_replay=False, keep_text=True) as c:
             return await c.send(PreparedRequest("POST", CHAT, _body()))
 
@@ -127,7 +145,7 @@ def test_no_answer_and_silent_body_are_timeouts_in_one_line() -> None:
         await conn.chunk(SSE.split(b"\n\n")[0] + b"\n\n")
         await conn.wait_peer_close(10)  # then goes silent
 
-    async def main():  # noqa: ANN202
+    async def main():
         async with MeasuringClient(up.url, timeout_s=0.3) as c:
             return [await c.send(PreparedRequest("POST", CHAT + "?" + p, _body())) for p in ("headers", "body")]
 
@@ -149,7 +167,7 @@ def test_refused_and_broken_are_outcomes_not_exceptions() -> None:
         await conn.chunk(SSE.split(b"\n\n")[0] + b"\n\n")
         conn.reset()  # the body breaks mid-stream
 
-    async def main():  # noqa: ANN202
+    async def main():
         async with MeasuringClient(dead) as c:
             refused = await c.send(PreparedRequest("POST", CHAT, _body()))
         async with MeasuringClient(up.url) as c:
@@ -173,7 +191,7 @@ def test_fetch_is_unmetered_and_untagged() -> None:
         await conn.head(200, [("content-type", "application/json"), ("content-length", str(len(models)))])
         await conn.send(models)
 
-    async def main():  # noqa: ANN202
+    async def main():
         async with MeasuringClient(up.url, api_key="k") as c:
             return await c.fetch("GET", "/v1/models"), c.finished
 
@@ -192,7 +210,7 @@ def test_open_loop_starts_each_task_when_it_is_due() -> None:
         async with MeasuringClient(up.url) as c:
             real = c.send
 
-            async def spy(req: PreparedRequest, **kw: bool):  # noqa: ANN202
+            async def spy(req: PreparedRequest, **kw: bool):
                 seen.append(len(asyncio.all_tasks()))
                 return await real(req, **kw)
 
@@ -220,10 +238,16 @@ def test_unsendable_requests_are_one_line_records() -> None:
         got.append(req)
         await sse_response(SSE)(req, conn)
 
-    async def main():  # noqa: ANN202
+    async def main():
         async with MeasuringClient(up.url) as c:
-            return [await c.send(PreparedRequest("POST", path, _body(), headers)) for path, headers in
-                    ((CHAT, (("x-a", "a\r\nx-injected: 1"),)), ("v1/chat/completions", ()), (CHAT, (("x-b", "caf\u2603"),)))]
+            return [
+                await c.send(PreparedRequest("POST", path, _body(), headers))
+                for path, headers in (
+                    (CHAT, (("x-a", "a\r\nx-injected: 1"),)),
+                    ("v1/chat/completions", ()),
+                    (CHAT, (("x-b", "caf\u2603"),)),
+                )
+            ]
 
     with FakeUpstream(handler) as up:
         injected, no_path, utf8 = run(main())
@@ -255,9 +279,20 @@ def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
 
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo), "MLXPROXY_STACK": "turbo"}
-    for args in (["replay", "builtin:agent", "--target", "http://127.0.0.1:9"],
-                 ["bench", "--target", "http://127.0.0.1:9"]):
-        res = subprocess.run([sys.executable, "-m", "mlxproxy", *args], capture_output=True, text=True, timeout=120,
-                             env=env, stdin=subprocess.DEVNULL)
+    for args in (
+        ["replay", "builtin:agent", "--target", "http://127.0.0.1:9"],
+        ["bench", "--target", "http://127.0.0.1:9"],
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "mlxproxy", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-800:]
-        assert res.stderr.strip().splitlines()[-1] == "mlxproxy: MLXPROXY_STACK must be one of plain, fast (or unset), got 'turbo'"
+        assert (
+            res.stderr.strip().splitlines()[-1]
+            == "mlxproxy: MLXPROXY_STACK must be one of plain, fast (or unset), got 'turbo'"
+        )
