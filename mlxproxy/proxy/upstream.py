@@ -150,9 +150,11 @@ class Upstream:
     """One configured upstream. The HTTP client is created on first use, inside the event
     loop that serves the requests. `base` never holds credentials; `secrets` are the values
     (key, URL password) that must never appear in what the proxy writes; `auth_header`, when
-    set, replaces the client's `Authorization` header."""
+    set, replaces the client's `Authorization` header. `reuse_connections=False` opens a new
+    connection for every request and closes it after (the load generator's released-together
+    requests)."""
 
-    def __init__(self, cfg: UpstreamConfig, timeouts: TimeoutConfig) -> None:
+    def __init__(self, cfg: UpstreamConfig, timeouts: TimeoutConfig, *, reuse_connections: bool = True) -> None:
         self.cfg = cfg
         self.name = cfg.name
         parts = urlsplit(cfg.url.rstrip("/"))
@@ -181,6 +183,7 @@ class Upstream:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s or None,
                                               sock_connect=timeouts.connect_s or None, sock_read=timeouts.read_s or None)
         self._session: aiohttp.ClientSession | None = None
+        self._reuse = reuse_connections
 
     def matches(self, model: str | None) -> bool:
         return model is not None and any(fnmatch.fnmatchcase(model, p) for p in self.patterns)
@@ -189,7 +192,8 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=_GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S),
+                connector=(_GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S) if self._reuse
+                           else _GuardedConnector(limit=0, force_close=True)),
                 timeout=self._timeout,
                 auto_decompress=False,  # the client gets the bytes the upstream sent
                 cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies never reach another's request
