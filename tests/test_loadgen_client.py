@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from conftest import read_fixture
+from support import read_fixture
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest
 
