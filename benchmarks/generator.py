@@ -1,7 +1,9 @@
 """Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
 
-`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (httpx,
-every response metered by the shared core). This script drives it against
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (the
+proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
+the CLI runs it on: `mlxproxy.runner.run_async`, uvloop where installed, asyncio with
+MLXPROXY_STACK=plain). This script drives it against
 `benchmarks/upstream.py` (a fast SSE server in its own process) and, side by side, the
 overhead harness's own raw-asyncio client (`benchmarks/loadgen.py`, its own process):
 
@@ -26,7 +28,6 @@ machine (it prints the background load it saw):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource
@@ -138,7 +139,17 @@ async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: in
     return {"requests": n, "ok": len(ok), "sent_rps": sent_rate([r.t_start_mono for r in timed.records]),
             "done_rps": len(ok) / span if span else None, "lag_p50_ms": _ms(pct(timed.lag_s, 50)),
             "lag_p99_ms": _ms(pct(timed.lag_s, 99)), "decode_tps_p50": pct([r.decode_tps for r in ok if r.decode_tps], 50),
-            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed}
+            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed,
+            "cpu_us_per_request": cpu / n * 1e6 if n else None,
+            "cpu_us_per_event": cpu / events * 1e6 if (events := sum(r.generated_events for r in ok)) else None}
+
+
+def _run(coro: Any) -> dict[str, Any]:
+    """As `mlxproxy replay`/`bench` run their client: on the stack's event loop."""
+    sys.path.insert(0, REPO)
+    from mlxproxy.runner import run_async
+
+    return dict(run_async(coro))
 
 
 def _ms(x: float | None) -> float | None:
@@ -168,19 +179,24 @@ def main() -> None:
     results: dict[str, Any] = {"nonstream": [], "streams": {}, "closed": {}}
     busy0, wall0 = _busy(), now()
     try:
-        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client vs the overhead harness's client")
+        sys.path.insert(0, REPO)
+        from mlxproxy.runner import stack_settings
+
+        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "
+              "harness's client")
         print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
-        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}")
+        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
+              f" {'CPU us/req':>10}")
         for rate in rates:
-            r = asyncio.run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
+            r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
             results["nonstream"].append({"rate": rate, **r})
             print(f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
                   f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
-                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6}")
+                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}")
 
         print(f"\n2. {streams} concurrent streams at 100 tok/s (100-token answers, {streams} requests/s open loop)")
         set_rate(port, 100.0)
-        r = asyncio.run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
+        r = _run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
         results["streams"]["mlxproxy"] = r
         h = harness.job({"kind": "load", "host": "127.0.0.1", "port": port, "streams": streams, "tokens": 100,
                          "warmup_s": 1.0, "window_s": seconds, "ramp_s": 1.0, "drain_s": 5}, seconds + 60)
@@ -191,7 +207,8 @@ def main() -> None:
                                          / (h.get("elapsed_s") or 1.0)}
         print(f"  mlxproxy client: {r['ok']}/{r['requests']} ok, sent {_f(r['sent_rps'], '.0f')}/s, schedule lag p50 "
               f"{_f(r['lag_p50_ms'], '.2f')} ms, p99 {_f(r['lag_p99_ms'], '.2f')} ms, decode tok/s p50 "
-              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores")
+              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores, "
+              f"{_f(r['cpu_us_per_event'])} CPU us per event")
         hs = results["streams"]["harness"]
         print(f"  harness client:  {_f(hs['per_stream_tps'])} tok/s per stream, event gap p99 {_f(hs['gap_p99_ms'], '.2f')}"
               f" ms, {hs['errors']} errors, {_f(hs['client_cores'], '.2f')} cores")
@@ -199,13 +216,15 @@ def main() -> None:
         print("\n3. closed loop, 64 workers, 1-token streams as fast as the upstream answers")
         set_rate(port, 0.0)
         n = int(1000 * seconds / 5) if not args.quick else 500
-        r = asyncio.run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
+        r = _run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
         t0 = now()
         h = harness.job({"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64,
                          "max_s": 120}, 180)
         h_rps = (h.get("done") or 0) / (now() - t0)
-        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"]}
-        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores); "
+        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"],
+                             "mlxproxy_cpu_us_per_request": r["cpu_us_per_request"]}
+        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores, "
+              f"{_f(r['cpu_us_per_request'], '.0f')} CPU us/req); "
               f"harness client: {h_rps:.0f} req/s (incl. its job round trip)")
     finally:
         harness.close()

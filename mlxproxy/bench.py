@@ -104,10 +104,9 @@ def _req(body: bytes, label: str) -> PreparedRequest:
 
 async def discover_model(client: MeasuringClient) -> str:
     """The first model id of GET /v1/models, else `default_model` (mlx_lm.server's name)."""
-    r = await client._client.get(client.base_url + "/v1/models", headers={"accept-encoding": "identity",
-                                                                           **({"authorization": f"Bearer {client.api_key}"} if client.api_key else {})})
+    status, body = await client.fetch("GET", "/v1/models")
     try:
-        data = r.json().get("data") if r.status_code == 200 else None
+        data = orjson.loads(body).get("data") if status == 200 else None
         if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
             return str(data[0]["id"])
     except ValueError:

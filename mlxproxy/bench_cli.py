@@ -11,7 +11,7 @@ import click
 
 from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
                             headline_notes, smallest_single, verdict)
-from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target
+from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target, run_async
 from mlxproxy.report import LEGEND, Section, legend_for, range_text, speedup_text
 from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, help_for
 
@@ -278,7 +278,7 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     results: list[TargetResult] = []
     interrupted = False
     try:
-        asyncio.run(bench_targets(tlist, opts, parallel=parallel, out=results,
+        run_async(bench_targets(tlist, opts, parallel=parallel, out=results,
                                   say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:
         interrupted = True
@@ -401,7 +401,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         opts = BenchOptions(prompt_tokens=(100, 2000, 40000), max_tokens=96, repeat=repeat, batch=2, nonce=True)
         results: list[TargetResult] = []
         try:
-            asyncio.run(_demo_run(targets, opts, results))
+            run_async(_demo_run(targets, opts, results))
         except KeyboardInterrupt:
             fail("interrupted before the benchmark finished; nothing written", 130)
         elapsed = time.perf_counter() - started

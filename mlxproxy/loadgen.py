@@ -11,21 +11,32 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
-
+from mlxproxy.config import TimeoutConfig, UpstreamConfig
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
+from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
+from mlxproxy.proxy.upstream import Upstream
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
 now = time.perf_counter
+_TIMER_RESOLUTION_S = 0.001
 REPLAY_HEADER = "x-mlxproxy-replay"
 # hop-by-hop and framing headers, and ones this client sets itself, are never sent as given
 _NOT_RESENT = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade",
                          "accept-encoding", "proxy-authorization", REPLAY_HEADER})
+
+
+def _wire(text: str) -> bytes:
+    """A header name or value as bytes: latin-1 (HTTP's own), UTF-8 for what latin-1 cannot
+    hold (a hand-edited capture), never an exception in the middle of a run."""
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -69,17 +80,22 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._client = httpx.AsyncClient(timeout=self._timeout, trust_env=False,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        # The proxy's own upstream seam (aiohttp underneath): the same connection pool, the
+        # same error translation, and a fraction of httpx's CPU per request, so the client
+        # is not what limits a run (benchmarks/README.md, "Is the load generator ever the
+        # bottleneck?"). `timeout_s` bounds every wait for bytes, headers included.
+        cfg = UpstreamConfig(name=name, url=self.base_url)
+        timeouts = TimeoutConfig(connect_s=connect_timeout_s, read_s=timeout_s)
+        self._pooled = Upstream(cfg, timeouts)
         # Requests released together must start alike: each on a new connection, never one
         # on a warm keep-alive connection and the other still connecting (a few ms apart,
         # enough for a server to admit the second one into its batch late).
-        self._fresh = httpx.AsyncClient(timeout=self._timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        self._fresh = Upstream(cfg, timeouts, reuse_connections=False)
+        # credentials in the URL (user:password@) become Basic auth, as in the proxy
+        self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._pooled.aclose()
         await self._fresh.aclose()
 
     async def __aenter__(self) -> MeasuringClient:
@@ -88,22 +104,48 @@ class MeasuringClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _headers(self, req: PreparedRequest) -> list[tuple[str, str]]:
+    def _headers(self, req: PreparedRequest) -> list[tuple[bytes, bytes]]:
         headers = [(k, v) for k, v in req.headers if k.lower() not in _NOT_RESENT]
-        if self.api_key is not None:
+        auth = f"Bearer {self.api_key}" if self.api_key is not None else self._url_auth
+        if auth is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
-            headers.append(("authorization", f"Bearer {self.api_key}"))
+            headers.append(("authorization", auth))
         if not any(k.lower() == "content-type" for k, _ in headers) and req.body:
             headers.append(("content-type", "application/json"))
         headers.append(("accept-encoding", "identity"))
         if self.tag_replay:
             headers.append((REPLAY_HEADER, "1"))
-        return headers
+        out = [(_wire(k), _wire(v)) for k, v in headers]
+        for k, v in out:
+            if any(c in k + v for c in b"\r\n\0"):
+                raise ValueError(f"the header {k[:40].decode('latin-1')!r} holds a line break or NUL, which HTTP cannot carry")
+        return out
+
+    def _url(self, path: str) -> object:
+        target, _, query = path.partition("?")
+        return self._pooled.url_for(target, query.encode("latin-1"))
+
+    async def fetch(self, method: str, path: str) -> tuple[int, bytes]:
+        """One unmetered request (for example `GET /v1/models` to discover the model):
+        the status and the whole body. Raises `UpstreamError` or `UpstreamBodyError` when
+        no complete answer came."""
+        headers = [(b"accept-encoding", b"identity")]
+        auth = f"Bearer {self.api_key}" if self.api_key is not None else self._url_auth
+        if auth is not None:
+            headers.append((b"authorization", auth.encode("latin-1")))
+        response = await self._pooled.open(method, self._url(path), headers, b"")  # type: ignore[arg-type]
+        try:
+            parts = []
+            while chunk := await response.read():
+                parts.append(chunk)
+        finally:
+            await response.aclose()
+        return response.status_code, b"".join(parts)
 
     async def send(self, req: PreparedRequest, *, fresh_connection: bool = False) -> Record:
         """Send one request and return its checked record. `fresh_connection` opens a new
         connection for it (used for requests released together)."""
-        http = self._fresh if fresh_connection else self._client
+        up = self._fresh if fresh_connection else self._pooled
         info, _ = parse_request(req.method, req.path, req.body)
         self.in_flight += 1
         t_start = now()
@@ -112,24 +154,27 @@ class MeasuringClient:
                              keep_text=self.keep_text)
         outcome = error = None
         try:
-            meter.upstream_sent(now())
-            request = http.build_request(req.method, self.base_url + req.path, content=req.body,
-                                         headers=self._headers(req))
-            response = await http.send(request, stream=True)
             try:
-                meter.response_started(now(), response.status_code, response.headers.get("content-type"))
-                async for chunk in response.aiter_raw():
-                    meter.feed(chunk, now())
+                url = self._url(req.path)
+                headers = self._headers(req)
+            except ValueError as exc:
+                raise UpstreamError(f"cannot send {req.path[:80]!r} to {self.base_url}: {exc}") from None
+            meter.upstream_sent(now())
+            response = await up.open(req.method, url, headers, req.body)  # type: ignore[arg-type]
+            try:
+                meter.response_started(now(), response.status_code, response.content_type)
+                read = response.read
+                feed = meter.feed
+                while chunk := await read():
+                    feed(chunk, now())
             finally:
                 await response.aclose()
-        except httpx.TimeoutException as exc:
-            outcome, error = "upstream_timeout", f"no answer within the timeout ({type(exc).__name__})"
-        except httpx.ConnectError as exc:
-            outcome, error = "upstream_unreachable", f"cannot connect to {self.base_url}: {str(exc)[:160] or type(exc).__name__}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {str(exc)[:160]}"
-            if meter.status is None:
-                outcome = "upstream_unreachable"
+        except UpstreamError as exc:  # no response: refused, reset, timed out, bad URL
+            outcome, error = exc.outcome, str(exc)
+        except UpstreamBodyTimeout as exc:
+            outcome, error = "upstream_timeout", str(exc)
+        except UpstreamBodyError as exc:  # the body broke after the response started
+            error = str(exc)
         finally:
             self.in_flight -= 1
         record = finish_checked(meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:])
@@ -151,18 +196,21 @@ class MeasuringClient:
     async def run_recorded(self, reqs: Sequence[PreparedRequest], speed: float = 1.0,
                            progress: Callable[[], None] | None = None) -> Timed:
         """Each request sent at its recorded offset / speed, against absolute deadlines;
-        the lag of every actual send behind its deadline is kept."""
+        the lag of every actual send behind its deadline is kept.
+
+        One dispatcher sleeps until the next deadline and only then starts that request's
+        task: creating every task up front would spend the first moments of a long run
+        starting thousands of sleeping tasks, late for the first deadlines. The lag is taken
+        inside the started task, just before it sends, so the loop's own delay is in it."""
         out = Timed()
         if not reqs:
             return out
-        first = min(r.offset_s for r in reqs)
+        ordered = sorted(reqs, key=lambda r: r.offset_s)
+        first = ordered[0].offset_s
         t0 = now()
+        tasks: list[asyncio.Task[None]] = []
 
-        async def one(req: PreparedRequest) -> None:
-            deadline = t0 + (req.offset_s - first) / speed
-            delay = deadline - now()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async def one(req: PreparedRequest, deadline: float) -> None:
             out.lag_s.append(max(0.0, now() - deadline))
             r = await self.send(req)
             out.records.append(r)
@@ -170,7 +218,18 @@ class MeasuringClient:
             if progress:
                 progress()
 
-        await asyncio.gather(*(one(r) for r in sorted(reqs, key=lambda r: r.offset_s)))
+        try:
+            for req in ordered:
+                deadline = t0 + (req.offset_s - first) / speed
+                # uvloop's timers have 1 ms resolution and wake up to ~1 ms early: sleep again
+                # only for what a timer can resolve (sleeping for less spins the loop)
+                while (delay := deadline - now()) > _TIMER_RESOLUTION_S:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(req, deadline)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # cancelled (Ctrl-C, a timeout around the run): no orphans
+                task.cancel()
         return out
 
     async def run_open_loop(self, reqs: Sequence[PreparedRequest], offsets: Sequence[float],

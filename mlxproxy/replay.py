@@ -446,7 +446,9 @@ def _finish(mode: str, target: str, params: dict[str, Any], timed: Timed, summar
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[dict[str, Any]]:
-    return asyncio.run(run_replay(caps, target_url, opts, **kw))
+    from mlxproxy.runner import run_async
+
+    return run_async(run_replay(caps, target_url, opts, **kw))
 
 
 def records_of(group: dict[str, Any]) -> list[Record]:

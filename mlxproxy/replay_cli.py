@@ -19,6 +19,20 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def run_async(coro: Any) -> Any:
+    """Run the client (`coro`) on the stack's event loop (`mlxproxy.runner.run_async`); a bad
+    MLXPROXY_STACK is one line and exit 2, before anything is sent."""
+    from mlxproxy.runner import run_async as run_on_stack
+    from mlxproxy.runner import stack_settings
+
+    try:
+        stack_settings(None)
+    except ValueError as exc:
+        coro.close()
+        fail(str(exc))
+    return run_on_stack(coro)
+
+
 def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[Any]:
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
@@ -180,8 +194,6 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     on streams, --model, the nonce (--no-nonce to send the captured prompts), and
     filler text for privacy captures.
     """
-    import asyncio
-
     from mlxproxy.capture import read_capture
     from mlxproxy.replay import (BUILTIN_AGENT, ReplayOptions, run_replay, select, served_from_cache,
                                  synthetic_agent_session)
@@ -243,7 +255,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     groups: list[dict[str, Any]] = []
     interrupted = False
     try:
-        asyncio.run(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
+        run_async(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
                                timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups,
                                say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
     except KeyboardInterrupt:

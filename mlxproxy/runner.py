@@ -13,12 +13,14 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import uvicorn
 
 from mlxproxy.proxy.limits import HeadLimits, protocol_class
 
+T = TypeVar("T")
 STACKS = ("plain", "fast")
 STACK_ENV = "MLXPROXY_STACK"
 
@@ -56,6 +58,16 @@ def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
 
         return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+def run_async(coro: Coroutine[Any, Any, T], stack: str | None = None) -> T:
+    """`asyncio.run(coro)` on the chosen stack's event loop (see `stack_settings`): `replay`
+    and `bench` run their client on the same stack as the proxy (uvloop where installed,
+    asyncio with MLXPROXY_STACK=plain). Ctrl-C cancels `coro` as with `asyncio.run`."""
+    if not hasattr(asyncio, "Runner"):  # Python 3.10: the standard loop
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(stack)) as runner:
+        return runner.run(coro)
 
 
 def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None,

@@ -26,6 +26,7 @@ from mlxproxy.cli import main
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
+from support import closed_port
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -51,14 +52,6 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: s
     for n in needles:
         assert n in lines[0], (n, lines[0])
     return lines[0]
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +162,7 @@ def test_bench_flag_errors(tmp_path: Path) -> None:
 
 
 def test_replay_and_bench_exit_1_when_every_request_failed(capture: Path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{closed_port()}"
     one_line_error(cli("replay", str(capture), "--target", dead, "--mode", "sequential"), 1, "every request failed",
                    "upstream_unreachable", ran=True)
     one_line_error(cli("bench", "--target", f"dead={dead}", "--prompt-tokens", "100", "--repeat", "1"), 1,
