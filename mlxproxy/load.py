@@ -20,8 +20,10 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mlxproxy.results import Summary
+
 if TYPE_CHECKING:
-    from mlxproxy.results import Group, Summary
+    from mlxproxy.results import Group
 
 __all__ = ["ARRIVALS", "arrival_offsets", "ramp_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
@@ -244,12 +246,13 @@ def breach_text(b: dict[str, Any]) -> str:
     return f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
 
 
-def step_problem(step: Summary) -> str:
-    """Why a judged step broke the SLO, in words (empty when it held)."""
-    s = step.slo or {}
+def step_problem(step: Mapping[str, Any] | Summary) -> str:
+    """Why a judged step (a summary, or `judge`'s output) broke the SLO, in words (empty when it held)."""
+    s = (step.slo if isinstance(step, Summary) else step.get("slo")) or {}
+    goodput = (step.goodput if isinstance(step, Summary) else step.get("goodput")) or {}
     parts = [breach_text(b) for b in s.get("breaches", ())]
     if s.get("errors"):
-        parts.append(f"{s['errors']} of {(step.goodput or {}).get('requests')} requests failed")
+        parts.append(f"{s['errors']} of {goodput.get('requests')} requests failed")
     if not parts and not s.get("met"):
         parts.append("no request succeeded")
     return "; ".join(parts)
