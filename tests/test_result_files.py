@@ -66,6 +66,46 @@ def test_an_earlier_result_file_renders_as_it_did(name: str, tmp_path: Path) -> 
         assert got[ext] == want[ext], f"{name}.{ext} renders differently"
 
 
+def test_a_file_written_again_is_the_same_bytes(tmp_path: Path) -> None:
+    """write -> read (from_dict) -> write gives the same bytes; and an earlier file, read and
+    written again, differs from what it was only by each group's new `kind` key."""
+    import orjson
+
+    from mlxproxy.report import read_result, write_result
+
+    for name, path in FILES.items():
+        first, second = tmp_path / f"{name}.1.json", tmp_path / f"{name}.2.json"
+        write_result(first, read_result(path))
+        write_result(second, read_result(first))
+        assert first.read_bytes() == second.read_bytes(), name
+        again = orjson.loads(first.read_bytes())
+        assert all(g.pop("kind") for g in again["groups"])
+        assert orjson.dumps(again) == orjson.dumps(orjson.loads(path.read_bytes())), name  # keys in the same order
+
+
+def test_earlier_files_get_the_kind_their_tests_had() -> None:
+    from mlxproxy.report import read_result
+
+    kinds = {name: [(g.name, g.kind) for g in read_result(path).groups] for name, path in FILES.items()}
+    assert kinds["bench"][:6] == [("single", "single"), ("single 100", "single_size"), ("single 500", "single_size"),
+                                  ("baseline", "baseline"), ("double", "wave"), ("x3", "wave")]
+    assert {k for n, k in kinds["bench"] if n.startswith("sweep ")} == {"sweep_step"}
+    assert [k for _, k in kinds["bench_rate"]][-2:] == ["sweep_step", "sweep_step"]
+    assert kinds["replay_batch"] == [("single", "single"), ("batch 2", "wave")]
+    assert kinds["replay_rate"] == [("constant 5/s", "rate")]
+    assert kinds["replay_sessions"] == [("sweep 1", "sweep_step"), ("sweep 2", "sweep_step")]
+    assert [k for _, k in kinds["bench_result_main_bcfcda9"]] == ["single", "single_size", "wave"] * 2
+
+
+def test_a_file_that_is_not_a_result_is_refused_in_one_line(tmp_path: Path) -> None:
+    for text, why in (('{"mlxproxy_result": 9, "groups": []}', "newer mlxproxy"),
+                      ('{"mlxproxy_result": 1, "groups": 3}', "not a list of groups"),
+                      ('{"mlxproxy_result": "1", "groups": []}', "not an mlxproxy result file")):
+        (tmp_path / "r.json").write_text(text)
+        r = CliRunner().invoke(main, ["report", str(tmp_path / "r.json")])
+        assert r.exit_code == 2 and why in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     import tempfile
 
