@@ -398,7 +398,7 @@ def verdict(res: TargetResult) -> str:
         b = batching_verdict(wave_group)
         if b:
             parts.append(b)
-    records = [Record.from_dict(r) for g in res.groups if g.kind != "single" for r in g.records]
+    records = [Record.from_dict(dict(r)) for g in res.groups if g.kind != "single" for r in g.records]
     total = len(records)
     counts: dict[str, int] = {}
     for r in records:

@@ -150,7 +150,7 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
                "start: pale until the first token, dark while decoding, a tick per token event, red where a stall "
                "was; time from the group's first request</p>")
     for label, doc in docs:
-        shown: set[str] = set()
+        shown: set[Any] = set()
         for g in doc.groups:
             recs = [r for r in g.records if r.get("id") not in shown]
             if not recs:

@@ -452,4 +452,4 @@ def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *
 
 
 def records_of(group: Group) -> list[Record]:
-    return [Record.from_dict(r) for r in group.records]
+    return [Record.from_dict(dict(r)) for r in group.records]

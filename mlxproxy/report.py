@@ -22,7 +22,7 @@ from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load import generator_note, sent_rate
-from mlxproxy.results import RESULT_VERSION, Group, ResultFile, Summary
+from mlxproxy.results import Group, ResultFile, Summary
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
            "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",

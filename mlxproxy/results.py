@@ -17,8 +17,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-__all__ = ["RESULT_VERSION", "GroupKind", "GROUP_KINDS", "ResultKind", "Stat", "AnomalyCount", "Summary", "Group",
-           "ResultFile", "legacy_kind"]
+__all__ = [
+    "RESULT_VERSION",
+    "GroupKind",
+    "GROUP_KINDS",
+    "ResultKind",
+    "Stat",
+    "AnomalyCount",
+    "Summary",
+    "Group",
+    "ResultFile",
+    "legacy_kind",
+]
 
 #: the result file format's version (`mlxproxy_result`); files of a newer one are refused
 RESULT_VERSION = 1
@@ -30,8 +40,9 @@ RESULT_VERSION = 1
 #: `double`/`xN`, replay `batch N`); rate: one open-loop test; sweep_step: one step of a sweep;
 #: replay: one replay mode's requests (recorded, sequential, concurrency); sessions: replayed
 #: conversations; interrupted: what a cancelled replay finished
-GroupKind = Literal["single", "single_size", "baseline", "wave", "rate", "sweep_step", "replay", "sessions",
-                    "interrupted"]
+GroupKind = Literal[
+    "single", "single_size", "baseline", "wave", "rate", "sweep_step", "replay", "sessions", "interrupted"
+]
 GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)
 ResultKind = Literal["bench", "replay"]
 
@@ -49,14 +60,28 @@ class Stat:
     max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "min": self.min, "p50": self.p50, "p90": self.p90,
-                "p99": self.p99, "max": self.max}
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "min": self.min,
+            "p50": self.p50,
+            "p90": self.p90,
+            "p99": self.p99,
+            "max": self.max,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Stat:
         d = d or {}
-        return cls(int(d.get("count") or 0), d.get("mean"), d.get("min"), d.get("p50"), d.get("p90"), d.get("p99"),
-                   d.get("max"))
+        return cls(
+            int(d.get("count") or 0),
+            d.get("mean"),
+            d.get("min"),
+            d.get("p50"),
+            d.get("p90"),
+            d.get("p99"),
+            d.get("max"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +100,18 @@ class AnomalyCount:
 
 
 _STATS = ("ttft_s", "ttfc_s", "e2e_s", "wall_tps", "decode_tps", "tpot_s", "prefill_tps", "cached_tokens")
-_FIXED = ("requests", "ok", "outcomes", *_STATS, "reasoning", "aggregate_tps", "speedup", "overlap", "anomalies",
-          "untrusted_usage")
+_FIXED = (
+    "requests",
+    "ok",
+    "outcomes",
+    *_STATS,
+    "reasoning",
+    "aggregate_tps",
+    "speedup",
+    "overlap",
+    "anomalies",
+    "untrusted_usage",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,21 +143,41 @@ class Summary:
         out: dict[str, Any] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
         for name in _STATS:
             out[name] = getattr(self, name).to_dict()
-        out.update({"reasoning": self.reasoning, "aggregate_tps": self.aggregate_tps, "speedup": self.speedup,
-                    "overlap": self.overlap, "anomalies": {k: a.to_dict() for k, a in self.anomalies.items()},
-                    "untrusted_usage": self.untrusted_usage})
+        out.update(
+            {
+                "reasoning": self.reasoning,
+                "aggregate_tps": self.aggregate_tps,
+                "speedup": self.speedup,
+                "overlap": self.overlap,
+                "anomalies": {k: a.to_dict() for k, a in self.anomalies.items()},
+                "untrusted_usage": self.untrusted_usage,
+            }
+        )
         out.update(self.extra)
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Summary:
-        return cls(int(d.get("requests") or 0), int(d.get("ok") or 0), dict(d.get("outcomes") or {}),
-                   *(Stat.from_dict(d.get(name)) for name in _STATS),
-                   reasoning=bool(d.get("reasoning")), aggregate_tps=d.get("aggregate_tps"), speedup=d.get("speedup"),
-                   overlap=d.get("overlap"),
-                   anomalies={k: AnomalyCount.from_dict(a) for k, a in (d.get("anomalies") or {}).items()},
-                   untrusted_usage=int(d.get("untrusted_usage") or 0),
-                   extra={k: v for k, v in d.items() if k not in _FIXED})
+        return cls(
+            int(d.get("requests") or 0),
+            int(d.get("ok") or 0),
+            dict(d.get("outcomes") or {}),
+            Stat.from_dict(d.get("ttft_s")),
+            Stat.from_dict(d.get("ttfc_s")),
+            Stat.from_dict(d.get("e2e_s")),
+            Stat.from_dict(d.get("wall_tps")),
+            Stat.from_dict(d.get("decode_tps")),
+            Stat.from_dict(d.get("tpot_s")),
+            Stat.from_dict(d.get("prefill_tps")),
+            Stat.from_dict(d.get("cached_tokens")),
+            reasoning=bool(d.get("reasoning")),
+            aggregate_tps=d.get("aggregate_tps"),
+            speedup=d.get("speedup"),
+            overlap=d.get("overlap"),
+            anomalies={k: AnomalyCount.from_dict(a) for k, a in (d.get("anomalies") or {}).items()},
+            untrusted_usage=int(d.get("untrusted_usage") or 0),
+            extra={k: v for k, v in d.items() if k not in _FIXED},
+        )
 
     def updated(self, more: Mapping[str, Any]) -> Summary:
         """This summary with `more`'s keys set, as `dict.update` would (new keys last)."""
@@ -175,9 +230,15 @@ class Group:
     compare: tuple[Mapping[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "target": self.target, "mode": self.mode, "kind": self.kind,
-                               "params": dict(self.params), "summary": self.summary.to_dict(),
-                               "records": [dict(r) for r in self.records]}
+        out: dict[str, Any] = {
+            "name": self.name,
+            "target": self.target,
+            "mode": self.mode,
+            "kind": self.kind,
+            "params": dict(self.params),
+            "summary": self.summary.to_dict(),
+            "records": [dict(r) for r in self.records],
+        }
         if self.compare is not None:
             out["compare"] = [dict(r) for r in self.compare]
         return out
@@ -190,8 +251,16 @@ class Group:
         if kind not in GROUP_KINDS:
             kind = legacy_kind(str(d.get("name", "")), params, summary)
         compare = d.get("compare")
-        return cls(str(d.get("name", "")), str(d.get("target", "")), str(d.get("mode", "")), kind, params, summary,
-                   tuple(d.get("records") or ()), None if compare is None else tuple(compare))
+        return cls(
+            str(d.get("name", "")),
+            str(d.get("target", "")),
+            str(d.get("mode", "")),
+            kind,
+            params,
+            summary,
+            tuple(d.get("records") or ()),
+            None if compare is None else tuple(compare),
+        )
 
     def retargeted(self, target: str) -> Group:
         return replace(self, target=target)
@@ -236,8 +305,13 @@ class ResultFile:
     format_version: int = RESULT_VERSION
 
     @classmethod
-    def new(cls, kind: ResultKind, groups: Iterable[Group], verdicts: Mapping[str, str] | None = None,
-            extra: Mapping[str, Any] | None = None) -> ResultFile:
+    def new(
+        cls,
+        kind: ResultKind,
+        groups: Iterable[Group],
+        verdicts: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> ResultFile:
         """A file of this run, written now by this version, with the sweeps' capacity."""
         from mlxproxy import __version__
         from mlxproxy.load import capacity_of
@@ -255,9 +329,15 @@ class ResultFile:
         return self.extra.get("targets") or ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mlxproxy_result": self.format_version, "kind": self.kind, "version": self.version,
-                "created_at": self.created_at, "groups": [g.to_dict() for g in self.groups],
-                "verdicts": dict(self.verdicts), **self.extra}
+        return {
+            "mlxproxy_result": self.format_version,
+            "kind": self.kind,
+            "version": self.version,
+            "created_at": self.created_at,
+            "groups": [g.to_dict() for g in self.groups],
+            "verdicts": dict(self.verdicts),
+            **self.extra,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ResultFile:
@@ -270,8 +350,14 @@ class ResultFile:
         groups = d.get("groups")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("its `groups` is not a list of groups")
-        kind = "bench" if d.get("kind") == "bench" else "replay"
+        kind: ResultKind = "bench" if d.get("kind") == "bench" else "replay"
         fixed = ("mlxproxy_result", "kind", "version", "created_at", "groups", "verdicts")
-        return cls(kind, tuple(Group.from_dict(g) for g in groups), dict(d.get("verdicts") or {}),
-                   str(d.get("version", "")), d.get("created_at") or 0.0,
-                   {k: v for k, v in d.items() if k not in fixed}, fmt)
+        return cls(
+            kind,
+            tuple(Group.from_dict(g) for g in groups),
+            dict(d.get("verdicts") or {}),
+            str(d.get("version", "")),
+            d.get("created_at") or 0.0,
+            {k: v for k, v in d.items() if k not in fixed},
+            fmt,
+        )

@@ -31,8 +31,16 @@ def render_all(path: Path, out: Path) -> dict[str, str]:
     """Everything `mlxproxy report` makes of one result file, with the run's own paths and
     the HTML page's time of writing taken out (they differ from run to run)."""
     name = path.stem
-    args = ["report", str(path), "--csv", str(out / f"{name}.csv"), "--markdown", str(out / f"{name}.md"),
-            "--html", str(out / f"{name}.html")]
+    args = [
+        "report",
+        str(path),
+        "--csv",
+        str(out / f"{name}.csv"),
+        "--markdown",
+        str(out / f"{name}.md"),
+        "--html",
+        str(out / f"{name}.html"),
+    ]
     if name not in NO_PLOT:
         args += ["--plot", str(out / f"{name}.svg")]
     r = CliRunner().invoke(main, args)
@@ -42,8 +50,9 @@ def render_all(path: Path, out: Path) -> dict[str, str]:
         p = out / f"{name}.{ext}"
         if p.exists():
             got[ext] = p.read_text(encoding="utf-8")
-    got["html"] = re.sub(r"<header><h1>mlxproxy report</h1><p>written [^<]*</p>", "<header>WRITTEN</header>",
-                         got["html"])
+    got["html"] = re.sub(
+        r"<header><h1>mlxproxy report</h1><p>written [^<]*</p>", "<header>WRITTEN</header>", got["html"]
+    )
     return got
 
 
@@ -87,8 +96,14 @@ def test_earlier_files_get_the_kind_their_tests_had() -> None:
     from mlxproxy.report import read_result
 
     kinds = {name: [(g.name, g.kind) for g in read_result(path).groups] for name, path in FILES.items()}
-    assert kinds["bench"][:6] == [("single", "single"), ("single 100", "single_size"), ("single 500", "single_size"),
-                                  ("baseline", "baseline"), ("double", "wave"), ("x3", "wave")]
+    assert kinds["bench"][:6] == [
+        ("single", "single"),
+        ("single 100", "single_size"),
+        ("single 500", "single_size"),
+        ("baseline", "baseline"),
+        ("double", "wave"),
+        ("x3", "wave"),
+    ]
     assert {k for n, k in kinds["bench"] if n.startswith("sweep ")} == {"sweep_step"}
     assert [k for _, k in kinds["bench_rate"]][-2:] == ["sweep_step", "sweep_step"]
     assert kinds["replay_batch"] == [("single", "single"), ("batch 2", "wave")]
@@ -98,18 +113,19 @@ def test_earlier_files_get_the_kind_their_tests_had() -> None:
 
 
 def test_a_file_that_is_not_a_result_is_refused_in_one_line(tmp_path: Path) -> None:
-    for text, why in (('{"mlxproxy_result": 9, "groups": []}', "newer mlxproxy"),
-                      ('{"mlxproxy_result": 1, "groups": 3}', "not a list of groups"),
-                      ('{"mlxproxy_result": "1", "groups": []}', "not an mlxproxy result file")):
+    for text, why in (
+        ('{"mlxproxy_result": 9, "groups": []}', "newer mlxproxy"),
+        ('{"mlxproxy_result": 1, "groups": 3}', "not a list of groups"),
+        ('{"mlxproxy_result": "1", "groups": []}', "not an mlxproxy result file"),
+    ):
         (tmp_path / "r.json").write_text(text)
         r = CliRunner().invoke(main, ["report", str(tmp_path / "r.json")])
         assert r.exit_code == 2 and why in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    import tempfile
-
     import os
+    import tempfile
 
     os.environ["TZ"] = "UTC"
     time.tzset()
