@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_s
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
+from mlxproxy.results import AnomalyCount, Group, GroupKind, Summary
 
 __all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class",
            "headline", "headline_notes", "DEFAULT_SIZES"]
@@ -86,7 +87,7 @@ class TargetResult:
     target: Target
     model: str | None = None
     calibration: Calibration = field(default_factory=Calibration)
-    groups: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
     error: str | None = None
 
 
@@ -135,9 +136,8 @@ def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
     return prefix + filler_text(max(1, cal.chars_for(tokens) - len(prefix)))
 
 
-def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "target": target, "mode": mode, "params": params, "summary": summary,
-            "records": [r.to_dict(timeline=True) for r in timed.records]}
+def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary) -> Group:
+    return Group(name, target, name, kind, params, summary, tuple(r.to_dict(timeline=True) for r in timed.records))
 
 
 async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None,
@@ -210,8 +210,8 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
                 timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
                 summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
                 name = f"{opts.arrival} {opts.rate:g}/s"
-                res.groups.append(_group(name, target.name, name, {**params, "prompt_tokens": bsize, **sched,
-                                                                   "ramp_s": opts.ramp_s}, timed, summ))
+                res.groups.append(_group(name, "rate", target.name, {**params, "prompt_tokens": bsize, **sched,
+                                                                     "ramp_s": opts.ramp_s}, timed, summ))
         except asyncio.CancelledError:
             if not res.groups:
                 _single_groups(res, single, sizes, params, th)
@@ -261,7 +261,7 @@ async def _measure_waves(client: MeasuringClient, res: TargetResult, opts: Bench
 def _wave_groups(res: TargetResult, baseline: Timed, per: dict[int, tuple[Timed, list[list[Record]]]], waves: list[int],
                  params: dict[str, Any], bsize: int) -> None:
     if baseline.records:
-        res.groups.append(_group("baseline", res.target.name, "baseline", {**params, "prompt_tokens": bsize}, baseline,
+        res.groups.append(_group("baseline", "baseline", res.target.name, {**params, "prompt_tokens": bsize}, baseline,
                                  summarize_records(baseline.records)))
     walls = [r.wall_tps if r.outcome in OK_OUTCOMES else None for r in baseline.records]
     ok_walls = sorted(w for w in walls if w)
@@ -283,12 +283,14 @@ def _wave_groups(res: TargetResult, baseline: Timed, per: dict[int, tuple[Timed,
                          "failed": [{"outcome": r.outcome, "status": r.status} for r in failed]})
         speedups = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
         overlaps = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
-        summ.update({"speedup": percentile(speedups, 50), "speedup_min": speedups[0] if speedups else None,
-                     "speedup_max": speedups[-1] if speedups else None,
-                     "overlap_min": overlaps[0] if overlaps else None, "overlap_max": overlaps[-1] if overlaps else None,
-                     "baseline_wall_tps": median_wall, "waves": rows})
+        summ = summ.updated({"speedup": percentile(speedups, 50), "speedup_min": speedups[0] if speedups else None,
+                             "speedup_max": speedups[-1] if speedups else None,
+                             "overlap_min": overlaps[0] if overlaps else None,
+                             "overlap_max": overlaps[-1] if overlaps else None,
+                             "baseline_wall_tps": median_wall, "waves": rows})
         name = "double" if n == 2 and i == 0 else f"x{n}"
-        res.groups.append(_group(name, res.target.name, name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ))
+        res.groups.append(_group(name, "wave", res.target.name, {**params, "prompt_tokens": bsize, "streams": n}, timed,
+                                 summ))
 
 
 def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: dict[str, Any], th: Thresholds) -> None:
@@ -296,14 +298,15 @@ def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: d
     for size in sizes:
         sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
         if sub.records:
-            res.groups.append(_group(f"single {size}", res.target.name, f"single {size}", {**params, "prompt_tokens": size,
-                                     "prompt_tokens_sent": _sent(sub.records)}, sub, summarize_records(sub.records)))
+            res.groups.append(_group(f"single {size}", "single_size", res.target.name,
+                                     {**params, "prompt_tokens": size, "prompt_tokens_sent": _sent(sub.records)}, sub,
+                                     summarize_records(sub.records)))
     if single.records:
         all_single = summarize_records(single.records)
         scaling = prefill_scaling(single.records, th)
         if scaling is not None:
-            all_single["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
-        res.groups.insert(0, _group("single", res.target.name, "single", params, single, all_single))
+            all_single = all_single.with_anomaly(scaling.kind, 1, scaling.evidence)
+        res.groups.insert(0, _group("single", "single", res.target.name, params, single, all_single))
 
 
 def _sent(records: Sequence[Record]) -> int | None:
@@ -326,7 +329,7 @@ BATCH_CLASSES = ("rejects concurrent requests", "serial", "partial batching", "b
                  "continuous batching", "overlap not measurable")
 
 
-def wave_class(w: dict[str, Any]) -> str:
+def wave_class(w: Mapping[str, Any]) -> str:
     """What one wave of the batch test showed (one of BATCH_CLASSES): a request failed while
     another was served; else by overlap first (serial only with low overlap, batching only with
     high), the speedup deciding only between gain and no gain among overlapping streams."""
@@ -342,15 +345,15 @@ def wave_class(w: dict[str, Any]) -> str:
     return "continuous batching" if sp is None or sp >= GAIN else "batches, no gain"
 
 
-def batching_verdict(group: dict[str, Any]) -> str | None:
+def batching_verdict(group: Group) -> str | None:
     """The batching part of a verdict, from a wave group (`double`, `xN`): the class most
     waves agree on (two thirds of them), with the median speedup and its spread over the waves
     and the overlap; "inconclusive" with the reason when they disagree. Groups written before
     per-wave figures existed are judged as one wave from their summary."""
-    s, n = group["summary"], group["params"].get("streams") or 2
-    rows = s.get("waves")
+    s, n = group.summary, group.params.get("streams") or 2
+    rows = s.waves
     if rows is None:  # an older result file: one judgment from the medians
-        rows = [{"speedup": s.get("speedup"), "overlap": s.get("overlap"), "ok": s.get("ok"), "failed": []}]
+        rows = [{"speedup": s.speedup, "overlap": s.overlap, "ok": s.ok, "failed": []}]
     rows = [w for w in rows if w.get("ok")]  # a wave with nothing served says nothing about batching
     if not rows:
         return None
@@ -358,9 +361,9 @@ def batching_verdict(group: dict[str, Any]) -> str | None:
     counts = {c: classes.count(c) for c in BATCH_CLASSES if c in classes}
     top = max(counts, key=lambda c: counts[c])
     at = "" if n == 2 else f" at {n} streams"
-    sp, ov = s.get("speedup"), s.get("overlap")
-    sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
-    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")
+    sp, ov = s.speedup, s.overlap
+    sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.figure("speedup_min"), s.figure("speedup_max"), ".2f")
+    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f")
     if counts[top] * 3 < len(rows) * 2:
         mix = " / ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
         figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
@@ -389,21 +392,20 @@ def verdict(res: TargetResult) -> str:
     if res.error:
         return res.error if res.error.startswith("interrupted") else f"failing: {res.error}"
     parts: list[str] = []
-    wave_group = next((g for g in res.groups if g["params"].get("streams") and not g["params"].get("sweep")
-                       and not g["params"].get("rate")), None)
+    wave_group = next((g for g in res.groups if g.kind == "wave"), None)
     if wave_group is not None:
         b = batching_verdict(wave_group)
         if b:
             parts.append(b)
-    records = [Record.from_dict(r) for g in res.groups if g["name"] != "single" for r in g["records"]]
+    records = [Record.from_dict(dict(r)) for g in res.groups if g.kind != "single" for r in g.records]
     total = len(records)
     counts: dict[str, int] = {}
     for r in records:
         for kind in r.anomalies:
             counts[kind] = counts.get(kind, 0) + 1
-    anomalies: dict[str, dict[str, Any]] = {}
+    anomalies: dict[str, AnomalyCount] = {}
     for g in res.groups:
-        for k, a in g["summary"]["anomalies"].items():
+        for k, a in g.summary.anomalies.items():
             anomalies.setdefault(k, a)
 
     def named(kind: str) -> str | None:
@@ -427,7 +429,7 @@ def verdict(res: TargetResult) -> str:
         parts.append(f"rejects prompts of {rejected[0]} tokens")
     share = named("stall")
     if share is not None:
-        parts.append(("cyclic stalls" if "cyclic" in anomalies["stall"]["evidence"] else "stalls") + share)
+        parts.append(("cyclic stalls" if "cyclic" in anomalies["stall"].evidence else "stalls") + share)
     usage = [x for x in (named("usage_mismatch"), named("phantom_speed")) if x is not None]
     if usage:
         ratios = [r.completion_tokens_reported / r.completion_tokens_counted for r in records
@@ -469,34 +471,39 @@ async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thres
     return results
 
 
-def smallest_single(res: TargetResult) -> dict[str, Any] | None:
+def smallest_single(res: TargetResult) -> Group | None:
     """The one-at-a-time group at the smallest prompt size: the headline's figures come
     from it, so a server that refuses big prompts cannot look fastest by a median over sizes."""
-    sized = [g for g in res.groups if g["name"].startswith("single ") and g["summary"]["ok"]]
-    return min(sized, key=lambda g: g["params"]["prompt_tokens"]) if sized else None
+    sized = [g for g in res.groups if g.kind == "single_size" and g.summary.ok]
+    return min(sized, key=lambda g: g.params["prompt_tokens"]) if sized else None
+
+
+def first_wave(res: TargetResult) -> Group | None:
+    """The first test of requests released together (its speedup is the headline's)."""
+    return next((g for g in res.groups if g.kind == "wave"), None)
 
 
 def headline(res: TargetResult, size_label: bool = True) -> dict[str, str]:
     """One row per target: TTFT, TTFC, decode and wall tok/s at the smallest prompt size,
     and the speedup of the first batch test."""
     g = smallest_single(res)
-    s = g["summary"] if g else None
-    batch = next((x for x in res.groups if x["params"].get("streams")), None)
-    b = batch["summary"] if batch else None
+    s = g.summary if g else None
+    batch = first_wave(res)
+    b = batch.summary if batch else None
 
     def f(v: float | None, fmt: str, unit: str = "") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt) + unit
 
-    ok = sum(x["summary"]["ok"] for x in res.groups if x["name"] != "single")
-    sent = sum(x["summary"]["requests"] for x in res.groups if x["name"] != "single")
+    ok = sum(x.summary.ok for x in res.groups if x.kind != "single")
+    sent = sum(x.summary.requests for x in res.groups if x.kind != "single")
     row = {
         "target": res.target.name,
-        "prompt": f"{g['params'].get('prompt_tokens_sent') or g['params']['prompt_tokens']} tok" if g else "-",
-        "TTFT p50": f(s["ttft_s"]["p50"], ".3f", "s") if s else "-",
-        "TTFC p50": f(s["ttfc_s"]["p50"], ".3f", "s") if s else "-",
-        "decode tok/s": f(s["decode_tps"]["p50"], ".1f") if s else "-",
-        "wall tok/s": f(s["wall_tps"]["p50"], ".1f") if s else "-",
-        "speedup": (f(b.get("speedup"), ".2f", "x") + f" ({batch['params']['streams']})") if b and b.get("speedup") else "-",
+        "prompt": f"{g.params.get('prompt_tokens_sent') or g.params['prompt_tokens']} tok" if g else "-",
+        "TTFT p50": f(s.ttft_s.p50, ".3f", "s") if s else "-",
+        "TTFC p50": f(s.ttfc_s.p50, ".3f", "s") if s else "-",
+        "decode tok/s": f(s.decode_tps.p50, ".1f") if s else "-",
+        "wall tok/s": f(s.wall_tps.p50, ".1f") if s else "-",
+        "speedup": (f(b.speedup, ".2f", "x") + f" ({batch.params['streams']})") if batch and b and b.speedup else "-",
         "ok/req": f"{ok}/{sent}",
     }
     if s:  # speeds that do not use the server's usage are marked (footnote: headline_notes)
@@ -511,8 +518,7 @@ def headline_notes(results: Sequence[TargetResult]) -> list[str]:
     items = []
     for res in results:
         g = smallest_single(res)
-        batch = next((x for x in res.groups if x["params"].get("streams")), None)
-        for grp in (g, batch):
+        for grp in (g, first_wave(res)):
             if grp is not None:
-                items.append((f"{res.target.name} {grp['name']}", grp["summary"]))
+                items.append((f"{res.target.name} {grp.name}", grp.summary))
     return untrusted_notes(items)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -13,28 +14,33 @@ from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, Ta
                             headline_notes, smallest_single, verdict)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target, run_async
 from mlxproxy.report import LEGEND, Section, legend_for, range_text, speedup_text
+from mlxproxy.results import Group, ResultFile
 from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, help_for
 
 
-def results_doc(results: list[TargetResult]) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
-    groups = [g for r in results for g in r.groups]
-    verdicts = {r.target.name: verdict(r) for r in results}
+def all_groups(results: Sequence[TargetResult]) -> list[Group]:
+    return [g for r in results for g in r.groups]
+
+
+def results_doc(results: Sequence[TargetResult], verdicts: dict[str, str] | None = None) -> ResultFile:
+    """The bench result file of `results` (verdicts computed unless given)."""
+    verdicts = verdicts if verdicts is not None else {r.target.name: verdict(r) for r in results}
     extra = {"targets": [{"name": r.target.name, "url": r.target.url, "model": r.model, "error": r.error,
                           "calibration": r.calibration.source} for r in results]}
-    return groups, verdicts, extra
+    return ResultFile.new("bench", all_groups(results), verdicts, extra)
 
 
-def results_from_doc(doc: dict[str, Any], prefix: str = "") -> tuple[list[TargetResult], dict[str, str]]:
+def results_from_doc(doc: ResultFile, prefix: str = "") -> tuple[list[TargetResult], dict[str, str]]:
     """A bench result file back into the results `bench` printed (for `report`)."""
     out: dict[str, TargetResult] = {}
-    for t in doc.get("targets") or []:
+    for t in doc.targets:
         r = TargetResult(Target(prefix + t["name"], t.get("url") or ""), t.get("model"),
                          Calibration(source=t.get("calibration") or ""), [], t.get("error"))
         out[t["name"]] = r
-    for g in doc["groups"]:
-        r = out.setdefault(g["target"], TargetResult(Target(prefix + g["target"], "")))
-        r.groups.append({**g, "target": prefix + g["target"]})
-    verdicts = {prefix + k: v for k, v in (doc.get("verdicts") or {}).items()}
+    for g in doc.groups:
+        r = out.setdefault(g.target, TargetResult(Target(prefix + g.target, "")))
+        r.groups.append(g.retargeted(prefix + g.target))
+    verdicts = {prefix + k: v for k, v in doc.verdicts.items()}
     return list(out.values()), verdicts
 
 
@@ -53,7 +59,7 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
     verdicts = verdicts if verdicts is not None else {r.target.name: verdict(r) for r in results}
     sections = []
     rows = [headline(r) for r in results]
-    reasoning = any(g["summary"].get("reasoning") for r in results for g in r.groups)
+    reasoning = any(g.summary.reasoning for g in all_groups(results))
     cols = [c for c in rows[0] if c != "TTFC p50" or reasoning] if rows else []
     sections.append(Section("One request at a time, smallest prompt size (p50 = median of the repeats):", rows, cols,
                             legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"]),
@@ -61,22 +67,22 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
     width = max((len(r.target.name) for r in results), default=0)
     sections.append(Section("Verdicts:", [], None, "",
                             [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results]))
-    sizes = sorted({g["params"]["prompt_tokens"] for r in results for g in r.groups if g["name"].startswith("single ")})
+    sizes = sorted({g.params["prompt_tokens"] for g in all_groups(results) if g.kind == "single_size"})
     if len(sizes) > 1:
         srows = []
         for r in results:
             row = {"target": r.target.name}
             for size in sizes:
-                g = next((g for g in r.groups if g["name"] == f"single {size}"), None)
+                g = next((g for g in r.groups if g.kind == "single_size" and g.params["prompt_tokens"] == size), None)
                 key = f"{size} tok"
                 if g is None:
                     row[key] = "-"
                     continue
-                s = g["summary"]
-                if s["ok"] == 0:
-                    row[key] = ",".join(sorted(s["outcomes"]))[:16]
+                s = g.summary
+                if s.ok == 0:
+                    row[key] = ",".join(sorted(s.outcomes))[:16]
                     continue
-                ttft, pre = s["ttft_s"]["p50"], s["prefill_tps"]["p50"]
+                ttft, pre = s.ttft_s.p50, s.prefill_tps.p50
                 row[key] = "-" if ttft is None else f"{ttft:.2f}s " + (f"{pre:.0f}/s" if pre else "-")
             srows.append(row)
         sections.append(Section("TTFT p50 and prefill tok/s by prompt size:", srows, None,
@@ -85,55 +91,55 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                                 " failed (context_limit: the server refused the prompt's size)."))
     crows = []
     for r in results:
-        curve = [g for g in r.groups if g["params"].get("streams")]
+        curve = [g for g in r.groups if g.kind == "wave"]
         # one stream alone: the baseline measured between the waves (older results: the smallest single size)
-        single = next((g for g in r.groups if g["name"] == "baseline"), None) or smallest_single(r)
+        single = next((g for g in r.groups if g.kind == "baseline"), None) or smallest_single(r)
         if curve and single:
-            s1 = single["summary"]
-            crows.append({"target": r.target.name, "streams": "1", "decode tok/s": _f(s1["decode_tps"]["p50"]),
-                          "agg tok/s": _f(s1["wall_tps"]["p50"]), "speedup": "1.00x", "overlap": "-"})
+            s1 = single.summary
+            crows.append({"target": r.target.name, "streams": "1", "decode tok/s": _f(s1.decode_tps.p50),
+                          "agg tok/s": _f(s1.wall_tps.p50), "speedup": "1.00x", "overlap": "-"})
         for g in curve:
-            s = g["summary"]
-            crows.append({"target": r.target.name, "streams": str(g["params"]["streams"]),
-                          "decode tok/s": _f(s["decode_tps"]["p50"]), "agg tok/s": _f(s["aggregate_tps"]),
-                          "speedup": speedup_text(s), "overlap": _f(s["overlap"], "", ".2f")
-                          + range_text(s.get("overlap_min"), s.get("overlap_max"), ".2f")})
+            s = g.summary
+            crows.append({"target": r.target.name, "streams": str(g.params["streams"]),
+                          "decode tok/s": _f(s.decode_tps.p50), "agg tok/s": _f(s.aggregate_tps),
+                          "speedup": speedup_text(s), "overlap": _f(s.overlap, "", ".2f")
+                          + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f")})
     if crows:
         sections.append(Section("Requests released together (batching):", crows, None,
                                 "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
                                 " between the waves); decode tok/s: per stream (median); "
                                 + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
                                 + "; (a\u2013b): lowest and highest over the waves."))
-    rate_groups = [g for r in results for g in r.groups if g["params"].get("rate") and not g["params"].get("sweep")]
+    rate_groups = [g for g in all_groups(results) if g.kind == "rate"]
     if rate_groups:
         from mlxproxy.load import generator_note
         from mlxproxy.report import SUMMARY_COLUMNS, summary_row
 
         cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
-        lines = [generator_note(f"{g['target']} {g['mode']}", g["summary"], g["params"]) for g in rate_groups]
+        lines = [generator_note(f"{g.target} {g.mode}", g.summary, g.params) for g in rate_groups]
         sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
-                                [summary_row(g["target"], g["mode"], g["summary"]) for g in rate_groups], cols,
+                                [summary_row(g.target, g.mode, g.summary) for g in rate_groups], cols,
                                 legend_for(cols), [ln for ln in lines if ln]))
     from mlxproxy.report import slo_section, sweep_sections
 
-    slo = slo_section([g for r in results for g in r.groups])
+    slo = slo_section(all_groups(results))
     if slo is not None:
         sections.append(slo)
-    sections += sweep_sections([g for r in results for g in r.groups])
+    sections += sweep_sections(all_groups(results))
     notes = []
     for r in results:
         per: dict[str, dict[str, Any]] = {}
-        total = sum(g["summary"]["requests"] for g in r.groups if g["name"] != "single")
+        total = sum(g.summary.requests for g in r.groups if g.kind != "single")
         for g in r.groups:
-            if g["name"] == "single":  # holds every `single N` again
-                for kind, a in g["summary"]["anomalies"].items():
-                    if not any(kind in x["summary"]["anomalies"] for x in r.groups if x["name"] != "single"):
-                        per.setdefault(kind, {"count": a["count"], "evidence": a["evidence"], "where": ["single"]})
+            if g.kind == "single":  # holds every `single N` again
+                for kind, a in g.summary.anomalies.items():
+                    if not any(kind in x.summary.anomalies for x in r.groups if x.kind != "single"):
+                        per.setdefault(kind, {"count": a.count, "evidence": a.evidence, "where": ["single"]})
                 continue
-            for kind, a in g["summary"]["anomalies"].items():
-                k = per.setdefault(kind, {"count": 0, "evidence": a["evidence"], "where": []})
-                k["count"] += a["count"]
-                k["where"].append(g["name"])
+            for kind, a in g.summary.anomalies.items():
+                k = per.setdefault(kind, {"count": 0, "evidence": a.evidence, "where": []})
+                k["count"] += a.count
+                k["where"].append(g.name)
         for kind, k in sorted(per.items()):
             where = ("across prompt sizes" if k["where"] == ["single"]
                      else f"in {k['count']} of {total} requests ({', '.join(k['where'])})")
@@ -153,10 +159,11 @@ def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: 
                   plot_path: str | None, verdicts: dict[str, str] | None = None, write_json: bool = True) -> None:
     from mlxproxy.report import markdown_sections, write_csv, write_result
 
-    groups, computed, extra = results_doc(results)
-    verdicts = verdicts if verdicts is not None else computed
+    doc = results_doc(results, verdicts)
+    verdicts = dict(doc.verdicts)
+    groups = doc.groups
     if json_path and write_json:
-        write_result(json_path, "bench", groups, verdicts, extra)
+        write_result(json_path, doc)
         click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
@@ -170,10 +177,9 @@ def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: 
 
 
 def write_bench_html(results: list[TargetResult], path: str) -> None:
-    from mlxproxy.htmlreport import result_doc, write_html
+    from mlxproxy.htmlreport import write_html
 
-    groups, verdicts, extra = results_doc(results)
-    write_html(path, [("bench", result_doc("bench", groups, verdicts, extra))])
+    write_html(path, [("bench", results_doc(results))])
 
 
 def plot_svg(results: list[TargetResult]) -> str:
@@ -185,17 +191,17 @@ def plot_svg(results: list[TargetResult]) -> str:
     for r in results:
         pts_t, pts_p, pts_c, pts_a = [], [], [], []
         for g in r.groups:
-            s = g["summary"]
-            if g["name"].startswith("single ") and s["ok"]:
-                size = g["params"].get("prompt_tokens_sent") or g["params"]["prompt_tokens"]
-                pts_t.append((float(size), s["ttft_s"]["p50"]))
-                pts_p.append((float(size), s["prefill_tps"]["p50"]))
-            if g["params"].get("streams"):
-                pts_c.append((float(g["params"]["streams"]), s["decode_tps"]["p50"]))
-                pts_a.append((float(g["params"]["streams"]), s["speedup"]))
+            s = g.summary
+            if g.kind == "single_size" and s.ok:
+                size = g.params.get("prompt_tokens_sent") or g.params["prompt_tokens"]
+                pts_t.append((float(size), s.ttft_s.p50))
+                pts_p.append((float(size), s.prefill_tps.p50))
+            if g.kind == "wave":
+                pts_c.append((float(g.params["streams"]), s.decode_tps.p50))
+                pts_a.append((float(g.params["streams"]), s.speedup))
         alone = smallest_single(r)
         if alone and (pts_c or pts_a):
-            pts_c.append((1.0, alone["summary"]["decode_tps"]["p50"]))
+            pts_c.append((1.0, alone.summary.decode_tps.p50))
             pts_a.append((1.0, 1.0))
         ttft.append((r.target.name, pts_t))
         prefill.append((r.target.name, pts_p))
@@ -203,7 +209,7 @@ def plot_svg(results: list[TargetResult]) -> str:
         agg.append((r.target.name, pts_a))
     from mlxproxy.load import sweep_charts
 
-    sweep = sweep_charts([g for r in results for g in r.groups])
+    sweep = sweep_charts(all_groups(results))
     return svg_charts([
         Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
         Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
@@ -296,10 +302,10 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
              + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""), 130)
     if results and all(r.error for r in results):
         fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)
-    reason = all_failed_reason(results_doc(results)[0])
+    reason = all_failed_reason(all_groups(results))
     if reason:
         fail(reason, 1)
-    check_fail_on(fail_on, results_doc(results)[0])
+    check_fail_on(fail_on, all_groups(results))
 
 
 def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:
@@ -309,9 +315,8 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
 
     slo = slo or parse_slo(DEFAULT_SLO)
     for r in results:
-        for g in r.groups:
-            if g["name"] != "single" and g["params"].get("prompt_tokens") == prompt_tokens:
-                g["summary"].update(judge(g["records"], slo))
+        r.groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo)))
+                       if g.kind != "single" and g.params.get("prompt_tokens") == prompt_tokens else g for g in r.groups]
 
 
 def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None) -> list[Target]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,9 @@ from typing import Any
 from mlxproxy import __version__
 from mlxproxy.plot import Series, svg_charts
 from mlxproxy.report import SUMMARY_COLUMNS, summary_row
+from mlxproxy.results import Group, ResultFile
 
-__all__ = ["render_html", "write_html", "result_doc"]
+__all__ = ["render_html", "write_html"]
 
 MAX_LANES = 120  # requests drawn per group
 MAX_TICKS = 240  # token marks drawn per request
@@ -41,14 +42,7 @@ details{margin:6px 0}summary{cursor:pointer;font-weight:600}.lanes{display:block
 """
 
 
-def result_doc(kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The document `write_result` would write, for rendering without a file."""
-    return {"mlxproxy_result": 1, "kind": kind, "version": __version__, "created_at": time.time(), "groups": groups,
-            "verdicts": verdicts or {}, **(extra or {})}
-
-
-def write_html(path: str | Path, docs: Sequence[tuple[str, dict[str, Any]]]) -> None:
+def write_html(path: str | Path, docs: Sequence[tuple[str, ResultFile]]) -> None:
     Path(path).write_text(render_html(docs), encoding="utf-8")
 
 
@@ -64,7 +58,7 @@ def _num(v: Any, fmt: str, unit: str = "") -> str:
     return format(v, fmt) + unit
 
 
-def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
+def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     """`docs`: (label, result document) pairs; with several, targets are shown as label:target."""
     many = len(docs) > 1
 
@@ -81,19 +75,19 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     # sources, side by side
     out.append('<section id="sources"><h2>Results</h2><div class="cols">')
     for label, doc in docs:
-        targets = sorted({g["target"] for g in doc["groups"]})
-        n = sum(len(g.get("records", [])) for g in doc["groups"])
-        out.append(f'<div class="source"><h3>{escape(label)}</h3><p class="muted">{escape(str(doc.get("kind", "?")))} '
-                   f"written {escape(_when(doc.get('created_at')))} by mlxproxy {escape(str(doc.get('version', '?')))}; "
-                   f"{len(doc['groups'])} groups, {n} requests; targets: {escape(', '.join(targets))}</p>")
-        for t in doc.get("targets", []):
+        targets = sorted({g.target for g in doc.groups})
+        n = sum(len(g.records) for g in doc.groups)
+        out.append(f'<div class="source"><h3>{escape(label)}</h3><p class="muted">{escape(doc.kind)} '
+                   f"written {escape(_when(doc.created_at))} by mlxproxy {escape(doc.version or '?')}; "
+                   f"{len(doc.groups)} groups, {n} requests; targets: {escape(', '.join(targets))}</p>")
+        for t in doc.targets:
             if t.get("error"):
                 out.append(f'<p class="bad">{escape(t["name"])}: {escape(str(t["error"]))}</p>')
         out.append("</div>")
     out.append("</div></section>")
 
     # verdicts
-    verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.get("verdicts", {}).items()]
+    verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.verdicts.items()]
     if verdicts:
         out.append('<section id="verdicts"><h2>Verdicts</h2><table><tr><th>target</th><th>verdict</th></tr>')
         out += [f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
@@ -103,7 +97,7 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     # capacity (sweeps)
     from mlxproxy.load import capacity_line, capacity_of
 
-    caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc["groups"]).items()]
+    caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc.groups).items()]
     if caps:
         out.append('<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
                    "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>")
@@ -117,20 +111,20 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     out += [f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS]
     out.append("<th>group</th></tr>")
     for label, doc in docs:
-        for g in doc["groups"]:
-            row = summary_row(name(label, g["target"]), g["mode"], g["summary"])
+        for g in doc.groups:
+            row = summary_row(name(label, g.target), g.mode, g.summary)
             out.append("<tr>" + "".join(("<td>" if c in ("target", "mode", "errors", "anomalies") else '<td class="num">')
                                         + f"{escape(row[c])}</td>" for c in SUMMARY_COLUMNS)
-                       + f"<td>{escape(g['name'])}</td></tr>")
+                       + f"<td>{escape(g.name)}</td></tr>")
     out.append("</table></section>")
 
     # anomalies with evidence
     rows = []
     for label, doc in docs:
-        for g in doc["groups"]:
-            for kind, a in sorted(g["summary"].get("anomalies", {}).items()):
-                rows.append(f"<tr><td>{escape(name(label, g['target']))}</td><td>{escape(g['name'])}</td><td>{escape(kind)}</td>"
-                            f'<td class="num">{a["count"]}</td><td class="evidence">{escape(str(a.get("evidence", "")))}</td></tr>')
+        for g in doc.groups:
+            for kind, a in sorted(g.summary.anomalies.items()):
+                rows.append(f"<tr><td>{escape(name(label, g.target))}</td><td>{escape(g.name)}</td><td>{escape(kind)}</td>"
+                            f'<td class="num">{a.count}</td><td class="evidence">{escape(a.evidence)}</td></tr>')
     out.append('<section id="anomalies"><h2>Anomalies, with evidence</h2>')
     if rows:
         out.append("<table><tr><th>target</th><th>group</th><th>anomaly</th><th>count</th><th>evidence (one example)</th></tr>")
@@ -145,7 +139,7 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
     charts: list[Any] = list(_charts(docs, name))
     for label, doc in docs:
-        charts += sweep_charts([{**g, "target": name(label, g["target"])} for g in doc["groups"]])
+        charts += sweep_charts([g.retargeted(name(label, g.target)) for g in doc.groups])
     if charts:
         out.append('<section id="plots"><h2>Curves</h2><div class="plots">')
         out += [svg_charts([c]) for c in charts]
@@ -156,44 +150,45 @@ def render_html(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
                "start: pale until the first token, dark while decoding, a tick per token event, red where a stall "
                "was; time from the group's first request</p>")
     for label, doc in docs:
-        shown: set[str] = set()
-        for g in doc["groups"]:
-            recs = [r for r in g.get("records", []) if r.get("id") not in shown]
+        shown: set[Any] = set()
+        for g in doc.groups:
+            recs = [r for r in g.records if r.get("id") not in shown]
             if not recs:
                 continue
             shown.update(r.get("id") for r in recs)
-            title = f"{name(label, g['target'])} · {g['name']} · {len(recs)} requests"
+            title = f"{name(label, g.target)} · {g.name} · {len(recs)} requests"
             out.append(f'<details open class="timeline"><summary>{escape(title)}</summary>{_lanes(recs)}</details>')
     out.append("</section>")
     out.append("</main></body></html>\n")
     return "".join(out)
 
 
-def _charts(docs: Sequence[tuple[str, dict[str, Any]]], name: Any) -> list[tuple[str, str, str, list[Series], bool]]:
+def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[tuple[str, str, str, list[Series], bool]]:
     ttft: list[Series] = []
     prefill: list[Series] = []
     curve: list[Series] = []
     agg: list[Series] = []
     speedup: list[Series] = []
     for label, doc in docs:
-        by_target: dict[str, list[dict[str, Any]]] = {}
-        for g in doc["groups"]:
-            by_target.setdefault(g["target"], []).append(g)
+        by_target: dict[str, list[Group]] = {}
+        for g in doc.groups:
+            by_target.setdefault(g.target, []).append(g)
         for target, groups in by_target.items():
             n = name(label, target)
-            sized = [g for g in groups if g["name"].startswith("single ") and "prompt_tokens" in g.get("params", {})]
-            streams = [g for g in groups if g.get("params", {}).get("streams")]
+            sized = [g for g in groups if g.kind == "single_size" and "prompt_tokens" in g.params]
+            # bench's waves (replay's batch waves have no stream count to draw against)
+            streams = [g for g in groups if g.kind == "wave" and g.params.get("streams")]
             pts_t, pts_p = [], []
             for g in sized:
-                size = float(g["params"].get("prompt_tokens_sent") or g["params"]["prompt_tokens"])
-                pts_t.append((size, g["summary"]["ttft_s"]["p50"]))
-                pts_p.append((size, g["summary"]["prefill_tps"]["p50"]))
-            pts_c = [(float(g["params"]["streams"]), g["summary"]["decode_tps"]["p50"]) for g in streams]
+                size = float(g.params.get("prompt_tokens_sent") or g.params["prompt_tokens"])
+                pts_t.append((size, g.summary.ttft_s.p50))
+                pts_p.append((size, g.summary.prefill_tps.p50))
+            pts_c = [(float(g.params["streams"]), g.summary.decode_tps.p50) for g in streams]
             if sized and streams:  # one stream alone, at the smallest prompt size
-                smallest = min(sized, key=lambda g: g["params"]["prompt_tokens"])
-                pts_c.append((1.0, smallest["summary"]["decode_tps"]["p50"]))
-            pts_a = [(float(g["params"]["streams"]), g["summary"].get("aggregate_tps")) for g in streams]
-            pts_s = [(float(g["params"]["streams"]), g["summary"].get("speedup")) for g in streams]
+                smallest = min(sized, key=lambda g: g.params["prompt_tokens"])
+                pts_c.append((1.0, smallest.summary.decode_tps.p50))
+            pts_a = [(float(g.params["streams"]), g.summary.aggregate_tps) for g in streams]
+            pts_s = [(float(g.params["streams"]), g.summary.speedup) for g in streams]
             if streams and any(y is not None for _, y in pts_s):
                 pts_s.append((1.0, 1.0))
             for series, pts in ((ttft, pts_t), (prefill, pts_p), (curve, pts_c), (agg, pts_a), (speedup, pts_s)):
@@ -222,7 +217,7 @@ def _stalls(offs: list[float]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in zip(offs, offs[1:]) if b - a >= limit]
 
 
-def _lanes(records: list[dict[str, Any]]) -> str:
+def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
     recs = sorted(records, key=lambda r: r.get("started_at") or 0.0)
     more = len(recs) - MAX_LANES
     recs = recs[:MAX_LANES]

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mlxproxy.results import Summary
+
+if TYPE_CHECKING:
+    from mlxproxy.results import Group
 
 __all__ = ["ARRIVALS", "arrival_offsets", "ramp_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
            "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
@@ -81,14 +86,14 @@ def sent_rate(send_times: Sequence[float]) -> float | None:
     return (len(ts) - 1) / (ts[-1] - ts[0])
 
 
-def generator_note(label: str, summary: dict[str, Any], params: dict[str, Any] | None = None) -> str | None:
+def generator_note(label: str, summary: Summary, params: Mapping[str, Any] | None = None) -> str | None:
     """One line on the load generator's schedule lag; says when the generator, rather than
     the server, was the limit. None when the group had no schedule."""
-    lag = summary.get("schedule_lag_s")
+    lag = summary.figure("schedule_lag_s")
     if not lag or not lag.get("count"):
         return None
     params = params or {}
-    rate, scheduled, achieved = params.get("rate"), params.get("scheduled_rate"), summary.get("sent_rate")
+    rate, scheduled, achieved = params.get("rate"), params.get("scheduled_rate"), summary.figure("sent_rate")
     p50, p99 = lag["p50"] or 0.0, lag["p99"] or 0.0
     limit = max(GENERATOR_LAG_S, GENERATOR_LAG_SHARE / rate) if rate else GENERATOR_LAG_S
     head = f"{label}: schedule lag p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
@@ -187,11 +192,11 @@ def fmt_value(v: float | None, unit: str) -> str:
     return f"{v:.1f} {unit}"
 
 
-def _ok(r: dict[str, Any]) -> bool:
+def _ok(r: Mapping[str, Any]) -> bool:
     return r.get("outcome") in ("ok", "ok_no_done")
 
 
-def request_meets(r: dict[str, Any], slo: dict[str, float]) -> bool:
+def request_meets(r: Mapping[str, Any], slo: dict[str, float]) -> bool:
     """One request's own figures against every threshold (a failed request never meets it)."""
     if not _ok(r):
         return False
@@ -211,7 +216,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return percentile(sorted(values), q)
 
 
-def judge(records: Sequence[dict[str, Any]], slo: dict[str, float]) -> dict[str, Any]:
+def judge(records: Sequence[Mapping[str, Any]], slo: dict[str, float]) -> dict[str, Any]:
     """The SLO and goodput of one step (records as in result files): `{"slo": {"met",
     "breaches": [{"key", "value", "threshold"}]}, "goodput": {"good", "requests", "share",
     "rate"}}`. A step with failed requests or none that succeeded does not meet the SLO."""
@@ -241,13 +246,14 @@ def breach_text(b: dict[str, Any]) -> str:
     return f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
 
 
-def step_problem(step: dict[str, Any]) -> str:
-    """Why a judged step broke the SLO, in words (empty when it held)."""
-    s = step["slo"]
-    parts = [breach_text(b) for b in s["breaches"]]
+def step_problem(step: Mapping[str, Any] | Summary) -> str:
+    """Why a judged step (a summary, or `judge`'s output) broke the SLO, in words (empty when it held)."""
+    s = (step.slo if isinstance(step, Summary) else step.get("slo")) or {}
+    goodput = (step.goodput if isinstance(step, Summary) else step.get("goodput")) or {}
+    parts = [breach_text(b) for b in s.get("breaches", ())]
     if s.get("errors"):
-        parts.append(f"{s['errors']} of {step['goodput']['requests']} requests failed")
-    if not parts and not s["met"]:
+        parts.append(f"{s['errors']} of {goodput.get('requests')} requests failed")
+    if not parts and not s.get("met"):
         parts.append("no request succeeded")
     return "; ".join(parts)
 
@@ -270,27 +276,27 @@ def parse_fail_on(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def failed_checks(kinds: Sequence[str], groups: Sequence[dict[str, Any]]) -> list[str]:
+def failed_checks(kinds: Sequence[str], groups: Sequence[Group]) -> list[str]:
     """What broke, one phrase per failed check (empty: every check held). `groups` are
     result groups; the SLO is read from the judged ones (`summary.slo`)."""
     from mlxproxy.core.detect import ANOMALY_KINDS
 
     out = []
-    uniq = {(g["target"], r["id"]): r for g in groups for r in g["records"]}.values()
+    uniq = {(g.target, r["id"]): r for g in groups for r in g.records}.values()
     total = len(uniq)
     for kind in kinds:
         if kind == "slo":
-            by_target: dict[str, list[dict[str, Any]]] = {}
+            by_target: dict[str, list[Group]] = {}
             for g in groups:
-                if "slo" in g["summary"]:
-                    by_target.setdefault(g["target"], []).append(g)
+                if g.summary.slo is not None:
+                    by_target.setdefault(g.target, []).append(g)
             for target, gs in by_target.items():
-                steps = [g for g in gs if g["params"].get("sweep")]
-                judged = steps[:1] if steps else [g for g in gs if not g["params"].get("sweep")]
-                broken = [g for g in judged if not g["summary"]["slo"]["met"]]
+                steps = [g for g in gs if g.kind == "sweep_step"]
+                judged = steps[:1] if steps else gs
+                broken = [g for g in judged if not (g.summary.slo or {}).get("met")]
                 if broken:
                     g = broken[0]
-                    out.append(f"SLO broken on {target} {g['mode']}: {step_problem(g['summary'])}")
+                    out.append(f"SLO broken on {target} {g.mode}: {step_problem(g.summary)}")
         elif kind == "errors":
             bad = [r for r in uniq if not _ok(r)]
             if bad:
@@ -317,9 +323,9 @@ RISE = 1.05  # aggregate tok/s must grow at least 5 % per doubling, else the ser
 MIN_PER_STREAM = 3  # each stream of a sweep step sends at least this many requests
 
 
-def step_figures(g: dict[str, Any]) -> dict[str, Any]:
-    """The per-step figures of a sweep group (what `capacity.steps` holds)."""
-    recs = g["records"]
+def step_figures(g: Group) -> dict[str, Any]:
+    """The per-step figures of a judged sweep group (what `capacity.steps` holds)."""
+    recs = g.records
     ok = [r for r in recs if _ok(r)]
 
     def p(field: str, q: float) -> float | None:
@@ -329,14 +335,15 @@ def step_figures(g: dict[str, Any]) -> dict[str, Any]:
     for r in recs:
         for k in r.get("anomalies", ()):
             anomalies[k] = anomalies.get(k, 0) + 1
-    s = g["summary"]
+    s = g.summary
+    slo = s.slo or {}
     step = _step_value(g)
-    key = "rate" if g["params"].get("unit") == RATE_UNIT else "concurrency"
+    key = "rate" if g.params.get("unit") == RATE_UNIT else "concurrency"
     return {"step": step, key: step, "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
             "ttft_p50_s": p("ttft_s", 50), "ttft_p95_s": p("ttft_s", 95), "tpot_p50_s": p("tpot_s", 50),
-            "tpot_p95_s": p("tpot_s", 95), "decode_tps_p50": p("decode_tps", 50), "aggregate_tps": s.get("aggregate_tps"),
-            "anomalies": anomalies, "goodput": s["goodput"], "slo_met": s["slo"]["met"],
-            "breaches": s["slo"]["breaches"], "problem": step_problem(s)}
+            "tpot_p95_s": p("tpot_s", 95), "decode_tps_p50": p("decode_tps", 50), "aggregate_tps": s.aggregate_tps,
+            "anomalies": anomalies, "goodput": s.goodput, "slo_met": slo.get("met"),
+            "breaches": slo.get("breaches"), "problem": step_problem(s)}
 
 
 def stop_reason(steps: Sequence[dict[str, Any]]) -> str | None:
@@ -352,16 +359,15 @@ def stop_reason(steps: Sequence[dict[str, Any]]) -> str | None:
     return None
 
 
-def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def capacity_of(groups: Sequence[Group]) -> dict[str, dict[str, Any]]:
     """The `capacity` object per target of a run's sweep groups (empty without a sweep):
     `{"max_concurrency", "slo", "limited_by", "steps"}`; limited_by is `slo` or `errors`
     (the first step past the capacity broke the SLO / had failed requests), `throughput`
     (aggregate tok/s stopped rising while the SLO still held) or `steps` (every step held)."""
     out: dict[str, dict[str, Any]] = {}
-    targets = dict.fromkeys(g["target"] for g in groups if g["params"].get("sweep") and "slo" in g["summary"])
-    for target in targets:
-        gs = sorted((g for g in groups if g["target"] == target and g["params"].get("sweep") and "slo" in g["summary"]),
-                    key=_step_value)
+    judged = [g for g in groups if g.kind == "sweep_step" and g.summary.slo is not None]
+    for target in dict.fromkeys(g.target for g in judged):
+        gs = sorted((g for g in judged if g.target == target), key=_step_value)
         steps = [step_figures(g) for g in gs]
         best, broke = 0, None
         for st in steps:
@@ -373,8 +379,8 @@ def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             limited = "errors" if broke["errors"] else "slo"
         else:
             limited = "throughput" if len(steps) > 1 and stop_reason(steps) == "throughput" else "steps"
-        unit = gs[0]["params"].get("unit", "streams")
-        cap = {"max_rate" if unit == RATE_UNIT else "max_concurrency": best, "slo": gs[0]["summary"]["slo"]["thresholds"],
+        unit = gs[0].params.get("unit", "streams")
+        cap = {"max_rate" if unit == RATE_UNIT else "max_concurrency": best, "slo": (gs[0].summary.slo or {})["thresholds"],
                "limited_by": limited, "unit": unit, "steps": steps}
         if broke is not None:
             cap["broken_at"] = broke["step"]
@@ -385,8 +391,8 @@ def capacity_of(groups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 RATE_UNIT = "req/s"
 
 
-def _step_value(g: dict[str, Any]) -> float:
-    p = g["params"]
+def _step_value(g: Group) -> float:
+    p = g.params
     return p["step"] if "step" in p else p["concurrency"]
 
 
@@ -421,13 +427,14 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
 
 
 async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]], steps: Sequence[float],
-                    slo: dict[str, float], *, target: str, params: dict[str, Any], out: list[dict[str, Any]],
+                    slo: dict[str, float], *, target: str, params: dict[str, Any], out: list[Group],
                     say: Callable[[str], None] | None = None, unit: str = "streams") -> None:
     """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
     saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
     per record id (e.g. a session's turn). Each step's group is appended to `out` as it
     finishes; `say` gets one line per step. `unit`: what runs concurrently (streams, sessions)."""
     from mlxproxy.report import summarize_records
+    from mlxproxy.results import Group
 
     auto = not steps
     done: list[dict[str, Any]] = []
@@ -446,12 +453,11 @@ async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[st
             records.append(d)
         label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
         key = "rate" if unit == RATE_UNIT else "concurrency"
-        g = {"name": f"sweep {conc:g}", "target": target, "mode": f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""),
-             "params": {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
-             "summary": summarize_records(timed.records, lag_s=timed.lag_s or None,
-                                          send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None),
-             "records": records}
-        g["summary"].update(judge(g["records"], slo))
+        summary = summarize_records(timed.records, lag_s=timed.lag_s or None,
+                                    send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None)
+        g = Group(f"sweep {conc:g}", target, f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""), "sweep_step",
+                  {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
+                  summary.updated(judge(records, slo)), tuple(records))
         out.append(g)
         done.append(step_figures(g))
         st = done[-1]
@@ -490,7 +496,7 @@ def closed_loop_step(client: Any, make: Callable[[int], list[Any]], per_stream: 
     return step
 
 
-def sweep_charts(groups: Sequence[dict[str, Any]]) -> list[Any]:
+def sweep_charts(groups: Sequence[Group]) -> list[Any]:
     """The plot of a sweep: TTFT and TPOT p50/p95 and aggregate tok/s by concurrency, one
     line per target and percentile, the SLO's thresholds as dashed lines ([] without a sweep)."""
     from mlxproxy.plot import Chart

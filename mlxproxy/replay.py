@@ -19,7 +19,7 @@ import asyncio
 import fnmatch
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_s
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.core.stats import summarize
 from mlxproxy.report import summarize_records
+from mlxproxy.results import Group, GroupKind, Summary
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
 
@@ -265,7 +266,7 @@ def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[st
     return rows
 
 
-def served_from_cache(records: Sequence[dict[str, Any]]) -> tuple[int, int]:
+def served_from_cache(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     """(requests whose prompt was mostly cached, requests that reported prompt tokens):
     their TTFT measures the prompt cache, not prefill."""
     from mlxproxy.core.detect import MOSTLY_CACHED
@@ -275,28 +276,30 @@ def served_from_cache(records: Sequence[dict[str, Any]]) -> tuple[int, int]:
     return len(cached), len(reported)
 
 
-def _group(name: str, target: str, mode: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any],
-           compare: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    g = {"name": name, "target": target, "mode": mode, "params": params, "summary": summary,
-         "records": [r.to_dict(timeline=True) for r in timed.records]}
-    for rec_d in g["records"]:
-        rec_d["source_id"] = timed.source_ids.get(rec_d["id"])
-    if compare is not None:
-        g["compare"] = compare
-    return g
+def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary,
+           compare: list[dict[str, Any]] | None = None, where: dict[str, dict[str, Any]] | None = None) -> Group:
+    """A group of `timed`'s records, each with its `source_id` (and its session's `where` keys)."""
+    records = []
+    for r in timed.records:
+        d = r.to_dict(timeline=True)
+        d["source_id"] = timed.source_ids.get(r.id)
+        if where is not None:
+            d.update(where[r.id])
+        records.append(d)
+    return Group(name, target, name, kind, params, summary, tuple(records), None if compare is None else tuple(compare))
 
 
 async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
                      api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
                      progress: bool | None = None, compare: bool = False,
-                     out: list[dict[str, Any]] | None = None,
-                     say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     out: list[Group] | None = None,
+                     say: Callable[[str], None] | None = None) -> list[Group]:
     """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()
     by_id = {c.record.id: c for c in caps}
-    groups: list[dict[str, Any]] = out if out is not None else []
+    groups: list[Group] = out if out is not None else []
     sizes = opts.batches or (opts.batch,)
 
     def fresh() -> list[PreparedRequest]:
@@ -325,8 +328,8 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
         try:
             if opts.mode == "recorded":
                 timed = await client.run_recorded(fresh(), opts.speed, tick)
-                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records, lag_s=timed.lag_s),
-                                      th, by_id, compare))
+                groups.append(_finish(mode, "replay", target_name, params, timed,
+                                      summarize_records(timed.records, lag_s=timed.lag_s), th, by_id, compare))
             elif opts.mode == "rate":
                 reqs = fresh()
                 ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
@@ -334,10 +337,11 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                 timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
                 summary = summarize_records(timed.records, lag_s=timed.lag_s,
                                             send_times=[r.t_start_mono for r in timed.records])
-                groups.append(_finish(mode, target_name, params, timed, summary, th, by_id, compare))
+                groups.append(_finish(mode, "rate", target_name, params, timed, summary, th, by_id, compare))
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
-                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+                groups.append(_finish(mode, "replay", target_name, params, timed, summarize_records(timed.records), th,
+                                      by_id, compare))
             elif opts.mode == "rate" and opts.sweep:
                 def cycle(k: int) -> list[PreparedRequest]:
                     return [prepare(caps[i % len(caps)], opts) for i in range(k)]
@@ -362,22 +366,24 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                                 opts.slo or parse_slo(DEFAULT_SLO), target=target_name, params=params, out=groups, say=say)
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
-                groups.append(_finish(mode, target_name, params, timed, summarize_records(timed.records), th, by_id, compare))
+                groups.append(_finish(mode, "replay", target_name, params, timed, summarize_records(timed.records), th,
+                                      by_id, compare))
             else:
                 single = await client.run_sequential(fresh(), tick)
                 s_single = summarize_records(single.records)
-                groups.append(_group("single", target_name, "single", params, single, s_single))
+                groups.append(_group("single", "single", target_name, params, single, s_single))
                 for size in sizes:
                     timed, waves = await client.run_waves(fresh(), size, tick)
-                    summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single["wall_tps"]["p50"])
+                    summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single.wall_tps.p50)
                     name = f"batch {size}"
-                    groups.append(_finish(name, target_name, {**params, "batch": size}, timed, summary, th, by_id, compare))
+                    groups.append(_finish(name, "wave", target_name, {**params, "batch": size}, timed, summary, th, by_id,
+                                          compare))
         except asyncio.CancelledError:
-            done = {r["id"] for g in groups for r in g["records"]}
+            done = {r["id"] for g in groups for r in g.records}
             rest = [r for r in client.finished[measured_from:] if r.id not in done]
             if rest:
                 timed = Timed(rest)
-                groups.append(_group(f"{mode} interrupted", target_name, f"{mode} interrupted", params, timed,
+                groups.append(_group(f"{mode} interrupted", "interrupted", target_name, params, timed,
                                      summarize_records(rest)))
             raise
     return groups
@@ -423,33 +429,29 @@ async def run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest],
 
 
 async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
-                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> dict[str, Any]:
+                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> Group:
     """`opts.sessions` conversations at once; the capture's conversations run `repeat`
     times, cycled to at least `sessions`."""
     runs = max(opts.sessions, len(split_sessions(caps)) * opts.repeat)
     timed, where, sess = await run_sessions(client, caps, opts, opts.sessions, runs, tick)
-    summary = summarize_records(timed.records)
-    summary["sessions"] = sess
-    g = _group(f"sessions {opts.sessions}", target, f"sessions {opts.sessions}",
-               {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary)
-    for d in g["records"]:
-        d.update(where[d["id"]])
-    return g
+    summary = summarize_records(timed.records).updated({"sessions": sess})
+    return _group(f"sessions {opts.sessions}", "sessions", target,
+                  {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary, where=where)
 
 
-def _finish(mode: str, target: str, params: dict[str, Any], timed: Timed, summary: dict[str, Any], th: Thresholds,
-            by_id: dict[str, CapturedRequest], compare: bool) -> dict[str, Any]:
+def _finish(mode: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary,
+            th: Thresholds, by_id: dict[str, CapturedRequest], compare: bool) -> Group:
     scaling = prefill_scaling(timed.records, th)
     if scaling is not None:
-        summary["anomalies"][scaling.kind] = {"count": 1, "evidence": scaling.evidence}
-    return _group(mode, target, mode, params, timed, summary, compare_rows(by_id, timed) if compare else None)
+        summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)
+    return _group(mode, kind, target, params, timed, summary, compare_rows(by_id, timed) if compare else None)
 
 
-def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[dict[str, Any]]:
+def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[Group]:
     from mlxproxy.runner import run_async
 
     return run_async(run_replay(caps, target_url, opts, **kw))
 
 
-def records_of(group: dict[str, Any]) -> list[Record]:
-    return [Record.from_dict(r) for r in group["records"]]
+def records_of(group: Group) -> list[Record]:
+    return [Record.from_dict(dict(r)) for r in group.records]

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.results import Group, ResultFile
 from mlxproxy.vocabulary import (BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, deprecated_alias,
                                   help_for)
+
+if TYPE_CHECKING:
+    from mlxproxy.bench import TargetResult
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -33,7 +38,7 @@ def run_async(coro: Any) -> Any:
     return run_on_stack(coro)
 
 
-def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[Any]:
+def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Any]:
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     from mlxproxy.report import Section, group_sections
 
@@ -46,14 +51,14 @@ def replay_sections(groups: list[dict[str, Any]], verdicts: dict[str, str] | Non
     sections += sweep_sections(groups)
     sections += session_sections(groups)
     for g in groups:
-        if g.get("compare"):
-            sections.append(Section(f"{g['target']} {g['mode']}: captured vs replayed:", compare_table(g["compare"]),
+        if g.compare:
+            sections.append(Section(f"{g.target} {g.mode}: captured vs replayed:", compare_table(g.compare),
                                     legend="ttft: time to first token; cached: prompt tokens the server took from its"
                                            " prompt cache (- = not reported); prompt_tok: prompt tokens of the replay."))
     return sections
 
 
-def print_groups(groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None) -> None:
+def print_groups(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> None:
     from mlxproxy.report import render_sections
 
     click.echo(render_sections(replay_sections(groups, verdicts)))
@@ -99,13 +104,13 @@ def env_key(api_key_env: str | None) -> str | None:
     return key
 
 
-def all_failed_reason(groups: list[dict[str, Any]]) -> str | None:
+def all_failed_reason(groups: Sequence[Group]) -> str | None:
     """When not one request succeeded: the outcomes and the first error, in one line."""
     from collections import Counter
 
     from mlxproxy.core.record import OK_OUTCOMES
 
-    recs = [r for g in groups for r in g["records"]]
+    recs = [r for g in groups for r in g.records]
     if not recs or any(r["outcome"] in OK_OUTCOMES for r in recs):
         return None
     outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
@@ -252,7 +257,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
                          think_time=think_time)
     click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
                f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
-    groups: list[dict[str, Any]] = []
+    groups: list[Group] = []
     interrupted = False
     try:
         run_async(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
@@ -262,7 +267,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         interrupted = True
     judge_groups(groups, slo)
     print_groups(groups)
-    cached, reported = served_from_cache([r for g in groups for r in g["records"]])
+    cached, reported = served_from_cache(r for g in groups for r in g.records)
     if cached:
         click.echo(f"mlxproxy: warning: {cached} of {reported} replayed requests were served mostly from the prompt cache "
                    "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
@@ -273,7 +278,7 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
             fh.write(sweep_svg(groups))
         click.echo(f"wrote {plot_path}", err=True)
     if interrupted:
-        fail(f"interrupted: {sum(len(g['records']) for g in groups)} finished requests printed"
+        fail(f"interrupted: {sum(len(g.records) for g in groups)} finished requests printed"
              + (" and written" if json_path or csv_path or md_path or html_path else ""), 130)
     reason = all_failed_reason(groups)
     if reason:
@@ -281,16 +286,15 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     check_fail_on(fail_on, groups)
 
 
-def judge_groups(groups: list[dict[str, Any]], slo: dict[str, float] | None) -> None:
-    """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO)."""
+def judge_groups(groups: list[Group], slo: dict[str, float] | None) -> None:
+    """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO), in place."""
     from mlxproxy.load import DEFAULT_SLO, judge, parse_slo
 
     slo = slo or parse_slo(DEFAULT_SLO)
-    for g in groups:
-        g["summary"].update(judge(g["records"], slo))
+    groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo))) for g in groups]
 
 
-def check_fail_on(kinds: tuple[str, ...] | None, groups: list[dict[str, Any]]) -> None:
+def check_fail_on(kinds: tuple[str, ...] | None, groups: Sequence[Group]) -> None:
     """`--fail-on`: one line on stderr either way; exit 1 when a check failed."""
     from mlxproxy.load import failed_checks
 
@@ -302,14 +306,14 @@ def check_fail_on(kinds: tuple[str, ...] | None, groups: list[dict[str, Any]]) -
     click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
 
 
-def sweep_svg(groups: list[dict[str, Any]]) -> str:
+def sweep_svg(groups: Sequence[Group]) -> str:
     from mlxproxy.load import sweep_charts
     from mlxproxy.plot import svg_charts
 
     return svg_charts(sweep_charts(groups))
 
 
-def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+def compare_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
         return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
 
@@ -321,12 +325,13 @@ def compare_table(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
              "outcome": r["replayed_outcome"]} for r in rows]
 
 
-def write_replay_outputs(groups: list[dict[str, Any]], capture: str, target_url: str, json_path: str | None,
+def write_replay_outputs(groups: Sequence[Group], capture: str, target_url: str, json_path: str | None,
                          csv_path: str | None, md_path: str | None, html_path: str | None = None) -> None:
     from mlxproxy.report import markdown_sections, write_csv, write_result
 
+    doc = ResultFile.new("replay", groups, extra={"capture": capture, "target": target_url})
     if json_path:
-        write_result(json_path, "replay", groups, extra={"capture": capture, "target": target_url})
+        write_result(json_path, doc)
         click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
@@ -336,11 +341,10 @@ def write_replay_outputs(groups: list[dict[str, Any]], capture: str, target_url:
             f.write(markdown_sections(replay_sections(groups)))
         click.echo(f"wrote {md_path}", err=True)
     if html_path:
-        from mlxproxy.htmlreport import result_doc, write_html
+        from mlxproxy.htmlreport import write_html
 
         try:
-            write_html(html_path, [(os.path.basename(capture), result_doc("replay", groups,
-                                                                          extra={"capture": capture, "target": target_url}))])
+            write_html(html_path, [(os.path.basename(capture), doc)])
         except OSError as exc:
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
@@ -394,16 +398,19 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
         except MlxproxyError as exc:
             fail(_capture_hint(f) or str(exc))
     labels = file_labels(files)
-    bench_results, bench_verdicts, replay_groups, replay_verdicts = [], {}, [], {}
+    bench_results: list[TargetResult] = []
+    replay_groups: list[Group] = []
+    bench_verdicts: dict[str, str] = {}
+    replay_verdicts: dict[str, str] = {}
     for label, doc in zip(labels, docs):
         prefix = f"{label}:" if len(files) > 1 else ""
-        if doc.get("kind") == "bench":
+        if doc.kind == "bench":
             res, verdicts = results_from_doc(doc, prefix)
             bench_results += res
             bench_verdicts.update(verdicts)
         else:
-            replay_groups += [{**g, "target": prefix + g["target"]} for g in doc["groups"]]
-            replay_verdicts.update({prefix + t: v for t, v in (doc.get("verdicts") or {}).items()})
+            replay_groups += [g.retargeted(prefix + g.target) for g in doc.groups]
+            replay_verdicts.update({prefix + t: v for t, v in doc.verdicts.items()})
     from mlxproxy.load import capacity_of
 
     if plot_path and not bench_results and not capacity_of(replay_groups):

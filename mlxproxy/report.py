@@ -1,29 +1,28 @@
 """Summaries, tables and result files for `replay`, `bench` and `report`.
 
-A result file is JSON: `{"mlxproxy_result": 1, "kind", "created_at", "version",
-"groups": [{"name", "target", "mode", "params", "summary", "records": [...]}],
-"verdicts": {target: text}}`, with every per-request record (timeline included), so
-`mlxproxy report` can render it again and others can recompute anything from it.
+A result file is JSON (its types: `mlxproxy.results`): `{"mlxproxy_result": 1, "kind",
+"version", "created_at", "groups": [{"name", "target", "mode", "kind", "params", "summary",
+"records": [...]}], "verdicts": {target: text}}`, with every per-request record (timeline
+included), so `mlxproxy report` can render it again and others can recompute anything from it.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from mlxproxy import __version__
 from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load import generator_note, sent_rate
+from mlxproxy.results import Group, ResultFile, Summary
 
 __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
            "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
@@ -31,8 +30,6 @@ __all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result",
            "LINE_WIDTH", "range_text", "speedup_text"]
 
 LINE_WIDTH = 100  # console tables are split to fit this many columns
-
-RESULT_VERSION = 1
 
 
 def aggregate_tps(records: Iterable[Record]) -> float | None:
@@ -46,7 +43,7 @@ def aggregate_tps(records: Iterable[Record]) -> float | None:
 
 def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Record]] | None = None,
                       single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None,
-                      send_times: Sequence[float] | None = None) -> dict[str, Any]:
+                      send_times: Sequence[float] | None = None) -> Summary:
     """Headline figures of a group: medians (p50) first, then p90/p99/min/max/count.
     Failed requests never enter latency statistics; they are counted by outcome."""
     ok = [r for r in records if r.outcome in OK_OUTCOMES]
@@ -100,25 +97,25 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
         out["schedule_lag_s"] = summarize(lag_s)
     if send_times is not None:
         out["sent_rate"] = sent_rate(send_times)
-    return out
+    return Summary.from_dict(out)
 
 
-def untrusted_mark(s: dict[str, Any]) -> str:
+def untrusted_mark(s: Summary) -> str:
     """"*" for a group some of whose speeds do not use the server's usage count, else ""."""
-    return "*" if s.get("untrusted_usage") else ""
+    return "*" if s.untrusted_usage else ""
 
 
-def untrusted_notes(items: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+def untrusted_notes(items: Iterable[tuple[str, Summary]]) -> list[str]:
     """One footnote line per marked group (`label`, summary): which count its speeds use and
     the figures the server's usage would have given."""
     lines = []
     for label, s in items:
         if not untrusted_mark(s):
             continue
-        uf = s.get("usage_figures") or {}
+        uf = s.figure("usage_figures") or {}
         names = {"stream": "streamed", "tokenizer": "local tokenizer's"}
         src = " / ".join(names.get(k, k) for k in sorted(uf.get("sources", {}))) or "streamed"
-        lines.append(f"* {label}: usage not trusted in {s['untrusted_usage']} of {s['ok']} requests (the stream "
+        lines.append(f"* {label}: usage not trusted in {s.untrusted_usage} of {s.ok} requests (the stream "
                      f"contradicts it); speeds use the {src} count. From the usage they would read wall "
                      f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s.")
     return lines
@@ -131,11 +128,11 @@ def range_text(lo: float | None, hi: float | None, fmt: str) -> str:
     return f" ({format(lo, fmt)}\u2013{format(hi, fmt)})"
 
 
-def speedup_text(s: dict[str, Any]) -> str:
+def speedup_text(s: Summary) -> str:
     """A group's speedup, "1.79x", with its spread over the waves where bench measured one: "1.79x (1.19\u20131.81)"."""
-    if s.get("speedup") is None:
+    if s.speedup is None:
         return "-"
-    return _num(s["speedup"], ".2f") + "x" + range_text(s.get("speedup_min"), s.get("speedup_max"), ".2f")
+    return _num(s.speedup, ".2f") + "x" + range_text(s.figure("speedup_min"), s.figure("speedup_max"), ".2f")
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -164,25 +161,25 @@ LEGEND = {
 DASH = "-: does not apply or not measured"
 
 
-def summary_row(target: str, mode: str, s: dict[str, Any]) -> dict[str, str]:
+def summary_row(target: str, mode: str, s: Summary) -> dict[str, str]:
     row = {
         "target": target,
         "mode": mode,
-        "ok/req": f"{s['ok']}/{s['requests']}",
-        "TTFT p50": _sec(s["ttft_s"]["p50"]),
-        "TTFC p50": _sec(s["ttfc_s"]["p50"]),
-        "decode tok/s": _num(s["decode_tps"]["p50"], ".1f"),
-        "wall tok/s": _num(s["wall_tps"]["p50"], ".1f"),
-        "TPOT p50": _ms(s["tpot_s"]["p50"]),
-        "TPOT p99": _ms(s["tpot_s"]["p99"]),
-        "agg tok/s": _num(s["aggregate_tps"], ".1f"),
+        "ok/req": f"{s.ok}/{s.requests}",
+        "TTFT p50": _sec(s.ttft_s.p50),
+        "TTFC p50": _sec(s.ttfc_s.p50),
+        "decode tok/s": _num(s.decode_tps.p50, ".1f"),
+        "wall tok/s": _num(s.wall_tps.p50, ".1f"),
+        "TPOT p50": _ms(s.tpot_s.p50),
+        "TPOT p99": _ms(s.tpot_s.p99),
+        "agg tok/s": _num(s.aggregate_tps, ".1f"),
         "speedup": speedup_text(s),
     }
     # speeds that do not use the server's usage count are marked (footnote: untrusted_notes)
     return mark_speeds(row, s, ("decode tok/s", "wall tok/s", "TPOT p50", "TPOT p99", "agg tok/s", "speedup"))
 
 
-def mark_speeds(row: dict[str, str], s: dict[str, Any], keys: Sequence[str]) -> dict[str, str]:
+def mark_speeds(row: dict[str, str], s: Summary, keys: Sequence[str]) -> dict[str, str]:
     """`row` with the untrusted-usage mark after each figure in `keys` (see `untrusted_notes`)."""
     mark = untrusted_mark(s)
     if mark:
@@ -282,57 +279,55 @@ def markdown_sections(sections: Sequence[Section]) -> str:
     return "\n".join(out)
 
 
-def summary_rows(groups: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    return [summary_row(g["target"], g["mode"], g["summary"]) for g in groups]
+def summary_rows(groups: Sequence[Group]) -> list[dict[str, str]]:
+    return [summary_row(g.target, g.mode, g.summary) for g in groups]
 
 
-def group_sections(groups: Sequence[dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[Section]:
+def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Section]:
     """The replay view: one row per group, its legend, then each anomaly once per target
     (with how many requests of how many showed it) and the errors."""
     rows = summary_rows(groups)
-    cols = [c for c in SUMMARY_COLUMNS if c != "TTFC p50" or any(g["summary"].get("reasoning") for g in groups)]
+    cols = [c for c in SUMMARY_COLUMNS if c != "TTFC p50" or any(g.summary.reasoning for g in groups)]
     cols = [c for c in cols if c not in ("agg tok/s", "speedup") or any(r[c] != "-" for r in rows)]
     notes: list[str] = []
     for g in groups:
-        s = g["summary"]
-        note = generator_note(f"{g['target']} {g['mode']}", s, g.get("params"))
+        note = generator_note(f"{g.target} {g.mode}", g.summary, g.params)
         if note:
             notes.append(note)
-    for target in dict.fromkeys(g["target"] for g in groups):
-        mine = [g for g in groups if g["target"] == target]
-        total = sum(g["summary"]["requests"] for g in mine)
+    for target in dict.fromkeys(g.target for g in groups):
+        mine = [g for g in groups if g.target == target]
+        total = sum(g.summary.requests for g in mine)
         kinds: dict[str, dict[str, Any]] = {}
         errors: Counter[str] = Counter()
         for g in mine:
-            for kind, a in g["summary"]["anomalies"].items():
-                k = kinds.setdefault(kind, {"count": 0, "evidence": a["evidence"], "groups": []})
-                k["count"] += a["count"]
-                k["groups"].append(g["mode"])
-            errors.update({k: v for k, v in g["summary"]["outcomes"].items() if k not in OK_OUTCOMES})
+            for kind, a in g.summary.anomalies.items():
+                k = kinds.setdefault(kind, {"count": 0, "evidence": a.evidence, "groups": []})
+                k["count"] += a.count
+                k["groups"].append(g.mode)
+            errors.update({k: v for k, v in g.summary.outcomes.items() if k not in OK_OUTCOMES})
         if errors:
             notes.append(f"{target}: failed requests: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}")
         for kind, k in sorted(kinds.items()):
             notes.append(f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}")
     for target, v in (verdicts or {}).items():
         notes.append(f"verdict {target}: {v}")
-    notes.extend(untrusted_notes((f"{g['target']} {g['mode']}", g["summary"]) for g in groups))
+    notes.extend(untrusted_notes((f"{g.target} {g.mode}", g.summary) for g in groups))
     return [Section("", rows, cols, legend_for(cols), notes)]
 
 
-def slo_section(groups: Sequence[dict[str, Any]]) -> Section | None:
+def slo_section(groups: Sequence[Group]) -> Section | None:
     """The judged groups against their SLO: goodput (share and rate of requests that met
     every threshold), each threshold's measured value, and whether the SLO held."""
     from mlxproxy.load import SLO_METRICS, fmt_value, slo_text, step_problem
 
-    judged = [g for g in groups if "slo" in g["summary"]]
+    judged = [(g, g.summary.slo, g.summary.goodput or {}) for g in groups if g.summary.slo is not None]
     if not judged:
         return None
-    thresholds = judged[0]["summary"]["slo"]["thresholds"]
+    thresholds = judged[0][1]["thresholds"]
     rows = []
-    for g in judged:
-        s = g["summary"]
-        gp, slo = s["goodput"], s["slo"]
-        row = {"target": g["target"], "test": g["mode"], "ok/req": f"{s['ok']}/{s['requests']}",
+    for g, slo, gp in judged:
+        s = g.summary
+        row = {"target": g.target, "test": g.mode, "ok/req": f"{s.ok}/{s.requests}",
                "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
                "good req/s": _num(gp["rate"], ".2f")}
         for key in thresholds:
@@ -340,14 +335,14 @@ def slo_section(groups: Sequence[dict[str, Any]]) -> Section | None:
             row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo["values"].get(key), SLO_METRICS[metric][1])
         row["SLO"] = "held" if slo["met"] else "broken"
         rows.append(row)
-    notes = [f"{g['target']} {g['mode']}: {step_problem(g['summary'])}" for g in judged if not g["summary"]["slo"]["met"]]
+    notes = [f"{g.target} {g.mode}: {step_problem(g.summary)}" for g, slo, _ in judged if not slo["met"]]
     return Section(f"SLO ({slo_text(thresholds)}):", rows, None,
                    "goodput: requests that succeeded and met every threshold themselves / sent; good req/s: those"
                    " per second of the test's wall time; SLO: held when every percentile met its threshold and no"
                    " request failed.", notes)
 
 
-def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     """The sweep's steps per target and the capacity verdict, one line per target."""
     from mlxproxy.load import capacity_line, capacity_of
 
@@ -376,16 +371,16 @@ def sweep_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
                     [capacity_line(t, c) for t, c in caps.items()])]
 
 
-def session_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
+def session_sections(groups: Sequence[Group]) -> list[Section]:
     """Replayed conversations (`replay --sessions`): TTFT and prompt-cache reuse by turn, and
     the whole-session time."""
     out = []
     for g in groups:
-        sess = g["summary"].get("sessions")
+        sess = g.summary.sessions
         if not sess:
             continue
-        by_turn: dict[int, list[dict[str, Any]]] = {}
-        for r in g["records"]:
+        by_turn: dict[int, list[Mapping[str, Any]]] = {}
+        for r in g.records:
             by_turn.setdefault(int(r.get("turn") or 0), []).append(r)
         rows = []
         for turn, recs in sorted(by_turn.items()):
@@ -394,13 +389,13 @@ def session_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
             cached = sorted(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None)
             prompt = sorted(r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None)
             think = sorted(r["think_s"] for r in recs if r.get("think_s") is not None)
-            rows.append({"target": g["target"], "turn": str(turn + 1), "ok/req": f"{len(ok)}/{len(recs)}",
+            rows.append({"target": g.target, "turn": str(turn + 1), "ok/req": f"{len(ok)}/{len(recs)}",
                          "think p50": _sec(percentile(think, 50)) if turn else "-",
                          "TTFT p50": _sec(percentile(ttft, 50)), "TTFT p95": _sec(percentile(ttft, 95)),
                          "prompt tok p50": _num(percentile(prompt, 50), ".0f"),
                          "cached tok p50": _num(percentile(cached, 50), ".0f")})
         st = sess["session_s"]
-        out.append(Section(f"{g['target']} {g['mode']}: {sess['count']} sessions ({sess['conversations']} captured"
+        out.append(Section(f"{g.target} {g.mode}: {sess['count']} sessions ({sess['conversations']} captured"
                            " conversations), by turn:", rows, None,
                            "turn: the turn's place in its conversation; think: seconds between the previous response's"
                            " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
@@ -409,19 +404,13 @@ def session_sections(groups: Sequence[dict[str, Any]]) -> list[Section]:
     return out
 
 
-def write_result(path: str | Path, kind: str, groups: list[dict[str, Any]], verdicts: dict[str, str] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-    doc = {"mlxproxy_result": RESULT_VERSION, "kind": kind, "version": __version__, "created_at": time.time(),
-           "groups": groups, "verdicts": verdicts or {}, **(extra or {})}
-    from mlxproxy.load import capacity_of
-
-    capacity = capacity_of(groups)
-    if capacity:
-        doc["capacity"] = capacity
-    Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+def write_result(path: str | Path, result: ResultFile) -> None:
+    """The result file: `result.to_dict()` as indented JSON."""
+    Path(path).write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
 
 
-def read_result(path: str | Path) -> dict[str, Any]:
+def read_result(path: str | Path) -> ResultFile:
+    """A result file written by this version or an earlier one (one-line error otherwise)."""
     p = Path(path)
     try:
         doc = orjson.loads(p.read_bytes())
@@ -431,9 +420,10 @@ def read_result(path: str | Path) -> dict[str, Any]:
         raise MlxproxyError(f"{p} is not a JSON result file ({exc})") from exc
     if not isinstance(doc, dict) or "mlxproxy_result" not in doc:
         raise MlxproxyError(f"{p} is not an mlxproxy result file (written by replay/bench --json)")
-    if doc["mlxproxy_result"] > RESULT_VERSION:
-        raise MlxproxyError(f"{p} was written by a newer mlxproxy (result format {doc['mlxproxy_result']}); upgrade mlxproxy")
-    return doc
+    try:
+        return ResultFile.from_dict(doc)
+    except ValueError as exc:
+        raise MlxproxyError(f"{p} {exc}") from exc
 
 
 CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint", "stream", "status", "outcome", "ttfb_s",
@@ -443,17 +433,17 @@ CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint",
               "usage_reports", "finish_reason", "concurrency", "anomalies", "error", "session", "turn", "think_s")
 
 
-def write_csv(path: str | Path, groups: list[dict[str, Any]]) -> None:
+def write_csv(path: str | Path, groups: Sequence[Group]) -> None:
     """One row per request. A request that belongs to several groups (bench's `single`
     holds every `single N`) is written once, under its most specific (last) group."""
     rows: dict[str, dict[str, Any]] = {}
     for g in groups:
-        for r in g["records"]:
+        for r in g.records:
             row = dict(r)
-            row.update(group=g["name"], target=g["target"], mode=g["mode"], anomalies=";".join(r.get("anomalies", [])))
-            key = f"{g['target']}\0{r.get('id')}"
+            row.update(group=g.name, target=g.target, mode=g.mode, anomalies=";".join(r.get("anomalies", [])))
+            key = f"{g.target}\0{r.get('id')}"
             if key in rows:
-                rows[key].update(group=g["name"], mode=g["mode"])
+                rows[key].update(group=g.name, mode=g.mode)
             else:
                 rows[key] = row
     with open(path, "w", newline="", encoding="utf-8") as f:

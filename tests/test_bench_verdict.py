@@ -16,6 +16,7 @@ from mlxproxy.bench_cli import bench_sections, results_from_doc
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
 from mlxproxy.report import read_result, render_sections
+from mlxproxy.results import Group
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
@@ -28,7 +29,7 @@ def wave(speedup: float | None, overlap: float | None, ok: int = 2, failed: list
     return {"speedup": speedup, "overlap": overlap, "ok": ok, "failed": failed or []}
 
 
-def group(rows: list[dict[str, Any]], streams: int = 2) -> dict[str, Any]:
+def group(rows: list[dict[str, Any]], streams: int = 2) -> Group:
     """A wave group's summary as bench writes it (median and spread of the rows)."""
     sp = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
     ov = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
@@ -36,8 +37,8 @@ def group(rows: list[dict[str, Any]], streams: int = 2) -> dict[str, Any]:
     summary = {"speedup": med(sp), "speedup_min": sp[0] if sp else None, "speedup_max": sp[-1] if sp else None,
                "overlap": med(ov), "overlap_min": ov[0] if ov else None, "overlap_max": ov[-1] if ov else None,
                "waves": rows, "ok": sum(w["ok"] for w in rows), "anomalies": {}}
-    return {"name": "double" if streams == 2 else f"x{streams}", "params": {"streams": streams}, "summary": summary,
-            "records": []}
+    return Group.from_dict({"name": "double" if streams == 2 else f"x{streams}", "params": {"streams": streams},
+                            "summary": summary, "records": []})
 
 
 # -- one wave --------------------------------------------------------------------------------
@@ -128,8 +129,8 @@ def _result(records: list[dict[str, Any]]) -> TargetResult:
     for r in records:
         for k in r["anomalies"]:
             anomalies.setdefault(k, {"count": 0, "evidence": r["anomaly_evidence"][k]})["count"] += 1
-    g = {"name": "single 100", "target": "t", "mode": "single 100", "params": {"prompt_tokens": 100},
-         "summary": {"anomalies": anomalies}, "records": records}
+    g = Group.from_dict({"name": "single 100", "target": "t", "mode": "single 100", "params": {"prompt_tokens": 100},
+                         "summary": {"anomalies": anomalies}, "records": records})
     return TargetResult(Target("t", "http://x"), groups=[g])
 
 
@@ -201,18 +202,20 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
     with ServerThread(create_sim("mlx-openai-server", speed=4.0, prefill_tps=20000.0)) as sim:
         opts = BenchOptions(prompt_tokens=(100, 400), max_tokens=16, repeat=3, batches=(2, 3))
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
-    groups = {g["name"]: g for g in res.groups}
+    groups = {g.name: g for g in res.groups}
+    assert [groups[n].kind for n in ("single", "single 100", "baseline", "double", "x3")] == \
+        ["single", "single_size", "baseline", "wave", "wave"]
     spans = []
     for name in ("baseline", "double", "x3"):
-        for r in groups[name]["records"]:
+        for r in groups[name].records:
             spans.append((r["started_at"], r["started_at"] + r["e2e_s"], name))
     spans.sort()
     order = [name for _, _, name in spans]
     assert order == ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"] + ["double"] * 2 + ["x3"] * 3 \
         + ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"], order
-    base = [r for r in groups["baseline"]["records"]]
-    assert all(r["prompt_tokens"] == groups["double"]["records"][0]["prompt_tokens"] for r in base)
-    for k, w in enumerate(groups["double"]["summary"]["waves"]):
+    base = [r for r in groups["baseline"].records]
+    assert all(r["prompt_tokens"] == groups["double"].records[0]["prompt_tokens"] for r in base)
+    for k, w in enumerate(groups["double"].summary.waves or ()):
         walls = [base[k]["wall_tps"], base[k + 1]["wall_tps"]]
         assert w["baseline_wall_tps"] == pytest.approx(sum(walls) / 2)
         assert w["speedup"] == pytest.approx(w["aggregate_tps"] / w["baseline_wall_tps"])

@@ -94,12 +94,12 @@ def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
         groups = asyncio.run(run_replay(_caps(n), sim.url, ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3),
                                         progress=False))
     (g,) = groups
-    assert g["summary"]["ok"] == n and g["params"]["arrival"] == "poisson"
-    sends = sorted(r["started_at"] for r in g["records"])
+    assert g.summary.ok == n and g.params["arrival"] == "poisson" and g.kind == "rate"
+    sends = sorted(r["started_at"] for r in g.records)
     gaps = [b - a for a, b in zip(sends, sends[1:])]
     d, crit = ks_exponential(gaps, rate)
     assert d < crit, (d, crit)
-    lag = g["summary"]["schedule_lag_s"]
+    lag = g.summary.figure("schedule_lag_s")
     assert lag["count"] == n and lag["p50"] < 0.02
 
 
@@ -119,14 +119,17 @@ def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
 
 
 def test_the_generator_says_when_it_was_the_limit() -> None:
+    from mlxproxy.results import Summary
+
     lag = lambda p99: {"count": 10, "p50": p99 / 2, "p99": p99}  # noqa: E731
-    kept = generator_note("t", {"schedule_lag_s": lag(0.004), "sent_rate": 10.0}, {"rate": 10.0, "scheduled_rate": 10.0})
+    summ = lambda p99, sent: Summary.from_dict({"schedule_lag_s": lag(p99), "sent_rate": sent})  # noqa: E731
+    kept = generator_note("t", summ(0.004, 10.0), {"rate": 10.0, "scheduled_rate": 10.0})
     assert kept and "kept to its schedule" in kept and "was the limit" not in kept
-    late = generator_note("t", {"schedule_lag_s": lag(0.2), "sent_rate": 10.0}, {"rate": 10.0, "scheduled_rate": 10.0})
+    late = generator_note("t", summ(0.2, 10.0), {"rate": 10.0, "scheduled_rate": 10.0})
     assert late and "not the server, was the limit" in late and "lag p99 over 25 ms" in late
-    slow = generator_note("t", {"schedule_lag_s": lag(0.004), "sent_rate": 800.0}, {"rate": 1000.0, "scheduled_rate": 1000.0})
+    slow = generator_note("t", summ(0.004, 800.0), {"rate": 1000.0, "scheduled_rate": 1000.0})
     assert slow and "under 95% of the scheduled rate" in slow
-    assert generator_note("t", {}, {}) is None
+    assert generator_note("t", Summary.from_dict({}), {}) is None
 
 
 def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
@@ -317,12 +320,13 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
 
 def test_capacity_lines_for_every_ending() -> None:
     from mlxproxy.load import capacity_line, capacity_of, judge
+    from mlxproxy.results import Group
 
-    def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> dict:
+    def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(4)]
         summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0})}
-        return {"target": "t", "mode": f"concurrency {c}", "params": {"concurrency": c, "sweep": True},
-                "summary": summary, "records": recs}
+        return Group.from_dict({"target": "t", "mode": f"concurrency {c}", "kind": "sweep_step",
+                                "params": {"concurrency": c, "sweep": True}, "summary": summary, "records": recs})
 
     cap = capacity_of([group(1, 2.0)])["t"]
     assert cap["max_concurrency"] == 0
@@ -504,7 +508,7 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
         (g,) = asyncio.run(run_replay(caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0),
                                       progress=False))
     runs: dict[int, list[dict]] = {}
-    for r in g["records"]:
+    for r in g.records:
         runs.setdefault(r["session"], []).append(r)
     assert len(runs) == 2
     for recs in runs.values():

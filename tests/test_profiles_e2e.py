@@ -15,6 +15,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.report import summarize_records
+from mlxproxy.results import Summary
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from timing import latency_ok, rate_ok
@@ -68,12 +69,12 @@ def proxy_records(app: ProxyApp, n: int, since: int) -> list[Record]:
     return list(app.recent.records)[-n:]
 
 
-async def single_and_pair(url: str, model: str, n_pairs: int = 2) -> tuple[dict, dict]:
+async def single_and_pair(url: str, model: str, n_pairs: int = 2) -> tuple[Summary, Summary]:
     async with MeasuringClient(url, tag_replay=False) as c:
         single = await c.run_sequential([req(model) for _ in range(n_pairs)])
         s1 = summarize_records(single.records)
         timed, waves = await c.run_waves([req(model) for _ in range(2 * n_pairs)], 2)
-        return s1, summarize_records(timed.records, waves=waves, single_wall_tps=s1["wall_tps"]["p50"])
+        return s1, summarize_records(timed.records, waves=waves, single_wall_tps=s1.wall_tps.p50)
 
 
 def proxy_kinds(app: ProxyApp, n: int, since: int) -> set[str]:
@@ -84,8 +85,8 @@ def test_continuous_batching_reaches_1_8x(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
     s1, s2 = asyncio.run(single_and_pair(url, "mlx-openai-server"))
-    assert s2["speedup"] >= 1.8, s2["speedup"]
-    assert s2["overlap"] > 0.9
+    assert s2.speedup is not None and s2.speedup >= 1.8, s2.speedup
+    assert s2.overlap is not None and s2.overlap > 0.9
     assert proxy_kinds(app, 6, since) == set()
 
 
@@ -93,8 +94,8 @@ def test_serial_server_is_below_1x_and_flagged_serialized(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
     s1, s2 = asyncio.run(single_and_pair(url, "mlx-omni-server"))
-    assert s2["speedup"] <= 1.0, s2["speedup"]
-    assert s2["overlap"] < 0.1
+    assert s2.speedup is not None and s2.speedup <= 1.0, s2.speedup
+    assert s2.overlap is not None and s2.overlap < 0.1
     recs = proxy_records(app, 6, since)
     assert {k for r in recs for k in r.anomalies} == {"serialized"}
     assert sum("serialized" in r.anomalies for r in recs) == 2  # the second request of each pair
@@ -207,8 +208,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     assert float(phantom["decode tok/s"].rstrip("*")) == pytest.approx(50.0 * SPEED, rel=0.10)
     notes = headline_notes(results)
     assert notes and notes[0].startswith("* phantom-usage single") and "streamed count" in notes[0]
-    healthy_single = next(g for g in results[0].groups if g["name"] == "single")
-    for d in healthy_single["records"]:
+    healthy_single = next(g for g in results[0].groups if g.kind == "single")
+    for d in healthy_single.records:
         rec = Record.from_dict(d)
         assert rec.tokens_source == "usage" and not rec.anomalies
         assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rec.completion_tokens_reported, rec.ttft_s,
@@ -248,9 +249,9 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
     asyncio.run(go())
     recs = proxy_records(app, 20, since)
     s = summarize_records(recs)
-    assert s["ok"] == 20
-    assert latency_ok(s["ttft_s"]["p50"], 0.5 / SPEED), s["ttft_s"]
-    assert rate_ok(s["decode_tps"]["p50"], 50.0 * SPEED), s["decode_tps"]
+    assert s.ok == 20
+    assert latency_ok(s.ttft_s.p50, 0.5 / SPEED), s.ttft_s
+    assert rate_ok(s.decode_tps.p50, 50.0 * SPEED), s.decode_tps
     assert all(r.anomalies == () for r in recs)
 
 

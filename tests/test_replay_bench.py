@@ -85,7 +85,8 @@ def test_every_request_sent_carries_its_own_nonce(capture_file: Path) -> None:
     firsts = [orjson.loads(r.body)["messages"][0]["content"] for r in received]
     assert len(firsts) == len(caps) * 2 * 3  # baseline + waves of 2 + waves of 3, each x2
     assert all(f.startswith("[nonce ") for f in firsts) and len(set(firsts)) == len(firsts)
-    assert [g["name"] for g in groups] == ["single", "batch 2", "batch 3"]
+    assert [g.name for g in groups] == ["single", "batch 2", "batch 3"]
+    assert [g.kind for g in groups] == ["single", "wave", "wave"]
 
 
 @pytest.mark.parametrize("mode", ["recorded", "sequential", "concurrency", "batch"])
@@ -94,11 +95,11 @@ def test_replay_every_mode_against_simulator(capture_file: Path, mode: str) -> N
     with ServerThread(create_sim("healthy", speed=20)) as sim:
         groups = run(caps, sim.url, ReplayOptions(mode=mode, concurrency=2, batch=2, speed=4.0), compare=True)
     g = groups[-1]
-    assert g["summary"]["requests"] == 4 and g["summary"]["ok"] == 4
-    assert len(g["records"]) == 4 and all(r["outcome"] == "ok" for r in g["records"])
-    assert {row["source_id"] for row in g["compare"]} == {c.record.id for c in caps}
+    assert g.summary.requests == 4 and g.summary.ok == 4
+    assert len(g.records) == 4 and all(r["outcome"] == "ok" for r in g.records)
+    assert g.compare is not None and {row["source_id"] for row in g.compare} == {c.record.id for c in caps}
     if mode == "batch":
-        assert groups[0]["mode"] == "single" and g["summary"]["speedup"] is not None
+        assert groups[0].mode == "single" and g.summary.speedup is not None
 
 
 def test_batch_speedup_tracks_the_truth() -> None:
@@ -116,7 +117,7 @@ def test_batch_speedup_tracks_the_truth() -> None:
     for profile in ("mlx-openai-server", "mlx-omni-server"):
         with ServerThread(create_sim(profile, speed=2)) as sim:  # 10 ms token gaps: robust on a busy machine
             groups = run(caps, sim.url, ReplayOptions(mode="batch", batch=2))
-        speedups[profile] = groups[-1]["summary"]["speedup"]
+        speedups[profile] = groups[-1].summary.speedup
         truth = planned_speedup(get_profile(profile), 2, 100, 64)
         assert speedups[profile] == pytest.approx(truth, abs=0.25), (profile, truth)
     assert speedups["mlx-openai-server"] > 1.8 and speedups["mlx-omni-server"] <= 1.0
@@ -136,9 +137,9 @@ def test_recorded_mode_keeps_the_schedule(tmp_path: Path) -> None:
                                     {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, None, {}))
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         (g,) = run(caps, sim.url, ReplayOptions(mode="recorded", speed=1.0))
-    lag = g["summary"]["schedule_lag_s"]
+    lag = g.summary.figure("schedule_lag_s")
     assert lag["count"] == 100 and lag["p99"] < 0.25 * 99 * 0.02, lag
-    starts = sorted(r["started_at"] for r in g["records"])
+    starts = sorted(r["started_at"] for r in g.records)
     assert starts[-1] - starts[0] == pytest.approx(99 * 0.02, rel=0.25)
 
 
@@ -150,16 +151,16 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
         opts = BenchOptions(prompt_tokens=(100, 1000), max_tokens=32, repeat=3)
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     assert res.error is None
-    groups = {g["name"]: g for g in res.groups}
-    single = list(groups["single"]["records"])
+    groups = {g.name: g for g in res.groups}
+    single = list(groups["single"].records)
     truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
     truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
-    s = groups["single"]["summary"]
-    assert latency_ok(s["ttft_s"]["p50"], percentile(truth_ttft, 50)), s["ttft_s"]
-    assert rate_ok(s["wall_tps"]["p50"], percentile(truth_wall, 50)), s["wall_tps"]
-    sizes = sorted({r["prompt_tokens"] for r in groups["single 100"]["records"]})
+    s = groups["single"].summary
+    assert latency_ok(s.ttft_s.p50, percentile(truth_ttft, 50)), s.ttft_s
+    assert rate_ok(s.wall_tps.p50, percentile(truth_wall, 50)), s.wall_tps
+    sizes = sorted({r["prompt_tokens"] for r in groups["single 100"].records})
     assert sizes and abs(sizes[0] - 100) <= 5  # calibrated against the server's own usage
-    speedup = groups["double"]["summary"]["speedup"]
+    speedup = groups["double"].summary.speedup
     assert speedup == pytest.approx(planned_speedup(profile, 2, sizes[0], 32), abs=0.25)
     assert verdict(res).startswith("continuous batching")
     # JSON, CSV, markdown and plot outputs; report renders the JSON again

@@ -263,7 +263,7 @@ def test_tables_mark_untrusted_usage_and_print_both_figures() -> None:
     _, lying = run_body(times_usage(read_fixture("real/vllm_mlx_chat_stream_300tok.sse"), 4))
     good = summarize_records([honest, dataclasses.replace(honest, id="r2")])
     bad = summarize_records([lying, dataclasses.replace(lying, id="r2")])
-    assert good["untrusted_usage"] == 0 and bad["untrusted_usage"] == 2
+    assert good.untrusted_usage == 0 and bad.untrusted_usage == 2
     row_good, row_bad = summary_row("t", "m", good), summary_row("t", "m", bad)
     assert not row_good["wall tok/s"].endswith("*")
     assert row_bad["wall tok/s"].endswith("*") and row_bad["decode tok/s"].endswith("*")

@@ -410,10 +410,10 @@ def _figures(single: Record, wave: list[Record]) -> dict[str, float]:
 
 
 def _bench_figures(res: TargetResult) -> dict[str, float]:
-    groups = {g["name"]: g for g in res.groups}
-    (single,) = [Record.from_dict(r) for r in groups["single"]["records"]]
-    s = groups["double"]["summary"]
-    return {"speedup": s["speedup"], "overlap": s["overlap"], "single_tps": single.wall_tps, "pair_tps": s["aggregate_tps"]}
+    groups = {g.name: g for g in res.groups}
+    (single,) = [Record.from_dict(dict(r)) for r in groups["single"].records]
+    s = groups["double"].summary
+    return {"speedup": s.speedup, "overlap": s.overlap, "single_tps": single.wall_tps, "pair_tps": s.aggregate_tps}
 
 
 def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server: str, record_property: Any) -> None:
@@ -468,7 +468,7 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
                      "bench_direct": _bench_figures(direct[i])})
     for res in direct:
         for g in res.groups:
-            assert not g["summary"]["anomalies"], (g["name"], g["summary"]["anomalies"])
+            assert not g.summary.anomalies, (g.name, g.summary.anomalies)
 
     lines = [f"  round {i}: " + "; ".join(f"{src} speedup {f['speedup']:.2f}x overlap {f['overlap']:.2f} "
                                           f"(single {f['single_tps']:.0f}, pair {f['pair_tps']:.0f} tok/s)"

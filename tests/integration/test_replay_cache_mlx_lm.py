@@ -120,10 +120,10 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
                                     model=MODEL_NAME)
                 (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 300.0)], opts, progress=False))
                 assert res.error is None, res.error
-                bg = {g["name"]: g for g in res.groups}
-                for r in bg["double"]["records"]:
+                bg = {g.name: g for g in res.groups}
+                for r in bg["double"].records:
                     assert (r["cached_tokens"] or 0) <= 0.15 * (r["prompt_tokens"] or 1), r
-                bench_speedups += _wave_speedups(bg["single"]["summary"]["wall_tps"]["p50"], bg["double"]["records"])
+                bench_speedups += _wave_speedups(bg["single"].summary.wall_tps.p50, list(bg["double"].records))
     lo, hi = min(bench_speedups), max(bench_speedups)
     replay_speedup = median(replay_speedups)
     print(f"\nreplay --batch 2 per-wave speedups {', '.join(f'{s:.2f}' for s in replay_speedups)}x (prompt {prompt_tokens} "
