@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 ENDPOINTS = ("chat_completions", "completions", "messages", "responses", "embeddings", "models", "other")
+USAGE_INJECTABLE = ("chat_completions", "completions")  # `stream_options.include_usage` exists on these
 
 
 def endpoint_of(path: str) -> str:
