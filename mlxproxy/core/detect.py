@@ -12,27 +12,28 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-from mlxproxy.core.openai import parse_context_limit
-from mlxproxy.core.record import Record, rate_figures, uncached_tokens, wall_window_s
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.prefix import Match
+from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, uncached_tokens, wall_window_s
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
-__all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
+__all__ = ["Thresholds", "Anomaly", "AnomalyKind", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
            "check_markup", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
            "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools", "check_prefix"]
 
-ANOMALY_KINDS = (
+AnomalyKind = Literal[
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
     "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
     "silent_prefill", "serialized", "superlinear_prefill",
     "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
     "prefix_cache_miss", "prompt_prefix_changed",
     "truncated_tool_call", "generation_after_disconnect", "reasoning_in_content", "reasoning_only",
-)
+]
+ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Thresholds:
 
 @dataclass(frozen=True, slots=True)
 class Anomaly:
-    kind: str
+    kind: AnomalyKind
     evidence: str
 
 
@@ -168,7 +169,7 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
     out: list[Anomaly] = []
     add = out.append
-    ok = r.outcome in ("ok", "ok_no_done")
+    ok = r.outcome in OK_OUTCOMES
     sse = r.completion_tokens_counted is not None
     rep = r.completion_tokens_reported
 
@@ -205,7 +206,7 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
     elif sse and rep is None and r.endpoint in ("messages", "responses"):
         add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
-    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
+    elif not sse and rep is None and r.endpoint in GENERATION_ENDPOINTS and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
     cut_call = est is not None and _cut_tool_call(r, est, th)
     if cut_call:
@@ -307,7 +308,7 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     None), judged on complete responses only. `problems` are the unusable structured
     calls (`tools.call_problem`), `markup` the tool-call markup found in the content."""
     out: list[Anomaly] = []
-    if r.tool_calls_valid is None or r.outcome not in ("ok", "ok_no_done"):
+    if r.tool_calls_valid is None or r.outcome not in OK_OUTCOMES:
         return out
     if r.tool_calls == 0 and markup is not None:
         out.append(Anomaly("tool_call_in_content", f"no structured tool call came back, but the content carries {markup}"
@@ -343,7 +344,7 @@ def check_markup(r: Record, content: str) -> list[Anomaly]:
     think-less answer for reasoning (vllm-mlx `--reasoning-parser qwen3`). Tool-call markup
     in content is `check_tools`'s `tool_call_in_content`."""
     out: list[Anomaly] = []
-    if r.outcome not in ("ok", "ok_no_done") or r.completion_tokens_counted is None:
+    if r.outcome not in OK_OUTCOMES or r.completion_tokens_counted is None:
         return out
     if content:
         text = content if len(content) <= 2 * _SCAN_CHARS else content[:_SCAN_CHARS] + "\n" + content[-_SCAN_CHARS:]
@@ -376,7 +377,7 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     if cached is not None and reusable > 0:
         fields["cache_hit_ratio"] = round(cached / reusable, 3)
     out: list[Anomaly] = []
-    if r.outcome not in ("ok", "ok_no_done"):
+    if r.outcome not in OK_OUTCOMES:
         return fields, out
     lost = prev_tokens - reusable
     if not m.extends and lost >= th.prefix_min_tokens:
@@ -470,7 +471,7 @@ def _busy_span(a: Record) -> tuple[float, float] | None:
     monotonic clock: a complete incremental stream to its last token; a `client_disconnect`
     from its first token (else its arrival) until the proxy closed the connection, the
     moment a server that honours disconnects stops. None for anything else."""
-    if a.outcome in ("ok", "ok_no_done"):
+    if a.outcome in OK_OUTCOMES:
         if "non_incremental_stream" in a.anomalies:  # its token times say nothing about progress
             return None
         w = _decode_window(a)
@@ -493,7 +494,7 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
     server batches, but admits a new request only between slices, so a request arriving
     near the end of another stream can wait up to a slice for it to end; that is not serial."""
     w = _decode_window(later)
-    if w is None or later.outcome not in ("ok", "ok_no_done"):
+    if w is None or later.outcome not in OK_OUTCOMES:
         return None
     b_start, b_first = later.t_start_mono, w[0]
     for a in earlier:
@@ -527,7 +528,7 @@ def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, s
     """What `r`'s TTFT would usually be on this upstream, from its other finished requests:
     their median TTFT, or `r`'s own uncached prompt at their best prefill rate when that is
     longer (a long prompt is slow on its own). (None, "") when they show neither."""
-    ok = [o for o in others if o.outcome in ("ok", "ok_no_done")]
+    ok = [o for o in others if o.outcome in OK_OUTCOMES]
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     median = percentile(ttfts, 50) if ttfts else None
     rates = [o.prefill_tps for o in ok if o.prefill_tps and prefill_judgeable(o)]
@@ -551,7 +552,7 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
     served promptly (under `abandoned_min_wait_s`) before `later`'s first token: that
     would show the server had stopped. A server that stops on disconnect serves `later`
     at once."""
-    if later.outcome not in ("ok", "ok_no_done") or later.ttft_s is None:
+    if later.outcome not in OK_OUTCOMES or later.ttft_s is None:
         return None
     b_start, ttft = later.t_start_mono, later.ttft_s
     if ttft < th.abandoned_min_wait_s:
@@ -568,7 +569,7 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
         waited = b_first - left  # how long `later` still waited for its first token after the client left
         if waited < th.abandoned_min_wait_s:
             continue
-        if any(o.outcome in ("ok", "ok_no_done") and o.ttft_s is not None and o.t_start_mono >= left
+        if any(o.outcome in OK_OUTCOMES and o.ttft_s is not None and o.t_start_mono >= left
                and o.t_start_mono + o.ttft_s < b_first and o.ttft_s < th.abandoned_min_wait_s for o in same):
             continue  # served promptly in between: the server was free
         window = a.event_offsets_s[-1] - a.event_offsets_s[0] if len(a.event_offsets_s) >= 2 else 0.0
@@ -624,7 +625,7 @@ def prefill_judgeable(r: Record) -> bool:
     """Whether this record's prefill rate (uncached prompt tokens / TTFT) means anything:
     a successful stream that was incremental (the first token was not held back with the
     rest) and whose prompt was not mostly served from the cache."""
-    if r.outcome not in ("ok", "ok_no_done") or r.prefill_tps is None or not r.prompt_tokens:
+    if r.outcome not in OK_OUTCOMES or r.prefill_tps is None or not r.prompt_tokens:
         return False
     if "non_incremental_stream" in r.anomalies:
         return False

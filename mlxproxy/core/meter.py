@@ -30,8 +30,15 @@ from mlxproxy.core.apis import (
     responses_event,
     responses_usage,
 )
-from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
-from mlxproxy.core.record import Record, rate_figures, uncached_tokens
+from mlxproxy.core.openai import (
+    GENERATION_ENDPOINTS,
+    RequestInfo,
+    classify_chunk,
+    error_message,
+    parse_context_limit,
+    plain_delta,
+)
+from mlxproxy.core.record import Outcome, Record, TokensSource, rate_figures, uncached_tokens
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
@@ -393,7 +400,7 @@ class RequestMeter:
         first = self.t_first_byte if self.t_first_byte is not None else t_end
         return first - self.t_headers
 
-    def finish(self, t_end: float, *, outcome: str | None = None, error: str | None = None,
+    def finish(self, t_end: float, *, outcome: Outcome | None = None, error: str | None = None,
                tokenizer_tokens: int | None = None) -> Record:
         """Close the body and compute the record. `outcome` overrides the classification
         for transport failures seen by the shell (`upstream_unreachable`,
@@ -461,7 +468,7 @@ class RequestMeter:
             elif isinstance(ch.get("text"), str):
                 self.content_parts.append(ch["text"])
 
-    def _classify(self, body_obj: Any, context_limit: bool) -> str:
+    def _classify(self, body_obj: Any, context_limit: bool) -> Outcome:
         st = self.status
         if st is None:
             return "upstream_unreachable"
@@ -475,12 +482,12 @@ class RequestMeter:
             if self.finish_reason is not None:
                 return "ok" if self._done else "ok_no_done"
             return "truncated"
-        if self.request.endpoint in ("chat_completions", "completions", *STREAM_APIS) and self.request.json_body:
+        if self.request.endpoint in GENERATION_ENDPOINTS and self.request.json_body:
             if body_obj is None and not self._body_overflow:
                 return "protocol_error"
         return "ok"
 
-    def _record(self, t_end: float, outcome: str, err: str | None, ctx: tuple[bool, int | None, int | None],
+    def _record(self, t_end: float, outcome: Outcome, err: str | None, ctx: tuple[bool, int | None, int | None],
                 tokenizer_tokens: int | None) -> Record:
         t0 = self.t_start
         usage = self.usage or {}
@@ -498,6 +505,7 @@ class RequestMeter:
             claims["usage"] = extra
         counted = self.generated_events if self.decoder is not None else None
         # provisional trusted count: the usage checks (core.detect) may still overrule it
+        source: TokensSource | None
         if reported is not None:
             n_out, source = reported, "usage"
         elif tokenizer_tokens is not None:

@@ -28,6 +28,7 @@ import orjson
 from mlxproxy.asgi import Headers, Receive, Send
 from mlxproxy.capture import Exchange
 from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.record import Outcome
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout
 from mlxproxy.headers import REQUEST_ID_HEADER, RESPONSE_DROP
@@ -78,7 +79,7 @@ class Flow:
     finished: bool = False  # the response is complete (or answered by the proxy): a disconnect is no news
     disconnected: bool = False  # the client left while the response was being forwarded
     released: bool = False
-    outcome: str | None = None  # set by the shell: a transport failure or a metering failure
+    outcome: Outcome | None = None  # set by the shell: a transport failure or a metering failure
     error: str | None = None
     request_overhead: float | None = None
     chunk_overheads: list[float] = field(default_factory=list)
