@@ -167,12 +167,22 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     """The anomalies of one finished request. `chars` is the number of generated
     characters streamed (content + reasoning + tool names and arguments), when known;
     `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
+    out = _failure_checks(r, th, headers_to_first_byte_s)
+    if r.outcome not in OK_OUTCOMES:
+        return out
+    cut_call = _usage_checks(r, th, out, chars, nonascii_chars, nonascii_bytes)
+    _burst_check(r, th, out)
+    _stall_check(r, th, out)
+    _length_check(r, th, out, chars, cut_call)
+    return out
+
+
+def _failure_checks(r: Record, th: Thresholds, headers_to_first_byte_s: float | None) -> list[Anomaly]:
+    """What any request can show, ok or not: a refused prompt, an error in a stream, a stream
+    without finish, doubled reasoning fields, a replayed answer, a long silence after the headers."""
     out: list[Anomaly] = []
     add = out.append
-    ok = r.outcome in OK_OUTCOMES
     sse = r.completion_tokens_counted is not None
-    rep = r.completion_tokens_reported
-
     # context limit: an HTTP 400/413 or an in-stream error saying the prompt is too long
     if r.outcome == "context_limit" or (r.outcome == "stream_error" and parse_context_limit(r.error)[0]):
         if r.context_prompt_tokens is not None and r.context_limit_tokens is not None:
@@ -196,10 +206,16 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     if headers_to_first_byte_s is not None and headers_to_first_byte_s > th.silent_prefill_s:
         add(Anomaly("silent_prefill", f"{_fmt(headers_to_first_byte_s)} s without a single byte after the headers "
                     f"(limit {_fmt(th.silent_prefill_s)} s): clients with idle timeouts give up"))
-    if not ok:
-        return out
+    return out
 
-    # usage checks: does the stream explain the server's count?
+
+def _usage_checks(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int,
+                  nonascii_bytes: int) -> bool:
+    """Does the stream explain the server's count? Adds to `out`; True when a tool call was cut
+    by the token limit and withheld (`truncated_tool_call`)."""
+    add = out.append
+    sse = r.completion_tokens_counted is not None
+    rep = r.completion_tokens_reported
     low, est, high = (streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)
                       if sse else (None, None, None))
     if sse and rep is None and (r.usage_requested or r.usage_injected):
@@ -235,11 +251,15 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
                             f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)"))
             else:
                 add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
+    return cut_call
 
-    # burst at the end: no incremental streaming (judged on the count the speeds will use)
+
+def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
+    """Burst at the end: no incremental streaming (judged on the count the speeds will use)."""
     # A stream with tool calls is not judged: servers' tool parsers send a whole call as one
     # delta by design (mlx_lm.server, vllm-mlx, mlx-openai-server), however incremental the rest.
     n_out = trusted_count(r, [a.kind for a in out])[0]
+    sse = r.completion_tokens_counted is not None
     if sse and not r.tool_calls and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
         window = (r.event_offsets_s[-1] - r.event_offsets_s[0]) if r.event_offsets_s else 0.0
         rate = math.inf if window <= 0 else (n_out - 1) / window
@@ -247,10 +267,13 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         if (window < th.burst_fraction * r.duration_s and rate > th.burst_min_tps) or tpe > th.tokens_per_event_max:
             ttft = r.ttft_s or 0.0
             e2e = r.e2e_s or r.duration_s
-            add(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived within "
-                        f"{window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E {_fmt(e2e)} s"))
+            out.append(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived "
+                               f"within {window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E "
+                               f"{_fmt(e2e)} s"))
 
-    # stalls during decode
+
+def _stall_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
+    """Stalls during decode."""
     idx, lengths = stall_stats(r, th)
     if idx:
         period = _cyclic(idx, th)
@@ -258,16 +281,19 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         ev = f"{len(idx)} gaps over {_fmt(max(th.stall_min_s, 0))} s and {_fmt(th.stall_factor)}x the median gap, {_fmt(total)} s in all, longest {_fmt(max(lengths))} s"
         if period is not None:
             ev += f"; cyclic: every ~{period:.0f} events"
-        add(Anomaly("stall", ev))
+        out.append(Anomaly("stall", ev))
 
+
+def _length_check(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, cut_call: bool) -> None:
+    """A natural finish reason although the generated count reached max_tokens."""
+    rep = r.completion_tokens_reported
     if r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None:
         n, seen = _generated_count(r, chars, th)
         if cut_call:  # nothing of the cut call was streamed, and a cut call has no EOS: usage is the count
             n, seen = rep, f"usage {rep} (a withheld tool call, no EOS)"
         if n >= r.max_tokens:
-            add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached max_tokens "
-                        f"{r.max_tokens} (usage {rep})"))
-    return out
+            out.append(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached "
+                               f"max_tokens {r.max_tokens} (usage {rep})"))
 
 
 def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
