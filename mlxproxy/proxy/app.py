@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mlxproxy.asgi import Receive, Scope, Send
+from mlxproxy.asgi import Message, Receive, Scope, Send
 from mlxproxy.capture import CaptureWriter, Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
@@ -172,9 +172,12 @@ class ProxyApp:
     # -- forwarding -------------------------------------------------------------------
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read_body(receive, send)
-        if body is None:
-            return
+        msg = await receive()
+        body = msg.get("body", b"")
+        if msg.get("more_body", False) or msg["type"] != "http.request" or len(body) > self.config.max_request_body_bytes:
+            body = await self._read_body(msg, receive, send)  # the body comes in parts (or is too large)
+            if body is None:
+                return
         flow, outbound = self._start(scope, body)
         meter = flow.meter
         self.requests_seen += 1
@@ -188,13 +191,13 @@ class ProxyApp:
             self.in_flight.pop(meter.request_id, None)
             self.metrics.request_ended(flow.upstream.name, model_label)
 
-    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
-        """The whole request body, or None when the client left or the body is too large (answered 413)."""
+    async def _read_body(self, msg: Message, receive: Receive, send: Send) -> bytes | None:
+        """The whole request body from its first message `msg` on, or None when the client left
+        or the body is too large (answered 413)."""
         chunks: list[bytes] = []
         size = 0
         limit = self.config.max_request_body_bytes
         while True:
-            msg = await receive()
             if msg["type"] == "http.disconnect":
                 return None
             part = msg.get("body", b"")
@@ -208,6 +211,7 @@ class ProxyApp:
                 chunks.append(part)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
+            msg = await receive()
 
     def _start(self, scope: Scope, body: bytes) -> tuple[Flow, Outbound]:
         """Route a request, give it a record id and a meter, and count it in its upstream's `concurrency`."""
