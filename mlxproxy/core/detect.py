@@ -171,8 +171,9 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     if r.outcome not in OK_OUTCOMES:
         return out
     cut_call = _usage_checks(r, th, out, chars, nonascii_chars, nonascii_bytes)
-    _burst_check(r, th, out)
-    _stall_check(r, th, out)
+    if r.event_offsets_s:  # streamed events: their pace (a body that was not streamed has none)
+        _burst_check(r, th, out)
+        _stall_check(r, th, out)
     _length_check(r, th, out, chars, cut_call)
     return out
 

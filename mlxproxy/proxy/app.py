@@ -243,15 +243,25 @@ class ProxyApp:
     async def _forward(self, flow: Flow, outbound: Outbound, receive: Receive, send: Send) -> None:
         """Open the upstream request and relay its response; whatever happens, the record is finished."""
         watcher = asyncio.ensure_future(watch_disconnect(receive, flow, asyncio.current_task()))
+        meter = flow.meter
         response: UpstreamResponse | None = None
         try:
-            response = await self._open(flow, outbound, send)
-            if response is not None:
-                await relay(flow, response, send, outbound.strip_usage)
+            t_sent = now()
+            meter.upstream_sent(t_sent)
+            flow.request_overhead = t_sent - meter.t_start
+            try:
+                response = await flow.upstream.open(outbound.method, outbound.url, outbound.headers, outbound.body)
+            except UpstreamError as exc:
+                await self._open_failed(flow, exc, send)
+                return
+            meter.response_started(now(), response.status_code, response.content_type)
+            if flow.exchange is not None:
+                flow.exchange.response_headers.extend(response.raw_headers)
+            await relay(flow, response, send, outbound.strip_usage)
         except asyncio.CancelledError:
             if not flow.disconnected:
                 raise
-            if not flow.meter.done:  # a client that leaves after [DONE] (the OpenAI SDK stops reading
+            if not meter.done:  # a client that leaves after [DONE] (the OpenAI SDK stops reading
                 flow.outcome = "client_disconnect"  # there) got the whole stream: classify it normally
                 flow.error = "the client disconnected"
         finally:
@@ -263,27 +273,15 @@ class ProxyApp:
                 await _aclose_quietly(response)
             self.finisher.submit(self._complete, flow, t_end)
 
-    async def _open(self, flow: Flow, outbound: Outbound, send: Send) -> UpstreamResponse | None:
-        """Send the request upstream; None when it failed (the client got the error, unless it had left)."""
-        meter = flow.meter
-        t_sent = now()
-        meter.upstream_sent(t_sent)
-        flow.request_overhead = t_sent - meter.t_start
-        try:
-            response = await flow.upstream.open(outbound.method, outbound.url, outbound.headers, outbound.body)
-        except UpstreamError as exc:
-            if flow.disconnected:  # the client left first; the cancellation surfaced as an error
-                flow.outcome, flow.error = "client_disconnect", "the client disconnected"
-                return None
-            flow.outcome, flow.error = exc.outcome, self._scrub(str(exc), flow.client_headers)
-            status, err_body = json_error(exc.status, flow.error, exc.code)
-            flow.finished = True
-            await respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, meter.request_id.encode())])
-            return None
-        meter.response_started(now(), response.status_code, response.content_type)
-        if flow.exchange is not None:
-            flow.exchange.response_headers.extend(response.raw_headers)
-        return response
+    async def _open_failed(self, flow: Flow, exc: UpstreamError, send: Send) -> None:
+        """No response from the upstream: the client gets the error (unless it had left)."""
+        if flow.disconnected:  # the client left first; the cancellation surfaced as an error
+            flow.outcome, flow.error = "client_disconnect", "the client disconnected"
+            return
+        flow.outcome, flow.error = exc.outcome, self._scrub(str(exc), flow.client_headers)
+        status, err_body = json_error(exc.status, flow.error, exc.code)
+        flow.finished = True
+        await respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, flow.meter.request_id.encode())])
 
     def _complete(self, flow: Flow, t_end: float) -> None:
         """Finish, check and hand out one request's record (run by the finisher)."""

@@ -5,8 +5,8 @@ client disconnected) and what its record needs beyond the meter (outcome and err
 the shell, the proxy's own overhead). `relay` sends the status line and then the body by one
 of two loops that differ on purpose:
 
-- `_relay_plain` forwards each read first and meters it after (the client never waits for
-  the meter);
+- the plain loop (in `relay`) forwards each read first and meters it after (the client never
+  waits for the meter);
 - `_relay_stripping`, for a stream whose usage event the proxy injected, meters each read
   first, because the stripper needs its parsed events to cut that event out, then forwards
   what is left (`RequestMeter.feed_stripping`).
@@ -118,33 +118,34 @@ async def watch_disconnect(receive: Receive, flow: Flow, task: asyncio.Task[obje
             await asyncio.sleep(0.1)
 
 
-def response_headers(response: UpstreamResponse, flow: Flow, strip_usage: bool) -> Headers:
-    """The upstream's response headers as the client gets them."""
-    out = [(k, v) for k, v in response.raw_headers if k.lower() not in RESPONSE_DROP]
-    if strip_usage:  # the body gets shorter
-        out = [(k, v) for k, v in out if k.lower() != b"content-length"]
-    out.append((REQUEST_ID_HEADER, flow.meter.request_id.encode()))
-    if flow.meter.sse and not any(k.lower() == b"x-accel-buffering" for k, _ in out):
-        out.append((b"x-accel-buffering", b"no"))
-    return out
-
-
 async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage: bool) -> None:
     """Send `response` to the client, metering it. A body the upstream broke (or stopped
-    sending) breaks the client's body too (`AbortClient`), never a clean end that did not happen."""
-    strip_usage = strip_usage and flow.meter.sse
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status_code,
-            "headers": response_headers(response, flow, strip_usage),
-        }
-    )
+    sending) breaks the client's body too (`AbortClient`), never a clean end that did not happen.
+    Without stripping, each read is forwarded first and metered after (the client never waits
+    for the meter)."""
+    meter = flow.meter
+    strip_usage = strip_usage and meter.sse
+    headers = [(k, v) for k, v in response.raw_headers if k.lower() not in RESPONSE_DROP]
+    if strip_usage:  # the body gets shorter
+        headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers.append((REQUEST_ID_HEADER, meter.request_id.encode()))
+    if meter.sse and not any(k.lower() == b"x-accel-buffering" for k, _ in headers):
+        headers.append((b"x-accel-buffering", b"no"))
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     try:
         if strip_usage:
             await _relay_stripping(flow, response, send)
         else:
-            await _relay_plain(flow, response, send)
+            read, overheads = response.read, flow.chunk_overheads
+            while chunk := await read():
+                t = now()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                overheads.append(now() - t)
+                try:
+                    meter.feed(chunk, t)
+                except Exception as exc:  # a metering bug must never break the stream
+                    meter.fail(exc)
+                    flow.metering_failed()
     except UpstreamBodyTimeout as exc:
         flow.outcome, flow.error = "upstream_timeout", str(exc)
         raise AbortClient() from None
@@ -153,19 +154,6 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
         raise AbortClient() from None
     flow.finished = True
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _relay_plain(flow: Flow, response: UpstreamResponse, send: Send) -> None:
-    read, meter, overheads = response.read, flow.meter, flow.chunk_overheads
-    while chunk := await read():
-        t = now()
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        overheads.append(now() - t)
-        try:
-            meter.feed(chunk, t)
-        except Exception as exc:  # a metering bug must never break the stream
-            meter.fail(exc)
-            flow.metering_failed()
 
 
 async def _relay_stripping(flow: Flow, response: UpstreamResponse, send: Send) -> None:
