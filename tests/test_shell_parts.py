@@ -28,17 +28,26 @@ STREAM = EV * 4 + FINISH + USAGE + DONE
 
 
 def test_upstream_headers_drop_hop_by_hop_listed_and_tag_replay() -> None:
-    client = [(b"host", b"proxy:1"), (b"connection", b"keep-alive, X-Secret-Hop"), (b"x-secret-hop", b"1"),
-              (b"content-length", b"12"), (b"accept-encoding", b"gzip"), (b"x-mlxproxy-replay", b"1"),
-              (b"authorization", b"Bearer client"), (b"x-custom", b"kept"), (b"te", b"trailers")]
+    client = [
+        (b"host", b"proxy:1"),
+        (b"connection", b"keep-alive, X-Secret-Hop"),
+        (b"x-secret-hop", b"1"),
+        (b"content-length", b"12"),
+        (b"accept-encoding", b"gzip"),
+        (b"x-mlxproxy-replay", b"1"),
+        (b"authorization", b"Bearer client"),
+        (b"x-custom", b"kept"),
+        (b"te", b"trailers"),
+    ]
     out, replay = H.upstream_request_headers(client, H.REQUEST_DROP, None)
     assert replay is True
     assert out == [(b"authorization", b"Bearer client"), (b"x-custom", b"kept"), (b"accept-encoding", b"identity")]
     out, replay = H.upstream_request_headers(client[-2:], H.REQUEST_DROP, b"Bearer upstream")
     assert replay is False
     assert out == [(b"x-custom", b"kept"), (b"accept-encoding", b"identity"), (b"authorization", b"Bearer upstream")]
-    out, _ = H.upstream_request_headers([(b"x-api-key", b"k"), (b"authorization", b"Bearer k")],
-                                        H.REQUEST_DROP | H.CLIENT_KEY_HEADERS, None)
+    out, _ = H.upstream_request_headers(
+        [(b"x-api-key", b"k"), (b"authorization", b"Bearer k")], H.REQUEST_DROP | H.CLIENT_KEY_HEADERS, None
+    )
     assert out == [(b"accept-encoding", b"identity")]  # the proxy's own key never goes upstream
 
 
@@ -109,7 +118,19 @@ def test_live_view_of_a_meter_in_flight() -> None:
     for i in range(3):
         m.feed(EV, 0.5 + 0.1 * i)
     view = live_view(m, 1.0)
-    assert view == {"id": "r", "upstream": "u", "model": "m", "endpoint": "chat_completions", "stream": True,
-                    "status": 200, "age_s": 1.0, "ttft_s": 0.5, "tokens_so_far": 3, "tokens_per_s": 10.0,
-                    "idle_s": 0.3, "prefill_progress": [5, 10], "concurrency": 1}
+    assert view == {
+        "id": "r",
+        "upstream": "u",
+        "model": "m",
+        "endpoint": "chat_completions",
+        "stream": True,
+        "status": 200,
+        "age_s": 1.0,
+        "ttft_s": 0.5,
+        "tokens_so_far": 3,
+        "tokens_per_s": 10.0,
+        "idle_s": 0.3,
+        "prefill_progress": [5, 10],
+        "concurrency": 1,
+    }
     assert orjson.loads(orjson.dumps(view)) == view
