@@ -37,6 +37,7 @@ import orjson
 from mlxproxy import __version__
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError, ConfigError
+from mlxproxy.headers import DEFAULT_REDACT, REDACTED
 
 __all__ = ["CAPTURE_VERSION", "DEFAULT_REDACT", "Exchange", "CaptureWriter", "CapturedRequest", "read_capture",
            "redact_headers", "MIGRATIONS"]
@@ -44,8 +45,6 @@ __all__ = ["CAPTURE_VERSION", "DEFAULT_REDACT", "Exchange", "CaptureWriter", "Ca
 log = logging.getLogger("mlxproxy")
 
 CAPTURE_VERSION = 1
-DEFAULT_REDACT = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"})
-REDACTED = "[REDACTED]"
 _STOP = object()
 
 

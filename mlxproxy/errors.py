@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from mlxproxy.core.record import Outcome
+
 
 class MlxproxyError(Exception):
     """Base of every error this project raises on purpose."""
@@ -27,7 +29,7 @@ class CaptureFormatError(MlxproxyError):
 
 class UpstreamError(MlxproxyError):
     status = 502
-    outcome = "upstream_unreachable"
+    outcome: Outcome = "upstream_unreachable"  # the record's outcome
     code = "upstream_unreachable"
 
 
@@ -37,7 +39,7 @@ class UpstreamUnreachable(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     status = 504
-    outcome = "upstream_timeout"
+    outcome: Outcome = "upstream_timeout"
     code = "upstream_timeout"
 
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlxproxy.core.detect import (Thresholds, check_markup, check_prefix, check_record, check_tools, find_abandoned,
-                                  find_serialized, with_anomalies)
+from mlxproxy.core.detect import (
+    Thresholds,
+    check_markup,
+    check_prefix,
+    check_record,
+    check_tools,
+    find_abandoned,
+    find_serialized,
+    with_anomalies,
+)
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.prefix import PrefixIndex, fingerprint
-from mlxproxy.core.record import Record
+from mlxproxy.core.record import OK_OUTCOMES, Outcome, Record
 
 __all__ = ["finish_checked"]
 
 
-def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome: str | None = None,
+def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome: Outcome | None = None,
                    error: str | None = None, earlier: Sequence[Record] = (),
                    count_tokens: Callable[[str], int] | None = None, prefixes: PrefixIndex | None = None) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
@@ -58,7 +66,7 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
         if match is not None:
             fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
             found.extend(more)
-        if record.outcome in ("ok", "ok_no_done"):
+        if record.outcome in OK_OUTCOMES:
             cid, turn = prefixes.add(pp, match, record.id, record.prompt_tokens, t_end)
             if (turn == 1 and not record.cached_tokens and record.prefill_tps and not burst
                     and (record.prompt_tokens or 0) >= th.prefix_min_tokens):

@@ -12,27 +12,28 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-from mlxproxy.core.openai import parse_context_limit
-from mlxproxy.core.record import Record, rate_figures, uncached_tokens, wall_window_s
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.prefix import Match
+from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, uncached_tokens, wall_window_s
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
-__all__ = ["Thresholds", "Anomaly", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
+__all__ = ["Thresholds", "Anomaly", "AnomalyKind", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
            "check_markup", "prefill_scaling",
            "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
            "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools", "check_prefix"]
 
-ANOMALY_KINDS = (
+AnomalyKind = Literal[
     "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
     "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
     "silent_prefill", "serialized", "superlinear_prefill",
     "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
     "prefix_cache_miss", "prompt_prefix_changed",
     "truncated_tool_call", "generation_after_disconnect", "reasoning_in_content", "reasoning_only",
-)
+]
+ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Thresholds:
 
 @dataclass(frozen=True, slots=True)
 class Anomaly:
-    kind: str
+    kind: AnomalyKind
     evidence: str
 
 
@@ -166,12 +167,23 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     """The anomalies of one finished request. `chars` is the number of generated
     characters streamed (content + reasoning + tool names and arguments), when known;
     `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
+    out = _failure_checks(r, th, headers_to_first_byte_s)
+    if r.outcome not in OK_OUTCOMES:
+        return out
+    cut_call = _usage_checks(r, th, out, chars, nonascii_chars, nonascii_bytes)
+    if r.event_offsets_s:  # streamed events: their pace (a body that was not streamed has none)
+        _burst_check(r, th, out)
+        _stall_check(r, th, out)
+    _length_check(r, th, out, chars, cut_call)
+    return out
+
+
+def _failure_checks(r: Record, th: Thresholds, headers_to_first_byte_s: float | None) -> list[Anomaly]:
+    """What any request can show, ok or not: a refused prompt, an error in a stream, a stream
+    without finish, doubled reasoning fields, a replayed answer, a long silence after the headers."""
     out: list[Anomaly] = []
     add = out.append
-    ok = r.outcome in ("ok", "ok_no_done")
     sse = r.completion_tokens_counted is not None
-    rep = r.completion_tokens_reported
-
     # context limit: an HTTP 400/413 or an in-stream error saying the prompt is too long
     if r.outcome == "context_limit" or (r.outcome == "stream_error" and parse_context_limit(r.error)[0]):
         if r.context_prompt_tokens is not None and r.context_limit_tokens is not None:
@@ -195,17 +207,23 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
     if headers_to_first_byte_s is not None and headers_to_first_byte_s > th.silent_prefill_s:
         add(Anomaly("silent_prefill", f"{_fmt(headers_to_first_byte_s)} s without a single byte after the headers "
                     f"(limit {_fmt(th.silent_prefill_s)} s): clients with idle timeouts give up"))
-    if not ok:
-        return out
+    return out
 
-    # usage checks: does the stream explain the server's count?
+
+def _usage_checks(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int,
+                  nonascii_bytes: int) -> bool:
+    """Does the stream explain the server's count? Adds to `out`; True when a tool call was cut
+    by the token limit and withheld (`truncated_tool_call`)."""
+    add = out.append
+    sse = r.completion_tokens_counted is not None
+    rep = r.completion_tokens_reported
     low, est, high = (streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)
                       if sse else (None, None, None))
     if sse and rep is None and (r.usage_requested or r.usage_injected):
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
     elif sse and rep is None and r.endpoint in ("messages", "responses"):
         add(Anomaly("usage_missing", f"the {r.endpoint} stream reported no output_tokens (this API always should)"))
-    elif not sse and rep is None and r.endpoint in ("chat_completions", "completions", "messages", "responses") and r.status == 200:
+    elif not sse and rep is None and r.endpoint in GENERATION_ENDPOINTS and r.status == 200:
         add(Anomaly("usage_missing", "the response carried no usage object"))
     cut_call = est is not None and _cut_tool_call(r, est, th)
     if cut_call:
@@ -234,11 +252,15 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
                             f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)"))
             else:
                 add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
+    return cut_call
 
-    # burst at the end: no incremental streaming (judged on the count the speeds will use)
+
+def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
+    """Burst at the end: no incremental streaming (judged on the count the speeds will use)."""
     # A stream with tool calls is not judged: servers' tool parsers send a whole call as one
     # delta by design (mlx_lm.server, vllm-mlx, mlx-openai-server), however incremental the rest.
     n_out = trusted_count(r, [a.kind for a in out])[0]
+    sse = r.completion_tokens_counted is not None
     if sse and not r.tool_calls and n_out is not None and n_out >= th.burst_min_tokens and r.duration_s:
         window = (r.event_offsets_s[-1] - r.event_offsets_s[0]) if r.event_offsets_s else 0.0
         rate = math.inf if window <= 0 else (n_out - 1) / window
@@ -246,10 +268,13 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         if (window < th.burst_fraction * r.duration_s and rate > th.burst_min_tps) or tpe > th.tokens_per_event_max:
             ttft = r.ttft_s or 0.0
             e2e = r.e2e_s or r.duration_s
-            add(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived within "
-                        f"{window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E {_fmt(e2e)} s"))
+            out.append(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived "
+                               f"within {window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E "
+                               f"{_fmt(e2e)} s"))
 
-    # stalls during decode
+
+def _stall_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
+    """Stalls during decode."""
     idx, lengths = stall_stats(r, th)
     if idx:
         period = _cyclic(idx, th)
@@ -257,16 +282,19 @@ def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonasci
         ev = f"{len(idx)} gaps over {_fmt(max(th.stall_min_s, 0))} s and {_fmt(th.stall_factor)}x the median gap, {_fmt(total)} s in all, longest {_fmt(max(lengths))} s"
         if period is not None:
             ev += f"; cyclic: every ~{period:.0f} events"
-        add(Anomaly("stall", ev))
+        out.append(Anomaly("stall", ev))
 
+
+def _length_check(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, cut_call: bool) -> None:
+    """A natural finish reason although the generated count reached max_tokens."""
+    rep = r.completion_tokens_reported
     if r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None:
         n, seen = _generated_count(r, chars, th)
         if cut_call:  # nothing of the cut call was streamed, and a cut call has no EOS: usage is the count
             n, seen = rep, f"usage {rep} (a withheld tool call, no EOS)"
         if n >= r.max_tokens:
-            add(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached max_tokens "
-                        f"{r.max_tokens} (usage {rep})"))
-    return out
+            out.append(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached "
+                               f"max_tokens {r.max_tokens} (usage {rep})"))
 
 
 def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
@@ -307,7 +335,7 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     None), judged on complete responses only. `problems` are the unusable structured
     calls (`tools.call_problem`), `markup` the tool-call markup found in the content."""
     out: list[Anomaly] = []
-    if r.tool_calls_valid is None or r.outcome not in ("ok", "ok_no_done"):
+    if r.tool_calls_valid is None or r.outcome not in OK_OUTCOMES:
         return out
     if r.tool_calls == 0 and markup is not None:
         out.append(Anomaly("tool_call_in_content", f"no structured tool call came back, but the content carries {markup}"
@@ -343,7 +371,7 @@ def check_markup(r: Record, content: str) -> list[Anomaly]:
     think-less answer for reasoning (vllm-mlx `--reasoning-parser qwen3`). Tool-call markup
     in content is `check_tools`'s `tool_call_in_content`."""
     out: list[Anomaly] = []
-    if r.outcome not in ("ok", "ok_no_done") or r.completion_tokens_counted is None:
+    if r.outcome not in OK_OUTCOMES or r.completion_tokens_counted is None:
         return out
     if content:
         text = content if len(content) <= 2 * _SCAN_CHARS else content[:_SCAN_CHARS] + "\n" + content[-_SCAN_CHARS:]
@@ -376,7 +404,7 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     if cached is not None and reusable > 0:
         fields["cache_hit_ratio"] = round(cached / reusable, 3)
     out: list[Anomaly] = []
-    if r.outcome not in ("ok", "ok_no_done"):
+    if r.outcome not in OK_OUTCOMES:
         return fields, out
     lost = prev_tokens - reusable
     if not m.extends and lost >= th.prefix_min_tokens:
@@ -470,7 +498,7 @@ def _busy_span(a: Record) -> tuple[float, float] | None:
     monotonic clock: a complete incremental stream to its last token; a `client_disconnect`
     from its first token (else its arrival) until the proxy closed the connection, the
     moment a server that honours disconnects stops. None for anything else."""
-    if a.outcome in ("ok", "ok_no_done"):
+    if a.outcome in OK_OUTCOMES:
         if "non_incremental_stream" in a.anomalies:  # its token times say nothing about progress
             return None
         w = _decode_window(a)
@@ -493,7 +521,7 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
     server batches, but admits a new request only between slices, so a request arriving
     near the end of another stream can wait up to a slice for it to end; that is not serial."""
     w = _decode_window(later)
-    if w is None or later.outcome not in ("ok", "ok_no_done"):
+    if w is None or later.outcome not in OK_OUTCOMES:
         return None
     b_start, b_first = later.t_start_mono, w[0]
     for a in earlier:
@@ -527,7 +555,7 @@ def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, s
     """What `r`'s TTFT would usually be on this upstream, from its other finished requests:
     their median TTFT, or `r`'s own uncached prompt at their best prefill rate when that is
     longer (a long prompt is slow on its own). (None, "") when they show neither."""
-    ok = [o for o in others if o.outcome in ("ok", "ok_no_done")]
+    ok = [o for o in others if o.outcome in OK_OUTCOMES]
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     median = percentile(ttfts, 50) if ttfts else None
     rates = [o.prefill_tps for o in ok if o.prefill_tps and prefill_judgeable(o)]
@@ -551,7 +579,7 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
     served promptly (under `abandoned_min_wait_s`) before `later`'s first token: that
     would show the server had stopped. A server that stops on disconnect serves `later`
     at once."""
-    if later.outcome not in ("ok", "ok_no_done") or later.ttft_s is None:
+    if later.outcome not in OK_OUTCOMES or later.ttft_s is None:
         return None
     b_start, ttft = later.t_start_mono, later.ttft_s
     if ttft < th.abandoned_min_wait_s:
@@ -568,7 +596,7 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
         waited = b_first - left  # how long `later` still waited for its first token after the client left
         if waited < th.abandoned_min_wait_s:
             continue
-        if any(o.outcome in ("ok", "ok_no_done") and o.ttft_s is not None and o.t_start_mono >= left
+        if any(o.outcome in OK_OUTCOMES and o.ttft_s is not None and o.t_start_mono >= left
                and o.t_start_mono + o.ttft_s < b_first and o.ttft_s < th.abandoned_min_wait_s for o in same):
             continue  # served promptly in between: the server was free
         window = a.event_offsets_s[-1] - a.event_offsets_s[0] if len(a.event_offsets_s) >= 2 else 0.0
@@ -624,7 +652,7 @@ def prefill_judgeable(r: Record) -> bool:
     """Whether this record's prefill rate (uncached prompt tokens / TTFT) means anything:
     a successful stream that was incremental (the first token was not held back with the
     rest) and whose prompt was not mostly served from the cache."""
-    if r.outcome not in ("ok", "ok_no_done") or r.prefill_tps is None or not r.prompt_tokens:
+    if r.outcome not in OK_OUTCOMES or r.prefill_tps is None or not r.prompt_tokens:
         return False
     if "non_incremental_stream" in r.anomalies:
         return False

@@ -6,8 +6,10 @@ bench and the tests all drive this class, so every figure means one thing everyw
 (definitions: docs/METRICS.md).
 
 Lifecycle: `RequestMeter(...)` at t_start → `upstream_sent(t)` → `response_started(t,
-status, content_type)` → `feed(data, t)` per body read → `finish(t_end)` → `Record`.
-A failure while metering never raises to the caller: it becomes `protocol_error`.
+status, content_type)` → `feed(data, t)` per body read (or `feed_stripping`, which also
+removes the usage event the proxy injected) → `finish(t_end)` → `Record`. `stop()` ends the
+parsing early (a metering bug: the bytes are still counted). The state changes only through
+these methods; the attributes are read by the checks (`core.analyze`) and the shells' views.
 """
 
 from __future__ import annotations
@@ -18,11 +20,27 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.core.apis import (STREAM_APIS, ApiEvent, messages_body, messages_event, messages_usage, responses_body,
-                                responses_event, responses_usage)
-from mlxproxy.core.openai import RequestInfo, classify_chunk, error_message, parse_context_limit, plain_delta
-from mlxproxy.core.record import Record, rate_figures, uncached_tokens
+from mlxproxy.core.apis import (
+    STREAM_APIS,
+    ApiEvent,
+    messages_body,
+    messages_event,
+    messages_usage,
+    responses_body,
+    responses_event,
+    responses_usage,
+)
+from mlxproxy.core.openai import (
+    GENERATION_ENDPOINTS,
+    RequestInfo,
+    classify_chunk,
+    error_message,
+    parse_context_limit,
+    plain_delta,
+)
+from mlxproxy.core.record import Outcome, Record, TokensSource, rate_figures, uncached_tokens
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
+from mlxproxy.core.strip import UsageStripper
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
 
 __all__ = ["RequestMeter"]
@@ -79,7 +97,8 @@ class RequestMeter:
         self.bytes_out = 0
         self._body = bytearray()
         self._body_overflow = False
-        self.done = False
+        self._done = False  # [DONE] (or the API's terminal event) seen, or metering stopped
+        self.failure: Exception | None = None  # what stopped the metering early (`fail`)
         self.events = 0
         self.generated_events = 0
         self.reasoning_events = 0
@@ -106,7 +125,22 @@ class RequestMeter:
         self._api_raw_usage: dict[str, Any] = {}
         self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
+    @property
+    def done(self) -> bool:
+        """True once the stream's end event arrived or metering was stopped: nothing more is parsed."""
+        return self._done
+
     # -- inputs ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Parse nothing more (body bytes are still counted); the record is built from what was seen."""
+        self._done = True
+
+    def fail(self, exc: Exception) -> None:
+        """The meter raised `exc` (a bug): stop metering and keep why (`failure`)."""
+        if self.failure is None:
+            self.failure = exc
+        self._done = True
 
     def upstream_sent(self, t: float) -> None:
         self.t_upstream_sent = t
@@ -125,7 +159,7 @@ class RequestMeter:
             return
         self._bytes(len(data), t)
         if self.decoder is not None:
-            if not self.done:
+            if not self._done:
                 self.feed_items(self.decoder.feed(data), t)
         elif not self._body_overflow:
             if len(self._body) + len(data) > MAX_BUFFERED_BODY_BYTES:
@@ -134,11 +168,33 @@ class RequestMeter:
             else:
                 self._body += data
 
+    def feed_stripping(self, data: bytes, t: float, stripper: UsageStripper) -> bytes:
+        """`feed` for a stream whose usage event was injected by the caller: returns the bytes
+        to forward now, without that event (`stripper` holds back an event still open). Never
+        raises: a metering failure is kept (`fail`) and the held bytes and the rest pass unchanged."""
+        decoder = self.decoder
+        if self._done or decoder is None:
+            out = stripper.flush() + data
+            self.feed(data, t)
+            return out
+        try:
+            items = decoder.feed(data)
+            out = stripper.process(data, items, decoder.safe_offset)
+        except Exception as exc:  # forward what is held and the rest unmetered
+            self.fail(exc)
+            self._bytes(len(data), t)
+            return stripper.flush() + data
+        try:
+            self.feed_decoded(len(data), items, t)
+        except Exception as exc:
+            self.fail(exc)
+        return out
+
     def feed_decoded(self, nbytes: int, items: list[SSEItem], t: float) -> None:
         """Like `feed`, for a caller that already ran this meter's `decoder` on the bytes."""
         if nbytes:
             self._bytes(nbytes, t)
-        if not self.done:
+        if not self._done:
             self.feed_items(items, t)
 
     def _bytes(self, n: int, t: float) -> None:
@@ -149,7 +205,7 @@ class RequestMeter:
 
     def feed_items(self, items: list[SSEItem], t: float) -> None:
         for item in items:
-            if self.done:
+            if self._done:
                 return
             if isinstance(item, SSEEvent):
                 self._event(item.data, t)
@@ -164,7 +220,7 @@ class RequestMeter:
     def _event(self, data: str, t: float) -> None:
         self.events += 1
         if data.startswith("[DONE]"):
-            self.done = True
+            self._done = True
             self.t_done = t
             return
         try:
@@ -259,7 +315,7 @@ class RequestMeter:
             if slot is None or (not slot["arguments"] and idx not in self._tool_args_over):
                 self._call_part(idx, None, None, ev.tool_final_args)  # sent whole, never streamed
         if ev.terminal and t is not None:
-            self.done = True
+            self._done = True
             self.t_done = t
 
     def _tool_call(self, tc: dict[str, Any]) -> None:
@@ -319,29 +375,6 @@ class RequestMeter:
     def reasoning_text(self) -> str:
         return "".join(self.reasoning_parts)
 
-    def live(self, now: float) -> dict[str, Any]:
-        """A snapshot of a stream in flight (for `/streams`); no text."""
-        tokens = self.generated_events
-        tps = None
-        if tokens >= 2 and self.t_first_token is not None and self.t_last_token is not None:
-            window = self.t_last_token - self.t_first_token
-            tps = (tokens - 1) / window if window > 0 else None
-        return {
-            "id": self.request_id,
-            "upstream": self.upstream,
-            "model": self.request.model,
-            "endpoint": self.request.endpoint,
-            "stream": self.request.stream,
-            "status": self.status,
-            "age_s": round(now - self.t_start, 3),
-            "ttft_s": None if self.t_first_token is None else round(self.t_first_token - self.t_start, 4),
-            "tokens_so_far": tokens,
-            "tokens_per_s": None if tps is None else round(tps, 2),
-            "idle_s": round(now - (self.t_last_byte if self.t_last_byte is not None else self.t_start), 3),
-            "prefill_progress": list(self.prefill_progress) if self.prefill_progress else None,
-            "concurrency": self.concurrency,
-        }
-
     @property
     def tool_call_text(self) -> str:
         """The tool calls' names and arguments as streamed (what any recount must include)."""
@@ -367,13 +400,13 @@ class RequestMeter:
         first = self.t_first_byte if self.t_first_byte is not None else t_end
         return first - self.t_headers
 
-    def finish(self, t_end: float, *, outcome: str | None = None, error: str | None = None,
+    def finish(self, t_end: float, *, outcome: Outcome | None = None, error: str | None = None,
                tokenizer_tokens: int | None = None) -> Record:
         """Close the body and compute the record. `outcome` overrides the classification
         for transport failures seen by the shell (`upstream_unreachable`,
         `upstream_timeout`, `client_disconnect`). `tokenizer_tokens` is a tokenizer's
         count of the generated text, when the caller has one."""
-        if self.decoder is not None and not self.done:
+        if self.decoder is not None and not self._done:
             self.feed_items(self.decoder.close(), self.t_last_byte if self.t_last_byte is not None else t_end)
         body_obj: Any = None
         if self.decoder is None and self._body and not self._body_overflow:
@@ -435,7 +468,7 @@ class RequestMeter:
             elif isinstance(ch.get("text"), str):
                 self.content_parts.append(ch["text"])
 
-    def _classify(self, body_obj: Any, context_limit: bool) -> str:
+    def _classify(self, body_obj: Any, context_limit: bool) -> Outcome:
         st = self.status
         if st is None:
             return "upstream_unreachable"
@@ -447,14 +480,14 @@ class RequestMeter:
             if self.protocol_error:
                 return "protocol_error"
             if self.finish_reason is not None:
-                return "ok" if self.done else "ok_no_done"
+                return "ok" if self._done else "ok_no_done"
             return "truncated"
-        if self.request.endpoint in ("chat_completions", "completions", *STREAM_APIS) and self.request.json_body:
+        if self.request.endpoint in GENERATION_ENDPOINTS and self.request.json_body:
             if body_obj is None and not self._body_overflow:
                 return "protocol_error"
         return "ok"
 
-    def _record(self, t_end: float, outcome: str, err: str | None, ctx: tuple[bool, int | None, int | None],
+    def _record(self, t_end: float, outcome: Outcome, err: str | None, ctx: tuple[bool, int | None, int | None],
                 tokenizer_tokens: int | None) -> Record:
         t0 = self.t_start
         usage = self.usage or {}
@@ -472,6 +505,7 @@ class RequestMeter:
             claims["usage"] = extra
         counted = self.generated_events if self.decoder is not None else None
         # provisional trusted count: the usage checks (core.detect) may still overrule it
+        source: TokensSource | None
         if reported is not None:
             n_out, source = reported, "usage"
         elif tokenizer_tokens is not None:

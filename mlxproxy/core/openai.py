@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import orjson
 
 from mlxproxy.core.tools import ToolSpec, parse_tools
 
 __all__ = [
+    "Endpoint",
+    "ENDPOINTS",
+    "GENERATION_ENDPOINTS",
+    "USAGE_INJECTABLE",
     "RequestInfo",
     "Delta",
     "endpoint_of",
@@ -28,10 +32,15 @@ __all__ = [
     "parse_context_limit",
 ]
 
-ENDPOINTS = ("chat_completions", "completions", "messages", "responses", "embeddings", "models", "other")
+Endpoint = Literal["chat_completions", "completions", "messages", "responses", "embeddings", "models", "other"]
+ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
+#: the endpoints that generate text (streamed or not): the ones with latency and token figures
+GENERATION_ENDPOINTS: frozenset[Endpoint] = frozenset({"chat_completions", "completions", "messages", "responses"})
+#: where `stream_options.include_usage` exists, so the proxy may inject it
+USAGE_INJECTABLE: frozenset[Endpoint] = frozenset({"chat_completions", "completions"})
 
 
-def endpoint_of(path: str) -> str:
+def endpoint_of(path: str) -> Endpoint:
     """The bounded `endpoint` label for a request path (query string excluded)."""
     p = path.rstrip("/")
     if p.endswith("/chat/completions"):
@@ -55,7 +64,7 @@ class RequestInfo:
 
     method: str
     path: str
-    endpoint: str
+    endpoint: Endpoint
     model: str | None = None
     stream: bool = False
     max_tokens: int | None = None

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
-__all__ = ["Record", "OUTCOMES", "OK_OUTCOMES", "TOKENS_SOURCES", "rate_figures", "uncached_tokens",
+from mlxproxy.core.openai import Endpoint
+
+__all__ = ["Record", "Outcome", "OUTCOMES", "OK_OUTCOMES", "TokensSource", "TOKENS_SOURCES", "rate_figures", "uncached_tokens",
            "wall_window_s"]
 
-OUTCOMES = (
+Outcome = Literal[
     "ok",
     "ok_no_done",
     "truncated",
@@ -25,10 +27,12 @@ OUTCOMES = (
     "upstream_timeout",
     "client_disconnect",
     "protocol_error",
-)
-OK_OUTCOMES = frozenset({"ok", "ok_no_done"})
+]
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+OK_OUTCOMES: frozenset[Outcome] = frozenset({"ok", "ok_no_done"})
 # Where a record's trusted `completion_tokens` came from (docs/METRICS.md, "Trusted token count").
-TOKENS_SOURCES = ("usage", "tokenizer", "stream")
+TokensSource = Literal["usage", "tokenizer", "stream"]
+TOKENS_SOURCES: tuple[TokensSource, ...] = get_args(TokensSource)
 
 
 def rate_figures(n_out: int | None, ttft_s: float | None, e2e_s: float | None,
@@ -74,10 +78,10 @@ class Record:
     started_at: float  # wall clock, seconds since the epoch
     upstream: str
     model: str | None
-    endpoint: str
+    endpoint: Endpoint
     stream: bool
     status: int | None
-    outcome: str
+    outcome: Outcome
     method: str = "POST"
     path: str = ""
     # intervals from t_start, seconds
@@ -102,7 +106,7 @@ class Record:
     completion_tokens_tokenizer: int | None = None
     # the trusted output count every speed uses, and where it came from (TOKENS_SOURCES)
     completion_tokens: int | None = None
-    tokens_source: str | None = None
+    tokens_source: TokensSource | None = None
     usage_reports: int = 0
     usage_requested: bool = False  # by the client
     usage_injected: bool = False  # by the proxy

@@ -10,11 +10,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from mlxproxy.capture import DEFAULT_REDACT, REDACTED
+from mlxproxy.headers import CLIENT_KEY_HEADERS, DEFAULT_REDACT, REDACTED
 
 __all__ = ["KeyCheck", "Scrubber", "CLIENT_KEY_HEADERS"]
-
-CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 
 
 class KeyCheck:

@@ -21,7 +21,8 @@ except ImportError:  # pragma: no cover - a prometheus_client without it
 
 from mlxproxy import __version__
 from mlxproxy.core.detect import ANOMALY_KINDS
-from mlxproxy.core.record import Record
+from mlxproxy.core.openai import GENERATION_ENDPOINTS
+from mlxproxy.core.record import OK_OUTCOMES, Record
 
 __all__ = ["ProxyMetrics", "concurrency_bucket", "observe_all"]
 
@@ -205,9 +206,9 @@ class ProxyMetrics:
                 c(self.tool_calls, up, model, "valid").inc(r.tool_calls_valid)
             if r.tool_calls > r.tool_calls_valid:
                 c(self.tool_calls, up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
-        if r.endpoint not in ("chat_completions", "completions", "messages", "responses"):
+        if r.endpoint not in GENERATION_ENDPOINTS:
             return
-        ok = r.outcome in ("ok", "ok_no_done")
+        ok = r.outcome in OK_OUTCOMES
         if r.ttfb_s is not None:
             c(self.ttfb, up, model, ep).observe(r.ttfb_s)
         if r.status is not None and r.status < 400:

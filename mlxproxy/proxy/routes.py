@@ -30,11 +30,14 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from mlxproxy import __version__
+from mlxproxy.asgi import Receive, Scope, Send
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.record import Record
 
 if TYPE_CHECKING:
     from mlxproxy.proxy.app import ProxyApp
 
-__all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes"]
+__all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
 
 log = logging.getLogger("mlxproxy")
 
@@ -67,7 +70,7 @@ def _flag(request: Request, name: str) -> bool:
     return value in ("1", "true")
 
 
-def own_routes(proxy: ProxyApp) -> Any:
+def own_routes(proxy: ProxyApp) -> _Quiet:
     """The Starlette app that answers `OWN_PATHS` for `proxy`."""
 
     async def page_file(request: Request) -> Response:
@@ -111,7 +114,7 @@ def own_routes(proxy: ProxyApp) -> Any:
         return _json({
             "now": time.time(),
             "seq": ring.total,
-            "in_flight": [m.live(t) for m in list(proxy.in_flight.values())],
+            "in_flight": [live_view(m, t) for m in list(proxy.in_flight.values())],
             "recent": [_record(r, timeline) for r in reversed(records)],
             "stall_rule": {"factor": proxy.thresholds.stall_factor, "min_s": proxy.thresholds.stall_min_s},
         })
@@ -142,15 +145,40 @@ class _Quiet:
     def __init__(self, app: Starlette) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self.app(scope, receive, send)
         except Exception as exc:
             log.error("the proxy's own route %s failed: %s: %s", scope.get("path"), type(exc).__name__, exc)
 
 
-def _record(record: Any, timeline: bool) -> dict[str, Any]:
+def _record(record: Record, timeline: bool) -> dict[str, Any]:
     d = record.to_dict(timeline=timeline)
     d.pop("response_text", None)  # no prompt or completion text leaves through /streams
     d.pop("reasoning_text", None)
     return d
+
+
+def live_view(meter: RequestMeter, now: float) -> dict[str, Any]:
+    """`/streams`' view of a request in flight (its figures so far, no text), read from its meter."""
+    tokens = meter.generated_events
+    tps = None
+    if tokens >= 2 and meter.t_first_token is not None and meter.t_last_token is not None:
+        window = meter.t_last_token - meter.t_first_token
+        tps = (tokens - 1) / window if window > 0 else None
+    request = meter.request
+    return {
+        "id": meter.request_id,
+        "upstream": meter.upstream,
+        "model": request.model,
+        "endpoint": request.endpoint,
+        "stream": request.stream,
+        "status": meter.status,
+        "age_s": round(now - meter.t_start, 3),
+        "ttft_s": None if meter.t_first_token is None else round(meter.t_first_token - meter.t_start, 4),
+        "tokens_so_far": tokens,
+        "tokens_per_s": None if tps is None else round(tps, 2),
+        "idle_s": round(now - (meter.t_last_byte if meter.t_last_byte is not None else meter.t_start), 3),
+        "prefill_progress": list(meter.prefill_progress) if meter.prefill_progress else None,
+        "concurrency": meter.concurrency,
+    }

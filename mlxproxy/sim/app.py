@@ -22,10 +22,10 @@ import struct
 import time
 from collections import deque
 from typing import Any
-from collections.abc import Awaitable, Callable
 
 import orjson
 
+from mlxproxy.asgi import Receive, Scope, Send
 from mlxproxy.sim.cache import PromptCache
 from mlxproxy.sim.engine import Engine, Event, Finish, Headers, Rejected, Token
 from mlxproxy.sim.faults import parse_faults
@@ -34,10 +34,6 @@ from mlxproxy.sim.render import Close, Renderer, Stall, Start, Write, json_start
 from mlxproxy.sim.request import RequestError, parse_request, plan_output, reported_completion_tokens
 from mlxproxy.sim.styles import style_class
 from mlxproxy.sim.wire import Style, WireContext
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
                     "/v1/completions": "completions", "/completions": "completions"}

@@ -1,0 +1,173 @@
+"""Relaying one upstream response to the client while its meter reads a copy.
+
+`Flow` is one forwarded request's state: the flags its forwarding sets (finished, the
+client disconnected) and what its record needs beyond the meter (outcome and error seen by
+the shell, the proxy's own overhead). `relay` sends the status line and then the body by one
+of two loops that differ on purpose:
+
+- the plain loop (in `relay`) forwards each read first and meters it after (the client never
+  waits for the meter);
+- `_relay_stripping`, for a stream whose usage event the proxy injected, meters each read
+  first, because the stripper needs its parsed events to cut that event out, then forwards
+  what is left (`RequestMeter.feed_stripping`).
+
+A metering failure never breaks the stream: the meter stops (`RequestMeter.fail`) and the
+bytes keep flowing; the record says `protocol_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import orjson
+
+from mlxproxy.asgi import Headers, Receive, Send
+from mlxproxy.capture import Exchange
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.record import Outcome
+from mlxproxy.core.strip import UsageStripper
+from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout
+from mlxproxy.headers import REQUEST_ID_HEADER, RESPONSE_DROP
+from mlxproxy.proxy.upstream import Upstream, UpstreamResponse
+
+if TYPE_CHECKING:
+    from yarl import URL
+
+__all__ = ["Flow", "Outbound", "AbortClient", "relay", "watch_disconnect", "json_error", "respond"]
+
+log = logging.getLogger("mlxproxy")
+now = time.perf_counter
+
+
+def json_error(status: int, message: str, code: str, err_type: str = "proxy_error") -> tuple[int, bytes]:
+    """An OpenAI-shaped error body."""
+    return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
+
+
+async def respond(send: Send, status: int, body: bytes, extra: Headers | None = None) -> None:
+    """A whole JSON answer of the proxy's own."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if extra:
+        headers.extend(extra)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Outbound(NamedTuple):
+    """The request as it goes upstream (a tuple: built once per request, cheaply)."""
+
+    method: str
+    url: URL
+    headers: Headers
+    body: bytes
+    strip_usage: bool  # the proxy injected `include_usage`: the usage event is removed again
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    """One forwarded request: its meter, and what its forwarding observed for the record."""
+
+    upstream: Upstream
+    meter: RequestMeter
+    client_headers: Headers
+    exchange: Exchange | None
+    finished: bool = False  # the response is complete (or answered by the proxy): a disconnect is no news
+    disconnected: bool = False  # the client left while the response was being forwarded
+    released: bool = False
+    outcome: Outcome | None = None  # set by the shell: a transport failure or a metering failure
+    error: str | None = None
+    request_overhead: float | None = None
+    chunk_overheads: list[float] = field(default_factory=list)
+
+    def release(self) -> None:
+        """The last byte has been forwarded (or the request failed): it leaves the upstream's
+        `concurrency` count now, not when its record is done (a keep-alive client sends its
+        next request while the proxy still finishes the previous record)."""
+        if not self.released:
+            self.released = True
+            self.upstream.in_flight -= 1
+
+    def metering_failed(self) -> None:
+        """The meter stopped on a bug: log it once; the record says `protocol_error`."""
+        exc = self.meter.failure
+        log.error("metering failed for %s; the stream is forwarded unmetered", self.meter.request_id, exc_info=exc)
+        self.outcome, self.error = "protocol_error", f"metering failed: {type(exc).__name__}"
+
+
+class AbortClient(Exception):
+    """Raised after the response started to make the server drop the client connection
+    (the only way ASGI offers); it mirrors an upstream that broke its body."""
+
+
+async def watch_disconnect(receive: Receive, flow: Flow, task: asyncio.Task[object] | None) -> None:
+    """Cancel the forwarding `task` when the client disconnects before the response is complete."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+    if not flow.finished:
+        flow.disconnected = True
+        # an HTTP client may absorb a cancellation (httpx did, while a connection was being
+        # set up) or turn it into its own error: repeat it until the forwarding has really stopped
+        while task is not None and not flow.finished:
+            task.cancel()
+            await asyncio.sleep(0.1)
+
+
+async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage: bool) -> None:
+    """Send `response` to the client, metering it. A body the upstream broke (or stopped
+    sending) breaks the client's body too (`AbortClient`), never a clean end that did not happen.
+    Without stripping, each read is forwarded first and metered after (the client never waits
+    for the meter)."""
+    meter = flow.meter
+    strip_usage = strip_usage and meter.sse
+    headers = [(k, v) for k, v in response.raw_headers if k.lower() not in RESPONSE_DROP]
+    if strip_usage:  # the body gets shorter
+        headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers.append((REQUEST_ID_HEADER, meter.request_id.encode()))
+    if meter.sse and not any(k.lower() == b"x-accel-buffering" for k, _ in headers):
+        headers.append((b"x-accel-buffering", b"no"))
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    try:
+        if strip_usage:
+            await _relay_stripping(flow, response, send)
+        else:
+            read, overheads = response.read, flow.chunk_overheads
+            while chunk := await read():
+                t = now()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                overheads.append(now() - t)
+                try:
+                    meter.feed(chunk, t)
+                except Exception as exc:  # a metering bug must never break the stream
+                    meter.fail(exc)
+                    flow.metering_failed()
+    except UpstreamBodyTimeout as exc:
+        flow.outcome, flow.error = "upstream_timeout", str(exc)
+        raise AbortClient() from None
+    except UpstreamBodyError as exc:  # a reset, a truncated chunked encoding
+        flow.error = str(exc)
+        raise AbortClient() from None
+    flow.finished = True
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _relay_stripping(flow: Flow, response: UpstreamResponse, send: Send) -> None:
+    read, meter, overheads = response.read, flow.meter, flow.chunk_overheads
+    stripper = UsageStripper()
+    feed = meter.feed_stripping
+    while chunk := await read():
+        t = now()
+        out = feed(chunk, t, stripper)  # never raises: a failure stops the metering, not the bytes
+        if meter.failure is not None and flow.outcome is None:
+            flow.metering_failed()
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+        overheads.append(now() - t)
+    rest = stripper.flush()
+    if rest:
+        await send({"type": "http.response.body", "body": rest, "more_body": True})
