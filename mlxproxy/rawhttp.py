@@ -21,7 +21,14 @@ import time
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from mlxproxy.errors import ConfigError, UpstreamBodyError, UpstreamBodyTimeout, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from mlxproxy.errors import (
+    ConfigError,
+    UpstreamBodyError,
+    UpstreamBodyTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 
 try:
     import httptools
@@ -288,8 +295,9 @@ class _Conn(asyncio.Protocol):
             return
         pool = self.pool
         if self.headed:
-            err: Exception = UpstreamBodyTimeout(f"upstream '{pool.name}' went silent for longer than the read timeout "
-                                                 f"({timeout:g} s)")
+            err: Exception = UpstreamBodyTimeout(
+                f"upstream '{pool.name}' went silent for longer than the read timeout ({timeout:g} s)"
+            )
         else:
             err = UpstreamTimeout(f"upstream '{pool.name}' did not answer within the timeout ({timeout:g} s)")
         self.done.set_exception(err)
@@ -303,7 +311,9 @@ class _Conn(asyncio.Protocol):
             if self.headed:
                 done.set_exception(UpstreamBodyError(f"upstream body ended abnormally: {reason}"))
             else:
-                done.set_exception(UpstreamUnreachable(f"upstream '{pool.name}' at {pool.base} failed before responding: {reason}"))
+                done.set_exception(
+                    UpstreamUnreachable(f"upstream '{pool.name}' at {pool.base} failed before responding: {reason}")
+                )
         self.abort()
 
     def _stop_timer(self) -> None:
@@ -328,8 +338,15 @@ class RawPool:
     a `Sink` as it arrives; it returns once the response is complete. With
     `reuse_connections=False` every request opens its own connection and closes it after."""
 
-    def __init__(self, base_url: str, *, name: str = "target", connect_timeout_s: float | None = 10.0,
-                 read_timeout_s: float | None = 1800.0, reuse_connections: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str = "target",
+        connect_timeout_s: float | None = 10.0,
+        read_timeout_s: float | None = 1800.0,
+        reuse_connections: bool = True,
+    ) -> None:
         parts = urlsplit(base_url.rstrip("/"))
         self.name = name
         netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -351,8 +368,10 @@ class RawPool:
             try:
                 user_pass = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode("latin-1")
             except UnicodeEncodeError:
-                raise ConfigError(f"upstream '{name}': the URL's user:password holds characters an HTTP header "
-                                  "cannot carry (only latin-1)") from None
+                raise ConfigError(
+                    f"upstream '{name}': the URL's user:password holds characters an HTTP header "
+                    "cannot carry (only latin-1)"
+                ) from None
             self.auth_header = b"Basic " + base64.b64encode(user_pass)
         self.connect_timeout_s = connect_timeout_s or None
         self.read_timeout_s = read_timeout_s or 0.0
@@ -386,8 +405,9 @@ class RawPool:
             else:
                 await fut
         except asyncio.TimeoutError:
-            raise UpstreamTimeout(f"upstream '{self.name}' at {self.base} did not accept a connection within "
-                                  f"{self.connect_timeout_s:g} s") from None
+            raise UpstreamTimeout(
+                f"upstream '{self.name}' at {self.base} did not accept a connection within {self.connect_timeout_s:g} s"
+            ) from None
         except (OSError, ValueError, _ssl.SSLError) as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from None
         self.open_conns.add(conn)
@@ -416,8 +436,9 @@ class RawPool:
         else:
             self._drop(conn)
 
-    async def request(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                      sink: Sink) -> None:
+    async def request(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, sink: Sink
+    ) -> None:
         """Send one request (`headers` without Host and Content-Length: both are set here)
         and feed the response to `sink`. Raises `UpstreamError` when no response started,
         `UpstreamBodyError` (or `UpstreamBodyTimeout`) when it broke after."""

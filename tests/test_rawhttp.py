@@ -85,19 +85,28 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(parts=st.lists(st.binary(min_size=0, max_size=40), max_size=8),
-       framing=st.sampled_from(["chunked", "length", "close"]),
-       cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
-def test_any_framing_split_anywhere_gives_the_body_byte_exact(parser: str, parts: list[bytes], framing: str,
-                                                            cuts: list[int]) -> None:
+@given(
+    parts=st.lists(st.binary(min_size=0, max_size=40), max_size=8),
+    framing=st.sampled_from(["chunked", "length", "close"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12),
+)
+def test_any_framing_split_anywhere_gives_the_body_byte_exact(
+    parser: str, parts: list[bytes], framing: str, cuts: list[int]
+) -> None:
     """Whatever the framing and wherever the reads split the bytes (inside a chunk-size
     line, between CR and LF, in the head), the sink gets exactly the body, one timestamp
     per read, and the response completes; keep-alive only for a self-delimited body."""
     body = b"".join(parts)
     if framing == "chunked":
-        head, payload = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n", _chunked(parts)
+        head, payload = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            _chunked(parts),
+        )
     elif framing == "length":
-        head, payload = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body), body
+        head, payload = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body),
+            body,
+        )
     else:
         head, payload = b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n", body
     loop = asyncio.new_event_loop()
@@ -122,11 +131,14 @@ def test_any_framing_split_anywhere_gives_the_body_byte_exact(parser: str, parts
         loop.close()
 
 
-@pytest.mark.parametrize("wire, why", [
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n3\r\nab", "truncated chunk"),
-    (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello", "short content-length"),
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n", "bad chunk size"),
-])
+@pytest.mark.parametrize(
+    "wire, why",
+    [
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n3\r\nab", "truncated chunk"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello", "short content-length"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n", "bad chunk size"),
+    ],
+)
 def test_broken_framing_is_a_body_error(parser: str, wire: bytes, why: str) -> None:
     loop = asyncio.new_event_loop()
     try:
@@ -272,13 +284,24 @@ def test_simulator_wire_styles_metered_as_the_reference_client_meters_them(parse
         return finish_checked(m, 0.003, Thresholds())
 
     def key(rec):
-        return (rec.status, rec.outcome, rec.generated_events, rec.completion_tokens, rec.finish_reason, rec.usage_reports)
+        return (
+            rec.status,
+            rec.outcome,
+            rec.generated_events,
+            rec.completion_tokens,
+            rec.finish_reason,
+            rec.usage_reports,
+        )
 
     for profile in ("healthy", "mlx-lm", "vllm-mlx", "mlx-openai-server"):
         with ServerThread(create_app(profile, speed=50), stack=stack) as sim:
+
             async def main():
-                async with MeasuringClient(sim.url, tag_replay=False) as c:  # noqa: B023
-                    return [await c.send(PreparedRequest("POST", "/v1/chat/completions", body(s))) for s in (True, False, True)]
+                async with MeasuringClient(sim.url, tag_replay=False) as c:
+                    return [
+                        await c.send(PreparedRequest("POST", "/v1/chat/completions", body(s)))
+                        for s in (True, False, True)
+                    ]
 
             recs = run_async(main(), stack)
             want = [reference(sim.url, body(s)) for s in (True, False, True)]
