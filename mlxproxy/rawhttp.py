@@ -35,13 +35,12 @@ try:
 except ImportError:  # pragma: no cover - exercised by forcing the h11 path in tests
     httptools = None
 
-__all__ = ["RawPool", "Sink", "PARSER"]
+__all__ = ["RawPool", "Sink"]
 
 now = time.perf_counter
 # An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
 # (vLLM, vllm-mlx) and llama.cpp, as in the proxy's own pool (proxy/upstream.py POOL_IDLE_S).
 POOL_IDLE_S = 4.0
-PARSER = "httptools" if httptools is not None else "h11"
 
 
 class Sink(Protocol):
@@ -178,7 +177,16 @@ class _H11Parser:
             raise _Fail("the connection closed before the response was complete")
 
 
-_Parser = _HttptoolsParser if httptools is not None else _H11Parser
+def _parser_class() -> type[_HttptoolsParser] | type[_H11Parser]:
+    """The stack's parser (`mlxproxy.runner.stack_settings`): httptools where installed, h11
+    with `MLXPROXY_STACK=plain` (what a platform without the wheels gets) or without httptools."""
+    from mlxproxy.runner import stack_settings
+
+    try:
+        http = stack_settings()[1]
+    except ValueError:  # a bad MLXPROXY_STACK: the CLI refuses it before any client exists
+        http = "httptools"
+    return _HttptoolsParser if http == "httptools" and httptools is not None else _H11Parser
 
 
 class _Conn(asyncio.Protocol):
@@ -273,7 +281,7 @@ class _Conn(asyncio.Protocol):
 
     def start(self, sink: Sink, method: bytes, data: bytes) -> asyncio.Future[bool]:
         self.sink = sink
-        self.parser = _Parser(self, method)
+        self.parser = self.pool.parser_class(self, method)
         self.headed = self.close_delimited = False
         self.head_only = method == b"HEAD"
         self.done = done = self.pool.loop.create_future()
@@ -376,6 +384,7 @@ class RawPool:
         self.connect_timeout_s = connect_timeout_s or None
         self.read_timeout_s = read_timeout_s or 0.0
         self.reuse = reuse_connections
+        self.parser_class = _parser_class()
         self.idle: list[_Conn] = []
         self.open_conns: set[_Conn] = set()
         self._ssl: _ssl.SSLContext | None = None

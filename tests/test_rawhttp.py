@@ -7,7 +7,6 @@ own client meters them, on both stacks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -25,13 +24,9 @@ _CLASSES = {"h11": rawhttp._H11Parser, "httptools": rawhttp._HttptoolsParser}
 
 
 @pytest.fixture(params=PARSERS)
-def parser(request: pytest.FixtureRequest) -> Iterator[str]:
-    old = rawhttp._Parser
-    rawhttp._Parser = _CLASSES[request.param]  # type: ignore[misc]
-    try:
-        yield request.param
-    finally:
-        rawhttp._Parser = old  # type: ignore[misc]
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(rawhttp, "_parser_class", lambda: _CLASSES[request.param])
+    return str(request.param)
 
 
 class Collect:
@@ -311,6 +306,11 @@ def test_simulator_wire_styles_metered_as_the_reference_client_meters_them(parse
             assert abs(got.bytes_out - ref.bytes_out) <= 16  # ids and `created` may differ in length, nothing else
 
 
-def test_the_parser_in_use_is_httptools_when_importable() -> None:
+def test_the_parser_follows_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """httptools where installed, h11 on the plain stack (what a platform without the wheels
+    gets), so `MLXPROXY_STACK=plain` runs the whole client as such a platform would."""
     pytest.importorskip("httptools")
-    assert rawhttp.PARSER == "httptools" and rawhttp._Parser is rawhttp._HttptoolsParser
+    monkeypatch.setenv("MLXPROXY_STACK", "plain")
+    assert rawhttp.RawPool("http://127.0.0.1:1").parser_class is rawhttp._H11Parser
+    monkeypatch.delenv("MLXPROXY_STACK")
+    assert rawhttp.RawPool("http://127.0.0.1:1").parser_class is rawhttp._HttptoolsParser
