@@ -433,8 +433,12 @@ class RawPool:
                 self._drop(conn)
         return await self._connect()
 
-    def _drop(self, conn: _Conn) -> None:
-        conn.abort()
+    def _drop(self, conn: _Conn, *, graceful: bool = False) -> None:
+        if graceful and conn.transport is not None:  # a complete response: an orderly close
+            conn.closed = True
+            conn.transport.close()
+        else:
+            conn.abort()
         self.open_conns.discard(conn)
 
     def _release(self, conn: _Conn, reusable: bool) -> None:
@@ -443,7 +447,7 @@ class RawPool:
             conn.idle_since = now()
             self.idle.append(conn)
         else:
-            self._drop(conn)
+            self._drop(conn, graceful=not conn.tainted)
 
     async def request(
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, sink: Sink
