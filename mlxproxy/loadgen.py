@@ -11,14 +11,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mlxproxy.config import TimeoutConfig, UpstreamConfig
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
-from mlxproxy.proxy.upstream import Upstream
+from mlxproxy.rawhttp import RawPool
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
@@ -53,6 +52,20 @@ class PreparedRequest:
     label: str = ""
 
 
+class _Collect:
+    """The sink of an unmetered request: status and body."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.parts: list[bytes] = []
+
+    def response_started(self, t: float, status: int, content_type: str | None) -> None:
+        self.status = status
+
+    def feed(self, data: bytes, t: float) -> None:
+        self.parts.append(data)
+
+
 @dataclass
 class Timed:
     """The records of one run plus the load generator's own schedule lag."""
@@ -80,17 +93,17 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
-        # The proxy's own upstream seam (aiohttp underneath): the same connection pool, the
-        # same error translation, and a fraction of httpx's CPU per request, so the client
-        # is not what limits a run (benchmarks/README.md, "Is the load generator ever the
-        # bottleneck?"). `timeout_s` bounds every wait for bytes, headers included.
-        cfg = UpstreamConfig(name=name, url=self.base_url)
-        timeouts = TimeoutConfig(connect_s=connect_timeout_s, read_s=timeout_s)
-        self._pooled = Upstream(cfg, timeouts)
+        # A lean raw-asyncio HTTP/1.1 client (mlxproxy.rawhttp): each socket read goes
+        # straight from the connection's protocol to the request's meter, stamped once on
+        # arrival, so the client is not what limits a run (benchmarks/README.md, "Is the
+        # load generator ever the bottleneck?"). `timeout_s` bounds every wait for bytes,
+        # headers included.
+        self._pooled = RawPool(self.base_url, name=name, connect_timeout_s=connect_timeout_s, read_timeout_s=timeout_s)
         # Requests released together must start alike: each on a new connection, never one
         # on a warm keep-alive connection and the other still connecting (a few ms apart,
         # enough for a server to admit the second one into its batch late).
-        self._fresh = Upstream(cfg, timeouts, reuse_connections=False)
+        self._fresh = RawPool(self.base_url, name=name, connect_timeout_s=connect_timeout_s, read_timeout_s=timeout_s,
+                              reuse_connections=False)
         # credentials in the URL (user:password@) become Basic auth, as in the proxy
         self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None
 
@@ -121,9 +134,8 @@ class MeasuringClient:
                 raise ValueError(f"the header {k[:40].decode('latin-1')!r} holds a line break or NUL, which HTTP cannot carry")
         return out
 
-    def _url(self, path: str) -> object:
-        target, _, query = path.partition("?")
-        return self._pooled.url_for(target, query.encode("latin-1"))
+    def _target(self, path: str) -> bytes:
+        return self._pooled.target(path)
 
     async def fetch(self, method: str, path: str) -> tuple[int, bytes]:
         """One unmetered request (for example `GET /v1/models` to discover the model):
@@ -133,14 +145,13 @@ class MeasuringClient:
         auth = f"Bearer {self.api_key}" if self.api_key is not None else self._url_auth
         if auth is not None:
             headers.append((b"authorization", auth.encode("latin-1")))
-        response = await self._pooled.open(method, self._url(path), headers, b"")  # type: ignore[arg-type]
         try:
-            parts = []
-            while chunk := await response.read():
-                parts.append(chunk)
-        finally:
-            await response.aclose()
-        return response.status_code, b"".join(parts)
+            target = self._target(path)
+        except ValueError as exc:
+            raise UpstreamError(f"cannot send {path[:80]!r} to {self.base_url}: {exc}") from None
+        got = _Collect()
+        await self._pooled.request(method, target, headers, b"", got)
+        return got.status, b"".join(got.parts)
 
     async def send(self, req: PreparedRequest, *, fresh_connection: bool = False) -> Record:
         """Send one request and return its checked record. `fresh_connection` opens a new
@@ -155,20 +166,14 @@ class MeasuringClient:
         outcome = error = None
         try:
             try:
-                url = self._url(req.path)
+                target = self._target(req.path)
                 headers = self._headers(req)
             except ValueError as exc:
                 raise UpstreamError(f"cannot send {req.path[:80]!r} to {self.base_url}: {exc}") from None
             meter.upstream_sent(now())
-            response = await up.open(req.method, url, headers, req.body)  # type: ignore[arg-type]
-            try:
-                meter.response_started(now(), response.status_code, response.content_type)
-                read = response.read
-                feed = meter.feed
-                while chunk := await read():
-                    feed(chunk, now())
-            finally:
-                await response.aclose()
+            # the meter is the response's sink: status and every read reach it from the
+            # connection's protocol, each read stamped once when it arrived
+            await up.request(req.method, target, headers, req.body, meter)
         except UpstreamError as exc:  # no response: refused, reset, timed out, bad URL
             outcome, error = exc.outcome, str(exc)
         except UpstreamBodyTimeout as exc:
