@@ -20,29 +20,41 @@ import os
 import sys
 import time
 
-TOKEN = ('data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-         '"ts":{ts:.7f},"choices":[{{"index":0,"delta":{{"content":"tok{k} "}},"finish_reason":null}}]}}\n\n')
-ROLE = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
-FINISH = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-          b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n')
-USAGE = ('data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-         '"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":{n},"total_tokens":{t}}}}}\n\n')
+TOKEN = (
+    'data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    '"ts":{ts:.7f},"choices":[{{"index":0,"delta":{{"content":"tok{k} "}},"finish_reason":null}}]}}\n\n'
+)
+ROLE = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+)
+FINISH = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+)
+USAGE = (
+    'data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    '"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":{n},"total_tokens":{t}}}}}\n\n'
+)
 BODY = b'{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":100,"stream":true}'
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="CPU per event of the proxy's metering path, in-process.")
-    ap.add_argument("src", nargs="?", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    help="folder holding the mlxproxy package to measure (default: this repository)")
+    ap.add_argument(
+        "src",
+        nargs="?",
+        default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        help="folder holding the mlxproxy package to measure (default: this repository)",
+    )
     ap.add_argument("--tokens", type=int, default=100, help="content events per stream (default 100)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of 500 streams instead")
     args = ap.parse_args(argv)
     src = os.path.abspath(args.src)
     sys.path.insert(0, src)
-    import mlxproxy
     from prometheus_client import CollectorRegistry
 
+    import mlxproxy
     from mlxproxy.core.analyze import finish_checked
     from mlxproxy.core.detect import Thresholds
     from mlxproxy.core.meter import RequestMeter
@@ -54,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"imported {mlxproxy.__file__}, not the package under {src}", file=sys.stderr)
         return 2
     n_tok = args.tokens
-    chunks = ([ROLE] + [TOKEN.format(ts=1000.0 + k, k=k).encode() for k in range(n_tok)]
-              + [FINISH + USAGE.format(n=n_tok, t=n_tok + 12).encode() + b"data: [DONE]\n\n"])
+    chunks = (
+        [ROLE]
+        + [TOKEN.format(ts=1000.0 + k, k=k).encode() for k in range(n_tok)]
+        + [FINISH + USAGE.format(n=n_tok, t=n_tok + 12).encode() + b"data: [DONE]\n\n"]
+    )
     metrics = ProxyMetrics(CollectorRegistry())
     th = Thresholds()
     now = time.perf_counter
@@ -115,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(n):
             one_stream()
         runs.append((time.process_time() - t0) / (n * n_tok) * 1e6)
-    print(f"{src}: {min(runs):.2f} us CPU per event, {n_tok}-token streams "
-          f"(best of 5: {', '.join(f'{r:.2f}' for r in runs)})")
+    print(
+        f"{src}: {min(runs):.2f} us CPU per event, {n_tok}-token streams "
+        f"(best of 5: {', '.join(f'{r:.2f}' for r in runs)})"
+    )
     return 0
 
 

@@ -26,10 +26,16 @@ import time
 import urllib.request
 
 
-
 def request_body(tokens: int) -> bytes:
-    return json.dumps({"model": "sim", "stream": True, "max_tokens": tokens,
-                       "messages": [{"role": "user", "content": "Tell me about the sea. " * 20}]}).encode()
+    return json.dumps(
+        {
+            "model": "sim",
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "Tell me about the sea. " * 20}],
+        }
+    ).encode()
+
 
 FIRST_TOKEN = re.compile(rb'"(?:content|reasoning_content|reasoning)":"[^"]')  # a non-empty delta: a generated token
 
@@ -63,8 +69,10 @@ class StreamClient(asyncio.Protocol):
         self.buf.clear()
         self.t_first = None
         self.waiter = asyncio.get_running_loop().create_future()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(self.body)}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(self.body)}\r\n\r\n"
+        ).encode()
         t0 = time.perf_counter()
         self.transport.write(head + self.body)
         await asyncio.wait_for(self.waiter, 60)
@@ -125,30 +133,60 @@ def main() -> int:
         env["MLXPROXY_STACK"] = a.stack
     sim_port, px_port = free_port(), free_port()
     exe = [sys.executable, "-m", "mlxproxy"]
-    procs = [subprocess.Popen(exe + ["sim", "--port", str(sim_port), "--decode-tps", "100", "--max-batch", "0"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(
+            exe + ["sim", "--port", str(sim_port), "--decode-tps", "100", "--max-batch", "0"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     try:
         wait_http(f"http://127.0.0.1:{sim_port}/health")
-        procs.append(subprocess.Popen(exe + ["serve", "--upstream", f"http://127.0.0.1:{sim_port}", "--port", str(px_port),
-                                             "--log-level", "warning"], env=env, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                exe
+                + [
+                    "serve",
+                    "--upstream",
+                    f"http://127.0.0.1:{sim_port}",
+                    "--port",
+                    str(px_port),
+                    "--log-level",
+                    "warning",
+                ],
+                env=env,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         wait_http(f"http://127.0.0.1:{px_port}/healthz")
-        print(f"stack: {a.stack or 'fastest installed'}; sim 100 tok/s per stream, {a.tokens} tokens; "
-              f"{a.requests} requests per stream", flush=True)
+        print(
+            f"stack: {a.stack or 'fastest installed'}; sim 100 tok/s per stream, {a.tokens} tokens; "
+            f"{a.requests} requests per stream",
+            flush=True,
+        )
         rows = []
         for n in a.streams or [4, 16]:
             got = asyncio.run(run_clients(px_port, n, a.requests, a.tokens))
             recs = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{px_port}/streams").read())["recent"]
             by_id = {r["id"]: r for r in recs}
             diffs = [(c - by_id[rid]["ttft_s"]) * 1000 for c, rid in got if rid in by_id and by_id[rid]["ttft_s"]]
-            diffs = diffs[len(diffs) // 10:]  # the first tenth is warm-up (connections, caches)
+            diffs = diffs[len(diffs) // 10 :]  # the first tenth is warm-up (connections, caches)
             health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{px_port}/healthz").read())
-            row = {"streams": n, "n": len(diffs), "p50_ms": round(statistics.median(diffs), 3),
-                   "p95_ms": round(pct(diffs, 95), 3), "max_ms": round(max(diffs), 3),
-                   "loop_lag_max_ms": round(health.get("event_loop_lag_max_s", 0.0) * 1000, 3)}
+            row = {
+                "streams": n,
+                "n": len(diffs),
+                "p50_ms": round(statistics.median(diffs), 3),
+                "p95_ms": round(pct(diffs, 95), 3),
+                "max_ms": round(max(diffs), 3),
+                "loop_lag_max_ms": round(health.get("event_loop_lag_max_s", 0.0) * 1000, 3),
+            }
             rows.append(row)
-            print(f"{n:>3} streams: client TTFT - record ttft_s: p50 {row['p50_ms']:.2f} ms  p95 {row['p95_ms']:.2f} ms  "
-                  f"max {row['max_ms']:.2f} ms  (n={row['n']}); proxy loop lag max so far {row['loop_lag_max_ms']:.1f} ms",
-                  flush=True)
+            print(
+                f"{n:>3} streams: client TTFT - record ttft_s: p50 {row['p50_ms']:.2f} ms  p95 {row['p95_ms']:.2f} ms  "
+                f"max {row['max_ms']:.2f} ms  (n={row['n']}); proxy loop lag max so far {row['loop_lag_max_ms']:.1f} ms",
+                flush=True,
+            )
         if a.json:
             print(json.dumps(rows))
     finally:

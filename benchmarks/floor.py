@@ -44,9 +44,13 @@ class Floor:
             await send({"type": "http.response.body", "body": b"ok"})
             return
         if self.session is None:
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-                                                 cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=None),
-                                                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None),
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
         body = b""
         while True:
             msg = await receive()
@@ -57,11 +61,17 @@ class Floor:
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in DROP]
-        resp = await self.session.request(scope["method"], URL(url, encoded=True), headers=headers, data=body or None,
-                                          allow_redirects=False)
+        resp = await self.session.request(
+            scope["method"], URL(url, encoded=True), headers=headers, data=body or None, allow_redirects=False
+        )
         try:
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": [(k, v) for k, v in resp.raw_headers if k.lower() not in DROP_RESPONSE]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status,
+                    "headers": [(k, v) for k, v in resp.raw_headers if k.lower() not in DROP_RESPONSE],
+                }
+            )
             read = resp.content.readany
             while chunk := await read():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -78,8 +88,18 @@ def main() -> None:
     from mlxproxy.runner import stack_settings  # the proxy's own choice of stack (MLXPROXY_STACK)
 
     loop, http = stack_settings()
-    uvicorn.run(Floor(a.upstream), host="127.0.0.1", port=a.port, loop=loop, http=http,
-                log_level="warning", access_log=False, server_header=False, date_header=False, lifespan="on")
+    uvicorn.run(
+        Floor(a.upstream),
+        host="127.0.0.1",
+        port=a.port,
+        loop=loop,
+        http=http,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

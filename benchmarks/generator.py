@@ -90,8 +90,9 @@ class Harness:
     """The overhead harness's client (benchmarks/loadgen.py) in its own process."""
 
     def __init__(self) -> None:
-        self.p = subprocess.Popen([PY, os.path.join(HERE, "loadgen.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            [PY, os.path.join(HERE, "loadgen.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
 
     def job(self, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self.p.stdin is not None and self.p.stdout is not None
@@ -112,21 +113,29 @@ class Harness:
 
 
 def _body(stream: bool, tokens: int) -> bytes:
-    obj: dict[str, Any] = {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": tokens}
+    obj: dict[str, Any] = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": tokens,
+    }
     if stream:
         obj.update(stream=True, stream_options={"include_usage": True})
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: int, concurrency: int = 0) -> dict[str, Any]:
+async def ours(
+    url: str, *, rate: float | None, n: int, stream: bool, tokens: int, concurrency: int = 0
+) -> dict[str, Any]:
     """mlxproxy's client: an open loop at `rate` (as `--rate` sends), or a closed loop of
     `concurrency` workers; every response metered and checked as in a real run."""
     sys.path.insert(0, REPO)
     from mlxproxy.load import arrival_offsets, sent_rate
     from mlxproxy.loadgen import MeasuringClient, PreparedRequest
 
-    reqs = [PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
-            for _ in range(n)]
+    reqs = [
+        PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
+        for _ in range(n)
+    ]
     async with MeasuringClient(url, timeout_s=60.0) as client:
         cpu0, t0 = _cpu(), now()
         if rate:
@@ -136,12 +145,19 @@ async def ours(url: str, *, rate: float | None, n: int, stream: bool, tokens: in
         elapsed, cpu = now() - t0, _cpu() - cpu0
     ok = [r for r in timed.records if r.outcome in ("ok", "ok_no_done")]
     span = (max(r.t_end_mono for r in ok) - min(r.t_start_mono for r in ok)) if ok else 0.0
-    return {"requests": n, "ok": len(ok), "sent_rps": sent_rate([r.t_start_mono for r in timed.records]),
-            "done_rps": len(ok) / span if span else None, "lag_p50_ms": _ms(pct(timed.lag_s, 50)),
-            "lag_p99_ms": _ms(pct(timed.lag_s, 99)), "decode_tps_p50": pct([r.decode_tps for r in ok if r.decode_tps], 50),
-            "client_cores": cpu / elapsed if elapsed else None, "elapsed_s": elapsed,
-            "cpu_us_per_request": cpu / n * 1e6 if n else None,
-            "cpu_us_per_event": cpu / events * 1e6 if (events := sum(r.generated_events for r in ok)) else None}
+    return {
+        "requests": n,
+        "ok": len(ok),
+        "sent_rps": sent_rate([r.t_start_mono for r in timed.records]),
+        "done_rps": len(ok) / span if span else None,
+        "lag_p50_ms": _ms(pct(timed.lag_s, 50)),
+        "lag_p99_ms": _ms(pct(timed.lag_s, 99)),
+        "decode_tps_p50": pct([r.decode_tps for r in ok if r.decode_tps], 50),
+        "client_cores": cpu / elapsed if elapsed else None,
+        "elapsed_s": elapsed,
+        "cpu_us_per_request": cpu / n * 1e6 if n else None,
+        "cpu_us_per_event": cpu / events * 1e6 if (events := sum(r.generated_events for r in ok)) else None,
+    }
 
 
 def _run(coro: Any) -> dict[str, Any]:
@@ -182,50 +198,83 @@ def main() -> None:
         sys.path.insert(0, REPO)
         from mlxproxy.runner import stack_settings
 
-        print(f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "
-              "harness's client")
+        print(
+            f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "
+            "harness's client"
+        )
         print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
-        print(f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
-              f" {'CPU us/req':>10}")
+        print(
+            f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
+            f" {'CPU us/req':>10}"
+        )
         for rate in rates:
             r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8))
             results["nonstream"].append({"rate": rate, **r})
-            print(f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
-                  f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
-                  f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}")
+            print(
+                f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
+                f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
+                f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}"
+            )
 
         print(f"\n2. {streams} concurrent streams at 100 tok/s (100-token answers, {streams} requests/s open loop)")
         set_rate(port, 100.0)
         r = _run(ours(url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100))
         results["streams"]["mlxproxy"] = r
-        h = harness.job({"kind": "load", "host": "127.0.0.1", "port": port, "streams": streams, "tokens": 100,
-                         "warmup_s": 1.0, "window_s": seconds, "ramp_s": 1.0, "drain_s": 5}, seconds + 60)
+        h = harness.job(
+            {
+                "kind": "load",
+                "host": "127.0.0.1",
+                "port": port,
+                "streams": streams,
+                "tokens": 100,
+                "warmup_s": 1.0,
+                "window_s": seconds,
+                "ramp_s": 1.0,
+                "drain_s": 5,
+            },
+            seconds + 60,
+        )
         gaps = h.get("gaps") or []
         per_stream = (h["events"] / h["window_s"] / streams) if h.get("window_s") else None
-        results["streams"]["harness"] = {"per_stream_tps": per_stream, "gap_p99_ms": _ms(pct(gaps, 99)),
-                                         "errors": h.get("errors"), "client_cores": (h.get("client_cpu_s") or 0.0)
-                                         / (h.get("elapsed_s") or 1.0)}
-        print(f"  mlxproxy client: {r['ok']}/{r['requests']} ok, sent {_f(r['sent_rps'], '.0f')}/s, schedule lag p50 "
-              f"{_f(r['lag_p50_ms'], '.2f')} ms, p99 {_f(r['lag_p99_ms'], '.2f')} ms, decode tok/s p50 "
-              f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores, "
-              f"{_f(r['cpu_us_per_event'])} CPU us per event")
+        results["streams"]["harness"] = {
+            "per_stream_tps": per_stream,
+            "gap_p99_ms": _ms(pct(gaps, 99)),
+            "errors": h.get("errors"),
+            "client_cores": (h.get("client_cpu_s") or 0.0) / (h.get("elapsed_s") or 1.0),
+        }
+        print(
+            f"  mlxproxy client: {r['ok']}/{r['requests']} ok, sent {_f(r['sent_rps'], '.0f')}/s, schedule lag p50 "
+            f"{_f(r['lag_p50_ms'], '.2f')} ms, p99 {_f(r['lag_p99_ms'], '.2f')} ms, decode tok/s p50 "
+            f"{_f(r['decode_tps_p50'])} (truth 100), {_f(r['client_cores'], '.2f')} cores, "
+            f"{_f(r['cpu_us_per_event'])} CPU us per event"
+        )
         hs = results["streams"]["harness"]
-        print(f"  harness client:  {_f(hs['per_stream_tps'])} tok/s per stream, event gap p99 {_f(hs['gap_p99_ms'], '.2f')}"
-              f" ms, {hs['errors']} errors, {_f(hs['client_cores'], '.2f')} cores")
+        print(
+            f"  harness client:  {_f(hs['per_stream_tps'])} tok/s per stream, event gap p99 {_f(hs['gap_p99_ms'], '.2f')}"
+            f" ms, {hs['errors']} errors, {_f(hs['client_cores'], '.2f')} cores"
+        )
 
         print("\n3. closed loop, 64 workers, 1-token streams as fast as the upstream answers")
         set_rate(port, 0.0)
         n = int(1000 * seconds / 5) if not args.quick else 500
         r = _run(ours(url, rate=None, n=n, stream=True, tokens=1, concurrency=64))
         t0 = now()
-        h = harness.job({"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64,
-                         "max_s": 120}, 180)
+        h = harness.job(
+            {"kind": "churn", "host": "127.0.0.1", "port": port, "n": n, "tokens": 1, "concurrency": 64, "max_s": 120},
+            180,
+        )
         h_rps = (h.get("done") or 0) / (now() - t0)
-        results["closed"] = {"mlxproxy_rps": r["done_rps"], "harness_rps": h_rps, "mlxproxy_cores": r["client_cores"],
-                             "mlxproxy_cpu_us_per_request": r["cpu_us_per_request"]}
-        print(f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores, "
-              f"{_f(r['cpu_us_per_request'], '.0f')} CPU us/req); "
-              f"harness client: {h_rps:.0f} req/s (incl. its job round trip)")
+        results["closed"] = {
+            "mlxproxy_rps": r["done_rps"],
+            "harness_rps": h_rps,
+            "mlxproxy_cores": r["client_cores"],
+            "mlxproxy_cpu_us_per_request": r["cpu_us_per_request"],
+        }
+        print(
+            f"  mlxproxy client: {_f(r['done_rps'], '.0f')} req/s ({_f(r['client_cores'], '.2f')} cores, "
+            f"{_f(r['cpu_us_per_request'], '.0f')} CPU us/req); "
+            f"harness client: {h_rps:.0f} req/s (incl. its job round trip)"
+        )
     finally:
         harness.close()
         up.kill()
@@ -238,7 +287,9 @@ def main() -> None:
     ok_2000 = bool(at) and all((x["done_rps"] or 0) >= 0.95 * x["rate"] and (x["lag_p99_ms"] or 1e9) <= 5.0 for x in at)
     s = results["streams"]["mlxproxy"]
     ok_streams = (s["lag_p99_ms"] or 1e9) <= 5.0 and s["ok"] == s["requests"]
-    print(f"target >= 2000 req/s non-streaming with lag p99 <= 5 ms: {'met' if ok_2000 else 'NOT met' if at else 'not run'}")
+    print(
+        f"target >= 2000 req/s non-streaming with lag p99 <= 5 ms: {'met' if ok_2000 else 'NOT met' if at else 'not run'}"
+    )
     print(f"target {streams} streams at 100 tok/s with lag p99 <= 5 ms: {'met' if ok_streams else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:

@@ -82,8 +82,21 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
     port = free_port()
     out = os.path.join(workdir, "callgrind.out")
     env = dict(os.environ, PYTHONPATH=src)
-    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m", "mlxproxy", "serve",
-            "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port), "--log-level", "warning"]
+    argv = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        "-m",
+        "mlxproxy",
+        "serve",
+        "--upstream",
+        f"http://127.0.0.1:{up_port}",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     with open(os.path.join(workdir, "valgrind.log"), "w") as log:
         proc = subprocess.Popen(argv, env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -108,8 +121,12 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Instructions per proxied request under callgrind (A/B on a busy machine).")
-    ap.add_argument("src", nargs="*", default=[REPO], help="folders holding an mlxproxy package (default: this repository)")
+    ap = argparse.ArgumentParser(
+        description="Instructions per proxied request under callgrind (A/B on a busy machine)."
+    )
+    ap.add_argument(
+        "src", nargs="*", default=[REPO], help="folders holding an mlxproxy package (default: this repository)"
+    )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions.py: valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
@@ -118,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.join(src, "mlxproxy")):
             print(f"instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
-    up = subprocess.Popen([sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", "200"],
-                          stdout=subprocess.PIPE, text=True)
+    up = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", "200"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = up.stdout.readline() if up.stdout else ""
         up_port = int(line.split()[1])

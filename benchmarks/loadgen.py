@@ -31,8 +31,10 @@ def request_bytes(host: str, port: int, path: str, body: bytes, auth: str | None
     """The request, byte for byte the same for every target (an API key, when given, is sent
     to all of them: LiteLLM insists on one, the others just forward or ignore it)."""
     key = f"Authorization: Bearer {auth}\r\n" if auth else ""
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: */*\r\n{key}Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Accept: */*\r\n{key}Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def chat_body(stream: bool, tokens: int) -> bytes:
@@ -127,7 +129,7 @@ class Conn(asyncio.Protocol):
                     length = int(v)
                 elif k == b"connection" and b"close" in v.lower():
                     resp.closed = True
-            data = head[i + 4:]
+            data = head[i + 4 :]
             if not self.chunked:
                 self.remaining = length
                 if length == 0:
@@ -143,8 +145,14 @@ class Conn(asyncio.Protocol):
                     self._finish(t)
 
     def eof_received(self) -> bool | None:
-        if self.fut is not None and not self.fut.done() and self.resp is not None and not self.in_head \
-                and not self.chunked and self.remaining < 0:
+        if (
+            self.fut is not None
+            and not self.fut.done()
+            and self.resp is not None
+            and not self.in_head
+            and not self.chunked
+            and self.remaining < 0
+        ):
             self._finish(now())  # body delimited by the connection's end
         return None
 
@@ -157,7 +165,7 @@ class Conn(asyncio.Protocol):
         while pos < n:
             if self.remaining:
                 take = min(self.remaining, n - pos)
-                self._payload(buf[pos:pos + take], t)
+                self._payload(buf[pos : pos + take], t)
                 pos += take
                 self.remaining -= take
                 if not self.remaining:
@@ -213,7 +221,7 @@ class Conn(asyncio.Protocol):
             if k >= 0:
                 e = buf.find(b",", k, end)
                 try:
-                    w.lat.append(t - float(buf[k + 5:e]))
+                    w.lat.append(t - float(buf[k + 5 : e]))
                 except ValueError:
                     pass
         self.last = t
@@ -244,8 +252,17 @@ class Errors:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
 
-async def one(conn: Conn | None, host: str, port: int, raw: bytes, window: Window | None, timeout: float,
-              errors: Errors, expect_tokens: int | None, clipped: bool = False) -> tuple[Conn | None, Response | None]:
+async def one(
+    conn: Conn | None,
+    host: str,
+    port: int,
+    raw: bytes,
+    window: Window | None,
+    timeout: float,
+    errors: Errors,
+    expect_tokens: int | None,
+    clipped: bool = False,
+) -> tuple[Conn | None, Response | None]:
     """One request on `conn` (reconnecting when needed); counts failures in `errors`.
     `clipped`: `timeout` is the job's remaining time, not the request timeout."""
     try:
@@ -282,8 +299,9 @@ async def job_seq(job: dict) -> dict:
     """`n` sequential requests on one connection; latency = request written -> body complete."""
     host, port = job["host"], job["port"]
     stream = bool(job.get("stream"))
-    raw = request_bytes(host, port, job.get("path", "/v1/chat/completions"), chat_body(stream, job.get("tokens", 8)),
-                        job.get("auth"))
+    raw = request_bytes(
+        host, port, job.get("path", "/v1/chat/completions"), chat_body(stream, job.get("tokens", 8)), job.get("auth")
+    )
     errors = Errors()
     lat: list[float] = []
     ttft: list[float] = []
@@ -293,8 +311,9 @@ async def job_seq(job: dict) -> dict:
         if now() > deadline:
             errors.add("job_deadline")
             break
-        conn, resp = await one(conn, host, port, raw, None, job.get("timeout", 10), errors,
-                               job.get("tokens") if stream else None)
+        conn, resp = await one(
+            conn, host, port, raw, None, job.get("timeout", 10), errors, job.get("tokens") if stream else None
+        )
         if resp is not None and resp.status == 200 and resp.t_end is not None:
             lat.append(resp.t_end - resp.t_sent)
             if resp.t_first is not None:
@@ -326,7 +345,9 @@ async def job_load(job: dict) -> dict:
             if remaining <= 0:
                 break
             timeout = job.get("timeout", 30)
-            conn, resp = await one(conn, host, port, raw, w, min(timeout, remaining), errors, tokens, remaining < timeout)
+            conn, resp = await one(
+                conn, host, port, raw, w, min(timeout, remaining), errors, tokens, remaining < timeout
+            )
             requests[0] += 1
             if resp is not None:
                 total_events[0] += resp.tokens
@@ -338,9 +359,15 @@ async def job_load(job: dict) -> dict:
     await asyncio.gather(*(worker(i) for i in range(n)))
     t_done = now()
     return {
-        "events": w.events, "window_s": w.t1 - w.t0, "gaps": [round(g, 7) for g in w.gaps],
-        "lat": [round(x, 7) for x in w.lat], "errors": errors.count, "error_kinds": errors.kinds,
-        "requests": requests[0], "total_events": total_events[0], "elapsed_s": t_done - t_begin,
+        "events": w.events,
+        "window_s": w.t1 - w.t0,
+        "gaps": [round(g, 7) for g in w.gaps],
+        "lat": [round(x, 7) for x in w.lat],
+        "errors": errors.count,
+        "error_kinds": errors.kinds,
+        "requests": requests[0],
+        "total_events": total_events[0],
+        "elapsed_s": t_done - t_begin,
         "client_cpu_s": _cpu() - cpu0,
     }
 
@@ -365,8 +392,12 @@ async def job_churn(job: dict) -> dict:
     await asyncio.gather(*(worker() for _ in range(job.get("concurrency", 8))))
     if left[0] > 0:
         errors.add("job_deadline")
-    return {"errors": errors.count, "error_kinds": errors.kinds, "done": job["n"] - max(left[0], 0),
-            "elapsed_s": now() - t0}
+    return {
+        "errors": errors.count,
+        "error_kinds": errors.kinds,
+        "done": job["n"] - max(left[0], 0),
+        "elapsed_s": now() - t0,
+    }
 
 
 JOBS = {"seq": job_seq, "load": job_load, "churn": job_churn}

@@ -55,6 +55,7 @@ def choose_litellm(option: str | None, quick: bool, found: str) -> tuple[str, st
         return found, ""
     return "", "not found: set $MLXPROXY_LITELLM or --litellm PATH, or put `litellm` on PATH"
 
+
 # -- targets (the issue's figures, 2-core machine, ratios measured in one run) ------------
 # the targets of the timing issue (default install and fast stack alike)
 T_SEQ_P50_MS = 0.3
@@ -232,8 +233,9 @@ class LoadGens:
         self.procs = [self._start() for _ in range(n)]
 
     def _start(self) -> subprocess.Popen[Any]:
-        return self.children.spawn([PY, os.path.join(HERE, "loadgen.py")], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, bufsize=1)
+        return self.children.spawn(
+            [PY, os.path.join(HERE, "loadgen.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
 
     @property
     def pids(self) -> list[int]:
@@ -242,12 +244,16 @@ class LoadGens:
     def call(self, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         if job["kind"] != "load" or len(self.procs) == 1:
             return self._call_all([(self.procs[0], job)], timeout_s)[0]
-        shares = [job["streams"] // len(self.procs) + (1 if i < job["streams"] % len(self.procs) else 0)
-                  for i in range(len(self.procs))]
+        shares = [
+            job["streams"] // len(self.procs) + (1 if i < job["streams"] % len(self.procs) else 0)
+            for i in range(len(self.procs))
+        ]
         jobs = [(p, {**job, "streams": s}) for p, s in zip(self.procs, shares) if s]
         return merge_load(self._call_all(jobs, timeout_s))
 
-    def _call_all(self, jobs: list[tuple[subprocess.Popen[Any], dict[str, Any]]], timeout_s: float) -> list[dict[str, Any]]:
+    def _call_all(
+        self, jobs: list[tuple[subprocess.Popen[Any], dict[str, Any]]], timeout_s: float
+    ) -> list[dict[str, Any]]:
         for p, job in jobs:
             assert p.stdin is not None
             p.stdin.write(json.dumps(job) + "\n")
@@ -269,8 +275,18 @@ class LoadGens:
 
 
 def merge_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    m: dict[str, Any] = {"events": 0, "gaps": [], "lat": [], "errors": 0, "error_kinds": {}, "requests": 0,
-                         "total_events": 0, "elapsed_s": 0.0, "client_cpu_s": 0.0, "window_s": 0.0}
+    m: dict[str, Any] = {
+        "events": 0,
+        "gaps": [],
+        "lat": [],
+        "errors": 0,
+        "error_kinds": {},
+        "requests": 0,
+        "total_events": 0,
+        "elapsed_s": 0.0,
+        "client_cpu_s": 0.0,
+        "window_s": 0.0,
+    }
     for p in parts:
         if "fatal" in p:
             m["errors"] += 1
@@ -305,8 +321,9 @@ def capture_supported() -> bool:
     return "--capture" in r.stdout
 
 
-def launch(children: Children, name: str, argv: list[str], workdir: str, health_url: str, timeout_s: float,
-           **popen: Any) -> tuple[subprocess.Popen[Any] | None, str]:
+def launch(
+    children: Children, name: str, argv: list[str], workdir: str, health_url: str, timeout_s: float, **popen: Any
+) -> tuple[subprocess.Popen[Any] | None, str]:
     """Start a target with its output in WORKDIR/NAME.log; wait until `health_url` answers.
     Returns the process (None, stopped, when it did not come up) and the log's path."""
     log = open(os.path.join(workdir, f"{name}.log"), "w")
@@ -317,11 +334,22 @@ def launch(children: Children, name: str, argv: list[str], workdir: str, health_
     return None, log.name
 
 
-def start_mlxproxy(children: Children, name: str, up_port: int, workdir: str, capture: str | None = None,
-                   src: str | None = None) -> Target:
+def start_mlxproxy(
+    children: Children, name: str, up_port: int, workdir: str, capture: str | None = None, src: str | None = None
+) -> Target:
     port = free_port()
-    argv = [PY, "-m", "mlxproxy", "serve", "--upstream", f"http://{HOST}:{up_port}", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        PY,
+        "-m",
+        "mlxproxy",
+        "serve",
+        "--upstream",
+        f"http://{HOST}:{up_port}",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     if capture:
         argv += ["--capture", capture]
     env = dict(os.environ)
@@ -386,8 +414,14 @@ def start_nginx(children: Children, up_port: int, workdir: str) -> Target | None
     conf = os.path.join(d, "nginx.conf")
     with open(conf, "w") as f:
         f.write(NGINX_CONF.format(d=d, host=HOST, up=up_port, port=port))
-    p, log = launch(children, "nginx", [exe, "-c", conf, "-p", d, "-e", os.path.join(d, "nginx-error.log")], workdir,
-                    f"http://{HOST}:{port}/health", 15)
+    p, log = launch(
+        children,
+        "nginx",
+        [exe, "-c", conf, "-p", d, "-e", os.path.join(d, "nginx-error.log")],
+        workdir,
+        f"http://{HOST}:{port}/health",
+        15,
+    )
     if p is None:
         print(f"  nginx did not start (see {log}); skipped", flush=True)
         return None
@@ -415,9 +449,25 @@ def start_litellm(children: Children, exe: str, up_port: int, workdir: str, key:
     with open(conf, "w") as f:
         f.write(LITELLM_CONF.format(host=HOST, up=up_port))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "LITELLM"))}
-    env.update({"LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True", "DISABLE_SCHEMA_UPDATE": "True"})
-    p, log = launch(children, "litellm", [exe, "--config", conf, "--host", HOST, "--port", str(port), "--num_workers", "1"],
-                    workdir, f"http://{HOST}:{port}/health/liveliness", 120, env=env, cwd=workdir)
+    env.update(
+        {
+            "LITELLM_MASTER_KEY": key,
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+            "NO_DOCS": "True",
+            "DISABLE_SCHEMA_UPDATE": "True",
+        }
+    )
+    p, log = launch(
+        children,
+        "litellm",
+        [exe, "--config", conf, "--host", HOST, "--port", str(port), "--num_workers", "1"],
+        workdir,
+        f"http://{HOST}:{port}/health/liveliness",
+        120,
+        env=env,
+        cwd=workdir,
+    )
     if p is None:
         print(f"  litellm did not start (see {log}); skipped", flush=True)
         return None
@@ -446,7 +496,9 @@ def sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def paired_added(target: list[dict[str, Any]], direct: list[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+def paired_added(
+    target: list[dict[str, Any]], direct: list[dict[str, Any]], key: str
+) -> tuple[float | None, float | None]:
     """Added p50 and p99: per round, the target's percentile minus the direct run's of the same
     round (run back to back), then the median over rounds, so one noisy round cannot decide."""
     d50, d99 = [], []
@@ -485,11 +537,36 @@ class Plan:
     profile_s: float
 
 
-FULL = Plan(rounds=3, seq_n=300, ttft_n=150, concs=(1, 16, 64, 256), fast_concs=(1, 16, 64, 256), window_s=2.5,
-            warmup_s=1.2, paced_tokens=100, fast_tokens=100, rate=100.0, churn_n=10_000, capture_concs=(64, 256),
-            profile_s=15.0)
-QUICK = Plan(rounds=2, seq_n=100, ttft_n=40, concs=(1, 64, 256), fast_concs=(64,), window_s=1.0, warmup_s=1.0,
-             paced_tokens=100, fast_tokens=100, rate=100.0, churn_n=1_000, capture_concs=(64,), profile_s=8.0)
+FULL = Plan(
+    rounds=3,
+    seq_n=300,
+    ttft_n=150,
+    concs=(1, 16, 64, 256),
+    fast_concs=(1, 16, 64, 256),
+    window_s=2.5,
+    warmup_s=1.2,
+    paced_tokens=100,
+    fast_tokens=100,
+    rate=100.0,
+    churn_n=10_000,
+    capture_concs=(64, 256),
+    profile_s=15.0,
+)
+QUICK = Plan(
+    rounds=2,
+    seq_n=100,
+    ttft_n=40,
+    concs=(1, 64, 256),
+    fast_concs=(64,),
+    window_s=1.0,
+    warmup_s=1.0,
+    paced_tokens=100,
+    fast_tokens=100,
+    rate=100.0,
+    churn_n=1_000,
+    capture_concs=(64,),
+    profile_s=8.0,
+)
 
 
 class Bench:
@@ -518,14 +595,18 @@ class Bench:
         self.targets.append(self.mlx)
         for spec in a.extra_proxy:
             name, _, src = spec.partition("=")
-            self.targets.append(start_mlxproxy(self.children, name, self.up_port, self.workdir, src=os.path.abspath(src)))
+            self.targets.append(
+                start_mlxproxy(self.children, name, self.up_port, self.workdir, src=os.path.abspath(src))
+            )
         self.capture: Target | None = None
         self.capture_note = ""
         if not a.no_capture:
             if capture_supported():
                 cap_file = os.path.join(self.workdir, "capture.jsonl")
                 cap_conc = set(self.plan.capture_concs)
-                self.capture = start_mlxproxy(self.children, "mlxproxy+capture", self.up_port, self.workdir, capture=cap_file)
+                self.capture = start_mlxproxy(
+                    self.children, "mlxproxy+capture", self.up_port, self.workdir, capture=cap_file
+                )
                 self.capture.only = lambda mode, c: c in cap_conc
                 self.capture_file = cap_file
                 self.targets.append(self.capture)
@@ -555,8 +636,10 @@ class Bench:
                         break
         except OSError:
             pass
-        self.say(f"machine: {os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), CPU: {cpu}, "
-                 f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+        self.say(
+            f"machine: {os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), CPU: {cpu}, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+        )
         import importlib.metadata as md
 
         vers = []
@@ -568,13 +651,17 @@ class Bench:
         from mlxproxy.runner import stack_settings
 
         loop, http = stack_settings(self.args.stack)
-        self.say(f"proxy stack: {loop} + {http} (--stack {self.args.stack or 'default'}); installed: " + ", ".join(vers))
+        self.say(
+            f"proxy stack: {loop} + {http} (--stack {self.args.stack or 'default'}); installed: " + ", ".join(vers)
+        )
         self.say("targets: " + ", ".join(t.name + (f" ({t.note})" if t.note else "") for t in self.targets))
         p = self.plan
-        self.say(f"plan: {p.rounds} interleaved rounds; seq {p.seq_n} req/round; ttft {p.ttft_n} req/round; "
-                 f"streams {p.concs} x {p.rate:g} tok/s and {p.fast_concs} as fast as possible; "
-                 f"window {p.window_s}s after {p.warmup_s}s warm-up; {p.paced_tokens} tokens/request; "
-                 f"load generator processes: {self.args.clients}")
+        self.say(
+            f"plan: {p.rounds} interleaved rounds; seq {p.seq_n} req/round; ttft {p.ttft_n} req/round; "
+            f"streams {p.concs} x {p.rate:g} tok/s and {p.fast_concs} as fast as possible; "
+            f"window {p.window_s}s after {p.warmup_s}s warm-up; {p.paced_tokens} tokens/request; "
+            f"load generator processes: {self.args.clients}"
+        )
         if self.capture_note:
             self.say(self.capture_note)
 
@@ -587,8 +674,9 @@ class Bench:
 
     def our_cpu(self) -> float:
         """CPU seconds of this benchmark's whole process tree (to tell other processes' load apart)."""
-        return (sum(proc_cpu(p) for p in [self.upstream.pid, os.getpid()] + self.gens.pids)
-                + sum(x.cpu() for x in self.targets if x.proc is not None))
+        return sum(proc_cpu(p) for p in [self.upstream.pid, os.getpid()] + self.gens.pids) + sum(
+            x.cpu() for x in self.targets if x.proc is not None
+        )
 
     def run_job(self, t: Target, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         job = {**job, "host": HOST, "port": t.port, "auth": self.api_key}
@@ -603,7 +691,9 @@ class Bench:
         self.foreign.append((max(foreign, 0.0), wall))
         return res
 
-    def rounds(self, targets: list[Target], job: dict[str, Any], timeout_s: float, pause_s: float = 0.2) -> dict[str, list[dict[str, Any]]]:
+    def rounds(
+        self, targets: list[Target], job: dict[str, Any], timeout_s: float, pause_s: float = 0.2
+    ) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
         for r in range(self.plan.rounds):
             k = r % len(targets)
@@ -624,7 +714,9 @@ class Bench:
         p = self.plan
         self.say(f"\n[1/5] sequential non-streaming requests ({p.seq_n} per round per target)")
         res = self.rounds(self.targets, {"kind": "seq", "n": p.seq_n, "max_s": 60}, 90, 0.1)
-        self.results["scenarios"]["seq"] = {k: [{"lat": r.get("lat", []), "errors": r.get("errors")} for r in v] for k, v in res.items()}
+        self.results["scenarios"]["seq"] = {
+            k: [{"lat": r.get("lat", []), "errors": r.get("errors")} for r in v] for k, v in res.items()
+        }
         base = [x for r in res["direct"] for x in r.get("lat", [])]
         self.seq_added: dict[str, tuple[float | None, float | None]] = {}
         self.say(f"  direct: p50 {ms(pct(base, 50), 3)}  p99 {ms(pct(base, 99), 3)}  (n={len(base)})")
@@ -634,15 +726,21 @@ class Bench:
             a50, a99 = paired_added(res[t.name], res["direct"], "lat")
             self.seq_added[t.name] = (a50, a99)
             cpu = sum(r["proxy_cpu_s"] for r in res[t.name]) / max(len(lat), 1)
-            self.say(f"  {t.name}: p50 {ms(pct(lat, 50), 3)}  p99 {ms(pct(lat, 99), 3)}  added p50 {ms(a50, 3)}  "
-                     f"added p99 {ms(a99, 3)}  cpu/request {cpu * 1e6:.0f} us  errors {errs}")
+            self.say(
+                f"  {t.name}: p50 {ms(pct(lat, 50), 3)}  p99 {ms(pct(lat, 99), 3)}  added p50 {ms(a50, 3)}  "
+                f"added p99 {ms(a99, 3)}  cpu/request {cpu * 1e6:.0f} us  errors {errs}"
+            )
 
     def ttft(self) -> None:
         p = self.plan
         self.say(f"\n[2/5] single stream TTFT (8-token streams, as fast as possible, {p.ttft_n} per round per target)")
         self.set_rate(0)
-        res = self.rounds(self.targets, {"kind": "seq", "n": p.ttft_n, "stream": True, "tokens": 8, "max_s": 60}, 90, 0.1)
-        self.results["scenarios"]["ttft"] = {k: [{"ttft": r.get("ttft", []), "errors": r.get("errors")} for r in v] for k, v in res.items()}
+        res = self.rounds(
+            self.targets, {"kind": "seq", "n": p.ttft_n, "stream": True, "tokens": 8, "max_s": 60}, 90, 0.1
+        )
+        self.results["scenarios"]["ttft"] = {
+            k: [{"ttft": r.get("ttft", []), "errors": r.get("errors")} for r in v] for k, v in res.items()
+        }
         base = [x for r in res["direct"] for x in r.get("ttft", [])]
         self.ttft_added: dict[str, tuple[float | None, float | None]] = {}
         self.say(f"  direct: TTFT p50 {ms(pct(base, 50), 3)}  p99 {ms(pct(base, 99), 3)}")
@@ -651,8 +749,10 @@ class Bench:
             errs = sum(r.get("errors", 0) for r in res[t.name])
             a50, a99 = paired_added(res[t.name], res["direct"], "ttft")
             self.ttft_added[t.name] = (a50, a99)
-            self.say(f"  {t.name}: TTFT p50 {ms(pct(v, 50), 3)}  p99 {ms(pct(v, 99), 3)}  added p50 {ms(a50, 3)}  "
-                     f"added p99 {ms(a99, 3)}  errors {errs}")
+            self.say(
+                f"  {t.name}: TTFT p50 {ms(pct(v, 50), 3)}  p99 {ms(pct(v, 99), 3)}  added p50 {ms(a50, 3)}  "
+                f"added p99 {ms(a99, 3)}  errors {errs}"
+            )
 
     def load(self) -> None:
         p = self.plan
@@ -666,15 +766,24 @@ class Bench:
                 # paced: starts spread over one request's duration so request boundaries are not in step;
                 # fast: a short ramp and warm-up, there is no pacing to settle
                 ramp, warmup = (min(1.0, p.warmup_s * 0.8), p.warmup_s) if mode == "paced" else (0.2, 0.6)
-                job = {"kind": "load", "streams": c, "tokens": tokens, "warmup_s": warmup, "window_s": p.window_s,
-                       "ramp_s": ramp, "timeout": 30, "drain_s": 5}
+                job = {
+                    "kind": "load",
+                    "streams": c,
+                    "tokens": tokens,
+                    "warmup_s": warmup,
+                    "window_s": p.window_s,
+                    "ramp_s": ramp,
+                    "timeout": 30,
+                    "drain_s": 5,
+                }
                 res = self.rounds(targets, job, warmup + p.window_s + 40, 0.3)
                 row = self.summarise(mode, rate, c, tokens, targets, res)
                 self.load_rows.append(row)
                 self.print_row(row)
 
-    def summarise(self, mode: str, rate: float, c: int, tokens: int, targets: list[Target],
-                  res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def summarise(
+        self, mode: str, rate: float, c: int, tokens: int, targets: list[Target], res: dict[str, list[dict[str, Any]]]
+    ) -> dict[str, Any]:
         d = res["direct"]
 
         def eps(r: dict[str, Any]) -> float:
@@ -691,7 +800,9 @@ class Bench:
         row["direct_errors"] = sum(r.get("errors", 0) for r in d)
         row["foreign_cores"] = median([r.get("foreign_cores", 0.0) for rs in res.values() for r in rs])
         row["client_cpu_share"] = median([r.get("client_cpu_s", 0) / r["elapsed_s"] for r in d if r.get("elapsed_s")])
-        row["upstream_cpu_us"] = median([r["upstream_cpu_s"] / r["total_events"] * 1e6 for r in d if r.get("total_events")])
+        row["upstream_cpu_us"] = median(
+            [r["upstream_cpu_s"] / r["total_events"] * 1e6 for r in d if r.get("total_events")]
+        )
         expect = c * rate * tokens / (tokens + 1) if rate else None
         row["expected_eps"] = expect
         bound = []
@@ -712,28 +823,39 @@ class Bench:
                 for k, v in r.get("error_kinds", {}).items():
                     kinds[k] = kinds.get(k, 0) + v
             row["targets"][t.name] = {
-                "eps": median([eps(r) for r in rs]), "ratio": median(ratios), "ratios": ratios,
-                "gap_p99_infl": median(infl), "lat_p50": pct(lat, 50), "lat_p99": pct(lat, 99),
+                "eps": median([eps(r) for r in rs]),
+                "ratio": median(ratios),
+                "ratios": ratios,
+                "gap_p99_infl": median(infl),
+                "lat_p50": pct(lat, 50),
+                "lat_p99": pct(lat, 99),
                 "added_lat_p50": paired_added(rs, d, "lat")[0],
                 "added_lat_p99": paired_added(rs, d, "lat")[1],
-                "errors": sum(r.get("errors", 0) for r in rs), "error_kinds": kinds,
-                "cpu_us_per_event": median(cpu_us), "rss_mb": rss, "hwm_mb": hwm,
+                "errors": sum(r.get("errors", 0) for r in rs),
+                "error_kinds": kinds,
+                "cpu_us_per_event": median(cpu_us),
+                "rss_mb": rss,
+                "hwm_mb": hwm,
                 "cpu_share": median([r["proxy_cpu_s"] / r["elapsed_s"] for r in rs if r.get("elapsed_s")]),
             }
         return row
 
     def print_row(self, row: dict[str, Any]) -> None:
         label = f"{row['streams']} x {row['rate']:g} tok/s" if row["mode"] == "paced" else f"{row['streams']} x fast"
-        self.say(f"  {label}: direct {row['direct_eps']:.0f} ev/s, gap p99 {ms(row['direct_gap_p99'])}, "
-                 f"errors {row['direct_errors']}, client CPU {fmt(row['client_cpu_share'], '.0%')}, "
-                 f"upstream {fmt(row['upstream_cpu_us'], '.1f')} us/ev, other processes {row['foreign_cores']:.2f} cores"
-                 + (f"  ** CLIENT/UPSTREAM-BOUND: {row['client_bound']}" if row["client_bound"] else ""))
+        self.say(
+            f"  {label}: direct {row['direct_eps']:.0f} ev/s, gap p99 {ms(row['direct_gap_p99'])}, "
+            f"errors {row['direct_errors']}, client CPU {fmt(row['client_cpu_share'], '.0%')}, "
+            f"upstream {fmt(row['upstream_cpu_us'], '.1f')} us/ev, other processes {row['foreign_cores']:.2f} cores"
+            + (f"  ** CLIENT/UPSTREAM-BOUND: {row['client_bound']}" if row["client_bound"] else "")
+        )
         for name, v in row["targets"].items():
-            self.say(f"    {name:18s} {fmt(v['ratio'], '.3f')}x ({v['eps']:.0f} ev/s)  gap p99 {ms(v['gap_p99_infl'], 2, True)}  "
-                     f"event delay {ms(v['added_lat_p50'], 3, True)} p50 / {ms(v['added_lat_p99'], 3, True)} p99  "
-                     f"errors {v['errors']}{' ' + str(v['error_kinds']) if v['error_kinds'] else ''}  "
-                     f"CPU {fmt(v['cpu_us_per_event'], '.1f')} us/ev ({fmt(v['cpu_share'], '.0%')} core)  "
-                     f"RSS {v['rss_mb']:.0f} MB (peak {v['hwm_mb']:.0f})")
+            self.say(
+                f"    {name:18s} {fmt(v['ratio'], '.3f')}x ({v['eps']:.0f} ev/s)  gap p99 {ms(v['gap_p99_infl'], 2, True)}  "
+                f"event delay {ms(v['added_lat_p50'], 3, True)} p50 / {ms(v['added_lat_p99'], 3, True)} p99  "
+                f"errors {v['errors']}{' ' + str(v['error_kinds']) if v['error_kinds'] else ''}  "
+                f"CPU {fmt(v['cpu_us_per_event'], '.1f')} us/ev ({fmt(v['cpu_share'], '.0%')} core)  "
+                f"RSS {v['rss_mb']:.0f} MB (peak {v['hwm_mb']:.0f})"
+            )
 
     def churn(self) -> None:
         n = self.plan.churn_n
@@ -753,15 +875,21 @@ class Bench:
                 readings.append(t.mem()[0])
             growth = readings[-1] - readings[0]
             self.churn_res[t.name] = (growth, readings[-1] - readings[-2], readings, errors)
-            self.say(f"  {t.name}: RSS after {seg}, {4 * seg}, {7 * seg}, {10 * seg} requests: "
-                     + ", ".join(f"{x:.1f}" for x in readings) + f" MB; growth {growth:+.2f} MB; errors {errors}")
+            self.say(
+                f"  {t.name}: RSS after {seg}, {4 * seg}, {7 * seg}, {10 * seg} requests: "
+                + ", ".join(f"{x:.1f}" for x in readings)
+                + f" MB; growth {growth:+.2f} MB; errors {errors}"
+            )
 
     def profile(self) -> None:
         n = self.args.profile_streams
         target = next((t for t in self.targets if t.name == self.args.profile_target and t.proc is not None), self.mlx)
         load = self.args.profile_load
-        what = {"paced": f"{n} streams x {self.plan.rate:g} tok/s", "fast": f"{n} streams as fast as possible",
-                "seq": "sequential non-streaming requests"}[load]
+        what = {
+            "paced": f"{n} streams x {self.plan.rate:g} tok/s",
+            "fast": f"{n} streams as fast as possible",
+            "seq": "sequential non-streaming requests",
+        }[load]
         self.say(f"\n[5/5] profile of {target.name} under {what} (py-spy)")
         exe = shutil.which("py-spy") or os.path.join(os.path.dirname(PY), "py-spy")
         if not os.path.exists(exe):
@@ -772,15 +900,49 @@ class Bench:
         self.set_rate(p.rate if load == "paced" else 0)
         dur = p.profile_s
         if load == "seq":
-            job: dict[str, Any] = {"kind": "seq", "n": 1_000_000, "max_s": dur + 1.5, "host": HOST, "port": target.port,
-                                   "auth": self.api_key}
+            job: dict[str, Any] = {
+                "kind": "seq",
+                "n": 1_000_000,
+                "max_s": dur + 1.5,
+                "host": HOST,
+                "port": target.port,
+                "auth": self.api_key,
+            }
         else:
-            job = {"kind": "load", "streams": n, "tokens": p.paced_tokens, "warmup_s": 1.0, "window_s": dur + 1.0,
-                   "ramp_s": 0.8, "timeout": 30, "drain_s": 10, "host": HOST, "port": target.port, "auth": self.api_key}
+            job = {
+                "kind": "load",
+                "streams": n,
+                "tokens": p.paced_tokens,
+                "warmup_s": 1.0,
+                "window_s": dur + 1.0,
+                "ramp_s": 0.8,
+                "timeout": 30,
+                "drain_s": 10,
+                "host": HOST,
+                "port": target.port,
+                "auth": self.api_key,
+            }
         assert target.proc is not None
-        prof = self.children.spawn([exe, "record", "-p", str(target.proc.pid), "-d", f"{dur:g}", "-r", "250",
-                                    "--nonblocking", "-f", "raw", "-o", out], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True)
+        prof = self.children.spawn(
+            [
+                exe,
+                "record",
+                "-p",
+                str(target.proc.pid),
+                "-d",
+                f"{dur:g}",
+                "-r",
+                "250",
+                "--nonblocking",
+                "-f",
+                "raw",
+                "-o",
+                out,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         res = self.gens.call(job, dur + 60)
         try:
             _, err = prof.communicate(timeout=30)
@@ -794,8 +956,10 @@ class Bench:
         if load == "seq":
             self.say(f"  load during the profile: {len(res.get('lat', []))} requests, errors {res.get('errors')}")
         else:
-            self.say(f"  load during the profile: {res.get('events', 0) / max(res.get('window_s', 1), 1e-9):.0f} ev/s, "
-                     f"errors {res.get('errors')}")
+            self.say(
+                f"  load during the profile: {res.get('events', 0) / max(res.get('window_s', 1), 1e-9):.0f} ev/s, "
+                f"errors {res.get('errors')}"
+            )
         for line in self.profile_text.splitlines():
             self.say("  " + line)
         if self.args.keep_profile:
@@ -811,13 +975,18 @@ class Bench:
         names = [t.name for t in self.targets[1:]]
         rows: list[tuple[str, str, Callable[[str], tuple[str, bool | None]]]] = []
 
-        def lat_pair(d: dict[str, tuple[float | None, float | None]], i: int, limit_ms: float) -> Callable[[str], tuple[str, bool | None]]:
+        def lat_pair(
+            d: dict[str, tuple[float | None, float | None]], i: int, limit_ms: float
+        ) -> Callable[[str], tuple[str, bool | None]]:
             def f(n: str) -> tuple[str, bool | None]:
                 v = d.get(n, (None, None))[i]
                 return ms(v, 3), None if v is None else v * 1000 <= limit_ms
+
             return f
 
-        def load_metric(mode: str, c: int, key: str, limit: float, kind: str) -> Callable[[str], tuple[str, bool | None]]:
+        def load_metric(
+            mode: str, c: int, key: str, limit: float, kind: str
+        ) -> Callable[[str], tuple[str, bool | None]]:
             def f(n: str) -> tuple[str, bool | None]:
                 r = self.row(mode, c)
                 v = r["targets"].get(n, {}).get(key) if r else None
@@ -828,6 +997,7 @@ class Bench:
                 if kind == "ms":
                     return ms(v, 3), v * 1000 <= limit
                 return f"{v:.1f} us", v <= limit
+
             return f
 
         def errors_and_ratio(c: int) -> Callable[[str], tuple[str, bool | None]]:
@@ -839,6 +1009,7 @@ class Bench:
                 gap = None if v.get("gap_p99_infl") is None else v["gap_p99_infl"] * 1000  # seconds -> ms
                 ok = v["ratio"] >= T_256_RATIO and v["errors"] == 0 and (gap is None or gap <= T_256_GAP_MS)
                 return f"{v['ratio']:.3f}x, {v['errors']} err, gap {fmt(gap, '+.1f')} ms", ok
+
             return f
 
         def capture_cost(n: str) -> tuple[str, bool | None]:
@@ -867,17 +1038,56 @@ class Bench:
             return f"{g[0]:+.2f} MB, {g[3]} err", g[0] <= T_RSS_GROWTH_MB and g[3] == 0
 
         rows = [
-            ("seq non-stream added latency p50", f"<= {T_SEQ_P50_MS} ms", lat_pair(getattr(self, "seq_added", {}), 0, T_SEQ_P50_MS)),
-            ("seq non-stream added latency p99", f"<= {T_SEQ_P99_MS} ms", lat_pair(getattr(self, "seq_added", {}), 1, T_SEQ_P99_MS)),
-            ("single stream added TTFT p50", f"<= {T_TTFT_P50_MS} ms", lat_pair(getattr(self, "ttft_added", {}), 0, T_TTFT_P50_MS)),
-            ("single stream added TTFT p99", "(report)", lambda n: (lat_pair(getattr(self, "ttft_added", {}), 1, 1e9)(n)[0], None)),
-            ("single stream added event delay p50", "(report)", lambda n: (load_metric("paced", 1, "added_lat_p50", 1e9, "ms")(n)[0], None)),
-            ("single stream added event delay p99", f"<= {T_EVENT_P99_MS} ms", load_metric("paced", 1, "added_lat_p99", T_EVENT_P99_MS, "ms")),
-            ("64 x 100 tok/s events/s vs direct", f">= {T_64_RATIO}x", load_metric("paced", 64, "ratio", T_64_RATIO, "ratio")),
-            ("64 x 100 tok/s gap p99 inflation", f"<= {T_64_GAP_MS} ms", load_metric("paced", 64, "gap_p99_infl", T_64_GAP_MS, "ms")),
-            ("256 x 100 tok/s: ratio, errors, gap p99", f">= {T_256_RATIO}x, 0 err, <= +{T_256_GAP_MS:g} ms",
-             errors_and_ratio(256)),
-            ("CPU per event, 64 x 100 tok/s", f"<= {T_CPU_US:g} us", load_metric("paced", 64, "cpu_us_per_event", T_CPU_US, "us")),
+            (
+                "seq non-stream added latency p50",
+                f"<= {T_SEQ_P50_MS} ms",
+                lat_pair(getattr(self, "seq_added", {}), 0, T_SEQ_P50_MS),
+            ),
+            (
+                "seq non-stream added latency p99",
+                f"<= {T_SEQ_P99_MS} ms",
+                lat_pair(getattr(self, "seq_added", {}), 1, T_SEQ_P99_MS),
+            ),
+            (
+                "single stream added TTFT p50",
+                f"<= {T_TTFT_P50_MS} ms",
+                lat_pair(getattr(self, "ttft_added", {}), 0, T_TTFT_P50_MS),
+            ),
+            (
+                "single stream added TTFT p99",
+                "(report)",
+                lambda n: (lat_pair(getattr(self, "ttft_added", {}), 1, 1e9)(n)[0], None),
+            ),
+            (
+                "single stream added event delay p50",
+                "(report)",
+                lambda n: (load_metric("paced", 1, "added_lat_p50", 1e9, "ms")(n)[0], None),
+            ),
+            (
+                "single stream added event delay p99",
+                f"<= {T_EVENT_P99_MS} ms",
+                load_metric("paced", 1, "added_lat_p99", T_EVENT_P99_MS, "ms"),
+            ),
+            (
+                "64 x 100 tok/s events/s vs direct",
+                f">= {T_64_RATIO}x",
+                load_metric("paced", 64, "ratio", T_64_RATIO, "ratio"),
+            ),
+            (
+                "64 x 100 tok/s gap p99 inflation",
+                f"<= {T_64_GAP_MS} ms",
+                load_metric("paced", 64, "gap_p99_infl", T_64_GAP_MS, "ms"),
+            ),
+            (
+                "256 x 100 tok/s: ratio, errors, gap p99",
+                f">= {T_256_RATIO}x, 0 err, <= +{T_256_GAP_MS:g} ms",
+                errors_and_ratio(256),
+            ),
+            (
+                "CPU per event, 64 x 100 tok/s",
+                f"<= {T_CPU_US:g} us",
+                load_metric("paced", 64, "cpu_us_per_event", T_CPU_US, "us"),
+            ),
             ("capture cost (CPU/event vs no capture)", f"<= +{T_CAPTURE:.0%}", capture_cost),
             ("peak RSS (VmHWM) after 256 streams", f"<= {T_RSS_MB:g} MB", rss_peak),
             (f"RSS growth over {self.plan.churn_n} requests", f"<= {T_RSS_GROWTH_MB:g} MB", rss_growth),
@@ -885,13 +1095,21 @@ class Bench:
         if self.foreign:
             avg = sum(f for f, _ in self.foreign) / max(sum(w for _, w in self.foreign), 1e-9)
             busy = [f / w for f, w in self.foreign if w >= 1.0]
-            self.say(f"\nbackground load from processes outside this benchmark during its jobs: {avg:.2f} cores on average"
-                     + (f", p90 of jobs {pct(busy, 90):.2f}" if busy else "") + f" (of {os.cpu_count()})"
-                     + ("  ** NOISY MACHINE: absolute figures are pessimistic; ratios, CPU/event and medians hold up best"
-                        if avg > 0.25 else ""))
+            self.say(
+                f"\nbackground load from processes outside this benchmark during its jobs: {avg:.2f} cores on average"
+                + (f", p90 of jobs {pct(busy, 90):.2f}" if busy else "")
+                + f" (of {os.cpu_count()})"
+                + (
+                    "  ** NOISY MACHINE: absolute figures are pessimistic; ratios, CPU/event and medians hold up best"
+                    if avg > 0.25
+                    else ""
+                )
+            )
             self.results["background_cores"] = avg
-        self.say("\n== summary (added = proxy minus direct, per round, median over the interleaved rounds; "
-                 "ratios = median of per-round ratios)")
+        self.say(
+            "\n== summary (added = proxy minus direct, per round, median over the interleaved rounds; "
+            "ratios = median of per-round ratios)"
+        )
         head = ["metric", "target"]
         for n in names:
             head += [n, "ok?"] if n.startswith("mlxproxy") else [n]
@@ -924,9 +1142,12 @@ class Bench:
             line = [label, f"{r['direct_eps']:.0f}"]
             for n in names:
                 v = r["targets"].get(n)
-                line.append("-" if v is None else
-                            f"{fmt(v['ratio'], '.3f')}x | {fmt(None if v['gap_p99_infl'] is None else v['gap_p99_infl'] * 1000, '+.2f')} ms"
-                            f" | {v['errors']} | {fmt(v['cpu_us_per_event'], '.1f')}")
+                line.append(
+                    "-"
+                    if v is None
+                    else f"{fmt(v['ratio'], '.3f')}x | {fmt(None if v['gap_p99_infl'] is None else v['gap_p99_infl'] * 1000, '+.2f')} ms"
+                    f" | {v['errors']} | {fmt(v['cpu_us_per_event'], '.1f')}"
+                )
             t2.append(line)
         widths = [max(len(r[i]) for r in t2) for i in range(len(head2))]
         for i, r in enumerate(t2):
@@ -937,15 +1158,29 @@ class Bench:
         for r in notes:
             self.say(f"(*) {r['streams']} x {r['mode']}: {r['client_bound']}")
         if any(r["mode"] == "fast" for r in self.load_rows):
-            self.say("'fast' rows are CPU-bound by design: upstream, client and proxy share the machine's cores, "
-                     "so their ratio shows what the proxy's CPU costs the whole box.")
+            self.say(
+                "'fast' rows are CPU-bound by design: upstream, client and proxy share the machine's cores, "
+                "so their ratio shows what the proxy's CPU costs the whole box."
+            )
 
 
 # == profile summary =======================================================================
 
 CATEGORIES = (
-    ("upstream HTTP client (httpx/httpcore/anyio or aiohttp)",
-     ("httpx/", "httpcore/", "h11/", "anyio/", "sniffio/", "aiohttp/", "yarl/", "multidict/", "mlxproxy/proxy/upstream.py")),
+    (
+        "upstream HTTP client (httpx/httpcore/anyio or aiohttp)",
+        (
+            "httpx/",
+            "httpcore/",
+            "h11/",
+            "anyio/",
+            "sniffio/",
+            "aiohttp/",
+            "yarl/",
+            "multidict/",
+            "mlxproxy/proxy/upstream.py",
+        ),
+    ),
     ("uvicorn + httptools (client side)", ("uvicorn/", "httptools/")),
     ("mlxproxy.core (metering)", ("mlxproxy/core/",)),
     ("mlxproxy.proxy + capture (app, metrics glue)", ("mlxproxy/proxy/", "mlxproxy/capture")),
@@ -953,8 +1188,14 @@ CATEGORIES = (
     ("event loop (uvloop C code: I/O, syscalls, callbacks)", ("mlxproxy/runner.py", "uvloop/")),
     ("asyncio (Python)", ("asyncio/",)),
 )
-WRAPPERS = ("<frozen runpy>", "click/", "mlxproxy/__main__.py", "mlxproxy/proxy/cli.py", "mlxproxy/runner.py",
-            "threading.py")
+WRAPPERS = (
+    "<frozen runpy>",
+    "click/",
+    "mlxproxy/__main__.py",
+    "mlxproxy/proxy/cli.py",
+    "mlxproxy/runner.py",
+    "threading.py",
+)
 
 
 def _frame_loc(frame: str) -> str:
@@ -962,12 +1203,12 @@ def _frame_loc(frame: str) -> str:
     site-packages paths relative to it; project files may be absolute)."""
     f = frame.strip()
     i = f.rfind("(")
-    loc = f[i + 1:].rstrip(")") if i >= 0 else f
+    loc = f[i + 1 :].rstrip(")") if i >= 0 else f
     path = loc.rsplit(":", 1)[0]
     for marker in ("site-packages/", "/lib/python3"):
         j = path.find(marker)
         if j >= 0:
-            path = path[j + len(marker):]
+            path = path[j + len(marker) :]
             if marker == "/lib/python3":
                 path = path.split("/", 1)[1] if "/" in path else path
             break
@@ -1028,7 +1269,7 @@ def summarise_profile(path: str, top: int = 15) -> str:
     for k, v in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
         out.append(f"  {v / total:6.1%}  {k}")
     out.append("top functions by inclusive time:")
-    for k, v in sorted(incl.items(), key=lambda kv: -kv[1])[:top + 10]:
+    for k, v in sorted(incl.items(), key=lambda kv: -kv[1])[: top + 10]:
         out.append(f"  {v / total:6.1%}  {k}")
     return "\n".join(out)
 
@@ -1039,32 +1280,61 @@ def summarise_profile(path: str, top: int = 15) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Side-by-side latency/throughput/CPU benchmark: direct vs mlxproxy (vs nginx, LiteLLM).",
-        epilog="See benchmarks/README.md for what every figure means.")
+        epilog="See benchmarks/README.md for what every figure means.",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke version: fewer rounds and scenarios (~1-2 minutes)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per scenario (default 3, quick 2)")
     ap.add_argument("--window", type=float, help="seconds measured per load job (default 2.5, quick 1)")
     ap.add_argument("--clients", type=int, default=1, help="load generator processes (default 1)")
     ap.add_argument("--no-nginx", action="store_true", help="do not include nginx even if installed")
-    ap.add_argument("--no-floor", action="store_true",
-                    help="do not run benchmarks/floor.py (uvicorn + aiohttp passthrough with no metering)")
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="do not run benchmarks/floor.py (uvicorn + aiohttp passthrough with no metering)",
+    )
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
-    ap.add_argument("--litellm", default=None, metavar="PATH",
-                    help="path of a `litellm` executable to include ('' = none; default: $MLXPROXY_LITELLM, else "
-                         "`litellm` on PATH, except with --quick, where its 20-second start-up is left out)")
-    ap.add_argument("--extra-proxy", action="append", default=[], metavar="NAME=DIR",
-                    help="also run `python -m mlxproxy serve` from the package copy in DIR (experiments)")
-    ap.add_argument("--only", choices=["seq", "ttft", "load", "churn"], action="append",
-                    help="run only these scenarios (repeatable)")
+    ap.add_argument(
+        "--litellm",
+        default=None,
+        metavar="PATH",
+        help="path of a `litellm` executable to include ('' = none; default: $MLXPROXY_LITELLM, else "
+        "`litellm` on PATH, except with --quick, where its 20-second start-up is left out)",
+    )
+    ap.add_argument(
+        "--extra-proxy",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also run `python -m mlxproxy serve` from the package copy in DIR (experiments)",
+    )
+    ap.add_argument(
+        "--only",
+        choices=["seq", "ttft", "load", "churn"],
+        action="append",
+        help="run only these scenarios (repeatable)",
+    )
     ap.add_argument("--profile", action="store_true", help="also profile mlxproxy with py-spy under paced streams")
-    ap.add_argument("--profile-streams", type=int, default=64, metavar="N", help="streams during the profile (default 64)")
-    ap.add_argument("--profile-load", choices=["paced", "fast", "seq"], default="paced",
-                    help="load during the profile: paced streams (default), as-fast-as-possible streams, "
-                         "or sequential non-streaming requests")
-    ap.add_argument("--profile-target", default="mlxproxy", metavar="NAME", help="which proxy to profile (default mlxproxy)")
+    ap.add_argument(
+        "--profile-streams", type=int, default=64, metavar="N", help="streams during the profile (default 64)"
+    )
+    ap.add_argument(
+        "--profile-load",
+        choices=["paced", "fast", "seq"],
+        default="paced",
+        help="load during the profile: paced streams (default), as-fast-as-possible streams, "
+        "or sequential non-streaming requests",
+    )
+    ap.add_argument(
+        "--profile-target", default="mlxproxy", metavar="NAME", help="which proxy to profile (default mlxproxy)"
+    )
     ap.add_argument("--keep-profile", metavar="FILE", help="copy py-spy's raw collapsed stacks to FILE")
-    ap.add_argument("--stack", choices=["plain", "fast"], default=None,
-                    help="the proxy's and floor's server stack: plain = asyncio + h11, fast = uvloop + httptools "
-                         "(default: the fastest installed; sets MLXPROXY_STACK for them)")
+    ap.add_argument(
+        "--stack",
+        choices=["plain", "fast"],
+        default=None,
+        help="the proxy's and floor's server stack: plain = asyncio + h11, fast = uvloop + httptools "
+        "(default: the fastest installed; sets MLXPROXY_STACK for them)",
+    )
     ap.add_argument("--out", metavar="FILE", help="also write the printed report to FILE")
     ap.add_argument("--json", metavar="FILE", help="write raw per-round results to FILE")
     return ap.parse_args(argv)

@@ -46,16 +46,26 @@ NONSTREAM_BODY = (
     b'"choices":[{"index":0,"message":{"role":"assistant","content":"Hello! How can I help you today?"},'
     b'"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21}}'
 )
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\n\r\n")
-ROLE = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
-TOKEN = ('data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-         '"ts":{ts:.7f},"choices":[{{"index":0,"delta":{{"content":"tok{k} "}},"finish_reason":null}}]}}\n\n')
-FINISH = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-          b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n')
-USAGE = ('data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
-         '"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":{n},"total_tokens":{t}}}}}\n\n')
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+ROLE = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+)
+TOKEN = (
+    'data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    '"ts":{ts:.7f},"choices":[{{"index":0,"delta":{{"content":"tok{k} "}},"finish_reason":null}}]}}\n\n'
+)
+FINISH = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+)
+USAGE = (
+    'data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench",'
+    '"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":{n},"total_tokens":{t}}}}}\n\n'
+)
 DONE = b"data: [DONE]\n\n"
 HIGH_WATER = 256 * 1024
 
@@ -65,8 +75,16 @@ def chunk(payload: bytes) -> bytes:
 
 
 def simple(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 "
+        + status.encode()
+        + b"\r\ncontent-type: "
+        + ctype
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 async def stream(writer: asyncio.StreamWriter, n: int, usage: bool) -> None:

@@ -39,8 +39,10 @@ CONCURRENCY_LOWER_BOUND = (("1", 1), ("2", 2), ("3-4", 3), ("5-8", 5), ("9-16", 
 
 # -- PromQL helpers ------------------------------------------------------------------------
 
-CONCURRENCY = (" Concurrency counts the requests whose response was still being forwarded when this one was "
-               "sent, itself included: a sequential client on a keep-alive connection is always at 1.")
+CONCURRENCY = (
+    " Concurrency counts the requests whose response was still being forwarded when this one was "
+    "sent, itself included: a sequential client on a keep-alive connection is always at 1."
+)
 
 
 def rate(series: str, window: str = RI) -> str:
@@ -58,8 +60,7 @@ def mean(metric: str, by: str, extra: str = "", window: str = RI, fn: str = "rat
     """Mean of a histogram's observations: rate(_sum) / rate(_count)."""
     s = sel + (", " + extra if extra else "")
     group = f"sum by ({by})" if by else "sum"
-    return (f"{group} ({fn}({metric}_sum{{{s}}}[{window}]))\n/\n"
-            f"{group} ({fn}({metric}_count{{{s}}}[{window}]))")
+    return f"{group} ({fn}({metric}_sum{{{s}}}[{window}]))\n/\n{group} ({fn}({metric}_count{{{s}}}[{window}]))"
 
 
 def rsum(metric: str, by: str = "", extra: str = "") -> str:
@@ -99,7 +100,10 @@ def heatmap_expr(metric: str, extra: str = "") -> str:
 
 # -- panel builders -----------------------------------------------------------------------
 
-def target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, fmt: str = "time_series") -> dict[str, Any]:
+
+def target(
+    expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, fmt: str = "time_series"
+) -> dict[str, Any]:
     t: dict[str, Any] = {
         "datasource": DS,
         "editorMode": "code",
@@ -117,8 +121,9 @@ def targets(*items: tuple[str, str]) -> list[dict[str, Any]]:
     return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(items)]
 
 
-def quantile_targets(metric: str, by: str = "upstream", qs: tuple[float, ...] = (0.5, 0.9, 0.99), extra: str = "",
-                     with_mean: bool = True) -> list[dict[str, Any]]:
+def quantile_targets(
+    metric: str, by: str = "upstream", qs: tuple[float, ...] = (0.5, 0.9, 0.99), extra: str = "", with_mean: bool = True
+) -> list[dict[str, Any]]:
     prefix = "{{" + by + "}} " if by else ""
     items = [(quantile(q, metric, by, extra), f"{prefix}p{round(q * 100)}") for q in qs]
     if with_mean:
@@ -126,11 +131,27 @@ def quantile_targets(metric: str, by: str = "upstream", qs: tuple[float, ...] = 
     return targets(*items)
 
 
-def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *, w: int = 8, h: int = 8,
-               stack: bool = False, min0: bool = True, log2: bool = False, bars: bool = False) -> dict[str, Any]:
+def timeseries(
+    title: str,
+    description: str,
+    tgts: list[dict[str, Any]],
+    unit: str,
+    *,
+    w: int = 8,
+    h: int = 8,
+    stack: bool = False,
+    min0: bool = True,
+    log2: bool = False,
+    bars: bool = False,
+) -> dict[str, Any]:
     custom: dict[str, Any] = {
-        "drawStyle": "bars" if bars else "line", "lineInterpolation": "linear", "lineWidth": 1, "fillOpacity": 80 if bars else 20 if stack else 8,
-        "showPoints": "never", "spanNulls": False, "axisPlacement": "auto",
+        "drawStyle": "bars" if bars else "line",
+        "lineInterpolation": "linear",
+        "lineWidth": 1,
+        "fillOpacity": 80 if bars else 20 if stack else 8,
+        "showPoints": "never",
+        "spanNulls": False,
+        "axisPlacement": "auto",
         "stacking": {"mode": "normal" if stack else "none", "group": "A"},
     }
     if log2:
@@ -139,68 +160,147 @@ def timeseries(title: str, description: str, tgts: list[dict[str, Any]], unit: s
     if min0:
         defaults["min"] = 0
     return {
-        "type": "timeseries", "title": title, "description": description, "datasource": DS,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
-            "legend": {"showLegend": True, "displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "legend": {
+                "showLegend": True,
+                "displayMode": "table",
+                "placement": "bottom",
+                "calcs": ["lastNotNull", "max"],
+            },
             "tooltip": {"mode": "multi", "sort": "desc"},
         },
-        "targets": tgts, "_w": w, "_h": h,
+        "targets": tgts,
+        "_w": w,
+        "_h": h,
     }
 
 
-def stat(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *, w: int = 6, h: int = 4,
-         thresholds: list[tuple[float | None, str]] | None = None, text_mode: str = "value",
-         decimals: int | None = None, instant: bool = False) -> dict[str, Any]:
+def stat(
+    title: str,
+    description: str,
+    tgts: list[dict[str, Any]],
+    unit: str,
+    *,
+    w: int = 6,
+    h: int = 4,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    text_mode: str = "value",
+    decimals: int | None = None,
+    instant: bool = False,
+) -> dict[str, Any]:
     if instant:
         for t in tgts:
             t["instant"], t["range"] = True, False
     steps = [{"color": c, "value": v} for v, c in (thresholds or [(None, "blue")])]
-    defaults: dict[str, Any] = {"unit": unit, "color": {"mode": "thresholds"},
-                                "thresholds": {"mode": "absolute", "steps": steps}}
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "color": {"mode": "thresholds"},
+        "thresholds": {"mode": "absolute", "steps": steps},
+    }
     if decimals is not None:
         defaults["decimals"] = decimals
     return {
-        "type": "stat", "title": title, "description": description, "datasource": DS,
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "none" if instant else "area", "justifyMode": "auto", "orientation": "auto",
-                    "textMode": text_mode, "showPercentChange": False, "wideLayout": True},
-        "targets": tgts, "_w": w, "_h": h,
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "none" if instant else "area",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "textMode": text_mode,
+            "showPercentChange": False,
+            "wideLayout": True,
+        },
+        "targets": tgts,
+        "_w": w,
+        "_h": h,
     }
 
 
-def bargauge(title: str, description: str, tgts: list[dict[str, Any]], unit: str, *, w: int = 8, h: int = 8,
-             thresholds: list[tuple[float | None, str]] | None = None, decimals: int | None = None) -> dict[str, Any]:
+def bargauge(
+    title: str,
+    description: str,
+    tgts: list[dict[str, Any]],
+    unit: str,
+    *,
+    w: int = 8,
+    h: int = 8,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    decimals: int | None = None,
+) -> dict[str, Any]:
     for t in tgts:
         t["instant"], t["range"] = True, False
     steps = [{"color": c, "value": v} for v, c in (thresholds or [(None, "green")])]
-    defaults: dict[str, Any] = {"unit": unit, "min": 0, "color": {"mode": "thresholds"},
-                                "thresholds": {"mode": "absolute", "steps": steps}}
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "min": 0,
+        "color": {"mode": "thresholds"},
+        "thresholds": {"mode": "absolute", "steps": steps},
+    }
     if decimals is not None:
         defaults["decimals"] = decimals
     return {
-        "type": "bargauge", "title": title, "description": description, "datasource": DS,
+        "type": "bargauge",
+        "title": title,
+        "description": description,
+        "datasource": DS,
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
-                    "valueMode": "color", "namePlacement": "auto", "sizing": "auto", "minVizHeight": 16,
-                    "minVizWidth": 8, "maxVizHeight": 300},
-        "targets": tgts, "_w": w, "_h": h,
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "orientation": "horizontal",
+            "displayMode": "gradient",
+            "showUnfilled": True,
+            "valueMode": "color",
+            "namePlacement": "auto",
+            "sizing": "auto",
+            "minVizHeight": 16,
+            "minVizWidth": 8,
+            "maxVizHeight": 300,
+        },
+        "targets": tgts,
+        "_w": w,
+        "_h": h,
     }
 
 
-def heatmap(title: str, description: str, expr: str, unit: str, *, w: int = 8, h: int = 8,
-            scheme: str = "Oranges") -> dict[str, Any]:
+def heatmap(
+    title: str, description: str, expr: str, unit: str, *, w: int = 8, h: int = 8, scheme: str = "Oranges"
+) -> dict[str, Any]:
     return {
-        "type": "heatmap", "title": title, "description": description, "datasource": DS,
-        "fieldConfig": {"defaults": {"custom": {"hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                                                "scaleDistribution": {"type": "linear"}}}, "overrides": []},
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {
+            "defaults": {
+                "custom": {
+                    "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                    "scaleDistribution": {"type": "linear"},
+                }
+            },
+            "overrides": [],
+        },
         "options": {
             "calculate": False,
             "cellGap": 1,
-            "color": {"mode": "scheme", "scheme": scheme, "exponent": 0.5, "fill": "dark-orange", "reverse": False,
-                      "scale": "exponential", "steps": 64},
+            "color": {
+                "mode": "scheme",
+                "scheme": scheme,
+                "exponent": 0.5,
+                "fill": "dark-orange",
+                "reverse": False,
+                "scale": "exponential",
+                "steps": 64,
+            },
             "exemplars": {"color": "rgba(255,0,255,0.7)"},
             "filterValues": {"le": 1e-9},
             "legend": {"show": True},
@@ -208,7 +308,9 @@ def heatmap(title: str, description: str, expr: str, unit: str, *, w: int = 8, h
             "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": False},
             "yAxis": {"axisPlacement": "left", "reverse": False, "unit": unit},
         },
-        "targets": [target(expr, "{{le}}", fmt="heatmap")], "_w": w, "_h": h,
+        "targets": [target(expr, "{{le}}", fmt="heatmap")],
+        "_w": w,
+        "_h": h,
     }
 
 
@@ -220,9 +322,11 @@ def row(title: str) -> dict[str, Any]:
 
 REQ = "mlxproxy_requests_total"
 # The trusted-count rule (docs/METRICS.md, "Trusted token count"), stated on every speed panel.
-TRUSTED = (" N_out is the record's trusted count: the server's usage when the stream agrees with it, else "
-           "a local tokenizer's count, else the counted events; a usage count that fired usage_mismatch or "
-           "phantom_speed is never used (those requests show in the anomaly panels).")
+TRUSTED = (
+    " N_out is the record's trusted count: the server's usage when the stream agrees with it, else "
+    "a local tokenizer's count, else the counted events; a usage count that fired usage_mismatch or "
+    "phantom_speed is never used (those requests show in the anomaly panels)."
+)
 TOK = "mlxproxy_tokens_total"
 TPS = "mlxproxy_output_tokens_per_second"
 USAGE = "mlxproxy_usage_reports_total"
@@ -233,11 +337,14 @@ NO_USAGE = 'present="false"'
 
 def speedup_expr() -> str:
     per_level = range_mean(TPS, "upstream, concurrency", 'kind="decode"')
-    streams = "\n  or ".join(f'label_replace(vector({n}), "concurrency", "{label}", "", "")'
-                             for label, n in CONCURRENCY_LOWER_BOUND)
+    streams = "\n  or ".join(
+        f'label_replace(vector({n}), "concurrency", "{label}", "", "")' for label, n in CONCURRENCY_LOWER_BOUND
+    )
     alone = range_mean(TPS, "upstream", 'kind="decode", concurrency="1"')
-    return (f"(\n{per_level}\n)\n* on (concurrency) group_left ()\n(\n  {streams}\n)\n"
-            f"/ on (upstream) group_left ()\n(\n{alone}\n)")
+    return (
+        f"(\n{per_level}\n)\n* on (concurrency) group_left ()\n(\n  {streams}\n)\n"
+        f"/ on (upstream) group_left ()\n(\n{alone}\n)"
+    )
 
 
 def panels() -> list[list[dict[str, Any]]]:
@@ -245,191 +352,376 @@ def panels() -> list[list[dict[str, Any]]]:
     return [
         [row("Traffic")],
         [
-            stat("Requests/s", "Finished requests per second through the proxy, all outcomes, for the selected "
-                 "upstreams and models.", targets((f"sum ({rate(f'{REQ}{{{SEL}}}')})", "requests/s")), "reqps", w=5),
-            stat("Failed requests (range)", "Finished requests in the selected time range whose outcome is not ok "
-                 "or ok_no_done: HTTP errors, context-limit rejections, stream errors, truncated streams, unreachable "
-                 "or timed-out upstreams, client disconnects, protocol errors. An exact count: the first error of a "
-                 "kind shows too.", targets((gsum(REQ, "$__range", extra=ERR), "failed")), "short", w=5, decimals=0,
-                 instant=True, thresholds=[(None, "green"), (1, "orange")]),
-            stat("Error share (range)", "Failed requests / all finished requests in the selected time range.",
-                 targets((f"{gsum(REQ, '$__range', extra=ERR)}\n/\n{gsum(REQ, '$__range')}", "error share")),
-                 "percentunit", w=5, instant=True, thresholds=[(None, "green"), (0.01, "orange"), (0.1, "red")]),
-            stat("Streams in flight", "Requests the proxy is forwarding right now (sampled at each scrape: a "
-                 "request shorter than the scrape interval may never be seen here; the request rate counts it).",
-                 targets((f"sum (mlxproxy_requests_in_flight{{{SEL}}})", "in flight")), "short", decimals=0, w=5),
-            stat("Proxy build", "mlxproxy version of the scraped proxy (mlxproxy_build_info).",
-                 targets(("max by (version) (mlxproxy_build_info)", "{{version}}")), "short", text_mode="name", w=4),
+            stat(
+                "Requests/s",
+                "Finished requests per second through the proxy, all outcomes, for the selected upstreams and models.",
+                targets((f"sum ({rate(f'{REQ}{{{SEL}}}')})", "requests/s")),
+                "reqps",
+                w=5,
+            ),
+            stat(
+                "Failed requests (range)",
+                "Finished requests in the selected time range whose outcome is not ok "
+                "or ok_no_done: HTTP errors, context-limit rejections, stream errors, truncated streams, unreachable "
+                "or timed-out upstreams, client disconnects, protocol errors. An exact count: the first error of a "
+                "kind shows too.",
+                targets((gsum(REQ, "$__range", extra=ERR), "failed")),
+                "short",
+                w=5,
+                decimals=0,
+                instant=True,
+                thresholds=[(None, "green"), (1, "orange")],
+            ),
+            stat(
+                "Error share (range)",
+                "Failed requests / all finished requests in the selected time range.",
+                targets((f"{gsum(REQ, '$__range', extra=ERR)}\n/\n{gsum(REQ, '$__range')}", "error share")),
+                "percentunit",
+                w=5,
+                instant=True,
+                thresholds=[(None, "green"), (0.01, "orange"), (0.1, "red")],
+            ),
+            stat(
+                "Streams in flight",
+                "Requests the proxy is forwarding right now (sampled at each scrape: a "
+                "request shorter than the scrape interval may never be seen here; the request rate counts it).",
+                targets((f"sum (mlxproxy_requests_in_flight{{{SEL}}})", "in flight")),
+                "short",
+                decimals=0,
+                w=5,
+            ),
+            stat(
+                "Proxy build",
+                "mlxproxy version of the scraped proxy (mlxproxy_build_info).",
+                targets(("max by (version) (mlxproxy_build_info)", "{{version}}")),
+                "short",
+                text_mode="name",
+                w=4,
+            ),
         ],
         [
-            timeseries("Requests/s by outcome", "Finished requests per second by outcome (ok, ok_no_done, "
-                       "truncated, stream_error, http_error, context_limit, upstream_unreachable, upstream_timeout, "
-                       "client_disconnect, protocol_error), stacked. One request has exactly one outcome.",
-                       targets((f"sum by (outcome) ({rate(f'{REQ}{{{SEL}}}')})", "{{outcome}}")), "reqps", stack=True),
-            timeseries("Failed requests by outcome and status", "Failed requests in each interval of the graph, by "
-                       "outcome and HTTP status (code \"none\": no status, e.g. the upstream was unreachable; 200 "
-                       "with stream_error: an error object inside a streamed answer). Whole counts, so a single "
-                       "error is visible.",
-                       targets((gsum(REQ, "$__interval", "outcome, code", ERR), "{{outcome}} ({{code}})")),
-                       "short", stack=True, bars=True),
-            timeseries("Streams in flight by upstream", "Requests in flight per upstream, sampled at each scrape. "
-                       "Compare with the batching row: this is the concurrency the server is asked to handle.",
-                       targets((f"sum by (upstream) (mlxproxy_requests_in_flight{{{SEL}}})", "{{upstream}}")), "short"),
+            timeseries(
+                "Requests/s by outcome",
+                "Finished requests per second by outcome (ok, ok_no_done, "
+                "truncated, stream_error, http_error, context_limit, upstream_unreachable, upstream_timeout, "
+                "client_disconnect, protocol_error), stacked. One request has exactly one outcome.",
+                targets((f"sum by (outcome) ({rate(f'{REQ}{{{SEL}}}')})", "{{outcome}}")),
+                "reqps",
+                stack=True,
+            ),
+            timeseries(
+                "Failed requests by outcome and status",
+                "Failed requests in each interval of the graph, by "
+                'outcome and HTTP status (code "none": no status, e.g. the upstream was unreachable; 200 '
+                "with stream_error: an error object inside a streamed answer). Whole counts, so a single "
+                "error is visible.",
+                targets((gsum(REQ, "$__interval", "outcome, code", ERR), "{{outcome}} ({{code}})")),
+                "short",
+                stack=True,
+                bars=True,
+            ),
+            timeseries(
+                "Streams in flight by upstream",
+                "Requests in flight per upstream, sampled at each scrape. "
+                "Compare with the batching row: this is the concurrency the server is asked to handle.",
+                targets((f"sum by (upstream) (mlxproxy_requests_in_flight{{{SEL}}})", "{{upstream}}")),
+                "short",
+            ),
         ],
         [row("Latency (successful requests)")],
         [
-            timeseries("Time to first token (TTFT)", "From the whole client request being in the proxy to the first "
-                       "generated token: content, reasoning or tool call. Role-only chunks, keep-alive comments and "
-                       "empty deltas do not count. p50/p90/p99 from histogram buckets, mean exact. Successful "
-                       "requests only.", quantile_targets("mlxproxy_time_to_first_token_seconds"), "s"),
-            timeseries("Time to first content (TTFC)", "Time to the first answer or tool-call token, reasoning "
-                       "excluded: what the user waits for before the answer starts. Equals TTFT for a model that "
-                       "does not think.", quantile_targets("mlxproxy_time_to_first_content_seconds"), "s"),
-            timeseries("End-to-end request duration", "From the client request in to the response body fully "
-                       "sent, for the generation endpoints (chat completions, completions, messages, responses). "
-                       "Unlike TTFT/TTFC this histogram includes failed requests; the trailing usage chunk and "
-                       "[DONE] are included.",
-                       quantile_targets("mlxproxy_request_duration_seconds", extra=GEN_ENDPOINTS), "s"),
+            timeseries(
+                "Time to first token (TTFT)",
+                "From the whole client request being in the proxy to the first "
+                "generated token: content, reasoning or tool call. Role-only chunks, keep-alive comments and "
+                "empty deltas do not count. p50/p90/p99 from histogram buckets, mean exact. Successful "
+                "requests only.",
+                quantile_targets("mlxproxy_time_to_first_token_seconds"),
+                "s",
+            ),
+            timeseries(
+                "Time to first content (TTFC)",
+                "Time to the first answer or tool-call token, reasoning "
+                "excluded: what the user waits for before the answer starts. Equals TTFT for a model that "
+                "does not think.",
+                quantile_targets("mlxproxy_time_to_first_content_seconds"),
+                "s",
+            ),
+            timeseries(
+                "End-to-end request duration",
+                "From the client request in to the response body fully "
+                "sent, for the generation endpoints (chat completions, completions, messages, responses). "
+                "Unlike TTFT/TTFC this histogram includes failed requests; the trailing usage chunk and "
+                "[DONE] are included.",
+                quantile_targets("mlxproxy_request_duration_seconds", extra=GEN_ENDPOINTS),
+                "s",
+            ),
         ],
         [
-            timeseries("Thinking before the answer (mean TTFC - mean TTFT)", "Mean time to first content minus mean "
-                       "time to first token, per upstream: roughly how long the model reasons before it starts "
-                       "answering. 0 for models that do not think. Approximate: a request that never reached its "
-                       "answer (stopped while reasoning) has a TTFT but no TTFC.",
-                       targets((f"(\n{mean('mlxproxy_time_to_first_content_seconds', 'upstream')}\n)\n-\n"
-                                f"(\n{mean('mlxproxy_time_to_first_token_seconds', 'upstream')}\n)", "{{upstream}}")),
-                       "s", w=12),
-            timeseries("First byte vs first token (p50)", "Median time to the first response body byte next to the "
-                       "median time to the first token. A server that sends keep-alive comments or a role-only "
-                       "chunk has a first byte long before its first token: tools that take the first byte as TTFT "
-                       "report that gap as speed.",
-                       targets((quantile(0.5, "mlxproxy_time_to_first_byte_seconds", "upstream"), "{{upstream}} first byte p50"),
-                               (quantile(0.5, "mlxproxy_time_to_first_token_seconds", "upstream"), "{{upstream}} first token p50")),
-                       "s", w=12),
+            timeseries(
+                "Thinking before the answer (mean TTFC - mean TTFT)",
+                "Mean time to first content minus mean "
+                "time to first token, per upstream: roughly how long the model reasons before it starts "
+                "answering. 0 for models that do not think. Approximate: a request that never reached its "
+                "answer (stopped while reasoning) has a TTFT but no TTFC.",
+                targets(
+                    (
+                        f"(\n{mean('mlxproxy_time_to_first_content_seconds', 'upstream')}\n)\n-\n"
+                        f"(\n{mean('mlxproxy_time_to_first_token_seconds', 'upstream')}\n)",
+                        "{{upstream}}",
+                    )
+                ),
+                "s",
+                w=12,
+            ),
+            timeseries(
+                "First byte vs first token (p50)",
+                "Median time to the first response body byte next to the "
+                "median time to the first token. A server that sends keep-alive comments or a role-only "
+                "chunk has a first byte long before its first token: tools that take the first byte as TTFT "
+                "report that gap as speed.",
+                targets(
+                    (quantile(0.5, "mlxproxy_time_to_first_byte_seconds", "upstream"), "{{upstream}} first byte p50"),
+                    (quantile(0.5, "mlxproxy_time_to_first_token_seconds", "upstream"), "{{upstream}} first token p50"),
+                ),
+                "s",
+                w=12,
+            ),
         ],
         [row("Token flow")],
         [
-            timeseries("Event gaps p50 / p99", "Every gap between consecutive generated events of successful "
-                       "streams (inter-token latency on per-token servers). p99 far above p50 means stalls; a p50 "
-                       "near 0 with a huge p99 means bursts (tokens held back, then flushed).",
-                       quantile_targets("mlxproxy_inter_token_latency_seconds", qs=(0.5, 0.99), with_mean=False), "s"),
-            heatmap("Decode tokens/s per stream (heatmap)", "Distribution of per-stream decode speed, (N_out - 1) / "
-                    "(last token - first token), one observation per successful request, all concurrency levels. "
-                    "Colour: requests/s in each bucket." + TRUSTED, heatmap_expr(TPS, 'kind="decode"'), "short"),
-            timeseries("Output tokens/s per upstream (all streams)", "Generated events per second summed over all "
-                       "streams of an upstream: the server's live throughput under the real concurrency. Counted by "
-                       "the proxy (not the server's usage) and added when a request finishes, so long requests "
-                       "arrive in steps.",
-                       targets((rsum(TOK, "upstream", COUNTED),
-                                "{{upstream}}")), "short"),
+            timeseries(
+                "Event gaps p50 / p99",
+                "Every gap between consecutive generated events of successful "
+                "streams (inter-token latency on per-token servers). p99 far above p50 means stalls; a p50 "
+                "near 0 with a huge p99 means bursts (tokens held back, then flushed).",
+                quantile_targets("mlxproxy_inter_token_latency_seconds", qs=(0.5, 0.99), with_mean=False),
+                "s",
+            ),
+            heatmap(
+                "Decode tokens/s per stream (heatmap)",
+                "Distribution of per-stream decode speed, (N_out - 1) / "
+                "(last token - first token), one observation per successful request, all concurrency levels. "
+                "Colour: requests/s in each bucket." + TRUSTED,
+                heatmap_expr(TPS, 'kind="decode"'),
+                "short",
+            ),
+            timeseries(
+                "Output tokens/s per upstream (all streams)",
+                "Generated events per second summed over all "
+                "streams of an upstream: the server's live throughput under the real concurrency. Counted by "
+                "the proxy (not the server's usage) and added when a request finishes, so long requests "
+                "arrive in steps.",
+                targets((rsum(TOK, "upstream", COUNTED), "{{upstream}}")),
+                "short",
+            ),
         ],
         [
-            timeseries("Time per output token (TPOT) p50 / p99", "Per request: (last token - first token) / "
-                       "(N_out - 1), the same definition as vLLM's TPOT and aiperf's ITL." + TRUSTED,
-                       quantile_targets("mlxproxy_time_per_output_token_seconds", qs=(0.5, 0.99), with_mean=False),
-                       "s", w=12),
-            timeseries("Prefill tokens/s p50", "Per request: (prompt tokens - cached tokens) / TTFT, with the "
-                       "server's reported prompt tokens. Falls with prompt length on servers with superlinear "
-                       "prefill; compare with the prompt-length heatmap.",
-                       quantile_targets("mlxproxy_prefill_tokens_per_second", qs=(0.5,), with_mean=False), "short", w=12),
+            timeseries(
+                "Time per output token (TPOT) p50 / p99",
+                "Per request: (last token - first token) / "
+                "(N_out - 1), the same definition as vLLM's TPOT and aiperf's ITL." + TRUSTED,
+                quantile_targets("mlxproxy_time_per_output_token_seconds", qs=(0.5, 0.99), with_mean=False),
+                "s",
+                w=12,
+            ),
+            timeseries(
+                "Prefill tokens/s p50",
+                "Per request: (prompt tokens - cached tokens) / TTFT, with the "
+                "server's reported prompt tokens. Falls with prompt length on servers with superlinear "
+                "prefill; compare with the prompt-length heatmap.",
+                quantile_targets("mlxproxy_prefill_tokens_per_second", qs=(0.5,), with_mean=False),
+                "short",
+                w=12,
+            ),
         ],
         [row("Batching")],
         [
-            timeseries("Per-stream decode tokens/s by concurrency (p50)", "Median per-stream decode speed, split by "
-                       "the number of requests in flight to the same upstream when the request was sent (1, 2, 3-4, "
-                       "5-8, 9-16, 17+)." + CONCURRENCY + " On a batching server each stream slows a little as streams are added; on a "
-                       "serial server it does not slow, but requests queue (see TTFT)." + TRUSTED,
-                       targets((quantile(0.5, TPS, "upstream, concurrency", 'kind="decode"'),
-                                "{{upstream}} c={{concurrency}}")), "short"),
-            bargauge("Mean per-stream decode tokens/s by concurrency (range)", "Mean per-stream decode speed over "
-                     "the whole selected time range, per upstream and concurrency level: sum of observations / "
-                     "count, exact (no bucket interpolation)." + CONCURRENCY + TRUSTED,
-                     targets((range_mean(TPS, "upstream, concurrency", 'kind="decode"'),
-                              "{{upstream}} c={{concurrency}}")), "short", decimals=1),
-            bargauge("Implied decode speedup by concurrency (range)", "n x (mean per-stream decode tokens/s at "
-                     "concurrency level n) / (mean per-stream decode tokens/s of requests that ran alone), per "
-                     "upstream, over the selected range. n is the lower bound of the level (3-4 counts as 3, 5-8 "
-                     "as 5, 9-16 as 9, 17+ as 17), so the figure is a lower bound. 2.0 at c=2 is perfect batching; "
-                     "1.0 means no gain over one stream; below 1 means worse than serial. Decode phase only: "
-                     "prefill and queueing are not in it. Empty for an upstream with no request that ran alone."
-                     + CONCURRENCY + TRUSTED,
-                     targets((speedup_expr(), "{{upstream}} c={{concurrency}}")), "none", decimals=2,
-                     thresholds=[(None, "red"), (1, "orange"), (1.5, "green")]),
+            timeseries(
+                "Per-stream decode tokens/s by concurrency (p50)",
+                "Median per-stream decode speed, split by "
+                "the number of requests in flight to the same upstream when the request was sent (1, 2, 3-4, "
+                "5-8, 9-16, 17+)."
+                + CONCURRENCY
+                + " On a batching server each stream slows a little as streams are added; on a "
+                "serial server it does not slow, but requests queue (see TTFT)." + TRUSTED,
+                targets(
+                    (quantile(0.5, TPS, "upstream, concurrency", 'kind="decode"'), "{{upstream}} c={{concurrency}}")
+                ),
+                "short",
+            ),
+            bargauge(
+                "Mean per-stream decode tokens/s by concurrency (range)",
+                "Mean per-stream decode speed over "
+                "the whole selected time range, per upstream and concurrency level: sum of observations / "
+                "count, exact (no bucket interpolation)." + CONCURRENCY + TRUSTED,
+                targets((range_mean(TPS, "upstream, concurrency", 'kind="decode"'), "{{upstream}} c={{concurrency}}")),
+                "short",
+                decimals=1,
+            ),
+            bargauge(
+                "Implied decode speedup by concurrency (range)",
+                "n x (mean per-stream decode tokens/s at "
+                "concurrency level n) / (mean per-stream decode tokens/s of requests that ran alone), per "
+                "upstream, over the selected range. n is the lower bound of the level (3-4 counts as 3, 5-8 "
+                "as 5, 9-16 as 9, 17+ as 17), so the figure is a lower bound. 2.0 at c=2 is perfect batching; "
+                "1.0 means no gain over one stream; below 1 means worse than serial. Decode phase only: "
+                "prefill and queueing are not in it. Empty for an upstream with no request that ran alone."
+                + CONCURRENCY
+                + TRUSTED,
+                targets((speedup_expr(), "{{upstream}} c={{concurrency}}")),
+                "none",
+                decimals=2,
+                thresholds=[(None, "red"), (1, "orange"), (1.5, "green")],
+            ),
         ],
         [row("Truth: usage and anomalies")],
         [
-            timeseries("Reported / counted output tokens", "The server's usage.completion_tokens divided by the "
-                       "generated events the proxy counted, per upstream and model. About 1 on a per-token server "
-                       "(slightly above if it counts EOS); far above 1 means the server reports tokens it never "
-                       "streamed (phantom speed in tools that trust usage) or sends several tokens per event. "
-                       "Below 1 when some streams carried no usage (see the next panel); above 1 when non-streamed "
-                       "answers are in the mix (they add reported tokens, but the proxy counts tokens only in "
-                       "streams). The anomaly panels judge each request on its own; a request whose usage fired "
-                       "usage_mismatch or phantom_speed has its speeds computed from its streamed (or tokenizer) "
-                       "count instead.",
-                       targets((rsum(TOK, "upstream, model", REPORTED) + "\n/\n" + rsum(TOK, "upstream, model", COUNTED),
-                                "{{upstream}} {{model}}")), "none"),
-            timeseries("Usage missing share", "Share of successful-status responses (streams and non-streamed "
-                       "answers of the generation endpoints) that carried no usage report at all, per upstream. "
-                       "The proxy asks for usage on streams by default, so a share above 0 is the server dropping "
-                       "it (or a stream that broke before its end).",
-                       targets((f"(\n  {rsum(USAGE, 'upstream', NO_USAGE)}\n  or {rsum(USAGE, 'upstream')} * 0\n)\n/\n{rsum(USAGE, 'upstream')}", "{{upstream}}")), "percentunit"),
-            bargauge("Anomalies in range by kind", "Truth-check findings in the selected time range, per upstream "
-                     "and kind (usage_mismatch, phantom_speed, usage_missing, non_incremental_stream, stall, "
-                     "context_limit, missing_finish, stream_error, duplicate_content, dual_reasoning_fields, ...). "
-                     "Whole counts: a single finding shows. docs/DASHBOARDS.md says what each kind means.",
-                     targets((gsum("mlxproxy_anomalies_total", "$__range", "upstream, kind"), "{{upstream}} {{kind}}")),
-                     "short", decimals=0, thresholds=[(None, "green"), (1, "orange")]),
+            timeseries(
+                "Reported / counted output tokens",
+                "The server's usage.completion_tokens divided by the "
+                "generated events the proxy counted, per upstream and model. About 1 on a per-token server "
+                "(slightly above if it counts EOS); far above 1 means the server reports tokens it never "
+                "streamed (phantom speed in tools that trust usage) or sends several tokens per event. "
+                "Below 1 when some streams carried no usage (see the next panel); above 1 when non-streamed "
+                "answers are in the mix (they add reported tokens, but the proxy counts tokens only in "
+                "streams). The anomaly panels judge each request on its own; a request whose usage fired "
+                "usage_mismatch or phantom_speed has its speeds computed from its streamed (or tokenizer) "
+                "count instead.",
+                targets(
+                    (
+                        rsum(TOK, "upstream, model", REPORTED) + "\n/\n" + rsum(TOK, "upstream, model", COUNTED),
+                        "{{upstream}} {{model}}",
+                    )
+                ),
+                "none",
+            ),
+            timeseries(
+                "Usage missing share",
+                "Share of successful-status responses (streams and non-streamed "
+                "answers of the generation endpoints) that carried no usage report at all, per upstream. "
+                "The proxy asks for usage on streams by default, so a share above 0 is the server dropping "
+                "it (or a stream that broke before its end).",
+                targets(
+                    (
+                        f"(\n  {rsum(USAGE, 'upstream', NO_USAGE)}\n  or {rsum(USAGE, 'upstream')} * 0\n)\n/\n{rsum(USAGE, 'upstream')}",
+                        "{{upstream}}",
+                    )
+                ),
+                "percentunit",
+            ),
+            bargauge(
+                "Anomalies in range by kind",
+                "Truth-check findings in the selected time range, per upstream "
+                "and kind (usage_mismatch, phantom_speed, usage_missing, non_incremental_stream, stall, "
+                "context_limit, missing_finish, stream_error, duplicate_content, dual_reasoning_fields, ...). "
+                "Whole counts: a single finding shows. docs/DASHBOARDS.md says what each kind means.",
+                targets((gsum("mlxproxy_anomalies_total", "$__range", "upstream, kind"), "{{upstream}} {{kind}}")),
+                "short",
+                decimals=0,
+                thresholds=[(None, "green"), (1, "orange")],
+            ),
         ],
         [
-            timeseries("Anomalies over time by kind", "The same findings in each interval of the graph, so an "
-                       "anomaly can be matched with what you were doing at the time.",
-                       targets((gsum("mlxproxy_anomalies_total", "$__interval", "upstream, kind"), "{{upstream}} {{kind}}")),
-                       "short", w=24, h=7, stack=True, bars=True),
+            timeseries(
+                "Anomalies over time by kind",
+                "The same findings in each interval of the graph, so an "
+                "anomaly can be matched with what you were doing at the time.",
+                targets((gsum("mlxproxy_anomalies_total", "$__interval", "upstream, kind"), "{{upstream}} {{kind}}")),
+                "short",
+                w=24,
+                h=7,
+                stack=True,
+                bars=True,
+            ),
         ],
         [row("Prompt cache (agents' multi-turn conversations)")],
         [
-            timeseries("Prompt cache hit ratio", "Share of prompt tokens the server served from its prompt cache "
-                       "(prompt_tokens_details.cached_tokens) among all prompt tokens of the requests that report "
-                       "cached tokens, per upstream: rate(prompt_tokens{cache=\"reused\"}) / rate(prompt_tokens). An "
-                       "agent resending its conversation every turn should sit near 1 after the first turn; a server "
-                       "that re-prefills every turn sits near 0. The prefix_cache_miss and prompt_prefix_changed "
-                       "anomalies say which turns missed and why.",
-                       targets((rsum(PROMPT_CACHE, "upstream", REUSED) + "\n/\n" + rsum(PROMPT_CACHE, "upstream"),
-                                "{{upstream}}")), "percentunit", w=12),
-            timeseries("Prefill time wasted on cache misses", "Seconds of TTFT lost to prefix_cache_miss in each "
-                       "interval, per upstream: for every turn whose reusable prefix the server did not reuse, its TTFT "
-                       "minus the TTFT a hit would have had (prefill_wasted_s; an estimate from the turn's own prefill "
-                       "rate). This is the time agents waited because the server re-prefilled what it already had.",
-                       targets((gsum("mlxproxy_prefill_wasted_seconds_total", "$__interval", "upstream"), "{{upstream}}")),
-                       "s", w=12, bars=True),
+            timeseries(
+                "Prompt cache hit ratio",
+                "Share of prompt tokens the server served from its prompt cache "
+                "(prompt_tokens_details.cached_tokens) among all prompt tokens of the requests that report "
+                'cached tokens, per upstream: rate(prompt_tokens{cache="reused"}) / rate(prompt_tokens). An '
+                "agent resending its conversation every turn should sit near 1 after the first turn; a server "
+                "that re-prefills every turn sits near 0. The prefix_cache_miss and prompt_prefix_changed "
+                "anomalies say which turns missed and why.",
+                targets(
+                    (rsum(PROMPT_CACHE, "upstream", REUSED) + "\n/\n" + rsum(PROMPT_CACHE, "upstream"), "{{upstream}}")
+                ),
+                "percentunit",
+                w=12,
+            ),
+            timeseries(
+                "Prefill time wasted on cache misses",
+                "Seconds of TTFT lost to prefix_cache_miss in each "
+                "interval, per upstream: for every turn whose reusable prefix the server did not reuse, its TTFT "
+                "minus the TTFT a hit would have had (prefill_wasted_s; an estimate from the turn's own prefill "
+                "rate). This is the time agents waited because the server re-prefilled what it already had.",
+                targets((gsum("mlxproxy_prefill_wasted_seconds_total", "$__interval", "upstream"), "{{upstream}}")),
+                "s",
+                w=12,
+                bars=True,
+            ),
         ],
         [row("Proxy overhead")],
         [
-            timeseries("Proxy overhead p50 / p99 by phase", "Time the proxy itself adds. phase=request: from the "
-                       "whole client request in to the request handed to the upstream connection (once per "
-                       "request); phase=chunk: from an upstream read to the client write done (once per chunk). "
-                       "All upstreams (this histogram has no upstream label).",
-                       [target(f"histogram_quantile({q}, sum by (le, phase) ({rate('mlxproxy_proxy_overhead_seconds_bucket')}))",
-                               f"{{{{phase}}}} p{round(q * 100)}", chr(ord("A") + i)) for i, q in enumerate((0.5, 0.99))],
-                       "s", w=12, h=7),
-            timeseries("Proxy event-loop lag p50 / p99", "How much later than scheduled the proxy's event "
-                       "loop ran a timer (sampled every 50 ms; ~1 ms resolution on uvloop). While the loop is late, "
-                       "requests wait unread in the proxy's sockets and tokens wait unforwarded: time no TTFT or "
-                       "overhead figure contains. Tens of milliseconds mean the proxy itself (or a starved machine) "
-                       "is slowing clients down.",
-                       [target(f"histogram_quantile({q}, sum by (le) ({rate('mlxproxy_event_loop_lag_seconds_bucket')}))",
-                               f"p{round(q * 100)}", chr(ord("A") + i)) for i, q in enumerate((0.5, 0.99))],
-                       "s", w=12, h=7),
+            timeseries(
+                "Proxy overhead p50 / p99 by phase",
+                "Time the proxy itself adds. phase=request: from the "
+                "whole client request in to the request handed to the upstream connection (once per "
+                "request); phase=chunk: from an upstream read to the client write done (once per chunk). "
+                "All upstreams (this histogram has no upstream label).",
+                [
+                    target(
+                        f"histogram_quantile({q}, sum by (le, phase) ({rate('mlxproxy_proxy_overhead_seconds_bucket')}))",
+                        f"{{{{phase}}}} p{round(q * 100)}",
+                        chr(ord("A") + i),
+                    )
+                    for i, q in enumerate((0.5, 0.99))
+                ],
+                "s",
+                w=12,
+                h=7,
+            ),
+            timeseries(
+                "Proxy event-loop lag p50 / p99",
+                "How much later than scheduled the proxy's event "
+                "loop ran a timer (sampled every 50 ms; ~1 ms resolution on uvloop). While the loop is late, "
+                "requests wait unread in the proxy's sockets and tokens wait unforwarded: time no TTFT or "
+                "overhead figure contains. Tens of milliseconds mean the proxy itself (or a starved machine) "
+                "is slowing clients down.",
+                [
+                    target(
+                        f"histogram_quantile({q}, sum by (le) ({rate('mlxproxy_event_loop_lag_seconds_bucket')}))",
+                        f"p{round(q * 100)}",
+                        chr(ord("A") + i),
+                    )
+                    for i, q in enumerate((0.5, 0.99))
+                ],
+                "s",
+                w=12,
+                h=7,
+            ),
         ],
         [row("Prompt and generation length")],
         [
-            heatmap("Prompt length (tokens)", "Prompt tokens per successful request as the server reported them, "
-                    "bucketed (16 ... 131072). Colour: requests/s in each bucket.",
-                    heatmap_expr("mlxproxy_prompt_length_tokens"), "short", w=12, scheme="Blues"),
-            heatmap("Generation length (tokens)", "Output tokens per successful request, bucketed. Colour: "
-                    "requests/s in each bucket." + TRUSTED,
-                    heatmap_expr("mlxproxy_generation_length_tokens"), "short", w=12, scheme="Greens"),
+            heatmap(
+                "Prompt length (tokens)",
+                "Prompt tokens per successful request as the server reported them, "
+                "bucketed (16 ... 131072). Colour: requests/s in each bucket.",
+                heatmap_expr("mlxproxy_prompt_length_tokens"),
+                "short",
+                w=12,
+                scheme="Blues",
+            ),
+            heatmap(
+                "Generation length (tokens)",
+                "Output tokens per successful request, bucketed. Colour: requests/s in each bucket." + TRUSTED,
+                heatmap_expr("mlxproxy_generation_length_tokens"),
+                "short",
+                w=12,
+                scheme="Greens",
+            ),
         ],
     ]
 
@@ -458,17 +750,39 @@ def layout(lines: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def variables() -> list[dict[str, Any]]:
     def query_var(name: str, label: str, query: str) -> dict[str, Any]:
         return {
-            "type": "query", "name": name, "label": label, "datasource": DS,
-            "definition": query, "query": {"query": query, "refId": f"PrometheusVariableQueryEditor-{name}"},
-            "refresh": 2, "regex": "", "sort": 1, "multi": True, "includeAll": True, "allValue": ".*",
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [], "hide": 0,
+            "type": "query",
+            "name": name,
+            "label": label,
+            "datasource": DS,
+            "definition": query,
+            "query": {"query": query, "refId": f"PrometheusVariableQueryEditor-{name}"},
+            "refresh": 2,
+            "regex": "",
+            "sort": 1,
+            "multi": True,
+            "includeAll": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "options": [],
+            "hide": 0,
             "skipUrlSync": False,
         }
 
     return [
-        {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus", "regex": "",
-         "current": {}, "options": [], "hide": 0, "refresh": 1, "includeAll": False, "multi": False,
-         "skipUrlSync": False},
+        {
+            "type": "datasource",
+            "name": "datasource",
+            "label": "Data source",
+            "query": "prometheus",
+            "regex": "",
+            "current": {},
+            "options": [],
+            "hide": 0,
+            "refresh": 1,
+            "includeAll": False,
+            "multi": False,
+            "skipUrlSync": False,
+        },
         query_var("upstream", "Upstream", f"label_values({REQ}, upstream)"),
         query_var("model", "Model", f'label_values({REQ}{{upstream=~"$upstream"}}, model)'),
     ]
@@ -484,13 +798,22 @@ def dashboard() -> dict[str, Any]:
             {"type": "panel", "id": "bargauge", "name": "Bar gauge", "version": ""},
             {"type": "panel", "id": "heatmap", "name": "Heatmap", "version": ""},
         ],
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
-            "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
-        }]},
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
         "description": "mlxproxy: what a local OpenAI-compatible LLM server really does (TTFT vs first content, "
-                       "event gaps, per-stream speed against concurrency, reported vs counted tokens, anomalies). "
-                       "Panels: docs/DASHBOARDS.md.",
+        "event gaps, per-stream speed against concurrency, reported vs counted tokens, anomalies). "
+        "Panels: docs/DASHBOARDS.md.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

@@ -27,15 +27,33 @@ import orjson
 from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
-                           run_sweep, schedule)
+from mlxproxy.load import (
+    DEFAULT_SLO,
+    RATE_UNIT,
+    closed_loop_step,
+    open_loop_step,
+    parse_slo,
+    ramp_offsets,
+    run_sweep,
+    schedule,
+)
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.replay import Progress, filler_text
 from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.results import AnomalyCount, Group, GroupKind, Summary
 
-__all__ = ["BenchOptions", "Target", "Calibration", "bench_targets", "verdict", "batching_verdict", "wave_class",
-           "headline", "headline_notes", "DEFAULT_SIZES"]
+__all__ = [
+    "BenchOptions",
+    "Target",
+    "Calibration",
+    "bench_targets",
+    "verdict",
+    "batching_verdict",
+    "wave_class",
+    "headline",
+    "headline_notes",
+    "DEFAULT_SIZES",
+]
 
 DEFAULT_SIZES = (100, 500, 1000, 2000, 4000, 8000, 16000, 53000)
 
@@ -92,8 +110,13 @@ class TargetResult:
 
 
 def chat_body(model: str, text: str, max_tokens: int, stream: bool = True) -> bytes:
-    obj: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                           "temperature": 0, "stream": stream}
+    obj: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     if stream:
         obj["stream_options"] = {"include_usage": True}
     return orjson.dumps(obj)
@@ -128,7 +151,9 @@ async def calibrate(client: MeasuringClient, model: str) -> tuple[Calibration, l
         return Calibration(), recs
     slope = (r2.prompt_tokens - r1.prompt_tokens) / (c2 - c1)
     intercept = r1.prompt_tokens - slope * c1
-    return Calibration(slope, intercept, f"fitted on the target's usage: {1 / slope:.2f} chars/token + {intercept:.0f} template tokens"), recs
+    return Calibration(
+        slope, intercept, f"fitted on the target's usage: {1 / slope:.2f} chars/token + {intercept:.0f} template tokens"
+    ), recs
 
 
 def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
@@ -140,13 +165,20 @@ def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], time
     return Group(name, target, name, kind, params, summary, tuple(r.to_dict(timeline=True) for r in timed.records))
 
 
-async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress: bool | None = None,
-                    res: TargetResult | None = None, say: Callable[[str], None] | None = None) -> TargetResult:
+async def bench_one(
+    target: Target,
+    opts: BenchOptions,
+    th: Thresholds,
+    progress: bool | None = None,
+    res: TargetResult | None = None,
+    say: Callable[[str], None] | None = None,
+) -> TargetResult:
     """Benchmark one target into `res` (a new one unless given). When cancelled (Ctrl-C),
     the requests finished so far are in `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
-    async with MeasuringClient(target.url, name=target.name, thresholds=th, api_key=target.api_key,
-                               timeout_s=target.timeout_s) as client:
+    async with MeasuringClient(
+        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s
+    ) as client:
         try:
             res.model = opts.model or await discover_model(client)
         except Exception as exc:  # unreachable target: report and move on
@@ -156,7 +188,11 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         bad = [r for r in probes if r.outcome not in OK_OUTCOMES]
         if len(bad) == len(probes):
             r = bad[0]
-            res.error = f"probe requests failed: {r.outcome}" + (f" (HTTP {r.status})" if r.status else "") + (f": {r.error[:120]}" if r.error else "")
+            res.error = (
+                f"probe requests failed: {r.outcome}"
+                + (f" (HTTP {r.status})" if r.status else "")
+                + (f": {r.error[:120]}" if r.error else "")
+            )
             return res
         sizes = list(opts.prompt_tokens)
         bsize = opts.batch_prompt_tokens or min(sizes)
@@ -165,8 +201,12 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
         if opts.sweep and not opts.batches:
             waves = []  # a sweep replaces the batch waves unless they were asked for
-        total = (len(sizes) * opts.repeat + sum(n * opts.repeat for n in waves) + (opts.repeat + 1 if waves else 0)
-                 + (opts.requests if opts.rate and not opts.rate_steps else 0))
+        total = (
+            len(sizes) * opts.repeat
+            + sum(n * opts.repeat for n in waves)
+            + (opts.repeat + 1 if waves else 0)
+            + (opts.requests if opts.rate and not opts.rate_steps else 0)
+        )
         tick = Progress(f"bench {target.name}", total, progress)
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
@@ -182,36 +222,74 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
             if waves:
                 await _measure_waves(client, res, opts, bsize, waves, params, tick)
             if opts.sweep:
+
                 def make(n: int) -> list[PreparedRequest]:
-                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep")
-                            for _ in range(n)]
+                    return [
+                        _req(
+                            chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep"
+                        )
+                        for _ in range(n)
+                    ]
 
-                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
-                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
-                                params={**params, "prompt_tokens": bsize}, out=res.groups, say=say)
+                await run_sweep(
+                    closed_loop_step(client, make, opts.repeat),
+                    opts.sweep_steps,
+                    opts.slo or parse_slo(DEFAULT_SLO),
+                    target=target.name,
+                    params={**params, "prompt_tokens": bsize},
+                    out=res.groups,
+                    say=say,
+                )
             if opts.rate_steps:
-                def make_rate(n: int) -> list[PreparedRequest]:
-                    return [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
-                            for _ in range(n)]
 
-                await run_sweep(open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed, opts.ramp_s),
-                                opts.rate_steps,
-                                opts.slo or parse_slo(DEFAULT_SLO), target=target.name,
-                                params={**params, "prompt_tokens": bsize, "arrival": opts.arrival, "seed": opts.seed,
-                                        "ramp_s": opts.ramp_s},
-                                out=res.groups, say=say, unit=RATE_UNIT)
+                def make_rate(n: int) -> list[PreparedRequest]:
+                    return [
+                        _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                        for _ in range(n)
+                    ]
+
+                await run_sweep(
+                    open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed, opts.ramp_s),
+                    opts.rate_steps,
+                    opts.slo or parse_slo(DEFAULT_SLO),
+                    target=target.name,
+                    params={
+                        **params,
+                        "prompt_tokens": bsize,
+                        "arrival": opts.arrival,
+                        "seed": opts.seed,
+                        "ramp_s": opts.ramp_s,
+                    },
+                    out=res.groups,
+                    say=say,
+                    unit=RATE_UNIT,
+                )
             elif opts.rate:
-                reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
-                        for _ in range(opts.requests)]
+                reqs = [
+                    _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
+                    for _ in range(opts.requests)
+                ]
                 offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)
                 ramp = ramp_offsets(opts.rate, opts.ramp_s, opts.arrival, opts.seed)
-                ramp_reqs = [_req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "ramp")
-                             for _ in ramp]
+                ramp_reqs = [
+                    _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "ramp")
+                    for _ in ramp
+                ]
                 timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
-                summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+                summ = summarize_records(
+                    timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records]
+                )
                 name = f"{opts.arrival} {opts.rate:g}/s"
-                res.groups.append(_group(name, "rate", target.name, {**params, "prompt_tokens": bsize, **sched,
-                                                                     "ramp_s": opts.ramp_s}, timed, summ))
+                res.groups.append(
+                    _group(
+                        name,
+                        "rate",
+                        target.name,
+                        {**params, "prompt_tokens": bsize, **sched, "ramp_s": opts.ramp_s},
+                        timed,
+                        summ,
+                    )
+                )
         except asyncio.CancelledError:
             if not res.groups:
                 _single_groups(res, single, sizes, params, th)
@@ -222,12 +300,20 @@ async def bench_one(target: Target, opts: BenchOptions, th: Thresholds, progress
 
 #: a request of a wave that failed this way, while another of the wave was served, means the
 #: server refused to serve them together (context_limit is about the prompt, not concurrency)
-REJECT_OUTCOMES = frozenset({"http_error", "stream_error", "truncated", "protocol_error", "upstream_unreachable",
-                             "upstream_timeout"})
+REJECT_OUTCOMES = frozenset(
+    {"http_error", "stream_error", "truncated", "protocol_error", "upstream_unreachable", "upstream_timeout"}
+)
 
 
-async def _measure_waves(client: MeasuringClient, res: TargetResult, opts: BenchOptions, bsize: int, waves: list[int],
-                         params: dict[str, Any], tick: Callable[[], None]) -> None:
+async def _measure_waves(
+    client: MeasuringClient,
+    res: TargetResult,
+    opts: BenchOptions,
+    bsize: int,
+    waves: list[int],
+    params: dict[str, Any],
+    tick: Callable[[], None],
+) -> None:
     """The batch tests: `repeat` rounds of one wave of each size, every round bracketed by a
     request alone at the same prompt size (the `baseline` group), so each wave's speedup is
     judged against one stream measured just before and just after it, not minutes earlier.
@@ -258,11 +344,25 @@ async def _measure_waves(client: MeasuringClient, res: TargetResult, opts: Bench
         _wave_groups(res, baseline, per, waves, params, bsize)
 
 
-def _wave_groups(res: TargetResult, baseline: Timed, per: dict[int, tuple[Timed, list[list[Record]]]], waves: list[int],
-                 params: dict[str, Any], bsize: int) -> None:
+def _wave_groups(
+    res: TargetResult,
+    baseline: Timed,
+    per: dict[int, tuple[Timed, list[list[Record]]]],
+    waves: list[int],
+    params: dict[str, Any],
+    bsize: int,
+) -> None:
     if baseline.records:
-        res.groups.append(_group("baseline", "baseline", res.target.name, {**params, "prompt_tokens": bsize}, baseline,
-                                 summarize_records(baseline.records)))
+        res.groups.append(
+            _group(
+                "baseline",
+                "baseline",
+                res.target.name,
+                {**params, "prompt_tokens": bsize},
+                baseline,
+                summarize_records(baseline.records),
+            )
+        )
     walls = [r.wall_tps if r.outcome in OK_OUTCOMES else None for r in baseline.records]
     ok_walls = sorted(w for w in walls if w)
     median_wall = percentile(ok_walls, 50)
@@ -273,24 +373,37 @@ def _wave_groups(res: TargetResult, baseline: Timed, per: dict[int, tuple[Timed,
         summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=median_wall)
         rows = []
         for k, wave in enumerate(wave_recs):  # wave k ran between baseline requests k and k + 1
-            around = [w for w in walls[k:k + 2] if w]
+            around = [w for w in walls[k : k + 2] if w]
             base = sum(around) / len(around) if around else median_wall
             agg = aggregate_tps(wave)
             failed = [r for r in wave if r.outcome in REJECT_OUTCOMES]
-            rows.append({"aggregate_tps": agg, "baseline_wall_tps": base, "overlap": overlap_ratio(wave),
-                         "speedup": agg / base if agg is not None and base else None,
-                         "ok": sum(1 for r in wave if r.outcome in OK_OUTCOMES),
-                         "failed": [{"outcome": r.outcome, "status": r.status} for r in failed]})
+            rows.append(
+                {
+                    "aggregate_tps": agg,
+                    "baseline_wall_tps": base,
+                    "overlap": overlap_ratio(wave),
+                    "speedup": agg / base if agg is not None and base else None,
+                    "ok": sum(1 for r in wave if r.outcome in OK_OUTCOMES),
+                    "failed": [{"outcome": r.outcome, "status": r.status} for r in failed],
+                }
+            )
         speedups = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
         overlaps = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
-        summ = summ.updated({"speedup": percentile(speedups, 50), "speedup_min": speedups[0] if speedups else None,
-                             "speedup_max": speedups[-1] if speedups else None,
-                             "overlap_min": overlaps[0] if overlaps else None,
-                             "overlap_max": overlaps[-1] if overlaps else None,
-                             "baseline_wall_tps": median_wall, "waves": rows})
+        summ = summ.updated(
+            {
+                "speedup": percentile(speedups, 50),
+                "speedup_min": speedups[0] if speedups else None,
+                "speedup_max": speedups[-1] if speedups else None,
+                "overlap_min": overlaps[0] if overlaps else None,
+                "overlap_max": overlaps[-1] if overlaps else None,
+                "baseline_wall_tps": median_wall,
+                "waves": rows,
+            }
+        )
         name = "double" if n == 2 and i == 0 else f"x{n}"
-        res.groups.append(_group(name, "wave", res.target.name, {**params, "prompt_tokens": bsize, "streams": n}, timed,
-                                 summ))
+        res.groups.append(
+            _group(name, "wave", res.target.name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ)
+        )
 
 
 def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: dict[str, Any], th: Thresholds) -> None:
@@ -298,9 +411,16 @@ def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: d
     for size in sizes:
         sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
         if sub.records:
-            res.groups.append(_group(f"single {size}", "single_size", res.target.name,
-                                     {**params, "prompt_tokens": size, "prompt_tokens_sent": _sent(sub.records)}, sub,
-                                     summarize_records(sub.records)))
+            res.groups.append(
+                _group(
+                    f"single {size}",
+                    "single_size",
+                    res.target.name,
+                    {**params, "prompt_tokens": size, "prompt_tokens_sent": _sent(sub.records)},
+                    sub,
+                    summarize_records(sub.records),
+                )
+            )
     if single.records:
         all_single = summarize_records(single.records)
         scaling = prefill_scaling(single.records, th)
@@ -310,7 +430,9 @@ def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: d
 
 
 def _sent(records: Sequence[Record]) -> int | None:
-    vals = sorted(r.prompt_tokens or r.context_prompt_tokens for r in records if (r.prompt_tokens or r.context_prompt_tokens))
+    vals = sorted(
+        r.prompt_tokens or r.context_prompt_tokens for r in records if (r.prompt_tokens or r.context_prompt_tokens)
+    )
     return int(percentile(vals, 50)) if vals else None
 
 
@@ -325,8 +447,14 @@ IMPOSSIBLE_MARGIN = 1.1
 #: a verdict names an anomaly only when at least this share of the target's requests had it
 ANOMALY_SHARE = 0.25
 
-BATCH_CLASSES = ("rejects concurrent requests", "serial", "partial batching", "batches, no gain",
-                 "continuous batching", "overlap not measurable")
+BATCH_CLASSES = (
+    "rejects concurrent requests",
+    "serial",
+    "partial batching",
+    "batches, no gain",
+    "continuous batching",
+    "overlap not measurable",
+)
 
 
 def wave_class(w: Mapping[str, Any]) -> str:
@@ -363,16 +491,27 @@ def batching_verdict(group: Group) -> str | None:
     at = "" if n == 2 else f" at {n} streams"
     sp, ov = s.speedup, s.overlap
     sp_txt = "" if sp is None else f"{sp:.2f}x" + range_text(s.figure("speedup_min"), s.figure("speedup_max"), ".2f")
-    ov_txt = "" if ov is None else f"overlap {ov:.2f}" + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f")
+    ov_txt = (
+        "" if ov is None else f"overlap {ov:.2f}" + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f")
+    )
     if counts[top] * 3 < len(rows) * 2:
         mix = " / ".join(f"{counts[c]} {c}" for c in sorted(counts, key=lambda c: -counts[c]))
         figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
         return f"inconclusive{at}: the {len(rows)} waves disagree ({mix}){'; ' + figures if figures else ''}"
     if top == "rejects concurrent requests":
         failed = [f for w in rows for f in w.get("failed", [])]
-        how = sorted({"HTTP 200 then an error in the stream" if f["outcome"] == "stream_error" and f.get("status") == 200
-                      else f"HTTP 200 then {f['outcome']}" if f.get("status") == 200
-                      else f"HTTP {f['status']}" if f.get("status") else f["outcome"] for f in failed})
+        how = sorted(
+            {
+                "HTTP 200 then an error in the stream"
+                if f["outcome"] == "stream_error" and f.get("status") == 200
+                else f"HTTP 200 then {f['outcome']}"
+                if f.get("status") == 200
+                else f"HTTP {f['status']}"
+                if f.get("status")
+                else f["outcome"]
+                for f in failed
+            }
+        )
         return f"rejects concurrent requests{at} ({counts[top]} of {len(rows)} waves: {', '.join(how)})"
     parts = [top + at]
     if top == "overlap not measurable":
@@ -409,7 +548,7 @@ def verdict(res: TargetResult) -> str:
             anomalies.setdefault(k, a)
 
     def named(kind: str) -> str | None:
-        """" (k of n requests)" when `kind` is in a meaningful share of the requests, else None;
+        """ " (k of n requests)" when `kind` is in a meaningful share of the requests, else None;
         "" for a judgment made once over the whole run (no per-request count)."""
         if kind not in anomalies:
             return None
@@ -421,7 +560,9 @@ def verdict(res: TargetResult) -> str:
     share = named("non_incremental_stream")
     if share is not None:
         parts.append("no incremental streaming" + share)
-    limits = sorted({r.context_limit_tokens for r in records if r.outcome == "context_limit" and r.context_limit_tokens})
+    limits = sorted(
+        {r.context_limit_tokens for r in records if r.outcome == "context_limit" and r.context_limit_tokens}
+    )
     rejected = sorted({r.context_prompt_tokens or 0 for r in records if r.outcome == "context_limit"})
     if limits:
         parts.append(f"rejects prompts > {limits[0]} tokens")
@@ -432,17 +573,24 @@ def verdict(res: TargetResult) -> str:
         parts.append(("cyclic stalls" if "cyclic" in anomalies["stall"].evidence else "stalls") + share)
     usage = [x for x in (named("usage_mismatch"), named("phantom_speed")) if x is not None]
     if usage:
-        ratios = [r.completion_tokens_reported / r.completion_tokens_counted for r in records
-                  if r.completion_tokens_reported and r.completion_tokens_counted]
+        ratios = [
+            r.completion_tokens_reported / r.completion_tokens_counted
+            for r in records
+            if r.completion_tokens_reported and r.completion_tokens_counted
+        ]
         if ratios:
             ratio = percentile(sorted(ratios), 50) or 0.0
             text = f"usage over-reports {ratio:.1f}x" if ratio > 1 else f"usage under-reports {1 / ratio:.1f}x"
             parts.append(text + max(usage, key=len))
     if "superlinear_prefill" in anomalies:
         parts.append("superlinear prefill")
-    for kind, text in (("dual_reasoning_fields", "dual reasoning fields"), ("unreported_length", "never reports length"),
-                       ("stream_error", "errors inside streams"), ("missing_finish", "streams end without finish_reason"),
-                       ("usage_missing", "no usage")):
+    for kind, text in (
+        ("dual_reasoning_fields", "dual reasoning fields"),
+        ("unreported_length", "never reports length"),
+        ("stream_error", "errors inside streams"),
+        ("missing_finish", "streams end without finish_reason"),
+        ("usage_missing", "no usage"),
+    ):
         share = named(kind)
         if share is not None:
             parts.append(text + share)
@@ -452,10 +600,15 @@ def verdict(res: TargetResult) -> str:
     return ", ".join(parts) or "healthy"
 
 
-async def bench_targets(targets: Sequence[Target], opts: BenchOptions, th: Thresholds | None = None,
-                        progress: bool | None = None, parallel: bool = False,
-                        out: list[TargetResult] | None = None,
-                        say: Callable[[str], None] | None = None) -> list[TargetResult]:
+async def bench_targets(
+    targets: Sequence[Target],
+    opts: BenchOptions,
+    th: Thresholds | None = None,
+    progress: bool | None = None,
+    parallel: bool = False,
+    out: list[TargetResult] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> list[TargetResult]:
     """Benchmark each target (one after another unless `parallel`, which is only fair
     when the targets do not share hardware, e.g. simulators). Results are appended to
     `out` (when given) as each target starts, so a cancelled run keeps what it measured."""

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import click
 
-from mlxproxy.bench import (DEFAULT_SIZES, BenchOptions, Calibration, Target, TargetResult, bench_targets, headline,
-                            headline_notes, smallest_single, verdict)
+from mlxproxy.bench import (
+    DEFAULT_SIZES,
+    BenchOptions,
+    Calibration,
+    Target,
+    TargetResult,
+    bench_targets,
+    headline,
+    headline_notes,
+    smallest_single,
+    verdict,
+)
 from mlxproxy.replay_cli import all_failed_reason, check_fail_on, check_writable, env_key, fail, parse_target, run_async
 from mlxproxy.report import LEGEND, Section, legend_for, range_text, speedup_text
 from mlxproxy.results import Group, ResultFile
@@ -25,8 +35,18 @@ def all_groups(results: Sequence[TargetResult]) -> list[Group]:
 def results_doc(results: Sequence[TargetResult], verdicts: dict[str, str] | None = None) -> ResultFile:
     """The bench result file of `results` (verdicts computed unless given)."""
     verdicts = verdicts if verdicts is not None else {r.target.name: verdict(r) for r in results}
-    extra = {"targets": [{"name": r.target.name, "url": r.target.url, "model": r.model, "error": r.error,
-                          "calibration": r.calibration.source} for r in results]}
+    extra = {
+        "targets": [
+            {
+                "name": r.target.name,
+                "url": r.target.url,
+                "model": r.model,
+                "error": r.error,
+                "calibration": r.calibration.source,
+            }
+            for r in results
+        ]
+    }
     return ResultFile.new("bench", all_groups(results), verdicts, extra)
 
 
@@ -34,8 +54,13 @@ def results_from_doc(doc: ResultFile, prefix: str = "") -> tuple[list[TargetResu
     """A bench result file back into the results `bench` printed (for `report`)."""
     out: dict[str, TargetResult] = {}
     for t in doc.targets:
-        r = TargetResult(Target(prefix + t["name"], t.get("url") or ""), t.get("model"),
-                         Calibration(source=t.get("calibration") or ""), [], t.get("error"))
+        r = TargetResult(
+            Target(prefix + t["name"], t.get("url") or ""),
+            t.get("model"),
+            Calibration(source=t.get("calibration") or ""),
+            [],
+            t.get("error"),
+        )
         out[t["name"]] = r
     for g in doc.groups:
         r = out.setdefault(g.target, TargetResult(Target(prefix + g.target, "")))
@@ -61,12 +86,25 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
     rows = [headline(r) for r in results]
     reasoning = any(g.summary.reasoning for g in all_groups(results))
     cols = [c for c in rows[0] if c != "TTFC p50" or reasoning] if rows else []
-    sections.append(Section("One request at a time, smallest prompt size (p50 = median of the repeats):", rows, cols,
-                            legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"]),
-                            headline_notes(results)))
+    sections.append(
+        Section(
+            "One request at a time, smallest prompt size (p50 = median of the repeats):",
+            rows,
+            cols,
+            legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"]),
+            headline_notes(results),
+        )
+    )
     width = max((len(r.target.name) for r in results), default=0)
-    sections.append(Section("Verdicts:", [], None, "",
-                            [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results]))
+    sections.append(
+        Section(
+            "Verdicts:",
+            [],
+            None,
+            "",
+            [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results],
+        )
+    )
     sizes = sorted({g.params["prompt_tokens"] for g in all_groups(results) if g.kind == "single_size"})
     if len(sizes) > 1:
         srows = []
@@ -85,10 +123,16 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                 ttft, pre = s.ttft_s.p50, s.prefill_tps.p50
                 row[key] = "-" if ttft is None else f"{ttft:.2f}s " + (f"{pre:.0f}/s" if pre else "-")
             srows.append(row)
-        sections.append(Section("TTFT p50 and prefill tok/s by prompt size:", srows, None,
-                                "each cell: TTFT p50, then prefill tok/s (uncached prompt tokens / TTFT; - when the stream"
-                                " was not incremental or the prompt mostly cached); an outcome name where every request"
-                                " failed (context_limit: the server refused the prompt's size)."))
+        sections.append(
+            Section(
+                "TTFT p50 and prefill tok/s by prompt size:",
+                srows,
+                None,
+                "each cell: TTFT p50, then prefill tok/s (uncached prompt tokens / TTFT; - when the stream"
+                " was not incremental or the prompt mostly cached); an outcome name where every request"
+                " failed (context_limit: the server refused the prompt's size).",
+            )
+        )
     crows = []
     for r in results:
         curve = [g for g in r.groups if g.kind == "wave"]
@@ -96,20 +140,41 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
         single = next((g for g in r.groups if g.kind == "baseline"), None) or smallest_single(r)
         if curve and single:
             s1 = single.summary
-            crows.append({"target": r.target.name, "streams": "1", "decode tok/s": _f(s1.decode_tps.p50),
-                          "agg tok/s": _f(s1.wall_tps.p50), "speedup": "1.00x", "overlap": "-"})
+            crows.append(
+                {
+                    "target": r.target.name,
+                    "streams": "1",
+                    "decode tok/s": _f(s1.decode_tps.p50),
+                    "agg tok/s": _f(s1.wall_tps.p50),
+                    "speedup": "1.00x",
+                    "overlap": "-",
+                }
+            )
         for g in curve:
             s = g.summary
-            crows.append({"target": r.target.name, "streams": str(g.params["streams"]),
-                          "decode tok/s": _f(s.decode_tps.p50), "agg tok/s": _f(s.aggregate_tps),
-                          "speedup": speedup_text(s), "overlap": _f(s.overlap, "", ".2f")
-                          + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f")})
+            crows.append(
+                {
+                    "target": r.target.name,
+                    "streams": str(g.params["streams"]),
+                    "decode tok/s": _f(s.decode_tps.p50),
+                    "agg tok/s": _f(s.aggregate_tps),
+                    "speedup": speedup_text(s),
+                    "overlap": _f(s.overlap, "", ".2f")
+                    + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f"),
+                }
+            )
     if crows:
-        sections.append(Section("Requests released together (batching):", crows, None,
-                                "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
-                                " between the waves); decode tok/s: per stream (median); "
-                                + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
-                                + "; (a\u2013b): lowest and highest over the waves."))
+        sections.append(
+            Section(
+                "Requests released together (batching):",
+                crows,
+                None,
+                "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
+                " between the waves); decode tok/s: per stream (median); "
+                + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
+                + "; (a\u2013b): lowest and highest over the waves.",
+            )
+        )
     rate_groups = [g for g in all_groups(results) if g.kind == "rate"]
     if rate_groups:
         from mlxproxy.load import generator_note
@@ -117,9 +182,15 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
 
         cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
         lines = [generator_note(f"{g.target} {g.mode}", g.summary, g.params) for g in rate_groups]
-        sections.append(Section("Open loop (--rate: requests sent on schedule, whatever the server does):",
-                                [summary_row(g.target, g.mode, g.summary) for g in rate_groups], cols,
-                                legend_for(cols), [ln for ln in lines if ln]))
+        sections.append(
+            Section(
+                "Open loop (--rate: requests sent on schedule, whatever the server does):",
+                [summary_row(g.target, g.mode, g.summary) for g in rate_groups],
+                cols,
+                legend_for(cols),
+                [ln for ln in lines if ln],
+            )
+        )
     from mlxproxy.report import slo_section, sweep_sections
 
     slo = slo_section(all_groups(results))
@@ -141,8 +212,11 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                 k["count"] += a.count
                 k["where"].append(g.name)
         for kind, k in sorted(per.items()):
-            where = ("across prompt sizes" if k["where"] == ["single"]
-                     else f"in {k['count']} of {total} requests ({', '.join(k['where'])})")
+            where = (
+                "across prompt sizes"
+                if k["where"] == ["single"]
+                else f"in {k['count']} of {total} requests ({', '.join(k['where'])})"
+            )
             notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
     if notes:
         sections.append(Section("Anomalies, with evidence:", [], None, "", notes))
@@ -155,8 +229,15 @@ def print_bench(results: list[TargetResult], verdicts: dict[str, str] | None = N
     click.echo(render_sections(bench_sections(results, verdicts)))
 
 
-def write_outputs(results: list[TargetResult], json_path: str | None, csv_path: str | None, md_path: str | None,
-                  plot_path: str | None, verdicts: dict[str, str] | None = None, write_json: bool = True) -> None:
+def write_outputs(
+    results: list[TargetResult],
+    json_path: str | None,
+    csv_path: str | None,
+    md_path: str | None,
+    plot_path: str | None,
+    verdicts: dict[str, str] | None = None,
+    write_json: bool = True,
+) -> None:
     from mlxproxy.report import markdown_sections, write_csv, write_result
 
     doc = results_doc(results, verdicts)
@@ -210,62 +291,184 @@ def plot_svg(results: list[TargetResult]) -> str:
     from mlxproxy.load import sweep_charts
 
     sweep = sweep_charts(all_groups(results))
-    return svg_charts([
-        Chart("TTFT by prompt size (p50)", "prompt tokens (log scale)", "seconds (log scale)", ttft, log_x=True, log_y=True),
-        Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens (log scale)", "tokens/s", prefill, log_x=True,
-              note="no point: stream not incremental, prompt cached, or request refused"),
-        Chart("Batching: speedup of streams released together", "streams released together", "speedup (x)", agg,
-              integer_x=True, note="speedup = aggregate tok/s / one stream alone; 1 = no batching"),
-        Chart("Per-stream decode tokens/s by streams released together (p50)", "streams released together", "tokens/s",
-              curve, integer_x=True),
-        *sweep,
-    ])
+    return svg_charts(
+        [
+            Chart(
+                "TTFT by prompt size (p50)",
+                "prompt tokens (log scale)",
+                "seconds (log scale)",
+                ttft,
+                log_x=True,
+                log_y=True,
+            ),
+            Chart(
+                "Prefill tokens/s by prompt size (p50)",
+                "prompt tokens (log scale)",
+                "tokens/s",
+                prefill,
+                log_x=True,
+                note="no point: stream not incremental, prompt cached, or request refused",
+            ),
+            Chart(
+                "Batching: speedup of streams released together",
+                "streams released together",
+                "speedup (x)",
+                agg,
+                integer_x=True,
+                note="speedup = aggregate tok/s / one stream alone; 1 = no batching",
+            ),
+            Chart(
+                "Per-stream decode tokens/s by streams released together (p50)",
+                "streams released together",
+                "tokens/s",
+                curve,
+                integer_x=True,
+            ),
+            *sweep,
+        ]
+    )
 
 
 @click.command("bench")
-@click.option("--target", "targets", multiple=True, required=True, metavar="[NAME=]URL",
-              help=help_for("--target", "E.g. mlx-lm=http://127.0.0.1:8080 (repeatable)."))
-@click.option("--prompt-tokens", type=INT_LIST, default=",".join(map(str, DEFAULT_SIZES)), show_default=True, metavar="N,N,...",
-              help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    required=True,
+    metavar="[NAME=]URL",
+    help=help_for("--target", "E.g. mlx-lm=http://127.0.0.1:8080 (repeatable)."),
+)
+@click.option(
+    "--prompt-tokens",
+    type=INT_LIST,
+    default=",".join(map(str, DEFAULT_SIZES)),
+    show_default=True,
+    metavar="N,N,...",
+    help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).",
+)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help=help_for("--max-tokens"))
 @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help=help_for("--repeat"))
-@click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]",
-              help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]"))
-@click.option("--batch-prompt-tokens", type=click.IntRange(min=1), default=None, help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]")
-@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
-              help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."))
-@click.option("--sweep", is_flag=True,
-              help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."))
-@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
-              help=help_for("--rate", "Adds an open-loop test of --requests requests at the batch tests' prompt size "
-                                     "(several values: one per step, with the capacity in req/s)."))
+@click.option(
+    "--batch",
+    type=BATCH_SIZES,
+    default=None,
+    metavar="N[,N,...]",
+    help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]"),
+)
+@click.option(
+    "--batch-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]",
+)
+@click.option(
+    "--concurrency",
+    type=INT_LIST,
+    default=None,
+    metavar="N[,N,...]",
+    help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."),
+)
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."),
+)
+@click.option(
+    "--rate",
+    type=FLOAT_LIST,
+    default=None,
+    metavar="R[,R,...]",
+    help=help_for(
+        "--rate",
+        "Adds an open-loop test of --requests requests at the batch tests' prompt size "
+        "(several values: one per step, with the capacity in req/s).",
+    ),
+)
 @arrival_options
-@click.option("--requests", "n_requests", type=click.IntRange(min=2), default=50, show_default=True,
-              help="Requests of the open-loop (--rate) test.")
-@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
-              help=help_for("--slo", "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
-                                     "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]"))
-@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
-              help=help_for("--fail-on", "[default: none: exit 1 only when every target failed]"))
+@click.option(
+    "--requests",
+    "n_requests",
+    type=click.IntRange(min=2),
+    default=50,
+    show_default=True,
+    help="Requests of the open-loop (--rate) test.",
+)
+@click.option(
+    "--slo",
+    "slo",
+    type=SLO,
+    default=None,
+    metavar="KEY=VALUE,...",
+    help=help_for(
+        "--slo",
+        "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
+        "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]",
+    ),
+)
+@click.option(
+    "--fail-on",
+    "fail_on",
+    type=FAIL_ON,
+    default=None,
+    metavar="KIND,...",
+    help=help_for("--fail-on", "[default: none: exit 1 only when every target failed]"),
+)
 @click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
-@click.option("--timeout", "timeouts", type=SECONDS, multiple=True, metavar="[NAME=]SECONDS",
-              help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"))
+@click.option(
+    "--timeout",
+    "timeouts",
+    type=SECONDS,
+    multiple=True,
+    metavar="[NAME=]SECONDS",
+    help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"),
+)
 @click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
 @click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
-@click.option("--parallel", is_flag=True, help="Benchmark all targets at once (only fair if they do not share hardware).")
+@click.option(
+    "--parallel", is_flag=True, help="Benchmark all targets at once (only fair if they do not share hardware)."
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
-                                     "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=help_for(
+        "--plot",
+        "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
+        "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO.",
+    ),
+)
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
-def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: int, repeat: int, batch: tuple[int, ...],
-          batch_prompt_tokens: int | None, concurrency: tuple[int, ...] | None, sweep: bool, rate: tuple[float, ...] | None, arrival: str,
-          ramp_s: float, seed: int, n_requests: int, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, model: str | None,
-          timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None, nonce: bool, parallel: bool,
-          json_path: str | None, csv_path: str | None, md_path: str | None, plot_path: str | None,
-          html_path: str | None) -> None:
+def bench(
+    targets: tuple[str, ...],
+    prompt_tokens: tuple[int, ...],
+    max_tokens: int,
+    repeat: int,
+    batch: tuple[int, ...],
+    batch_prompt_tokens: int | None,
+    concurrency: tuple[int, ...] | None,
+    sweep: bool,
+    rate: tuple[float, ...] | None,
+    arrival: str,
+    ramp_s: float,
+    seed: int,
+    n_requests: int,
+    slo: dict[str, float] | None,
+    fail_on: tuple[str, ...] | None,
+    model: str | None,
+    timeouts: tuple[tuple[str | None, float], ...],
+    api_key_env: str | None,
+    nonce: bool,
+    parallel: bool,
+    json_path: str | None,
+    csv_path: str | None,
+    md_path: str | None,
+    plot_path: str | None,
+    html_path: str | None,
+) -> None:
     """Compare servers: one request at a time across prompt sizes, then requests
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
@@ -274,18 +477,38 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
     if ramp_s and not rate:
         fail("--ramp applies to --rate only")
     if sweep and rate and len(rate) > 1:
-        fail("--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
-             "per run; give one")
+        fail(
+            "--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
+            "per run; give one"
+        )
     sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
-    opts = BenchOptions(prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
-                        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce, rate=rate[0] if rate else None,
-                        rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
-                        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo)
+    opts = BenchOptions(
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        repeat=repeat,
+        batch=sizes[0] if sizes else 2,
+        batches=sizes,
+        batch_prompt_tokens=batch_prompt_tokens,
+        model=model,
+        nonce=nonce,
+        rate=rate[0] if rate else None,
+        rate_steps=rate if rate and len(rate) > 1 else (),
+        ramp_s=ramp_s,
+        arrival=arrival,
+        seed=seed,
+        requests=n_requests,
+        sweep=sweep,
+        sweep_steps=concurrency or (),
+        slo=slo,
+    )
     results: list[TargetResult] = []
     interrupted = False
     try:
-        run_async(bench_targets(tlist, opts, parallel=parallel, out=results,
-                                  say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
+        run_async(
+            bench_targets(
+                tlist, opts, parallel=parallel, out=results, say=lambda line: click.echo(f"mlxproxy: {line}", err=True)
+            )
+        )
     except KeyboardInterrupt:
         interrupted = True
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
@@ -298,8 +521,11 @@ def bench(targets: tuple[str, ...], prompt_tokens: tuple[int, ...], max_tokens: 
             fail(f"cannot write {html_path}: {exc.strerror or exc}")
         click.echo(f"wrote {html_path}", err=True)
     if interrupted:
-        fail("interrupted: what was measured so far is printed"
-             + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""), 130)
+        fail(
+            "interrupted: what was measured so far is printed"
+            + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""),
+            130,
+        )
     if results and all(r.error for r in results):
         fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)
     reason = all_failed_reason(all_groups(results))
@@ -315,11 +541,17 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
 
     slo = slo or parse_slo(DEFAULT_SLO)
     for r in results:
-        r.groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo)))
-                       if g.kind != "single" and g.params.get("prompt_tokens") == prompt_tokens else g for g in r.groups]
+        r.groups[:] = [
+            g.with_summary(g.summary.updated(judge(g.records, slo)))
+            if g.kind != "single" and g.params.get("prompt_tokens") == prompt_tokens
+            else g
+            for g in r.groups
+        ]
 
 
-def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None) -> list[Target]:
+def parse_targets(
+    values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None
+) -> list[Target]:
     key = env_key(api_key_env)
     out = [Target(name, url, 1800.0, key) for name, url in (parse_target(v) for v in values)]
     names = [t.name for t in out]
@@ -330,8 +562,9 @@ def parse_targets(values: tuple[str, ...], timeouts: tuple[tuple[str | None, flo
         if name is None:
             default_timeout = secs
         elif name not in names:
-            raise click.BadParameter(f"{name}={secs:g}: no target named {name!r} (targets: {', '.join(names)})",
-                                     param_hint="--timeout")
+            raise click.BadParameter(
+                f"{name}={secs:g}: no target named {name!r} (targets: {', '.join(names)})", param_hint="--timeout"
+            )
         else:
             per[name] = secs
     return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key) for t in out]
@@ -353,11 +586,26 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
 
 
 @click.command("demo")
-@click.option("--dir", "out_dir", type=click.Path(file_okay=False), default="mlxproxy-demo", show_default=True,
-              help="Where the capture, the results and a metrics snapshot are written.")
-@click.option("--port", type=click.IntRange(min=0, max=65535), default=0, show_default=True,
-              help=help_for("--port", "The proxy's port."))
-@click.option("--serve", is_flag=True, help="Keep the simulators and the proxy running after the run (Ctrl-C to stop), e.g. to scrape /metrics.")
+@click.option(
+    "--dir",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="mlxproxy-demo",
+    show_default=True,
+    help="Where the capture, the results and a metrics snapshot are written.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(min=0, max=65535),
+    default=0,
+    show_default=True,
+    help=help_for("--port", "The proxy's port."),
+)
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Keep the simulators and the proxy running after the run (Ctrl-C to stop), e.g. to scrape /metrics.",
+)
 @click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True, help=help_for("--repeat"))
 def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     """Run the whole product on built-in simulators: eight simulated MLX servers behind
@@ -400,8 +648,11 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
             fail(f"cannot start the proxy on 127.0.0.1:{port}: {getattr(exc, 'strerror', None) or exc}", 1)
         click.echo(f"simulators: {', '.join(f'{n} {s.url}' for n, s in sims.items())}", err=True)
         click.echo(f"proxy: {proxy.url}/v1  (live page {proxy.url}/, metrics {proxy.url}/metrics)", err=True)
-        click.echo("benchmark through the proxy: prompts of 100, 2000 and 40000 tokens one at a time, then two at once"
-                   f" (x{repeat} each); about a minute...", err=True)
+        click.echo(
+            "benchmark through the proxy: prompts of 100, 2000 and 40000 tokens one at a time, then two at once"
+            f" (x{repeat} each); about a minute...",
+            err=True,
+        )
         targets = [Target(name, proxy.url, 120.0) for name in sims]
         opts = BenchOptions(prompt_tokens=(100, 2000, 40000), max_tokens=96, repeat=repeat, batch=2, nonce=True)
         results: list[TargetResult] = []
@@ -413,10 +664,18 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         click.echo("")
         print_bench(results)
         click.echo("")
-        click.echo("\n".join(_wrap_lines("The simulated servers imitate what a 2026 benchmark of MLX servers found"
-                                         " (Qwen3.5-35B-A3B, M2 Max): their decode speed is 50 tokens/s per stream;"
-                                         " prefill runs at 20000 tok/s here to keep the demo short.")))
-        write_outputs(results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg"))
+        click.echo(
+            "\n".join(
+                _wrap_lines(
+                    "The simulated servers imitate what a 2026 benchmark of MLX servers found"
+                    " (Qwen3.5-35B-A3B, M2 Max): their decode speed is 50 tokens/s per stream;"
+                    " prefill runs at 20000 tok/s here to keep the demo short."
+                )
+            )
+        )
+        write_outputs(
+            results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
+        )
         write_bench_html(results, str(out / "bench.html"))
         from prometheus_client import generate_latest
 
@@ -452,6 +711,10 @@ async def _demo_run(targets: list[Target], opts: BenchOptions, out: list[TargetR
     from mlxproxy.bench import bench_one
     from mlxproxy.core.detect import Thresholds
 
-    await asyncio.gather(*(bench_one(t, BenchOptions(**{**opts.__dict__, "model": t.name}), Thresholds(), None, r)
-                           for t, r in zip(targets, out)))
+    await asyncio.gather(
+        *(
+            bench_one(t, BenchOptions(**{**opts.__dict__, "model": t.name}), Thresholds(), None, r)
+            for t, r in zip(targets, out)
+        )
+    )
     return out

@@ -39,8 +39,16 @@ from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError, ConfigError
 from mlxproxy.headers import DEFAULT_REDACT, REDACTED
 
-__all__ = ["CAPTURE_VERSION", "DEFAULT_REDACT", "Exchange", "CaptureWriter", "CapturedRequest", "read_capture",
-           "redact_headers", "MIGRATIONS"]
+__all__ = [
+    "CAPTURE_VERSION",
+    "DEFAULT_REDACT",
+    "Exchange",
+    "CaptureWriter",
+    "CapturedRequest",
+    "read_capture",
+    "redact_headers",
+    "MIGRATIONS",
+]
 
 log = logging.getLogger("mlxproxy")
 
@@ -95,7 +103,9 @@ def _strip_prompts(obj: Any) -> Any:
         for it in inp:
             if isinstance(it, dict):
                 it = dict(it)
-                n = sum(_text_chars(it.pop(k)) for k in ("content", "output", "arguments", "text", "summary") if k in it)
+                n = sum(
+                    _text_chars(it.pop(k)) for k in ("content", "output", "arguments", "text", "summary") if k in it
+                )
                 it["content_chars"] = n
             items.append(it)
         obj["input"] = items
@@ -116,10 +126,19 @@ class CaptureWriter:
 
     name = "capture"
 
-    def __init__(self, path: str | Path, *, keep_responses: bool = False, keep_prompts: bool = True,
-                 redact: Iterable[str] = (), queue_size: int = 10000, queue_bytes: int = 64 * 1024 * 1024,
-                 t0_mono: float | None = None, on_drop: Callable[[], None] | None = None,
-                 on_error: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        keep_responses: bool = False,
+        keep_prompts: bool = True,
+        redact: Iterable[str] = (),
+        queue_size: int = 10000,
+        queue_bytes: int = 64 * 1024 * 1024,
+        t0_mono: float | None = None,
+        on_drop: Callable[[], None] | None = None,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
         """Raises `ConfigError` when `path` is a symlink, not a regular file, or an existing
         file that is not a capture: the proxy never appends to (or cuts) a file it did not
         write. Any other problem opening it (a path under a file, no permission, a full
@@ -219,21 +238,32 @@ class CaptureWriter:
             os.set_blocking(f.fileno(), True)
             size = st.st_size
             if size and not _looks_like_capture(f.fileno(), size):
-                raise ConfigError(f"capture path {str(self.path)!r} holds a file that is not an mlxproxy capture; "
-                                  "refusing to append to it (choose a new file)")
+                raise ConfigError(
+                    f"capture path {str(self.path)!r} holds a file that is not an mlxproxy capture; "
+                    "refusing to append to it (choose a new file)"
+                )
             if st.st_mode & 0o077:
                 try:
                     os.fchmod(f.fileno(), 0o600)
-                    log.warning("capture %s was readable by others (mode %o): now 0600, as it holds prompts",
-                                self.path, stat.S_IMODE(st.st_mode))
+                    log.warning(
+                        "capture %s was readable by others (mode %o): now 0600, as it holds prompts",
+                        self.path,
+                        stat.S_IMODE(st.st_mode),
+                    )
                 except OSError:
-                    log.warning("capture %s is readable by others (mode %o) and could not be set to 0600; "
-                                "it holds prompts", self.path, stat.S_IMODE(st.st_mode))
+                    log.warning(
+                        "capture %s is readable by others (mode %o) and could not be set to 0600; it holds prompts",
+                        self.path,
+                        stat.S_IMODE(st.st_mode),
+                    )
             keep = _end_of_last_line(f.fileno(), size)
             if keep < size:
                 os.ftruncate(f.fileno(), keep)
-                log.warning("capture %s ended with a torn line (%d bytes, a crash while writing it): cut off",
-                            self.path, size - keep)
+                log.warning(
+                    "capture %s ended with a torn line (%d bytes, a crash while writing it): cut off",
+                    self.path,
+                    size - keep,
+                )
         except BaseException:
             f.close()
             raise
@@ -242,8 +272,11 @@ class CaptureWriter:
     def _report(self, exc: BaseException) -> None:
         if not self._reported:
             self._reported = True
-            log.error("capture to %s failed (%s); further failures are only counted (mlxproxy_capture_errors_total)",
-                      self.path, exc)
+            log.error(
+                "capture to %s failed (%s); further failures are only counted (mlxproxy_capture_errors_total)",
+                self.path,
+                exc,
+            )
 
     def _write_line(self, line: bytes) -> None:
         """Append `line` whole or not at all: a short write is continued, and after an
@@ -367,8 +400,10 @@ def _migrate(d: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(v, int) or isinstance(v, bool):
         raise CaptureFormatError(f"{where}: no capture format version ('v'); is this an mlxproxy capture file?")
     if v > CAPTURE_VERSION:
-        raise CaptureFormatError(f"{where}: capture format version {v} is newer than this mlxproxy ({__version__}) "
-                                 f"reads (up to {CAPTURE_VERSION}); upgrade mlxproxy")
+        raise CaptureFormatError(
+            f"{where}: capture format version {v} is newer than this mlxproxy ({__version__}) "
+            f"reads (up to {CAPTURE_VERSION}); upgrade mlxproxy"
+        )
     while v < CAPTURE_VERSION:
         step = MIGRATIONS.get(v)
         if step is None:
@@ -379,8 +414,13 @@ def _migrate(d: dict[str, Any], where: str) -> dict[str, Any]:
     return d
 
 
-def iter_capture(path: str | Path, warn: Callable[[str], None] | None = None, *,
-                 skip_bad: bool = False, skipped: list[str] | None = None) -> Iterator[CapturedRequest]:
+def iter_capture(
+    path: str | Path,
+    warn: Callable[[str], None] | None = None,
+    *,
+    skip_bad: bool = False,
+    skipped: list[str] | None = None,
+) -> Iterator[CapturedRequest]:
     """The requests of a capture file, oldest first. A torn last line (a crash while it
     was written) is skipped with a warning; any other bad line is a `CaptureFormatError`,
     unless `skip_bad`: then it is skipped and its reason appended to `skipped`."""
@@ -426,12 +466,21 @@ def _captured(d: Any, where: str) -> CapturedRequest:
     except TypeError as exc:
         raise CaptureFormatError(f"{where}: missing record fields ({exc})") from exc
     return CapturedRequest(
-        record=record, method=str(d.get("method", "POST")), path=str(d.get("path", "")),
-        offset_s=float(d.get("offset_s", 0.0)), request=req if isinstance(req, dict) else None,
-        request_bytes=base64.b64decode(b64) if isinstance(b64, str) else None, raw=d,
+        record=record,
+        method=str(d.get("method", "POST")),
+        path=str(d.get("path", "")),
+        offset_s=float(d.get("offset_s", 0.0)),
+        request=req if isinstance(req, dict) else None,
+        request_bytes=base64.b64decode(b64) if isinstance(b64, str) else None,
+        raw=d,
     )
 
 
-def read_capture(path: str | Path, warn: Callable[[str], None] | None = None, *, skip_bad: bool = False,
-                 skipped: list[str] | None = None) -> list[CapturedRequest]:
+def read_capture(
+    path: str | Path,
+    warn: Callable[[str], None] | None = None,
+    *,
+    skip_bad: bool = False,
+    skipped: list[str] | None = None,
+) -> list[CapturedRequest]:
     return list(iter_capture(path, warn, skip_bad=skip_bad, skipped=skipped))

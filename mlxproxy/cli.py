@@ -15,14 +15,22 @@ class OneLineErrors(click.Group):
     usage block of four lines); Ctrl-C outside a command's own handling exits 130 without
     click's `Aborted!`. Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and the README."""
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as exc:
-            where = f"mlxproxy {exc.ctx.info_name}" if exc.ctx is not None and exc.ctx.parent is not None else "mlxproxy"
+            where = (
+                f"mlxproxy {exc.ctx.info_name}" if exc.ctx is not None and exc.ctx.parent is not None else "mlxproxy"
+            )
             hint = f" (see {where} --help)" if exc.ctx is not None else ""
             click.echo(f"{where}: {' '.join(exc.format_message().split())}{hint}", err=True)
             sys.exit(exc.exit_code)
@@ -50,10 +58,9 @@ def main() -> None:
 
 
 def _register() -> None:
+    from mlxproxy.bench_cli import bench, demo
     from mlxproxy.proxy.cli import serve
     from mlxproxy.replay_cli import replay, report
-
-    from mlxproxy.bench_cli import bench, demo
 
     main.add_command(demo)
     main.add_command(serve)

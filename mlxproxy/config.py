@@ -24,8 +24,17 @@ import yaml
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.errors import ConfigError
 
-__all__ = ["Config", "UpstreamConfig", "TimeoutConfig", "Thresholds", "load_config", "build_config", "proxy_api_key",
-           "is_loopback_host", "parse_upstream_url"]
+__all__ = [
+    "Config",
+    "UpstreamConfig",
+    "TimeoutConfig",
+    "Thresholds",
+    "load_config",
+    "build_config",
+    "proxy_api_key",
+    "is_loopback_host",
+    "parse_upstream_url",
+]
 
 DEFAULT_UPSTREAM_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default port
 
@@ -127,7 +136,9 @@ class _BoundedLoader(yaml.SafeLoader):
             return w
 
         if node is not None and weight(node) > MAX_YAML_NODES:
-            raise ConfigError(f"expands to more than {MAX_YAML_NODES} values through YAML aliases; write it out plainly")
+            raise ConfigError(
+                f"expands to more than {MAX_YAML_NODES} values through YAML aliases; write it out plainly"
+            )
         return node
 
 
@@ -152,7 +163,9 @@ def _convert(key: str, tp: Any, value: Any) -> Any:
         return _convert(key, args[0], value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' must be a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+            raise ConfigError(
+                f"config key '{key}' must be a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}"
+            )
         return _build(tp, value, key + ".")
     if origin is tuple:
         (inner, _ellipsis) = typing.get_args(tp)
@@ -190,8 +203,14 @@ def _build(cls: Any, raw: dict[str, Any], prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except TypeError as exc:
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
-        raise ConfigError(f"config section '{prefix.rstrip('.') or 'top level'}' needs key(s): {', '.join(missing)}") from exc
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]  # type: ignore[misc]
+        raise ConfigError(
+            f"config section '{prefix.rstrip('.') or 'top level'}' needs key(s): {', '.join(missing)}"
+        ) from exc
 
 
 def _check_url(key: str, url: str) -> None:
@@ -203,13 +222,16 @@ def _check_url(key: str, url: str) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"config key '{key}' must be an http:// or https:// URL with a host, got {_show(url)}")
     if parts.query or parts.fragment or any(c.isspace() or not c.isprintable() for c in url):
-        raise ConfigError(f"config key '{key}' must be a plain base URL (no query, fragment, spaces or control "
-                          f"characters), got {_show(url)}")
+        raise ConfigError(
+            f"config key '{key}' must be a plain base URL (no query, fragment, spaces or control "
+            f"characters), got {_show(url)}"
+        )
     try:
         url.encode("ascii")
     except UnicodeEncodeError:
-        raise ConfigError(f"config key '{key}' must be written in ASCII (percent-encode other characters), "
-                          f"got {_show(url)}") from None
+        raise ConfigError(
+            f"config key '{key}' must be written in ASCII (percent-encode other characters), got {_show(url)}"
+        ) from None
 
 
 def _check_number(key: str, v: float, *, minimum: float = 0.0) -> None:
@@ -227,16 +249,20 @@ def _validate(cfg: Config) -> None:
     seen: set[str] = set()
     for i, up in enumerate(cfg.upstreams):
         if not up.name or up.name in seen or len(up.name) > 64 or not up.name.isprintable():
-            raise ConfigError(f"config key 'upstreams[{i}].name' must be a unique, printable name of 1-64 characters, "
-                              f"got {_show(up.name)}")
+            raise ConfigError(
+                f"config key 'upstreams[{i}].name' must be a unique, printable name of 1-64 characters, "
+                f"got {_show(up.name)}"
+            )
         seen.add(up.name)
         _check_url(f"upstreams[{i}].url", up.url)
         parse_upstream_url(up.url, f"config key 'upstreams[{i}].url'")
         if up.api_key_env is not None and not up.api_key_env:
             raise ConfigError(f"config key 'upstreams[{i}].api_key_env' must name an environment variable")
     if cfg.default_upstream is not None and cfg.default_upstream not in seen:
-        raise ConfigError(f"config key 'default_upstream' must be one of the upstream names ({', '.join(sorted(seen))}), "
-                          f"got {_show(cfg.default_upstream)}")
+        raise ConfigError(
+            f"config key 'default_upstream' must be one of the upstream names ({', '.join(sorted(seen))}), "
+            f"got {_show(cfg.default_upstream)}"
+        )
     for name, section in (("timeouts", cfg.timeouts), ("detectors", cfg.detectors)):
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
@@ -245,9 +271,15 @@ def _validate(cfg: Config) -> None:
     _check_number("request_header_timeout_s", cfg.request_header_timeout_s)
     if cfg.proxy_api_key_env is not None and not cfg.proxy_api_key_env:
         raise ConfigError("config key 'proxy_api_key_env' must name an environment variable")
-    for key, minimum in (("recent_records", 0), ("max_model_labels", 1), ("max_request_body_bytes", 1),
-                         ("capture_queue_size", 1), ("capture_queue_bytes", 1), ("max_request_header_bytes", 1024),
-                         ("max_request_headers", 1)):
+    for key, minimum in (
+        ("recent_records", 0),
+        ("max_model_labels", 1),
+        ("max_request_body_bytes", 1),
+        ("capture_queue_size", 1),
+        ("capture_queue_bytes", 1),
+        ("max_request_header_bytes", 1024),
+        ("max_request_headers", 1),
+    ):
         v = getattr(cfg, key)
         if v < minimum:
             raise ConfigError(f"config key '{key}' must be at least {minimum}, got {v}")
@@ -271,7 +303,9 @@ def parse_upstream_url(url: str, what: str = "the upstream URL") -> tuple[str, s
     except ValueError as exc:
         raise ConfigError(f"{what} must be http://HOST[:PORT], got {url!r} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{what} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080, got {url!r}")
+        raise ConfigError(
+            f"{what} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080, got {url!r}"
+        )
     if port == 0:
         raise ConfigError(f"{what} must not use port 0, got {url!r}")
     if parts.query or parts.fragment:
@@ -280,8 +314,10 @@ def parse_upstream_url(url: str, what: str = "the upstream URL") -> tuple[str, s
     note = None
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
-        note = (f"{what} {url!r} ends in /v1; using {parts.scheme}://{parts.netloc}{path} "
-                "(request paths already start with /v1)")
+        note = (
+            f"{what} {url!r} ends in /v1; using {parts.scheme}://{parts.netloc}{path} "
+            "(request paths already start with /v1)"
+        )
     return f"{parts.scheme}://{parts.netloc}{path}", note
 
 
@@ -293,8 +329,10 @@ def proxy_api_key(cfg: Config) -> bytes | None:
         return None
     value = os.environ.get(cfg.proxy_api_key_env, "").strip()
     if not value:
-        raise ConfigError(f"config key 'proxy_api_key_env' names {cfg.proxy_api_key_env}, which is not set in the "
-                          "environment; export it with the key clients must send, or remove the config key")
+        raise ConfigError(
+            f"config key 'proxy_api_key_env' names {cfg.proxy_api_key_env}, which is not set in the "
+            "environment; export it with the key clients must send, or remove the config key"
+        )
     return value.encode()
 
 

@@ -1,13 +1,13 @@
 """The project's exceptions. Third-party exceptions are translated at the shell boundary.
 
-    MlxproxyError                 base; `str(exc)` is one sentence a user can act on
-    ├── ConfigError               a bad config file, key or value (CLI exit code 2)
-    ├── CaptureFormatError        a capture file that cannot be read (unknown version, bad line)
-    ├── UpstreamError             the proxy could not get a response from an upstream
-    │   ├── UpstreamUnreachable   connection refused / reset before any response (HTTP 502)
-    │   └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
-    └── UpstreamBodyError         the response started, then its body broke (reset, bad framing)
-        └── UpstreamBodyTimeout   ... or went silent for longer than the read timeout
+MlxproxyError                 base; `str(exc)` is one sentence a user can act on
+├── ConfigError               a bad config file, key or value (CLI exit code 2)
+├── CaptureFormatError        a capture file that cannot be read (unknown version, bad line)
+├── UpstreamError             the proxy could not get a response from an upstream
+│   ├── UpstreamUnreachable   connection refused / reset before any response (HTTP 502)
+│   └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
+└── UpstreamBodyError         the response started, then its body broke (reset, bad framing)
+    └── UpstreamBodyTimeout   ... or went silent for longer than the read timeout
 """
 
 from __future__ import annotations

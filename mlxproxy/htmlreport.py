@@ -65,21 +65,25 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     def name(label: str, target: str) -> str:
         return f"{label}:{target}" if many else target
 
-    out: list[str] = ['<!doctype html><html lang="en"><head><meta charset="utf-8">',
-                      '<meta name="viewport" content="width=device-width, initial-scale=1">',
-                      f"<title>mlxproxy report: {escape(', '.join(label for label, _ in docs))}</title>",
-                      f"<style>{CSS}</style></head><body>",
-                      f"<header><h1>mlxproxy report</h1><p>written {escape(_when(time.time()))} "
-                      f"by mlxproxy {escape(__version__)}</p></header><main>"]
+    out: list[str] = [
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>mlxproxy report: {escape(', '.join(label for label, _ in docs))}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<header><h1>mlxproxy report</h1><p>written {escape(_when(time.time()))} "
+        f"by mlxproxy {escape(__version__)}</p></header><main>",
+    ]
 
     # sources, side by side
     out.append('<section id="sources"><h2>Results</h2><div class="cols">')
     for label, doc in docs:
         targets = sorted({g.target for g in doc.groups})
         n = sum(len(g.records) for g in doc.groups)
-        out.append(f'<div class="source"><h3>{escape(label)}</h3><p class="muted">{escape(doc.kind)} '
-                   f"written {escape(_when(doc.created_at))} by mlxproxy {escape(doc.version or '?')}; "
-                   f"{len(doc.groups)} groups, {n} requests; targets: {escape(', '.join(targets))}</p>")
+        out.append(
+            f'<div class="source"><h3>{escape(label)}</h3><p class="muted">{escape(doc.kind)} '
+            f"written {escape(_when(doc.created_at))} by mlxproxy {escape(doc.version or '?')}; "
+            f"{len(doc.groups)} groups, {n} requests; targets: {escape(', '.join(targets))}</p>"
+        )
         for t in doc.targets:
             if t.get("error"):
                 out.append(f'<p class="bad">{escape(t["name"])}: {escape(str(t["error"]))}</p>')
@@ -90,8 +94,10 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.verdicts.items()]
     if verdicts:
         out.append('<section id="verdicts"><h2>Verdicts</h2><table><tr><th>target</th><th>verdict</th></tr>')
-        out += [f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
-                for t, v in verdicts]
+        out += [
+            f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
+            for t, v in verdicts
+        ]
         out.append("</table></section>")
 
     # capacity (sweeps)
@@ -99,23 +105,35 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
 
     caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc.groups).items()]
     if caps:
-        out.append('<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
-                   "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>")
-        out += [f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
-                for t, c in caps]
+        out.append(
+            '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
+            "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>"
+        )
+        out += [
+            f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
+            for t, c in caps
+        ]
         out.append("</table></section>")
 
     # summary
-    out.append('<section id="summary"><h2>Summary</h2><p class="muted">medians (p50) unless named; failed requests are '
-               "counted by outcome and kept out of the latency figures</p><table><tr>")
+    out.append(
+        '<section id="summary"><h2>Summary</h2><p class="muted">medians (p50) unless named; failed requests are '
+        "counted by outcome and kept out of the latency figures</p><table><tr>"
+    )
     out += [f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS]
     out.append("<th>group</th></tr>")
     for label, doc in docs:
         for g in doc.groups:
             row = summary_row(name(label, g.target), g.mode, g.summary)
-            out.append("<tr>" + "".join(("<td>" if c in ("target", "mode", "errors", "anomalies") else '<td class="num">')
-                                        + f"{escape(row[c])}</td>" for c in SUMMARY_COLUMNS)
-                       + f"<td>{escape(g.name)}</td></tr>")
+            out.append(
+                "<tr>"
+                + "".join(
+                    ("<td>" if c in ("target", "mode", "errors", "anomalies") else '<td class="num">')
+                    + f"{escape(row[c])}</td>"
+                    for c in SUMMARY_COLUMNS
+                )
+                + f"<td>{escape(g.name)}</td></tr>"
+            )
     out.append("</table></section>")
 
     # anomalies with evidence
@@ -123,11 +141,15 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     for label, doc in docs:
         for g in doc.groups:
             for kind, a in sorted(g.summary.anomalies.items()):
-                rows.append(f"<tr><td>{escape(name(label, g.target))}</td><td>{escape(g.name)}</td><td>{escape(kind)}</td>"
-                            f'<td class="num">{a.count}</td><td class="evidence">{escape(a.evidence)}</td></tr>')
+                rows.append(
+                    f"<tr><td>{escape(name(label, g.target))}</td><td>{escape(g.name)}</td><td>{escape(kind)}</td>"
+                    f'<td class="num">{a.count}</td><td class="evidence">{escape(a.evidence)}</td></tr>'
+                )
     out.append('<section id="anomalies"><h2>Anomalies, with evidence</h2>')
     if rows:
-        out.append("<table><tr><th>target</th><th>group</th><th>anomaly</th><th>count</th><th>evidence (one example)</th></tr>")
+        out.append(
+            "<table><tr><th>target</th><th>group</th><th>anomaly</th><th>count</th><th>evidence (one example)</th></tr>"
+        )
         out += rows
         out.append("</table>")
     else:
@@ -146,9 +168,11 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
         out.append("</div></section>")
 
     # timelines
-    out.append('<section id="timelines"><h2>Request timelines</h2><p class="muted">one lane per request, from its '
-               "start: pale until the first token, dark while decoding, a tick per token event, red where a stall "
-               "was; time from the group's first request</p>")
+    out.append(
+        '<section id="timelines"><h2>Request timelines</h2><p class="muted">one lane per request, from its '
+        "start: pale until the first token, dark while decoding, a tick per token event, red where a stall "
+        "was; time from the group's first request</p>"
+    )
     for label, doc in docs:
         shown: set[Any] = set()
         for g in doc.groups:
@@ -200,7 +224,15 @@ def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[tuple[str
     if prefill:
         out.append(("Prefill tokens/s by prompt size (p50)", "prompt tokens", "tokens/s", prefill, True))
     if curve:
-        out.append(("Per-stream decode tokens/s by parallel streams (p50)", "streams released together", "tokens/s", curve, False))
+        out.append(
+            (
+                "Per-stream decode tokens/s by parallel streams (p50)",
+                "streams released together",
+                "tokens/s",
+                curve,
+                False,
+            )
+        )
     if agg:
         out.append(("Aggregate tokens/s by parallel streams", "streams released together", "tokens/s", agg, False))
     if speedup:
@@ -230,8 +262,10 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
     def sx(t: float) -> float:
         return left + t / span * (w - left - right)
 
-    out = [f'<svg class="lanes" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           'font-family="sans-serif" font-size="10">']
+    out = [
+        f'<svg class="lanes" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+        'font-family="sans-serif" font-size="10">'
+    ]
     for i, r in enumerate(recs):
         y = 4 + i * lane
         start = (r.get("started_at") or 0.0) - t0
@@ -242,11 +276,15 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
         label = f"{(r.get('id') or '')[:8]} {r.get('outcome')} {_num(r.get('ttft_s'), '.3f', 's')}"
         if r.get("anomalies"):
             label += " " + ",".join(r["anomalies"])
-        tip = (f"{r.get('id')} {r.get('model') or '-'} {r.get('outcome')}: TTFT {_num(r.get('ttft_s'), '.3f', ' s')}, "
-               f"e2e {_num(r.get('e2e_s'), '.3f', ' s')}, decode {_num(r.get('decode_tps'), '.1f', ' tok/s')}, "
-               f"tokens reported {r.get('completion_tokens_reported')}, counted {r.get('completion_tokens_counted')}")
-        out.append(f'<g class="req" data-id="{escape(str(r.get("id")))}"><title>{escape(tip)}</title>'
-                   f'<text x="{left - 6}" y="{y + 9}" text-anchor="end" fill="{"#1d2330" if ok else "#c62828"}">{escape(label[:40])}</text>')
+        tip = (
+            f"{r.get('id')} {r.get('model') or '-'} {r.get('outcome')}: TTFT {_num(r.get('ttft_s'), '.3f', ' s')}, "
+            f"e2e {_num(r.get('e2e_s'), '.3f', ' s')}, decode {_num(r.get('decode_tps'), '.1f', ' tok/s')}, "
+            f"tokens reported {r.get('completion_tokens_reported')}, counted {r.get('completion_tokens_counted')}"
+        )
+        out.append(
+            f'<g class="req" data-id="{escape(str(r.get("id")))}"><title>{escape(tip)}</title>'
+            f'<text x="{left - 6}" y="{y + 9}" text-anchor="end" fill="{"#1d2330" if ok else "#c62828"}">{escape(label[:40])}</text>'
+        )
         x1, x2 = sx(start), max(sx(end), sx(start) + 1.5)
         out.append(f'<rect x="{x1:.1f}" y="{y}" width="{x2 - x1:.1f}" height="{lane - 3}" fill="{pale}"/>')
         ttft = r.get("ttft_s")
@@ -256,8 +294,10 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
                 out.append(f'<rect x="{xt:.1f}" y="{y}" width="{x2 - xt:.1f}" height="{lane - 3}" fill="{color}"/>')
         offs = r.get("event_offsets_ms") or []
         for a, b in _stalls(offs):
-            out.append(f'<rect class="stall" x="{sx(start + a / 1000):.1f}" y="{y - 1}" '
-                       f'width="{sx(start + b / 1000) - sx(start + a / 1000):.1f}" height="{lane - 1}" fill="#c62828" fill-opacity="0.45"/>')
+            out.append(
+                f'<rect class="stall" x="{sx(start + a / 1000):.1f}" y="{y - 1}" '
+                f'width="{sx(start + b / 1000) - sx(start + a / 1000):.1f}" height="{lane - 1}" fill="#c62828" fill-opacity="0.45"/>'
+            )
         step = max(1, math.ceil(len(offs) / MAX_TICKS))
         if offs:
             ticks = " ".join(f"M{sx(start + o / 1000):.1f} {y + lane - 6}v3" for o in offs[::step])

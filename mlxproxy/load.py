@@ -25,10 +25,32 @@ from mlxproxy.results import Summary
 if TYPE_CHECKING:
     from mlxproxy.results import Group
 
-__all__ = ["ARRIVALS", "arrival_offsets", "ramp_offsets", "GENERATOR_LAG_S", "generator_note", "sent_rate", "schedule", "SLO_METRICS",
-           "DEFAULT_SLO", "parse_slo", "slo_text", "judge", "step_problem", "parse_fail_on", "failed_checks",
-           "step_figures", "capacity_of", "capacity_line", "run_sweep", "sweep_charts",
-           "closed_loop_step", "open_loop_step", "capacity_value", "RATE_UNIT"]
+__all__ = [
+    "ARRIVALS",
+    "arrival_offsets",
+    "ramp_offsets",
+    "GENERATOR_LAG_S",
+    "generator_note",
+    "sent_rate",
+    "schedule",
+    "SLO_METRICS",
+    "DEFAULT_SLO",
+    "parse_slo",
+    "slo_text",
+    "judge",
+    "step_problem",
+    "parse_fail_on",
+    "failed_checks",
+    "step_figures",
+    "capacity_of",
+    "capacity_line",
+    "run_sweep",
+    "sweep_charts",
+    "closed_loop_step",
+    "open_loop_step",
+    "capacity_value",
+    "RATE_UNIT",
+]
 
 ARRIVALS = ("constant", "poisson")
 GENERATOR_LAG_S = 0.025  # schedule lag p99 above this and above ...
@@ -105,8 +127,10 @@ def generator_note(label: str, summary: Summary, params: Mapping[str, Any] | Non
     if scheduled and achieved and achieved < GENERATOR_RATE_SHARE * scheduled:
         why.append(f"sent under {GENERATOR_RATE_SHARE:.0%} of the scheduled rate")
     if why:
-        return (head + f": the load generator, not the server, was the limit ({', '.join(why)}); these figures do"
-                " not describe the server at the load asked")
+        return (
+            head + f": the load generator, not the server, was the limit ({', '.join(why)}); these figures do"
+            " not describe the server at the load asked"
+        )
     return head + " (the load generator kept to its schedule)"
 
 
@@ -136,7 +160,11 @@ def parse_slo(text: str) -> dict[str, float]:
     """`ttft_p95=3s,tpot_p50=60ms` -> {"ttft_p95": 3.0, "tpot_p50": 0.06}; ValueError (one
     sentence naming the bad part and the right form) otherwise."""
     out: dict[str, float] = {}
-    form = "give KEY=VALUE,... with KEY one of " + ", ".join(f"{m}_pNN" for m in SLO_METRICS) + ", e.g. ttft_p95=3s,tpot_p50=60ms"
+    form = (
+        "give KEY=VALUE,... with KEY one of "
+        + ", ".join(f"{m}_pNN" for m in SLO_METRICS)
+        + ", e.g. ttft_p95=3s,tpot_p50=60ms"
+    )
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
@@ -157,8 +185,9 @@ def parse_slo(text: str) -> dict[str, float]:
         try:
             v = float(value) * scale
         except ValueError:
-            raise ValueError(f"{part!r}: the value must be a number" + (" (with ms or s)" if unit == "s" else "")
-                             + f"; {form}") from None
+            raise ValueError(
+                f"{part!r}: the value must be a number" + (" (with ms or s)" if unit == "s" else "") + f"; {form}"
+            ) from None
         if not (v > 0 and math.isfinite(v)):
             raise ValueError(f"{part!r}: the value must be more than 0; {form}")
         out[f"{metric}_p{int(pct)}"] = v
@@ -233,17 +262,30 @@ def judge(records: Sequence[Mapping[str, Any]], slo: dict[str, float]) -> dict[s
     ends = [r["started_at"] + (r.get("duration_s") or 0.0) for r in records if r.get("started_at") is not None]
     span = (max(ends) - min(starts)) if starts else 0.0
     errors = len(records) - len(ok)
-    return {"slo": {"met": bool(ok) and not breaches and not errors, "breaches": breaches, "errors": errors,
-                    "values": values, "thresholds": dict(slo)},
-            "goodput": {"good": good, "requests": len(records), "share": good / len(records) if records else None,
-                        "rate": good / span if span > 0 else None}}
+    return {
+        "slo": {
+            "met": bool(ok) and not breaches and not errors,
+            "breaches": breaches,
+            "errors": errors,
+            "values": values,
+            "thresholds": dict(slo),
+        },
+        "goodput": {
+            "good": good,
+            "requests": len(records),
+            "share": good / len(records) if records else None,
+            "rate": good / span if span > 0 else None,
+        },
+    }
 
 
 def breach_text(b: dict[str, Any]) -> str:
     """`TTFT p95 is 5.2 s (> 3 s)`."""
     metric, pct = _split(b["key"])
     _, unit, lower, label = SLO_METRICS[metric]
-    return f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
+    return (
+        f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
+    )
 
 
 def step_problem(step: Mapping[str, Any] | Summary) -> str:
@@ -260,9 +302,11 @@ def step_problem(step: Mapping[str, Any] | Summary) -> str:
 
 # -- --fail-on -------------------------------------------------------------------------------
 
-FAIL_ON_WORDS = {"slo": "a judged test broke the SLO (a sweep: its lightest step)",
-                 "errors": "a request failed",
-                 "anomaly": "any anomaly was found"}
+FAIL_ON_WORDS = {
+    "slo": "a judged test broke the SLO (a sweep: its lightest step)",
+    "errors": "a request failed",
+    "anomaly": "any anomaly was found",
+}
 
 
 def parse_fail_on(text: str) -> tuple[str, ...]:
@@ -339,11 +383,24 @@ def step_figures(g: Group) -> dict[str, Any]:
     slo = s.slo or {}
     step = _step_value(g)
     key = "rate" if g.params.get("unit") == RATE_UNIT else "concurrency"
-    return {"step": step, key: step, "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
-            "ttft_p50_s": p("ttft_s", 50), "ttft_p95_s": p("ttft_s", 95), "tpot_p50_s": p("tpot_s", 50),
-            "tpot_p95_s": p("tpot_s", 95), "decode_tps_p50": p("decode_tps", 50), "aggregate_tps": s.aggregate_tps,
-            "anomalies": anomalies, "goodput": s.goodput, "slo_met": slo.get("met"),
-            "breaches": slo.get("breaches"), "problem": step_problem(s)}
+    return {
+        "step": step,
+        key: step,
+        "requests": len(recs),
+        "ok": len(ok),
+        "errors": len(recs) - len(ok),
+        "ttft_p50_s": p("ttft_s", 50),
+        "ttft_p95_s": p("ttft_s", 95),
+        "tpot_p50_s": p("tpot_s", 50),
+        "tpot_p95_s": p("tpot_s", 95),
+        "decode_tps_p50": p("decode_tps", 50),
+        "aggregate_tps": s.aggregate_tps,
+        "anomalies": anomalies,
+        "goodput": s.goodput,
+        "slo_met": slo.get("met"),
+        "breaches": slo.get("breaches"),
+        "problem": step_problem(s),
+    }
 
 
 def stop_reason(steps: Sequence[dict[str, Any]]) -> str | None:
@@ -380,8 +437,13 @@ def capacity_of(groups: Sequence[Group]) -> dict[str, dict[str, Any]]:
         else:
             limited = "throughput" if len(steps) > 1 and stop_reason(steps) == "throughput" else "steps"
         unit = gs[0].params.get("unit", "streams")
-        cap = {"max_rate" if unit == RATE_UNIT else "max_concurrency": best, "slo": (gs[0].summary.slo or {})["thresholds"],
-               "limited_by": limited, "unit": unit, "steps": steps}
+        cap = {
+            "max_rate" if unit == RATE_UNIT else "max_concurrency": best,
+            "slo": (gs[0].summary.slo or {})["thresholds"],
+            "limited_by": limited,
+            "unit": unit,
+            "steps": steps,
+        }
         if broke is not None:
             cap["broken_at"] = broke["step"]
         out[target] = cap
@@ -415,20 +477,32 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
     if broke is not None and capacity_value(cap) == 0:
         return f"{target}: does not meet the SLO even at {_streams(broke['step'], unit)}: {broke['problem']}"
     if broke is not None:
-        return (f"{target}: meets the SLO up to {_streams(capacity_value(cap), unit)}; at {at(broke['step'])}, "
-                f"{broke['problem']}")
+        return (
+            f"{target}: meets the SLO up to {_streams(capacity_value(cap), unit)}; at {at(broke['step'])}, "
+            f"{broke['problem']}"
+        )
     last = steps[-1]
     line = f"{target}: meets the SLO at every step, up to {_streams(last['step'], unit)}"
     if cap["limited_by"] == "throughput":
         best = max(steps, key=lambda s: s["aggregate_tps"] or 0.0)
-        line += (f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {at(best['step'])},"
-                 f" {last['aggregate_tps'] or 0.0:.0f} at {at(last['step'])})")
+        line += (
+            f"; aggregate tok/s stopped rising ({best['aggregate_tps']:.0f} tok/s at {at(best['step'])},"
+            f" {last['aggregate_tps'] or 0.0:.0f} at {at(last['step'])})"
+        )
     return line
 
 
-async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]], steps: Sequence[float],
-                    slo: dict[str, float], *, target: str, params: dict[str, Any], out: list[Group],
-                    say: Callable[[str], None] | None = None, unit: str = "streams") -> None:
+async def run_sweep(
+    step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]],
+    steps: Sequence[float],
+    slo: dict[str, float],
+    *,
+    target: str,
+    params: dict[str, Any],
+    out: list[Group],
+    say: Callable[[str], None] | None = None,
+    unit: str = "streams",
+) -> None:
     """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
     saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
     per record id (e.g. a session's turn). Each step's group is appended to `out` as it
@@ -453,18 +527,29 @@ async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[st
             records.append(d)
         label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
         key = "rate" if unit == RATE_UNIT else "concurrency"
-        summary = summarize_records(timed.records, lag_s=timed.lag_s or None,
-                                    send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None)
-        g = Group(f"sweep {conc:g}", target, f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""), "sweep_step",
-                  {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
-                  summary.updated(judge(records, slo)), tuple(records))
+        summary = summarize_records(
+            timed.records,
+            lag_s=timed.lag_s or None,
+            send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
+        )
+        g = Group(
+            f"sweep {conc:g}",
+            target,
+            f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""),
+            "sweep_step",
+            {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
+            summary.updated(judge(records, slo)),
+            tuple(records),
+        )
         out.append(g)
         done.append(step_figures(g))
         st = done[-1]
         if say:
-            say(f"sweep {target}: {_streams(conc, unit)}: {st['ok']}/{st['requests']} ok, aggregate "
+            say(
+                f"sweep {target}: {_streams(conc, unit)}: {st['ok']}/{st['requests']} ok, aggregate "
                 f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {st['goodput']['share'] or 0.0:.0%}, SLO "
-                + ("held" if st["slo_met"] else "broken: " + st["problem"]))
+                + ("held" if st["slo_met"] else "broken: " + st["problem"])
+            )
         i += 1
         if auto:
             if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
@@ -472,15 +557,17 @@ async def run_sweep(step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[st
             conc *= 2
 
 
-def open_loop_step(client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant",
-                   seed: int = 0, ramp_s: float = 0.0) -> Callable[[float], Awaitable[Any]]:
+def open_loop_step(
+    client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant", seed: int = 0, ramp_s: float = 0.0
+) -> Callable[[float], Awaitable[Any]]:
     """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate
     (after an unmeasured ramp of `ramp_s` seconds up to it)."""
 
     async def step(rate: float) -> tuple[Any, dict[str, dict[str, Any]]]:
         ramp = ramp_offsets(rate, ramp_s, arrival, seed)
-        return await client.run_open_loop(make(n), arrival_offsets(n, rate, arrival, seed),
-                                          ramp=(make(len(ramp)), ramp, ramp_s) if ramp else None), {}
+        return await client.run_open_loop(
+            make(n), arrival_offsets(n, rate, arrival, seed), ramp=(make(len(ramp)), ramp, ramp_s) if ramp else None
+        ), {}
 
     return step
 
@@ -509,8 +596,15 @@ def sweep_charts(groups: Sequence[Group]) -> list[Any]:
         steps = cap["steps"]
         for q in ("p50", "p95"):
             ttft.append((f"{target} {q}", [(float(s["step"]), s[f"ttft_{q}_s"]) for s in steps]))
-            tpot.append((f"{target} {q}", [(float(s["step"]), None if s[f"tpot_{q}_s"] is None
-                                            else s[f"tpot_{q}_s"] * 1000.0) for s in steps]))
+            tpot.append(
+                (
+                    f"{target} {q}",
+                    [
+                        (float(s["step"]), None if s[f"tpot_{q}_s"] is None else s[f"tpot_{q}_s"] * 1000.0)
+                        for s in steps
+                    ],
+                )
+            )
         agg.append((target, [(float(s["step"]), s["aggregate_tps"]) for s in steps]))
     slo = next(iter(caps.values()))["slo"]
     unit = next(iter(caps.values())).get("unit", "streams")
@@ -526,10 +620,29 @@ def sweep_charts(groups: Sequence[Group]) -> list[Any]:
         return out
 
     return [
-        Chart(f"TTFT by {by} (p50, p95)", xl, "seconds", ttft, integer_x=unit != RATE_UNIT,
-              hlines=lines("ttft", 1.0), note="dashed: the SLO's thresholds"),
-        Chart(f"TPOT by {by} (p50, p95)", xl, "milliseconds per token", tpot, integer_x=unit != RATE_UNIT,
-              hlines=lines("tpot|itl", 1000.0)),
-        Chart(f"Aggregate tokens/s by {by}", xl, "tokens/s (all streams)", agg, integer_x=unit != RATE_UNIT,
-              note="flat or falling: the server is saturated"),
+        Chart(
+            f"TTFT by {by} (p50, p95)",
+            xl,
+            "seconds",
+            ttft,
+            integer_x=unit != RATE_UNIT,
+            hlines=lines("ttft", 1.0),
+            note="dashed: the SLO's thresholds",
+        ),
+        Chart(
+            f"TPOT by {by} (p50, p95)",
+            xl,
+            "milliseconds per token",
+            tpot,
+            integer_x=unit != RATE_UNIT,
+            hlines=lines("tpot|itl", 1000.0),
+        ),
+        Chart(
+            f"Aggregate tokens/s by {by}",
+            xl,
+            "tokens/s (all streams)",
+            agg,
+            integer_x=unit != RATE_UNIT,
+            note="flat or falling: the server is saturated",
+        ),
     ]

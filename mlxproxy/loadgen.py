@@ -25,8 +25,20 @@ now = time.perf_counter
 _TIMER_RESOLUTION_S = 0.001
 REPLAY_HEADER = "x-mlxproxy-replay"
 # hop-by-hop and framing headers, and ones this client sets itself, are never sent as given
-_NOT_RESENT = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade",
-                         "accept-encoding", "proxy-authorization", REPLAY_HEADER})
+_NOT_RESENT = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "upgrade",
+        "accept-encoding",
+        "proxy-authorization",
+        REPLAY_HEADER,
+    }
+)
 
 
 def _wire(text: str) -> bytes:
@@ -82,9 +94,18 @@ class MeasuringClient:
     bodies become the record's outcome, so one bad target cannot stop a run.
     """
 
-    def __init__(self, base_url: str, *, name: str = "target", thresholds: Thresholds | None = None,
-                 api_key: str | None = None, timeout_s: float = 1800.0, connect_timeout_s: float = 10.0,
-                 tag_replay: bool = True, keep_text: bool = False) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str = "target",
+        thresholds: Thresholds | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 1800.0,
+        connect_timeout_s: float = 10.0,
+        tag_replay: bool = True,
+        keep_text: bool = False,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name
         self.th = thresholds or Thresholds()
@@ -102,8 +123,13 @@ class MeasuringClient:
         # Requests released together must start alike: each on a new connection, never one
         # on a warm keep-alive connection and the other still connecting (a few ms apart,
         # enough for a server to admit the second one into its batch late).
-        self._fresh = RawPool(self.base_url, name=name, connect_timeout_s=connect_timeout_s, read_timeout_s=timeout_s,
-                              reuse_connections=False)
+        self._fresh = RawPool(
+            self.base_url,
+            name=name,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=timeout_s,
+            reuse_connections=False,
+        )
         # credentials in the URL (user:password@) become Basic auth, as in the proxy
         self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None
 
@@ -131,7 +157,9 @@ class MeasuringClient:
         out = [(_wire(k), _wire(v)) for k, v in headers]
         for k, v in out:
             if any(c in k + v for c in b"\r\n\0"):
-                raise ValueError(f"the header {k[:40].decode('latin-1')!r} holds a line break or NUL, which HTTP cannot carry")
+                raise ValueError(
+                    f"the header {k[:40].decode('latin-1')!r} holds a line break or NUL, which HTTP cannot carry"
+                )
         return out
 
     def _target(self, path: str) -> bytes:
@@ -160,9 +188,16 @@ class MeasuringClient:
         info, _ = parse_request(req.method, req.path, req.body)
         self.in_flight += 1
         t_start = now()
-        meter = RequestMeter(info, request_id=os.urandom(8).hex(), upstream=self.name, t_start=t_start,
-                             started_at=time.time(), concurrency=self.in_flight, tags=("replay",) if self.tag_replay else (),
-                             keep_text=self.keep_text)
+        meter = RequestMeter(
+            info,
+            request_id=os.urandom(8).hex(),
+            upstream=self.name,
+            t_start=t_start,
+            started_at=time.time(),
+            concurrency=self.in_flight,
+            tags=("replay",) if self.tag_replay else (),
+            keep_text=self.keep_text,
+        )
         outcome = error = None
         try:
             try:
@@ -188,7 +223,9 @@ class MeasuringClient:
 
     # -- schedules ---------------------------------------------------------------------
 
-    async def run_sequential(self, reqs: Sequence[PreparedRequest], progress: Callable[[], None] | None = None) -> Timed:
+    async def run_sequential(
+        self, reqs: Sequence[PreparedRequest], progress: Callable[[], None] | None = None
+    ) -> Timed:
         out = Timed()
         for req in reqs:
             r = await self.send(req)
@@ -198,8 +235,9 @@ class MeasuringClient:
                 progress()
         return out
 
-    async def run_recorded(self, reqs: Sequence[PreparedRequest], speed: float = 1.0,
-                           progress: Callable[[], None] | None = None) -> Timed:
+    async def run_recorded(
+        self, reqs: Sequence[PreparedRequest], speed: float = 1.0, progress: Callable[[], None] | None = None
+    ) -> Timed:
         """Each request sent at its recorded offset / speed, against absolute deadlines;
         the lag of every actual send behind its deadline is kept.
 
@@ -237,9 +275,13 @@ class MeasuringClient:
                 task.cancel()
         return out
 
-    async def run_open_loop(self, reqs: Sequence[PreparedRequest], offsets: Sequence[float],
-                            progress: Callable[[], None] | None = None,
-                            ramp: tuple[Sequence[PreparedRequest], Sequence[float], float] | None = None) -> Timed:
+    async def run_open_loop(
+        self,
+        reqs: Sequence[PreparedRequest],
+        offsets: Sequence[float],
+        progress: Callable[[], None] | None = None,
+        ramp: tuple[Sequence[PreparedRequest], Sequence[float], float] | None = None,
+    ) -> Timed:
         """Open loop: request i is sent at `offsets[i]` seconds from now, whatever the server
         does (see `mlxproxy.load.arrival_offsets`); the schedule lag of every send is kept.
         `ramp` = (requests, offsets, seconds): those are sent first, on their own schedule
@@ -259,8 +301,9 @@ class MeasuringClient:
         _, out = await asyncio.gather(self.run_recorded(ramp_reqs, 1.0), main())
         return out
 
-    async def run_closed_loop(self, reqs: Sequence[PreparedRequest], concurrency: int,
-                              progress: Callable[[], None] | None = None) -> Timed:
+    async def run_closed_loop(
+        self, reqs: Sequence[PreparedRequest], concurrency: int, progress: Callable[[], None] | None = None
+    ) -> Timed:
         """`concurrency` workers, each sending the next request as soon as its last one ended."""
         out = Timed()
         queue = list(reqs)[::-1]
@@ -277,8 +320,9 @@ class MeasuringClient:
         await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
         return out
 
-    async def run_waves(self, reqs: Sequence[PreparedRequest], size: int,
-                        progress: Callable[[], None] | None = None) -> tuple[Timed, list[list[Record]]]:
+    async def run_waves(
+        self, reqs: Sequence[PreparedRequest], size: int, progress: Callable[[], None] | None = None
+    ) -> tuple[Timed, list[list[Record]]]:
         """Waves of `size` requests released together: every task is started and waiting
         on one gate before the gate opens (the double-batch method). Returns all
         records and the records of each wave."""

@@ -66,18 +66,27 @@ def _marker(kind: str, x: float, y: float, color: str, r: float = 4.0) -> str:
         return f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r}" height="{2 * r}" fill="{color}"/>'
     if kind in ("triangle", "down"):
         s = -1 if kind == "triangle" else 1
-        return (f'<polygon points="{x:.1f},{y + s * r * 1.2:.1f} {x - r:.1f},{y - s * r * 0.8:.1f} '
-                f'{x + r:.1f},{y - s * r * 0.8:.1f}" fill="{color}"/>')
+        return (
+            f'<polygon points="{x:.1f},{y + s * r * 1.2:.1f} {x - r:.1f},{y - s * r * 0.8:.1f} '
+            f'{x + r:.1f},{y - s * r * 0.8:.1f}" fill="{color}"/>'
+        )
     if kind == "diamond":
         return f'<polygon points="{x:.1f},{y - r * 1.3:.1f} {x + r:.1f},{y:.1f} {x:.1f},{y + r * 1.3:.1f} {x - r:.1f},{y:.1f}" fill="{color}"/>'
     if kind == "cross":
-        return (f'<path d="M{x - r:.1f},{y - r:.1f}L{x + r:.1f},{y + r:.1f}M{x - r:.1f},{y + r:.1f}L{x + r:.1f},{y - r:.1f}" '
-                f'stroke="{color}" stroke-width="2.2"/>')
+        return (
+            f'<path d="M{x - r:.1f},{y - r:.1f}L{x + r:.1f},{y + r:.1f}M{x - r:.1f},{y + r:.1f}L{x + r:.1f},{y - r:.1f}" '
+            f'stroke="{color}" stroke-width="2.2"/>'
+        )
     if kind == "plus":
-        return (f'<path d="M{x - r * 1.2:.1f},{y:.1f}L{x + r * 1.2:.1f},{y:.1f}M{x:.1f},{y - r * 1.2:.1f}L{x:.1f},{y + r * 1.2:.1f}" '
-                f'stroke="{color}" stroke-width="2.2"/>')
-    pts = " ".join(f"{x + (r * 1.3 if i % 2 == 0 else r * 0.55) * math.sin(i * math.pi / 5):.1f},"
-                   f"{y - (r * 1.3 if i % 2 == 0 else r * 0.55) * math.cos(i * math.pi / 5):.1f}" for i in range(10))
+        return (
+            f'<path d="M{x - r * 1.2:.1f},{y:.1f}L{x + r * 1.2:.1f},{y:.1f}M{x:.1f},{y - r * 1.2:.1f}L{x:.1f},{y + r * 1.2:.1f}" '
+            f'stroke="{color}" stroke-width="2.2"/>'
+        )
+    pts = " ".join(
+        f"{x + (r * 1.3 if i % 2 == 0 else r * 0.55) * math.sin(i * math.pi / 5):.1f},"
+        f"{y - (r * 1.3 if i % 2 == 0 else r * 0.55) * math.cos(i * math.pi / 5):.1f}"
+        for i in range(10)
+    )
     return f'<polygon points="{pts}" fill="{color}"/>'
 
 
@@ -91,8 +100,10 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
     pts = [(x, y) for _, s in c.series for x, y in s if usable(x, y)]
     if pts:  # reference lines stay inside the y range
         pts += [(pts[0][0], y) for _, y in c.hlines if usable(pts[0][0], y)]
-    out = [f'<text x="{x0 + (w - LEGEND_W) / 2 + 30}" y="{y0 + 20}" text-anchor="middle" font-size="15" '
-           f'font-weight="bold">{escape(c.title)}</text>']
+    out = [
+        f'<text x="{x0 + (w - LEGEND_W) / 2 + 30}" y="{y0 + 20}" text-anchor="middle" font-size="15" '
+        f'font-weight="bold">{escape(c.title)}</text>'
+    ]
     left, right, top, bottom = x0 + 70, x0 + w - LEGEND_W - 10, y0 + 34, y0 + h - 58
     if pts:
         xs = [p[0] for p in pts]
@@ -122,29 +133,43 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
 
     out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>')
     if not pts:
-        out.append(f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13">'
-                   'no data</text>')
+        out.append(
+            f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13">'
+            "no data</text>"
+        )
     else:
         for t in _ticks(xlo, xhi, log_x, c.integer_x):
             if xlo <= t <= xhi:
-                out.append(f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" stroke="#666"/>'
-                           f'<text x="{sx(t):.1f}" y="{bottom + 17}" text-anchor="middle" font-size="12">{_label(t)}</text>')
+                out.append(
+                    f'<line x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" stroke="#666"/>'
+                    f'<text x="{sx(t):.1f}" y="{bottom + 17}" text-anchor="middle" font-size="12">{_label(t)}</text>'
+                )
         for t in _ticks(ylo, yhi, log_y):
             if ylo <= t <= yhi:
-                out.append(f'<line x1="{left - 4}" y1="{sy(t):.1f}" x2="{right}" y2="{sy(t):.1f}" stroke="#e4e4e4"/>'
-                           f'<text x="{left - 7}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="12">{_label(t)}</text>')
-    out.append(f'<text x="{(left + right) / 2}" y="{bottom + 35}" text-anchor="middle" font-size="13">{escape(c.xlabel)}</text>')
+                out.append(
+                    f'<line x1="{left - 4}" y1="{sy(t):.1f}" x2="{right}" y2="{sy(t):.1f}" stroke="#e4e4e4"/>'
+                    f'<text x="{left - 7}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="12">{_label(t)}</text>'
+                )
+    out.append(
+        f'<text x="{(left + right) / 2}" y="{bottom + 35}" text-anchor="middle" font-size="13">{escape(c.xlabel)}</text>'
+    )
     if c.note:
-        out.append(f'<text x="{(left + right) / 2}" y="{bottom + 51}" text-anchor="middle" font-size="11" fill="#555">'
-                   f'{escape(c.note)}</text>')
-    out.append(f'<text x="{x0 + 18}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13" '
-               f'transform="rotate(-90 {x0 + 18} {(top + bottom) / 2})">{escape(c.ylabel)}</text>')
+        out.append(
+            f'<text x="{(left + right) / 2}" y="{bottom + 51}" text-anchor="middle" font-size="11" fill="#555">'
+            f"{escape(c.note)}</text>"
+        )
+    out.append(
+        f'<text x="{x0 + 18}" y="{(top + bottom) / 2}" text-anchor="middle" font-size="13" '
+        f'transform="rotate(-90 {x0 + 18} {(top + bottom) / 2})">{escape(c.ylabel)}</text>'
+    )
     if pts:
         for label, y in c.hlines:
             if usable(pts[0][0], y):
-                out.append(f'<line x1="{left}" y1="{sy(y):.1f}" x2="{right}" y2="{sy(y):.1f}" stroke="#444" '
-                           f'stroke-width="1.5" stroke-dasharray="6,4"/><text x="{left + 6}" y="{sy(y) - 5:.1f}" '
-                           f'text-anchor="start" font-size="11" fill="#444">{escape(label)}</text>')
+                out.append(
+                    f'<line x1="{left}" y1="{sy(y):.1f}" x2="{right}" y2="{sy(y):.1f}" stroke="#444" '
+                    f'stroke-width="1.5" stroke-dasharray="6,4"/><text x="{left + 6}" y="{sy(y) - 5:.1f}" '
+                    f'text-anchor="start" font-size="11" fill="#444">{escape(label)}</text>'
+                )
     n = len(c.series)
     for i, (name, s) in enumerate(c.series):
         color, dash, marker = COLORS[i % len(COLORS)], DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)]
@@ -153,15 +178,19 @@ def _chart(c: Chart, x0: int, y0: int, w: int = WIDTH, h: int = HEIGHT) -> list[
         if len(good) > 1:
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="{width:.1f}" '
-                       f'stroke-linejoin="round"{dash_attr}/>')
+            out.append(
+                f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="{width:.1f}" '
+                f'stroke-linejoin="round"{dash_attr}/>'
+            )
         out.extend(_marker(marker, sx(x), sy(y), color) for x, y in good)
         ly = top + 18 * i + 8
         lx = right + 14
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 26}" y2="{ly}" stroke="{color}" stroke-width="2.5"{dash_attr}/>'
-                   + _marker(marker, lx + 13, ly, color, 3.5)
-                   + f'<text x="{lx + 32}" y="{ly + 4}" font-size="12">{escape(name)}{"" if good else " (no data)"}</text>')
+        out.append(
+            f'<line x1="{lx}" y1="{ly}" x2="{lx + 26}" y2="{ly}" stroke="{color}" stroke-width="2.5"{dash_attr}/>'
+            + _marker(marker, lx + 13, ly, color, 3.5)
+            + f'<text x="{lx + 32}" y="{ly + 4}" font-size="12">{escape(name)}{"" if good else " (no data)"}</text>'
+        )
     return out
 
 
@@ -171,6 +200,8 @@ def svg_charts(charts: Sequence[Chart | tuple[str, str, str, Sequence[Series], b
     for i, c in enumerate(charts):
         chart = c if isinstance(c, Chart) else Chart(c[0], c[1], c[2], c[3], log_x=c[4])
         body.extend(_chart(chart, 0, i * HEIGHT))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT * len(charts)}" '
-            f'viewBox="0 0 {WIDTH} {HEIGHT * len(charts)}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">'
-            f'<rect width="100%" height="100%" fill="white"/>' + "".join(body) + "</svg>\n")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT * len(charts)}" '
+        f'viewBox="0 0 {WIDTH} {HEIGHT * len(charts)}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">'
+        f'<rect width="100%" height="100%" fill="white"/>' + "".join(body) + "</svg>\n"
+    )

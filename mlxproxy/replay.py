@@ -29,10 +29,18 @@ from mlxproxy.capture import REDACTED, CapturedRequest
 from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import endpoint_of, inject_include_usage
 from mlxproxy.core.record import Record
-from mlxproxy.load import (DEFAULT_SLO, RATE_UNIT, closed_loop_step, open_loop_step, parse_slo, ramp_offsets,
-                           run_sweep, schedule)
-from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.core.stats import summarize
+from mlxproxy.load import (
+    DEFAULT_SLO,
+    RATE_UNIT,
+    closed_loop_step,
+    open_loop_step,
+    parse_slo,
+    ramp_offsets,
+    run_sweep,
+    schedule,
+)
+from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.report import summarize_records
 from mlxproxy.results import Group, GroupKind, Summary
 
@@ -68,14 +76,23 @@ class ReplayOptions:
     sweep_steps: tuple[int, ...] = ()
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     sessions: int = 1  # sessions mode: conversations run at once
-    think_time: float | None = None  # sessions mode: seconds between a response's end and the next turn (None: captured)
+    think_time: float | None = (
+        None  # sessions mode: seconds between a response's end and the next turn (None: captured)
+    )
 
 
-def select(caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None) -> list[CapturedRequest]:
+def select(
+    caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None
+) -> list[CapturedRequest]:
     """Captured requests matching every `key=glob` filter (keys: model, endpoint, path, outcome)."""
     out = []
     for c in caps:
-        values = {"model": c.record.model or "", "endpoint": c.record.endpoint, "path": c.path, "outcome": c.record.outcome}
+        values = {
+            "model": c.record.model or "",
+            "endpoint": c.record.endpoint,
+            "path": c.path,
+            "outcome": c.record.outcome,
+        }
         if all(fnmatch.fnmatchcase(values.get(k, ""), pat) for k, pat in filters):
             out.append(c)
     return out[:limit] if limit is not None else out
@@ -144,7 +161,9 @@ def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -
     """The request to send for one captured request, with only the documented rewrites.
     `nonce`: this marker instead of a new one (the turns of one replayed session share one,
     so each turn can reuse the prompt cache of the turns before it, as in real use)."""
-    headers = tuple((k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED)  # hop-by-hop: loadgen drops
+    headers = tuple(
+        (k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED
+    )  # hop-by-hop: loadgen drops
     if c.request is None:
         return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
     obj = _unprivate(c.request)
@@ -208,27 +227,75 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
     turn stands for the tool running. Each turn is recorded as lasting 4 s. Deterministic."""
     from mlxproxy.core.record import Record
 
-    tools = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
-        "type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}}
-        for name, desc in (("read_file", "Read a file of the repository."), ("run_tests", "Run the test suite."),
-                           ("edit_file", "Replace a range of lines in a file."))]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": desc,
+                "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]},
+            },
+        }
+        for name, desc in (
+            ("read_file", "Read a file of the repository."),
+            ("run_tests", "Run the test suite."),
+            ("edit_file", "Replace a range of lines in a file."),
+        )
+    ]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent working in a Python repository. " + filler_text(6000)},
-        {"role": "user", "content": "The test tests/test_parser.py::test_nested fails; find out why and fix it."}]
+        {"role": "user", "content": "The test tests/test_parser.py::test_nested fails; find out why and fix it."},
+    ]
     out: list[CapturedRequest] = []
     offset = 0.0
     for i in range(turns):
-        body = {"model": "default_model", "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [dict(m) for m in messages], "tools": tools}
-        rec = Record(id=f"agent-turn-{i + 1}", started_at=offset, upstream="synthetic", model="default_model",
-                     endpoint="chat_completions", stream=True, status=200, outcome="ok", method="POST",
-                     path="/v1/chat/completions", duration_s=4.0)
-        out.append(CapturedRequest(record=rec, method="POST", path="/v1/chat/completions", offset_s=offset, request=body,
-                                   request_bytes=None, raw={}))
+        body = {
+            "model": "default_model",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [dict(m) for m in messages],
+            "tools": tools,
+        }
+        rec = Record(
+            id=f"agent-turn-{i + 1}",
+            started_at=offset,
+            upstream="synthetic",
+            model="default_model",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+            duration_s=4.0,
+        )
+        out.append(
+            CapturedRequest(
+                record=rec,
+                method="POST",
+                path="/v1/chat/completions",
+                offset_s=offset,
+                request=body,
+                request_bytes=None,
+                raw={},
+            )
+        )
         tool = ("read_file", "run_tests", "edit_file")[i % 3]
         call_id = f"call_{i + 1}"
-        messages.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": tool, "arguments": f'{{"arg": "step {i + 1}"}}'}}]})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": tool, "arguments": f'{{"arg": "step {i + 1}"}}'},
+                    }
+                ],
+            }
+        )
         messages.append({"role": "tool", "tool_call_id": call_id, "content": filler_text(3200)})
         offset += 4.0 + think_s
     return out
@@ -258,11 +325,21 @@ def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[st
         c = caps.get(src) if src else None
         if c is None:
             continue
-        rows.append({"source_id": src, "model": r.model, "captured_ttft_s": c.record.ttft_s, "replayed_ttft_s": r.ttft_s,
-                     "captured_cached_tokens": c.record.cached_tokens, "replayed_cached_tokens": r.cached_tokens,
-                     "replayed_prompt_tokens": r.prompt_tokens,
-                     "captured_decode_tps": c.record.decode_tps, "replayed_decode_tps": r.decode_tps,
-                     "captured_outcome": c.record.outcome, "replayed_outcome": r.outcome})
+        rows.append(
+            {
+                "source_id": src,
+                "model": r.model,
+                "captured_ttft_s": c.record.ttft_s,
+                "replayed_ttft_s": r.ttft_s,
+                "captured_cached_tokens": c.record.cached_tokens,
+                "replayed_cached_tokens": r.cached_tokens,
+                "replayed_prompt_tokens": r.prompt_tokens,
+                "captured_decode_tps": c.record.decode_tps,
+                "replayed_decode_tps": r.decode_tps,
+                "captured_outcome": c.record.outcome,
+                "replayed_outcome": r.outcome,
+            }
+        )
     return rows
 
 
@@ -276,8 +353,16 @@ def served_from_cache(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     return len(cached), len(reported)
 
 
-def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary,
-           compare: list[dict[str, Any]] | None = None, where: dict[str, dict[str, Any]] | None = None) -> Group:
+def _group(
+    name: str,
+    kind: GroupKind,
+    target: str,
+    params: dict[str, Any],
+    timed: Timed,
+    summary: Summary,
+    compare: list[dict[str, Any]] | None = None,
+    where: dict[str, dict[str, Any]] | None = None,
+) -> Group:
     """A group of `timed`'s records, each with its `source_id` (and its session's `where` keys)."""
     records = []
     for r in timed.records:
@@ -289,11 +374,20 @@ def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], time
     return Group(name, target, name, kind, params, summary, tuple(records), None if compare is None else tuple(compare))
 
 
-async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *, target_name: str = "target",
-                     api_key: str | None = None, thresholds: Thresholds | None = None, timeout_s: float = 1800.0,
-                     progress: bool | None = None, compare: bool = False,
-                     out: list[Group] | None = None,
-                     say: Callable[[str], None] | None = None) -> list[Group]:
+async def run_replay(
+    caps: Sequence[CapturedRequest],
+    target_url: str,
+    opts: ReplayOptions,
+    *,
+    target_name: str = "target",
+    api_key: str | None = None,
+    thresholds: Thresholds | None = None,
+    timeout_s: float = 1800.0,
+    progress: bool | None = None,
+    compare: bool = False,
+    out: list[Group] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> list[Group]:
     """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
@@ -307,67 +401,124 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
         # each repeat send prompts no cache has seen
         return [prepare(c, opts) for _ in range(opts.repeat) for c in caps]
 
-    params = {"speed": opts.speed, "concurrency": opts.concurrency, "batch": opts.batch, "repeat": opts.repeat,
-              "nonce": opts.nonce, "model": opts.model}
+    params = {
+        "speed": opts.speed,
+        "concurrency": opts.concurrency,
+        "batch": opts.batch,
+        "repeat": opts.repeat,
+        "nonce": opts.nonce,
+        "model": opts.model,
+    }
     n = len(caps) * opts.repeat
     offsets: list[float] = []
     if opts.mode == "rate":
         offsets, sched = schedule(n, opts.rate or 1.0, opts.arrival, opts.seed)
         params.update(sched, ramp_s=opts.ramp_s)
-    mode = {"recorded": f"recorded x{opts.speed:g}", "sequential": "sequential",
-            "concurrency": f"concurrency {opts.concurrency}", "batch": "batch",
-            "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
-            "sessions": f"sessions {opts.sessions}"}.get(opts.mode)
+    mode = {
+        "recorded": f"recorded x{opts.speed:g}",
+        "sequential": "sequential",
+        "concurrency": f"concurrency {opts.concurrency}",
+        "batch": "batch",
+        "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
+        "sessions": f"sessions {opts.sessions}",
+    }.get(opts.mode)
     if mode is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
-    async with MeasuringClient(target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s) as client:
+    async with MeasuringClient(
+        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
+    ) as client:
         if opts.warmup:
             await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)
-        tick: Callable[[], None] = Progress(f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress)
+        tick: Callable[[], None] = Progress(
+            f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress
+        )
         try:
             if opts.mode == "recorded":
                 timed = await client.run_recorded(fresh(), opts.speed, tick)
-                groups.append(_finish(mode, "replay", target_name, params, timed,
-                                      summarize_records(timed.records, lag_s=timed.lag_s), th, by_id, compare))
+                groups.append(
+                    _finish(
+                        mode,
+                        "replay",
+                        target_name,
+                        params,
+                        timed,
+                        summarize_records(timed.records, lag_s=timed.lag_s),
+                        th,
+                        by_id,
+                        compare,
+                    )
+                )
             elif opts.mode == "rate":
                 reqs = fresh()
                 ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
                 ramp_reqs = [prepare(caps[i % len(caps)], opts) for i in range(len(ramp))]
                 timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
-                summary = summarize_records(timed.records, lag_s=timed.lag_s,
-                                            send_times=[r.t_start_mono for r in timed.records])
+                summary = summarize_records(
+                    timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records]
+                )
                 groups.append(_finish(mode, "rate", target_name, params, timed, summary, th, by_id, compare))
             elif opts.mode == "sequential":
                 timed = await client.run_sequential(fresh(), tick)
-                groups.append(_finish(mode, "replay", target_name, params, timed, summarize_records(timed.records), th,
-                                      by_id, compare))
+                groups.append(
+                    _finish(
+                        mode, "replay", target_name, params, timed, summarize_records(timed.records), th, by_id, compare
+                    )
+                )
             elif opts.mode == "rate" and opts.sweep:
+
                 def cycle(k: int) -> list[PreparedRequest]:
                     return [prepare(caps[i % len(caps)], opts) for i in range(k)]
 
-                await run_sweep(open_loop_step(client, cycle, n, opts.arrival, opts.seed, opts.ramp_s),
-                                opts.sweep_steps or (opts.rate or 1.0,), opts.slo or parse_slo(DEFAULT_SLO),
-                                target=target_name, params=params, out=groups, say=say, unit=RATE_UNIT)
+                await run_sweep(
+                    open_loop_step(client, cycle, n, opts.arrival, opts.seed, opts.ramp_s),
+                    opts.sweep_steps or (opts.rate or 1.0,),
+                    opts.slo or parse_slo(DEFAULT_SLO),
+                    target=target_name,
+                    params=params,
+                    out=groups,
+                    say=say,
+                    unit=RATE_UNIT,
+                )
             elif opts.mode == "sessions" and opts.sweep:
+
                 async def sessions_step(k: int) -> tuple[Timed, dict[str, dict[str, Any]]]:
                     timed, where, _ = await run_sessions(client, caps, opts, k, k * opts.repeat)
                     return timed, where
 
-                await run_sweep(sessions_step, opts.sweep_steps, opts.slo or parse_slo(DEFAULT_SLO), target=target_name,
-                                params={**params, "think_time": opts.think_time}, out=groups, say=say, unit="sessions")
+                await run_sweep(
+                    sessions_step,
+                    opts.sweep_steps,
+                    opts.slo or parse_slo(DEFAULT_SLO),
+                    target=target_name,
+                    params={**params, "think_time": opts.think_time},
+                    out=groups,
+                    say=say,
+                    unit="sessions",
+                )
             elif opts.mode == "sessions":
                 groups.append(await _run_sessions(client, caps, opts, target_name, params, th, tick))
             elif opts.mode == "concurrency" and opts.sweep:
+
                 def make(k: int) -> list[PreparedRequest]:
                     return [prepare(caps[i % len(caps)], opts) for i in range(k)]
 
-                await run_sweep(closed_loop_step(client, make, opts.repeat), opts.sweep_steps,
-                                opts.slo or parse_slo(DEFAULT_SLO), target=target_name, params=params, out=groups, say=say)
+                await run_sweep(
+                    closed_loop_step(client, make, opts.repeat),
+                    opts.sweep_steps,
+                    opts.slo or parse_slo(DEFAULT_SLO),
+                    target=target_name,
+                    params=params,
+                    out=groups,
+                    say=say,
+                )
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
-                groups.append(_finish(mode, "replay", target_name, params, timed, summarize_records(timed.records), th,
-                                      by_id, compare))
+                groups.append(
+                    _finish(
+                        mode, "replay", target_name, params, timed, summarize_records(timed.records), th, by_id, compare
+                    )
+                )
             else:
                 single = await client.run_sequential(fresh(), tick)
                 s_single = summarize_records(single.records)
@@ -376,22 +527,31 @@ async def run_replay(caps: Sequence[CapturedRequest], target_url: str, opts: Rep
                     timed, waves = await client.run_waves(fresh(), size, tick)
                     summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single.wall_tps.p50)
                     name = f"batch {size}"
-                    groups.append(_finish(name, "wave", target_name, {**params, "batch": size}, timed, summary, th, by_id,
-                                          compare))
+                    groups.append(
+                        _finish(
+                            name, "wave", target_name, {**params, "batch": size}, timed, summary, th, by_id, compare
+                        )
+                    )
         except asyncio.CancelledError:
             done = {r["id"] for g in groups for r in g.records}
             rest = [r for r in client.finished[measured_from:] if r.id not in done]
             if rest:
                 timed = Timed(rest)
-                groups.append(_group(f"{mode} interrupted", "interrupted", target_name, params, timed,
-                                     summarize_records(rest)))
+                groups.append(
+                    _group(f"{mode} interrupted", "interrupted", target_name, params, timed, summarize_records(rest))
+                )
             raise
     return groups
 
 
-async def run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, at_once: int,
-                       runs: int, tick: Callable[[], None] | None = None
-                       ) -> tuple[Timed, dict[str, dict[str, Any]], dict[str, Any]]:
+async def run_sessions(
+    client: MeasuringClient,
+    caps: Sequence[CapturedRequest],
+    opts: ReplayOptions,
+    at_once: int,
+    runs: int,
+    tick: Callable[[], None] | None = None,
+) -> tuple[Timed, dict[str, dict[str, Any]], dict[str, Any]]:
     """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
     conversations in order, cycled), each its turns in order with the think time between
     a response's end and the next turn; a worker takes the next conversation when its last
@@ -428,19 +588,42 @@ async def run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest],
     return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
 
 
-async def _run_sessions(client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, target: str,
-                        params: dict[str, Any], th: Thresholds, tick: Callable[[], None]) -> Group:
+async def _run_sessions(
+    client: MeasuringClient,
+    caps: Sequence[CapturedRequest],
+    opts: ReplayOptions,
+    target: str,
+    params: dict[str, Any],
+    th: Thresholds,
+    tick: Callable[[], None],
+) -> Group:
     """`opts.sessions` conversations at once; the capture's conversations run `repeat`
     times, cycled to at least `sessions`."""
     runs = max(opts.sessions, len(split_sessions(caps)) * opts.repeat)
     timed, where, sess = await run_sessions(client, caps, opts, opts.sessions, runs, tick)
     summary = summarize_records(timed.records).updated({"sessions": sess})
-    return _group(f"sessions {opts.sessions}", "sessions", target,
-                  {**params, "sessions": opts.sessions, "think_time": opts.think_time}, timed, summary, where=where)
+    return _group(
+        f"sessions {opts.sessions}",
+        "sessions",
+        target,
+        {**params, "sessions": opts.sessions, "think_time": opts.think_time},
+        timed,
+        summary,
+        where=where,
+    )
 
 
-def _finish(mode: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary,
-            th: Thresholds, by_id: dict[str, CapturedRequest], compare: bool) -> Group:
+def _finish(
+    mode: str,
+    kind: GroupKind,
+    target: str,
+    params: dict[str, Any],
+    timed: Timed,
+    summary: Summary,
+    th: Thresholds,
+    by_id: dict[str, CapturedRequest],
+    compare: bool,
+) -> Group:
     scaling = prefill_scaling(timed.records, th)
     if scaling is not None:
         summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)

@@ -11,8 +11,17 @@ import click
 
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.results import Group, ResultFile
-from mlxproxy.vocabulary import (BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, deprecated_alias,
-                                  help_for)
+from mlxproxy.vocabulary import (
+    BATCH_SIZES,
+    FAIL_ON,
+    FLOAT_LIST,
+    INT_LIST,
+    SECONDS,
+    SLO,
+    arrival_options,
+    deprecated_alias,
+    help_for,
+)
 
 if TYPE_CHECKING:
     from mlxproxy.bench import TargetResult
@@ -40,9 +49,7 @@ def run_async(coro: Any) -> Any:
 
 def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Any]:
     """Everything `replay` prints (and `report` prints again for a replay result)."""
-    from mlxproxy.report import Section, group_sections
-
-    from mlxproxy.report import session_sections, slo_section, sweep_sections
+    from mlxproxy.report import Section, group_sections, session_sections, slo_section, sweep_sections
 
     sections = group_sections(groups, verdicts)
     slo = slo_section(groups)
@@ -52,9 +59,14 @@ def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = N
     sections += session_sections(groups)
     for g in groups:
         if g.compare:
-            sections.append(Section(f"{g.target} {g.mode}: captured vs replayed:", compare_table(g.compare),
-                                    legend="ttft: time to first token; cached: prompt tokens the server took from its"
-                                           " prompt cache (- = not reported); prompt_tok: prompt tokens of the replay."))
+            sections.append(
+                Section(
+                    f"{g.target} {g.mode}: captured vs replayed:",
+                    compare_table(g.compare),
+                    legend="ttft: time to first token; cached: prompt tokens the server took from its"
+                    " prompt cache (- = not reported); prompt_tok: prompt tokens of the replay.",
+                )
+            )
     return sections
 
 
@@ -69,7 +81,9 @@ def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     for v in values:
         key, sep, pat = v.partition("=")
         if not sep or key not in ("model", "endpoint", "path", "outcome"):
-            raise click.BadParameter(f"{v!r}: use KEY=GLOB with KEY one of model, endpoint, path, outcome", param_hint="--filter")
+            raise click.BadParameter(
+                f"{v!r}: use KEY=GLOB with KEY one of model, endpoint, path, outcome", param_hint="--filter"
+            )
         out.append((key, pat))
     return tuple(out)
 
@@ -88,8 +102,9 @@ def parse_target(spec: str) -> tuple[str, str]:
     try:
         base, note = parse_upstream_url(url, "--target")
     except ConfigError as exc:
-        raise click.BadParameter(f"{str(exc).removeprefix('--target ')}; give [NAME=]URL",
-                                 param_hint="--target") from None
+        raise click.BadParameter(
+            f"{str(exc).removeprefix('--target ')}; give [NAME=]URL", param_hint="--target"
+        ) from None
     if note:
         click.echo(f"mlxproxy: note: {note}", err=True)
     return name or urlsplit(base).netloc, base
@@ -115,7 +130,7 @@ def all_failed_reason(groups: Sequence[Group]) -> str | None:
         return None
     outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
     first = next((r for r in recs if r.get("error") or r.get("status")), recs[0])
-    why = (first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"]))
+    why = first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"])
     why = " ".join(str(why).split())[:200]
     return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
 
@@ -132,66 +147,173 @@ def check_writable(*paths: str | None) -> None:
             fail(f"cannot write {p}: permission denied")
 
 
-_TESTS = {"concurrency": "a closed loop", "batch": "waves released together", "rate": "an open loop",
-          "sessions": "conversations"}
+_TESTS = {
+    "concurrency": "a closed loop",
+    "batch": "waves released together",
+    "rate": "an open loop",
+    "sessions": "conversations",
+}
 
 
 @click.command("replay")
 @click.argument("capture", type=click.Path(dir_okay=False))
-@click.option("--target", "target_spec", required=True, metavar="[NAME=]URL",
-              help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."))
+@click.option(
+    "--target",
+    "target_spec",
+    required=True,
+    metavar="[NAME=]URL",
+    help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."),
+)
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
-@click.option("--mode", type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate", "sessions"]),
-              default=None,
-              help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
-                   "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-                   "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
-                   "conversations, --sessions at once.")
-@click.option("--speed", type=click.FloatRange(min=0.001), default=None,
-              help=help_for("--speed", "Recorded mode only.  [default: 1]"))
-@click.option("--concurrency", type=INT_LIST, default=None, metavar="N[,N,...]",
-              help=help_for("--concurrency", "Implies --mode concurrency (several values: --sweep)."))
-@click.option("--sweep", is_flag=True,
-              help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through "
-                                       "the capture."))
-@click.option("--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch."))
-@click.option("--rate", type=FLOAT_LIST, default=None, metavar="R[,R,...]",
-              help=help_for("--rate", "The captured requests in order, --repeat times (each step of a sweep). "
-                                     "Implies --mode rate."))
+@click.option(
+    "--mode",
+    type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate", "sessions"]),
+    default=None,
+    help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
+    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
+    "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
+    "conversations, --sessions at once.",
+)
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0.001),
+    default=None,
+    help=help_for("--speed", "Recorded mode only.  [default: 1]"),
+)
+@click.option(
+    "--concurrency",
+    type=INT_LIST,
+    default=None,
+    metavar="N[,N,...]",
+    help=help_for("--concurrency", "Implies --mode concurrency (several values: --sweep)."),
+)
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through the capture."),
+)
+@click.option(
+    "--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch.")
+)
+@click.option(
+    "--rate",
+    type=FLOAT_LIST,
+    default=None,
+    metavar="R[,R,...]",
+    help=help_for(
+        "--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate."
+    ),
+)
 @arrival_options
-@click.option("--sessions", type=INT_LIST, default=None, metavar="N[,N,...]",
-              help="Split the capture into conversations (same first user message, growing message list) and run N "
-                   "at once, each its turns in order with the think time between them; one nonce per conversation "
-                   "run, so turns reuse the prompt cache as captured. Implies --mode sessions; several values (or "
-                   "--sweep) step the number of sessions.")
-@click.option("--think-time", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
-              help="Seconds between a response's end and the conversation's next turn.  [default: as captured]")
+@click.option(
+    "--sessions",
+    type=INT_LIST,
+    default=None,
+    metavar="N[,N,...]",
+    help="Split the capture into conversations (same first user message, growing message list) and run N "
+    "at once, each its turns in order with the think time between them; one nonce per conversation "
+    "run, so turns reuse the prompt cache as captured. Implies --mode sessions; several values (or "
+    "--sweep) step the number of sessions.",
+)
+@click.option(
+    "--think-time",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    metavar="SECONDS",
+    help="Seconds between a response's end and the conversation's next turn.  [default: as captured]",
+)
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
-@click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True, help="Send the first K requests once first, unmeasured.")
-@click.option("--filter", "filters", multiple=True, metavar="KEY=GLOB", help="Only requests whose model/endpoint/path/outcome match (repeatable).")
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Send the first K requests once first, unmeasured.",
+)
+@click.option(
+    "--filter",
+    "filters",
+    multiple=True,
+    metavar="KEY=GLOB",
+    help="Only requests whose model/endpoint/path/outcome match (repeatable).",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N requests (after filtering).")
-@click.option("--skip-bad-lines", is_flag=True, help="Skip capture lines that cannot be read (their count is printed) instead of refusing the file.")
+@click.option(
+    "--skip-bad-lines",
+    is_flag=True,
+    help="Skip capture lines that cannot be read (their count is printed) instead of refusing the file.",
+)
 @click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
 @click.option("--model", default=None, help=help_for("--model", "[default: the captured one]"))
 @click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
-@click.option("--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS", help=help_for("--timeout", "[default: 1800]"))
+@click.option(
+    "--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS", help=help_for("--timeout", "[default: 1800]")
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option("--slo", "slo", type=SLO, default=None, metavar="KEY=VALUE,...",
-              help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"))
-@click.option("--fail-on", "fail_on", type=FAIL_ON, default=None, metavar="KIND,...",
-              help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."))
-@click.option("--compare", is_flag=True, help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.")
+@click.option(
+    "--slo",
+    "slo",
+    type=SLO,
+    default=None,
+    metavar="KEY=VALUE,...",
+    help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"),
+)
+@click.option(
+    "--fail-on",
+    "fail_on",
+    type=FAIL_ON,
+    default=None,
+    metavar="KIND,...",
+    help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"),
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=help_for("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."),
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.",
+)
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
-def replay(capture: str, target_spec: str, target_name: str | None, mode: str | None, speed: float | None,
-           concurrency: tuple[int, ...] | None, sweep: bool, batch: tuple[int, ...] | None, rate: tuple[float, ...] | None, arrival: str, ramp_s: float, seed: int, sessions: tuple[int, ...] | None,
-           think_time: float | None, repeat: int, warmup: int, filters: tuple[str, ...],
-           limit: int | None, skip_bad_lines: bool, nonce: bool, model: str | None, api_key_env: str | None,
-           timeout: tuple[str | None, float] | None, json_path: str | None, csv_path: str | None, md_path: str | None,
-           plot_path: str | None, compare: bool, slo: dict[str, float] | None, fail_on: tuple[str, ...] | None, html_path: str | None) -> None:
+def replay(
+    capture: str,
+    target_spec: str,
+    target_name: str | None,
+    mode: str | None,
+    speed: float | None,
+    concurrency: tuple[int, ...] | None,
+    sweep: bool,
+    batch: tuple[int, ...] | None,
+    rate: tuple[float, ...] | None,
+    arrival: str,
+    ramp_s: float,
+    seed: int,
+    sessions: tuple[int, ...] | None,
+    think_time: float | None,
+    repeat: int,
+    warmup: int,
+    filters: tuple[str, ...],
+    limit: int | None,
+    skip_bad_lines: bool,
+    nonce: bool,
+    model: str | None,
+    api_key_env: str | None,
+    timeout: tuple[str | None, float] | None,
+    json_path: str | None,
+    csv_path: str | None,
+    md_path: str | None,
+    plot_path: str | None,
+    compare: bool,
+    slo: dict[str, float] | None,
+    fail_on: tuple[str, ...] | None,
+    html_path: str | None,
+) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
     CAPTURE may be builtin:agent, a small synthetic coding-agent conversation.
 
@@ -200,24 +322,41 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
     filler text for privacy captures.
     """
     from mlxproxy.capture import read_capture
-    from mlxproxy.replay import (BUILTIN_AGENT, ReplayOptions, run_replay, select, served_from_cache,
-                                 synthetic_agent_session)
+    from mlxproxy.replay import (
+        BUILTIN_AGENT,
+        ReplayOptions,
+        run_replay,
+        select,
+        served_from_cache,
+        synthetic_agent_session,
+    )
 
     name, target_url = parse_target(target_spec)
     if target_name:
         name = target_name
-    given = [o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v]
+    given = [
+        o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v
+    ]
     if think_time is not None and not sessions and mode != "sessions":
         fail("--think-time applies to --sessions only")
     implied = given[0] if given else None
     if len(given) > 1:
-        fail(f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one")
+        fail(
+            f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one"
+        )
     if mode is not None and implied is not None and mode != implied:
         fail(f"--mode {mode} conflicts with --{implied}; drop one")
     sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1 or len(rate or ()) > 1
     if sweep:
-        other = ("--batch" if batch else "--speed" if speed is not None
-                 else f"--mode {mode}" if mode not in (None, "concurrency", "sessions", "rate") else None)
+        other = (
+            "--batch"
+            if batch
+            else "--speed"
+            if speed is not None
+            else f"--mode {mode}"
+            if mode not in (None, "concurrency", "sessions", "rate")
+            else None
+        )
         if other:
             fail(f"--sweep steps the concurrency, the number of --sessions or the --rate; it cannot run with {other}")
         implied = "sessions" if sessions or mode == "sessions" else "rate" if rate or mode == "rate" else "concurrency"
@@ -238,48 +377,98 @@ def replay(capture: str, target_spec: str, target_name: str | None, mode: str | 
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     skipped: list[str] = []
     try:
-        caps = (synthetic_agent_session() if capture == BUILTIN_AGENT else
-                read_capture(capture, warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
-                             skip_bad=skip_bad_lines, skipped=skipped))
+        caps = (
+            synthetic_agent_session()
+            if capture == BUILTIN_AGENT
+            else read_capture(
+                capture,
+                warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
+                skip_bad=skip_bad_lines,
+                skipped=skipped,
+            )
+        )
     except MlxproxyError as exc:
-        hint = "" if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc) else " (--skip-bad-lines skips such lines)"
+        hint = (
+            ""
+            if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc)
+            else " (--skip-bad-lines skips such lines)"
+        )
         fail(f"{exc}{hint}")
     if skipped:
-        click.echo(f"mlxproxy: warning: skipped {len(skipped)} unreadable line(s) of {capture}; the first: {skipped[0]}", err=True)
+        click.echo(
+            f"mlxproxy: warning: skipped {len(skipped)} unreadable line(s) of {capture}; the first: {skipped[0]}",
+            err=True,
+        )
     chosen = select(caps, parse_filters(filters), limit)
     if not chosen:
         fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
     steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
-    opts = ReplayOptions(mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
-                         sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0],
-                         batches=batch or (2,), repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit,
-                         filters=parse_filters(filters), rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0],
-                         think_time=think_time)
-    click.echo(f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
-               f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})", err=True)
+    opts = ReplayOptions(
+        mode=mode,
+        speed=speed or 1.0,
+        concurrency=(concurrency or (1,))[0],
+        sweep=sweep,
+        sweep_steps=steps if sweep else (),
+        slo=slo,
+        batch=(batch or (2,))[0],
+        batches=batch or (2,),
+        repeat=repeat,
+        warmup=warmup,
+        nonce=nonce,
+        model=model,
+        limit=limit,
+        filters=parse_filters(filters),
+        rate=rate[0] if rate else None,
+        arrival=arrival,
+        ramp_s=ramp_s,
+        seed=seed,
+        sessions=(sessions or (1,))[0],
+        think_time=think_time,
+    )
+    click.echo(
+        f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
+        f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
+        err=True,
+    )
     groups: list[Group] = []
     interrupted = False
     try:
-        run_async(run_replay(chosen, target_url, opts, target_name=name, api_key=api_key,
-                               timeout_s=timeout[1] if timeout else 1800.0, compare=compare, out=groups,
-                               say=lambda line: click.echo(f"mlxproxy: {line}", err=True)))
+        run_async(
+            run_replay(
+                chosen,
+                target_url,
+                opts,
+                target_name=name,
+                api_key=api_key,
+                timeout_s=timeout[1] if timeout else 1800.0,
+                compare=compare,
+                out=groups,
+                say=lambda line: click.echo(f"mlxproxy: {line}", err=True),
+            )
+        )
     except KeyboardInterrupt:
         interrupted = True
     judge_groups(groups, slo)
     print_groups(groups)
     cached, reported = served_from_cache(r for g in groups for r in g.records)
     if cached:
-        click.echo(f"mlxproxy: warning: {cached} of {reported} replayed requests were served mostly from the prompt cache "
-                   "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
-                   + ("; drop --no-nonce to measure prefill" if not nonce else ""), err=True)
+        click.echo(
+            f"mlxproxy: warning: {cached} of {reported} replayed requests were served mostly from the prompt cache "
+            "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
+            + ("; drop --no-nonce to measure prefill" if not nonce else ""),
+            err=True,
+        )
     write_replay_outputs(groups, capture, target_url, json_path, csv_path, md_path, html_path)
     if plot_path:
         with open(plot_path, "w", encoding="utf-8") as fh:
             fh.write(sweep_svg(groups))
         click.echo(f"wrote {plot_path}", err=True)
     if interrupted:
-        fail(f"interrupted: {sum(len(g.records) for g in groups)} finished requests printed"
-             + (" and written" if json_path or csv_path or md_path or html_path else ""), 130)
+        fail(
+            f"interrupted: {sum(len(g.records) for g in groups)} finished requests printed"
+            + (" and written" if json_path or csv_path or md_path or html_path else ""),
+            130,
+        )
     reason = all_failed_reason(groups)
     if reason:
         fail(reason, 1)
@@ -317,16 +506,32 @@ def compare_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
         return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
 
-    return [{"source_id": str(r["source_id"])[:12], "model": str(r.get("model") or "-")[:24],
-             "ttft_captured": v(r["captured_ttft_s"], unit="s"), "ttft_replayed": v(r["replayed_ttft_s"], unit="s"),
-             "cached_captured": v(r.get("captured_cached_tokens")), "cached_replayed": v(r.get("replayed_cached_tokens")),
-             "prompt_tok": v(r.get("replayed_prompt_tokens")),
-             "decode_tok/s_captured": v(r["captured_decode_tps"], ".1f"), "decode_tok/s_replayed": v(r["replayed_decode_tps"], ".1f"),
-             "outcome": r["replayed_outcome"]} for r in rows]
+    return [
+        {
+            "source_id": str(r["source_id"])[:12],
+            "model": str(r.get("model") or "-")[:24],
+            "ttft_captured": v(r["captured_ttft_s"], unit="s"),
+            "ttft_replayed": v(r["replayed_ttft_s"], unit="s"),
+            "cached_captured": v(r.get("captured_cached_tokens")),
+            "cached_replayed": v(r.get("replayed_cached_tokens")),
+            "prompt_tok": v(r.get("replayed_prompt_tokens")),
+            "decode_tok/s_captured": v(r["captured_decode_tps"], ".1f"),
+            "decode_tok/s_replayed": v(r["replayed_decode_tps"], ".1f"),
+            "outcome": r["replayed_outcome"],
+        }
+        for r in rows
+    ]
 
 
-def write_replay_outputs(groups: Sequence[Group], capture: str, target_url: str, json_path: str | None,
-                         csv_path: str | None, md_path: str | None, html_path: str | None = None) -> None:
+def write_replay_outputs(
+    groups: Sequence[Group],
+    capture: str,
+    target_url: str,
+    json_path: str | None,
+    csv_path: str | None,
+    md_path: str | None,
+    html_path: str | None = None,
+) -> None:
     from mlxproxy.report import markdown_sections, write_csv, write_result
 
     doc = ResultFile.new("replay", groups, extra={"capture": capture, "target": target_url})
@@ -371,8 +576,10 @@ def _capture_hint(path: str) -> str | None:
     except (OSError, ValueError):
         return None
     if isinstance(d, dict) and "v" in d and "id" in d and "outcome" in d:
-        return (f"{path} is a capture file (written by serve --capture), not a result; "
-                f"replay it to measure it: mlxproxy replay {path} --target URL --json result.json")
+        return (
+            f"{path} is a capture file (written by serve --capture), not a result; "
+            f"replay it to measure it: mlxproxy replay {path} --target URL --json result.json"
+        )
     return None
 
 
@@ -380,11 +587,17 @@ def _capture_hint(path: str) -> str | None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help=help_for("--plot", "Bench results, and sweeps of replay results."))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=help_for("--plot", "Bench results, and sweeps of replay results."),
+)
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
-def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None,
-           html_path: str | None) -> None:
+def report(
+    files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None, html_path: str | None
+) -> None:
     """Render saved replay/bench results (--json files) again, the same view as the run
     that wrote them; several files side by side, each target labelled with its file."""
     from mlxproxy.bench_cli import bench_sections, plot_svg, results_from_doc
@@ -414,8 +627,10 @@ def report(files: tuple[str, ...], csv_path: str | None, md_path: str | None, pl
     from mlxproxy.load import capacity_of
 
     if plot_path and not bench_results and not capacity_of(replay_groups):
-        fail("--plot draws bench results and sweeps; these files hold replay results without a sweep "
-             "(use --csv or --markdown)")
+        fail(
+            "--plot draws bench results and sweeps; these files hold replay results without a sweep "
+            "(use --csv or --markdown)"
+        )
     sections = []
     if bench_results:
         sections += bench_sections(bench_results, bench_verdicts)

@@ -24,10 +24,28 @@ from mlxproxy.errors import MlxproxyError
 from mlxproxy.load import generator_note, sent_rate
 from mlxproxy.results import Group, ResultFile, Summary
 
-__all__ = ["aggregate_tps", "summarize_records", "render_table", "write_result", "read_result", "write_csv",
-           "summary_row", "SUMMARY_COLUMNS", "mark_speeds", "untrusted_mark", "untrusted_notes",
-           "Section", "render_sections", "markdown_sections", "markdown_table", "group_sections", "summary_rows",
-           "LINE_WIDTH", "range_text", "speedup_text"]
+__all__ = [
+    "aggregate_tps",
+    "summarize_records",
+    "render_table",
+    "write_result",
+    "read_result",
+    "write_csv",
+    "summary_row",
+    "SUMMARY_COLUMNS",
+    "mark_speeds",
+    "untrusted_mark",
+    "untrusted_notes",
+    "Section",
+    "render_sections",
+    "markdown_sections",
+    "markdown_table",
+    "group_sections",
+    "summary_rows",
+    "LINE_WIDTH",
+    "range_text",
+    "speedup_text",
+]
 
 LINE_WIDTH = 100  # console tables are split to fit this many columns
 
@@ -41,9 +59,14 @@ def aggregate_tps(records: Iterable[Record]) -> float | None:
     return sum(r.n_out or 0 for r in ok) / span if span > 0 else None
 
 
-def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Record]] | None = None,
-                      single_wall_tps: float | None = None, lag_s: Sequence[float] | None = None,
-                      send_times: Sequence[float] | None = None) -> Summary:
+def summarize_records(
+    records: Sequence[Record],
+    *,
+    waves: Sequence[Sequence[Record]] | None = None,
+    single_wall_tps: float | None = None,
+    lag_s: Sequence[float] | None = None,
+    send_times: Sequence[float] | None = None,
+) -> Summary:
     """Headline figures of a group: medians (p50) first, then p90/p99/min/max/count.
     Failed requests never enter latency statistics; they are counted by outcome."""
     ok = [r for r in records if r.outcome in OK_OUTCOMES]
@@ -88,11 +111,17 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
     untrusted = [r for r in ok if r.usage_untrusted]
     out["untrusted_usage"] = len(untrusted)
     if untrusted:
-        by_usage = [rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
-                    for r in ok]
-        out["usage_figures"] = {"wall_tps_p50": summarize(f[2] for f in by_usage)["p50"],
-                                "decode_tps_p50": summarize(f[1] for f in by_usage)["p50"],
-                                "sources": dict(Counter(r.tokens_source for r in untrusted))}
+        by_usage = [
+            rate_figures(
+                r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s)
+            )
+            for r in ok
+        ]
+        out["usage_figures"] = {
+            "wall_tps_p50": summarize(f[2] for f in by_usage)["p50"],
+            "decode_tps_p50": summarize(f[1] for f in by_usage)["p50"],
+            "sources": dict(Counter(r.tokens_source for r in untrusted)),
+        }
     if lag_s is not None:
         out["schedule_lag_s"] = summarize(lag_s)
     if send_times is not None:
@@ -101,7 +130,7 @@ def summarize_records(records: Sequence[Record], *, waves: Sequence[Sequence[Rec
 
 
 def untrusted_mark(s: Summary) -> str:
-    """"*" for a group some of whose speeds do not use the server's usage count, else ""."""
+    """ "*" for a group some of whose speeds do not use the server's usage count, else ""."""
     return "*" if s.untrusted_usage else ""
 
 
@@ -115,14 +144,16 @@ def untrusted_notes(items: Iterable[tuple[str, Summary]]) -> list[str]:
         uf = s.figure("usage_figures") or {}
         names = {"stream": "streamed", "tokenizer": "local tokenizer's"}
         src = " / ".join(names.get(k, k) for k in sorted(uf.get("sources", {}))) or "streamed"
-        lines.append(f"* {label}: usage not trusted in {s.untrusted_usage} of {s.ok} requests (the stream "
-                     f"contradicts it); speeds use the {src} count. From the usage they would read wall "
-                     f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s.")
+        lines.append(
+            f"* {label}: usage not trusted in {s.untrusted_usage} of {s.ok} requests (the stream "
+            f"contradicts it); speeds use the {src} count. From the usage they would read wall "
+            f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s."
+        )
     return lines
 
 
 def range_text(lo: float | None, hi: float | None, fmt: str) -> str:
-    """" (lo\u2013hi)" of a figure's spread over bench waves; "" when absent or equal once formatted."""
+    """ " (lo\u2013hi)" of a figure's spread over bench waves; "" when absent or equal once formatted."""
     if lo is None or hi is None or format(lo, fmt) == format(hi, fmt):
         return ""
     return f" ({format(lo, fmt)}\u2013{format(hi, fmt)})"
@@ -141,8 +172,19 @@ def _num(v: Any, fmt: str) -> str:
     return format(v, fmt)
 
 
-SUMMARY_COLUMNS = ("target", "mode", "ok/req", "TTFT p50", "TTFC p50", "decode tok/s", "wall tok/s", "TPOT p50",
-                   "TPOT p99", "agg tok/s", "speedup")
+SUMMARY_COLUMNS = (
+    "target",
+    "mode",
+    "ok/req",
+    "TTFT p50",
+    "TTFC p50",
+    "decode tok/s",
+    "wall tok/s",
+    "TPOT p50",
+    "TPOT p99",
+    "agg tok/s",
+    "speedup",
+)
 
 #: the legend printed under every table that has these columns (one meaning, everywhere)
 LEGEND = {
@@ -154,7 +196,7 @@ LEGEND = {
     "TPOT p50": "TPOT: time per output token (p99 = 99th percentile)",
     "agg tok/s": "agg tok/s: all streams' output tokens / wall time (per wave when released together)",
     "speedup": "speedup: agg tok/s / one stream alone, per wave then the median (2.00x = two streams at full speed, "
-               "<=1x = one after another)",
+    "<=1x = one after another)",
     "overlap": "overlap: share of a wave's time when its streams were all generating",
     "prefill": "prefill tok/s: uncached prompt tokens / TTFT",
 }
@@ -243,8 +285,14 @@ def markdown_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None
 class Section:
     """One titled table with its legend and notes: rendered on the console and as Markdown alike."""
 
-    def __init__(self, title: str, rows: list[dict[str, str]], columns: Sequence[str] | None = None,
-                 legend: str = "", notes: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        title: str,
+        rows: list[dict[str, str]],
+        columns: Sequence[str] | None = None,
+        legend: str = "",
+        notes: Sequence[str] = (),
+    ) -> None:
         self.title, self.rows, self.legend, self.notes = title, rows, legend, list(notes)
         self.columns = list(columns or (rows[0].keys() if rows else ()))
 
@@ -308,7 +356,9 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
         if errors:
             notes.append(f"{target}: failed requests: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}")
         for kind, k in sorted(kinds.items()):
-            notes.append(f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}")
+            notes.append(
+                f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}"
+            )
     for target, v in (verdicts or {}).items():
         notes.append(f"verdict {target}: {v}")
     notes.extend(untrusted_notes((f"{g.target} {g.mode}", g.summary) for g in groups))
@@ -327,19 +377,28 @@ def slo_section(groups: Sequence[Group]) -> Section | None:
     rows = []
     for g, slo, gp in judged:
         s = g.summary
-        row = {"target": g.target, "test": g.mode, "ok/req": f"{s.ok}/{s.requests}",
-               "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
-               "good req/s": _num(gp["rate"], ".2f")}
+        row = {
+            "target": g.target,
+            "test": g.mode,
+            "ok/req": f"{s.ok}/{s.requests}",
+            "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+            "good req/s": _num(gp["rate"], ".2f"),
+        }
         for key in thresholds:
             metric, _, pct = key.rpartition("_p")
             row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo["values"].get(key), SLO_METRICS[metric][1])
         row["SLO"] = "held" if slo["met"] else "broken"
         rows.append(row)
     notes = [f"{g.target} {g.mode}: {step_problem(g.summary)}" for g, slo, _ in judged if not slo["met"]]
-    return Section(f"SLO ({slo_text(thresholds)}):", rows, None,
-                   "goodput: requests that succeeded and met every threshold themselves / sent; good req/s: those"
-                   " per second of the test's wall time; SLO: held when every percentile met its threshold and no"
-                   " request failed.", notes)
+    return Section(
+        f"SLO ({slo_text(thresholds)}):",
+        rows,
+        None,
+        "goodput: requests that succeeded and met every threshold themselves / sent; good req/s: those"
+        " per second of the test's wall time; SLO: held when every percentile met its threshold and no"
+        " request failed.",
+        notes,
+    )
 
 
 def sweep_sections(groups: Sequence[Group]) -> list[Section]:
@@ -354,21 +413,37 @@ def sweep_sections(groups: Sequence[Group]) -> list[Section]:
         for st in cap["steps"]:
             gp = st["goodput"]
             unit = cap.get("unit", "streams")
-            rows.append({"target": target, "step": f"{st['step']:g} " + (unit if unit == "req/s" else unit[:4] + "."),
-                         "ok/req": f"{st['ok']}/{st['requests']}",
-                         "TTFT p50": _sec(st["ttft_p50_s"]), "TTFT p95": _sec(st["ttft_p95_s"]),
-                         "TPOT p50": _ms(st["tpot_p50_s"]), "TPOT p95": _ms(st["tpot_p95_s"]),
-                         "decode tok/s": _num(st["decode_tps_p50"], ".1f"), "agg tok/s": _num(st["aggregate_tps"], ".1f"),
-                         "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
-                         "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
-                         "SLO": "held" if st["slo_met"] else "broken"})
-    legend = ("step: streams (requests in flight, closed loop), agent sessions at once, or requests/s sent (open loop); "
-              + "; ".join(
-        LEGEND[k] for k in ("ok/req", "TTFT p50", "decode tok/s", "agg tok/s")) +
-        "; TPOT p95 / TTFT p95: 95th percentile; goodput: share of requests that met every threshold.")
-    return [Section("Sweep (one load test per step):", rows, None, legend),
-            Section("Capacity (the largest step up to which every step met the SLO):", [], None, "",
-                    [capacity_line(t, c) for t, c in caps.items()])]
+            rows.append(
+                {
+                    "target": target,
+                    "step": f"{st['step']:g} " + (unit if unit == "req/s" else unit[:4] + "."),
+                    "ok/req": f"{st['ok']}/{st['requests']}",
+                    "TTFT p50": _sec(st["ttft_p50_s"]),
+                    "TTFT p95": _sec(st["ttft_p95_s"]),
+                    "TPOT p50": _ms(st["tpot_p50_s"]),
+                    "TPOT p95": _ms(st["tpot_p95_s"]),
+                    "decode tok/s": _num(st["decode_tps_p50"], ".1f"),
+                    "agg tok/s": _num(st["aggregate_tps"], ".1f"),
+                    "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
+                    "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
+                    "SLO": "held" if st["slo_met"] else "broken",
+                }
+            )
+    legend = (
+        "step: streams (requests in flight, closed loop), agent sessions at once, or requests/s sent (open loop); "
+        + "; ".join(LEGEND[k] for k in ("ok/req", "TTFT p50", "decode tok/s", "agg tok/s"))
+        + "; TPOT p95 / TTFT p95: 95th percentile; goodput: share of requests that met every threshold."
+    )
+    return [
+        Section("Sweep (one load test per step):", rows, None, legend),
+        Section(
+            "Capacity (the largest step up to which every step met the SLO):",
+            [],
+            None,
+            "",
+            [capacity_line(t, c) for t, c in caps.items()],
+        ),
+    ]
 
 
 def session_sections(groups: Sequence[Group]) -> list[Section]:
@@ -389,18 +464,31 @@ def session_sections(groups: Sequence[Group]) -> list[Section]:
             cached = sorted(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None)
             prompt = sorted(r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None)
             think = sorted(r["think_s"] for r in recs if r.get("think_s") is not None)
-            rows.append({"target": g.target, "turn": str(turn + 1), "ok/req": f"{len(ok)}/{len(recs)}",
-                         "think p50": _sec(percentile(think, 50)) if turn else "-",
-                         "TTFT p50": _sec(percentile(ttft, 50)), "TTFT p95": _sec(percentile(ttft, 95)),
-                         "prompt tok p50": _num(percentile(prompt, 50), ".0f"),
-                         "cached tok p50": _num(percentile(cached, 50), ".0f")})
+            rows.append(
+                {
+                    "target": g.target,
+                    "turn": str(turn + 1),
+                    "ok/req": f"{len(ok)}/{len(recs)}",
+                    "think p50": _sec(percentile(think, 50)) if turn else "-",
+                    "TTFT p50": _sec(percentile(ttft, 50)),
+                    "TTFT p95": _sec(percentile(ttft, 95)),
+                    "prompt tok p50": _num(percentile(prompt, 50), ".0f"),
+                    "cached tok p50": _num(percentile(cached, 50), ".0f"),
+                }
+            )
         st = sess["session_s"]
-        out.append(Section(f"{g.target} {g.mode}: {sess['count']} sessions ({sess['conversations']} captured"
-                           " conversations), by turn:", rows, None,
-                           "turn: the turn's place in its conversation; think: seconds between the previous response's"
-                           " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
-                           " (- = not reported).",
-                           [f"whole session: p50 {_num(st['p50'], '.2f')} s, max {_num(st['max'], '.2f')} s"]))
+        out.append(
+            Section(
+                f"{g.target} {g.mode}: {sess['count']} sessions ({sess['conversations']} captured"
+                " conversations), by turn:",
+                rows,
+                None,
+                "turn: the turn's place in its conversation; think: seconds between the previous response's"
+                " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
+                " (- = not reported).",
+                [f"whole session: p50 {_num(st['p50'], '.2f')} s, max {_num(st['max'], '.2f')} s"],
+            )
+        )
     return out
 
 
@@ -426,11 +514,42 @@ def read_result(path: str | Path) -> ResultFile:
         raise MlxproxyError(f"{p} {exc}") from exc
 
 
-CSV_FIELDS = ("group", "target", "mode", "id", "source_id", "model", "endpoint", "stream", "status", "outcome", "ttfb_s",
-              "ttft_s", "ttfc_s", "e2e_s", "tpot_s", "decode_tps", "wall_tps", "prefill_tps", "prompt_tokens",
-              "cached_tokens", "completion_tokens", "tokens_source", "completion_tokens_reported", "completion_tokens_counted",
-              "completion_tokens_tokenizer", "reasoning_tokens_counted",
-              "usage_reports", "finish_reason", "concurrency", "anomalies", "error", "session", "turn", "think_s")
+CSV_FIELDS = (
+    "group",
+    "target",
+    "mode",
+    "id",
+    "source_id",
+    "model",
+    "endpoint",
+    "stream",
+    "status",
+    "outcome",
+    "ttfb_s",
+    "ttft_s",
+    "ttfc_s",
+    "e2e_s",
+    "tpot_s",
+    "decode_tps",
+    "wall_tps",
+    "prefill_tps",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "tokens_source",
+    "completion_tokens_reported",
+    "completion_tokens_counted",
+    "completion_tokens_tokenizer",
+    "reasoning_tokens_counted",
+    "usage_reports",
+    "finish_reason",
+    "concurrency",
+    "anomalies",
+    "error",
+    "session",
+    "turn",
+    "think_s",
+)
 
 
 def write_csv(path: str | Path, groups: Sequence[Group]) -> None:

@@ -70,8 +70,9 @@ def run_async(coro: Coroutine[Any, Any, T], stack: str | None = None) -> T:
         return runner.run(coro)
 
 
-def make_uvicorn_config(app: Any, host: str, port: int, *, stack: str | None = None,
-                        limits: HeadLimits | None = None, **kwargs: Any) -> uvicorn.Config:
+def make_uvicorn_config(
+    app: Any, host: str, port: int, *, stack: str | None = None, limits: HeadLimits | None = None, **kwargs: Any
+) -> uvicorn.Config:
     """A uvicorn config for `stack` (see `stack_settings`) with no access log. Its HTTP
     protocol bounds request heads (`mlxproxy.proxy.limits`): `limits`, else the app's own
     `head_limits` attribute, else the defaults."""
@@ -110,8 +111,9 @@ class ServerThread:
     uvicorn to shut down gracefully and waits for the thread.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, stack: str | None = None,
-                 **uvicorn_kwargs: Any) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, stack: str | None = None, **uvicorn_kwargs: Any
+    ) -> None:
         self.app = app
         self.host = host
         self.stack = stack

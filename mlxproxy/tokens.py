@@ -64,7 +64,10 @@ class TokenCounter:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            log.warning("tokenizer %s configured but the 'tokenizers' package is missing: pip install 'mlxproxy[tokenizers]'", path)
+            log.warning(
+                "tokenizer %s configured but the 'tokenizers' package is missing: pip install 'mlxproxy[tokenizers]'",
+                path,
+            )
             return None
         try:
             tok = Tokenizer.from_file(str(path))

@@ -13,40 +13,52 @@ from typing import Any
 
 import click
 
-__all__ = ["arrival_options", "MEANINGS", "DEPRECATED", "help_for", "SECONDS", "INT_LIST", "BATCH_SIZES", "deprecated_alias", "EXIT_CODES", "SLO",
-           "FAIL_ON", "FLOAT_LIST"]
+__all__ = [
+    "arrival_options",
+    "MEANINGS",
+    "DEPRECATED",
+    "help_for",
+    "SECONDS",
+    "INT_LIST",
+    "BATCH_SIZES",
+    "deprecated_alias",
+    "EXIT_CODES",
+    "SLO",
+    "FAIL_ON",
+    "FLOAT_LIST",
+]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
 MEANINGS: dict[str, str] = {
     "--host": "Address to listen on.",
     "--port": "Port to listen on (0 picks a free one).",
     "--target": "[NAME=]URL of a server or proxy to send requests to (a trailing /v1 is dropped); "
-                "NAME labels it in reports (default: its host:port).",
+    "NAME labels it in reports (default: its host:port).",
     "--timeout": "Seconds a request may wait in silence for its response or its next byte before it times out.",
     "--model": "Model name to send in every request instead of the default.",
     "--repeat": "How many times each request or test is sent; figures are medians.",
     "--speed": "Time runs this many times faster than recorded or simulated (2 = twice as fast).",
     "--batch": "N[,N,...]: waves of N requests released together, after a one-at-a-time baseline that gives "
-               "the speedup (2 = the double-batch test).",
+    "the speedup (2 = the double-batch test).",
     "--concurrency": "N[,N,...]: N requests in flight at once, each next one sent when one finishes (closed loop); "
-                     "several values are the steps of a --sweep.",
+    "several values are the steps of a --sweep.",
     "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
-               "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
-               "the --slo.",
+    "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
+    "the --slo.",
     "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
-              "--arrival); several values are the steps of a sweep.",
+    "--arrival); several values are the steps of a sweep.",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
-                 "1/R, from --seed).",
+    "1/R, from --seed).",
     "--ramp": "SECONDS: before each --rate test, raise the rate linearly from 0 to R over this long; those "
-              "requests are sent but not measured.",
+    "requests are sent but not measured.",
     "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
     "--slo": "KEY=VALUE,...: latency targets a test must meet, e.g. ttft_p95=3s,tpot_p50=60ms (keys ttft, tpot, "
-             "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "
-             "every one.",
+    "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "
+    "every one.",
     "--fail-on": "KIND,...: exit 1, with one line saying what failed, when a check fails: slo, errors, anomaly "
-                 "(any), or an anomaly kind such as phantom_speed.",
+    "(any), or an anomaly kind such as phantom_speed.",
     "--nonce": "Prefix every prompt with its own marker so no prompt cache can serve it "
-               "(on by default; --no-nonce sends the prompts' bytes unchanged).",
+    "(on by default; --no-nonce sends the prompts' bytes unchanged).",
     "--api-key-env": "Environment variable holding the target's API key.",
     "--max-tokens": "max_tokens of every request sent.",
     "--json": "Write every per-request record and the summaries to this JSON file.",
@@ -54,7 +66,7 @@ MEANINGS: dict[str, str] = {
     "--markdown": "Write the console's tables as Markdown to this file.",
     "--plot": "Write an SVG plot of the results to this file.",
     "--html": "Write a self-contained HTML report (tables, verdicts with evidence, plots, every request's "
-              "timeline; no network needed to open it) to this file.",
+    "timeline; no network needed to open it) to this file.",
 }
 
 #: old spelling -> (command, what to use instead); accepted until the next release
@@ -67,7 +79,7 @@ DEPRECATED: dict[tuple[str, str], str] = {
 EXIT_CODES = {
     0: "success (also: `serve` stopped with Ctrl-C)",
     1: "the run failed: every request failed, a target was unreachable, a port could not be opened, "
-       "a --fail-on check failed",
+    "a --fail-on check failed",
     2: "the command line or an input file is wrong (one line says what and how to fix it)",
     130: "interrupted with Ctrl-C (`bench`/`replay`: what was measured so far is printed and written)",
 }
@@ -145,6 +157,8 @@ def _fail_on(text: str) -> Any:
 
 SLO = _Parsed("slo", _slo)
 FAIL_ON = _Parsed("fail_on", _fail_on)
+
+
 class _FloatList(click.ParamType):
     """R or R,R,... -> tuple of floats > 0."""
 
@@ -174,8 +188,11 @@ def deprecated_alias(command: str, option: str) -> Any:
 
     def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         if value is not None and value != () and value is not False:
-            click.echo(f"mlxproxy: warning: {command} {option} is deprecated and will be removed in the next "
-                       f"release; use {instead}", err=True)
+            click.echo(
+                f"mlxproxy: warning: {command} {option} is deprecated and will be removed in the next "
+                f"release; use {instead}",
+                err=True,
+            )
         return value
 
     return callback
@@ -183,12 +200,28 @@ def deprecated_alias(command: str, option: str) -> Any:
 
 def arrival_options(command: Any) -> Any:
     """`--arrival`, `--ramp` and `--seed`: the open-loop schedule options `bench` and `replay` share."""
-    for option in reversed((
-        click.option("--arrival", type=click.Choice(["constant", "poisson"]), default="constant", show_default=True,
-                     help=help_for("--arrival")),
-        click.option("--ramp", "ramp_s", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-                     metavar="SECONDS", help=help_for("--ramp")),
-        click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule.")),
-    )):
+    for option in reversed(
+        (
+            click.option(
+                "--arrival",
+                type=click.Choice(["constant", "poisson"]),
+                default="constant",
+                show_default=True,
+                help=help_for("--arrival"),
+            ),
+            click.option(
+                "--ramp",
+                "ramp_s",
+                type=click.FloatRange(min=0.0),
+                default=0.0,
+                show_default=True,
+                metavar="SECONDS",
+                help=help_for("--ramp"),
+            ),
+            click.option(
+                "--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule.")
+            ),
+        )
+    ):
         command = option(command)
     return command

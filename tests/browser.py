@@ -24,11 +24,24 @@ import aiohttp
 import pytest
 
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--no-default-browser-check",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
-    "--disable-default-apps", "--disable-breakpad", "--metrics-recording-only", "--mute-audio",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--disable-breakpad",
+    "--metrics-recording-only",
+    "--mute-audio",
     "--disable-features=Translate,OptimizationHints,MediaRouter,InterestFeedContentSuggestions",
-    "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1", "--window-size=1400,1000",
+    "--remote-debugging-port=0",
+    "--remote-debugging-address=127.0.0.1",
+    "--window-size=1400,1000",
 )
 
 
@@ -67,8 +80,11 @@ class Chromium:
         self._pages: dict[str, Page] = {}
 
     def __enter__(self) -> Chromium:
-        self.proc = subprocess.Popen([self.exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [self.exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = Path(self.profile) / "DevToolsActivePort"
         deadline = time.monotonic() + 30
         while not (port_file.exists() and len(port_file.read_text().splitlines()) >= 2):
@@ -107,7 +123,9 @@ class Chromium:
                 if page is not None:
                     page._event(data["method"], data.get("params", {}))
 
-    async def _send(self, method: str, params: dict[str, Any] | None = None, session: str | None = None) -> dict[str, Any]:
+    async def _send(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None
+    ) -> dict[str, Any]:
         assert self.ws is not None
         msg_id = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
@@ -121,8 +139,9 @@ class Chromium:
             raise CDPError(f"{method}: {data['error']}")
         return data.get("result", {})
 
-    def send(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict[str, Any]:
+    def send(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None, timeout: float = 30.0
+    ) -> dict[str, Any]:
         return self._run(self._send(method, params, session), timeout)
 
     def page(self, offline: bool = False) -> Page:
@@ -134,17 +153,22 @@ class Chromium:
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable", session=session)
         if offline:
-            self.send("Network.emulateNetworkConditions", {"offline": True, "latency": 0, "downloadThroughput": -1,
-                                                           "uploadThroughput": -1}, session=session)
+            self.send(
+                "Network.emulateNetworkConditions",
+                {"offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+                session=session,
+            )
         return page
 
     def close(self) -> None:
         if self.thread.is_alive():
+
             async def shut() -> None:
                 if self.ws is not None:
                     await self.ws.close()
                 if self.session is not None:
                     await self.session.close()
+
             try:
                 self._run(shut(), 10)
             except Exception:
@@ -177,7 +201,9 @@ class Page:
             d = p["exceptionDetails"]
             self.errors.append("exception: " + str(d.get("exception", {}).get("description") or d.get("text")))
         elif method == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
-            self.errors.append("console.error: " + " ".join(str(a.get("value", a.get("description"))) for a in p["args"]))
+            self.errors.append(
+                "console.error: " + " ".join(str(a.get("value", a.get("description"))) for a in p["args"])
+            )
         elif method == "Log.entryAdded" and p["entry"]["level"] == "error":
             self.errors.append(f"log: {p['entry']['text']} {p['entry'].get('url', '')}")
         elif method == "Network.requestWillBeSent":
@@ -213,8 +239,9 @@ class Page:
             if value:
                 return value
             time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout} s waiting for: {expression} (last value {value!r}); "
-                             f"page errors: {self.errors}")
+        raise AssertionError(
+            f"timed out after {timeout} s waiting for: {expression} (last value {value!r}); page errors: {self.errors}"
+        )
 
     def click(self, selector: str) -> None:
         """A real mouse click at the centre of the first element matching `selector`."""
@@ -224,12 +251,16 @@ class Page:
         if box is None:
             raise AssertionError(f"nothing matches {selector!r}")
         for kind in ("mousePressed", "mouseReleased"):
-            self.send("Input.dispatchMouseEvent", {"type": kind, "x": box[0], "y": box[1], "button": "left", "clickCount": 1})
+            self.send(
+                "Input.dispatchMouseEvent", {"type": kind, "x": box[0], "y": box[1], "button": "left", "clickCount": 1}
+            )
 
     def screenshot(self, path: str | os.PathLike[str]) -> Path:
         height = self.eval("Math.ceil(document.documentElement.scrollHeight)")
-        self.send("Emulation.setDeviceMetricsOverride", {"width": 1400, "height": min(int(height), 4000),
-                                                          "deviceScaleFactor": 1, "mobile": False})
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1400, "height": min(int(height), 4000), "deviceScaleFactor": 1, "mobile": False},
+        )
         data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})["data"]
         self.send("Emulation.clearDeviceMetricsOverride")
         out = Path(path)

@@ -80,10 +80,18 @@ class Prometheus:
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(
-                [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    self.binary,
+                    f"--config.file={self.config_path}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             log.close()
         self.wait_for(self._ready, timeout_s, "Prometheus to be ready")
@@ -157,6 +165,7 @@ GRAFANA_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
 def substitute(expr: str, variables: dict[str, str]) -> str:
     """Replace Grafana variables ($name, ${name}, ${name:fmt}, [[name]]) as Grafana would;
     a variable not in `variables` is an error (the query would not run in Grafana either)."""
+
     def repl(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         if name not in variables:

@@ -25,18 +25,31 @@ from mlxproxy.sim.app import create_app as create_sim
 sys.path.insert(0, str(Path(__file__).parent))
 from browser import Chromium
 
-PROFILES = {"mlx-openai-server": {}, "mlx-omni-server": {}, "mlx-vlm": {"stall_every_tokens": 40, "stall_s": 1.5},
-            "phantom-usage": {}, "omlx": {}, "mlx-lm": {}}
+PROFILES = {
+    "mlx-openai-server": {},
+    "mlx-omni-server": {},
+    "mlx-vlm": {"stall_every_tokens": 40, "stall_s": 1.5},
+    "phantom-usage": {},
+    "omlx": {},
+    "mlx-lm": {},
+}
 stop = threading.Event()
 
+
 def chat(url, model, max_tokens, prompt=None):
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Refactor this function"}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "Refactor this function"}],
+    }
     h = {"content-type": "application/json"}
     if prompt:
         h["x-sim-prompt-tokens"] = str(prompt)
     with httpx.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body), headers=h, timeout=120) as r:
         for _ in r.iter_bytes():
             pass
+
 
 def loop(url, model, max_tokens, pause, prompt=None):
     while not stop.is_set():
@@ -46,14 +59,27 @@ def loop(url, model, max_tokens, pause, prompt=None):
             print(model, e)
         stop.wait(pause)
 
+
 with contextlib.ExitStack() as es:
     sims = {n: es.enter_context(ServerThread(create_sim(n, **k))) for n, k in PROFILES.items()}
-    app = create_app(build_config({"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}, log_requests=False))
+    app = create_app(
+        build_config(
+            {"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}, log_requests=False
+        )
+    )
     px = es.enter_context(ServerThread(app))
     url = px.url
-    jobs = [("mlx-openai-server", 180, 0.5), ("mlx-openai-server", 180, 0.9), ("mlx-omni-server", 120, 0.3),
-            ("mlx-omni-server", 120, 0.6), ("mlx-vlm", 160, 1.0), ("phantom-usage", 90, 3.0), ("mlx-lm", 140, 1.0, 6000),
-            ("omlx", 60, 6.0, 40000), ("omlx", 100, 2.0)]
+    jobs = [
+        ("mlx-openai-server", 180, 0.5),
+        ("mlx-openai-server", 180, 0.9),
+        ("mlx-omni-server", 120, 0.3),
+        ("mlx-omni-server", 120, 0.6),
+        ("mlx-vlm", 160, 1.0),
+        ("phantom-usage", 90, 3.0),
+        ("mlx-lm", 140, 1.0, 6000),
+        ("omlx", 60, 6.0, 40000),
+        ("omlx", 100, 2.0),
+    ]
     ts = [threading.Thread(target=loop, args=(url, *j), daemon=True) for j in jobs]
     for t in ts:
         t.start()

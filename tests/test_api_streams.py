@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.config import build_config
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds
@@ -22,16 +23,20 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.proxy.app import create_app
 from mlxproxy.runner import ServerThread
-
 from support import FIXTURES, splits, wait_for
-from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
 TH = Thresholds()
 REAL2 = FIXTURES / "real2"
 TIMINGS = json.loads((REAL2 / "timings.json").read_text())
-GENERATING = ("text_delta", "thinking_delta", "input_json_delta", "response.output_text.delta",
-              "response.reasoning_summary_text.delta", "response.reasoning_text.delta",
-              "response.function_call_arguments.delta")
+GENERATING = (
+    "text_delta",
+    "thinking_delta",
+    "input_json_delta",
+    "response.output_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.reasoning_text.delta",
+    "response.function_call_arguments.delta",
+)
 ANSWERING = ("text_delta", "input_json_delta", "response.output_text.delta", "response.function_call_arguments.delta")
 
 # name: (outcome, generated events, usage output, prompt, cached, reasoning events, finish, tool calls, valid, anomalies)
@@ -40,11 +45,32 @@ STREAMS = {
     "anthropic_messages_litellm_text_scripted": ("ok", 9, 9, 21, 0, 0, "end_turn", 0, None, set()),
     "anthropic_messages_litellm_thinking": ("ok", 20, 20, 21, 0, 11, "end_turn", 0, None, set()),
     "anthropic_messages_litellm_tool_use": ("ok", 6, 7, 21, 0, 0, "tool_use", 1, 1, set()),
-    "anthropic_messages_litellm_error_midstream": ("stream_error", 3, None, None, None, 0, None, 0, None, {"stream_error"}),
+    "anthropic_messages_litellm_error_midstream": (
+        "stream_error",
+        3,
+        None,
+        None,
+        None,
+        0,
+        None,
+        0,
+        None,
+        {"stream_error"},
+    ),
     # vllm-mlx never reports the prompt on /v1/messages, and says end_turn when max_tokens was hit
     "anthropic_messages_vllm_mlx_text": ("ok", 24, 24, None, None, 0, "end_turn", 0, None, {"unreported_length"}),
-    "anthropic_messages_vllm_mlx_thinking_requested": ("ok", 24, 24, None, None, 0, "end_turn", 0, None,
-                                                       {"unreported_length"}),
+    "anthropic_messages_vllm_mlx_thinking_requested": (
+        "ok",
+        24,
+        24,
+        None,
+        None,
+        0,
+        "end_turn",
+        0,
+        None,
+        {"unreported_length"},
+    ),
     # Anthropic semantics: the prompt is input_tokens + cache reads (+ cache writes)
     "anthropic_messages_litellm_cache_turn1": ("ok", 16, 16, 1227 + 11, 11, 0, "max_tokens", 0, None, set()),
     "anthropic_messages_litellm_cache_turn2": ("ok", 16, 16, 26 + 1254, 1254, 0, "max_tokens", 0, None, set()),
@@ -53,7 +79,18 @@ STREAMS = {
     "openai_responses_litellm_text_scripted": ("ok", 9, 9, 21, None, 0, "completed", 0, None, set()),
     "openai_responses_litellm_reasoning": ("ok", 20, 20, 21, None, 11, "completed", 0, None, set()),
     "openai_responses_litellm_function_call": ("ok", 6, 7, 21, None, 0, "completed", 1, 1, set()),
-    "openai_responses_litellm_toolmarkup_in_text": ("ok", 12, 12, 21, None, 0, "completed", 0, 0, {"tool_call_in_content"}),
+    "openai_responses_litellm_toolmarkup_in_text": (
+        "ok",
+        12,
+        12,
+        21,
+        None,
+        0,
+        "completed",
+        0,
+        0,
+        {"tool_call_in_content"},
+    ),
     # vllm-mlx: event response.completed but status incomplete: the reason is the finish
     "openai_responses_vllm_mlx_text": ("ok", 24, 24, 35, 0, 0, "max_output_tokens", 0, None, set()),
     # mlx-openai-server: max_output_tokens reached, status completed
@@ -66,8 +103,28 @@ BODIES = {  # non-streamed JSON: name -> (status, outcome, usage output, prompt,
     "openai_responses_litellm_nonstream": (200, "ok", 24, 19, 18, "max_output_tokens", 0, None, set()),
     "openai_responses_litellm_function_call_nonstream": (200, "ok", 7, 21, None, "completed", 1, 1, set()),
     "openai_responses_vllm_mlx_nonstream": (200, "ok", 24, 19, 0, "max_output_tokens", 0, None, set()),
-    "anthropic_messages_litellm_error_context": (400, "context_limit", None, None, None, None, 0, None, {"context_limit"}),
-    "openai_responses_litellm_error_context": (400, "context_limit", None, None, None, None, 0, None, {"context_limit"}),
+    "anthropic_messages_litellm_error_context": (
+        400,
+        "context_limit",
+        None,
+        None,
+        None,
+        None,
+        0,
+        None,
+        {"context_limit"},
+    ),
+    "openai_responses_litellm_error_context": (
+        400,
+        "context_limit",
+        None,
+        None,
+        None,
+        None,
+        0,
+        None,
+        {"context_limit"},
+    ),
     "anthropic_messages_vllm_mlx_error_unknown_model": (404, "http_error", None, None, None, None, 0, None, set()),
     "openai_responses_vllm_mlx_error_bad_input": (422, "http_error", None, None, None, None, 0, None, set()),
 }
@@ -113,8 +170,18 @@ def feed_timed(name: str, parts: list[bytes]) -> Record:
 def check(r: Record, exp: tuple, timing_kinds: bool = True) -> None:
     outcome, gen, rep, prompt, cached, reasoning, finish, calls, valid, kinds = exp
     assert (r.outcome, r.generated_events, r.completion_tokens_reported, r.prompt_tokens, r.cached_tokens) == (
-        outcome, gen, rep, prompt, cached)
-    assert (r.reasoning_tokens_counted, r.finish_reason, r.tool_calls, r.tool_calls_valid) == (reasoning, finish, calls, valid)
+        outcome,
+        gen,
+        rep,
+        prompt,
+        cached,
+    )
+    assert (r.reasoning_tokens_counted, r.finish_reason, r.tool_calls, r.tool_calls_valid) == (
+        reasoning,
+        finish,
+        calls,
+        valid,
+    )
     # a cut that lumps events together makes them arrive at one instant: a burst, rightly
     got = set(r.anomalies) if timing_kinds else set(r.anomalies) - {"non_incremental_stream", "stall"}
     assert got == kinds, r.anomaly_evidence
@@ -136,7 +203,9 @@ def test_stream_recordings_event_by_event_with_recorded_times(name: str) -> None
     assert r.event_gaps_s() == pytest.approx([b - a for a, b in zip(gen_times, gen_times[1:])])
     if r.completion_tokens is not None and r.completion_tokens >= 2:
         assert r.decode_tps == pytest.approx((r.completion_tokens - 1) / (gen_times[-1] - gen_times[0]))
-        assert r.wall_tps == pytest.approx(r.completion_tokens / (r.duration_s - (r.tail_after_done_s or 0.0)))  # to the end event
+        assert r.wall_tps == pytest.approx(
+            r.completion_tokens / (r.duration_s - (r.tail_after_done_s or 0.0))
+        )  # to the end event
 
 
 @pytest.mark.parametrize("name", sorted(STREAMS))
@@ -169,7 +238,12 @@ def test_non_streamed_bodies(name: str) -> None:
     m.feed((REAL2 / f"{name}.json").read_bytes(), 0.2)
     r = finish_checked(m, 0.25, TH)
     assert (r.outcome, r.completion_tokens_reported, r.prompt_tokens, r.cached_tokens, r.finish_reason) == (
-        outcome, rep, prompt, cached, finish)
+        outcome,
+        rep,
+        prompt,
+        cached,
+        finish,
+    )
     assert (r.tool_calls, r.tool_calls_valid) == (calls, valid)
     assert set(r.anomalies) == kinds, r.anomaly_evidence
 
@@ -203,7 +277,9 @@ def test_broken_messages_and_responses_tool_calls_fire() -> None:
     m = meter_for(name)
     m.feed(stop, 0.3)
     r = finish_checked(m, 0.4, TH)
-    assert "tool_call_finish_mismatch" in r.anomalies and "'tool_use'" in r.anomaly_evidence["tool_call_finish_mismatch"]
+    assert (
+        "tool_call_finish_mismatch" in r.anomalies and "'tool_use'" in r.anomaly_evidence["tool_call_finish_mismatch"]
+    )
     name = "openai_responses_litellm_function_call"
     body = (REAL2 / f"{name}.sse").read_bytes().replace(b'"name":"get_weather"', b'"name":"get_wether"')
     m = meter_for(name)
@@ -226,8 +302,11 @@ def test_a_stream_without_usage_is_flagged() -> None:
 
 # -- through the proxy: byte-exact, no usage injection, metered ----------------------------
 
-@pytest.mark.parametrize("name", ["anthropic_messages_litellm_thinking", "openai_responses_litellm_function_call",
-                                  "openai_responses_vllm_mlx_text"])
+
+@pytest.mark.parametrize(
+    "name",
+    ["anthropic_messages_litellm_thinking", "openai_responses_litellm_function_call", "openai_responses_vllm_mlx_text"],
+)
 def test_proxy_forwards_byte_exact_and_meters(name: str) -> None:
     path, req = request_of(name)
     body = (REAL2 / f"{name}.sse").read_bytes()
@@ -246,15 +325,22 @@ def test_proxy_forwards_byte_exact_and_meters(name: str) -> None:
     exp = STREAMS[name]
     assert not rec.usage_injected
     assert (rec.outcome, rec.generated_events, rec.completion_tokens_reported, rec.finish_reason) == (
-        exp[0], exp[1], exp[2], exp[6])
+        exp[0],
+        exp[1],
+        exp[2],
+        exp[6],
+    )
     assert rec.ttft_s is not None and rec.ttft_s > 0
 
 
 # -- capture and replay of the two APIs ----------------------------------------------------
 
+
 def _api_handler(received: list[Req]):
-    bodies = {"/v1/messages": (REAL2 / "anthropic_messages_litellm_thinking.sse").read_bytes(),
-              "/v1/responses": (REAL2 / "openai_responses_litellm_function_call.sse").read_bytes()}
+    bodies = {
+        "/v1/messages": (REAL2 / "anthropic_messages_litellm_thinking.sse").read_bytes(),
+        "/v1/responses": (REAL2 / "openai_responses_litellm_function_call.sse").read_bytes(),
+    }
 
     async def handler(req: Req, conn: Conn) -> None:
         received.append(req)
@@ -275,11 +361,14 @@ def test_capture_and_replay_messages_and_responses(tmp_path, keep_prompts: bool)
     r_req = orjson.dumps({**orjson.loads(r_req), "instructions": "Secret instructions"})
     received: list[Req] = []
     with FakeUpstream(_api_handler(received)) as up:
-        app = create_app(build_config(None, upstream_url=up.url, log_requests=False, capture=str(cap),
-                                      capture_prompts=keep_prompts))
+        app = create_app(
+            build_config(None, upstream_url=up.url, log_requests=False, capture=str(cap), capture_prompts=keep_prompts)
+        )
         with ServerThread(app) as srv, httpx.Client() as c:
             for path, req in ((m_path, m_req), (r_path, r_req)):
-                assert c.post(srv.url + path, content=req, headers={"content-type": "application/json"}).status_code == 200
+                assert (
+                    c.post(srv.url + path, content=req, headers={"content-type": "application/json"}).status_code == 200
+                )
             assert wait_for(lambda: app.capture is not None and app.capture.written == 2)
     caps = read_capture(cap)
     raw = cap.read_bytes()
@@ -292,7 +381,9 @@ def test_capture_and_replay_messages_and_responses(tmp_path, keep_prompts: bool)
         groups = run(caps, up.url, ReplayOptions(mode="sequential"))
     recs = records_of(groups[0])
     assert [(r.endpoint, r.outcome, r.generated_events, r.completion_tokens_reported) for r in recs] == [
-        ("messages", "ok", 20, 20), ("responses", "ok", 6, 7)]
+        ("messages", "ok", 20, 20),
+        ("responses", "ok", 6, 7),
+    ]
     assert recs[1].tool_calls == 1 and recs[1].tool_calls_valid == 1
     sent = [orjson.loads(r.body) for r in received]
     assert all("stream_options" not in b for b in sent)  # these APIs always report usage
@@ -304,5 +395,9 @@ def test_capture_and_replay_messages_and_responses(tmp_path, keep_prompts: bool)
         assert sent[1]["instructions"] == "Secret instructions"
         assert sent[0]["messages"][0]["content"].endswith("What is the weather in Paris?")
     else:  # filler of the recorded lengths
-        assert len(sent[0]["system"]) == len("Secret system text") and len(sent[1]["instructions"]) == len("Secret instructions")
-        assert sent[0]["messages"][0]["content"].split("] ", 1)[1] == "the quick brown fox jumps ove"  # filler, same length
+        assert len(sent[0]["system"]) == len("Secret system text") and len(sent[1]["instructions"]) == len(
+            "Secret instructions"
+        )
+        assert (
+            sent[0]["messages"][0]["content"].split("] ", 1)[1] == "the quick brown fox jumps ove"
+        )  # filler, same length

@@ -25,13 +25,43 @@ PACKAGE = Path(mlxproxy.__file__).parent
 
 # What the core may import: pure standard-library modules and orjson (bytes <-> values).
 CORE_ALLOWED = {
-    "__future__", "array", "collections", "copy", "dataclasses", "enum", "functools", "hashlib", "heapq",
-    "itertools", "json", "math", "operator", "orjson", "re", "statistics", "typing", "bisect",
+    "__future__",
+    "array",
+    "collections",
+    "copy",
+    "dataclasses",
+    "enum",
+    "functools",
+    "hashlib",
+    "heapq",
+    "itertools",
+    "json",
+    "math",
+    "operator",
+    "orjson",
+    "re",
+    "statistics",
+    "typing",
+    "bisect",
 }
 # What importing the core must never pull in, directly or through another module.
 IO_MODULES = {
-    "aiohttp", "asyncio", "h11", "httptools", "httpx", "prometheus_client", "selectors", "socket", "ssl",
-    "starlette", "subprocess", "threading", "time", "urllib3", "uvicorn", "uvloop",
+    "aiohttp",
+    "asyncio",
+    "h11",
+    "httptools",
+    "httpx",
+    "prometheus_client",
+    "selectors",
+    "socket",
+    "ssl",
+    "starlette",
+    "subprocess",
+    "threading",
+    "time",
+    "urllib3",
+    "uvicorn",
+    "uvloop",
 }
 
 
@@ -81,7 +111,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         trail.append(m)
         for n in sorted(edges[m]):
             if state.get(n) == 1:
-                return trail[trail.index(n):] + [n]
+                return trail[trail.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         trail.pop()
@@ -132,9 +162,12 @@ def test_importing_the_core_pulls_in_no_io_library() -> None:
 def test_sim_imports_nothing_from_the_proxy() -> None:
     sim = modules_of("sim")
     assert "mlxproxy.sim.app" in sim and "mlxproxy.sim.cli" in sim
-    bad = [f"{path.name}:{line} imports {target}"
-           for m, path in sim.items() for target, _, line in imports_of(m, path)
-           if target == "mlxproxy.proxy" or target.startswith("mlxproxy.proxy.")]
+    bad = [
+        f"{path.name}:{line} imports {target}"
+        for m, path in sim.items()
+        for target, _, line in imports_of(m, path)
+        if target == "mlxproxy.proxy" or target.startswith("mlxproxy.proxy.")
+    ]
     assert bad == []
 
 
@@ -158,9 +191,12 @@ def test_no_import_cycle(subpackage: str) -> None:
 def test_no_module_of_the_package_imports_a_private_name_of_another() -> None:
     modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     assert len(modules) > 40
-    private = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name} from {target}"
-               for m, path in modules.items() for target, name, line in imports_of(m, path)
-               if name and name.startswith("_") and not name.startswith("__") and target.startswith("mlxproxy")]
+    private = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {name} from {target}"
+        for m, path in modules.items()
+        for target, name, line in imports_of(m, path)
+        if name and name.startswith("_") and not name.startswith("__") and target.startswith("mlxproxy")
+    ]
     assert private == []
 
 
@@ -168,8 +204,13 @@ def test_tests_import_their_helpers_from_support_not_conftest() -> None:
     tests = Path(__file__).resolve().parent
     files = sorted(tests.rglob("*.py"))
     assert any(p.name == "support.py" for p in files)
-    bad = [f"{p.relative_to(tests)}:{line}" for p in files if p.name != "conftest.py"
-           for target, _, line in imports_of("tests", p) if target == "conftest"]
+    bad = [
+        f"{p.relative_to(tests)}:{line}"
+        for p in files
+        if p.name != "conftest.py"
+        for target, _, line in imports_of("tests", p)
+        if target == "conftest"
+    ]
     assert bad == [], "import shared helpers with `from support import ...` (conftest.py is for fixtures)"
 
 

@@ -22,18 +22,21 @@ import httpx
 import orjson
 import pytest
 
+from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.limits import MAX_FIELD_CHARS, bounded_field
 from mlxproxy.runner import ServerThread, stack_settings
-
 from support import read_fixture, wait_for
-from fakeupstream import Conn, FakeUpstream, Req
 
 STACKS = ["plain", "fast"]
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
-STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-              "stream_options": {"include_usage": True}}
+STREAM_REQ = {
+    "model": "m",
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream_options": {"include_usage": True},
+}
 
 
 @pytest.fixture(params=STACKS)
@@ -53,8 +56,12 @@ async def ok_stream(req: Req, conn: Conn) -> None:
 
 async def json_answer(req: Req, conn: Conn) -> None:
     body = orjson.dumps({"path": req.path, "n": len(req.body)})
-    await conn.send(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await conn.send(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 @contextlib.contextmanager
@@ -186,9 +193,19 @@ def test_non_origin_form_targets_are_refused_before_any_connection(stack: str) -
     try:
         with proxy(stack) as (srv, app, up):
             p = elsewhere.port
-            targets = [f"*@127.0.0.1:{p}/v1/models", f"@127.0.0.1:{p}/v1/models", "*", "*.x/y", "x",
-                       f"http://127.0.0.1:{p}/v1/models", f"127.0.0.1:{p}", f"*@127.0.0.1:{p}", "v1/models",
-                       f"\\\\127.0.0.1:{p}/v1/models", f"?@127.0.0.1:{p}/"]
+            targets = [
+                f"*@127.0.0.1:{p}/v1/models",
+                f"@127.0.0.1:{p}/v1/models",
+                "*",
+                "*.x/y",
+                "x",
+                f"http://127.0.0.1:{p}/v1/models",
+                f"127.0.0.1:{p}",
+                f"*@127.0.0.1:{p}",
+                "v1/models",
+                f"\\\\127.0.0.1:{p}/v1/models",
+                f"?@127.0.0.1:{p}/",
+            ]
             for method, target in [("POST", t) for t in targets] + [("OPTIONS", "*"), ("CONNECT", f"127.0.0.1:{p}")]:
                 req = f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1:{p}\r\nContent-Length: 2\r\n\r\n{{}}".encode()
                 got = parse_responses(exchange(srv.port, req))
@@ -254,8 +271,11 @@ def test_huge_model_names_keep_metrics_small_and_other_streams_flowing(stack: st
             with httpx.Client(timeout=30) as c:
                 for i in range(3):
                     name = f"{i}\x1b[31m\nFAKE LOG LINE " + "m" * (1 << 20)
-                    r = c.post(srv.url + "/v1/chat/completions", content=orjson.dumps({"model": name, "messages": []}),
-                               headers={"content-type": "application/json"})
+                    r = c.post(
+                        srv.url + "/v1/chat/completions",
+                        content=orjson.dumps({"model": name, "messages": []}),
+                        headers={"content-type": "application/json"},
+                    )
                     assert r.status_code == 200
                 metrics = c.get(srv.url + "/metrics").content
             t.join(30)
@@ -342,7 +362,9 @@ def test_too_many_header_lines_get_431(stack: str) -> None:
         err = assert_openai_error(*got[0], 431)
         assert "max_request_headers" in err["message"]
         ok = "".join(f"X-H{i}: v\r\n" for i in range(10))
-        got = parse_responses(exchange(srv.port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{ok}\r\n".encode()))
+        got = parse_responses(
+            exchange(srv.port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{ok}\r\n".encode())
+        )
         assert got[0][0] == 200
         assert len(up.requests) == 1
 
@@ -415,8 +437,10 @@ def test_each_client_gets_its_own_answer_when_the_upstream_sends_extra_bytes(sta
         mine = orjson.loads(req.body)["mark"].encode()
         extra = mine + b"-STALE"
         if b"long" in mine:  # more body than Content-Length says, in the same write
-            await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(mine), mine)
-                            + b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(extra), extra))
+            await conn.send(
+                b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(mine), mine)
+                + b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(extra), extra)
+            )
         else:  # a whole extra response a moment later, on the idle connection
             await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(mine), mine))
             await asyncio.sleep(0.02)
@@ -452,7 +476,8 @@ def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
 
 
 def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
-        stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pooled upstream connection idle longer than POOL_IDLE_S (4 s, below the 5 s
     keep-alive of uvicorn-based servers) is not used again; one idle for less is."""
     import mlxproxy.proxy.upstream as upstream_module
@@ -560,8 +585,9 @@ def _stall_while_finishing_a_huge_record(stack: str) -> float:
         t = threading.Thread(target=paced)
         t.start()
         assert wait_for(lambda: len(arrivals) > 5, 10)
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={"model": "big", "stream": True},
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", srv.url + "/v1/chat/completions", json={"model": "big", "stream": True}, timeout=60
+        ) as r:
             size = sum(len(part) for part in r.iter_raw())
         t_end = time.perf_counter()
         assert size == len(event) * n_chunks * per_chunk + len(end)
@@ -570,8 +596,12 @@ def _stall_while_finishing_a_huge_record(stack: str) -> float:
         t.join(30)
         big = next(r for r in app.recent.records if r.model == "big")
         assert big.outcome == "ok" and big.generated_events == n_chunks * per_chunk
-        assert app.registry.get_sample_value("mlxproxy_inter_token_latency_seconds_count",
-                                             {"upstream": "default", "model": "big"}) == n_chunks * per_chunk - 1
+        assert (
+            app.registry.get_sample_value(
+                "mlxproxy_inter_token_latency_seconds_count", {"upstream": "default", "model": "big"}
+            )
+            == n_chunks * per_chunk - 1
+        )
         # while the big stream flows, this one process (upstream, proxy, both clients)
         # shares one GIL; from the moment its end reached the client, the proxy is
         # finishing its record: that phase is what must not stall the paced stream
@@ -602,8 +632,10 @@ def test_a_billion_laughs_config_is_refused_in_under_a_second(tmp_path: Path) ->
     # aliases that stay small are fine
     from mlxproxy.config import load_config
 
-    p.write_text("upstreams:\n  - &u {name: a, url: 'http://127.0.0.1:1', models: &m [x, y]}\n"
-                 "  - {name: b, url: 'http://127.0.0.1:2', models: *m}\n")
+    p.write_text(
+        "upstreams:\n  - &u {name: a, url: 'http://127.0.0.1:1', models: &m [x, y]}\n"
+        "  - {name: b, url: 'http://127.0.0.1:2', models: *m}\n"
+    )
     assert load_config(p).upstreams[1].models == ("x", "y")
 
 
@@ -612,7 +644,9 @@ def test_an_upstream_key_an_http_header_cannot_carry_refuses_to_start(monkeypatc
 
     for value in ["ключ", "sk-1\r\nX-Injected: 1"]:
         monkeypatch.setenv("MLXPROXY_UPSTREAM_KEY", value)
-        cfg = build_config({"upstreams": [{"name": "a", "url": "http://127.0.0.1:1", "api_key_env": "MLXPROXY_UPSTREAM_KEY"}]})
+        cfg = build_config(
+            {"upstreams": [{"name": "a", "url": "http://127.0.0.1:1", "api_key_env": "MLXPROXY_UPSTREAM_KEY"}]}
+        )
         with pytest.raises(ConfigError, match="upstream 'a'") as ei:
             create_app(cfg)
         assert "\n" not in str(ei.value) and value not in str(ei.value)
@@ -676,8 +710,16 @@ def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) ->
     before = rss_bytes()
     for i in range(200):
         body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"{i}" + "p" * (1 << 20)}]})
-        rec = Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                     status=200, outcome="ok")
+        rec = Record(
+            id=f"r{i}",
+            started_at=0.0,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+        )
         w.on_exchange(rec, Exchange(body, [(b"content-type", b"application/json")]))
         del body
     grown = rss_bytes() - before
@@ -696,7 +738,9 @@ def test_serve_refuses_an_unknown_stack_in_one_line(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("MLXPROXY_STACK", "turbo")
     res = CliRunner().invoke(main, ["serve", "--port", "0", "--upstream", "http://127.0.0.1:9"])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "MLXPROXY_STACK must be one of plain, fast" in res.output
+    assert (
+        res.exit_code == 2 and res.output.count("\n") == 1 and "MLXPROXY_STACK must be one of plain, fast" in res.output
+    )
 
 
 def test_mlxproxy_serve_applies_the_configured_limits_on_each_stack(stack: str, tmp_path: Path) -> None:
@@ -708,9 +752,25 @@ def test_mlxproxy_serve_applies_the_configured_limits_on_each_stack(stack: str, 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max_request_header_bytes: 2048\nrequest_header_timeout_s: 0.3\n")
     with FakeUpstream(json_answer) as up:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--config", str(cfg), "--upstream", up.url,
-                                 "--port", "0", "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "MLXPROXY_STACK": stack})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxproxy",
+                "serve",
+                "--config",
+                str(cfg),
+                "--upstream",
+                up.url,
+                "--port",
+                "0",
+                "--log-level",
+                "warning",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "MLXPROXY_STACK": stack},
+        )
         try:
             port = 0
             for line in proc.stderr:  # type: ignore[union-attr]
@@ -736,14 +796,33 @@ def test_streams_stays_quick_with_a_million_event_record_in_the_recent_list(stac
     from mlxproxy.core.record import Record
 
     with proxy(stack) as (srv, app, up), httpx.Client(timeout=30) as c:
-        small = Record(id="a", started_at=1.0, upstream="default", model="m", endpoint="chat_completions", stream=True,
-                       status=200, outcome="ok", event_offsets_s=(0.1, 0.2))
+        small = Record(
+            id="a",
+            started_at=1.0,
+            upstream="default",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            event_offsets_s=(0.1, 0.2),
+        )
         app.recent.on_record(small)
         plain = c.get(srv.url + "/streams").json()["recent"]
         assert plain == [small.to_dict()]  # the same document as before
-        app.recent.on_record(Record(id="b", started_at=2.0, upstream="default", model="m", endpoint="chat_completions",
-                                    stream=True, status=200, outcome="ok",
-                                    event_offsets_s=tuple(i * 1e-3 for i in range(1_000_000))))
+        app.recent.on_record(
+            Record(
+                id="b",
+                started_at=2.0,
+                upstream="default",
+                model="m",
+                endpoint="chat_completions",
+                stream=True,
+                status=200,
+                outcome="ok",
+                event_offsets_s=tuple(i * 1e-3 for i in range(1_000_000)),
+            )
+        )
         t0 = time.perf_counter()
         got = c.get(srv.url + "/streams").json()["recent"]
         assert time.perf_counter() - t0 < 0.5

@@ -25,7 +25,9 @@ from mlxproxy.sim.profiles import get_profile
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def wave(speedup: float | None, overlap: float | None, ok: int = 2, failed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def wave(
+    speedup: float | None, overlap: float | None, ok: int = 2, failed: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {"speedup": speedup, "overlap": overlap, "ok": ok, "failed": failed or []}
 
 
@@ -34,25 +36,42 @@ def group(rows: list[dict[str, Any]], streams: int = 2) -> Group:
     sp = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
     ov = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
     med = lambda xs: xs[len(xs) // 2] if xs else None  # noqa: E731  (odd counts in these tests)
-    summary = {"speedup": med(sp), "speedup_min": sp[0] if sp else None, "speedup_max": sp[-1] if sp else None,
-               "overlap": med(ov), "overlap_min": ov[0] if ov else None, "overlap_max": ov[-1] if ov else None,
-               "waves": rows, "ok": sum(w["ok"] for w in rows), "anomalies": {}}
-    return Group.from_dict({"name": "double" if streams == 2 else f"x{streams}", "params": {"streams": streams},
-                            "summary": summary, "records": []})
+    summary = {
+        "speedup": med(sp),
+        "speedup_min": sp[0] if sp else None,
+        "speedup_max": sp[-1] if sp else None,
+        "overlap": med(ov),
+        "overlap_min": ov[0] if ov else None,
+        "overlap_max": ov[-1] if ov else None,
+        "waves": rows,
+        "ok": sum(w["ok"] for w in rows),
+        "anomalies": {},
+    }
+    return Group.from_dict(
+        {
+            "name": "double" if streams == 2 else f"x{streams}",
+            "params": {"streams": streams},
+            "summary": summary,
+            "records": [],
+        }
+    )
 
 
 # -- one wave --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("w, expected", [
-    (wave(1.9, 0.98), "continuous batching"),
-    (wave(0.96, 0.99), "batches, no gain"),  # overlapping streams that gain nothing: not "serial"
-    (wave(1.8, 0.05), "serial"),  # low overlap is serial whatever the speedup says
-    (wave(0.9, 0.0), "serial"),
-    (wave(1.43, 0.40), "partial batching"),
-    (wave(0.98, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]), "rejects concurrent requests"),
-    (wave(1.9, None), "overlap not measurable"),  # e.g. each answer in one burst
-])
+@pytest.mark.parametrize(
+    "w, expected",
+    [
+        (wave(1.9, 0.98), "continuous batching"),
+        (wave(0.96, 0.99), "batches, no gain"),  # overlapping streams that gain nothing: not "serial"
+        (wave(1.8, 0.05), "serial"),  # low overlap is serial whatever the speedup says
+        (wave(0.9, 0.0), "serial"),
+        (wave(1.43, 0.40), "partial batching"),
+        (wave(0.98, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]), "rejects concurrent requests"),
+        (wave(1.9, None), "overlap not measurable"),  # e.g. each answer in one burst
+    ],
+)
 def test_wave_class(w: dict[str, Any], expected: str) -> None:
     assert wave_class(w) == expected
 
@@ -89,9 +108,11 @@ def test_impossible_speedup_is_flagged_unreliable() -> None:
 
 
 def test_rejects_names_how_the_second_request_failed() -> None:
-    rows = [wave(1.0, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]),
-            wave(1.0, None, ok=1, failed=[{"outcome": "http_error", "status": 503}]),
-            wave(1.0, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}])]
+    rows = [
+        wave(1.0, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]),
+        wave(1.0, None, ok=1, failed=[{"outcome": "http_error", "status": 503}]),
+        wave(1.0, None, ok=1, failed=[{"outcome": "stream_error", "status": 200}]),
+    ]
     text = batching_verdict(group(rows))
     assert text == "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream, HTTP 503)"
 
@@ -99,8 +120,10 @@ def test_rejects_names_how_the_second_request_failed() -> None:
 def test_waves_where_nothing_was_served_are_left_out() -> None:
     down = wave(None, None, ok=0, failed=[{"outcome": "upstream_unreachable", "status": None}] * 2)
     assert batching_verdict(group([down, down, down])) is None
-    assert batching_verdict(group([down, wave(0.9, 0.0), wave(0.88, 0.01)])) == \
-        "serial: 0.90x (0.88\u20130.90), overlap 0.01 (0.00\u20130.01)"
+    assert (
+        batching_verdict(group([down, wave(0.9, 0.0), wave(0.88, 0.01)]))
+        == "serial: 0.90x (0.88\u20130.90), overlap 0.01 (0.00\u20130.01)"
+    )
 
 
 def test_serial_never_with_high_overlap_and_batching_never_with_low() -> None:
@@ -118,8 +141,17 @@ def _records(n: int, kind: str, with_kind: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         marked = {"anomalies": (kind,), "anomaly_evidence": {kind: "12 tokens in 1 events"}} if i < with_kind else {}
-        rec = Record(id=f"r{i}", started_at=float(i), upstream="u", model="m", endpoint="chat_completions", stream=True,
-                     status=200, outcome="ok", **marked)
+        rec = Record(
+            id=f"r{i}",
+            started_at=float(i),
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            **marked,
+        )
         out.append(rec.to_dict(timeline=True))
     return out
 
@@ -129,8 +161,16 @@ def _result(records: list[dict[str, Any]]) -> TargetResult:
     for r in records:
         for k in r["anomalies"]:
             anomalies.setdefault(k, {"count": 0, "evidence": r["anomaly_evidence"][k]})["count"] += 1
-    g = Group.from_dict({"name": "single 100", "target": "t", "mode": "single 100", "params": {"prompt_tokens": 100},
-                         "summary": {"anomalies": anomalies}, "records": records})
+    g = Group.from_dict(
+        {
+            "name": "single 100",
+            "target": "t",
+            "mode": "single 100",
+            "params": {"prompt_tokens": 100},
+            "summary": {"anomalies": anomalies},
+            "records": records,
+        }
+    )
     return TargetResult(Target("t", "http://x"), groups=[g])
 
 
@@ -138,8 +178,10 @@ def test_an_anomaly_in_one_stream_of_thirty_is_not_a_verdict() -> None:
     """mlx_lm.server was called "no incremental streaming" for one single-read burst in 30 streams."""
     assert "incremental" not in verdict(_result(_records(30, "non_incremental_stream", 1)))
     share = int(30 * ANOMALY_SHARE) + 1
-    assert verdict(_result(_records(30, "non_incremental_stream", share))) == \
-        f"no incremental streaming ({share} of 30 requests)"
+    assert (
+        verdict(_result(_records(30, "non_incremental_stream", share)))
+        == f"no incremental streaming ({share} of 30 requests)"
+    )
     assert verdict(_result(_records(30, "stall", 30))) == "stalls (30 of 30 requests)"
 
 
@@ -152,8 +194,11 @@ CASES = {  # name: (profile, knobs, the verdict's start)
     "partial": ("healthy", {"prefill_tps": 100.0}, "partial batching "),
     "serial": ("mlx-omni-server", {}, "serial: "),
     "cpu-bound": ("healthy", {"batch_penalty": 1.0}, "batches, no gain: "),
-    "rejects-in-stream": ("healthy", {"reject_concurrent": "stream"},
-                          "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)"),
+    "rejects-in-stream": (
+        "healthy",
+        {"reject_concurrent": "stream"},
+        "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)",
+    ),
     "rejects-http": ("healthy", {"reject_concurrent": "http"}, "rejects concurrent requests (3 of 3 waves: HTTP 503)"),
 }
 
@@ -170,8 +215,24 @@ def test_bench_verdict_holds_over_three_runs(case: str, tmp_path: Path) -> None:
         for run in range(3):
             out = tmp_path / f"r{run}.json"
             html = tmp_path / f"r{run}.html"
-            r = CliRunner().invoke(main, ["bench", "--target", f"{case}={sim.url}", "--prompt-tokens", "100",
-                                          "--max-tokens", "32", "--repeat", "3", "--json", str(out), "--html", str(html)])
+            r = CliRunner().invoke(
+                main,
+                [
+                    "bench",
+                    "--target",
+                    f"{case}={sim.url}",
+                    "--prompt-tokens",
+                    "100",
+                    "--max-tokens",
+                    "32",
+                    "--repeat",
+                    "3",
+                    "--json",
+                    str(out),
+                    "--html",
+                    str(html),
+                ],
+            )
             assert r.exit_code == 0, r.output
             doc = orjson.loads(out.read_bytes())
             text = doc["verdicts"][case]
@@ -203,17 +264,23 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
         opts = BenchOptions(prompt_tokens=(100, 400), max_tokens=16, repeat=3, batches=(2, 3))
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     groups = {g.name: g for g in res.groups}
-    assert [groups[n].kind for n in ("single", "single 100", "baseline", "double", "x3")] == \
-        ["single", "single_size", "baseline", "wave", "wave"]
+    assert [groups[n].kind for n in ("single", "single 100", "baseline", "double", "x3")] == [
+        "single",
+        "single_size",
+        "baseline",
+        "wave",
+        "wave",
+    ]
     spans = []
     for name in ("baseline", "double", "x3"):
         for r in groups[name].records:
             spans.append((r["started_at"], r["started_at"] + r["e2e_s"], name))
     spans.sort()
     order = [name for _, _, name in spans]
-    assert order == ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"] + ["double"] * 2 + ["x3"] * 3 \
-        + ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"], order
-    base = [r for r in groups["baseline"].records]
+    assert order == ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"] + ["double"] * 2 + ["x3"] * 3 + [
+        "baseline"
+    ] + ["double"] * 2 + ["x3"] * 3 + ["baseline"], order
+    base = list(groups["baseline"].records)
     assert all(r["prompt_tokens"] == groups["double"].records[0]["prompt_tokens"] for r in base)
     for k, w in enumerate(groups["double"].summary.waves or ()):
         walls = [base[k]["wall_tps"], base[k + 1]["wall_tps"]]

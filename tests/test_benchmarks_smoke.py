@@ -43,14 +43,20 @@ def test_litellm_is_an_option_or_env_with_a_stated_skip(tmp_path: Path) -> None:
     assert path == "" and "MLXPROXY_LITELLM" in why and "--litellm" in why
     path, why = run.choose_litellm(None, False, str(tmp_path / "gone"))
     assert path == "" and "not found" in why
-    assert run.choose_litellm(None, True, str(exe))[0] == "" and "--quick" in run.choose_litellm(None, True, str(exe))[1]
+    assert (
+        run.choose_litellm(None, True, str(exe))[0] == "" and "--quick" in run.choose_litellm(None, True, str(exe))[1]
+    )
     assert run.choose_litellm("", False, str(exe)) == ("", "left out (--litellm '')")
 
 
 def test_run_refuses_a_missing_litellm_before_starting_anything(tmp_path: Path) -> None:
     missing = tmp_path / "no-litellm"
-    r = subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick", "--litellm", str(missing)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--litellm", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.strip() == f"error: --litellm: no such file: {missing}"
 
 
@@ -67,7 +73,8 @@ def test_upstream_and_meter_bench_help():
 
 
 def test_instructions_refuses_a_folder_without_the_package(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH / "instructions.py"), str(tmp_path)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "instructions.py"), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and ("holds no mlxproxy/ package" in r.stderr or "valgrind" in r.stderr)

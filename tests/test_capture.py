@@ -13,12 +13,11 @@ import httpx
 import orjson
 import pytest
 
+from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.capture import MIGRATIONS, CaptureWriter, Exchange, read_capture
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError
-
 from support import read_fixture
-from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from test_proxy_e2e import proxy, wait_for
 
 SECRET = "sk-live-0123456789abcdef"
@@ -34,7 +33,9 @@ def test_capture_through_proxy_redacts_both_directions(tmp_path: Path) -> None:
 
     async def handler(req: Req, conn: Conn) -> None:
         if req.method == "GET":
-            await conn.head(200, [("content-type", "application/json"), ("content-length", "2"), ("set-cookie", f"s={SECRET}")])
+            await conn.head(
+                200, [("content-type", "application/json"), ("content-length", "2"), ("set-cookie", f"s={SECRET}")]
+            )
             await conn.send(b"{}")
         else:
             await base(req, conn)
@@ -42,8 +43,11 @@ def test_capture_through_proxy_redacts_both_directions(tmp_path: Path) -> None:
     cap = tmp_path / "cap.jsonl"
     with FakeUpstream(handler) as up, proxy(up.url, capture=str(cap), redact_headers=["x-team-token"]) as (url, app):
         req = {"model": "gpt-x", "stream": True, "messages": [{"role": "user", "content": "hello there"}]}
-        r = httpx.post(url + "/v1/chat/completions", json=req,
-                       headers={"authorization": f"Bearer {SECRET}", "x-team-token": SECRET, "cookie": f"a={SECRET}"})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json=req,
+            headers={"authorization": f"Bearer {SECRET}", "x-team-token": SECRET, "cookie": f"a={SECRET}"},
+        )
         assert r.status_code == 200
         httpx.get(url + "/v1/models", headers={"x-api-key": SECRET})
         assert wait_for(lambda: app.capture is not None and app.capture.written == 2)
@@ -66,9 +70,14 @@ def test_capture_through_proxy_redacts_both_directions(tmp_path: Path) -> None:
 def test_responses_and_privacy_mode(tmp_path: Path) -> None:
     body = read_fixture("wire/01_openai_reference_include_usage.sse")
     cap = tmp_path / "cap.jsonl"
-    with FakeUpstream(sse_response(body)) as up, proxy(up.url, capture=str(cap), capture_responses=True,
-                                                     capture_prompts=False) as (url, app):
-        httpx.post(url + "/v1/chat/completions", json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "secret plan"}]})
+    with (
+        FakeUpstream(sse_response(body)) as up,
+        proxy(up.url, capture=str(cap), capture_responses=True, capture_prompts=False) as (url, app),
+    ):
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "secret plan"}]},
+        )
         assert wait_for(lambda: app.capture is not None and app.capture.written == 1)
     (line,) = lines(cap)
     assert line["response_text"] == "Hello world"
@@ -77,8 +86,17 @@ def test_responses_and_privacy_mode(tmp_path: Path) -> None:
 
 
 def rec(i: int) -> Record:
-    return Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                  status=200, outcome="ok", t_start_mono=float(i))
+    return Record(
+        id=f"r{i}",
+        started_at=0.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        t_start_mono=float(i),
+    )
 
 
 def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
@@ -128,7 +146,10 @@ def test_reader_torn_line_versions_and_migrations(tmp_path: Path) -> None:
     p.write_bytes(orjson.dumps(old) + b"\n")
     with pytest.raises(CaptureFormatError, match="version 0 is not supported"):
         read_capture(p)
-    MIGRATIONS[0] = lambda d: {**{k: v for k, v in d.items() if k != "event_times_ms"}, "event_offsets_ms": d["event_times_ms"]}
+    MIGRATIONS[0] = lambda d: {
+        **{k: v for k, v in d.items() if k != "event_times_ms"},
+        "event_offsets_ms": d["event_times_ms"],
+    }
     try:
         (c,) = read_capture(p)
         assert c.record.id == "r1" and c.raw["v"] == 1
@@ -152,19 +173,42 @@ def test_kill_9_leaves_a_readable_capture(tmp_path: Path) -> None:
 
     cap = tmp_path / "cap.jsonl"
     with FakeUpstream(handler) as up:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--upstream", up.url, "--port", "0",
-                                 "--capture", str(cap), "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxproxy",
+                "serve",
+                "--upstream",
+                up.url,
+                "--port",
+                "0",
+                "--capture",
+                str(cap),
+                "--log-level",
+                "warning",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = proc.stderr.readline()
             port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
             url = f"http://127.0.0.1:{port}"
             for _ in range(30):
-                assert httpx.post(url + "/v1/chat/completions", json={"model": "m", "stream": True, "messages": []}).status_code == 200
+                assert (
+                    httpx.post(
+                        url + "/v1/chat/completions", json={"model": "m", "stream": True, "messages": []}
+                    ).status_code
+                    == 200
+                )
             assert wait_for(lambda: cap.exists() and cap.read_bytes().count(b"\n") == 30, 10)
             clients = []
             for _ in range(20):
                 c = httpx.Client(timeout=20)
-                s = c.stream("POST", url + "/v1/chat/completions", json={"model": "hang", "stream": True, "messages": []})
+                s = c.stream(
+                    "POST", url + "/v1/chat/completions", json={"model": "hang", "stream": True, "messages": []}
+                )
                 it = s.__enter__().iter_raw()
                 next(it)
                 clients.append((c, s, it))  # keep the iterator: dropping it closes the connection

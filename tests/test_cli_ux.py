@@ -33,8 +33,14 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTH
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxproxy", *args], capture_output=True, text=True, timeout=timeout,
-                          env=ENV, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: str, ran: bool = False) -> str:
@@ -44,7 +50,9 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: s
     err = res.stderr
     assert res.returncode == code, (res.returncode, err[-1500:])
     assert "Traceback" not in err and "Aborted!" not in err, err[-1500:]
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("mlxproxy: warning:", "mlxproxy: note:"))]
+    lines = [
+        ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("mlxproxy: warning:", "mlxproxy: note:"))
+    ]
     if ran:
         lines = [ln for ln in lines if ln.startswith("mlxproxy")]
         assert lines and err.strip().splitlines()[-1] == lines[-1], err[-1500:]
@@ -64,11 +72,26 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     w = CaptureWriter(path.with_suffix(".unused"))
     lines = []
     for i in range(2):
-        rec = Record(id=f"c{i}", started_at=1.0 + i, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                     status=200, outcome="ok", method="POST", path="/v1/chat/completions")
+        rec = Record(
+            id=f"c{i}",
+            started_at=1.0 + i,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+        )
         d = orjson.loads(w.line_for(rec, None))
         d["path"] = "/v1/chat/completions"
-        d["request"] = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi " * 30}]}
+        d["request"] = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi " * 30}],
+        }
         lines.append(orjson.dumps(d))
     w.close()
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -78,8 +101,10 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- every mistake: one line, the documented exit code -------------------------------------
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:80800", "http://:abc", "ftp://127.0.0.1:8080", "127.0.0.1:8080",
-                                 "http://127.0.0.1:8080?x=1"])
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:80800", "http://:abc", "ftp://127.0.0.1:8080", "127.0.0.1:8080", "http://127.0.0.1:8080?x=1"],
+)
 def test_serve_refuses_an_invalid_upstream_url_at_start(url: str) -> None:
     line = one_line_error(cli("serve", "--upstream", url, "--port", "0"), 2, "--upstream")
     assert url in line
@@ -104,7 +129,9 @@ def test_an_upstream_url_that_slipped_past_the_checks_gets_an_openai_shaped_erro
 def test_serve_refuses_an_invalid_upstream_url_in_the_config(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("upstreams:\n  - name: a\n    url: http://127.0.0.1:80800\n")
-    one_line_error(cli("serve", "--config", str(cfg), "--port", "0"), 2, "config key 'upstreams[0].url'", "Port out of range")
+    one_line_error(
+        cli("serve", "--config", str(cfg), "--port", "0"), 2, "config key 'upstreams[0].url'", "Port out of range"
+    )
 
 
 def test_flag_errors_name_the_flag_not_a_config_key() -> None:
@@ -126,8 +153,12 @@ def test_a_taken_port_is_one_line_and_exit_1() -> None:
 
 
 def test_serve_refuses_a_capture_it_cannot_write(tmp_path: Path) -> None:
-    one_line_error(cli("serve", "--port", "0", "--capture", str(tmp_path / "missing" / "c.jsonl")), 2,
-                   "cannot write the capture file", "does not exist")
+    one_line_error(
+        cli("serve", "--port", "0", "--capture", str(tmp_path / "missing" / "c.jsonl")),
+        2,
+        "cannot write the capture file",
+        "does not exist",
+    )
 
 
 def test_demo_refuses_a_folder_it_cannot_write(tmp_path: Path) -> None:
@@ -142,13 +173,16 @@ def test_replay_and_bench_refuse_an_invalid_target(capture: Path, target: str) -
     one_line_error(cli("bench", "--target", target), 2, "--target")
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--batch", "2", "--concurrency", "3"], "give one"),
-    (["--mode", "sequential", "--speed", "2"], "--speed only applies"),
-    (["--mode", "sequential", "--batch", "2"], "conflicts"),
-    (["--batch", "1"], "--batch"),
-    (["--timeout", "other=5"], "no target named"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--batch", "2", "--concurrency", "3"], "give one"),
+        (["--mode", "sequential", "--speed", "2"], "--speed only applies"),
+        (["--mode", "sequential", "--batch", "2"], "conflicts"),
+        (["--batch", "1"], "--batch"),
+        (["--timeout", "other=5"], "no target named"),
+    ],
+)
 def test_replay_refuses_conflicting_flags_with_the_reason(capture: Path, args: list[str], needle: str) -> None:
     one_line_error(cli("replay", str(capture), "--target", "a=http://127.0.0.1:9", *args), 2, needle)
 
@@ -157,16 +191,27 @@ def test_bench_flag_errors(tmp_path: Path) -> None:
     one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--batch", "1"), 2, "--batch")
     one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--prompt-tokens", "1,x"), 2, "comma-separated")
     one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--target", "a=http://127.0.0.1:8"), 2, "unique")
-    one_line_error(cli("bench", "--target", "a=http://127.0.0.1:9", "--json", str(tmp_path / "no" / "r.json")), 2,
-                   "does not exist")
+    one_line_error(
+        cli("bench", "--target", "a=http://127.0.0.1:9", "--json", str(tmp_path / "no" / "r.json")), 2, "does not exist"
+    )
 
 
 def test_replay_and_bench_exit_1_when_every_request_failed(capture: Path) -> None:
     dead = f"http://127.0.0.1:{closed_port()}"
-    one_line_error(cli("replay", str(capture), "--target", dead, "--mode", "sequential"), 1, "every request failed",
-                   "upstream_unreachable", ran=True)
-    one_line_error(cli("bench", "--target", f"dead={dead}", "--prompt-tokens", "100", "--repeat", "1"), 1,
-                   "every target failed", "cannot reach", ran=True)
+    one_line_error(
+        cli("replay", str(capture), "--target", dead, "--mode", "sequential"),
+        1,
+        "every request failed",
+        "upstream_unreachable",
+        ran=True,
+    )
+    one_line_error(
+        cli("bench", "--target", f"dead={dead}", "--prompt-tokens", "100", "--repeat", "1"),
+        1,
+        "every target failed",
+        "cannot reach",
+        ran=True,
+    )
 
 
 def test_report_on_a_capture_says_replay_it(capture: Path, tmp_path: Path) -> None:
@@ -190,7 +235,16 @@ def test_one_bad_capture_line_is_named_and_can_be_skipped(capture: Path, tmp_pat
 
 def test_v1_on_a_target_is_dropped_with_one_note(capture: Path, tmp_path: Path) -> None:
     with ServerThread(create_sim("healthy", speed=20)) as sim:
-        res = cli("replay", str(capture), "--target", sim.url + "/v1/", "--mode", "sequential", "--json", str(tmp_path / "r.json"))
+        res = cli(
+            "replay",
+            str(capture),
+            "--target",
+            sim.url + "/v1/",
+            "--mode",
+            "sequential",
+            "--json",
+            str(tmp_path / "r.json"),
+        )
         assert res.returncode == 0, res.stderr[-1500:]
         notes = [ln for ln in res.stderr.splitlines() if "ends in /v1" in ln]
         assert len(notes) == 1 and sim.url in notes[0]
@@ -204,8 +258,14 @@ def test_v1_on_a_target_is_dropped_with_one_note(capture: Path, tmp_path: Path) 
 @contextmanager
 def serve_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """`mlxproxy serve` in a subprocess; yields it, its URL and its stderr lines so far."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--port", "0", *args], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxproxy", "serve", "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
     lines: list[str] = []
     got_url = threading.Event()
     url: list[str] = []
@@ -237,8 +297,11 @@ def test_serve_drops_v1_forwards_and_stops_quietly_on_ctrl_c() -> None:
     with ServerThread(create_sim("healthy", speed=20)) as sim:
         with serve_process("--upstream", sim.url + "/v1") as (proc, url, lines):
             assert sum("ends in /v1" in ln for ln in lines) == 1, lines
-            r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 4,
-                                                              "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
             proc.send_signal(signal.SIGINT)
             assert proc.wait(30) == 0
@@ -262,9 +325,27 @@ def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: P
     app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))  # 8 tokens: ~0.4 s a request
     out = tmp_path / "partial.json"
     with ServerThread(app) as sim:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "replay", str(capture), "--target", sim.url,
-                                 "--mode", "sequential", "--repeat", "50", "--json", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxproxy",
+                "replay",
+                str(capture),
+                "--target",
+                sim.url,
+                "--mode",
+                "sequential",
+                "--repeat",
+                "50",
+                "--json",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
         deadline = time.monotonic() + 60
         # the server counts a response when it has sent it, the client records it a moment
         # later; in sequential mode a third request means the second one was recorded
@@ -284,9 +365,28 @@ def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
     app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))
     out = tmp_path / "partial.json"
     with ServerThread(app) as sim:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "bench", "--target", f"s={sim.url}", "--prompt-tokens",
-                                 "50,100", "--repeat", "20", "--max-tokens", "8", "--json", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxproxy",
+                "bench",
+                "--target",
+                f"s={sim.url}",
+                "--prompt-tokens",
+                "50,100",
+                "--repeat",
+                "20",
+                "--max-tokens",
+                "8",
+                "--json",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
         deadline = time.monotonic() + 60
         # 2 probes + /v1/models + 2 singles, and one more so the second single has been recorded
         while app.done < 6 and time.monotonic() < deadline and proc.poll() is None:
@@ -309,14 +409,36 @@ def test_report_renders_the_runs_own_view_with_distinct_labels(tmp_path: Path) -
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with ServerThread(create_sim("mlx-openai-server", speed=20)) as sim:
-        runs = [cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50,200", "--repeat", "2", "--max-tokens", "8",
-                    "--json", str(tmp_path / d / "bench.json")) for d in ("a", "b")]
+        runs = [
+            cli(
+                "bench",
+                "--target",
+                f"s={sim.url}",
+                "--prompt-tokens",
+                "50,200",
+                "--repeat",
+                "2",
+                "--max-tokens",
+                "8",
+                "--json",
+                str(tmp_path / d / "bench.json"),
+            )
+            for d in ("a", "b")
+        ]
     for res in runs:
         assert res.returncode == 0, res.stderr[-1500:]
         assert "Verdicts:" in res.stdout and "TTFT: time to first token" in res.stdout  # a legend under the table
         assert max(len(ln) for ln in res.stdout.splitlines()) <= 100
-    again = cli("report", str(tmp_path / "a" / "bench.json"), "--csv", str(tmp_path / "r.csv"),
-                "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.svg"))
+    again = cli(
+        "report",
+        str(tmp_path / "a" / "bench.json"),
+        "--csv",
+        str(tmp_path / "r.csv"),
+        "--markdown",
+        str(tmp_path / "r.md"),
+        "--plot",
+        str(tmp_path / "r.svg"),
+    )
     assert again.returncode == 0, again.stderr[-1500:]
     assert again.stdout == runs[0].stdout  # the same view as the run that wrote it
     doc = orjson.loads((tmp_path / "a" / "bench.json").read_bytes())

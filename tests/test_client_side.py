@@ -22,15 +22,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import read_fixture, wait_for
 from fakeupstream import Conn, FakeUpstream, Req
+from support import read_fixture, wait_for
 from test_proxy_e2e import proxy
 
 ROUNDS = 20
 REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 # real mlx_lm.server events: the role+first token event, then 8 more
-EVENTS = [e + b"\n\n" for e in read_fixture("real/mlx_lm_server_stream_usage.sse").split(b"\n\n")
-          if e.startswith(b"data: {")][:9] + [b"data: [DONE]\n\n"]
+EVENTS = [
+    e + b"\n\n" for e in read_fixture("real/mlx_lm_server_stream_usage.sse").split(b"\n\n") if e.startswith(b"data: {")
+][:9] + [b"data: [DONE]\n\n"]
 
 
 def paced_stream(gap_s: float = 0.0):
@@ -119,7 +120,9 @@ def test_every_event_reaches_a_raw_socket_client_as_fast_as_direct(stack: str) -
     with FakeUpstream(paced_stream(0.001)) as up, proxy(up.url) as (url, app):
         dc, pc = RawClient(up.url), RawClient(url)
         try:
-            assert_added_below(lambda: interleaved(lambda: dc.stream()[1], lambda: pc.stream()[1]), 10.0, "whole stream")
+            assert_added_below(
+                lambda: interleaved(lambda: dc.stream()[1], lambda: pc.stream()[1]), 10.0, "whole stream"
+            )
         finally:
             dc.close(), pc.close()
 
@@ -151,9 +154,14 @@ def test_first_chunk_reaches_the_openai_sdk_as_fast_as_direct(stack: str) -> Non
     the upstream's threads for the GIL and measure that instead."""
     pytest.importorskip("openai")
     with FakeUpstream(paced_stream()) as up, proxy(up.url) as (url, app):
+
         def measure() -> tuple[list[float], list[float]]:
-            out = subprocess.run([sys.executable, "-c", SDK_CLIENT, up.url, url, str(ROUNDS)], capture_output=True,
-                                 text=True, timeout=120)
+            out = subprocess.run(
+                [sys.executable, "-c", SDK_CLIENT, up.url, url, str(ROUNDS)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert out.returncode == 0, out.stderr[-2000:]
             d, p = json.loads(out.stdout)
             return d, p
@@ -191,6 +199,7 @@ def test_two_overlapping_streams_are_recorded_at_concurrency_2(stack: str) -> No
         await conn.end_chunked()
 
     with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
+
         def one() -> None:
             with httpx.Client(timeout=10) as hc:
                 assert hc.post(url + "/v1/chat/completions", json=REQ).status_code == 200
@@ -223,9 +232,26 @@ def test_the_clock_starts_when_the_request_arrives(stack: str) -> None:
     # better of two runs is what the proxy itself allows.
     attempts = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, str(CLOCK), "--stack", stack, "--streams", "4", "--streams", "16",
-                              "--requests", "10", "--tokens", "10", "--json"],
-                             capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(CLOCK),
+                "--stack",
+                stack,
+                "--streams",
+                "4",
+                "--streams",
+                "16",
+                "--requests",
+                "10",
+                "--tokens",
+                "10",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         rows = json.loads(out.stdout.strip().splitlines()[-1])
         for row in rows:
@@ -235,5 +261,9 @@ def test_the_clock_starts_when_the_request_arrives(stack: str) -> None:
             return
     best = [min((a[i] for a in attempts), key=lambda r: r["p95_ms"]) for i in range(len(attempts[0]))]
     for row in best:
-        assert row["p50_ms"] < P50_MS, f"client waited {row['p50_ms']:.1f} ms (p50) beyond the record's ttft_s: {attempts}"
-        assert row["p95_ms"] < P95_MS, f"client waited {row['p95_ms']:.1f} ms (p95) beyond the record's ttft_s: {attempts}"
+        assert row["p50_ms"] < P50_MS, (
+            f"client waited {row['p50_ms']:.1f} ms (p50) beyond the record's ttft_s: {attempts}"
+        )
+        assert row["p95_ms"] < P95_MS, (
+            f"client waited {row['p95_ms']:.1f} ms (p95) beyond the record's ttft_s: {attempts}"
+        )

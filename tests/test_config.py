@@ -29,7 +29,12 @@ def test_example_config_loads_and_documents_every_key() -> None:
     # defaults in the example are the real defaults (except the marked examples)
     default = build_config({})
     assert cfg.timeouts == default.timeouts and cfg.detectors == default.detectors
-    assert (cfg.host, cfg.port, cfg.inject_usage, cfg.recent_records) == (default.host, default.port, default.inject_usage, default.recent_records)
+    assert (cfg.host, cfg.port, cfg.inject_usage, cfg.recent_records) == (
+        default.host,
+        default.port,
+        default.inject_usage,
+        default.recent_records,
+    )
 
 
 @pytest.mark.parametrize(
@@ -57,7 +62,10 @@ def test_example_config_loads_and_documents_every_key() -> None:
         ({"max_request_headers": 0}, "'max_request_headers' must be at least 1"),
         ({"upstreams": [{"name": "a", "url": "http://[::1:8080"}]}, "'upstreams[0].url' is not a valid URL"),
         ({"upstreams": [{"name": "a", "url": "http://127.0.0.1:99999"}]}, "'upstreams[0].url' is not a valid URL"),
-        ({"upstreams": [{"name": "a", "url": "http://"}]}, "'upstreams[0].url' must be an http:// or https:// URL with a host"),
+        (
+            {"upstreams": [{"name": "a", "url": "http://"}]},
+            "'upstreams[0].url' must be an http:// or https:// URL with a host",
+        ),
         ({"upstreams": [{"name": "a", "url": "http://h/x?y=1"}]}, "'upstreams[0].url' must be a plain base URL"),
         ({"upstreams": [{"name": "a", "url": "http://h\n/x"}]}, "'upstreams[0].url' must be a plain base URL"),
         ({"upstreams": [{"name": "a\x1b[31m", "url": "http://h"}]}, "'upstreams[0].name' must be a unique, printable"),

@@ -35,11 +35,10 @@ import yaml
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import promharness as ph
 from mlxproxy.config import build_config
 from mlxproxy.proxy.app import create_app
 from mlxproxy.runner import ServerThread
-
-import promharness as ph
 
 ROOT = ph.ROOT
 DASHBOARD_PATH = ROOT / "grafana" / "dashboards" / "mlxproxy.json"
@@ -51,16 +50,32 @@ DOCS = ROOT / "docs" / "DASHBOARDS.md"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 KNOWN_VARIABLES = {"__rate_interval", "__range", "__interval", "upstream", "model"}
 # Families without upstream/model labels: the only ones a panel may query unfiltered.
-UNFILTERED_OK = {"mlxproxy_proxy_overhead_seconds", "mlxproxy_event_loop_lag_seconds", "mlxproxy_build_info"}  # no upstream label
+UNFILTERED_OK = {
+    "mlxproxy_proxy_overhead_seconds",
+    "mlxproxy_event_loop_lag_seconds",
+    "mlxproxy_build_info",
+}  # no upstream label
 CONTRACT_FAMILIES = (
-    "mlxproxy_requests_total", "mlxproxy_requests_in_flight", "mlxproxy_request_duration_seconds",
-    "mlxproxy_time_to_first_byte_seconds", "mlxproxy_time_to_first_token_seconds",
-    "mlxproxy_time_to_first_content_seconds", "mlxproxy_inter_token_latency_seconds",
-    "mlxproxy_time_per_output_token_seconds", "mlxproxy_output_tokens_per_second",
-    "mlxproxy_prefill_tokens_per_second", "mlxproxy_tokens_total", "mlxproxy_usage_reports_total",
-    "mlxproxy_anomalies_total", "mlxproxy_proxy_overhead_seconds", "mlxproxy_build_info",
-    "mlxproxy_prompt_length_tokens", "mlxproxy_generation_length_tokens", "mlxproxy_event_loop_lag_seconds",
-    "mlxproxy_prompt_tokens_total", "mlxproxy_prefill_wasted_seconds_total",
+    "mlxproxy_requests_total",
+    "mlxproxy_requests_in_flight",
+    "mlxproxy_request_duration_seconds",
+    "mlxproxy_time_to_first_byte_seconds",
+    "mlxproxy_time_to_first_token_seconds",
+    "mlxproxy_time_to_first_content_seconds",
+    "mlxproxy_inter_token_latency_seconds",
+    "mlxproxy_time_per_output_token_seconds",
+    "mlxproxy_output_tokens_per_second",
+    "mlxproxy_prefill_tokens_per_second",
+    "mlxproxy_tokens_total",
+    "mlxproxy_usage_reports_total",
+    "mlxproxy_anomalies_total",
+    "mlxproxy_proxy_overhead_seconds",
+    "mlxproxy_build_info",
+    "mlxproxy_prompt_length_tokens",
+    "mlxproxy_generation_length_tokens",
+    "mlxproxy_event_loop_lag_seconds",
+    "mlxproxy_prompt_tokens_total",
+    "mlxproxy_prefill_wasted_seconds_total",
 )
 ROWS = ("traffic", "latency", "token flow", "batching", "truth", "prompt cache", "overhead", "length")
 
@@ -79,13 +94,15 @@ def base_family(series: str) -> str:
 
 # -- structure ----------------------------------------------------------------------------
 
+
 def test_dashboard_json_is_built_from_its_source() -> None:
     spec = importlib.util.spec_from_file_location("build_dashboard", BUILDER)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert DASHBOARD_PATH.read_text(encoding="utf-8") == mod.render(), \
+    assert DASHBOARD_PATH.read_text(encoding="utf-8") == mod.render(), (
         "grafana/dashboards/mlxproxy.json is stale: run python grafana/build_dashboard.py"
+    )
     assert subprocess.run([sys.executable, str(BUILDER), "--check"], capture_output=True).returncode == 0
 
 
@@ -111,11 +128,13 @@ def test_dashboard_imports_into_grafana_10(dashboard: dict[str, Any]) -> None:
         assert g["x"] >= 0 and g["y"] >= 0 and g["w"] >= 1 and g["h"] >= 1 and g["x"] + g["w"] <= 24, p["title"]
         rects.append((g["x"], g["y"], g["x"] + g["w"], g["y"] + g["h"], p["title"]))
     for i, a in enumerate(rects):
-        for b in rects[i + 1:]:
+        for b in rects[i + 1 :]:
             overlap = a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
             assert not overlap, f"panels {a[4]!r} and {b[4]!r} overlap"
     # Grafana lays panels out in reading order: the list must follow the grid.
-    assert [(p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels] == sorted((p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels)
+    assert [(p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels] == sorted(
+        (p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels
+    )
 
     rows = [p for p in panels if p["type"] == "row"]
     for r in rows:
@@ -174,8 +193,9 @@ def test_queries_use_only_known_variables_and_filters(dashboard: dict[str, Any])
             name, sel = m.group(1), m.group(2) or ""
             if base_family(name) in UNFILTERED_OK:
                 continue
-            assert 'upstream=~"$upstream"' in sel and 'model=~"$model"' in sel, \
+            assert 'upstream=~"$upstream"' in sel and 'model=~"$model"' in sel, (
                 f"{p['title']}: {name} is not filtered by the upstream and model variables"
+            )
 
 
 def test_every_queried_metric_is_exposed_by_the_proxy(dashboard: dict[str, Any]) -> None:
@@ -197,7 +217,9 @@ def test_every_queried_metric_is_exposed_by_the_proxy(dashboard: dict[str, Any])
 def test_docs_describe_every_panel(dashboard: dict[str, Any]) -> None:
     docs = DOCS.read_text(encoding="utf-8")
     for p in ph.all_panels(dashboard):
-        assert f"**{p['title']}**" in docs or f"### {p['title']}" in docs, f"docs/DASHBOARDS.md does not describe {p['title']!r}"
+        assert f"**{p['title']}**" in docs or f"### {p['title']}" in docs, (
+            f"docs/DASHBOARDS.md does not describe {p['title']!r}"
+        )
     assert "docker compose -f deploy/docker-compose.yml up -d" in docs
     assert "mlxproxy serve" in docs
 
@@ -236,8 +258,9 @@ def test_compose_provisioning_and_prometheus_agree() -> None:
     ds = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text(encoding="utf-8"))
     (source,) = ds["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090" and source["isDefault"] is True
-    assert source["jsonData"]["timeInterval"] == job.get("scrape_interval", prom["global"]["scrape_interval"]), \
+    assert source["jsonData"]["timeInterval"] == job.get("scrape_interval", prom["global"]["scrape_interval"]), (
         "Grafana's $__rate_interval is derived from timeInterval: keep it equal to the scrape interval"
+    )
     prov = yaml.safe_load((PROVISIONING / "dashboards" / "mlxproxy.yml").read_text(encoding="utf-8"))
     (provider,) = prov["providers"]
     assert provider["type"] == "file" and provider["options"]["path"] == "/etc/grafana/dashboards"
@@ -247,9 +270,13 @@ def test_compose_provisioning_and_prometheus_agree() -> None:
 
 PROMTOOL = ph.find_binary("promtool")
 PROMETHEUS = ph.find_binary("prometheus")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus; CI installs it)")
-needs_prometheus = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
-                                      reason="prometheus not installed (Debian package prometheus; CI installs it)")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian package prometheus; CI installs it)"
+)
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="prometheus not installed (Debian package prometheus; CI installs it)",
+)
 
 
 def promtool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -296,13 +323,24 @@ class Live:
     metrics_text: str
 
 
-async def _one(client: httpx.AsyncClient, rng: random.Random, model: str, *, stream: bool = True,
-               fault: str | None = None, max_tokens: int | None = None) -> None:
+async def _one(
+    client: httpx.AsyncClient,
+    rng: random.Random,
+    model: str,
+    *,
+    stream: bool = True,
+    fault: str | None = None,
+    max_tokens: int | None = None,
+) -> None:
     headers = {"x-sim-prompt-tokens": str(rng.choice(PROMPT_TOKENS))}
     if fault:
         headers["x-sim-fault"] = fault
-    body = {"model": model, "stream": stream, "max_tokens": max_tokens or rng.choice(MAX_TOKENS),
-            "messages": [{"role": "user", "content": "Say something."}]}
+    body = {
+        "model": model,
+        "stream": stream,
+        "max_tokens": max_tokens or rng.choice(MAX_TOKENS),
+        "messages": [{"role": "user", "content": "Say something."}],
+    }
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             async for _ in r.aiter_raw():
@@ -337,8 +375,11 @@ async def _round(client: httpx.AsyncClient, rng: random.Random) -> int:
         sent += n
     # failures and the non-streamed path
     faults = ("http-error=500", "stream-error", "reset-mid-stream")
-    await asyncio.gather(*(_one(client, rng, "sim-healthy", fault=f) for f in faults),
-                         _one(client, rng, "sim-healthy", stream=False), _one(client, rng, "sim-thinking", stream=False))
+    await asyncio.gather(
+        *(_one(client, rng, "sim-healthy", fault=f) for f in faults),
+        _one(client, rng, "sim-healthy", stream=False),
+        _one(client, rng, "sim-thinking", stream=False),
+    )
     return sent + len(faults) + 2
 
 
@@ -346,8 +387,9 @@ async def _load(proxy_url: str) -> int:
     rng = random.Random(7)
     sent = 0
     deadline = time.monotonic() + LOAD_S
-    async with httpx.AsyncClient(base_url=proxy_url, timeout=30.0,
-                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)) as client:
+    async with httpx.AsyncClient(
+        base_url=proxy_url, timeout=30.0, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    ) as client:
         for _ in range(MAX_ROUNDS):
             sent += await _round(client, rng)
             if time.monotonic() >= deadline:
@@ -372,7 +414,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with ExitStack() as stack:
         upstreams = []
         for name, profile, model in SIMS:
-            srv = stack.enter_context(ServerThread(create_sim(profile, speed=SPEED, seed=1, **SIM_KNOBS.get(name, {})), server_header=False, date_header=False))
+            srv = stack.enter_context(
+                ServerThread(
+                    create_sim(profile, speed=SPEED, seed=1, **SIM_KNOBS.get(name, {})),
+                    server_header=False,
+                    date_header=False,
+                )
+            )
             upstreams.append({"name": name, "url": srv.url, "models": [model]})
         config = build_config({"upstreams": upstreams, "default_upstream": "healthy"}, log_requests=False)
         proxy = stack.enter_context(ServerThread(create_app(config), server_header=False, date_header=False))
@@ -387,15 +435,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
         load_done = time.monotonic()
 
         # every request finished and scraped, and every series has >= 2 samples for rate()
-        prom.wait_for(lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == float(sent), 20,
-                      f"Prometheus to see all {sent} requests")
-        prom.wait_for(lambda: _scalar(prom, 'count(count_over_time({__name__=~"mlxproxy_.+"}[5m]) < 2)') is None, 20,
-                      "two samples of every mlxproxy series")
+        prom.wait_for(
+            lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == float(sent),
+            20,
+            f"Prometheus to see all {sent} requests",
+        )
+        prom.wait_for(
+            lambda: _scalar(prom, 'count(count_over_time({__name__=~"mlxproxy_.+"}[5m]) < 2)') is None,
+            20,
+            "two samples of every mlxproxy series",
+        )
         window = f"{math.ceil(time.time() - prom_started) + 5}s"
         variables = {"__rate_interval": window, "__range": window, "__interval": "1s", "upstream": ".*", "model": ".*"}
         metrics_text = httpx.get(proxy.url + "/metrics").text
-        print(f"\n[dashboards] {sent} requests in {load_done - t0:.1f} s from start; windows {window}; "
-              f"ready to query at {time.monotonic() - t0:.1f} s")
+        print(
+            f"\n[dashboards] {sent} requests in {load_done - t0:.1f} s from start; windows {window}; "
+            f"ready to query at {time.monotonic() - t0:.1f} s"
+        )
         yield Live(prom, proxy.url, variables, sent, metrics_text)
 
 
@@ -434,7 +490,9 @@ def _panel_result(live: Live, dashboard: dict[str, Any], title: str) -> dict[tup
     return {tuple(sorted(s["metric"].items())): float(s["value"][1]) for s in ans["data"]["result"]}
 
 
-def _proxy_counter(live: Live, family: str, by: tuple[str, ...], where: Any = lambda labels: True) -> dict[tuple[str, ...], float]:
+def _proxy_counter(
+    live: Live, family: str, by: tuple[str, ...], where: Any = lambda labels: True
+) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = {}
     for fam in text_string_to_metric_families(live.metrics_text):
         for s in fam.samples:
@@ -451,7 +509,9 @@ def test_range_counts_are_exact(live: Live, dashboard: dict[str, Any]) -> None:
     want = _proxy_counter(live, "mlxproxy_anomalies_total", ("upstream", "kind"))
     got = _panel_result(live, dashboard, "Anomalies in range by kind")
     assert got == want
-    failed = _proxy_counter(live, "mlxproxy_requests_total", (), lambda labels: labels["outcome"] not in ("ok", "ok_no_done"))
+    failed = _proxy_counter(
+        live, "mlxproxy_requests_total", (), lambda labels: labels["outcome"] not in ("ok", "ok_no_done")
+    )
     assert _panel_result(live, dashboard, "Failed requests (range)") == failed and failed[()] > 0
 
 
@@ -462,8 +522,14 @@ def test_panel_queries_run_with_a_multi_value_selection(live: Live, dashboard: d
     for p, t in ph.panel_queries(dashboard):
         ans = live.prom.query(ph.substitute(t["expr"], variables))
         assert ans.get("status") == "success", (p["title"], t["refId"], ans)
-    ok, summary = ph.result_summary(live.prom.query(ph.substitute(
-        next(t["expr"] for p, t in ph.panel_queries(dashboard) if p["title"] == "Requests/s by outcome"), variables)))
+    ok, summary = ph.result_summary(
+        live.prom.query(
+            ph.substitute(
+                next(t["expr"] for p, t in ph.panel_queries(dashboard) if p["title"] == "Requests/s by outcome"),
+                variables,
+            )
+        )
+    )
     assert ok, summary
 
 

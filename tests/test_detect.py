@@ -6,28 +6,52 @@ import dataclasses
 
 import pytest
 
-from mlxproxy.core.detect import Thresholds, check_record, find_serialized, overlap_ratio, prefill_scaling, with_anomalies
+from mlxproxy.core.detect import (
+    Thresholds,
+    check_record,
+    find_serialized,
+    overlap_ratio,
+    prefill_scaling,
+    with_anomalies,
+)
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
-
 from support import read_fixture
 
 TH = Thresholds()
 
 
 def rec(**kw) -> Record:
-    base = dict(id="r", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
-                outcome="ok", completion_tokens_counted=0, duration_s=1.0, usage_requested=True)
+    base = dict(
+        id="r",
+        started_at=0.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        completion_tokens_counted=0,
+        duration_s=1.0,
+        usage_requested=True,
+    )
     base.update(kw)
     return Record(**base)
 
 
 def stream(n: int, gap: float = 0.02, t0: float = 0.1, reported: int | None = None, **kw) -> Record:
     offs = tuple(t0 + i * gap for i in range(n))
-    return rec(event_offsets_s=offs, generated_events=n, completion_tokens_counted=n,
-               completion_tokens_reported=n if reported is None else reported, ttft_s=t0,
-               e2e_s=offs[-1] if offs else None, duration_s=(offs[-1] if offs else 0) + 0.01, **kw)
+    return rec(
+        event_offsets_s=offs,
+        generated_events=n,
+        completion_tokens_counted=n,
+        completion_tokens_reported=n if reported is None else reported,
+        ttft_s=t0,
+        e2e_s=offs[-1] if offs else None,
+        duration_s=(offs[-1] if offs else 0) + 0.01,
+        **kw,
+    )
 
 
 def kinds(r: Record, **kw) -> list[str]:
@@ -74,7 +98,9 @@ def test_usage_missing() -> None:
     r = stream(30)
     assert "usage_missing" in kinds(dataclasses.replace(r, completion_tokens_reported=None))
     assert "usage_missing" not in kinds(dataclasses.replace(r, completion_tokens_reported=None, usage_requested=False))
-    assert "usage_missing" in kinds(dataclasses.replace(r, completion_tokens_reported=None, usage_requested=False, usage_injected=True))
+    assert "usage_missing" in kinds(
+        dataclasses.replace(r, completion_tokens_reported=None, usage_requested=False, usage_injected=True)
+    )
     assert "usage_missing" in kinds(rec(stream=False, completion_tokens_counted=None, completion_tokens_reported=None))
 
 
@@ -101,8 +127,15 @@ def gaps_record(gaps: list[float]) -> Record:
         t += g
         offs.append(t)
     n = len(offs)
-    return rec(event_offsets_s=tuple(offs), generated_events=n, completion_tokens_counted=n, completion_tokens_reported=n,
-               ttft_s=0.1, e2e_s=t, duration_s=t + 0.01)
+    return rec(
+        event_offsets_s=tuple(offs),
+        generated_events=n,
+        completion_tokens_counted=n,
+        completion_tokens_reported=n,
+        ttft_s=0.1,
+        e2e_s=t,
+        duration_s=t + 0.01,
+    )
 
 
 def test_stall_thresholds_and_cyclic() -> None:
@@ -122,11 +155,21 @@ def test_stall_thresholds_and_cyclic() -> None:
 
 
 def test_context_limit_http_and_in_stream() -> None:
-    r = rec(outcome="context_limit", status=400, context_prompt_tokens=51587, context_limit_tokens=32768,
-            error="Prompt too long: 51587 tokens exceeds max context window of 32768 tokens")
+    r = rec(
+        outcome="context_limit",
+        status=400,
+        context_prompt_tokens=51587,
+        context_limit_tokens=32768,
+        error="Prompt too long: 51587 tokens exceeds max context window of 32768 tokens",
+    )
     found = check_record(r, TH)
-    assert [a.kind for a in found] == ["context_limit"] and "51587" in found[0].evidence and "32768" in found[0].evidence
-    r = rec(outcome="stream_error", error="This model's maximum context length is 8192 tokens. However, you requested 9000 tokens")
+    assert (
+        [a.kind for a in found] == ["context_limit"] and "51587" in found[0].evidence and "32768" in found[0].evidence
+    )
+    r = rec(
+        outcome="stream_error",
+        error="This model's maximum context length is 8192 tokens. However, you requested 9000 tokens",
+    )
     assert kinds(r) == ["context_limit", "stream_error"]
     assert kinds(rec(outcome="http_error", status=400, error="bad temperature")) == []
 
@@ -152,8 +195,15 @@ def test_silent_prefill_boundary() -> None:
 def timed(id_: str, start: float, first: float, last: float, n: int = 20) -> Record:
     gap = (last - first) / (n - 1)
     offs = tuple(first - start + i * gap for i in range(n))
-    return rec(id=id_, t_start_mono=start, event_offsets_s=offs, generated_events=n, completion_tokens_counted=n,
-               completion_tokens_reported=n, duration_s=offs[-1] + 0.01)
+    return rec(
+        id=id_,
+        t_start_mono=start,
+        event_offsets_s=offs,
+        generated_events=n,
+        completion_tokens_counted=n,
+        completion_tokens_reported=n,
+        duration_s=offs[-1] + 0.01,
+    )
 
 
 def test_serialized_pair_and_batched_pair() -> None:
@@ -205,12 +255,18 @@ def test_prefill_is_judged_on_uncached_incremental_prompts_only() -> None:
 
 
 NORMAL_FIXTURES = [
-    "wire/01_openai_reference_include_usage.sse", "wire/02_mlx_lm_server_reasoning_keepalive.sse",
-    "wire/03_mlx_openai_server.sse", "wire/05_mlx_omni_server_include_usage.sse",
-    "wire/06_vllm_mlx_reasoning_usage_twice.sse", "wire/09_omlx_keepalive_usage_timings.sse",
-    "wire/11_rapid_mlx_fast_path.sse", "wire/17a_tool_calls_incremental.sse",
-    "real/mlx_lm_server_stream_usage.sse", "real/mlx_openai_server_chat_stream_usage.sse",
-    "real/rapid_mlx_chat_stream_usage.sse", "real/vllm_mlx_chat_stream_300tok.sse",
+    "wire/01_openai_reference_include_usage.sse",
+    "wire/02_mlx_lm_server_reasoning_keepalive.sse",
+    "wire/03_mlx_openai_server.sse",
+    "wire/05_mlx_omni_server_include_usage.sse",
+    "wire/06_vllm_mlx_reasoning_usage_twice.sse",
+    "wire/09_omlx_keepalive_usage_timings.sse",
+    "wire/11_rapid_mlx_fast_path.sse",
+    "wire/17a_tool_calls_incremental.sse",
+    "real/mlx_lm_server_stream_usage.sse",
+    "real/mlx_openai_server_chat_stream_usage.sse",
+    "real/rapid_mlx_chat_stream_usage.sse",
+    "real/vllm_mlx_chat_stream_300tok.sse",
 ]
 
 

@@ -45,9 +45,19 @@ def body_of(server: str, case: str) -> bytes:
     raise FileNotFoundError(f"{server}/{case}")
 
 
-def replay(server: str, case: str, *, t0: float = 0.0, count_tokens=None, outcome: str | None = None,
-           earlier=(), first_at: float = 0.1, gap: float = GAP, tail_s: float = 0.0,
-           rid: str | None = None) -> Record:
+def replay(
+    server: str,
+    case: str,
+    *,
+    t0: float = 0.0,
+    count_tokens=None,
+    outcome: str | None = None,
+    earlier=(),
+    first_at: float = 0.1,
+    gap: float = GAP,
+    tail_s: float = 0.0,
+    rid: str | None = None,
+) -> Record:
     """One recorded exchange through the shared finish path: the request at t0, the headers
     5 ms later, the first event at t0 + first_at, then one event every `gap` (a JSON body
     at once); the record ends `tail_s` after the last read."""
@@ -71,9 +81,19 @@ def replay(server: str, case: str, *, t0: float = 0.0, count_tokens=None, outcom
     return finish_checked(m, t + 0.001 + tail_s, TH, count_tokens=count_tokens, outcome=outcome, earlier=earlier)
 
 
-CASES = ("tool_stream", "tool_nonstream", "tool_cut_stream", "tool_cut_nonstream", "stop_at_max_stream",
-         "stop_at_max_nonstream", "stop_at_words_stream", "reasoning_stream", "reasoning_nonstream",
-         "context_refusal_stream", "context_refusal_nonstream")
+CASES = (
+    "tool_stream",
+    "tool_nonstream",
+    "tool_cut_stream",
+    "tool_cut_nonstream",
+    "stop_at_max_stream",
+    "stop_at_max_nonstream",
+    "stop_at_words_stream",
+    "reasoning_stream",
+    "reasoning_nonstream",
+    "context_refusal_stream",
+    "context_refusal_nonstream",
+)
 
 #: what is true of each server's answers (README of the fixtures, docs/VERIFIED.md); every
 #: case not listed must raise nothing
@@ -175,6 +195,7 @@ def test_mlx_openai_server_prefill_with_cached_tokens_above_prompt_tokens() -> N
 
 # -- a disconnect, then the next request (timings from each server's cases.json) -------------
 
+
 def disconnect_then_next(server: str) -> Record:
     """Two earlier answers (the upstream's usual TTFT), then `disconnect_stream`: its client
     read 5 events and closed `closed_after_s` after sending; the next request was sent at
@@ -184,12 +205,20 @@ def disconnect_then_next(server: str) -> Record:
     closed = timing["closed_after_s"]
     n_items = len([x for x in body_of(server, "disconnect_stream").split(b"\n\n") if x.strip()])
     gap = closed / 2 / n_items  # the reads spread over the second half, the last one a gap before the close
-    a = replay(server, "disconnect_stream", t0=0.0, outcome="client_disconnect", earlier=usual,
-               first_at=closed / 2, gap=gap, tail_s=gap - 0.001, rid="A")
+    a = replay(
+        server,
+        "disconnect_stream",
+        t0=0.0,
+        outcome="client_disconnect",
+        earlier=usual,
+        first_at=closed / 2,
+        gap=gap,
+        tail_s=gap - 0.001,
+        rid="A",
+    )
     assert a.outcome == "client_disconnect" and a.t_end_mono == pytest.approx(closed, abs=0.01)
     first = timing["next_request_first_content_s"]
-    return replay(server, "disconnect_next", t0=closed + 0.002, first_at=first, gap=0.002,
-                  earlier=[*usual, a], rid="B")
+    return replay(server, "disconnect_next", t0=closed + 0.002, first_at=first, gap=0.002, earlier=[*usual, a], rid="B")
 
 
 @pytest.mark.parametrize("server", ["mlx-lm", "vllm-mlx", "rapid-mlx", "mlx-vlm", "mlx-openai-server"])
@@ -201,8 +230,9 @@ def test_generation_after_disconnect_only_where_the_server_kept_going(server: st
     assert ("generation_after_disconnect" in b.anomalies) == (server == "mlx-openai-server"), b.anomaly_evidence
     assert "serialized" not in b.anomalies
     if server == "mlx-openai-server":
-        assert "the server kept generating for a client that had gone" in b.anomaly_evidence[
-            "generation_after_disconnect"]
+        assert (
+            "the server kept generating for a client that had gone" in b.anomaly_evidence["generation_after_disconnect"]
+        )
 
 
 def test_rapid_mlx_body_open_after_done_is_the_tail_not_the_wall_time() -> None:

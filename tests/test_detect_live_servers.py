@@ -19,19 +19,30 @@ from mlxproxy.core.detect import Thresholds, prefill_judgeable
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
-
 from support import read_fixture
 
 TH = Thresholds()
 USAGE_KINDS = {"usage_mismatch", "phantom_speed"}
-WRITE_FILE = {"type": "function", "function": {"name": "write_file", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-    "required": ["path", "content"]}}}
+WRITE_FILE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+}
 
 
 def request(**kw) -> bytes:
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     body.update(kw)
     return orjson.dumps(body)
 
@@ -57,9 +68,19 @@ def usage(completion: int, prompt: int = 20, cached: int | None = None) -> dict:
 DONE = b"data: [DONE]\n\n"
 
 
-def run(req: bytes, reads: Sequence[tuple[float, bytes]], t_end: float, *, t0: float = 0.0, rid: str = "r",
-        earlier: Sequence[Record] = (), count_tokens=None, status: int = 200, ctype: str = "text/event-stream",
-        outcome: str | None = None) -> tuple[RequestMeter, Record]:
+def run(
+    req: bytes,
+    reads: Sequence[tuple[float, bytes]],
+    t_end: float,
+    *,
+    t0: float = 0.0,
+    rid: str = "r",
+    earlier: Sequence[Record] = (),
+    count_tokens=None,
+    status: int = 200,
+    ctype: str = "text/event-stream",
+    outcome: str | None = None,
+) -> tuple[RequestMeter, Record]:
     """One request through the shared finish path: arrival at t0, headers at t0 + 0.005,
     each body read at its scripted time."""
     info, _ = parse_request("POST", "/v1/chat/completions", req)
@@ -92,8 +113,13 @@ ARGS = orjson.dumps({"path": "src/app/main.py", "content": "def main():\n    pri
 def buffered_tool_call(reported: int = 43) -> list[bytes]:
     """mlx_lm.server / vllm-mlx / mlx-openai-server: the parser sends the whole call as one delta."""
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "write_file", "arguments": ARGS}}
-    return [delta({"role": "assistant", "content": ""}), delta({"tool_calls": [call]}),
-            delta({}, "tool_calls"), data({"choices": [], "usage": usage(reported)}), DONE]
+    return [
+        delta({"role": "assistant", "content": ""}),
+        delta({"tool_calls": [call]}),
+        delta({}, "tool_calls"),
+        data({"choices": [], "usage": usage(reported)}),
+        DONE,
+    ]
 
 
 @pytest.mark.parametrize("tokenizer", [words_tokenizer, None], ids=["tokenizer", "chars"])
@@ -118,8 +144,11 @@ def test_buffered_tool_call_is_counted_and_is_no_burst(tokenizer) -> None:
 
 def test_text_then_buffered_burst_without_tool_calls_still_fires() -> None:
     """The exemption is for tool calls only: 43 tokens of text in one delta is still a burst."""
-    reads = paced([delta({"content": "word " * 43}), delta({}, "stop"), data({"choices": [], "usage": usage(43)}),
-                   DONE], 0.30, 0.001)
+    reads = paced(
+        [delta({"content": "word " * 43}), delta({}, "stop"), data({"choices": [], "usage": usage(43)}), DONE],
+        0.30,
+        0.001,
+    )
     _, r = run(request(), reads, 0.31)
     assert "non_incremental_stream" in r.anomalies
 
@@ -127,8 +156,16 @@ def test_text_then_buffered_burst_without_tool_calls_still_fires() -> None:
 def test_tool_call_cut_by_max_tokens_is_named_truncated_tool_call() -> None:
     """max_tokens cuts a tool call: the parser held it back, nothing is streamed, usage says
     30. `usage_mismatch` is fair; the missing tokens are a dropped call, not a phantom rate."""
-    reads = paced([delta({"role": "assistant", "content": ""}), delta({}, "length"),
-                   data({"choices": [], "usage": usage(30)}), DONE], 0.5, 0.001)
+    reads = paced(
+        [
+            delta({"role": "assistant", "content": ""}),
+            delta({}, "length"),
+            data({"choices": [], "usage": usage(30)}),
+            DONE,
+        ],
+        0.5,
+        0.001,
+    )
     for counter in (words_tokenizer, None):
         _, r = run(request(tools=[WRITE_FILE], max_tokens=30), reads, 0.51, count_tokens=counter)
         assert set(r.anomalies) == {"usage_mismatch", "truncated_tool_call"}, r.anomaly_evidence
@@ -145,16 +182,20 @@ WORDS = [f" w{i}" for i in range(20)]
 
 
 def natural_stop(n_events: int, reported: int) -> list[bytes]:
-    return [delta({"content": w}) for w in WORDS[:n_events]] + [delta({}, "stop"),
-                                                                  data({"choices": [], "usage": usage(reported)}), DONE]
+    return [delta({"content": w}) for w in WORDS[:n_events]] + [
+        delta({}, "stop"),
+        data({"choices": [], "usage": usage(reported)}),
+        DONE,
+    ]
 
 
 def test_natural_stop_at_max_tokens_with_eos_in_usage_is_no_unreported_length() -> None:
     """20 words + EOS = usage 21 (mlx_lm.server, mlx-openai-server, Rapid-MLX, mlx-vlm count
     the EOS): with max_tokens 21 the model stopped on its own, one token short."""
     for counter in (None, words_tokenizer):
-        _, r = run(request(max_tokens=21, stop=["\n\n"]), paced(natural_stop(20, 21), 0.1, 0.02), 0.6,
-                   count_tokens=counter)
+        _, r = run(
+            request(max_tokens=21, stop=["\n\n"]), paced(natural_stop(20, 21), 0.1, 0.02), 0.6, count_tokens=counter
+        )
         assert r.finish_reason == "stop" and r.completion_tokens_reported == 21
         assert "unreported_length" not in r.anomalies, r.anomaly_evidence
 
@@ -177,9 +218,22 @@ def test_real_mlx_openai_server_stop_at_max_tokens_still_fires() -> None:
 
 # -- serialized -----------------------------------------------------------------------------
 
-def text_stream(n: int, t_first: float, gap: float, rid: str, t0: float, *, finish: str = "length",
-                end_pad: float = 0.01, outcome: str | None = None, max_tokens: int | None = None,
-                prompt: int = 20, no_max: bool = False, **run_kw) -> Record:
+
+def text_stream(
+    n: int,
+    t_first: float,
+    gap: float,
+    rid: str,
+    t0: float,
+    *,
+    finish: str = "length",
+    end_pad: float = 0.01,
+    outcome: str | None = None,
+    max_tokens: int | None = None,
+    prompt: int = 20,
+    no_max: bool = False,
+    **run_kw,
+) -> Record:
     parts = [delta({"content": f" t{i}"}) for i in range(n)]
     tail = [delta({}, finish), data({"choices": [], "usage": usage(n, prompt=prompt)}), DONE] if outcome is None else []
     reads = paced(parts, t_first, gap)
@@ -229,14 +283,17 @@ def test_serialized_with_a_client_disconnect_counted_until_the_server_stopped() 
 
 # -- generation after the client left -------------------------------------------------------
 
-def abandoned_pair(b_first: float, *, usual_before: bool = True, no_max: bool = False, prompt: int = 20,
-                   b_start: float = 1.0) -> Record:
+
+def abandoned_pair(
+    b_first: float, *, usual_before: bool = True, no_max: bool = False, prompt: int = 20, b_start: float = 1.0
+) -> Record:
     """A (max_tokens 200) streams 20 tokens at 50 tok/s and its client leaves at 0.5 s; the
     server would need 3.6 s more to finish it. Earlier requests had a 20 ms TTFT (prompts
     of 20 tokens: 1000 tok/s prefill)."""
     usual = [text_stream(20, -10.0 + i + 0.02, 0.02, f"U{i}", -10.0 + i) for i in range(3)] if usual_before else []
-    a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200,
-                    no_max=no_max, earlier=usual)
+    a = text_stream(
+        20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200, no_max=no_max, earlier=usual
+    )
     return text_stream(20, b_first, 0.02, "B", b_start, earlier=[*usual, a], prompt=prompt)
 
 
@@ -269,8 +326,7 @@ def test_a_request_served_promptly_after_the_disconnect_clears_the_server() -> N
     """C arrived after A's client left and got its first token in 20 ms: the server had
     stopped, so B's slow TTFT is something else."""
     usual = [text_stream(20, -10.0 + i + 0.02, 0.02, f"U{i}", -10.0 + i) for i in range(3)]
-    a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200,
-                    earlier=usual)
+    a = text_stream(20, 0.1, 0.02, "A", 0.0, outcome="client_disconnect", end_pad=0.12, max_tokens=200, earlier=usual)
     c = text_stream(5, 0.62, 0.02, "C", 0.6, earlier=[*usual, a])
     b = text_stream(20, 4.13, 0.02, "B", 1.0, earlier=[*usual, a, c])
     assert "generation_after_disconnect" not in b.anomalies
@@ -285,31 +341,46 @@ def test_a_long_prompt_explains_a_long_ttft_after_a_disconnect() -> None:
 
 # -- markup and reasoning -------------------------------------------------------------------
 
+
 def test_rapid_mlx_tool_markup_in_content_is_flagged() -> None:
     """Rapid-MLX streams the call as plain content with finish "stop" when streaming."""
     text = '<tool_call>\n{"name": "write_file", "arguments": ' + ARGS + "}\n</tool_call>"
-    pieces = [text[i:i + 12] for i in range(0, len(text), 12)]
-    reads = paced([delta({"content": p}) for p in pieces] + [delta({}, "stop"),
-                  data({"choices": [], "usage": usage(len(pieces))}), DONE], 0.1, 0.02)
+    pieces = [text[i : i + 12] for i in range(0, len(text), 12)]
+    reads = paced(
+        [delta({"content": p}) for p in pieces]
+        + [delta({}, "stop"), data({"choices": [], "usage": usage(len(pieces))}), DONE],
+        0.1,
+        0.02,
+    )
     _, r = run(request(tools=[WRITE_FILE]), reads, 1.0)
     assert "tool_call_in_content" in r.anomalies
 
 
 def test_think_markup_in_content_is_reasoning_in_content() -> None:
     parts = ["<think>", "\n", "The", " user", " wants", "\n", "</think>", "\n\n", "Hello", "!"]
-    reads = paced([delta({"content": p}) for p in parts] + [delta({}, "stop"),
-                  data({"choices": [], "usage": usage(11)}), DONE], 0.1, 0.02)
+    reads = paced(
+        [delta({"content": p}) for p in parts] + [delta({}, "stop"), data({"choices": [], "usage": usage(11)}), DONE],
+        0.1,
+        0.02,
+    )
     _, r = run(request(), reads, 1.0)
     assert r.anomalies == ("reasoning_in_content",), r.anomaly_evidence
     assert "'<think>' at char 0" in r.anomaly_evidence["reasoning_in_content"]
     # the block opened in the prompt (Qwen3's template): only its end is streamed
-    reads = paced([delta({"content": p}) for p in parts[1:]] + [delta({}, "stop"),
-                  data({"choices": [], "usage": usage(10)}), DONE], 0.1, 0.02)
+    reads = paced(
+        [delta({"content": p}) for p in parts[1:]]
+        + [delta({}, "stop"), data({"choices": [], "usage": usage(10)}), DONE],
+        0.1,
+        0.02,
+    )
     assert run(request(), reads, 1.0)[1].anomalies == ("reasoning_in_content",)
     # an answer that mentions the tag is not reasoning markup
     parts = ["Wrap", " it", " in", " a", " <think>", " tag", "."]
-    reads = paced([delta({"content": p}) for p in parts] + [delta({}, "stop"),
-                  data({"choices": [], "usage": usage(8)}), DONE], 0.1, 0.02)
+    reads = paced(
+        [delta({"content": p}) for p in parts] + [delta({}, "stop"), data({"choices": [], "usage": usage(8)}), DONE],
+        0.1,
+        0.02,
+    )
     assert run(request(), reads, 1.0)[1].anomalies == ()
 
 
@@ -328,11 +399,19 @@ def test_answer_streamed_entirely_as_reasoning_is_reasoning_only() -> None:
 
 # -- context limits -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body,prompt,limit", [
-    (b'{"detail":"Protected conversation exceeds the available context budget."}', None, None),  # mlx-vlm 0.7.10
-    (b'{"error":{"code":400,"message":"request (4476 tokens) exceeds the available context size (4096 tokens)",'
-     b'"type":"exceed_context_size_error"}}', 4476, 4096),  # llama.cpp server
-])
+
+@pytest.mark.parametrize(
+    "body,prompt,limit",
+    [
+        (b'{"detail":"Protected conversation exceeds the available context budget."}', None, None),  # mlx-vlm 0.7.10
+        (
+            b'{"error":{"code":400,"message":"request (4476 tokens) exceeds the available context size (4096 tokens)",'
+            b'"type":"exceed_context_size_error"}}',
+            4476,
+            4096,
+        ),  # llama.cpp server
+    ],
+)
 def test_context_refusal_wordings(body: bytes, prompt, limit) -> None:
     _, r = run(request(), [(0.05, body)], 0.06, status=400, ctype="application/json")
     assert r.outcome == "context_limit" and "context_limit" in r.anomalies
@@ -348,10 +427,14 @@ def test_wire_fixture_context_refusal_still_recognised() -> None:
 
 # -- figures --------------------------------------------------------------------------------
 
+
 def test_prefill_of_a_server_whose_prompt_tokens_exclude_cached_ones() -> None:
     """mlx-openai-server: prompt_tokens 1, cached_tokens 41 (was -80 tok/s here, -2074 live)."""
-    reads = paced([delta({"content": f" t{i}"}) for i in range(20)]
-                  + [delta({}, "length", usage(20, prompt=1, cached=41)), DONE], 0.5, 0.02)
+    reads = paced(
+        [delta({"content": f" t{i}"}) for i in range(20)] + [delta({}, "length", usage(20, prompt=1, cached=41)), DONE],
+        0.5,
+        0.02,
+    )
     _, r = run(request(), reads, 1.0)
     assert r.prefill_tps == pytest.approx(1 / 0.5)
     assert not prefill_judgeable(r)  # 41 of 42 prompt tokens came from the cache
@@ -359,11 +442,18 @@ def test_prefill_of_a_server_whose_prompt_tokens_exclude_cached_ones() -> None:
 
 def test_prefill_of_a_full_cache_hit_is_none() -> None:
     """Rapid-MLX full cache hit: nothing prefilled, no rate (was 0.0)."""
-    reads = paced([delta({"content": f" t{i}"}) for i in range(20)]
-                  + [delta({}, "length", usage(20, prompt=42, cached=42)), DONE], 0.5, 0.02)
+    reads = paced(
+        [delta({"content": f" t{i}"}) for i in range(20)]
+        + [delta({}, "length", usage(20, prompt=42, cached=42)), DONE],
+        0.5,
+        0.02,
+    )
     assert run(request(), reads, 1.0)[1].prefill_tps is None
-    reads = paced([delta({"content": f" t{i}"}) for i in range(20)]
-                  + [delta({}, "length", usage(20, prompt=42, cached=2)), DONE], 0.5, 0.02)
+    reads = paced(
+        [delta({"content": f" t{i}"}) for i in range(20)] + [delta({}, "length", usage(20, prompt=42, cached=2)), DONE],
+        0.5,
+        0.02,
+    )
     assert run(request(), reads, 1.0)[1].prefill_tps == pytest.approx(40 / 0.5)
 
 
@@ -374,8 +464,18 @@ def test_negative_prefill_never_reaches_prometheus() -> None:
 
     reg = CollectorRegistry()
     pm = ProxyMetrics(reg)
-    old = Record(id="x", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                 status=200, outcome="ok", prefill_tps=-2074.0, ttft_s=0.02)  # a record of an older version
+    old = Record(
+        id="x",
+        started_at=0.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        prefill_tps=-2074.0,
+        ttft_s=0.02,
+    )  # a record of an older version
     pm.on_record(old)
     count = reg.get_sample_value("mlxproxy_prefill_tokens_per_second_count", {"upstream": "u", "model": "m"})
     assert not count

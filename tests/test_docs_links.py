@@ -18,13 +18,19 @@ def slug(heading: str) -> str:
 
 
 def wire_anchors() -> set[str]:
-    return {slug(line.lstrip("#")) for line in WIRE.read_text(encoding="utf-8").splitlines()
-            if re.match(r"#{1,6} ", line)}
+    return {
+        slug(line.lstrip("#")) for line in WIRE.read_text(encoding="utf-8").splitlines() if re.match(r"#{1,6} ", line)
+    }
 
 
 def citing_files() -> list[Path]:
-    files = [*ROOT.glob("mlxproxy/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py"),
-             *ROOT.glob("docs/*.md"), *ROOT.glob("*.md")]
+    files = [
+        *ROOT.glob("mlxproxy/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("*.md"),
+    ]
     # the changelog names the file as news; this test names it in its own text
     skip = {WIRE, ROOT / "CHANGELOG.md", Path(__file__).resolve()}
     return [p for p in files if p.resolve() not in skip]

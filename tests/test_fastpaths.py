@@ -27,12 +27,14 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
-
 from support import FIXTURES, splits
 
 # chat and text completion streams (the Anthropic Messages and Responses recordings have their own rules)
-SSE_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*.sse")
-                      if not p.name.startswith(("anthropic_messages_", "openai_responses_")))
+SSE_FIXTURES = sorted(
+    str(p.relative_to(FIXTURES))
+    for p in FIXTURES.glob("*/*.sse")
+    if not p.name.startswith(("anthropic_messages_", "openai_responses_"))
+)
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 
@@ -88,14 +90,41 @@ def cut(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 PIECES = [
-    b"data: ", b"data:", b"data", b"data: {\"a\":1}", b"data: x", b"data:  two spaces", b"event: x", b"event:",
-    b"id: 7", b"id: a\x00b", b"id", b"retry: 30", b"retry: 3x", b": keepalive 1/2", b":", b"foo: bar", b"x",
-    b"\n", b"\n", b"\n", b"\n\n", b"\r", b"\r\n", b"\r\n\r\n", " é☃🦙".encode(), b"\xc3", b"\xa9", b"\xef\xbb\xbf",
-    b"[DONE]", b" ",
+    b"data: ",
+    b"data:",
+    b"data",
+    b'data: {"a":1}',
+    b"data: x",
+    b"data:  two spaces",
+    b"event: x",
+    b"event:",
+    b"id: 7",
+    b"id: a\x00b",
+    b"id",
+    b"retry: 30",
+    b"retry: 3x",
+    b": keepalive 1/2",
+    b":",
+    b"foo: bar",
+    b"x",
+    b"\n",
+    b"\n",
+    b"\n",
+    b"\n\n",
+    b"\r",
+    b"\r\n",
+    b"\r\n\r\n",
+    " é☃🦙".encode(),
+    b"\xc3",
+    b"\xa9",
+    b"\xef\xbb\xbf",
+    b"[DONE]",
+    b" ",
 ]
 DATA_EVENT = st.text(max_size=12).map(lambda s: b"data: " + s.replace("\r", "").replace("\n", "").encode() + b"\n\n")
-STREAM = st.lists(st.one_of(DATA_EVENT, DATA_EVENT, st.sampled_from(PIECES), st.binary(max_size=6)),
-                  max_size=30).map(b"".join)
+STREAM = st.lists(st.one_of(DATA_EVENT, DATA_EVENT, st.sampled_from(PIECES), st.binary(max_size=6)), max_size=30).map(
+    b"".join
+)
 MAX_LINE = st.sampled_from([1, 4, 8, 16, 64, DEFAULT_MAX_LINE_BYTES])
 
 
@@ -106,8 +135,12 @@ def test_decoder_fast_path_equals_general_path(body: bytes, cuts: list[int], max
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.lists(st.tuples(st.one_of(DATA_EVENT, st.sampled_from(PIECES), st.binary(max_size=6)), st.booleans()),
-                max_size=30), MAX_LINE)
+@given(
+    st.lists(
+        st.tuples(st.one_of(DATA_EVENT, st.sampled_from(PIECES), st.binary(max_size=6)), st.booleans()), max_size=30
+    ),
+    MAX_LINE,
+)
 def test_decoder_fast_path_equals_general_path_reads_at_piece_boundaries(pieces: list, max_line: int) -> None:
     """Reads that start and end where lines, fields and events do: every state the
     general path can leave between reads is met by a read that starts with `data: `."""
@@ -168,9 +201,14 @@ def test_decoder_fast_path_equals_general_path_on_any_bytes(body: bytes, cuts: l
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(DATA_EVENT, min_size=1, max_size=8), st.lists(st.integers(min_value=0, max_value=200), max_size=4),
-       st.sampled_from([PIECES[0], b"", b": c\n", b"\n", b"\r\n", b"\xef\xbb\xbf", b"id: 1\n", b"data: a\n"]))
-def test_decoder_fast_path_equals_general_path_after_any_prefix(events: list[bytes], cuts: list[int], prefix: bytes) -> None:
+@given(
+    st.lists(DATA_EVENT, min_size=1, max_size=8),
+    st.lists(st.integers(min_value=0, max_value=200), max_size=4),
+    st.sampled_from([PIECES[0], b"", b": c\n", b"\n", b"\r\n", b"\xef\xbb\xbf", b"id: 1\n", b"data: a\n"]),
+)
+def test_decoder_fast_path_equals_general_path_after_any_prefix(
+    events: list[bytes], cuts: list[int], prefix: bytes
+) -> None:
     """Runs of whole data events (the fast path's input) after whatever came before them."""
     body = b"".join(events)
     assert_same_decoding([prefix, *cut(body, cuts)])
@@ -184,7 +222,9 @@ def test_decoder_fast_path_equals_general_path_on_fixtures(name: str) -> None:
         assert_same_decoding(parts)
     assert_same_decoding([body], max_line_bytes=100)
     events = [i for i in SSEDecoder().feed(body) if isinstance(i, SSEEvent)]
-    assert [(e.start, e.end) for e in events] == [(e.start, e.end) for e in GeneralDecoder().feed(body) if isinstance(e, SSEEvent)]
+    assert [(e.start, e.end) for e in events] == [
+        (e.start, e.end) for e in GeneralDecoder().feed(body) if isinstance(e, SSEEvent)
+    ]
     assert [body[e.start : e.end].startswith((b"data:", b"event:", b"id:")) for e in events] == [True] * len(events)
 
 
@@ -231,9 +271,28 @@ USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.tuples(st.one_of(DATA_EVENT, st.sampled_from(PIECES), st.sampled_from([
-           USAGE + b"\n\n", USAGE + b"\r\n\r\n", USAGE + b"\n", b'data: {"usage":null,"choices":[]}\n\n',
-           b'data: "usage"\n\n'])), st.booleans()), max_size=30), MAX_LINE)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(
+                DATA_EVENT,
+                st.sampled_from(PIECES),
+                st.sampled_from(
+                    [
+                        USAGE + b"\n\n",
+                        USAGE + b"\r\n\r\n",
+                        USAGE + b"\n",
+                        b'data: {"usage":null,"choices":[]}\n\n',
+                        b'data: "usage"\n\n',
+                    ]
+                ),
+            ),
+            st.booleans(),
+        ),
+        max_size=30,
+    ),
+    MAX_LINE,
+)
 def test_stripper_shortcuts_forward_what_the_reference_forwards(pieces: list, max_line: int) -> None:
     parts = reads_at(pieces)
     dec, got, ref = SSEDecoder(max_line), UsageStripper(), UsageStripper()
@@ -272,8 +331,25 @@ def test_classify_fast_path_equals_general_path_on_fixtures() -> None:
 
 
 @pytest.mark.parametrize("level", ["chunk", "choice", "delta"])
-@pytest.mark.parametrize("key", ["finish_reason", "text", "usage", "error", "timings", "metrics", "tool_calls",
-                                 "reasoning_content", "reasoning", "content", "choices", "delta", "role", "other"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "finish_reason",
+        "text",
+        "usage",
+        "error",
+        "timings",
+        "metrics",
+        "tool_calls",
+        "reasoning_content",
+        "reasoning",
+        "content",
+        "choices",
+        "delta",
+        "role",
+        "other",
+    ],
+)
 @pytest.mark.parametrize("value", [None, "", "x", 0, 1, False, True, [], [{"index": 0}], {}, {"message": "m"}])
 @pytest.mark.parametrize("content", ["a", "", None])
 def test_plain_delta_against_every_member_the_rules_read(level: str, key: str, value: object, content: object) -> None:
@@ -316,32 +392,79 @@ def test_plain_delta_shapes(delta: dict, expected: tuple[str, str] | None) -> No
         assert _classify_general(obj) == Delta(*expected)
 
 
-ANY = st.one_of(st.none(), st.just(""), st.text(max_size=4), st.integers(-1, 3), st.booleans(), st.just([]),
-                st.just({}), st.floats(allow_nan=False))
+ANY = st.one_of(
+    st.none(),
+    st.just(""),
+    st.text(max_size=4),
+    st.integers(-1, 3),
+    st.booleans(),
+    st.just([]),
+    st.just({}),
+    st.floats(allow_nan=False),
+)
 TEXT = st.one_of(st.none(), st.just(""), st.text(min_size=1, max_size=4))
-TOOL_CALL = st.fixed_dictionaries({}, optional={"index": st.one_of(st.integers(0, 2), ANY), "id": ANY,
-                                                "function": st.one_of(st.fixed_dictionaries({}, optional={"name": ANY, "arguments": ANY}), ANY)})
-DELTA = st.fixed_dictionaries({}, optional={
-    "role": st.one_of(st.just("assistant"), ANY), "content": st.one_of(TEXT, ANY), "reasoning_content": st.one_of(TEXT, ANY),
-    "reasoning": st.one_of(TEXT, ANY), "tool_calls": st.one_of(st.lists(st.one_of(TOOL_CALL, ANY), max_size=2), ANY),
-    "refusal": ANY,
-})
-CHOICE = st.fixed_dictionaries({"index": st.just(0)}, optional={
-    "delta": st.one_of(DELTA, DELTA, ANY), "finish_reason": st.one_of(st.sampled_from(["stop", "length", ""]), ANY),
-    "text": st.one_of(TEXT, ANY), "logprobs": ANY,
-})
-CHUNK = st.fixed_dictionaries({"id": st.just("chatcmpl-x"), "object": st.just("chat.completion.chunk")}, optional={
-    "choices": st.one_of(st.lists(st.one_of(CHOICE, CHOICE, ANY), max_size=3), ANY),
-    "usage": st.one_of(st.fixed_dictionaries({"prompt_tokens": st.integers(0, 9), "completion_tokens": st.integers(0, 9)}), ANY),
-    "error": st.one_of(st.fixed_dictionaries({"message": st.text(max_size=5)}), ANY),
-    "timings": st.one_of(st.just({"predicted_per_second": 1.5}), ANY),
-    "metrics": st.one_of(st.just({"tps": 2}), ANY),
-    "ts": ANY,
-})
+TOOL_CALL = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": st.one_of(st.integers(0, 2), ANY),
+        "id": ANY,
+        "function": st.one_of(st.fixed_dictionaries({}, optional={"name": ANY, "arguments": ANY}), ANY),
+    },
+)
+DELTA = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(st.just("assistant"), ANY),
+        "content": st.one_of(TEXT, ANY),
+        "reasoning_content": st.one_of(TEXT, ANY),
+        "reasoning": st.one_of(TEXT, ANY),
+        "tool_calls": st.one_of(st.lists(st.one_of(TOOL_CALL, ANY), max_size=2), ANY),
+        "refusal": ANY,
+    },
+)
+CHOICE = st.fixed_dictionaries(
+    {"index": st.just(0)},
+    optional={
+        "delta": st.one_of(DELTA, DELTA, ANY),
+        "finish_reason": st.one_of(st.sampled_from(["stop", "length", ""]), ANY),
+        "text": st.one_of(TEXT, ANY),
+        "logprobs": ANY,
+    },
+)
+CHUNK = st.fixed_dictionaries(
+    {"id": st.just("chatcmpl-x"), "object": st.just("chat.completion.chunk")},
+    optional={
+        "choices": st.one_of(st.lists(st.one_of(CHOICE, CHOICE, ANY), max_size=3), ANY),
+        "usage": st.one_of(
+            st.fixed_dictionaries({"prompt_tokens": st.integers(0, 9), "completion_tokens": st.integers(0, 9)}), ANY
+        ),
+        "error": st.one_of(st.fixed_dictionaries({"message": st.text(max_size=5)}), ANY),
+        "timings": st.one_of(st.just({"predicted_per_second": 1.5}), ANY),
+        "metrics": st.one_of(st.just({"tps": 2}), ANY),
+        "ts": ANY,
+    },
+)
 
 
-KEYS = st.sampled_from(["finish_reason", "text", "usage", "error", "timings", "metrics", "tool_calls", "reasoning_content",
-                        "reasoning", "content", "role", "choices", "delta", "index", "refusal"])
+KEYS = st.sampled_from(
+    [
+        "finish_reason",
+        "text",
+        "usage",
+        "error",
+        "timings",
+        "metrics",
+        "tool_calls",
+        "reasoning_content",
+        "reasoning",
+        "content",
+        "role",
+        "choices",
+        "delta",
+        "index",
+        "refusal",
+    ]
+)
 
 
 @st.composite
@@ -356,7 +479,9 @@ def near_plain_chunk(draw) -> dict:
     for _ in range(draw(st.integers(0, 3))):
         target = draw(st.sampled_from([obj, ch, delta]))
         other = {"index": 1, "delta": {"content": "z"}}
-        target[draw(KEYS)] = draw(st.one_of(ANY, TEXT, st.just([other]), st.just([copy.deepcopy(ch), other]), st.just([{"index": 0}])))
+        target[draw(KEYS)] = draw(
+            st.one_of(ANY, TEXT, st.just([other]), st.just([copy.deepcopy(ch), other]), st.just([{"index": 0}]))
+        )
     return obj
 
 
@@ -401,8 +526,12 @@ def test_meter_fast_paths_equal_general_paths_on_fixtures(name: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(CHUNK, near_plain_chunk(), near_plain_chunk(), st.just("[DONE]"), st.just("not json")), max_size=12),
-       st.lists(st.integers(min_value=0, max_value=3000), max_size=10))
+@given(
+    st.lists(
+        st.one_of(CHUNK, near_plain_chunk(), near_plain_chunk(), st.just("[DONE]"), st.just("not json")), max_size=12
+    ),
+    st.lists(st.integers(min_value=0, max_value=3000), max_size=10),
+)
 def test_meter_fast_paths_equal_general_paths_on_generated_streams(chunks: list, cuts: list[int]) -> None:
     body = b"".join(b"data: " + (c.encode() if isinstance(c, str) else orjson.dumps(c)) + b"\n\n" for c in chunks)
     parts = cut(body, cuts)
@@ -412,7 +541,12 @@ def test_meter_fast_paths_equal_general_paths_on_generated_streams(chunks: list,
 def test_meter_duplicate_terminal_content_on_the_fast_path() -> None:
     """A terminal chunk replaying the whole answer is a plain content chunk too."""
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
-    parts = [chunk % b"ab", chunk % b"c", chunk % b"abc", b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n']
+    parts = [
+        chunk % b"ab",
+        chunk % b"c",
+        chunk % b"abc",
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+    ]
     fast, ref = meter_record(parts, fast=True), meter_record(parts, fast=False)
     assert fast == ref and fast[0].duplicate_content and fast[0].generated_events == 2
 
@@ -437,7 +571,9 @@ def test_histogram_internals_observe_all_relies_on_are_there() -> None:
     child = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels("a")
     assert metrics_mod._observe_all_fast(child, [0.004, 0.004, 100.0])
     assert reg.get_sample_value("h_bucket", {"l": "a", "le": "0.005"}) == 2.0
-    assert reg.get_sample_value("h_bucket", {"l": "a", "le": "+Inf"}) == reg.get_sample_value("h_count", {"l": "a"}) == 3.0
+    assert (
+        reg.get_sample_value("h_bucket", {"l": "a", "le": "+Inf"}) == reg.get_sample_value("h_count", {"l": "a"}) == 3.0
+    )
     assert reg.get_sample_value("h_sum", {"l": "a"}) == 0.0 + 0.004 + 0.004 + 100.0
     assert metrics_mod._observe_all_fast(Histogram("u", "u", registry=reg), [1.0])
     parent = Histogram("p", "p", ["l"], registry=reg)  # a parent cannot observe: observe_all raises as observe does
@@ -446,8 +582,12 @@ def test_histogram_internals_observe_all_relies_on_are_there() -> None:
         metrics_mod.observe_all(parent, [1.0])
 
 
-AMOUNT = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([*metrics_mod.GAP_BUCKETS, 0.0, -0.0]),
-                   st.floats(min_value=0, max_value=0.2), st.integers(-5, 5))
+AMOUNT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([*metrics_mod.GAP_BUCKETS, 0.0, -0.0]),
+    st.floats(min_value=0, max_value=0.2),
+    st.integers(-5, 5),
+)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -499,14 +639,25 @@ def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
 
 # -- Record.evolve (finishing copies each record once, without dataclasses.replace) ------
 
+
 def test_record_evolve_is_dataclasses_replace() -> None:
     import dataclasses
 
     from mlxproxy.core.record import Record
 
-    base = Record(id="r1", started_at=1.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                  status=200, outcome="ok", anomalies=("stall",), anomaly_evidence={"stall": "x"},
-                  event_offsets_s=(0.1, 0.2))
+    base = Record(
+        id="r1",
+        started_at=1.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        anomalies=("stall",),
+        anomaly_evidence={"stall": "x"},
+        event_offsets_s=(0.1, 0.2),
+    )
     changes = {"anomalies": ("stall", "usage_mismatch"), "wall_tps": 12.5, "conversation_id": "c", "turn": 2}
     new = base.evolve(**changes)
     assert new == dataclasses.replace(base, **changes)
@@ -520,6 +671,7 @@ def test_record_evolve_is_dataclasses_replace() -> None:
 
 
 # -- prompt fingerprints: the fast paths give what the plain rule gives -------------------
+
 
 def _fingerprint_reference(endpoint, obj):
     """The plain rule, written without shortcuts: pieces in rendering order, a hash per piece
@@ -559,7 +711,7 @@ def _fingerprint_reference(endpoint, obj):
     for _, text in pieces:
         n = (len(text) + BLOCK_CHARS - 1) // BLOCK_CHARS
         if n <= budget:
-            blocks.append(array("q", [hash(text[k:k + BLOCK_CHARS]) for k in range(0, len(text), BLOCK_CHARS)]))
+            blocks.append(array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, len(text), BLOCK_CHARS)]))
             budget -= n
         else:
             blocks.append(None)
@@ -568,20 +720,26 @@ def _fingerprint_reference(endpoint, obj):
 
 _texts = st.one_of(st.text(max_size=40), st.text(min_size=250, max_size=600))
 _ints = st.integers(-(2**63), 2**64 - 1)  # orjson.loads turns larger integers into floats
-_values = st.one_of(_texts, st.none(), _ints, st.lists(st.dictionaries(st.text(max_size=5), _texts, max_size=2),
-                                                       max_size=2))
+_values = st.one_of(
+    _texts, st.none(), _ints, st.lists(st.dictionaries(st.text(max_size=5), _texts, max_size=2), max_size=2)
+)
 _message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": _values}),
-    st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls", "reasoning_content", "tool_call_id"]),
-                    _values, max_size=5),
+    st.dictionaries(
+        st.sampled_from(["role", "content", "name", "tool_calls", "reasoning_content", "tool_call_id"]),
+        _values,
+        max_size=5,
+    ),
     _texts,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(endpoint=st.sampled_from(["chat_completions", "messages", "responses"]),
-       messages=st.lists(_message, max_size=6),
-       extra=st.dictionaries(st.sampled_from(["tools", "system", "instructions"]), _values, max_size=3))
+@given(
+    endpoint=st.sampled_from(["chat_completions", "messages", "responses"]),
+    messages=st.lists(_message, max_size=6),
+    extra=st.dictionaries(st.sampled_from(["tools", "system", "instructions"]), _values, max_size=3),
+)
 def test_fingerprint_matches_the_plain_rule(endpoint, messages, extra) -> None:
     from mlxproxy.core.prefix import fingerprint
 
@@ -598,8 +756,14 @@ def test_fingerprint_block_budget_matches_the_plain_rule() -> None:
     from mlxproxy.core import prefix
 
     # a tiny budget: short pieces stop being fingerprinted by block exactly where the rule says
-    body = {"messages": [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": ""},
-                         {"role": "user", "content": "b" * 600}, {"role": "user", "content": "c"}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": "a" * 10},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "b" * 600},
+            {"role": "user", "content": "c"},
+        ]
+    }
     with mock.patch.object(prefix, "MAX_BLOCKS", 3):
         got = prefix.fingerprint("chat_completions", body)
         want = _fingerprint_reference("chat_completions", body)

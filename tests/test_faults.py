@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.capture import CaptureWriter, read_capture
 from mlxproxy.config import build_config
 from mlxproxy.core import meter as meter_module
@@ -39,14 +40,16 @@ from mlxproxy.core.sse import SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
-
 from support import closed_port, read_fixture
 from support import wait_for as _wait_for
-from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
-STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-              "stream_options": {"include_usage": True}}
+STREAM_REQ = {
+    "model": "m",
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream_options": {"include_usage": True},
+}
 SSE_CHUNKED = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
 EVENT_A = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -70,8 +73,10 @@ class Rig:
 
     def in_loop(self, fn):
         """Run `fn()` on the proxy's event loop thread and return its result."""
+
         async def call():
             return fn()
+
         assert self.server.loop is not None
         return asyncio.run_coroutine_threadsafe(call(), self.server.loop).result(10)
 
@@ -86,19 +91,23 @@ class Rig:
     def settled(self, tasks_before: int) -> bool:
         """Nothing of a finished request is left: no request in flight, no busy upstream
         connection, no task beyond the baseline."""
-        return wait_for(lambda: not self.app.in_flight and self.busy_upstream_connections() == 0
-                        and self.tasks() <= tasks_before)
+        return wait_for(
+            lambda: not self.app.in_flight and self.busy_upstream_connections() == 0 and self.tasks() <= tasks_before
+        )
 
     def records(self, n: int, timeout_s: float = 10.0) -> list[Record]:
         """The first `n` finished records, once there are that many."""
-        assert wait_for(lambda: len(self.app.recent.records) >= n, timeout_s), \
+        assert wait_for(lambda: len(self.app.recent.records) >= n, timeout_s), (
             f"expected {n} records, have {len(self.app.recent.records)}"
+        )
         return list(self.app.recent.records)[:n]
 
     def record(self, rid: str) -> Record:
         """The record of request `rid` (the `x-mlxproxy-request-id` header), once finished."""
+
         def find() -> Record | None:
             return next((r for r in list(self.app.recent.records) if r.id == rid), None)
+
         assert wait_for(lambda: find() is not None), f"no record for {rid}"
         rec = find()
         assert rec is not None
@@ -116,8 +125,10 @@ class Rig:
         """A good stream in flight for the whole block; afterwards it must finish byte-exact and
         `ok`, and a fresh request must succeed too: the fault next to it took nothing down."""
         self.gate.clear()
-        with httpx.Client(timeout=30) as c, c.stream("POST", self.url + "/v1/chat/completions",
-                                                     json={**STREAM_REQ, "model": "healthy"}) as r:
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream("POST", self.url + "/v1/chat/completions", json={**STREAM_REQ, "model": "healthy"}) as r,
+        ):
             it = r.iter_raw()
             got = next(it)
             yield
@@ -137,7 +148,9 @@ class Rig:
         """POST `body` on a thread for the duration of the block; yields a function that
         returns its response (after the block)."""
         box: list = []
-        th = threading.Thread(target=lambda: box.append(httpx.post(self.url + "/v1/chat/completions", json=body, timeout=30)))
+        th = threading.Thread(
+            target=lambda: box.append(httpx.post(self.url + "/v1/chat/completions", json=body, timeout=30))
+        )
         th.start()
         assert wait_for(lambda: len(self.app.in_flight) >= 1), "the background request never arrived"
         yield lambda: box[0]
@@ -181,7 +194,10 @@ def rig(handlers: dict, *, extra_upstreams: list[dict] | None = None, **cfg) -> 
             await handlers[model if model in handlers else None](req, conn)
 
     with FakeUpstream(dispatch) as up:
-        raw = {"upstreams": [*(extra_upstreams or []), {"name": "default", "url": up.url}], "default_upstream": "default"}
+        raw = {
+            "upstreams": [*(extra_upstreams or []), {"name": "default", "url": up.url}],
+            "default_upstream": "default",
+        }
         config = build_config(raw, log_requests=False, **cfg)
         app = create_app(config)
         try:
@@ -194,7 +210,10 @@ def rig(handlers: dict, *, extra_upstreams: list[dict] | None = None, **cfg) -> 
 
 def read_all(url: str, body: dict, **kw) -> tuple[int, bytes, BaseException | None, httpx.Headers]:
     """POST and read the whole body; return the error instead of raising when the body breaks."""
-    with httpx.Client(timeout=kw.pop("timeout", 30)) as c, c.stream("POST", url + "/v1/chat/completions", json=body, **kw) as r:
+    with (
+        httpx.Client(timeout=kw.pop("timeout", 30)) as c,
+        c.stream("POST", url + "/v1/chat/completions", json=body, **kw) as r,
+    ):
         got = b""
         try:
             for part in r.iter_raw():
@@ -296,13 +315,21 @@ def test_body_ending_without_done_is_forwarded_as_a_clean_end(http10: bool, fini
 
 
 def test_garbage_bytes_and_invalid_json_are_forwarded_unchanged() -> None:
-    body = (b"\x00\xff\xfe garbage without structure\n\n" + EVENT_A + b"data: {not json\n\n" + b"data: \xff\xfe\xfd\n\n"
-            + b"data: [1, 2\r\n\r\n" + b"event: x\nid: \x00\nretry: 99999999999999999999999999\n\n" + FINISH + b"data: [DONE]\n\n")
+    body = (
+        b"\x00\xff\xfe garbage without structure\n\n"
+        + EVENT_A
+        + b"data: {not json\n\n"
+        + b"data: \xff\xfe\xfd\n\n"
+        + b"data: [1, 2\r\n\r\n"
+        + b"event: x\nid: \x00\nretry: 99999999999999999999999999\n\n"
+        + FINISH
+        + b"data: [DONE]\n\n"
+    )
 
     async def handler(req: Req, conn: Conn) -> None:
         await conn.head(200, SSE_CHUNKED)
         for i in range(0, len(body), 7):  # odd splits on the wire
-            await conn.chunk(body[i:i + 7])
+            await conn.chunk(body[i : i + 7])
         await conn.end_chunked()
 
     with rig({"m": handler}) as t, t.healthy_stream_alongside():
@@ -313,7 +340,9 @@ def test_garbage_bytes_and_invalid_json_are_forwarded_unchanged() -> None:
 
 
 def test_500_with_an_html_body_passes_through() -> None:
-    html = b"<!DOCTYPE html><html><head><title>500 Internal Server Error</title></head><body><h1>Oops</h1></body></html>\n"
+    html = (
+        b"<!DOCTYPE html><html><head><title>500 Internal Server Error</title></head><body><h1>Oops</h1></body></html>\n"
+    )
 
     async def handler(req: Req, conn: Conn) -> None:
         await conn.head(500, [("content-type", "text/html; charset=utf-8"), ("content-length", str(len(html)))])
@@ -403,7 +432,7 @@ def test_a_50_mb_line_without_newline_is_forwarded_in_bounded_memory(kind: str) 
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        assert n == len(head) + FIFTY_MB and first[:len(head)][:16] == head[:16]
+        assert n == len(head) + FIFTY_MB and first[: len(head)][:16] == head[:16]
         rec = t.record(rid)
         # a stream line over the decoder's bound is a protocol error; a non-stream body over
         # the meter's parse bound is not judged (meter.MAX_BUFFERED_BODY_BYTES)
@@ -447,8 +476,13 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("profile,fault,status,ending,outcome", SIM_CASES, ids=[f"{c[0]}:{c[1]}" for c in SIM_CASES])
 def test_simulator_faults_through_the_proxy(profile: str, fault: str, status: int, ending: str, outcome: str) -> None:
-    body = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}],
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "stream_options": {"include_usage": True},
+    }
     with proxied_sim(profile, timeouts={"read_s": 0.5}) as (url, app):
         other: list[tuple] = []
         healthy = threading.Thread(target=lambda: other.append(read_all(url, body)))
@@ -468,13 +502,15 @@ def test_simulator_faults_through_the_proxy(profile: str, fault: str, status: in
         assert wait_for(lambda: any(r.id == rid for r in app.recent.records))
         rec = next(r for r in app.recent.records if r.id == rid)
         assert rec.outcome == outcome, (rec.outcome, rec.error)
-        (o_status, o_body, o_exc, _), = other
+        ((o_status, o_body, o_exc, _),) = other
         assert (o_status, o_exc) == (200, None) and o_body.endswith(b"data: [DONE]\n\n")
 
 
 @pytest.mark.parametrize("injected", [False, True], ids=["passthrough", "usage-injected"])
 @pytest.mark.parametrize("where", ["meter", "decoder"])
-def test_a_metering_failure_never_breaks_the_stream(where: str, injected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_metering_failure_never_breaks_the_stream(
+    where: str, injected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bug that makes the meter raise mid-stream: the stream is still forwarded whole
     (stripping the injected usage event stops with the metering), the record says
     `protocol_error`, and the proxy goes on serving."""
@@ -532,17 +568,33 @@ def test_a_comment_with_thousands_of_digits_is_forwarded_whole() -> None:
 # -- client faults ----------------------------------------------------------------------------
 
 
-def raw_post(rig_url: str, body: bytes, *, path: str = "/v1/chat/completions", method: str = "POST",
-             headers: dict[str, str] | None = None, rcvbuf: int | None = None) -> socket.socket:
+def raw_post(
+    rig_url: str,
+    body: bytes,
+    *,
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    headers: dict[str, str] | None = None,
+    rcvbuf: int | None = None,
+) -> socket.socket:
     """Send one request on a raw socket (so the test decides when to read and when to go)."""
     port = int(rig_url.rsplit(":", 1)[1])
     s = socket.socket()
     if rcvbuf is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.connect(("127.0.0.1", port))
-    head = {"host": "127.0.0.1", "content-type": "application/json", "content-length": str(len(body)), **(headers or {})}
-    s.sendall(f"{method} {path} HTTP/1.1\r\n".encode() + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
-              + b"\r\n" + body)
+    head = {
+        "host": "127.0.0.1",
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        **(headers or {}),
+    }
+    s.sendall(
+        f"{method} {path} HTTP/1.1\r\n".encode()
+        + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+        + b"\r\n"
+        + body
+    )
     return s
 
 
@@ -681,18 +733,31 @@ def test_slow_reading_client_pushes_back_on_the_upstream_with_bounded_buffers() 
         s.close()
         (rec,) = t.records(1)
         assert rec.outcome == "ok" and rec.bytes_out == sent[0] + len(FINISH) + len(b"data: [DONE]\n\n")
-        print(f"slow reader: upstream blocked at {blocked_at / 2**20:.1f} MiB, proxy process held {held / 2**20:.1f} MiB")
+        print(
+            f"slow reader: upstream blocked at {blocked_at / 2**20:.1f} MiB, proxy process held {held / 2**20:.1f} MiB"
+        )
 
 
 def test_malformed_request_bodies_are_forwarded_unchanged() -> None:
     """The proxy does not judge request bodies: the upstream does, and its answer passes."""
+
     async def strict(req: Req, conn: Conn) -> None:
-        err = orjson.dumps({"error": {"message": f"bad body of {len(req.body)} bytes", "type": "invalid_request_error"}})
+        err = orjson.dumps(
+            {"error": {"message": f"bad body of {len(req.body)} bytes", "type": "invalid_request_error"}}
+        )
         await conn.head(400, [("content-type", "application/json"), ("content-length", str(len(err)))])
         await conn.send(err)
 
-    bodies = [b"{not json", b"\xff\xfe\x00", b"[1, 2, 3]", b'{"model": 5, "stream": "yes", "messages": "x", "stream_options": 7}',
-              b'{"stream": true, "messages": [', b"", b'"just a string"', b"{" * 10000]
+    bodies = [
+        b"{not json",
+        b"\xff\xfe\x00",
+        b"[1, 2, 3]",
+        b'{"model": 5, "stream": "yes", "messages": "x", "stream_options": 7}',
+        b'{"stream": true, "messages": [',
+        b"",
+        b'"just a string"',
+        b"{" * 10000,
+    ]
     with rig({None: strict}) as t, t.healthy_stream_alongside():
         for body in bodies:
             r = httpx.post(t.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
@@ -705,18 +770,24 @@ def test_malformed_request_bodies_are_forwarded_unchanged() -> None:
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked-upload"])
 def test_huge_request_body_gets_413_with_a_clear_message(declared: bool) -> None:
     limit = 1024 * 1024
-    with rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, max_request_body_bytes=limit) as t, \
-            t.healthy_stream_alongside():
+    with (
+        rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, max_request_body_bytes=limit) as t,
+        t.healthy_stream_alongside(),
+    ):
         n_upstream = len(t.upstream.requests)
         big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * (8 * limit) + b'"}]}'
-        content = big if declared else iter([big[i:i + 65536] for i in range(0, len(big), 65536)])
+        content = big if declared else iter([big[i : i + 65536] for i in range(0, len(big), 65536)])
         r = httpx.post(t.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.headers["content-type"] == "application/json"
         err = r.json()["error"]
         assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
         assert "max_request_body_bytes" in err["message"] and str(limit) in err["message"]
         assert len(t.upstream.requests) == n_upstream  # nothing was forwarded
-        ok = b'{"model": "m", "stream": true, "stream_options": {"include_usage": true}, "x": "' + b"y" * (limit - 200) + b'"}'
+        ok = (
+            b'{"model": "m", "stream": true, "stream_options": {"include_usage": true}, "x": "'
+            + b"y" * (limit - 200)
+            + b'"}'
+        )
         r = httpx.post(t.url + "/v1/chat/completions", content=ok, headers={"content-type": "application/json"})
         assert r.status_code == 200 and t.upstream.requests[-1].body == ok  # just under the limit goes through
 
@@ -724,6 +795,7 @@ def test_huge_request_body_gets_413_with_a_clear_message(declared: bool) -> None
 def test_wrong_methods_and_unknown_paths() -> None:
     """Every path but the proxy's own is forwarded with its method; the upstream's answer
     (404, 405, ...) passes unchanged. The proxy's own routes answer GET/HEAD only."""
+
     async def picky(req: Req, conn: Conn) -> None:
         if req.path.startswith("/v1/chat/completions") and req.method == "POST":
             await healthy_handler(req, conn, None)
@@ -733,8 +805,13 @@ def test_wrong_methods_and_unknown_paths() -> None:
         await conn.send(body)  # mlx_lm.server's plain-text 404 under a JSON content type
 
     with rig({None: picky}) as t, t.healthy_stream_alongside():
-        for method, path, status in [("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/chat/completions", 405),
-                                     ("PUT", "/v1/nope", 404), ("GET", "/nope/../x?y=1", 404), ("PATCH", "/v2", 404)]:
+        for method, path, status in [
+            ("GET", "/v1/chat/completions", 405),
+            ("DELETE", "/v1/chat/completions", 405),
+            ("PUT", "/v1/nope", 404),
+            ("GET", "/nope/../x?y=1", 404),
+            ("PATCH", "/v2", 404),
+        ]:
             r = httpx.request(method, t.url + path)
             assert r.status_code == status and r.content in (b"Not Found", b"Method Not Allowed")
             assert t.upstream.requests[-1].method == method
@@ -752,8 +829,17 @@ def test_wrong_methods_and_unknown_paths() -> None:
 
 
 def a_record(i: int) -> Record:
-    return Record(id=f"r{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                  status=200, outcome="ok", t_start_mono=float(i))
+    return Record(
+        id=f"r{i}",
+        started_at=0.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        t_start_mono=float(i),
+    )
 
 
 class FlakyDisk:
@@ -824,8 +910,11 @@ def test_a_stuck_capture_disk_never_slows_streams(tmp_path: Path) -> None:
     that do not fit the capture queue are dropped and counted, and the rest are written
     once the disk comes back."""
     stuck = threading.Event()
-    with rig({"m": lambda req, conn: healthy_handler(req, conn, None)}, capture=str(tmp_path / "c.jsonl"),
-             capture_queue_size=4) as t:
+    with rig(
+        {"m": lambda req, conn: healthy_handler(req, conn, None)},
+        capture=str(tmp_path / "c.jsonl"),
+        capture_queue_size=4,
+    ) as t:
         assert t.app.capture is not None
         real_write = t.app.capture._file.write
         t.app.capture._file.write = lambda data: (stuck.wait(30), real_write(data))[1]
@@ -840,8 +929,12 @@ def test_a_stuck_capture_disk_never_slows_streams(tmp_path: Path) -> None:
 
 
 def start_proxy_process(upstream_url: str, *args: str, **popen) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", "serve", "--upstream", upstream_url, "--port", "0", *args],
-                            stderr=subprocess.PIPE, text=True, **popen)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxproxy", "serve", "--upstream", upstream_url, "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
     for line in proc.stderr:  # type: ignore[union-attr]
         if "listening on http://127.0.0.1:" in line:
             return proc, "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split("/")[0]
@@ -858,7 +951,9 @@ def test_disk_full_in_a_real_process_never_blocks_streams(tmp_path: Path) -> Non
         resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
 
     with FakeUpstream(lambda req, conn: healthy_handler(req, conn, None)) as up:
-        proc, url = start_proxy_process(up.url, "--capture", str(cap), "--log-level", "warning", preexec_fn=limit_file_size)
+        proc, url = start_proxy_process(
+            up.url, "--capture", str(cap), "--log-level", "warning", preexec_fn=limit_file_size
+        )
         try:
             with httpx.Client(timeout=30) as c:
                 for _ in range(30):
@@ -927,16 +1022,44 @@ def test_kill_9_under_load_loses_only_queued_records(tmp_path: Path) -> None:
 
 # pieces that real streams are made of, so random byte strings reach deep into the parsers
 WIRE_PIECES = [
-    b"data: ", b"data:", b"\n", b"\r", b"\r\n", b"\n\n", b": keepalive 12/", b"34", b"[DONE]", b"{", b"}", b'"choices":[', b"]",
+    b"data: ",
+    b"data:",
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b": keepalive 12/",
+    b"34",
+    b"[DONE]",
+    b"{",
+    b"}",
+    b'"choices":[',
+    b"]",
     b'{"index":0,"delta":{"role":"assistant","content":"a","reasoning":"r","reasoning_content":"r2",'
     b'"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{"}}]},"finish_reason":"stop"}',
     b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}',
-    b",", b'"error":{"message":"boom"}', b'"error":"x"', b'"detail":[{"msg":"m"}]', b"\xff\xfe", b"\xe2\x98", b"id: 1\n",
-    b"event: e\n", b"retry: 5\n", b'"text":"t"', b'"timings":{"predicted_per_second":3}', b"null", b"1e999", b"-0", b"\x00",
-    b"\xef\xbb\xbf", b"x" * 70,
+    b",",
+    b'"error":{"message":"boom"}',
+    b'"error":"x"',
+    b'"detail":[{"msg":"m"}]',
+    b"\xff\xfe",
+    b"\xe2\x98",
+    b"id: 1\n",
+    b"event: e\n",
+    b"retry: 5\n",
+    b'"text":"t"',
+    b'"timings":{"predicted_per_second":3}',
+    b"null",
+    b"1e999",
+    b"-0",
+    b"\x00",
+    b"\xef\xbb\xbf",
+    b"x" * 70,
 ]
-wire_bytes = st.one_of(st.binary(max_size=300), st.lists(st.one_of(st.sampled_from(WIRE_PIECES), st.binary(max_size=8)),
-                                                          max_size=40).map(b"".join))
+wire_bytes = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.one_of(st.sampled_from(WIRE_PIECES), st.binary(max_size=8)), max_size=40).map(b"".join),
+)
 cut_points = st.lists(st.integers(min_value=0, max_value=2000), max_size=10)
 LINE_BOUND = 64
 
@@ -969,14 +1092,27 @@ def test_decoder_any_bytes_any_split_never_raises_stays_bounded_and_agrees(data:
 
 def test_decoder_drops_an_over_long_line_or_event_with_the_rest_of_its_event() -> None:
     long = b"z" * 100
-    body = (b"data: a\n" + long + b"\ndata: b\n\n"  # a long line inside an event: the whole event goes
-            + b"data: c\n\n"
-            + b"data: 0123456789\n" * 10 + b"\n"  # an event over the bound in many short lines
-            + b"id: 1\n" + b"junk\n" * 20 + b"\n"  # ... or in lines that are not data
-            + b"data: d\n\n")
-    for parts in [[body], [body[i:i + 1] for i in range(len(body))], cut(body, [5, 9, 50, 101, 130, 200])]:
+    body = (
+        b"data: a\n"
+        + long
+        + b"\ndata: b\n\n"  # a long line inside an event: the whole event goes
+        + b"data: c\n\n"
+        + b"data: 0123456789\n" * 10
+        + b"\n"  # an event over the bound in many short lines
+        + b"id: 1\n"
+        + b"junk\n" * 20
+        + b"\n"  # ... or in lines that are not data
+        + b"data: d\n\n"
+    )
+    for parts in [[body], [body[i : i + 1] for i in range(len(body))], cut(body, [5, 9, 50, 101, 130, 200])]:
         out = decode_all(parts)
-        assert [type(x).__name__ for x in out] == ["SSEProtocolError", "SSEEvent", "SSEProtocolError", "SSEProtocolError", "SSEEvent"]
+        assert [type(x).__name__ for x in out] == [
+            "SSEProtocolError",
+            "SSEEvent",
+            "SSEProtocolError",
+            "SSEProtocolError",
+            "SSEEvent",
+        ]
         assert [x.data for x in out if isinstance(x, SSEEvent)] == ["c", "d"]
     assert decode_all([b"\xef\xbb\xbf\n"]) == []  # a BOM alone is a blank line (it raised IndexError)
     digits = b"retry: " + b"9" * 5000 + b"\ndata: e\n\n"  # int() refuses this many digits
@@ -984,10 +1120,13 @@ def test_decoder_drops_an_over_long_line_or_event_with_the_rest_of_its_event() -
     assert event.data == "e" and event.retry is None
 
 
-def run_meter(req: tuple[str, str, bytes], resp: tuple[int, str | None], parts: list[bytes], bound: int = LINE_BOUND) -> Record:
+def run_meter(
+    req: tuple[str, str, bytes], resp: tuple[int, str | None], parts: list[bytes], bound: int = LINE_BOUND
+) -> Record:
     info, _ = parse_request(*req)
-    m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, keep_text=True,
-                     max_line_bytes=bound)
+    m = RequestMeter(
+        info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, keep_text=True, max_line_bytes=bound
+    )
     m.upstream_sent(0.0)
     m.response_started(0.5, *resp)
     for p in parts:
@@ -999,17 +1138,35 @@ def run_meter(req: tuple[str, str, bytes], resp: tuple[int, str | None], parts: 
     return m.finish(2.0)
 
 
-REQUESTS = st.sampled_from([("POST", "/v1/chat/completions", b'{"model":"m","stream":true,"max_tokens":2}'),
-                            ("POST", "/v1/chat/completions", b'{"model":"m"}'), ("POST", "/v1/completions", b'{"stream":true}'),
-                            ("GET", "/v1/models", b""), ("POST", "/x", b"not json")])
-RESPONSES = st.sampled_from([(200, "text/event-stream"), (200, "application/json"), (500, "text/html"),
-                             (400, "application/json"), (200, None), (404, "text/event-stream; charset=utf-8")])
+REQUESTS = st.sampled_from(
+    [
+        ("POST", "/v1/chat/completions", b'{"model":"m","stream":true,"max_tokens":2}'),
+        ("POST", "/v1/chat/completions", b'{"model":"m"}'),
+        ("POST", "/v1/completions", b'{"stream":true}'),
+        ("GET", "/v1/models", b""),
+        ("POST", "/x", b"not json"),
+    ]
+)
+RESPONSES = st.sampled_from(
+    [
+        (200, "text/event-stream"),
+        (200, "application/json"),
+        (500, "text/html"),
+        (400, "application/json"),
+        (200, None),
+        (404, "text/event-stream; charset=utf-8"),
+    ]
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(REQUESTS, RESPONSES, wire_bytes, cut_points)
-def test_meter_any_bytes_any_split_never_raises_stays_bounded_and_agrees(req, resp, data: bytes, cuts: list[int],
-                                                                         ) -> None:
+def test_meter_any_bytes_any_split_never_raises_stays_bounded_and_agrees(
+    req,
+    resp,
+    data: bytes,
+    cuts: list[int],
+) -> None:
     whole = run_meter(req, resp, [data])
     assert run_meter(req, resp, cut(data, cuts)) == whole
     assert whole.bytes_out == len(data)
@@ -1017,7 +1174,9 @@ def test_meter_any_bytes_any_split_never_raises_stays_bounded_and_agrees(req, re
 
 def test_meter_non_stream_body_buffer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(meter_module, "MAX_BUFFERED_BODY_BYTES", 100)
-    rec = run_meter(("POST", "/v1/chat/completions", b'{"model":"m"}'), (200, "application/json"), [b'{"a": "' + b"x" * 60] * 5)
+    rec = run_meter(
+        ("POST", "/v1/chat/completions", b'{"model":"m"}'), (200, "application/json"), [b'{"a": "' + b"x" * 60] * 5
+    )
     assert rec.bytes_out == 5 * 67
 
 
@@ -1039,8 +1198,16 @@ def valid_openai_streams(draw) -> tuple[bytes, dict]:
     events += [{"choices": [{"index": 0, "delta": {"content": c}}]} for c in contents]
     if finish:
         events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-    events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(contents) + len(reasonings),
-                                            "total_tokens": 3 + len(contents) + len(reasonings)}})
+    events.append(
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": len(contents) + len(reasonings),
+                "total_tokens": 3 + len(contents) + len(reasonings),
+            },
+        }
+    )
     body = b""
     for ev in events:
         if comments:
@@ -1049,9 +1216,14 @@ def valid_openai_streams(draw) -> tuple[bytes, dict]:
     if done:
         body += b"data: [DONE]" + eol + eol
     outcome = ("ok" if done else "ok_no_done") if finish else "truncated"
-    return body, {"generated_events": len(contents) + len(reasonings), "reasoning_tokens_counted": len(reasonings),
-                  "finish_reason": finish, "outcome": outcome, "completion_tokens_reported": len(contents) + len(reasonings),
-                  "comments": len(events) if comments else 0}
+    return body, {
+        "generated_events": len(contents) + len(reasonings),
+        "reasoning_tokens_counted": len(reasonings),
+        "finish_reason": finish,
+        "outcome": outcome,
+        "completion_tokens_reported": len(contents) + len(reasonings),
+        "comments": len(events) if comments else 0,
+    }
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1061,13 +1233,24 @@ def test_meter_valid_streams_measure_the_same_whole_and_split(stream, cuts: list
     req = ("POST", "/v1/chat/completions", b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}')
     whole = run_meter(req, (200, "text/event-stream"), [body], 4096)
     assert run_meter(req, (200, "text/event-stream"), cut(body, cuts), 4096) == whole
-    assert run_meter(req, (200, "text/event-stream"), [body[i:i + 1] for i in range(len(body))], 4096) == whole
+    assert run_meter(req, (200, "text/event-stream"), [body[i : i + 1] for i in range(len(body))], 4096) == whole
     assert {k: getattr(whole, k) for k in expected} == expected
 
 
 USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
-STRIP_PIECES_LF = [EVENT_A, USAGE_EVENT + b"\n\n", b": keepalive\n\n", b"id: 5\n", b"retry: 10\n", b"event: e\n", b"\n",
-                   b"foo\n", b"data: a\n", b"data: " + b"y" * 100 + b"\n", b"z" * 70]
+STRIP_PIECES_LF = [
+    EVENT_A,
+    USAGE_EVENT + b"\n\n",
+    b": keepalive\n\n",
+    b"id: 5\n",
+    b"retry: 10\n",
+    b"event: e\n",
+    b"\n",
+    b"foo\n",
+    b"data: a\n",
+    b"data: " + b"y" * 100 + b"\n",
+    b"z" * 70,
+]
 STRIP_PIECES_CR = [b"\r\n", USAGE_EVENT + b"\r\n\r\n", b"data: b\r", b"\r"]
 
 
@@ -1082,7 +1265,9 @@ def strip_all(parts: list[bytes]) -> tuple[bytes, int]:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(STRIP_PIECES_LF), max_size=12), cut_points)
-def test_usage_stripping_forwards_the_same_bytes_however_the_stream_is_split(pieces: list[bytes], cuts: list[int]) -> None:
+def test_usage_stripping_forwards_the_same_bytes_however_the_stream_is_split(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
     data = b"".join(pieces)
     out, stripped = strip_all([data])
     assert strip_all(cut(data, cuts)) == (out, stripped)
@@ -1106,20 +1291,34 @@ def test_usage_stripping_gives_the_same_events_with_any_line_ends(pieces: list[b
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["model", "stream", "stream_options", "messages", "prompt", "max_tokens", "x"]),
-                       json_values, max_size=6), st.sampled_from([b"", b" ", b"\n"]))
+@given(
+    st.dictionaries(
+        st.sampled_from(["model", "stream", "stream_options", "messages", "prompt", "max_tokens", "x"]),
+        json_values,
+        max_size=6,
+    ),
+    st.sampled_from([b"", b" ", b"\n"]),
+)
 def test_request_parsing_and_usage_injection_never_raise(obj: dict, trailer: bytes) -> None:
     body = orjson.dumps(obj) + trailer
     info, parsed = parse_request("POST", "/v1/chat/completions", body)
     assert parsed == obj and info.json_body
     injected = orjson.loads(inject_include_usage(body, obj))
     assert injected["stream_options"]["include_usage"] is True
-    assert {k: v for k, v in injected.items() if k != "stream_options"} == {k: v for k, v in obj.items() if k != "stream_options"}
+    assert {k: v for k, v in injected.items() if k != "stream_options"} == {
+        k: v for k, v in obj.items() if k != "stream_options"
+    }
 
 
 @settings(max_examples=300, deadline=None)
@@ -1134,9 +1333,17 @@ def test_request_parsing_never_raises_on_any_bytes(body: bytes) -> None:
 def test_meter_survives_thousands_of_digits(where: str) -> None:
     digits = b"1" * 5000
     if where == "comment":
-        rec = run_meter(("POST", "/v1/chat/completions", b'{"stream":true}'), (200, "text/event-stream"),
-                        [b": keepalive " + digits + b"/2\n\n"], 10_000)
+        rec = run_meter(
+            ("POST", "/v1/chat/completions", b'{"stream":true}'),
+            (200, "text/event-stream"),
+            [b": keepalive " + digits + b"/2\n\n"],
+            10_000,
+        )
     else:
-        rec = run_meter(("POST", "/v1/chat/completions", b"{}"), (400, "application/json"),
-                        [b'{"error":"' + digits + b' tokens exceeds max context window of 8"}'], 10_000)
+        rec = run_meter(
+            ("POST", "/v1/chat/completions", b"{}"),
+            (400, "application/json"),
+            [b'{"error":"' + digits + b' tokens exceeds max context window of 8"}'],
+            10_000,
+        )
     assert rec is not None

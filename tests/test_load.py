@@ -25,8 +25,14 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTH
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxproxy", *args], capture_output=True, text=True, timeout=timeout,
-                          env=ENV, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def ks_exponential(gaps: list[float], rate: float) -> tuple[float, float]:
@@ -64,12 +70,35 @@ def test_schedules_are_exact_and_seeded() -> None:
 def _caps(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
     out = []
     for i in range(n):
-        rec = Record(id=f"c{i}", started_at=1.0 + i, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
-                     outcome="ok", method="POST", path="/v1/chat/completions")
-        body = {"model": "m", "stream": True, "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": f"hello {i}"}]}
-        out.append(CapturedRequest(record=rec, raw={}, request=body, request_bytes=None, offset_s=0.0,
-                                   method="POST", path="/v1/chat/completions"))
+        rec = Record(
+            id=f"c{i}",
+            started_at=1.0 + i,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+        )
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": f"hello {i}"}],
+        }
+        out.append(
+            CapturedRequest(
+                record=rec,
+                raw={},
+                request=body,
+                request_bytes=None,
+                offset_s=0.0,
+                method="POST",
+                path="/v1/chat/completions",
+            )
+        )
     return out
 
 
@@ -91,8 +120,11 @@ def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
 def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
     rate, n = 20.0, 150  # mean gap 50 ms: the loop's own jitter (~1 ms) is small beside it
     with ServerThread(create_sim("healthy", speed=50)) as sim:
-        groups = asyncio.run(run_replay(_caps(n), sim.url, ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3),
-                                        progress=False))
+        groups = asyncio.run(
+            run_replay(
+                _caps(n), sim.url, ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3), progress=False
+            )
+        )
     (g,) = groups
     assert g.summary.ok == n and g.params["arrival"] == "poisson" and g.kind == "rate"
     sends = sorted(r["started_at"] for r in g.records)
@@ -106,7 +138,9 @@ def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
 def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
     cap = write_capture(tmp_path / "c.jsonl", _caps(3))
     with ServerThread(create_sim("healthy", speed=50)) as sim:
-        res = cli("replay", str(cap), "--target", sim.url, "--rate", "25", "--repeat", "8", "--json", str(tmp_path / "r.json"))
+        res = cli(
+            "replay", str(cap), "--target", sim.url, "--rate", "25", "--repeat", "8", "--json", str(tmp_path / "r.json")
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads((tmp_path / "r.json").read_bytes())
     (g,) = doc["groups"]
@@ -115,7 +149,9 @@ def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
     assert g["summary"]["sent_rate"] == pytest.approx(25.0, rel=0.2)
     out = " ".join(res.stdout.split())
     assert "schedule lag p50" in out and "req/s, scheduled 25.00" in out
-    assert ("kept to its schedule" in out) != ("not the server, was the limit" in out)  # the line says which (load-dependent)
+    assert ("kept to its schedule" in out) != (
+        "not the server, was the limit" in out
+    )  # the line says which (load-dependent)
 
 
 def test_the_generator_says_when_it_was_the_limit() -> None:
@@ -133,7 +169,9 @@ def test_the_generator_says_when_it_was_the_limit() -> None:
 
 
 def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
-    res = cli("replay", str(tmp_path / "none.jsonl"), "--target", "http://127.0.0.1:9", "--rate", "2", "--concurrency", "2")
+    res = cli(
+        "replay", str(tmp_path / "none.jsonl"), "--target", "http://127.0.0.1:9", "--rate", "2", "--concurrency", "2"
+    )
     assert res.returncode == 2 and "two different tests" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = cli("replay", str(tmp_path / "none.jsonl"), "--target", "http://127.0.0.1:9", "--mode", "rate")
     assert res.returncode == 2 and "--mode rate needs --rate" in res.stderr
@@ -151,23 +189,50 @@ def test_slo_syntax() -> None:
 
     assert parse_slo("ttft_p95=3s,tpot_p50=60ms") == {"ttft_p95": 3.0, "tpot_p50": pytest.approx(0.06)}
     assert parse_slo("e2e_p99=2.5, decode_tps_p50=20tok/s, itl_p90=80ms") == {
-        "e2e_p99": 2.5, "decode_tps_p50": 20.0, "itl_p90": pytest.approx(0.08)}
+        "e2e_p99": 2.5,
+        "decode_tps_p50": 20.0,
+        "itl_p90": pytest.approx(0.08),
+    }
     assert slo_text(parse_slo(DEFAULT_SLO)) == "TTFT p95 <= 5 s, TPOT p95 <= 100 ms"
-    for bad in ("ttft=3s", "ttft_p95", "ttft_p95=fast", "latency_p95=1s", "ttft_p0=1s", "ttft_p95=-1s", ",", "tpot_p50=3x"):
+    for bad in (
+        "ttft=3s",
+        "ttft_p95",
+        "ttft_p95=fast",
+        "latency_p95=1s",
+        "ttft_p0=1s",
+        "ttft_p95=-1s",
+        ",",
+        "tpot_p50=3x",
+    ):
         with pytest.raises(ValueError, match="KEY=VALUE"):
             parse_slo(bad)
 
 
 def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") -> dict:
-    return {"id": f"r{i}", "outcome": outcome, "ttft_s": ttft, "tpot_s": tpot, "decode_tps": 1 / tpot if tpot else None,
-            "e2e_s": 1.0, "started_at": 100.0 + i, "duration_s": 1.0, "anomalies": []}
+    return {
+        "id": f"r{i}",
+        "outcome": outcome,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "decode_tps": 1 / tpot if tpot else None,
+        "e2e_s": 1.0,
+        "started_at": 100.0 + i,
+        "duration_s": 1.0,
+        "anomalies": [],
+    }
 
 
 def test_goodput_counts_requests_meeting_every_threshold() -> None:
     from mlxproxy.load import judge, step_problem
 
     slo = {"ttft_p95": 1.0, "tpot_p50": 0.05}
-    recs = [_rec(0, 0.5, 0.02), _rec(1, 0.5, 0.06), _rec(2, 2.0, 0.02), _rec(3, 0.4, 0.03), _rec(4, None, None, "upstream_timeout")]
+    recs = [
+        _rec(0, 0.5, 0.02),
+        _rec(1, 0.5, 0.06),
+        _rec(2, 2.0, 0.02),
+        _rec(3, 0.4, 0.03),
+        _rec(4, None, None, "upstream_timeout"),
+    ]
     j = judge(recs, slo)
     # r0 and r3 meet both; r1 too slow per token, r2 too slow to start, r4 failed; span 100..105 s
     assert j["goodput"] == {"good": 2, "requests": 5, "share": 0.4, "rate": pytest.approx(2 / 5.0)}
@@ -195,7 +260,11 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
     assert bad.returncode == 1, bad.stderr[-1500:]
     last = bad.stderr.strip().splitlines()[-1]
     # 2 alone + 2 waves of 2 + 3 alone around the waves (the baseline)
-    assert last.startswith("mlxproxy: --fail-on") and "phantom_speed in 9 of 9 requests" in last and "Traceback" not in bad.stderr
+    assert (
+        last.startswith("mlxproxy: --fail-on")
+        and "phantom_speed in 9 of 9 requests" in last
+        and "Traceback" not in bad.stderr
+    )
     assert plain.returncode == 0, plain.stderr[-1500:]
     assert good.returncode == 0, good.stderr[-1500:]
     assert good.stderr.strip().splitlines()[-1] == f"mlxproxy: --fail-on {checks}: every check held"
@@ -204,12 +273,23 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
 
 
 @pytest.mark.parametrize("command", ["bench", "replay"])
-@pytest.mark.parametrize("opt, value, needle", [("--slo", "ttft_p95=3x", "must be a number"),
-                                                 ("--slo", "ttft=3s", "KEY=VALUE"),
-                                                 ("--fail-on", "slo,nonsense", "is not a check")])
-def test_bad_slo_and_fail_on_exit_2_with_one_line(tmp_path: Path, command: str, opt: str, value: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    "opt, value, needle",
+    [
+        ("--slo", "ttft_p95=3x", "must be a number"),
+        ("--slo", "ttft=3s", "KEY=VALUE"),
+        ("--fail-on", "slo,nonsense", "is not a check"),
+    ],
+)
+def test_bad_slo_and_fail_on_exit_2_with_one_line(
+    tmp_path: Path, command: str, opt: str, value: str, needle: str
+) -> None:
     cap = write_capture(tmp_path / "c.jsonl", _caps(1))
-    args = ["bench", "--target", "http://127.0.0.1:9"] if command == "bench" else ["replay", str(cap), "--target", "http://127.0.0.1:9"]
+    args = (
+        ["bench", "--target", "http://127.0.0.1:9"]
+        if command == "bench"
+        else ["replay", str(cap), "--target", "http://127.0.0.1:9"]
+    )
     res = cli(*args, opt, value)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and opt in lines[0] and needle in lines[0], res.stderr
@@ -218,8 +298,9 @@ def test_bad_slo_and_fail_on_exit_2_with_one_line(tmp_path: Path, command: str, 
 # -- sweeps and capacity -------------------------------------------------------------------------
 
 
-def truth_goodput(profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int, ttft_max_s: float,
-                  tpot_max_s: float) -> float:
+def truth_goodput(
+    profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int, ttft_max_s: float, tpot_max_s: float
+) -> float:
     """The goodput share a closed loop of `conc` streams sending `n_total` requests must get,
     from the simulator's own engine in scripted time (speed 1: simulated == wall seconds;
     the network's milliseconds are left out)."""
@@ -265,13 +346,33 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     knobs = {"max_batch_streams": 4, "batch_penalty": 0.0, "prefill_tps": 20000.0}
     out = tmp_path / "sweep.json"
     with ServerThread(create_sim("healthy", **knobs)) as sim:
-        res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "3", "--max-tokens", "40",
-                  "--concurrency", "1,2,3,4,5,6", "--slo", "ttft_p95=500ms,tpot_p95=100ms", "--json", str(out),
-                  "--plot", str(tmp_path / "sweep.svg"), "--html", str(tmp_path / "sweep.html"))
+        res = cli(
+            "bench",
+            "--target",
+            f"s={sim.url}",
+            "--prompt-tokens",
+            "50",
+            "--repeat",
+            "3",
+            "--max-tokens",
+            "40",
+            "--concurrency",
+            "1,2,3,4,5,6",
+            "--slo",
+            "ttft_p95=500ms,tpot_p95=100ms",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "sweep.svg"),
+            "--html",
+            str(tmp_path / "sweep.html"),
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "slo" and cap["slo"] == {"ttft_p95": 0.5, "tpot_p95": 0.1}
+    assert (
+        cap["max_concurrency"] == 4 and cap["limited_by"] == "slo" and cap["slo"] == {"ttft_p95": 0.5, "tpot_p95": 0.1}
+    )
     assert "s: meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in res.stdout
     profile = get_profile("healthy", **knobs)
     prompt = doc["groups"][0]["params"].get("prompt_tokens") or 50
@@ -290,8 +391,14 @@ def test_sweep_names_the_saturation_point_and_goodput_matches_the_simulators_tru
     assert '<section id="capacity">' in html and "meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in html
     assert "TTFT by concurrency (p50, p95)" in html
     svg = (tmp_path / "sweep.svg").read_text()
-    for text in ("TTFT by concurrency (p50, p95)", "TPOT by concurrency (p50, p95)", "Aggregate tokens/s by concurrency",
-                 "SLO TTFT p95 500 ms", "SLO TPOT p95 100 ms", ">s p95<"):
+    for text in (
+        "TTFT by concurrency (p50, p95)",
+        "TPOT by concurrency (p50, p95)",
+        "Aggregate tokens/s by concurrency",
+        "SLO TTFT p95 500 ms",
+        "SLO TPOT p95 100 ms",
+        ">s p95<",
+    ):
         assert text in svg, text
 
 
@@ -303,8 +410,19 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
     cap_file = write_capture(tmp_path / "c.jsonl", _caps(2, max_tokens=40))
     out = tmp_path / "r.json"
     with ServerThread(create_sim("mlx-omni-server", prefill_tps=20000.0)) as sim:
-        res = cli("replay", str(cap_file), "--target", f"omni={sim.url}", "--sweep", "--slo", "ttft_p95=250ms",
-                  "--fail-on", "slo", "--json", str(out))
+        res = cli(
+            "replay",
+            str(cap_file),
+            "--target",
+            f"omni={sim.url}",
+            "--sweep",
+            "--slo",
+            "ttft_p95=250ms",
+            "--fail-on",
+            "slo",
+            "--json",
+            str(out),
+        )
     assert res.returncode == 0, res.stderr[-1500:]  # --fail-on slo judges a sweep's lightest step
     cap = orjson.loads(out.read_bytes())["capacity"]["omni"]
     # automatic doubling: 1 held, 2 broke (the second request gets no headers until the first ends)
@@ -325,8 +443,16 @@ def test_capacity_lines_for_every_ending() -> None:
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(4)]
         summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0})}
-        return Group.from_dict({"target": "t", "mode": f"concurrency {c}", "kind": "sweep_step",
-                                "params": {"concurrency": c, "sweep": True}, "summary": summary, "records": recs})
+        return Group.from_dict(
+            {
+                "target": "t",
+                "mode": f"concurrency {c}",
+                "kind": "sweep_step",
+                "params": {"concurrency": c, "sweep": True},
+                "summary": summary,
+                "records": recs,
+            }
+        )
 
     cap = capacity_of([group(1, 2.0)])["t"]
     assert cap["max_concurrency"] == 0
@@ -335,7 +461,10 @@ def test_capacity_lines_for_every_ending() -> None:
     assert cap["limited_by"] == "throughput" and cap["max_concurrency"] == 2
     assert "aggregate tok/s stopped rising (52 tok/s at 2, 52 at 2)" in capacity_line("t", cap)
     cap = capacity_of([group(1, 0.1, agg=50), group(2, 0.1, agg=100)])["t"]
-    assert cap["limited_by"] == "steps" and capacity_line("t", cap) == "t: meets the SLO at every step, up to 2 concurrent streams"
+    assert (
+        cap["limited_by"] == "steps"
+        and capacity_line("t", cap) == "t: meets the SLO at every step, up to 2 concurrent streams"
+    )
     cap = capacity_of([group(1, 0.1), group(2, 0.1, outcome="upstream_timeout")])["t"]
     assert cap["limited_by"] == "errors" and "at 2, 4 of 4 requests failed" in capacity_line("t", cap)
 
@@ -349,11 +478,31 @@ def _conversation_caps() -> list[CapturedRequest]:
     out = []
 
     def add(rid: str, offset: float, messages: list[dict]) -> None:
-        rec = Record(id=rid, started_at=1000.0 + offset, upstream="u", model="m", endpoint="chat_completions", stream=True,
-                     status=200, outcome="ok", method="POST", path="/v1/chat/completions", duration_s=0.1)
+        rec = Record(
+            id=rid,
+            started_at=1000.0 + offset,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+            duration_s=0.1,
+        )
         body = {"model": "m", "stream": True, "max_tokens": 4, "messages": messages}
-        out.append(CapturedRequest(record=rec, raw={}, request=body, request_bytes=None, offset_s=offset, method="POST",
-                                   path="/v1/chat/completions"))
+        out.append(
+            CapturedRequest(
+                record=rec,
+                raw={},
+                request=body,
+                request_bytes=None,
+                offset_s=offset,
+                method="POST",
+                path="/v1/chat/completions",
+            )
+        )
 
     sys_msg = {"role": "system", "content": "You are a coding agent."}
     u1, a1 = {"role": "user", "content": "fix the failing test"}, {"role": "assistant", "content": "reading tests"}
@@ -413,12 +562,30 @@ def test_the_sweep_steps_the_number_of_agent_sessions(tmp_path: Path) -> None:
     out = tmp_path / "s.json"
     # serial: a turn of one session waits for the other session's turn (4 tokens at 10 tok/s = 0.4 s)
     with ServerThread(create_sim("mlx-omni-server", decode_tps=10.0, prefill_tps=20000.0)) as sim:
-        res = cli("replay", str(cap), "--target", f"agents={sim.url}", "--sessions", "1,2", "--think-time", "0.05",
-                  "--repeat", "2", "--slo", "ttft_p95=200ms", "--json", str(out))
+        res = cli(
+            "replay",
+            str(cap),
+            "--target",
+            f"agents={sim.url}",
+            "--sessions",
+            "1,2",
+            "--think-time",
+            "0.05",
+            "--repeat",
+            "2",
+            "--slo",
+            "ttft_p95=200ms",
+            "--json",
+            str(out),
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap_ = doc["capacity"]["agents"]
-    assert cap_["unit"] == "sessions" and cap_["max_concurrency"] == 1 and [s["concurrency"] for s in cap_["steps"]] == [1, 2]
+    assert (
+        cap_["unit"] == "sessions"
+        and cap_["max_concurrency"] == 1
+        and [s["concurrency"] for s in cap_["steps"]] == [1, 2]
+    )
     assert "agents: meets the SLO up to 1 concurrent session; at 2, TTFT p95 is" in " ".join(res.stdout.split())
     step2 = next(g for g in doc["groups"] if g["params"]["concurrency"] == 2)
     assert step2["mode"] == "sessions 2" and len(step2["records"]) == 2 * 4  # four runs: A (3 turns), B (1), A, B
@@ -431,12 +598,33 @@ def test_a_sweep_of_rates_gives_the_capacity_in_requests_per_second(tmp_path: Pa
     out = tmp_path / "rate.json"
     # 4 slots, each answer 40 tokens at 50 tok/s = 0.8 s simulated, 0.2 s wall at speed 4: constant arrivals at
     # 16/s keep at most 4 in flight; at 40/s the queue grows and TTFT with it
-    with ServerThread(create_sim("healthy", speed=4, max_batch_streams=4, batch_penalty=0.0, prefill_tps=20000.0)) as sim:
-        res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "40",
-                  "--rate", "8,16,40", "--requests", "16", "--slo", "ttft_p95=60ms", "--json", str(out))
+    with ServerThread(
+        create_sim("healthy", speed=4, max_batch_streams=4, batch_penalty=0.0, prefill_tps=20000.0)
+    ) as sim:
+        res = cli(
+            "bench",
+            "--target",
+            f"s={sim.url}",
+            "--prompt-tokens",
+            "50",
+            "--repeat",
+            "1",
+            "--max-tokens",
+            "40",
+            "--rate",
+            "8,16,40",
+            "--requests",
+            "16",
+            "--slo",
+            "ttft_p95=60ms",
+            "--json",
+            str(out),
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     cap = orjson.loads(out.read_bytes())["capacity"]["s"]
-    assert cap["unit"] == "req/s" and cap["max_rate"] == 16 and "max_concurrency" not in cap and cap["limited_by"] == "slo"
+    assert (
+        cap["unit"] == "req/s" and cap["max_rate"] == 16 and "max_concurrency" not in cap and cap["limited_by"] == "slo"
+    )
     assert [st["rate"] for st in cap["steps"]] == [8, 16, 40] and all(st["requests"] == 16 for st in cap["steps"])
     assert "s: meets the SLO up to 16 req/s; at 40 req/s, TTFT p95 is" in " ".join(res.stdout.split())
 
@@ -451,8 +639,18 @@ def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: P
     last = conv[-1].request["messages"]
     assert [m["role"] for m in last[2:]] == ["assistant", "tool"] * 3 and last[2]["tool_calls"][0]["type"] == "function"
     with ServerThread(create_sim("healthy", speed=50)) as sim:
-        res = cli("replay", "builtin:agent", "--target", f"s={sim.url}", "--sessions", "2", "--think-time", "0",
-                  "--csv", str(tmp_path / "a.csv"))
+        res = cli(
+            "replay",
+            "builtin:agent",
+            "--target",
+            f"s={sim.url}",
+            "--sessions",
+            "2",
+            "--think-time",
+            "0",
+            "--csv",
+            str(tmp_path / "a.csv"),
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     import csv
 
@@ -484,8 +682,9 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
 
     app = create_sim("healthy", speed=50)
     with ServerThread(counting) as sim:
-        res = cli("replay", str(cap), "--target", sim.url, "--rate", "20", "--ramp", "1", "--repeat", "5",
-                  "--json", str(out))
+        res = cli(
+            "replay", str(cap), "--target", sim.url, "--rate", "20", "--ramp", "1", "--repeat", "5", "--json", str(out)
+        )
     assert res.returncode == 0, res.stderr[-1500:]
     (g,) = orjson.loads(out.read_bytes())["groups"]
     assert g["summary"]["requests"] == 10 and g["params"]["ramp_s"] == 1.0  # the ramp's 10 requests are not in it
@@ -505,8 +704,11 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
 
     caps = synthetic_agent_session(turns=4)
     with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:
-        (g,) = asyncio.run(run_replay(caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0),
-                                      progress=False))
+        (g,) = asyncio.run(
+            run_replay(
+                caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0), progress=False
+            )
+        )
     runs: dict[int, list[dict]] = {}
     for r in g.records:
         runs.setdefault(r["session"], []).append(r)

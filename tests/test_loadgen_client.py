@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from support import read_fixture
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+from support import read_fixture
 
 SSE = read_fixture("wire/01_openai_reference_include_usage.sse")
 CHAT = "/v1/chat/completions"

@@ -7,14 +7,20 @@ import pytest
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
-
 from support import read_fixture, splits
 
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 
-def run(body: bytes, parts: list[bytes], *, status: int = 200, ctype: str = "text/event-stream", req: bytes = CHAT,
-        path: str = "/v1/chat/completions") -> tuple[RequestMeter, Record]:
+def run(
+    body: bytes,
+    parts: list[bytes],
+    *,
+    status: int = 200,
+    ctype: str = "text/event-stream",
+    req: bytes = CHAT,
+    path: str = "/v1/chat/completions",
+) -> tuple[RequestMeter, Record]:
     info, _ = parse_request("POST", path, req)
     m = RequestMeter(info, request_id="r1", upstream="u", t_start=0.0, started_at=0.0, keep_text=True)
     m.upstream_sent(0.0)
@@ -159,4 +165,9 @@ def test_real_streams(name: str, reported: int | None, counted: int | None, prom
     for text, r in results[1:]:
         assert text == first_text
         assert (r.generated_events, r.completion_tokens_reported, r.finish_reason, r.outcome, r.usage_reports) == (
-            first.generated_events, first.completion_tokens_reported, first.finish_reason, first.outcome, first.usage_reports)
+            first.generated_events,
+            first.completion_tokens_reported,
+            first.finish_reason,
+            first.outcome,
+            first.usage_reports,
+        )

@@ -14,7 +14,9 @@ from mlxproxy.core.openai import inject_include_usage, is_injected_usage_chunk, 
 REQ = b'{"model":"qwen","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"hello"}]}'
 
 
-def chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None, choices: bool = True) -> bytes:
+def chunk(
+    delta: dict | None = None, finish: str | None = None, usage: dict | None = None, choices: bool = True
+) -> bytes:
     obj: dict = {"id": "x", "object": "chat.completion.chunk"}
     obj["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if choices else []
     if usage is not None:
@@ -37,7 +39,13 @@ def test_exact_ttft_tpot_decode_wall() -> None:
     for i in range(1, 9):  # 8 more tokens, 0.1 s apart
         m.feed(chunk({"content": f"t{i}"}), 100.5 + 0.1 * i)
     m.feed(chunk({}, finish="stop"), 101.35)
-    m.feed(chunk(choices=False, usage={"prompt_tokens": 100, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 40}}), 101.4)
+    m.feed(
+        chunk(
+            choices=False,
+            usage={"prompt_tokens": 100, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 40}},
+        ),
+        101.4,
+    )
     m.feed(b"data: [DONE]\n\n", 101.45)
     r = m.finish(101.5)
     assert r.outcome == "ok"
@@ -85,7 +93,13 @@ def test_single_token_has_no_tpot_and_no_token_has_no_ttft() -> None:
 @pytest.mark.parametrize(
     "body,outcome",
     [
-        (chunk({"content": "a"}) + b'data: {"error":{"message":"queue full","code":"429"}}\n\n' + chunk({}, "stop") + b"data: [DONE]\n\n", "stream_error"),
+        (
+            chunk({"content": "a"})
+            + b'data: {"error":{"message":"queue full","code":"429"}}\n\n'
+            + chunk({}, "stop")
+            + b"data: [DONE]\n\n",
+            "stream_error",
+        ),
         (chunk({"content": "a"}) + b'data: {"error":"boom"}\n\n', "stream_error"),
         (chunk({"content": "a"}) + b"data: [DONE]\n\n", "truncated"),
         (chunk({"content": "a"}), "truncated"),

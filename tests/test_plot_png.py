@@ -24,8 +24,12 @@ from mlxproxy.plot import COLORS, HEIGHT
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
-SERVERS = {"batching": "mlx-openai-server", "serial": "mlx-omni-server", "batching-too": "vllm-mlx",
-           "not-streaming": "rapid-mlx"}
+SERVERS = {
+    "batching": "mlx-openai-server",
+    "serial": "mlx-omni-server",
+    "batching-too": "vllm-mlx",
+    "not-streaming": "rapid-mlx",
+}
 
 
 def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
@@ -33,8 +37,8 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width = 8, b"", 0
     while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
             width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
             assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
@@ -47,7 +51,7 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
     rows: list[bytes] = []
     prev = bytearray(stride)
     for y in range(height):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b = prev[i]
@@ -63,7 +67,9 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         prev = line  # filters refer to the previous row as decoded
-        rows.append(bytes(line) if bpp == 4 else b"".join(bytes(line[i:i + 3]) + b"\xff" for i in range(0, stride, 3)))
+        rows.append(
+            bytes(line) if bpp == 4 else b"".join(bytes(line[i : i + 3]) + b"\xff" for i in range(0, stride, 3))
+        )
     return width, height, rows
 
 
@@ -107,12 +113,14 @@ def test_plot_png_shows_every_server(results, tmp_path: Path) -> None:
 
     def present(color: str, top: int, bottom: int, x_max: int) -> int:
         rgb = bytes.fromhex(color[1:])
-        return sum(row[x * 4:x * 4 + 3] == rgb for row in rows[top:bottom] for x in range(70, x_max))
+        return sum(row[x * 4 : x * 4 + 3] == rgb for row in rows[top:bottom] for x in range(70, x_max))
 
     plot_right = width - 200  # the plot area, left of the legend
     for i, name in enumerate(SERVERS):
         color = COLORS[i]
         for chart in range(4):
             n = present(color, chart * HEIGHT + 30, (chart + 1) * HEIGHT - 55, plot_right)
-            expect_line = not (chart in (1, 3) and name == "not-streaming")  # no prefill or decode rate: not incremental
+            expect_line = not (
+                chart in (1, 3) and name == "not-streaming"
+            )  # no prefill or decode rate: not incremental
             assert (n > 20) == expect_line, (name, chart, n)

@@ -24,7 +24,6 @@ from mlxproxy.proxy.app import create_app
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.cache import PromptCache
-
 from support import FIXTURES, wait_for
 
 TH = Thresholds()
@@ -49,10 +48,13 @@ def replay_turn(index: PrefixIndex, name: str, rid: str, ttft: float = 0.3) -> R
     return finish_checked(m, ttft + 0.01 * len(events), TH, prefixes=index)
 
 
-@pytest.mark.parametrize("prefix,prompts,cached", [
-    ("chat_mlx_lm_server_cache", (1201, 1243, 1244), (0, 1217, 11)),
-    ("anthropic_messages_litellm_cache", (1238, 1280, 1279), (11, 1254, 11)),
-])
+@pytest.mark.parametrize(
+    "prefix,prompts,cached",
+    [
+        ("chat_mlx_lm_server_cache", (1201, 1243, 1244), (0, 1217, 11)),
+        ("anthropic_messages_litellm_cache", (1238, 1280, 1279), (11, 1254, 11)),
+    ],
+)
 def test_recorded_three_turn_conversations(prefix: str, prompts: tuple, cached: tuple) -> None:
     index = PrefixIndex()
     t1 = replay_turn(index, f"{prefix}_turn1", "t1")
@@ -89,7 +91,9 @@ def test_the_index_keeps_no_text_and_is_bounded() -> None:
         p = fingerprint("chat_completions", {"messages": [{"role": "user", "content": f"conversation {i}"}]})
         index.add(p, None, f"r{i}", 10, 0.0)
     assert len(index) == 8
-    huge = fingerprint("chat_completions", {"messages": [{"role": "user", "content": "x" * (BLOCK_CHARS * (MAX_BLOCKS + 10))}]})
+    huge = fingerprint(
+        "chat_completions", {"messages": [{"role": "user", "content": "x" * (BLOCK_CHARS * (MAX_BLOCKS + 10))}]}
+    )
     assert huge.blocks[-1] is None  # past the limit a piece compares whole
 
 
@@ -97,9 +101,15 @@ def test_where_prompts_diverge() -> None:
     from mlxproxy.core.prefix import compare
 
     tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("a", "b")]
-    base = {"tools": tools, "messages": [{"role": "system", "content": "s" * 2000}, {"role": "user", "content": "q"},
-                                         {"role": "assistant", "content": "x", "reasoning_content": "think"},
-                                         {"role": "user", "content": "more"}]}
+    base = {
+        "tools": tools,
+        "messages": [
+            {"role": "system", "content": "s" * 2000},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "x", "reasoning_content": "think"},
+            {"role": "user", "content": "more"},
+        ],
+    }
 
     def fp(obj):
         return fingerprint("chat_completions", obj)
@@ -129,8 +139,11 @@ def test_ttft_says_miss_when_the_server_reports_no_cache() -> None:
         m.response_started(0.01, 200, "text/event-stream")
         for i in range(20):
             m.feed(b'data: {"choices":[{"index":0,"delta":{"content":"w "}}]}\n\n', ttft + 0.02 * i)
-        m.feed(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,'
-               b'"completion_tokens":20,"total_tokens":%d}}\n\ndata: [DONE]\n\n' % (prompt, prompt + 20), ttft + 0.4)
+        m.feed(
+            b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,'
+            b'"completion_tokens":20,"total_tokens":%d}}\n\ndata: [DONE]\n\n' % (prompt, prompt + 20),
+            ttft + 0.4,
+        )
         return finish_checked(m, ttft + 0.41, TH, prefixes=index)
 
     for miss in (True, False):
@@ -175,7 +188,7 @@ def test_sim_prompt_cache_rules() -> None:
 
 # -- a scripted agent through the proxy against the simulator -------------------------------
 
-SYSTEM = ("You are a coding agent. Follow the repository's conventions, run the tests, keep changes small. " * 60)
+SYSTEM = "You are a coding agent. Follow the repository's conventions, run the tests, keep changes small. " * 60
 
 
 @contextlib.contextmanager
@@ -187,25 +200,33 @@ def stack(**knobs) -> Iterator[tuple[str, object, object]]:
             yield proxy.url, app, sim_app
 
 
-def agent_turns(url: str, app, first: str, n: int, *, change_system_at: int | None = None,
-                client: httpx.Client) -> list[Record]:
+def agent_turns(
+    url: str, app, first: str, n: int, *, change_system_at: int | None = None, client: httpx.Client
+) -> list[Record]:
     """An agent conversation: each turn resends everything so far plus the answer and a new message."""
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}]
     out = []
     for turn in range(1, n + 1):
         if turn == change_system_at:
             msgs[0] = {"role": "system", "content": "Current time: 09:41:07. " + SYSTEM}
-        body = {"model": "m", "stream": True, "max_tokens": 6, "stream_options": {"include_usage": True},
-                "messages": msgs}
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 6,
+            "stream_options": {"include_usage": True},
+            "messages": msgs,
+        }
         with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             text = b"".join(r.iter_bytes())
             rid = r.headers["x-mlxproxy-request-id"]
         assert wait_for(lambda: any(x.id == rid for x in app.recent.records))  # noqa: B023
         rec = next(x for x in app.recent.records if x.id == rid)
         out.append(rec)
-        answer = "".join(orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                         for line in text.split(b"\n\n") if line.startswith(b"data: {") and b'"delta"' in line
-                         and orjson.loads(line[6:])["choices"])
+        answer = "".join(
+            orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in text.split(b"\n\n")
+            if line.startswith(b"data: {") and b'"delta"' in line and orjson.loads(line[6:])["choices"]
+        )
         msgs = msgs + [{"role": "assistant", "content": answer}, {"role": "user", "content": f"step {turn}: go on"}]
     return out
 
@@ -253,6 +274,8 @@ def test_two_hundred_healthy_multi_turn_requests_raise_neither() -> None:
     assert not [r.anomaly_evidence for r in recs if KINDS & set(r.anomalies)]
     assert sum(r.turn == 1 for r in recs) == 25 and len({r.conversation_id for r in recs}) == 25
     reused = sum(r.cached_tokens for r in recs)
-    line = next(x for x in metrics.splitlines() if x.startswith("mlxproxy_prompt_tokens_total") and 'cache="reused"' in x)
+    line = next(
+        x for x in metrics.splitlines() if x.startswith("mlxproxy_prompt_tokens_total") and 'cache="reused"' in x
+    )
     assert float(line.split()[-1]) == reused > 0
     assert len(app.prefixes[next(iter(app.prefixes))]) == 25

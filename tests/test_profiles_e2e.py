@@ -18,9 +18,8 @@ from mlxproxy.report import summarize_records
 from mlxproxy.results import Summary
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
-from timing import latency_ok, rate_ok
-
 from test_proxy_e2e import wait_for
+from timing import latency_ok, rate_ok
 
 SPEED = 4.0  # simulated time runs 4x faster than the wall clock
 PROFILES = {
@@ -40,15 +39,19 @@ PROFILES = {
 def stack() -> Iterator[tuple[str, ProxyApp, dict[str, ServerThread]]]:
     with contextlib.ExitStack() as es:
         sims = {n: es.enter_context(ServerThread(create_sim(n, speed=SPEED, **k))) for n, k in PROFILES.items()}
-        raw = {"upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()],
-               # simulated time runs SPEED x faster: a serial wait of ~1 s simulated is 0.25 s here
-               "detectors": {"serialized_min_wait_s": 1.0 / SPEED}}
+        raw = {
+            "upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()],
+            # simulated time runs SPEED x faster: a serial wait of ~1 s simulated is 0.25 s here
+            "detectors": {"serialized_min_wait_s": 1.0 / SPEED},
+        }
         app = create_app(build_config(raw, log_requests=False))
         px = es.enter_context(ServerThread(app, server_header=False, date_header=False))
         yield px.url, app, sims
 
 
-def body(model: str, content: str = "hello there, how are you?", max_tokens: int | None = None, stream: bool = True) -> bytes:
+def body(
+    model: str, content: str = "hello there, how are you?", max_tokens: int | None = None, stream: bool = True
+) -> bytes:
     obj: dict = {"model": model, "stream": stream, "messages": [{"role": "user", "content": content}]}
     if max_tokens is not None:
         obj["max_tokens"] = max_tokens
@@ -109,9 +112,11 @@ def test_serial_server_is_below_1x_and_flagged_serialized(stack) -> None:
 def test_rapid_mlx_ttft_is_whole_response(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
             return (await c.run_sequential([req("rapid-mlx") for _ in range(2)])).records
+
     asyncio.run(go())
     for r in proxy_records(app, 2, since):
         assert r.ttft_s is not None and r.e2e_s is not None and r.ttft_s >= 0.95 * r.e2e_s
@@ -121,9 +126,11 @@ def test_rapid_mlx_ttft_is_whole_response(stack) -> None:
 def test_omlx_context_limit_above_32768(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
             return (await c.run_sequential([req("omlx", 40000), req("omlx", 1000)])).records
+
     long, short = asyncio.run(go())
     assert (long.status, long.outcome) == (400, "context_limit")
     assert (short.status, short.outcome) == (200, "ok")
@@ -136,9 +143,11 @@ def test_omlx_context_limit_above_32768(stack) -> None:
 def test_mlx_vlm_cyclic_stalls_and_dual_reasoning(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
             await c.send(req("mlx-vlm", max_tokens=100))
+
     asyncio.run(go())
     (r,) = proxy_records(app, 1, since)
     gaps = sorted(r.event_gaps_s())
@@ -151,14 +160,18 @@ def test_mlx_vlm_cyclic_stalls_and_dual_reasoning(stack) -> None:
 def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
     url, app, sims = stack
     since = app.recent.total
+
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
             return (await c.run_sequential([req("vllm-mlx", max_tokens=64) for _ in range(3)])).records
+
     asyncio.run(go())
     for r in proxy_records(app, 3, since):
         assert r.anomalies == ()
         assert r.reasoning_tokens_counted and r.reasoning_tokens_counted > 40  # mostly thinking
-        assert r.ttfc_s is not None and r.ttft_s is not None and r.ttfc_s > r.ttft_s + 0.1  # TTFT is the first reasoning token
+        assert (
+            r.ttfc_s is not None and r.ttft_s is not None and r.ttfc_s > r.ttft_s + 0.1
+        )  # TTFT is the first reasoning token
         # decode speed over all channels: the simulator's 50 tok/s, not a content-only phantom
         assert rate_ok(r.decode_tps, 50.0 * SPEED), r.decode_tps
 
@@ -166,9 +179,11 @@ def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
 def test_phantom_usage_is_named(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
             await c.send(req("phantom-usage"))
+
     asyncio.run(go())
     (r,) = proxy_records(app, 1, since)
     assert set(r.anomalies) == {"usage_mismatch", "phantom_speed"}
@@ -212,8 +227,9 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     for d in healthy_single.records:
         rec = Record.from_dict(d)
         assert rec.tokens_source == "usage" and not rec.anomalies
-        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rec.completion_tokens_reported, rec.ttft_s,
-                                                                          rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
+        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(
+            rec.completion_tokens_reported, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s)
+        )
 
 
 def _bench_each(url: str, opts):
@@ -224,15 +240,20 @@ def _bench_each(url: str, opts):
         for name in ("healthy", "phantom-usage"):  # the model name routes to the simulator of that name
             out += await bench_targets([Target(name, url, 60.0)], BenchOptions(**{**opts.__dict__, "model": name}))
         return out
+
     return go()
 
 
 def test_mlx_lm_wire_has_no_anomalies_and_usage_is_injected(stack) -> None:
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
-            await c.send(PreparedRequest("POST", "/v1/chat/completions", body("mlx-lm"), (("content-type", "application/json"),)))
+            await c.send(
+                PreparedRequest("POST", "/v1/chat/completions", body("mlx-lm"), (("content-type", "application/json"),))
+            )
+
     asyncio.run(go())
     (r,) = proxy_records(app, 1, since)
     assert r.usage_injected and r.completion_tokens_reported is not None and r.anomalies == ()
@@ -243,9 +264,11 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
     """20 requests of 1000 prompt tokens: TTFT = 1000 / 2000 tok/s = 0.5 s simulated, decode 50 tok/s."""
     url, app, _ = stack
     since = app.recent.total
+
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
             await c.run_sequential([req("healthy", 1000, max_tokens=48) for _ in range(20)])
+
     asyncio.run(go())
     recs = proxy_records(app, 20, since)
     s = summarize_records(recs)
@@ -262,9 +285,11 @@ def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
         raw = {"upstreams": [{"name": "fast", "url": fast.url}]}
         app2 = create_app(build_config(raw, log_requests=False, recent_records=300))
         with ServerThread(app2, server_header=False, date_header=False) as px:
+
             async def go() -> None:
                 async with MeasuringClient(px.url, tag_replay=False) as c:
                     await c.run_closed_loop([req("m", max_tokens=24) for _ in range(200)], concurrency)
+
             asyncio.run(go())
             recs = proxy_records(app2, 200, 0)
     finally:

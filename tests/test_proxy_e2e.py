@@ -15,17 +15,21 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
-
 from support import closed_port, read_fixture, wait_for
-from fakeupstream import Conn, FakeUpstream, Req, sse_response
 
 # every forwarding test runs on both server stacks (conftest.stack): plain asyncio + h11 and uvloop + httptools
 pytestmark = pytest.mark.usefixtures("stack")
 
-STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
+STREAM_REQ = {
+    "model": "m",
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream_options": {"include_usage": True},
+}
 
 
 @contextlib.contextmanager
@@ -47,8 +51,14 @@ def last_record(app: ProxyApp, rid: str | None = None):
 
 
 @pytest.mark.parametrize("http10", [False, True], ids=["chunked", "http10-close"])
-@pytest.mark.parametrize("fixture", ["wire/02_mlx_lm_server_reasoning_keepalive.sse", "wire/06_vllm_mlx_reasoning_usage_twice.sse",
-                                     "real/mlx_lm_server_stream_usage.sse"])
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "wire/02_mlx_lm_server_reasoning_keepalive.sse",
+        "wire/06_vllm_mlx_reasoning_usage_twice.sse",
+        "real/mlx_lm_server_stream_usage.sse",
+    ],
+)
 def test_stream_bytes_identical_and_measured(fixture: str, http10: bool) -> None:
     body = read_fixture(fixture)
     with FakeUpstream(sse_response(body, http10=http10)) as up, proxy(up.url) as (url, app):
@@ -76,7 +86,9 @@ def test_first_event_reaches_client_before_upstream_sends_second() -> None:
         await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
         await conn.chunk(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
         assert await conn.wait_gate(gate), "the test never saw the first event"
-        await conn.chunk(b'data: {"choices":[{"index":0,"delta":{"content":"b"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        await conn.chunk(
+            b'data: {"choices":[{"index":0,"delta":{"content":"b"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+        )
         await conn.end_chunked()
 
     with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
@@ -96,8 +108,12 @@ def test_openai_sdk_streams_through_proxy() -> None:
     body = read_fixture("wire/01_openai_reference_include_usage.sse")
     with FakeUpstream(sse_response(body)) as up, proxy(up.url) as (url, app):
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
-        stream = client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "hi"}], stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="gpt-x",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
@@ -145,14 +161,23 @@ def test_usage_injection_and_stripping() -> None:
     usage_event = [e for e in body.split(b"\n\n") if b'"choices":[]' in e][0] + b"\n\n"
     req = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     with FakeUpstream(sse_response(body)) as up, proxy(up.url) as (url, app):
-        r = httpx.post(url + "/v1/chat/completions", content=orjson.dumps(req), headers={"content-type": "application/json"})
+        r = httpx.post(
+            url + "/v1/chat/completions", content=orjson.dumps(req), headers={"content-type": "application/json"}
+        )
         assert r.content == body.replace(usage_event, b"")
         sent = up.requests[0].body
         assert sent == orjson.dumps(req)[:-1] + b',"stream_options":{"include_usage":true}}'
         rec = last_record(app)
-        assert rec.usage_injected and not rec.usage_requested and rec.completion_tokens_reported == 2 and rec.outcome == "ok"
+        assert (
+            rec.usage_injected
+            and not rec.usage_requested
+            and rec.completion_tokens_reported == 2
+            and rec.outcome == "ok"
+        )
     with FakeUpstream(sse_response(body)) as up, proxy(up.url, inject_usage=False) as (url, app):
-        r = httpx.post(url + "/v1/chat/completions", content=orjson.dumps(req), headers={"content-type": "application/json"})
+        r = httpx.post(
+            url + "/v1/chat/completions", content=orjson.dumps(req), headers={"content-type": "application/json"}
+        )
         assert r.content == body and up.requests[0].body == orjson.dumps(req)
 
 
@@ -170,12 +195,16 @@ def test_non_stream_and_error_bodies_pass_through() -> None:
             await conn.send(ok_body)
 
     with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
-        r = httpx.post(url + "/v1/chat/completions?x=1", json={"model": "m", "messages": [{"role": "user", "content": "long"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions?x=1", json={"model": "m", "messages": [{"role": "user", "content": "long"}]}
+        )
         assert r.status_code == 400 and r.content == err_body
         rec = last_record(app, r.headers["x-mlxproxy-request-id"])
         assert (rec.outcome, rec.context_prompt_tokens, rec.context_limit_tokens) == ("context_limit", 51587, 32768)
         assert up.requests[0].path == "/v1/chat/completions?x=1"
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 200 and r.content == ok_body and r.headers["content-length"] == str(len(ok_body))
         rec = last_record(app, r.headers["x-mlxproxy-request-id"])
         assert rec.outcome == "ok" and rec.completion_tokens_reported == 5 and not rec.stream
@@ -191,8 +220,13 @@ def test_routing_by_model_pattern() -> None:
         await conn.send(b'"b"')
 
     with FakeUpstream(a) as ua, FakeUpstream(b) as ub:
-        raw = {"upstreams": [{"name": "qwen", "url": ua.url, "models": ["qwen*", "Qwen*"]}, {"name": "other", "url": ub.url}],
-               "default_upstream": "other"}
+        raw = {
+            "upstreams": [
+                {"name": "qwen", "url": ua.url, "models": ["qwen*", "Qwen*"]},
+                {"name": "other", "url": ub.url},
+            ],
+            "default_upstream": "other",
+        }
         with proxy(raw=raw) as (url, app):
             assert httpx.post(url + "/v1/chat/completions", json={"model": "qwen3.5"}).content == b'"a"'
             assert httpx.post(url + "/v1/chat/completions", json={"model": "llama"}).content == b'"b"'
@@ -214,24 +248,46 @@ def test_own_routes_and_metrics_values() -> None:
         assert all("response_text" not in r for r in s["recent"])
         text = httpx.get(url + "/metrics").text
         fams = {f.name: f for f in text_string_to_metric_families(text)}
-        for name in ["mlxproxy_requests", "mlxproxy_requests_in_flight", "mlxproxy_request_duration_seconds",
-                     "mlxproxy_time_to_first_byte_seconds", "mlxproxy_time_to_first_token_seconds",
-                     "mlxproxy_time_to_first_content_seconds", "mlxproxy_inter_token_latency_seconds",
-                     "mlxproxy_time_per_output_token_seconds", "mlxproxy_output_tokens_per_second",
-                     "mlxproxy_prefill_tokens_per_second", "mlxproxy_tokens", "mlxproxy_usage_reports",
-                     "mlxproxy_anomalies", "mlxproxy_proxy_overhead_seconds", "mlxproxy_build_info"]:
+        for name in [
+            "mlxproxy_requests",
+            "mlxproxy_requests_in_flight",
+            "mlxproxy_request_duration_seconds",
+            "mlxproxy_time_to_first_byte_seconds",
+            "mlxproxy_time_to_first_token_seconds",
+            "mlxproxy_time_to_first_content_seconds",
+            "mlxproxy_inter_token_latency_seconds",
+            "mlxproxy_time_per_output_token_seconds",
+            "mlxproxy_output_tokens_per_second",
+            "mlxproxy_prefill_tokens_per_second",
+            "mlxproxy_tokens",
+            "mlxproxy_usage_reports",
+            "mlxproxy_anomalies",
+            "mlxproxy_proxy_overhead_seconds",
+            "mlxproxy_build_info",
+        ]:
             assert name in fams, name
         reg = app.registry
         lab = {"upstream": "default", "model": "gpt-x"}
-        assert reg.get_sample_value("mlxproxy_requests_total", {**lab, "endpoint": "chat_completions", "stream": "true",
-                                                                 "code": "200", "outcome": "ok"}) == 3
+        assert (
+            reg.get_sample_value(
+                "mlxproxy_requests_total",
+                {**lab, "endpoint": "chat_completions", "stream": "true", "code": "200", "outcome": "ok"},
+            )
+            == 3
+        )
         assert reg.get_sample_value("mlxproxy_tokens_total", {**lab, "type": "completion", "source": "reported"}) == 6
         assert reg.get_sample_value("mlxproxy_tokens_total", {**lab, "type": "completion", "source": "counted"}) == 6
         assert reg.get_sample_value("mlxproxy_tokens_total", {**lab, "type": "prompt", "source": "reported"}) == 27
-        assert reg.get_sample_value("mlxproxy_time_to_first_token_seconds_count", {**lab, "endpoint": "chat_completions"}) == 3
+        assert (
+            reg.get_sample_value("mlxproxy_time_to_first_token_seconds_count", {**lab, "endpoint": "chat_completions"})
+            == 3
+        )
         assert reg.get_sample_value("mlxproxy_inter_token_latency_seconds_count", lab) == 3  # one gap per request
         assert reg.get_sample_value("mlxproxy_usage_reports_total", {**lab, "present": "true"}) == 3
-        assert reg.get_sample_value("mlxproxy_output_tokens_per_second_count", {**lab, "kind": "wall", "concurrency": "1"}) == 3
+        assert (
+            reg.get_sample_value("mlxproxy_output_tokens_per_second_count", {**lab, "kind": "wall", "concurrency": "1"})
+            == 3
+        )
         assert reg.get_sample_value("mlxproxy_requests_in_flight", lab) == 0
         assert reg.get_sample_value("mlxproxy_proxy_overhead_seconds_count", {"phase": "request"}) == 3
         promtool = shutil.which("promtool")
@@ -279,9 +335,16 @@ def test_the_upstream_gets_the_clients_request_not_the_http_clients() -> None:
     headers pass, the HTTP client adds none of its own (user agent, accept, content type,
     compression), and a cookie one upstream response sets is never sent with a later
     request (the proxy serves many clients on one connection pool)."""
+
     async def handler(req: Req, conn: Conn) -> None:
-        await conn.head(200, [("content-type", "application/json"), ("content-length", "2"),
-                              ("set-cookie", "session=from-upstream; Path=/")])
+        await conn.head(
+            200,
+            [
+                ("content-type", "application/json"),
+                ("content-length", "2"),
+                ("set-cookie", "session=from-upstream; Path=/"),
+            ],
+        )
         await conn.send(b"{}")
 
     path = "/v1/chat/completions/a%2Fb/%7Ex;p=1?q=a%20b&q=%2F&empty="
@@ -290,8 +353,10 @@ def test_the_upstream_gets_the_clients_request_not_the_http_clients() -> None:
         # (a host name, not an address: an HTTP client's cookie jar may skip IP hosts)
         for _ in range(2):
             s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-            s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\nx-client: 1\r\n"
-                      b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            s.sendall(
+                b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\nx-client: 1\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             got = b""
             while not got.endswith(b"{}"):
                 part = s.recv(65536)
@@ -312,12 +377,21 @@ def test_a_compressed_body_is_forwarded_as_sent() -> None:
     compressed = gzip.compress(b'{"id":"x","object":"chat.completion","choices":[]}')
 
     async def handler(req: Req, conn: Conn) -> None:
-        await conn.head(200, [("content-type", "application/json"), ("content-encoding", "gzip"),
-                              ("content-length", str(len(compressed)))])
+        await conn.head(
+            200,
+            [
+                ("content-type", "application/json"),
+                ("content-encoding", "gzip"),
+                ("content-length", str(len(compressed))),
+            ],
+        )
         await conn.send(compressed)
 
     with FakeUpstream(handler) as up, proxy(up.url) as (url, app):
-        with httpx.Client() as c, c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+        with (
+            httpx.Client() as c,
+            c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r,
+        ):
             raw = b"".join(r.iter_raw())
         assert r.status_code == 200 and r.headers["content-encoding"] == "gzip" and raw == compressed
         assert up.requests[0].header("accept-encoding") == "identity"

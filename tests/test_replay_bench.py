@@ -11,6 +11,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.bench import BenchOptions, Target, bench_targets, verdict
 from mlxproxy.capture import read_capture
 from mlxproxy.cli import main
@@ -20,11 +21,9 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
-
 from support import read_fixture
-from timing import latency_ok, rate_ok
-from fakeupstream import FakeUpstream, Req, Conn, sse_response
 from test_proxy_e2e import proxy, wait_for
+from timing import latency_ok, rate_ok
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +34,13 @@ def capture_file(tmp_path_factory) -> Path:
     with ServerThread(create_sim("healthy", speed=20)) as sim, proxy(sim.url, capture=str(cap)) as (url, app):
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-secret-test", max_retries=0)
         for i in range(3):
-            stream = client.chat.completions.create(model="qwen", stream=True, max_tokens=24,
-                                                    messages=[{"role": "user", "content": f"question {i} " * 20}])
+            stream = client.chat.completions.create(
+                model="qwen", stream=True, max_tokens=24, messages=[{"role": "user", "content": f"question {i} " * 20}]
+            )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        out = client.chat.completions.create(model="qwen", max_tokens=16, messages=[{"role": "user", "content": "once"}])
+        out = client.chat.completions.create(
+            model="qwen", max_tokens=16, messages=[{"role": "user", "content": "once"}]
+        )
         assert out.usage is not None and out.usage.completion_tokens == 16
         assert wait_for(lambda: app.capture is not None and app.capture.written == 4)
     assert b"sk-secret-test" not in cap.read_bytes()
@@ -109,7 +111,16 @@ def test_batch_speedup_tracks_the_truth() -> None:
 
     def cap(i: int) -> CapturedRequest:
         req = {"model": "m", "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": "x" * 400}]}
-        rec = Record(id=f"c{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200, outcome="ok")
+        rec = Record(
+            id=f"c{i}",
+            started_at=0.0,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+        )
         return CapturedRequest(rec, "POST", "/v1/chat/completions", float(i), req, None, {})
 
     caps = [cap(i) for i in range(4)]
@@ -132,9 +143,27 @@ def test_recorded_mode_keeps_the_schedule(tmp_path: Path) -> None:
 
     caps = []
     for i in range(100):
-        rec = Record(id=f"c{i}", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=False, status=200, outcome="ok")
-        caps.append(CapturedRequest(rec, "POST", "/v1/chat/completions", i * 0.02,
-                                    {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, None, {}))
+        rec = Record(
+            id=f"c{i}",
+            started_at=0.0,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=False,
+            status=200,
+            outcome="ok",
+        )
+        caps.append(
+            CapturedRequest(
+                rec,
+                "POST",
+                "/v1/chat/completions",
+                i * 0.02,
+                {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                None,
+                {},
+            )
+        )
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         (g,) = run(caps, sim.url, ReplayOptions(mode="recorded", speed=1.0))
     lag = g.summary.figure("schedule_lag_s")
@@ -205,12 +234,16 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
 
 def test_demo_shows_every_signature(tmp_path: Path) -> None:
     """The README's first command, shortened to one repetition."""
-    res = subprocess.run([sys.executable, "-m", "mlxproxy", "demo", "--repeat", "1", "--dir", str(tmp_path / "d")],
-                         capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        [sys.executable, "-m", "mlxproxy", "demo", "--repeat", "1", "--dir", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     lines: dict[str, str] = {}
-    verdicts = out[out.index("Verdicts:"):]
+    verdicts = out[out.index("Verdicts:") :]
     last = ""
     for line in verdicts.splitlines()[1:]:  # the verdicts: one per target, long ones wrapped (indented)
         if not line.strip():

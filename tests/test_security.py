@@ -17,6 +17,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.cli import main
 from mlxproxy.config import build_config, is_loopback_host
 from mlxproxy.errors import ConfigError
@@ -24,14 +25,16 @@ from mlxproxy.proxy import auth as auth_module
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.cli import exposure_warning
 from mlxproxy.runner import ServerThread
-
 from support import read_fixture
 from support import wait_for as _wait_for
-from fakeupstream import Conn, FakeUpstream, Req
 
 OK_BODY = read_fixture("wire/01_openai_reference_include_usage.sse")
-STREAM_REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-              "stream_options": {"include_usage": True}}
+STREAM_REQ = {
+    "model": "m",
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream_options": {"include_usage": True},
+}
 PROXY_KEY = "pk-proxy-7f3a9c1e5b2d4a6f"
 UPSTREAM_KEY = "sk-upstream-0b1c2d3e4f5a6b7c"
 URL_PASSWORD = "url-pass-8e9f0a1b"
@@ -48,7 +51,9 @@ async def ok_stream(req: Req, conn: Conn) -> None:
 
 
 @contextlib.contextmanager
-def keyed_proxy(monkeypatch: pytest.MonkeyPatch, handler=ok_stream, **cfg) -> Iterator[tuple[str, ProxyApp, FakeUpstream]]:
+def keyed_proxy(
+    monkeypatch: pytest.MonkeyPatch, handler=ok_stream, **cfg
+) -> Iterator[tuple[str, ProxyApp, FakeUpstream]]:
     monkeypatch.setenv("MLXPROXY_TEST_KEY", PROXY_KEY)
     with FakeUpstream(handler) as up:
         config = build_config(upstream_url=up.url, log_requests=False, proxy_api_key_env="MLXPROXY_TEST_KEY", **cfg)
@@ -95,19 +100,32 @@ def test_serve_warns_before_listening_beyond_loopback_without_a_key(monkeypatch:
 def test_proxy_key_is_required_and_stripped_before_forwarding(monkeypatch: pytest.MonkeyPatch) -> None:
     with keyed_proxy(monkeypatch) as (url, app, up):
         chat = url + "/v1/chat/completions"
-        for headers in [{}, {"authorization": "Bearer wrong-key"}, {"x-api-key": "wrong-key"},
-                        {"authorization": f"Basic {PROXY_KEY}"}, {"authorization": PROXY_KEY},
-                        {"authorization": f"Bearer {PROXY_KEY}x"}, {"authorization": f"Bearer {PROXY_KEY[:-1]}"},
-                        {"x-api-key": ""}, {"authorization": "Bearer"}]:
+        for headers in [
+            {},
+            {"authorization": "Bearer wrong-key"},
+            {"x-api-key": "wrong-key"},
+            {"authorization": f"Basic {PROXY_KEY}"},
+            {"authorization": PROXY_KEY},
+            {"authorization": f"Bearer {PROXY_KEY}x"},
+            {"authorization": f"Bearer {PROXY_KEY[:-1]}"},
+            {"x-api-key": ""},
+            {"authorization": "Bearer"},
+        ]:
             r = httpx.post(chat, json=STREAM_REQ, headers=headers)
             assert r.status_code == 401, headers
             assert r.headers["www-authenticate"].startswith("Bearer")
             err = r.json()["error"]
-            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error" and "key" in err["message"]
+            assert (
+                err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error" and "key" in err["message"]
+            )
             assert "wrong-key" not in r.text and PROXY_KEY not in r.text
         assert up.requests == [] and app.requests_seen == 0  # nothing reached the upstream
-        for headers in [{"authorization": f"Bearer {PROXY_KEY}"}, {"authorization": f"bearer  {PROXY_KEY}"},
-                        {"x-api-key": PROXY_KEY}, {"authorization": "Bearer wrong", "x-api-key": PROXY_KEY}]:
+        for headers in [
+            {"authorization": f"Bearer {PROXY_KEY}"},
+            {"authorization": f"bearer  {PROXY_KEY}"},
+            {"x-api-key": PROXY_KEY},
+            {"authorization": "Bearer wrong", "x-api-key": PROXY_KEY},
+        ]:
             r = httpx.post(chat, json=STREAM_REQ, headers=headers)
             assert r.status_code == 200 and r.content == OK_BODY, headers
             sent = up.requests[-1]
@@ -140,8 +158,12 @@ def test_proxy_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(auth_module.hmac, "compare_digest", spy)
     with keyed_proxy(monkeypatch) as (url, app, up):
         assert httpx.get(url + "/v1/models", headers={"x-api-key": "short"}).status_code == 401
-        assert httpx.post(url + "/v1/chat/completions", json=STREAM_REQ,
-                          headers={"authorization": f"Bearer {PROXY_KEY}"}).status_code == 200
+        assert (
+            httpx.post(
+                url + "/v1/chat/completions", json=STREAM_REQ, headers={"authorization": f"Bearer {PROXY_KEY}"}
+            ).status_code
+            == 200
+        )
     digest = hashlib.sha256(PROXY_KEY.encode()).digest()
     # digests of equal length whatever the length of what the client sent: no length leak either
     assert compared == [(hashlib.sha256(b"short").digest(), digest), (digest, digest)]
@@ -161,6 +183,7 @@ def test_proxy_key_variable_unset_refuses_to_start(monkeypatch: pytest.MonkeyPat
 
 def _write(monkeypatch: pytest.MonkeyPatch, text: str) -> str:
     import tempfile
+
     monkeypatch.delenv("MLXPROXY_NOPE_KEY", raising=False)
     f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
     f.write(text)
@@ -171,8 +194,9 @@ def _write(monkeypatch: pytest.MonkeyPatch, text: str) -> str:
 # -- secrets never written ----------------------------------------------------------------------
 
 
-def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Client credentials (proxy key, cookie, a configured team header), the upstream's key
     and the password in its URL: none of them in the capture, any log line (every logger at
     DEBUG, the HTTP clients' included), /metrics, /streams, /healthz, or an error record, even when
@@ -184,8 +208,14 @@ def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(monkeypatc
     async def echoing(req: Req, conn: Conn) -> None:
         got_auth.append(req.header("authorization"))
         if b"echo" in req.body:  # a careless server that puts what it got in its error message
-            body = orjson.dumps({"error": {"message": f"bad auth {req.header('authorization')} cookie {req.header('cookie')} "
-                                                      f"team {req.header('x-team-token')}"}})
+            body = orjson.dumps(
+                {
+                    "error": {
+                        "message": f"bad auth {req.header('authorization')} cookie {req.header('cookie')} "
+                        f"team {req.header('x-team-token')}"
+                    }
+                }
+            )
             await conn.head(401, [("content-type", "application/json"), ("content-length", str(len(body)))])
             await conn.send(body)
         else:
@@ -197,11 +227,18 @@ def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(monkeypatc
     with FakeUpstream(echoing) as up:
         host_port = up.url.split("//")[1]
         dead = "127.0.0.1:9"
-        raw = {"upstreams": [{"name": "u", "url": up.url, "api_key_env": "MLXPROXY_TEST_UPSTREAM_KEY"},
-                             {"name": "basic", "url": f"http://user:{URL_PASSWORD}@{host_port}", "models": ["basic"]},
-                             {"name": "dead", "url": f"http://user:{URL_PASSWORD}@{dead}", "models": ["dead"]}],
-               "capture": str(cap), "capture_responses": True, "redact_headers": ["X-Team-Token"],
-               "proxy_api_key_env": "MLXPROXY_TEST_KEY", "log_requests": True}
+        raw = {
+            "upstreams": [
+                {"name": "u", "url": up.url, "api_key_env": "MLXPROXY_TEST_UPSTREAM_KEY"},
+                {"name": "basic", "url": f"http://user:{URL_PASSWORD}@{host_port}", "models": ["basic"]},
+                {"name": "dead", "url": f"http://user:{URL_PASSWORD}@{dead}", "models": ["dead"]},
+            ],
+            "capture": str(cap),
+            "capture_responses": True,
+            "redact_headers": ["X-Team-Token"],
+            "proxy_api_key_env": "MLXPROXY_TEST_KEY",
+            "log_requests": True,
+        }
         app = create_app(build_config(raw))
         with ServerThread(app) as srv, httpx.Client(base_url=srv.url, headers=client_headers, timeout=30) as c:
             assert c.post("/v1/chat/completions", json=STREAM_REQ).content == OK_BODY
@@ -219,13 +256,20 @@ def test_secrets_never_reach_captures_logs_metrics_streams_or_healthz(monkeypatc
     for secret in ALL_SECRETS:
         assert secret not in written, secret
     errors = [orjson.loads(line)["error"] for line in cap.read_text().splitlines()]
-    assert errors[0] is None and "bad auth Bearer [REDACTED] cookie [REDACTED] team [REDACTED]" in errors[1] and "unreachable" in errors[2] and errors[3] is None
+    assert (
+        errors[0] is None
+        and "bad auth Bearer [REDACTED] cookie [REDACTED] team [REDACTED]" in errors[1]
+        and "unreachable" in errors[2]
+        and errors[3] is None
+    )
 
 
-def test_metrics_and_streams_expose_no_prompt_or_completion_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_metrics_and_streams_expose_no_prompt_or_completion_text(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     prompt, answer = "PROMPT-MARKER-31337", "ANSWER-MARKER-42424"
     gate = threading.Event()
-    first = (b'data: {"choices":[{"index":0,"delta":{"content":"' + answer.encode() + b'"}}]}\n\n')
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"' + answer.encode() + b'"}}]}\n\n'
 
     async def gated(req: Req, conn: Conn) -> None:
         await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
@@ -234,11 +278,14 @@ def test_metrics_and_streams_expose_no_prompt_or_completion_text(monkeypatch: py
         await conn.chunk(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
         await conn.end_chunked()
 
-    with keyed_proxy(monkeypatch, gated, capture=str(tmp_path / "c.jsonl"), capture_responses=True,
-                     metrics_need_key=False) as (url, app, up):
+    with keyed_proxy(
+        monkeypatch, gated, capture=str(tmp_path / "c.jsonl"), capture_responses=True, metrics_need_key=False
+    ) as (url, app, up):
         body = {**STREAM_REQ, "messages": [{"role": "user", "content": prompt}]}
-        with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/chat/completions", json=body,
-                                                     headers={"x-api-key": PROXY_KEY}) as r:
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream("POST", url + "/v1/chat/completions", json=body, headers={"x-api-key": PROXY_KEY}) as r,
+        ):
             it = r.iter_raw()
             assert answer.encode() in next(it)
             live = c.get(url + "/streams").json()["in_flight"]
@@ -254,10 +301,15 @@ def test_metrics_and_streams_expose_no_prompt_or_completion_text(monkeypatch: py
 
 def test_proxy_error_bodies_never_echo_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     with keyed_proxy(monkeypatch, max_request_body_bytes=64) as (url, app, up):
-        bodies = [httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {UPSTREAM_KEY}"}).text,
-                  httpx.post(url + "/v1/chat/completions", content=b"x" * 100,
-                             headers={"authorization": f"Bearer {PROXY_KEY}", "cookie": COOKIE}).text,
-                  httpx.post(url + "/metrics", headers={"x-api-key": PROXY_KEY}).text]
+        bodies = [
+            httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {UPSTREAM_KEY}"}).text,
+            httpx.post(
+                url + "/v1/chat/completions",
+                content=b"x" * 100,
+                headers={"authorization": f"Bearer {PROXY_KEY}", "cookie": COOKIE},
+            ).text,
+            httpx.post(url + "/metrics", headers={"x-api-key": PROXY_KEY}).text,
+        ]
     assert "request_too_large" in bodies[1] and "method_not_allowed" in bodies[2]
     for body in bodies:
         assert not any(s in body for s in ALL_SECRETS), body

@@ -13,7 +13,6 @@ from mlxproxy.core.openai import inject_include_usage, parse_request
 from mlxproxy.core.sse import SSEDecoder
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.routes import live_view
-
 from support import splits
 
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'

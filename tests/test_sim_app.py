@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -61,13 +61,23 @@ class Stream:
         for t, ev in self.events():
             for choice in ev.get("choices") or []:
                 delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or choice.get("text"):
+                if (
+                    delta.get("content")
+                    or delta.get("reasoning_content")
+                    or delta.get("reasoning")
+                    or choice.get("text")
+                ):
                     out.append((t, ev))
         return out
 
 
-def stream(client: httpx.Client, body: dict, path: str = "/v1/chat/completions", headers: dict | None = None,
-           t0: float | None = None) -> Stream:
+def stream(
+    client: httpx.Client,
+    body: dict,
+    path: str = "/v1/chat/completions",
+    headers: dict | None = None,
+    t0: float | None = None,
+) -> Stream:
     """POST and read the body, stamping each read and each complete SSE block on arrival."""
     t0 = time.perf_counter() if t0 is None else t0
     with client.stream("POST", path, json=body, headers=headers or {}) as r:
@@ -107,7 +117,9 @@ USAGE = {"stream_options": {"include_usage": True}}
         ("phantom-usage", True, None, False, True),
     ],
 )
-def test_each_profile_streams_its_wire_shape(profile, role_only_first, reasoning_field, usage_without_asking, done) -> None:
+def test_each_profile_streams_its_wire_shape(
+    profile, role_only_first, reasoning_field, usage_without_asking, done
+) -> None:
     with served(profile) as (_, client):
         s = stream(client, chat(max_tokens=12))
         assert s.status == 200 and s.headers["content-type"].startswith("text/event-stream")
@@ -143,7 +155,9 @@ def test_mlx_lm_prefill_progress_comments_come_before_tokens() -> None:
         comments = [b for _, b in s.blocks if b.startswith(b":")]
         assert comments == [b": keepalive 2048/5000", b": keepalive 4096/5000", b": keepalive 5000/5000"]
         usage = s.events()[-1][1]
-        assert usage["object"] == "chat.completion" and usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 5000
+        assert (
+            usage["object"] == "chat.completion" and usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 5000
+        )
 
 
 def test_omlx_keepalive_first_and_context_400() -> None:
@@ -152,8 +166,10 @@ def test_omlx_keepalive_first_and_context_400() -> None:
         assert s.reads[0][1].startswith(b": keep-alive\n\n")
         r = client.post("/v1/chat/completions", json=chat(), headers={"X-Sim-Prompt-Tokens": "40000"})
         assert r.status_code == 400
-        assert r.content == (b'{"error":{"message":"Prompt too long: 40000 tokens exceeds max context window of 32768 '
-                             b'tokens","type":"invalid_request_error","param":null,"code":null}}')
+        assert r.content == (
+            b'{"error":{"message":"Prompt too long: 40000 tokens exceeds max context window of 32768 '
+            b'tokens","type":"invalid_request_error","param":null,"code":null}}'
+        )
         big = client.post("/v1/chat/completions", json=chat("y" * (4 * 32769)))
         assert big.status_code == 400 and "32769 tokens" in big.json()["error"]["message"]
         assert client.post("/v1/chat/completions", json=chat("y" * (4 * 32768), max_tokens=1)).status_code == 200
@@ -272,8 +288,9 @@ def test_fault_reset_mid_stream() -> None:
     with served() as (_, client):
         got = []
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
-            with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=10),
-                               headers={"X-Sim-Fault": "reset-mid-stream@4"}) as r:
+            with client.stream(
+                "POST", "/v1/chat/completions", json=chat(max_tokens=10), headers={"X-Sim-Fault": "reset-mid-stream@4"}
+            ) as r:
                 for data in r.iter_raw():
                     got.append(data)
         assert b"".join(got).count(b'"content":"') >= 1  # some tokens got through first
@@ -315,7 +332,10 @@ def test_nonstream_bodies_and_determinism() -> None:
     with served() as (_, client):
         body = {**chat("same prompt", max_tokens=5), "stream": False}
         a, b = client.post("/v1/chat/completions", json=body), client.post("/v1/chat/completions", json=body)
-        assert a.status_code == 200 and a.json()["choices"][0]["message"]["content"] == b.json()["choices"][0]["message"]["content"]
+        assert (
+            a.status_code == 200
+            and a.json()["choices"][0]["message"]["content"] == b.json()["choices"][0]["message"]["content"]
+        )
         assert a.json()["usage"]["completion_tokens"] == 5 and a.json()["choices"][0]["finish_reason"] == "length"
         c = client.post("/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 3})
         assert c.json()["object"] == "text_completion" and c.json()["usage"]["completion_tokens"] == 3
@@ -379,7 +399,12 @@ def test_cli_help_dry_run_and_bad_values() -> None:
     knobs = json.loads(dry.output.splitlines()[0])["sim_profile"]
     assert knobs["name"] == "mlx-omni-server" and knobs["decode_tps"] == 30.0 and knobs["serial"] is True
     assert "truth: TTFT" in dry.output
-    for bad in (["--speed", "0"], ["--profile", "nope"], ["--set", "bogus=1"], ["--set", "decode_tps=fast"],
-                ["--set", "reasoning_share=2"]):
+    for bad in (
+        ["--speed", "0"],
+        ["--profile", "nope"],
+        ["--set", "bogus=1"],
+        ["--set", "decode_tps=fast"],
+        ["--set", "reasoning_share=2"],
+    ):
         result = runner.invoke(sim, [*bad, "--dry-run"])
         assert result.exit_code == 2, (bad, result.output)

@@ -28,8 +28,13 @@ def test_prompt_token_rule() -> None:
     assert count_prompt_tokens(4) == 1
     assert count_prompt_tokens(5) == 2
     assert parse_request(chat_body("x" * 400), "chat", p).prompt_tokens == 100
-    parts = {"model": "m", "messages": [{"role": "system", "content": "abcd"},
-                                        {"role": "user", "content": [{"type": "text", "text": "efgh"}, {"type": "image_url"}]}]}
+    parts = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "abcd"},
+            {"role": "user", "content": [{"type": "text", "text": "efgh"}, {"type": "image_url"}]},
+        ],
+    }
     assert parse_request(parts, "chat", p).prompt_tokens == 2
     assert parse_request({"prompt": "x" * 41}, "completions", p).prompt_tokens == 11
     assert parse_request({"prompt": [1, 2, 3]}, "completions", p).prompt_tokens == 3
@@ -38,7 +43,9 @@ def test_prompt_token_rule() -> None:
 
 def test_request_fields_and_errors() -> None:
     p = PROFILES["healthy"]
-    req = parse_request(chat_body(stream=True, stream_options={"include_usage": True}, max_completion_tokens=7, seed=3), "chat", p)
+    req = parse_request(
+        chat_body(stream=True, stream_options={"include_usage": True}, max_completion_tokens=7, seed=3), "chat", p
+    )
     assert (req.stream, req.include_usage, req.max_tokens, req.seed) == (True, True, 7, 3)
     assert parse_request(chat_body(stream_options={}), "chat", p).stream_options_without_include_usage
     with pytest.raises(RequestError) as err:
@@ -58,7 +65,10 @@ def test_output_plan_is_deterministic_and_follows_max_tokens() -> None:
     assert a.n_reasoning == 18  # floor(0.9 * 20): a long reasoning stream, a short answer
     assert plan_output(req, p, app_seed=2).pieces != a.pieces
     seeded = parse_request(chat_body("other prompt", max_tokens=20, seed=5), "chat", p)
-    assert plan_output(seeded, p).pieces == plan_output(parse_request(chat_body(max_tokens=20, seed=5), "chat", p), p).pieces
+    assert (
+        plan_output(seeded, p).pieces
+        == plan_output(parse_request(chat_body(max_tokens=20, seed=5), "chat", p), p).pieces
+    )
     default = plan_output(parse_request(chat_body(), "chat", p), p)
     assert default.n_visible == p.default_output_tokens and default.finish_reason == "stop"
     capped = plan_output(parse_request(chat_body(max_tokens=32000), "chat", p), p)
@@ -87,8 +97,17 @@ def test_profiles_validate_and_coerce() -> None:
     assert coerce_knob("serial", "yes") is True
     with pytest.raises(ValueError):
         coerce_knob("decode_tps", "fast")
-    assert set(PROFILES) == {"healthy", "mlx-lm", "mlx-openai-server", "mlx-omni-server", "vllm-mlx",
-                             "rapid-mlx", "omlx", "mlx-vlm", "phantom-usage"}
+    assert set(PROFILES) == {
+        "healthy",
+        "mlx-lm",
+        "mlx-openai-server",
+        "mlx-omni-server",
+        "vllm-mlx",
+        "rapid-mlx",
+        "omlx",
+        "mlx-vlm",
+        "phantom-usage",
+    }
 
 
 # -- faults ---------------------------------------------------------------------------------
@@ -117,8 +136,9 @@ def skeleton(obj: object) -> object:
 
 
 def data_shapes(body: bytes) -> set[str]:
-    return {json.dumps(skeleton(json.loads(block[6:])))
-            for block in body.split(b"\n\n") if block.startswith(b"data: {")}
+    return {
+        json.dumps(skeleton(json.loads(block[6:]))) for block in body.split(b"\n\n") if block.startswith(b"data: {")
+    }
 
 
 def render(profile_name: str, body: dict, endpoint: str = "chat", faults: Faults = Faults(), **overrides: object):
@@ -126,8 +146,14 @@ def render(profile_name: str, body: dict, endpoint: str = "chat", faults: Faults
     req = parse_request(body, endpoint, profile)
     out = plan_output(req, profile)
     cls = style_class(profile.wire)
-    ctx = WireContext(cls.make_id("t", endpoint), "m", 1767225600, endpoint, req.include_usage,
-                      req.stream and req.stream_options_without_include_usage)
+    ctx = WireContext(
+        cls.make_id("t", endpoint),
+        "m",
+        1767225600,
+        endpoint,
+        req.include_usage,
+        req.stream and req.stream_options_without_include_usage,
+    )
     renderer = Renderer(cls(ctx), profile, out, req.prompt_tokens, stream=req.stream, faults=faults, admitted_s=0.0)
     writes = list(renderer.before_admission())
     if not renderer.done:
@@ -155,7 +181,9 @@ def body_of(writes) -> bytes:
 )
 def test_stream_shapes_match_the_fixtures(fixture_bytes, profile_name, fixture, include_usage, overrides) -> None:
     """Every chunk we send has the key order, null fields and value types of a chunk in the fixture."""
-    body = chat_body(stream=True, max_tokens=6, **({"stream_options": {"include_usage": True}} if include_usage else {}))
+    body = chat_body(
+        stream=True, max_tokens=6, **({"stream_options": {"include_usage": True}} if include_usage else {})
+    )
     writes, _ = render(profile_name, body, **overrides)
     ours, theirs = data_shapes(body_of(writes)), data_shapes(fixture_bytes(fixture))
     assert ours <= theirs, sorted(ours - theirs)
@@ -205,7 +233,9 @@ def test_usage_placement_per_style() -> None:
         assert body_of(render(name, no_usage)[0]).replace(b'"usage":{', b'"usage": {').count(b'"usage": {') == 1, name
     twice = body_of(render("vllm-mlx", chat_body(stream=True, max_tokens=4, stream_options={"include_usage": True}))[0])
     assert twice.count(b'"usage":{') == 2
-    omni = body_of(render("mlx-omni-server", chat_body(stream=True, max_tokens=4, stream_options={"include_usage": True}))[0])
+    omni = body_of(
+        render("mlx-omni-server", chat_body(stream=True, max_tokens=4, stream_options={"include_usage": True}))[0]
+    )
     assert omni.count(b'"finish_reason": "stop"') == 2
 
 
@@ -237,11 +267,17 @@ def test_context_limit_body_is_omlx_exact(fixture_bytes) -> None:
 
 
 def test_completions_stream() -> None:
-    writes, out = render("healthy", {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 3}, endpoint="completions")
+    writes, out = render(
+        "healthy", {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 3}, endpoint="completions"
+    )
     events = [json.loads(b[6:]) for b in body_of(writes).split(b"\n\n") if b.startswith(b"data: {")]
     assert all(e["object"] == "text_completion" for e in events)
     assert "".join(e["choices"][0]["text"] for e in events) == "".join(out.pieces)
-    vllm = body_of(render("vllm-mlx", {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 3}, endpoint="completions")[0])
+    vllm = body_of(
+        render("vllm-mlx", {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 3}, endpoint="completions")[
+            0
+        ]
+    )
     ids = {json.loads(b[6:])["id"] for b in vllm.split(b"\n\n") if b.startswith(b"data: {")}
     assert len(ids) >= 3  # a new id on every chunk
 
@@ -291,7 +327,9 @@ def test_renderer_ignores_events_after_done() -> None:
     profile = PROFILES["healthy"]
     req = parse_request(chat_body(stream=True, max_tokens=2), "chat", profile)
     out = plan_output(req, profile)
-    r = Renderer(style_class("openai")(WireContext("id", "m", 1)), profile, out, 1, stream=True, faults=Faults(), admitted_s=0)
+    r = Renderer(
+        style_class("openai")(WireContext("id", "m", 1)), profile, out, 1, stream=True, faults=Faults(), admitted_s=0
+    )
     assert isinstance(r.on_event(Headers("a", 0.0))[0], Start)
     r.on_event(Token("a", 1.0, 0))
     r.on_event(Token("a", 2.0, 1))

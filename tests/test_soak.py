@@ -28,8 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS and fds from /proc (Linux)")
 
 CONCURRENCY = 64
-CHAT = {"model": "m", "stream": True, "max_tokens": 6, "messages": [{"role": "user", "content": "hello there"}],
-        "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "m",
+    "stream": True,
+    "max_tokens": 6,
+    "messages": [{"role": "user", "content": "hello there"}],
+    "stream_options": {"include_usage": True},
+}
 
 SOAK_SYSTEM = "You are a coding agent working in a large repository. " * 40  # ~2 kB
 
@@ -70,8 +75,9 @@ class Process:
 def start(args: list[str], marker: str) -> Process:
     """Start `python -m mlxproxy ARGS`, wait for the line with `marker` and the URL after
     it, and keep draining its output (so it never blocks on a full pipe)."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlxproxy", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxproxy", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -104,13 +110,19 @@ async def one(client: httpx.AsyncClient, kind: str) -> str | None:
         r = await client.get("/v1/no-such-route")
         return None if r.status_code == 404 else f"{kind}: status {r.status_code}"
     if kind == "bad-json":
-        r = await client.post("/v1/chat/completions", content=b'{"model": "m", "stream": tru', headers={"content-type": "application/json"})
+        r = await client.post(
+            "/v1/chat/completions",
+            content=b'{"model": "m", "stream": tru',
+            headers={"content-type": "application/json"},
+        )
         return None if r.status_code == 400 else f"{kind}: status {r.status_code}"
     body = dict(CHAT)
     # every request starts a new conversation with an agent-sized system prompt: the prompt-prefix
     # index (256 conversations per upstream) fills during the warm-up and must stay bounded after it
-    body["messages"] = [{"role": "system", "content": SOAK_SYSTEM},
-                        {"role": "user", "content": f"hello there {random.getrandbits(48):x}"}]
+    body["messages"] = [
+        {"role": "system", "content": SOAK_SYSTEM},
+        {"role": "user", "content": f"hello there {random.getrandbits(48):x}"},
+    ]
     if kind == "usage-injected":
         del body["stream_options"]
     if kind == "non-stream":
@@ -141,6 +153,7 @@ async def drive(url: str, kinds: list[str]) -> list[str]:
     sem = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits, trust_env=False) as client:
+
         async def guarded(kind: str) -> str | None:
             async with sem:
                 try:
@@ -183,7 +196,9 @@ def soak(tmp_path: Path, warmup: int, n: int) -> dict:
     config = tmp_path / "proxy.yaml"
     sim = start(["sim", "--profile", "healthy", "--port", "0", "--speed", "200", "--seed", "1"], "listening on")
     try:
-        config.write_text(f"port: 0\nlog_requests: false\ntimeouts:\n  read_s: 1.0\nupstreams:\n  - name: sim\n    url: {sim.url}\n")
+        config.write_text(
+            f"port: 0\nlog_requests: false\ntimeouts:\n  read_s: 1.0\nupstreams:\n  - name: sim\n    url: {sim.url}\n"
+        )
         proxy = start(["serve", "--config", str(config), "--log-level", "warning"], "listening on")
         try:
             pid = proxy.proc.pid
@@ -204,10 +219,18 @@ def soak(tmp_path: Path, warmup: int, n: int) -> dict:
     finally:
         sim.stop()
     expected = Counter(MIX[k][2] for k in warm_kinds + kinds)
-    figures = {"requests": n, "warmup": warmup, "duration_s": round(duration, 1), "rps": round(n / duration),
-               "outcomes": dict(sorted(counted.items())), "rss_kib": (rss0, rss1),
-               "rss_growth": round(rss1 / rss0 - 1, 4), "fds": (fds_idle, fds0, fds1), "tasks": (tasks0, tasks1),
-               "in_flight_after": after["in_flight"]}
+    figures = {
+        "requests": n,
+        "warmup": warmup,
+        "duration_s": round(duration, 1),
+        "rps": round(n / duration),
+        "outcomes": dict(sorted(counted.items())),
+        "rss_kib": (rss0, rss1),
+        "rss_growth": round(rss1 / rss0 - 1, 4),
+        "fds": (fds_idle, fds0, fds1),
+        "tasks": (tasks0, tasks1),
+        "in_flight_after": after["in_flight"],
+    }
     print("\nsoak:", figures)
     assert alive, "the proxy process died:\n" + "".join(proxy.lines[-30:])
     assert problems == [], problems[:10]

@@ -5,7 +5,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEProtocolError
-
 from support import splits
 
 
@@ -32,7 +31,21 @@ def simple(items: list) -> list:
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r", b"\r\n"])
 def test_line_endings_give_same_events(eol: bytes) -> None:
-    body = eol.join([b": keepalive 1/2", b"", b"data: a", b"data:b", b"", b"event: x", b"id: 7", b"retry: 300", b"data:  c", b"", b""])
+    body = eol.join(
+        [
+            b": keepalive 1/2",
+            b"",
+            b"data: a",
+            b"data:b",
+            b"",
+            b"event: x",
+            b"id: 7",
+            b"retry: 300",
+            b"data:  c",
+            b"",
+            b"",
+        ]
+    )
     for parts in splits(body):
         assert simple(decode(parts)) == [
             ("comment", "keepalive 1/2"),
@@ -108,7 +121,11 @@ def test_any_bytes_any_split_never_raises_and_agrees(data: bytes, cuts: list[int
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
-        st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=20), min_size=1, max_size=3),
+        st.lists(
+            st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=20),
+            min_size=1,
+            max_size=3,
+        ),
         max_size=6,
     ),
     st.sampled_from([b"\n", b"\r", b"\r\n"]),

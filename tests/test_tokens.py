@@ -7,10 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxproxy.tokens import TokenCounter, find_tokenizer_file
-
-from support import read_fixture
 from fakeupstream import FakeUpstream, sse_response
+from mlxproxy.tokens import TokenCounter, find_tokenizer_file
+from support import read_fixture
 from test_proxy_e2e import last_record, proxy
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -21,8 +20,9 @@ def make_tokenizer(path: Path) -> Path:
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["Hello world, hello there, let me think."] * 50,
-                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.train_from_iterator(
+        ["Hello world, hello there, let me think."] * 50, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"])
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path

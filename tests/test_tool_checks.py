@@ -14,7 +14,6 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, ToolSpec, call_problem, find_markup, parse_tools
-
 from support import FIXTURES, read_fixture, splits
 
 TH = Thresholds()
@@ -34,8 +33,14 @@ def opencode_request() -> bytes:
     return raw.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in raw else raw.split(b"\n\n", 1)[1]
 
 
-def run(req: bytes, parts: list[bytes], *, path: str = "/v1/chat/completions", ctype: str = "text/event-stream",
-        status: int = 200) -> tuple[RequestMeter, Record]:
+def run(
+    req: bytes,
+    parts: list[bytes],
+    *,
+    path: str = "/v1/chat/completions",
+    ctype: str = "text/event-stream",
+    status: int = 200,
+) -> tuple[RequestMeter, Record]:
     info, _ = parse_request("POST", path, req)
     m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0)
     m.response_started(0.01, status, ctype)
@@ -55,10 +60,21 @@ def sse(*objs) -> bytes:
 
 
 def call_chunks(name: str, args: list[str], finish: str = "tool_calls") -> bytes:
-    first = {"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call_1", "type": "function", "function": {"name": name, "arguments": ""}}]}}]}
-    rest = [{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}}]}
-            for a in args]
+    first = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {
+                    "tool_calls": [
+                        {"index": 0, "id": "call_1", "type": "function", "function": {"name": name, "arguments": ""}}
+                    ]
+                },
+            }
+        ]
+    }
+    rest = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}}]} for a in args
+    ]
     fin = {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
     usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}}
     return sse(first, *rest, fin, usage)
@@ -118,16 +134,27 @@ def test_missing_required_and_undeclared_name_fire_invalid_tool_arguments() -> N
 
 
 def test_finish_stop_with_a_call_fires_finish_mismatch() -> None:
-    body = read_fixture("real2/chat_litellm_tool_calls.sse").replace(b'"finish_reason":"tool_calls"',
-                                                                      b'"finish_reason":"stop"')
+    body = read_fixture("real2/chat_litellm_tool_calls.sse").replace(
+        b'"finish_reason":"tool_calls"', b'"finish_reason":"stop"'
+    )
     assert b'"finish_reason":"stop"' in body
     for r in all_ways(WEATHER_REQ, body):
         assert r.tool_calls_valid == 1 and "tool_call_finish_mismatch" in r.anomalies
         assert "'stop'" in r.anomaly_evidence["tool_call_finish_mismatch"]
     # the reverse: finish tool_calls with no call at all
-    _, r = run(WEATHER_REQ, [sse({"choices": [{"index": 0, "delta": {"content": "Sure."}}]},
-                                 {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})])
-    assert "tool_call_finish_mismatch" in r.anomalies and "no structured" in r.anomaly_evidence["tool_call_finish_mismatch"]
+    _, r = run(
+        WEATHER_REQ,
+        [
+            sse(
+                {"choices": [{"index": 0, "delta": {"content": "Sure."}}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            )
+        ],
+    )
+    assert (
+        "tool_call_finish_mismatch" in r.anomalies
+        and "no structured" in r.anomaly_evidence["tool_call_finish_mismatch"]
+    )
 
 
 def test_a_call_cut_by_the_token_limit_is_not_a_finish_mismatch() -> None:
@@ -137,45 +164,82 @@ def test_a_call_cut_by_the_token_limit_is_not_a_finish_mismatch() -> None:
 
 def test_opencode_request_with_ten_tools_and_correct_calls_is_silent() -> None:
     req = opencode_request()
-    two = sse({"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [
-                  {"index": 0, "id": "c1", "type": "function", "function": {"name": "read", "arguments": ""}}]}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"filePath":'}}]}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' "/a.py"}'}}]}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [
-                  {"index": 1, "id": "c2", "type": "function",
-                   "function": {"name": "bash", "arguments": '{"command": "ls", "description": "list"}'}}]}}]},
-              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-              {"choices": [], "usage": {"prompt_tokens": 9000, "completion_tokens": 30, "total_tokens": 9030}})
+    two = sse(
+        {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "c1", "type": "function", "function": {"name": "read", "arguments": ""}}
+                        ]
+                    },
+                }
+            ]
+        },
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"filePath":'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' "/a.py"}'}}]}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 1,
+                                "id": "c2",
+                                "type": "function",
+                                "function": {"name": "bash", "arguments": '{"command": "ls", "description": "list"}'},
+                            }
+                        ]
+                    },
+                }
+            ]
+        },
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 9000, "completion_tokens": 30, "total_tokens": 9030}},
+    )
     for r in all_ways(req, two):
         assert r.tool_calls == 2 and r.tool_calls_valid == 2
         assert not TOOL_KINDS & set(r.anomalies), r.anomaly_evidence
     # plain prose about the tools (their names in backticks) is no markup
-    prose = sse({"choices": [{"index": 0, "delta": {"content": 'I would use `bash` or `read` with {"a": 1}.'}}]},
-                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    prose = sse(
+        {"choices": [{"index": 0, "delta": {"content": 'I would use `bash` or `read` with {"a": 1}.'}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    )
     _, r = run(req, [prose])
     assert r.tool_calls_valid == 0 and not TOOL_KINDS & set(r.anomalies), r.anomaly_evidence
 
 
-@pytest.mark.parametrize("text,label", [
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Hermes"),
-    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", "Hermes"),
-    ("<function=get_weather>\n<parameter=city>Paris</parameter></function>", "<function=NAME>"),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "python_tag"),
-    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Mistral"),
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "JSON object naming"),
-    ('Calling now: {"name": "get_weather", "arguments": {"city": "Paris"}}', "JSON object naming"),
-])
+@pytest.mark.parametrize(
+    "text,label",
+    [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Hermes"),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+            "Hermes",
+        ),
+        ("<function=get_weather>\n<parameter=city>Paris</parameter></function>", "<function=NAME>"),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "python_tag"),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Mistral"),
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "JSON object naming"),
+        ('Calling now: {"name": "get_weather", "arguments": {"city": "Paris"}}', "JSON object naming"),
+    ],
+)
 def test_markups_found(text: str, label: str) -> None:
     found = find_markup(text, (ToolSpec("get_weather", ("city",)),))
     assert found is not None and label in found
 
 
-@pytest.mark.parametrize("text", [
-    "The weather in Paris is sunny.",
-    '{"name": "Alice", "arguments": {"x": 1}}',  # a JSON object, but not naming a declared tool
-    "Use the get_weather tool with a city argument.",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather in Paris is sunny.",
+        '{"name": "Alice", "arguments": {"x": 1}}',  # a JSON object, but not naming a declared tool
+        "Use the get_weather tool with a city argument.",
+    ],
+)
 def test_no_markup_in_ordinary_answers(text: str) -> None:
     assert find_markup(text, (ToolSpec("get_weather", ("city",)),)) is None
 
@@ -189,17 +253,31 @@ def test_markup_from_the_responses_and_chat_recordings_also_found_in_its_functio
 
 def test_huge_arguments_are_bounded_and_not_judged() -> None:
     big = '{"city": "' + "x" * (MAX_ARGUMENT_CHARS + 1000)
-    m, r = run(WEATHER_REQ, [call_chunks("get_weather", [big[i:i + 50_000] for i in range(0, len(big), 50_000)])])
+    m, r = run(WEATHER_REQ, [call_chunks("get_weather", [big[i : i + 50_000] for i in range(0, len(big), 50_000)])])
     assert len(m.tool_calls[0]["arguments"]) == MAX_ARGUMENT_CHARS
     assert m.generated_chars >= len(big)  # the recount still sees every character
     assert r.tool_calls_valid == 1 and "invalid_tool_arguments" not in r.anomalies
 
 
 def test_nonstream_chat_with_tool_calls_is_checked() -> None:
-    body = orjson.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "content": None,
-        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]}}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}})
+    body = orjson.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
+                        ],
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
+        }
+    )
     _, r = run(WEATHER_REQ.replace(b'"stream":true', b'"stream":false'), [body], ctype="application/json")
     assert {"invalid_tool_arguments", "tool_call_finish_mismatch"} <= set(r.anomalies)
 
@@ -226,11 +304,15 @@ def test_tool_call_metric_by_outcome_and_anomaly_counters() -> None:
 
 # -- the simulator's tool-call styles, through the proxy ------------------------------------
 
-@pytest.mark.parametrize("style,fires", [
-    ("structured", set()),
-    ("markup", {"tool_call_in_content"}),
-    ("invalid-json", {"invalid_tool_arguments"}),
-])
+
+@pytest.mark.parametrize(
+    "style,fires",
+    [
+        ("structured", set()),
+        ("markup", {"tool_call_in_content"}),
+        ("invalid-json", {"invalid_tool_arguments"}),
+    ],
+)
 def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) -> None:
     import httpx
 
@@ -238,7 +320,6 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
     from mlxproxy.proxy.app import create_app
     from mlxproxy.runner import ServerThread
     from mlxproxy.sim.app import create_app as create_sim
-
     from support import wait_for
 
     with ServerThread(create_sim("healthy", speed=50, tool_call_style=style)) as sim:
@@ -246,8 +327,12 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
         with ServerThread(app) as proxy, httpx.Client(timeout=30) as c:
             recs = []
             for req in (opencode_request(), WEATHER_REQ):
-                with c.stream("POST", proxy.url + "/v1/chat/completions", content=req,
-                              headers={"content-type": "application/json"}) as r:
+                with c.stream(
+                    "POST",
+                    proxy.url + "/v1/chat/completions",
+                    content=req,
+                    headers={"content-type": "application/json"},
+                ) as r:
                     b"".join(r.iter_bytes())
                     rid = r.headers["x-mlxproxy-request-id"]
                 assert wait_for(lambda: any(x.id == rid for x in app.recent.records))  # noqa: B023

@@ -16,7 +16,6 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record, rate_figures, wall_window_s
 from mlxproxy.report import summarize_records, summary_row, untrusted_notes
-
 from support import read_fixture
 
 TH = Thresholds()
@@ -51,29 +50,47 @@ def stream_of(tokens: list[str], reported: int, finish: str = "length") -> bytes
 
     body = b"".join(chunk(t) for t in tokens)
     body += b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}) + b"\n\n"
-    body += b"data: " + orjson.dumps({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": reported,
-                                                                "total_tokens": 10 + reported}}) + b"\n\n"
+    body += (
+        b"data: "
+        + orjson.dumps(
+            {
+                "choices": [],
+                "usage": {"prompt_tokens": 10, "completion_tokens": reported, "total_tokens": 10 + reported},
+            }
+        )
+        + b"\n\n"
+    )
     return body + b"data: [DONE]\n\n"
 
 
 def times_usage(body: bytes, factor: int) -> bytes:
     """The same stream from a server whose usage over-reports `factor` times."""
-    return re.sub(rb'"completion_tokens":\s*(\d+)', lambda mm: b'"completion_tokens":%d' % (int(mm.group(1)) * factor), body)
+    return re.sub(
+        rb'"completion_tokens":\s*(\d+)', lambda mm: b'"completion_tokens":%d' % (int(mm.group(1)) * factor), body
+    )
 
 
 def usage_rates(r: Record) -> tuple[float | None, float | None, float | None]:
-    return rate_figures(r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
+    return rate_figures(
+        r.completion_tokens_reported, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s)
+    )
 
 
 # -- the trusted count -------------------------------------------------------------------
 
 HEALTHY_RECORDINGS = [
-    "real/mlx_lm_server_stream_usage.sse", "real/rapid_mlx_chat_stream_usage.sse",
-    "real/vllm_mlx_chat_stream_300tok.sse", "wire/01_openai_reference_include_usage.sse",
-    "wire/05_mlx_omni_server_include_usage.sse", "wire/06_vllm_mlx_reasoning_usage_twice.sse",
-    "wire/09_omlx_keepalive_usage_timings.sse", "wire/11_rapid_mlx_fast_path.sse",
-    "real2/chat_mlx_lm_server_cache_turn1.sse", "real2/chat_litellm_text_include_usage.sse",
-    "real2/chat_litellm_reasoning.sse", "real2/chat_litellm_tool_calls.sse",
+    "real/mlx_lm_server_stream_usage.sse",
+    "real/rapid_mlx_chat_stream_usage.sse",
+    "real/vllm_mlx_chat_stream_300tok.sse",
+    "wire/01_openai_reference_include_usage.sse",
+    "wire/05_mlx_omni_server_include_usage.sse",
+    "wire/06_vllm_mlx_reasoning_usage_twice.sse",
+    "wire/09_omlx_keepalive_usage_timings.sse",
+    "wire/11_rapid_mlx_fast_path.sse",
+    "real2/chat_mlx_lm_server_cache_turn1.sse",
+    "real2/chat_litellm_text_include_usage.sse",
+    "real2/chat_litellm_reasoning.sse",
+    "real2/chat_litellm_tool_calls.sse",
     "real2/chat_litellm_toolmarkup_in_content.sse",
 ]
 
@@ -89,15 +106,23 @@ def test_healthy_recordings_trust_usage_and_speeds_are_usages(name: str) -> None
     assert r.outcome in ("ok", "ok_no_done")
     assert not USAGE_KINDS & set(r.anomalies), r.anomaly_evidence
     assert r.completion_tokens_reported is not None
-    assert (r.completion_tokens, r.tokens_source, r.n_out) == (r.completion_tokens_reported, "usage", r.completion_tokens_reported)
+    assert (r.completion_tokens, r.tokens_source, r.n_out) == (
+        r.completion_tokens_reported,
+        "usage",
+        r.completion_tokens_reported,
+    )
     assert (r.tpot_s, r.decode_tps, r.wall_tps) == usage_rates(r)
 
 
-@pytest.mark.parametrize("name,phantom", [
-    ("real/vllm_mlx_chat_stream_300tok.sse", True), ("real2/chat_mlx_lm_server_cache_turn1.sse", True),
-    ("real2/chat_litellm_text_include_usage.sse", True),
-    ("real/mlx_lm_server_stream_usage.sse", False),  # 32 vs 8 events of 47 chars: 2.7x the estimate of 12
-])
+@pytest.mark.parametrize(
+    "name,phantom",
+    [
+        ("real/vllm_mlx_chat_stream_300tok.sse", True),
+        ("real2/chat_mlx_lm_server_cache_turn1.sse", True),
+        ("real2/chat_litellm_text_include_usage.sse", True),
+        ("real/mlx_lm_server_stream_usage.sse", False),  # 32 vs 8 events of 47 chars: 2.7x the estimate of 12
+    ],
+)
 def test_over_reporting_recordings_fire_and_speeds_use_the_stream(name: str, phantom: bool) -> None:
     """The same recordings with usage x4 (the phantom-usage pathology) still fire both
     checks, and no speed uses the contradicted count."""
@@ -124,7 +149,10 @@ def test_no_usage_falls_back_to_tokenizer_then_stream() -> None:
     body = read_fixture("real/vllm_mlx_chat_stream_300tok.sse")
     body = re.sub(rb',?"usage":\s*\{[^}]*\}', b"", body)
     _, r = run_body(body, usage=False)
-    assert r.completion_tokens_reported is None and (r.completion_tokens, r.tokens_source) == (r.completion_tokens_counted, "stream")
+    assert r.completion_tokens_reported is None and (r.completion_tokens, r.tokens_source) == (
+        r.completion_tokens_counted,
+        "stream",
+    )
     _, r = run_body(body, usage=False, count_tokens=rough_tokenizer)
     assert (r.completion_tokens, r.tokens_source) == (r.completion_tokens_tokenizer, "tokenizer")
 
@@ -134,7 +162,11 @@ def test_old_records_without_the_new_keys_still_load() -> None:
     d = r.to_dict(timeline=True)
     back = Record.from_dict(d)
     assert (back.completion_tokens, back.tokens_source, back.n_out, back.usage_untrusted) == (
-        r.completion_tokens, "stream", r.completion_tokens_counted, True)
+        r.completion_tokens,
+        "stream",
+        r.completion_tokens_counted,
+        True,
+    )
     old = {k: v for k, v in d.items() if k not in ("completion_tokens", "tokens_source")}
     o = Record.from_dict(old)
     assert o.tokens_source is None and o.n_out == o.completion_tokens_reported and not o.usage_untrusted
@@ -144,14 +176,39 @@ def test_old_records_without_the_new_keys_still_load() -> None:
 
 # Tokens of real text whose average is above 4 characters: each event is one token, usage
 # equals the events. The chars/4 estimate used to read more tokens than the server sent.
-CODE_TOKENS = ["\n", "                ", "return", " self", ".", "configuration", "[", "key", "]", "\n",
-               "            ", "raise", " NotImplementedError", "(", "name", ")"]
-LONG_WORDS = [" internationalization", " responsibilities", " Donaudampfschifffahrtsgesellschaft", " characteristically",
-              " notwithstanding", " telecommunications", " misunderstanding"]
+CODE_TOKENS = [
+    "\n",
+    "                ",
+    "return",
+    " self",
+    ".",
+    "configuration",
+    "[",
+    "key",
+    "]",
+    "\n",
+    "            ",
+    "raise",
+    " NotImplementedError",
+    "(",
+    "name",
+    ")",
+]
+LONG_WORDS = [
+    " internationalization",
+    " responsibilities",
+    " Donaudampfschifffahrtsgesellschaft",
+    " characteristically",
+    " notwithstanding",
+    " telecommunications",
+    " misunderstanding",
+]
 NON_ENGLISH = [" Привет", " мир", ",", " как", " дела", "?", " 你好", "世界", "。", " こんにちは", " überall", " Größe"]
 
 
-@pytest.mark.parametrize("tokens", [CODE_TOKENS, LONG_WORDS, NON_ENGLISH], ids=["indented-code", "long-words", "non-english"])
+@pytest.mark.parametrize(
+    "tokens", [CODE_TOKENS, LONG_WORDS, NON_ENGLISH], ids=["indented-code", "long-words", "non-english"]
+)
 @pytest.mark.parametrize("n", [16, 100, 256])
 def test_one_token_per_event_real_text_is_no_usage_mismatch(tokens: list[str], n: int) -> None:
     toks = [tokens[i % len(tokens)] for i in range(n)]
@@ -197,9 +254,23 @@ def test_tokenizer_recount_tolerates_what_reencoding_cannot_reproduce() -> None:
 
 def test_chars_band_boundaries() -> None:
     """10 events of 400 ASCII chars: estimate 100, band 50..200 (+3)."""
-    base = dict(id="r", started_at=0.0, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
-                outcome="ok", usage_requested=True, generated_events=10, completion_tokens_counted=10,
-                event_offsets_s=tuple(0.1 + 0.02 * i for i in range(10)), ttft_s=0.1, e2e_s=0.28, duration_s=0.3)
+    base = dict(
+        id="r",
+        started_at=0.0,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        usage_requested=True,
+        generated_events=10,
+        completion_tokens_counted=10,
+        event_offsets_s=tuple(0.1 + 0.02 * i for i in range(10)),
+        ttft_s=0.1,
+        e2e_s=0.28,
+        duration_s=0.3,
+    )
 
     def kinds(rep: int, **kw) -> set[str]:
         kw.setdefault("chars", 400)
@@ -212,9 +283,18 @@ def test_chars_band_boundaries() -> None:
     # 200 chars in 10 events may be 10 long tokens: a usage of 10 is what the stream shows
     assert "usage_mismatch" not in kinds(10, chars=200) and "usage_mismatch" not in kinds(7, chars=200)
     # the streamed count: 30 events are at least 30 tokens whatever their text
-    more = dict(base, generated_events=30, completion_tokens_counted=30, event_offsets_s=tuple(0.1 + 0.02 * i for i in range(30)))
-    assert "usage_mismatch" not in {a.kind for a in check_record(Record(completion_tokens_reported=27, **more), TH, chars=60)}
-    assert "usage_mismatch" in {a.kind for a in check_record(Record(completion_tokens_reported=26, **more), TH, chars=60)}
+    more = dict(
+        base,
+        generated_events=30,
+        completion_tokens_counted=30,
+        event_offsets_s=tuple(0.1 + 0.02 * i for i in range(30)),
+    )
+    assert "usage_mismatch" not in {
+        a.kind for a in check_record(Record(completion_tokens_reported=27, **more), TH, chars=60)
+    }
+    assert "usage_mismatch" in {
+        a.kind for a in check_record(Record(completion_tokens_reported=26, **more), TH, chars=60)
+    }
     # 40 CJK characters (120 UTF-8 bytes) in 10 events: one token per byte is possible, up to 120 (+3)
     assert "usage_mismatch" not in kinds(123, chars=40, nonascii_chars=40, nonascii_bytes=120)
     assert "usage_mismatch" in kinds(124, chars=40, nonascii_chars=40, nonascii_bytes=120)
@@ -245,10 +325,19 @@ def test_buffered_tool_call_of_43_tokens_is_no_phantom() -> None:
 
     args = orjson.dumps({"path": "src/app/main.py", "content": "def main():\n    print('hello world')\n"}).decode()
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "write_file", "arguments": args}}
-    body = (b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}) + b"\n\n"
-            + b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
-                                         "usage": {"prompt_tokens": 50, "completion_tokens": 43, "total_tokens": 93}})
-            + b"\n\ndata: [DONE]\n\n")
+    body = (
+        b"data: "
+        + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+        + b"\n\n"
+        + b"data: "
+        + orjson.dumps(
+            {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 50, "completion_tokens": 43, "total_tokens": 93},
+            }
+        )
+        + b"\n\ndata: [DONE]\n\n"
+    )
     for tokenizer in (rough_tokenizer, None):
         _, r = run_body(body, count_tokens=tokenizer)
         assert not USAGE_KINDS & set(r.anomalies), r.anomaly_evidence

@@ -18,12 +18,11 @@ import orjson
 import pytest
 import yaml
 
+from browser import Chromium, Page, require_chromium
 from mlxproxy.config import build_config
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
-
-from browser import Chromium, Page, require_chromium
 from support import wait_for
 
 KEY = "pk-web-test-3b9d2f"
@@ -59,8 +58,13 @@ def stack(**cfg) -> Iterator[tuple[str, ProxyApp]]:
 
 def chat(url: str, model: str, max_tokens: int, headers: dict[str, str] | None = None) -> None:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
-    with httpx.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body), timeout=60,
-                      headers={"content-type": "application/json", **(headers or {})}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        content=orjson.dumps(body),
+        timeout=60,
+        headers={"content-type": "application/json", **(headers or {})},
+    ) as r:
         assert r.status_code == 200
         for _ in r.iter_bytes():
             pass
@@ -88,8 +92,11 @@ def served(tmp_path: Path, key_env: str | None = None) -> Iterator[str]:
             "mlx-lm": es.enter_context(ServerThread(create_sim("mlx-lm", speed=4.0))),
             "phantom-usage": es.enter_context(ServerThread(create_sim("phantom-usage", speed=4.0))),
         }
-        cfg: dict = {"port": 0, "log_requests": False,
-                     "upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()]}
+        cfg: dict = {
+            "port": 0,
+            "log_requests": False,
+            "upstreams": [{"name": n, "url": s.url, "models": [n]} for n, s in sims.items()],
+        }
         if key_env:
             cfg["proxy_api_key_env"] = key_env
         config = tmp_path / "proxy.yaml"
@@ -111,7 +118,9 @@ def finished(url: str, n: int, headers: dict[str, str] | None = None) -> bool:
     return wait_for(lambda: streams(url, headers)["seq"] == n, 10)
 
 
-def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromium, artifacts: Path, tmp_path: Path) -> None:
+def test_live_page_shows_streams_timelines_charts_and_anomalies(
+    chromium: Chromium, artifacts: Path, tmp_path: Path
+) -> None:
     with served(tmp_path) as url:
         for model in ("mlx-lm", "phantom-usage", "mlx-lm", "phantom-usage"):
             chat(url, model, 60)
@@ -123,13 +132,17 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         # two long streams (40 tok/s, 320 tokens: 8 s) are in flight while the page reads them twice
         threads = in_background((chat, url, "healthy", 320), (chat, url, "healthy", 320))
         page.wait_for("document.querySelectorAll('#inflight tbody tr').length === 2")
-        first = page.eval("Object.fromEntries([...document.querySelectorAll('#inflight tbody tr')]"
-                          ".map(tr => [tr.dataset.id, +tr.querySelector('td.tokens').textContent]))")
+        first = page.eval(
+            "Object.fromEntries([...document.querySelectorAll('#inflight tbody tr')]"
+            ".map(tr => [tr.dataset.id, +tr.querySelector('td.tokens').textContent]))"
+        )
         assert set(first) == {s["id"] for s in streams(url)["in_flight"]}  # exactly the proxy's streams in flight
         rid = min(first, key=first.get)
-        later = page.wait_for(f"(() => {{ const tr = document.querySelector('#inflight tr[data-id=\"{rid}\"]');"
-                              f" const n = tr ? +tr.querySelector('td.tokens').textContent : 0;"
-                              f" return n > {first[rid]} ? n : 0; }})()")
+        later = page.wait_for(
+            f"(() => {{ const tr = document.querySelector('#inflight tr[data-id=\"{rid}\"]');"
+            f" const n = tr ? +tr.querySelector('td.tokens').textContent : 0;"
+            f" return n > {first[rid]} ? n : 0; }})()"
+        )
         assert later > first[rid]
         # ... and a live bar in the swim lanes of its upstream
         assert page.eval("document.querySelectorAll('#lanes g.span.live').length") == 2
@@ -140,8 +153,10 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         for t in threads:
             t.join(30)
         assert finished(url, 6)
-        page.wait_for("document.querySelectorAll('#recent tbody tr').length === 6"
-                      " && document.querySelectorAll('#inflight tbody tr').length === 0")
+        page.wait_for(
+            "document.querySelectorAll('#recent tbody tr').length === 6"
+            " && document.querySelectorAll('#inflight tbody tr').length === 0"
+        )
         records = streams(url, timeline=1)["recent"]
 
         # the charts have one point per finished request (all six are ok)
@@ -155,17 +170,27 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(chromium: Chromi
         page.click(f'#recent tr[data-id="{rec["id"]}"]')
         page.wait_for("!document.querySelector('#detail').hidden")
         assert page.eval("document.querySelector('#detail-id').textContent").startswith(rec["id"])
-        assert page.eval("document.querySelectorAll('#detail-plot .tok line').length") == len(rec["event_offsets_ms"]) > 200
+        assert (
+            page.eval("document.querySelectorAll('#detail-plot .tok line').length")
+            == len(rec["event_offsets_ms"])
+            > 200
+        )
         assert page.eval("!!document.querySelector('#detail-plot line.ttft')")
-        figures = page.eval("Object.fromEntries([...document.querySelectorAll('#detail-figures dt')]"
-                            ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
-        assert figures["TTFT"] == f"{rec['ttft_s']:.3f} s" and figures["tokens counted"] == str(rec["completion_tokens_counted"])
+        figures = page.eval(
+            "Object.fromEntries([...document.querySelectorAll('#detail-figures dt')]"
+            ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))"
+        )
+        assert figures["TTFT"] == f"{rec['ttft_s']:.3f} s" and figures["tokens counted"] == str(
+            rec["completion_tokens_counted"]
+        )
 
         # the anomalous profile: its anomalies are listed with the detector's evidence
         bad = [r for r in records if r["model"] == "phantom-usage"]
         assert len(bad) == 2 and all(r["anomalies"] for r in bad)
-        shown = page.eval("[...document.querySelectorAll('#anomalies li')].map(li => [li.dataset.id,"
-                          " li.querySelector('b').textContent, li.querySelector('.evidence').textContent])")
+        shown = page.eval(
+            "[...document.querySelectorAll('#anomalies li')].map(li => [li.dataset.id,"
+            " li.querySelector('b').textContent, li.querySelector('.evidence').textContent])"
+        )
         expected = sorted([r["id"], k, r["anomaly_evidence"][k]] for r in bad for k in r["anomalies"])
         assert sorted(shown) == expected and all(e for _, _, e in shown)
         page.click(f'#anomalies li[data-id="{bad[0]["id"]}"]')
@@ -199,10 +224,14 @@ def test_live_page_needs_the_proxy_key(chromium: Chromium, monkeypatch: pytest.M
         assert page.eval("document.querySelectorAll('#recent tbody tr').length") == 0
         assert page.eval("document.querySelector('#status').textContent") == "needs the proxy key"
         # a wrong key is refused, the right one shows the data
-        page.eval("document.querySelector('#keyinput').value = 'wrong'; document.querySelector('#keybox button').click()")
+        page.eval(
+            "document.querySelector('#keyinput').value = 'wrong'; document.querySelector('#keybox button').click()"
+        )
         page.wait_for("document.querySelector('#keyerror').textContent === 'That key was refused.'")
         assert page.eval("document.querySelectorAll('#recent tbody tr').length") == 0
-        page.eval(f"document.querySelector('#keyinput').value = '{KEY}'; document.querySelector('#keybox button').click()")
+        page.eval(
+            f"document.querySelector('#keyinput').value = '{KEY}'; document.querySelector('#keybox button').click()"
+        )
         page.wait_for("document.querySelectorAll('#recent tbody tr').length === 1")
         # only 401s from the data endpoint were logged (the browser logs each refused request)
         assert page.errors and all("401" in e for e in page.errors), page.errors
@@ -225,14 +254,22 @@ def test_page_files_are_packaged_and_open_without_the_key(monkeypatch: pytest.Mo
             page = c.get("/")
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
             assert "default-src 'self'" in page.headers["content-security-policy"]
-            for asset, kind in [("/ui/app.js", "text/javascript"), ("/ui/app.css", "text/css"), ("/ui/LICENSE", "text/plain")]:
+            for asset, kind in [
+                ("/ui/app.js", "text/javascript"),
+                ("/ui/app.css", "text/css"),
+                ("/ui/LICENSE", "text/plain"),
+            ]:
                 r = c.get(asset)
                 assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and r.content, asset
                 assert "http://" not in r.text.replace("http://www.w3.org/2000/svg", "") and "https://" not in r.text
             assert "https://" not in page.text and "http://HOST" in page.text
             assert c.head("/").status_code == 200
             r = c.post("/")
-            assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and r.headers["allow"] == "GET, HEAD"
+            assert (
+                r.status_code == 405
+                and r.json()["error"]["code"] == "method_not_allowed"
+                and r.headers["allow"] == "GET, HEAD"
+            )
             assert c.get("/streams").status_code == 401
             assert app.requests_seen == 0  # none of these was forwarded
 
@@ -259,8 +296,10 @@ def test_streams_since_and_timeline(tmp_path: Path) -> None:
             assert text not in body and "response_text" not in body and "reasoning_text" not in body  # ...never shown
             one = c.get("/streams", params={"id": ids[1], "timeline": 1}).json()["recent"]
             assert [r["id"] for r in one] == [ids[1]] and len(one[0]["event_offsets_ms"]) == one[0]["generated_events"]
-            assert [r["id"] for r in c.get("/streams", params=[("id", ids[0]), ("id", ids[2]), ("id", "gone")]).json()["recent"]] \
-                == [ids[0], ids[2]]
+            assert [
+                r["id"]
+                for r in c.get("/streams", params=[("id", ids[0]), ("id", ids[2]), ("id", "gone")]).json()["recent"]
+            ] == [ids[0], ids[2]]
             assert c.get("/streams", params={"since": 3}).json()["recent"] == []
             assert len(c.get("/streams", params={"since": 99}).json()["recent"]) == 3  # a restarted proxy: all
             for bad in ({"since": "-1"}, {"since": "x"}, {"timeline": "yes"}):
@@ -270,8 +309,9 @@ def test_streams_since_and_timeline(tmp_path: Path) -> None:
                 assert list(bad)[0] in err["message"]
 
 
-def test_an_own_route_that_fails_answers_an_openai_shaped_500(monkeypatch: pytest.MonkeyPatch,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_an_own_route_that_fails_answers_an_openai_shaped_500(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     with stack() as (url, app):
         monkeypatch.setattr(app, "recent", None)  # a bug in the data endpoint
         r = httpx.get(url + "/streams")
@@ -289,10 +329,24 @@ def test_record_to_dict_equals_the_deep_copy_it_replaced() -> None:
 
     from mlxproxy.core.record import Record
 
-    r = Record(id="r1", started_at=1.7e9, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
-               outcome="ok", ttft_s=0.1, anomalies=("stall",), anomaly_evidence={"stall": "3 gaps"}, tags=("replay",),
-               prefill_progress=(5, 10), server_claims={"timings": {"tps": 50.0}}, event_offsets_s=(0.1, 0.2),
-               response_text="hello")
+    r = Record(
+        id="r1",
+        started_at=1.7e9,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        ttft_s=0.1,
+        anomalies=("stall",),
+        anomaly_evidence={"stall": "3 gaps"},
+        tags=("replay",),
+        prefill_progress=(5, 10),
+        server_claims={"timings": {"tps": 50.0}},
+        event_offsets_s=(0.1, 0.2),
+        response_text="hello",
+    )
     for timeline in (False, True):
         old = dataclasses.asdict(r)
         old.update(anomalies=["stall"], tags=["replay"], prefill_progress=[5, 10])

@@ -16,12 +16,11 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from browser import Chromium, Page, require_chromium
 from mlxproxy.bench_cli import DEMO_PROFILES
 from mlxproxy.cli import main
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
-
-from browser import Chromium, Page, require_chromium
 
 EVIL = "evil<script>alert(1)</script>"
 
@@ -29,8 +28,10 @@ EVIL = "evil<script>alert(1)</script>"
 @contextlib.contextmanager
 def sims() -> Iterator[dict[str, str]]:
     with contextlib.ExitStack() as es:
-        yield {name: es.enter_context(ServerThread(create_sim(profile, speed=8.0))).url
-               for name, profile in (("healthy", "healthy"), ("phantom", "phantom-usage"), (EVIL, "mlx-omni-server"))}
+        yield {
+            name: es.enter_context(ServerThread(create_sim(profile, speed=8.0))).url
+            for name, profile in (("healthy", "healthy"), ("phantom", "phantom-usage"), (EVIL, "mlx-omni-server"))
+        }
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,22 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, P
         res = CliRunner().invoke(main, args + ["--json", str(d / "a.json"), "--html", str(d / "a.html")])
         assert res.exit_code == 0, res.output
         assert f"wrote {d / 'a.html'}" in res.output
-        res = CliRunner().invoke(main, ["bench", "--target", f"healthy={urls['healthy']}", "--prompt-tokens", "100",
-                                        "--max-tokens", "30", "--repeat", "1", "--json", str(d / "b.json")])
+        res = CliRunner().invoke(
+            main,
+            [
+                "bench",
+                "--target",
+                f"healthy={urls['healthy']}",
+                "--prompt-tokens",
+                "100",
+                "--max-tokens",
+                "30",
+                "--repeat",
+                "1",
+                "--json",
+                str(d / "b.json"),
+            ],
+        )
         assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["report", str(d / "a.json"), str(d / "b.json"), "--html", str(d / "both.html")])
     assert res.exit_code == 0, res.output
@@ -65,9 +80,14 @@ def test_html_report_is_self_contained_and_complete(bench_files: tuple[Path, Pat
     assert external_refs(html) == [] and "<script" not in html.lower() and "<link" not in html.lower()
     assert EVIL not in html and "evil&lt;script&gt;" in html  # names are escaped
     for target, verdict in doc["verdicts"].items():
-        assert f"<td>{_esc(target)}</td><td class=\"verdict\">{_esc(verdict)}</td>" in html
-    for title in ("TTFT by prompt size", "Prefill tokens/s by prompt size", "Per-stream decode tokens/s",
-                  "Aggregate tokens/s by parallel streams", "Speedup over one stream"):
+        assert f'<td>{_esc(target)}</td><td class="verdict">{_esc(verdict)}</td>' in html
+    for title in (
+        "TTFT by prompt size",
+        "Prefill tokens/s by prompt size",
+        "Per-stream decode tokens/s",
+        "Aggregate tokens/s by parallel streams",
+        "Speedup over one stream",
+    ):
         assert title in html
     ids = {r["id"] for g in doc["groups"] for r in g["records"]}
     assert set(re.findall(r'<g class="req" data-id="([0-9a-f]+)"', html)) == ids  # every request, once
@@ -100,16 +120,23 @@ def open_offline(chromium: Chromium, path: Path) -> Page:
 
 
 def assert_shows_report(page: Page, doc: dict) -> None:
-    shown = page.eval("Object.fromEntries([...document.querySelectorAll('#verdicts tr[data-target]')]"
-                      ".map(tr => [tr.dataset.target, tr.querySelector('.verdict').textContent]))")
+    shown = page.eval(
+        "Object.fromEntries([...document.querySelectorAll('#verdicts tr[data-target]')]"
+        ".map(tr => [tr.dataset.target, tr.querySelector('.verdict').textContent]))"
+    )
     assert shown == doc["verdicts"] and shown
     # each curve is drawn, with one line per target that has two or more points
-    plots = page.eval("[...document.querySelectorAll('#plots svg')].map(s => [s.querySelector('text').textContent,"
-                      " s.querySelectorAll('polyline').length, s.querySelectorAll('circle').length,"
-                      " s.getBoundingClientRect().width])")
+    plots = page.eval(
+        "[...document.querySelectorAll('#plots svg')].map(s => [s.querySelector('text').textContent,"
+        " s.querySelectorAll('polyline').length, s.querySelectorAll('circle').length,"
+        " s.getBoundingClientRect().width])"
+    )
     titles = [p[0] for p in plots]
-    assert titles[:3] == ["TTFT by prompt size (p50)", "Prefill tokens/s by prompt size (p50)",
-                          "Per-stream decode tokens/s by parallel streams (p50)"], titles
+    assert titles[:3] == [
+        "TTFT by prompt size (p50)",
+        "Prefill tokens/s by prompt size (p50)",
+        "Per-stream decode tokens/s by parallel streams (p50)",
+    ], titles
     assert all(p[2] > 0 and p[3] > 100 for p in plots), plots
     ttft = plots[0]
     assert ttft[1] >= len([t for t in doc.get("targets", []) if not t.get("error")]) - 1  # one may have failed sizes
@@ -135,8 +162,12 @@ def test_demo_writes_an_html_report_that_opens_offline(tmp_path: Path) -> None:
     verdict and the curves from it with no network."""
     require_chromium()
     out = tmp_path / "demo"
-    res = subprocess.run([sys.executable, "-m", "mlxproxy", "demo", "--repeat", "1", "--dir", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "mlxproxy", "demo", "--repeat", "1", "--dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     report = out / "bench.html"
     assert f"HTML report: {report.resolve()}" in res.stdout
@@ -155,22 +186,45 @@ def test_replay_html_report(tmp_path: Path) -> None:
     """`replay --html`: the replayed group, its summary and one timeline lane per request."""
     from mlxproxy.config import build_config
     from mlxproxy.proxy.app import create_app
-
     from support import wait_for
 
     cap = tmp_path / "capture.jsonl"
     with ServerThread(create_sim("healthy", speed=20.0)) as sim:
-        app = create_app(build_config({"upstreams": [{"name": "sim", "url": sim.url}], "capture": str(cap)}, log_requests=False))
+        app = create_app(
+            build_config({"upstreams": [{"name": "sim", "url": sim.url}], "capture": str(cap)}, log_requests=False)
+        )
         with ServerThread(app) as px:
             import httpx
 
             for _ in range(3):
-                httpx.post(px.url + "/v1/chat/completions", json={"model": "m", "stream": True, "max_tokens": 20,
-                                                                  "messages": [{"role": "user", "content": "hi"}]})
+                httpx.post(
+                    px.url + "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "stream": True,
+                        "max_tokens": 20,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                )
             assert wait_for(lambda: app.capture is not None and app.capture.written == 3)
         out = tmp_path / "replay.html"
-        res = CliRunner().invoke(main, ["replay", str(cap), "--target", sim.url, "--name", "again", "--mode", "sequential",
-                                        "--html", str(out), "--json", str(tmp_path / "r.json")])
+        res = CliRunner().invoke(
+            main,
+            [
+                "replay",
+                str(cap),
+                "--target",
+                sim.url,
+                "--name",
+                "again",
+                "--mode",
+                "sequential",
+                "--html",
+                str(out),
+                "--json",
+                str(tmp_path / "r.json"),
+            ],
+        )
     assert res.exit_code == 0, res.output
     html = out.read_text()
     doc = orjson.loads((tmp_path / "r.json").read_bytes())

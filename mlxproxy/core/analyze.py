@@ -22,9 +22,17 @@ from mlxproxy.core.record import OK_OUTCOMES, Outcome, Record
 __all__ = ["finish_checked"]
 
 
-def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome: Outcome | None = None,
-                   error: str | None = None, earlier: Sequence[Record] = (),
-                   count_tokens: Callable[[str], int] | None = None, prefixes: PrefixIndex | None = None) -> Record:
+def finish_checked(
+    meter: RequestMeter,
+    t_end: float,
+    th: Thresholds,
+    *,
+    outcome: Outcome | None = None,
+    error: str | None = None,
+    earlier: Sequence[Record] = (),
+    count_tokens: Callable[[str], int] | None = None,
+    prefixes: PrefixIndex | None = None,
+) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
@@ -45,8 +53,14 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
         nonascii_chars = chars - ascii_chars
         if nonascii_chars:
             nonascii_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
-    found = check_record(record, th, chars=chars if text is not None else None, nonascii_chars=nonascii_chars,
-                         nonascii_bytes=nonascii_bytes, headers_to_first_byte_s=meter.silent_after_headers_s(t_end))
+    found = check_record(
+        record,
+        th,
+        chars=chars if text is not None else None,
+        nonascii_chars=nonascii_chars,
+        nonascii_bytes=nonascii_bytes,
+        headers_to_first_byte_s=meter.silent_after_headers_s(t_end),
+    )
     if record.tool_calls_valid is not None:
         found.extend(check_tools(record, meter.tool_problems(), meter.tool_markup() if not record.tool_calls else None))
     if meter.decoder is not None:
@@ -68,8 +82,13 @@ def finish_checked(meter: RequestMeter, t_end: float, th: Thresholds, *, outcome
             found.extend(more)
         if record.outcome in OK_OUTCOMES:
             cid, turn = prefixes.add(pp, match, record.id, record.prompt_tokens, t_end)
-            if (turn == 1 and not record.cached_tokens and record.prefill_tps and not burst
-                    and (record.prompt_tokens or 0) >= th.prefix_min_tokens):
+            if (
+                turn == 1
+                and not record.cached_tokens
+                and record.prefill_tps
+                and not burst
+                and (record.prompt_tokens or 0) >= th.prefix_min_tokens
+            ):
                 prefixes.cold_prefill_tps.append(record.prefill_tps)
         elif match is not None:
             cid, turn = match.conversation_id, match.turn

@@ -18,8 +18,16 @@ import orjson
 
 from mlxproxy.core.openai import error_message
 
-__all__ = ["ApiEvent", "messages_event", "responses_event", "messages_usage", "responses_usage",
-           "messages_body", "responses_body", "STREAM_APIS"]
+__all__ = [
+    "ApiEvent",
+    "messages_event",
+    "responses_event",
+    "messages_usage",
+    "responses_usage",
+    "messages_body",
+    "responses_body",
+    "STREAM_APIS",
+]
 
 STREAM_APIS = ("messages", "responses")
 
@@ -206,9 +214,14 @@ def messages_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] |
                 evs.append(ApiEvent(reasoning=b["thinking"]))
             elif b.get("type") in ("tool_use", "server_tool_use"):
                 inp = b.get("input")
-                evs.append(ApiEvent(tool_index=i, tool_id=b.get("id") if isinstance(b.get("id"), str) else None,
-                                    tool_name=b.get("name") if isinstance(b.get("name"), str) else "",
-                                    tool_args=orjson.dumps(inp).decode() if inp is not None else ""))
+                evs.append(
+                    ApiEvent(
+                        tool_index=i,
+                        tool_id=b.get("id") if isinstance(b.get("id"), str) else None,
+                        tool_name=b.get("name") if isinstance(b.get("name"), str) else "",
+                        tool_args=orjson.dumps(inp).decode() if inp is not None else "",
+                    )
+                )
     fin = ApiEvent(finish=obj["stop_reason"] if isinstance(obj.get("stop_reason"), str) else None)
     evs.append(fin)
     usage = messages_usage(obj["usage"], True) if isinstance(obj.get("usage"), dict) else None
@@ -236,9 +249,14 @@ def responses_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] 
                             evs.append(ApiEvent(reasoning=part["text"]))
             elif t in ("function_call", "custom_tool_call"):
                 args = item.get("arguments", item.get("input"))
-                evs.append(ApiEvent(tool_index=i, tool_id=item.get("call_id") if isinstance(item.get("call_id"), str) else None,
-                                    tool_name=item.get("name") if isinstance(item.get("name"), str) else "",
-                                    tool_args=args if isinstance(args, str) else ""))
+                evs.append(
+                    ApiEvent(
+                        tool_index=i,
+                        tool_id=item.get("call_id") if isinstance(item.get("call_id"), str) else None,
+                        tool_name=item.get("name") if isinstance(item.get("name"), str) else "",
+                        tool_args=args if isinstance(args, str) else "",
+                    )
+                )
     fin = ApiEvent()
     _final_state(fin, obj)
     evs.append(fin)

@@ -20,18 +20,53 @@ from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, uncached_tok
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
-__all__ = ["Thresholds", "Anomaly", "AnomalyKind", "ANOMALY_KINDS", "check_record", "find_serialized", "find_abandoned",
-           "check_markup", "prefill_scaling",
-           "with_anomalies", "estimated_tokens", "streamed_band", "trusted_count", "with_trusted_count",
-           "prefill_judgeable", "uncached_prompt_tokens", "MOSTLY_CACHED", "stall_stats", "check_tools", "check_prefix"]
+__all__ = [
+    "Thresholds",
+    "Anomaly",
+    "AnomalyKind",
+    "ANOMALY_KINDS",
+    "check_record",
+    "find_serialized",
+    "find_abandoned",
+    "check_markup",
+    "prefill_scaling",
+    "with_anomalies",
+    "estimated_tokens",
+    "streamed_band",
+    "trusted_count",
+    "with_trusted_count",
+    "prefill_judgeable",
+    "uncached_prompt_tokens",
+    "MOSTLY_CACHED",
+    "stall_stats",
+    "check_tools",
+    "check_prefix",
+]
 
 AnomalyKind = Literal[
-    "usage_mismatch", "phantom_speed", "usage_missing", "non_incremental_stream", "stall", "context_limit",
-    "missing_finish", "stream_error", "duplicate_content", "dual_reasoning_fields", "unreported_length",
-    "silent_prefill", "serialized", "superlinear_prefill",
-    "tool_call_in_content", "invalid_tool_arguments", "tool_call_finish_mismatch",
-    "prefix_cache_miss", "prompt_prefix_changed",
-    "truncated_tool_call", "generation_after_disconnect", "reasoning_in_content", "reasoning_only",
+    "usage_mismatch",
+    "phantom_speed",
+    "usage_missing",
+    "non_incremental_stream",
+    "stall",
+    "context_limit",
+    "missing_finish",
+    "stream_error",
+    "duplicate_content",
+    "dual_reasoning_fields",
+    "unreported_length",
+    "silent_prefill",
+    "serialized",
+    "superlinear_prefill",
+    "tool_call_in_content",
+    "invalid_tool_arguments",
+    "tool_call_finish_mismatch",
+    "prefix_cache_miss",
+    "prompt_prefix_changed",
+    "truncated_tool_call",
+    "generation_after_disconnect",
+    "reasoning_in_content",
+    "reasoning_only",
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 
@@ -91,8 +126,9 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
 
 
-def estimated_tokens(r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0,
-                     nonascii_bytes: int = 0) -> int | None:
+def estimated_tokens(
+    r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
+) -> int | None:
     """Output tokens actually streamed, best guess (the middle of `streamed_band`): the
     tokenizer's count when there is one, else the generated events, or the text's estimate
     when that is more (servers that send several tokens per event): ASCII characters /
@@ -100,8 +136,9 @@ def estimated_tokens(r: Record, chars: int | None, th: Thresholds, *, nonascii_c
     return streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)[1]
 
 
-def streamed_band(r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0,
-                  nonascii_bytes: int = 0) -> tuple[int, int, int] | tuple[None, None, None]:
+def streamed_band(
+    r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
+) -> tuple[int, int, int] | tuple[None, None, None]:
     """(low, estimate, high): the output tokens a stream can have carried, given what it
     shows. A usage count outside [low, high] (each widened by `usage_extra_tokens`) cannot
     be explained by the estimate's error (docs/METRICS.md, "Estimates and their error").
@@ -124,8 +161,11 @@ def streamed_band(r: Record, chars: int | None, th: Thresholds, *, nonascii_char
     tools = r.tool_calls * th.tool_call_tokens
     tok = r.completion_tokens_tokenizer
     rep = r.completion_tokens_reported
-    one_per_event = (rep is not None and events >= rep - th.usage_extra_tokens
-                     and (chars or 0) <= th.max_chars_per_token * max(events, 1))
+    one_per_event = (
+        rep is not None
+        and events >= rep - th.usage_extra_tokens
+        and (chars or 0) <= th.max_chars_per_token * max(events, 1)
+    )
     if tok is not None:
         low = events if one_per_event else max(events, math.floor(tok / (1.0 + th.tokenizer_tolerance)))
         est = max(events, tok)
@@ -162,8 +202,15 @@ def _cyclic(idx: list[int], th: Thresholds) -> float | None:
     return mean if sd / mean <= th.cyclic_cv_max else None
 
 
-def check_record(r: Record, th: Thresholds, *, chars: int | None = None, nonascii_chars: int = 0,
-                 nonascii_bytes: int = 0, headers_to_first_byte_s: float | None = None) -> list[Anomaly]:
+def check_record(
+    r: Record,
+    th: Thresholds,
+    *,
+    chars: int | None = None,
+    nonascii_chars: int = 0,
+    nonascii_bytes: int = 0,
+    headers_to_first_byte_s: float | None = None,
+) -> list[Anomaly]:
     """The anomalies of one finished request. `chars` is the number of generated
     characters streamed (content + reasoning + tool names and arguments), when known;
     `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
@@ -194,31 +241,55 @@ def _failure_checks(r: Record, th: Thresholds, headers_to_first_byte_s: float | 
             ev = f"prompt refused as too long: {(r.error or '')[:160]}"
         add(Anomaly("context_limit", f"HTTP {r.status}: {ev}"))
     if r.outcome == "stream_error":
-        add(Anomaly("stream_error", f"error object inside a {r.status} stream: {(r.error or '')[:160]}"
-                    + (f" (followed by finish_reason {r.finish_reason!r})" if r.finish_reason else "")))
+        add(
+            Anomaly(
+                "stream_error",
+                f"error object inside a {r.status} stream: {(r.error or '')[:160]}"
+                + (f" (followed by finish_reason {r.finish_reason!r})" if r.finish_reason else ""),
+            )
+        )
     if sse and r.outcome == "truncated":
-        add(Anomaly("missing_finish", f"stream ended {'with [DONE] ' if r.events and r.error is None else ''}"
-                    f"after {r.generated_events} generated events without any finish_reason"))
+        add(
+            Anomaly(
+                "missing_finish",
+                f"stream ended {'with [DONE] ' if r.events and r.error is None else ''}"
+                f"after {r.generated_events} generated events without any finish_reason",
+            )
+        )
     if r.dual_reasoning_events:
-        add(Anomaly("dual_reasoning_fields", f"{r.dual_reasoning_events} deltas carried both `reasoning` and "
-                    "`reasoning_content`: a client summing both counts every reasoning token twice"))
+        add(
+            Anomaly(
+                "dual_reasoning_fields",
+                f"{r.dual_reasoning_events} deltas carried both `reasoning` and "
+                "`reasoning_content`: a client summing both counts every reasoning token twice",
+            )
+        )
     if r.duplicate_content:
         add(Anomaly("duplicate_content", "a final chunk repeated the whole answer already streamed"))
     if headers_to_first_byte_s is not None and headers_to_first_byte_s > th.silent_prefill_s:
-        add(Anomaly("silent_prefill", f"{_fmt(headers_to_first_byte_s)} s without a single byte after the headers "
-                    f"(limit {_fmt(th.silent_prefill_s)} s): clients with idle timeouts give up"))
+        add(
+            Anomaly(
+                "silent_prefill",
+                f"{_fmt(headers_to_first_byte_s)} s without a single byte after the headers "
+                f"(limit {_fmt(th.silent_prefill_s)} s): clients with idle timeouts give up",
+            )
+        )
     return out
 
 
-def _usage_checks(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int,
-                  nonascii_bytes: int) -> bool:
+def _usage_checks(
+    r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int, nonascii_bytes: int
+) -> bool:
     """Does the stream explain the server's count? Adds to `out`; True when a tool call was cut
     by the token limit and withheld (`truncated_tool_call`)."""
     add = out.append
     sse = r.completion_tokens_counted is not None
     rep = r.completion_tokens_reported
-    low, est, high = (streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)
-                      if sse else (None, None, None))
+    low, est, high = (
+        streamed_band(r, chars, th, nonascii_chars=nonascii_chars, nonascii_bytes=nonascii_bytes)
+        if sse
+        else (None, None, None)
+    )
     if sse and rep is None and (r.usage_requested or r.usage_injected):
         add(Anomaly("usage_missing", "usage was asked for (stream_options.include_usage) but the stream carried none"))
     elif sse and rep is None and r.endpoint in ("messages", "responses"):
@@ -230,16 +301,35 @@ def _usage_checks(r: Record, th: Thresholds, out: list[Anomaly], chars: int | No
         # tools offered, the token limit reached, no call came back and usage counts tokens the stream
         # lacks: the server's tool parser held back the unfinished call and dropped it. The tokens were
         # generated (not a phantom rate), and an agent gets an empty answer. Judged at any size.
-        add(Anomaly("truncated_tool_call", f"usage says {rep} output tokens but {est} were streamed, finish "
-                    f"{r.finish_reason!r} at max_tokens {r.max_tokens} with tools offered and no tool call back: "
-                    "a tool call cut by the token limit that the server's tool parser held back and never sent"))
-    if rep is not None and est is not None and low is not None and high is not None and max(rep, est) >= th.usage_min_tokens:
+        add(
+            Anomaly(
+                "truncated_tool_call",
+                f"usage says {rep} output tokens but {est} were streamed, finish "
+                f"{r.finish_reason!r} at max_tokens {r.max_tokens} with tools offered and no tool call back: "
+                "a tool call cut by the token limit that the server's tool parser held back and never sent",
+            )
+        )
+    if (
+        rep is not None
+        and est is not None
+        and low is not None
+        and high is not None
+        and max(rep, est) >= th.usage_min_tokens
+    ):
         tok = r.completion_tokens_tokenizer
         if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
-            seen = (f"tokenizer count {tok}" if tok is not None
-                    else f"{est} streamed ({r.generated_events} events{f', {chars} chars' if chars else ''})")
-            add(Anomaly("usage_mismatch", f"usage says {rep} output tokens, {seen}; the stream allows "
-                        f"{low}..{high} (+{th.usage_extra_tokens})"))
+            seen = (
+                f"tokenizer count {tok}"
+                if tok is not None
+                else f"{est} streamed ({r.generated_events} events{f', {chars} chars' if chars else ''})"
+            )
+            add(
+                Anomaly(
+                    "usage_mismatch",
+                    f"usage says {rep} output tokens, {seen}; the stream allows "
+                    f"{low}..{high} (+{th.usage_extra_tokens})",
+                )
+            )
         window = None
         if r.event_offsets_s and len(r.event_offsets_s) >= 2:
             window = r.event_offsets_s[-1] - r.event_offsets_s[0]
@@ -248,8 +338,13 @@ def _usage_checks(r: Record, th: Thresholds, out: list[Anomaly], chars: int | No
             if window and window > 0:
                 implied = (rep - 1) / window
                 real = max(est - 1, 1) / window
-                add(Anomaly("phantom_speed", f"usage says {rep} tokens, {est} streamed in {_fmt(window)} s: "
-                            f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)"))
+                add(
+                    Anomaly(
+                        "phantom_speed",
+                        f"usage says {rep} tokens, {est} streamed in {_fmt(window)} s: "
+                        f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)",
+                    )
+                )
             else:
                 add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
     return cut_call
@@ -268,9 +363,14 @@ def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
         if (window < th.burst_fraction * r.duration_s and rate > th.burst_min_tps) or tpe > th.tokens_per_event_max:
             ttft = r.ttft_s or 0.0
             e2e = r.e2e_s or r.duration_s
-            out.append(Anomaly("non_incremental_stream", f"{n_out} tokens in {r.generated_events} events arrived "
-                               f"within {window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E "
-                               f"{_fmt(e2e)} s"))
+            out.append(
+                Anomaly(
+                    "non_incremental_stream",
+                    f"{n_out} tokens in {r.generated_events} events arrived "
+                    f"within {window * 1000:.1f} ms; TTFT {_fmt(ttft)} s is {100 * ttft / e2e:.0f}% of E2E "
+                    f"{_fmt(e2e)} s",
+                )
+            )
 
 
 def _stall_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
@@ -293,8 +393,13 @@ def _length_check(r: Record, th: Thresholds, out: list[Anomaly], chars: int | No
         if cut_call:  # nothing of the cut call was streamed, and a cut call has no EOS: usage is the count
             n, seen = rep, f"usage {rep} (a withheld tool call, no EOS)"
         if n >= r.max_tokens:
-            out.append(Anomaly("unreported_length", f"finish_reason {r.finish_reason!r} although {seen} reached "
-                               f"max_tokens {r.max_tokens} (usage {rep})"))
+            out.append(
+                Anomaly(
+                    "unreported_length",
+                    f"finish_reason {r.finish_reason!r} although {seen} reached "
+                    f"max_tokens {r.max_tokens} (usage {rep})",
+                )
+            )
 
 
 def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
@@ -317,8 +422,7 @@ def _generated_count(r: Record, chars: int | None, th: Thresholds) -> tuple[int,
     events = r.completion_tokens_counted
     if events is None:
         return rep - 1, f"usage {rep} (less a possible EOS)"
-    one_per_event = (events >= rep - th.usage_extra_tokens
-                     and (chars or 0) <= th.max_chars_per_token * max(events, 1))
+    one_per_event = events >= rep - th.usage_extra_tokens and (chars or 0) <= th.max_chars_per_token * max(events, 1)
     if one_per_event:  # exact: a re-encoded text may count one more or less
         return events, f"{events} streamed tokens"
     if r.completion_tokens_tokenizer is not None:
@@ -338,20 +442,37 @@ def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[
     if r.tool_calls_valid is None or r.outcome not in OK_OUTCOMES:
         return out
     if r.tool_calls == 0 and markup is not None:
-        out.append(Anomaly("tool_call_in_content", f"no structured tool call came back, but the content carries {markup}"
-                           f" (finish {r.finish_reason!r}): the server's tool parser is missing or wrong"))
+        out.append(
+            Anomaly(
+                "tool_call_in_content",
+                f"no structured tool call came back, but the content carries {markup}"
+                f" (finish {r.finish_reason!r}): the server's tool parser is missing or wrong",
+            )
+        )
     if problems:
-        out.append(Anomaly("invalid_tool_arguments", f"{len(problems)} of {r.tool_calls} tool calls unusable: "
-                           + "; ".join(problems[:3])))
+        out.append(
+            Anomaly(
+                "invalid_tool_arguments",
+                f"{len(problems)} of {r.tool_calls} tool calls unusable: " + "; ".join(problems[:3]),
+            )
+        )
     expected = TOOL_FINISH.get(r.endpoint)
     fr = r.finish_reason
     if expected is not None and fr is not None:
         if r.tool_calls and fr != expected and fr not in _LIMIT_FINISH:
-            out.append(Anomaly("tool_call_finish_mismatch", f"{r.tool_calls} structured tool calls but finish reason "
-                               f"{fr!r}, not {expected!r}: clients that wait for {expected!r} never run them"))
+            out.append(
+                Anomaly(
+                    "tool_call_finish_mismatch",
+                    f"{r.tool_calls} structured tool calls but finish reason "
+                    f"{fr!r}, not {expected!r}: clients that wait for {expected!r} never run them",
+                )
+            )
         elif not r.tool_calls and fr == expected:
-            out.append(Anomaly("tool_call_finish_mismatch", f"finish reason {expected!r} but no structured tool call "
-                               "came back"))
+            out.append(
+                Anomaly(
+                    "tool_call_finish_mismatch", f"finish reason {expected!r} but no structured tool call came back"
+                )
+            )
     return out
 
 
@@ -377,18 +498,35 @@ def check_markup(r: Record, content: str) -> list[Anomaly]:
         text = content if len(content) <= 2 * _SCAN_CHARS else content[:_SCAN_CHARS] + "\n" + content[-_SCAN_CHARS:]
         m = _THINK.search(text)
         if m:
-            out.append(Anomaly("reasoning_in_content", f"the streamed content carries reasoning markup {m.group(0)!r} "
-                               f"at char {m.start()}: {text[max(m.start() - 20, 0):m.start() + 60]!r}; clients show "
-                               "the model's reasoning as its answer (no reasoning parser, or the wrong one)"))
-    elif (r.reasoning_tokens_counted and r.ttfc_s is None and not r.tool_calls
-          and r.finish_reason is not None and r.finish_reason not in _LIMIT_FINISH):
-        out.append(Anomaly("reasoning_only", f"{r.reasoning_tokens_counted} reasoning events and no content or tool "
-                           f"call, finish {r.finish_reason!r}: the whole answer was streamed as reasoning, so a client "
-                           "shows none (TTFC never set)"))
+            out.append(
+                Anomaly(
+                    "reasoning_in_content",
+                    f"the streamed content carries reasoning markup {m.group(0)!r} "
+                    f"at char {m.start()}: {text[max(m.start() - 20, 0) : m.start() + 60]!r}; clients show "
+                    "the model's reasoning as its answer (no reasoning parser, or the wrong one)",
+                )
+            )
+    elif (
+        r.reasoning_tokens_counted
+        and r.ttfc_s is None
+        and not r.tool_calls
+        and r.finish_reason is not None
+        and r.finish_reason not in _LIMIT_FINISH
+    ):
+        out.append(
+            Anomaly(
+                "reasoning_only",
+                f"{r.reasoning_tokens_counted} reasoning events and no content or tool "
+                f"call, finish {r.finish_reason!r}: the whole answer was streamed as reasoning, so a client "
+                "shows none (TTFC never set)",
+            )
+        )
     return out
 
 
-def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds) -> tuple[dict[str, Any], list[Anomaly]]:
+def check_prefix(
+    r: Record, m: Match, prefill_rate: float | None, th: Thresholds
+) -> tuple[dict[str, Any], list[Anomaly]]:
     """Record fields and anomalies of a request that continues a conversation (`m`):
     `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
     `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
@@ -398,8 +536,11 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
     first turns)."""
     reusable, source = m.tokens(m.shared_chars)
     prev_tokens = m.tokens(m.previous_chars)[0]
-    fields: dict[str, Any] = {"prefix_reusable_tokens": reusable, "prefix_tokens_source": source,
-                    "prefix_diverged_at": m.diverged_at}
+    fields: dict[str, Any] = {
+        "prefix_reusable_tokens": reusable,
+        "prefix_tokens_source": source,
+        "prefix_diverged_at": m.diverged_at,
+    }
     cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
     if cached is not None and reusable > 0:
         fields["cache_hit_ratio"] = round(cached / reusable, 3)
@@ -408,10 +549,15 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
         return fields, out
     lost = prev_tokens - reusable
     if not m.extends and lost >= th.prefix_min_tokens:
-        out.append(Anomaly("prompt_prefix_changed", f"continues conversation {m.conversation_id} (turn {m.turn}: same "
-                           f"first user message and tools) but differs from its previous request {m.previous_id} at "
-                           f"{m.diverged_at}: ~{lost} of its {prev_tokens} prompt tokens cannot be reused by any "
-                           f"cache (counted from {source})"))
+        out.append(
+            Anomaly(
+                "prompt_prefix_changed",
+                f"continues conversation {m.conversation_id} (turn {m.turn}: same "
+                f"first user message and tools) but differs from its previous request {m.previous_id} at "
+                f"{m.diverged_at}: ~{lost} of its {prev_tokens} prompt tokens cannot be reused by any "
+                f"cache (counted from {source})",
+            )
+        )
     if reusable >= th.prefix_min_tokens and ttft is not None and ttft > 0:
         if cached is not None:
             if cached < th.prefix_miss_ratio * reusable:
@@ -420,19 +566,29 @@ def check_prefix(r: Record, m: Match, prefill_rate: float | None, th: Thresholds
                     wasted = min(wasted, ttft)
                     fields["prefill_wasted_s"] = wasted
                 cost = f"; TTFT {_fmt(ttft)} s, ~{_fmt(ttft - wasted)} s with a hit" if wasted is not None else ""
-                out.append(Anomaly("prefix_cache_miss", f"~{reusable} prompt tokens were reusable from request "
-                                   f"{m.previous_id} (turn {m.turn - 1}) but the server reported {cached} cached "
-                                   f"(ratio {cached / reusable:.2f}){cost}"))
+                out.append(
+                    Anomaly(
+                        "prefix_cache_miss",
+                        f"~{reusable} prompt tokens were reusable from request "
+                        f"{m.previous_id} (turn {m.turn - 1}) but the server reported {cached} cached "
+                        f"(ratio {cached / reusable:.2f}){cost}",
+                    )
+                )
         elif prefill_rate and prompt and prompt >= reusable:
             full, hit = prompt / prefill_rate, (prompt - reusable) / prefill_rate
             if ttft > (full + hit) / 2:
                 wasted = min(ttft - hit, ttft)
                 fields["prefill_wasted_s"] = wasted
-                out.append(Anomaly("prefix_cache_miss", f"~{reusable} prompt tokens were reusable from request "
-                                   f"{m.previous_id} (turn {m.turn - 1}); no cached_tokens reported, but TTFT "
-                                   f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
-                                   f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
-                                   f"({_fmt(hit)} s)"))
+                out.append(
+                    Anomaly(
+                        "prefix_cache_miss",
+                        f"~{reusable} prompt tokens were reusable from request "
+                        f"{m.previous_id} (turn {m.turn - 1}); no cached_tokens reported, but TTFT "
+                        f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
+                        f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
+                        f"({_fmt(hit)} s)",
+                    )
+                )
     return fields, out
 
 
@@ -483,8 +639,9 @@ def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds, **change
     n, source = trusted_count(r, kinds)
     if (n, source) != (r.completion_tokens, r.tokens_source):
         changes.update(_trusted_fields(r, n, source))
-    return r.evolve(anomalies=tuple(kinds), anomaly_evidence=evidence, stall_count=len(idx),
-                    stall_total_s=sum(lengths), **changes)
+    return r.evolve(
+        anomalies=tuple(kinds), anomaly_evidence=evidence, stall_count=len(idx), stall_total_s=sum(lengths), **changes
+    )
 
 
 def _decode_window(r: Record) -> tuple[float, float] | None:
@@ -536,17 +693,23 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
             continue
         after = f"its first token came {_dur(b_first - a_end)} after"
         if a.outcome == "client_disconnect":
-            ev = (f"arrived {_dur(abs(b_start - a.t_start_mono))} {'after' if a.t_start_mono <= b_start else 'before'} "
-                  f"request {a.id} and waited while that one generated for {_dur(waited_during)} until its client left; "
-                  f"{after} the server stopped (the disconnect): the two never progressed together")
+            ev = (
+                f"arrived {_dur(abs(b_start - a.t_start_mono))} {'after' if a.t_start_mono <= b_start else 'before'} "
+                f"request {a.id} and waited while that one generated for {_dur(waited_during)} until its client left; "
+                f"{after} the server stopped (the disconnect): the two never progressed together"
+            )
         elif a.t_start_mono <= b_start:
-            ev = (f"arrived {_dur(b_start - a.t_start_mono)} after request {a.id}, whose stream still had "
-                  f"{_dur(a_end - b_start)} to go, but {after} that stream's last: it waited for the rest of "
-                  "another stream instead of progressing with it")
+            ev = (
+                f"arrived {_dur(b_start - a.t_start_mono)} after request {a.id}, whose stream still had "
+                f"{_dur(a_end - b_start)} to go, but {after} that stream's last: it waited for the rest of "
+                "another stream instead of progressing with it"
+            )
         else:
-            ev = (f"arrived {_dur(a.t_start_mono - b_start)} before request {a.id} but was served after it: it waited "
-                  f"while the whole of that stream ({a.generated_events} events over {_dur(a_end - a_first)}) "
-                  f"was generated, and {after} that stream's last")
+            ev = (
+                f"arrived {_dur(a.t_start_mono - b_start)} before request {a.id} but was served after it: it waited "
+                f"while the whole of that stream ({a.generated_events} events over {_dur(a_end - a_first)}) "
+                f"was generated, and {after} that stream's last"
+            )
         return Anomaly("serialized", ev)
     return None
 
@@ -596,8 +759,14 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
         waited = b_first - left  # how long `later` still waited for its first token after the client left
         if waited < th.abandoned_min_wait_s:
             continue
-        if any(o.outcome in OK_OUTCOMES and o.ttft_s is not None and o.t_start_mono >= left
-               and o.t_start_mono + o.ttft_s < b_first and o.ttft_s < th.abandoned_min_wait_s for o in same):
+        if any(
+            o.outcome in OK_OUTCOMES
+            and o.ttft_s is not None
+            and o.t_start_mono >= left
+            and o.t_start_mono + o.ttft_s < b_first
+            and o.ttft_s < th.abandoned_min_wait_s
+            for o in same
+        ):
             continue  # served promptly in between: the server was free
         window = a.event_offsets_s[-1] - a.event_offsets_s[0] if len(a.event_offsets_s) >= 2 else 0.0
         if a.max_tokens is not None and window > 0:
@@ -605,13 +774,18 @@ def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> 
             run_on = max(a.max_tokens - a.generated_events, 0) / rate  # how long it would have gone on
             if b_start >= left + run_on:
                 continue
-            would = (f"left at event {a.generated_events} of max_tokens {a.max_tokens} (up to {_dur(run_on)} more "
-                     f"at its {_fmt(rate)} events/s)")
+            would = (
+                f"left at event {a.generated_events} of max_tokens {a.max_tokens} (up to {_dur(run_on)} more "
+                f"at its {_fmt(rate)} events/s)"
+            )
         else:
             would = f"left at event {a.generated_events}" + ("" if a.max_tokens else " (no max_tokens)")
-        return Anomaly("generation_after_disconnect", f"TTFT {_dur(ttft)} ({_dur(expected)} expected from {basis}): "
-                       f"the first token came {_dur(waited)} after the client of request {a.id} {would}: the server "
-                       "kept generating for a client that had gone")
+        return Anomaly(
+            "generation_after_disconnect",
+            f"TTFT {_dur(ttft)} ({_dur(expected)} expected from {basis}): "
+            f"the first token came {_dur(waited)} after the client of request {a.id} {would}: the server "
+            "kept generating for a client that had gone",
+        )
     return None
 
 
@@ -681,6 +855,9 @@ def prefill_scaling(records: Iterable[Record], th: Thresholds) -> Anomaly | None
         return None
     best = max(smaller, key=lambda s: med[s])
     if med[best] / med[hi] > th.superlinear_factor:
-        return Anomaly("superlinear_prefill", f"prefill {_fmt(med[best])} tok/s at {best} prompt tokens but {_fmt(med[hi])} tok/s at "
-                       f"{hi}: each prompt token costs {med[best] / med[hi]:.1f}x more at the larger size")
+        return Anomaly(
+            "superlinear_prefill",
+            f"prefill {_fmt(med[best])} tok/s at {best} prompt tokens but {_fmt(med[hi])} tok/s at "
+            f"{hi}: each prompt token costs {med[best] / med[hi]:.1f}x more at the larger size",
+        )
     return None

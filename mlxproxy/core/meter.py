@@ -255,8 +255,12 @@ class RequestMeter:
             content = d.content or d.text
             reasoning = d.reasoning
             tool_calls = d.tool_calls
-        if (content and self.content_events >= 2 and len(content) == self._content_chars
-                and content == "".join(self.content_parts)):  # joined only when the lengths agree: linear overall
+        if (
+            content
+            and self.content_events >= 2
+            and len(content) == self._content_chars
+            and content == "".join(self.content_parts)
+        ):  # joined only when the lengths agree: linear overall
             self.duplicate_content = True  # a terminal chunk replaying the whole answer
             return
         self._generated(t, content, reasoning, bool(tool_calls))
@@ -344,7 +348,7 @@ class RequestMeter:
             if len(arguments) <= room:
                 slot["arguments"] += arguments
             else:
-                slot["arguments"] += arguments[:max(room, 0)]
+                slot["arguments"] += arguments[: max(room, 0)]
                 self._tool_args_over[idx] = self._tool_args_over.get(idx, 0) + len(arguments) - max(room, 0)
 
     def tool_problems(self) -> list[str]:
@@ -388,9 +392,12 @@ class RequestMeter:
     @property
     def generated_chars(self) -> int:
         """Characters of generated text streamed (content, reasoning, tool names and arguments)."""
-        return (sum(map(len, self.content_parts)) + sum(map(len, self.reasoning_parts))
-                + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values())
-                + sum(self._tool_args_over.values()))
+        return (
+            sum(map(len, self.content_parts))
+            + sum(map(len, self.reasoning_parts))
+            + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values())
+            + sum(self._tool_args_over.values())
+        )
 
     def silent_after_headers_s(self, t_end: float) -> float | None:
         """How long the body stayed silent after the headers (to the first byte, or to
@@ -400,8 +407,14 @@ class RequestMeter:
         first = self.t_first_byte if self.t_first_byte is not None else t_end
         return first - self.t_headers
 
-    def finish(self, t_end: float, *, outcome: Outcome | None = None, error: str | None = None,
-               tokenizer_tokens: int | None = None) -> Record:
+    def finish(
+        self,
+        t_end: float,
+        *,
+        outcome: Outcome | None = None,
+        error: str | None = None,
+        tokenizer_tokens: int | None = None,
+    ) -> Record:
         """Close the body and compute the record. `outcome` overrides the classification
         for transport failures seen by the shell (`upstream_unreachable`,
         `upstream_timeout`, `client_disconnect`). `tokenizer_tokens` is a tokenizer's
@@ -487,8 +500,14 @@ class RequestMeter:
                 return "protocol_error"
         return "ok"
 
-    def _record(self, t_end: float, outcome: Outcome, err: str | None, ctx: tuple[bool, int | None, int | None],
-                tokenizer_tokens: int | None) -> Record:
+    def _record(
+        self,
+        t_end: float,
+        outcome: Outcome,
+        err: str | None,
+        ctx: tuple[bool, int | None, int | None],
+        tokenizer_tokens: int | None,
+    ) -> Record:
         t0 = self.t_start
         usage = self.usage or {}
         prompt = _int(usage.get("prompt_tokens"))
@@ -525,8 +544,9 @@ class RequestMeter:
         # not the client's wait (SDKs stop reading there); the tail is reported on its own
         done_at = rel(self.t_done)
         tail = max(duration - done_at, 0.0) if done_at is not None else None
-        tpot, decode, wall = rate_figures(n_out, ttft if self.t_last_token is not None else None, e2e,
-                                          duration - (tail or 0.0))
+        tpot, decode, wall = rate_figures(
+            n_out, ttft if self.t_last_token is not None else None, e2e, duration - (tail or 0.0)
+        )
         prefill = None
         uncached = uncached_tokens(prompt, cached)
         if uncached and ttft is not None and ttft > 0:  # None when nothing was prefilled
@@ -572,8 +592,7 @@ class RequestMeter:
             finish_reason=self.finish_reason,
             finish_reasons_seen=self.finish_reasons_seen,
             tool_calls=len(self.tool_calls),
-            tool_calls_valid=(None if self.request.tools is None
-                              else len(self.tool_calls) - len(self.tool_problems())),
+            tool_calls_valid=(None if self.request.tools is None else len(self.tool_calls) - len(self.tool_problems())),
             error=None if err is None else err[:500],
             context_prompt_tokens=ctx[1],
             context_limit_tokens=ctx[2],

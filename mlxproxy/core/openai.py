@@ -212,9 +212,14 @@ def plain_delta(obj: Any) -> tuple[str, str] | None:
     if type(delta) is not dict:
         return None
     # `k in d and d[k] is not None`: most of these members are absent, and `in` is the cheapest test
-    if (("finish_reason" in ch and ch["finish_reason"] is not None) or ("text" in ch and ch["text"] is not None)
-            or ("usage" in obj and obj["usage"] is not None) or ("error" in obj and obj["error"] is not None)
-            or ("timings" in obj and obj["timings"] is not None) or ("metrics" in obj and obj["metrics"] is not None)):
+    if (
+        ("finish_reason" in ch and ch["finish_reason"] is not None)
+        or ("text" in ch and ch["text"] is not None)
+        or ("usage" in obj and obj["usage"] is not None)
+        or ("error" in obj and obj["error"] is not None)
+        or ("timings" in obj and obj["timings"] is not None)
+        or ("metrics" in obj and obj["metrics"] is not None)
+    ):
         return None
     c = delta.get("content")
     if type(c) is str and c and len(delta) == 1:  # {"content": "..."}: nothing else to look at
@@ -322,14 +327,22 @@ def error_message(obj: Any) -> str | None:
 
 _CTX_PATTERNS = (
     # oMLX: "Prompt too long: 51587 tokens exceeds max context window of 32768 tokens"
-    re.compile(r"(?P<prompt>\d{1,18}) tokens exceeds? (?:the )?max(?:imum)? context (?:window|length) of (?P<limit>\d{1,18})", re.I),
+    re.compile(
+        r"(?P<prompt>\d{1,18}) tokens exceeds? (?:the )?max(?:imum)? context (?:window|length) of (?P<limit>\d{1,18})",
+        re.I,
+    ),
     # vLLM / OpenAI: "This model's maximum context length is 32768 tokens. However, you requested 40000 tokens"
-    re.compile(r"maximum context length is (?P<limit>\d{1,18}) tokens.*?(?:requested|resulted in|contains?) (?P<prompt>\d{1,18}) tokens", re.I | re.S),
+    re.compile(
+        r"maximum context length is (?P<limit>\d{1,18}) tokens.*?(?:requested|resulted in|contains?) (?P<prompt>\d{1,18}) tokens",
+        re.I | re.S,
+    ),
     re.compile(r"maximum context length is (?P<limit>\d{1,18}) tokens", re.I),
     re.compile(r"(?:prompt|input)[^.]{0,40}?(?:too long|exceeds?)[^.]{0,60}?context", re.I),
     re.compile(r"context (?:window|length)[^.]{0,40}?exceed", re.I),
     # llama.cpp: "request (4476 tokens) exceeds the available context size (4096 tokens)"
-    re.compile(r"\((?P<prompt>\d{1,18}) tokens\) exceeds? the available context size \((?P<limit>\d{1,18}) tokens\)", re.I),
+    re.compile(
+        r"\((?P<prompt>\d{1,18}) tokens\) exceeds? the available context size \((?P<limit>\d{1,18}) tokens\)", re.I
+    ),
     # mlx-vlm 0.7.10 (HTTP 400 {"detail": ...}): "Protected conversation exceeds the available context budget."
     re.compile(r"exceeds? the available context (?:budget|size)", re.I),
     re.compile(r"context[_ ]length[_ ]exceeded", re.I),

@@ -105,9 +105,15 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
         return None
     names: tuple[str, ...] = ()
     if isinstance(tools, list) and tools:
-        names = tuple(str(n) for n in sorted(
-            t.get("function", t).get("name", "") if isinstance(t, dict) and isinstance(t.get("function", t), dict)
-            else "" for t in tools))
+        names = tuple(
+            str(n)
+            for n in sorted(
+                t.get("function", t).get("name", "")
+                if isinstance(t, dict) and isinstance(t.get("function", t), dict)
+                else ""
+                for t in tools
+            )
+        )
     key = hash((first_user, names))
     budget = MAX_BLOCKS
     blocks: list[array[int] | None] = []
@@ -124,12 +130,13 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
             continue
         n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
         if n <= budget:
-            blocks.append(array("q", [hash(text[k:k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
+            blocks.append(array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
             budget -= n
         else:
             blocks.append(None)
-    return PromptPrint(key, tuple(label for label, _ in pieces), array("q", hashes), array("q", lengths),
-                       tuple(blocks), tools_set)
+    return PromptPrint(
+        key, tuple(label for label, _ in pieces), array("q", hashes), array("q", lengths), tuple(blocks), tools_set
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,11 +231,21 @@ class PrefixIndex:
         if e is None:
             return None
         shared, extends, where = compare(e.prompt, new)
-        return Match(e.conversation_id, e.turn + 1, e.request_id, e.prompt_tokens, e.prompt.total_chars, shared,
-                     extends, where, e.end_s)
+        return Match(
+            e.conversation_id,
+            e.turn + 1,
+            e.request_id,
+            e.prompt_tokens,
+            e.prompt.total_chars,
+            shared,
+            extends,
+            where,
+            e.end_s,
+        )
 
-    def add(self, new: PromptPrint, match: Match | None, request_id: str, prompt_tokens: int | None,
-            end_s: float) -> tuple[str, int]:
+    def add(
+        self, new: PromptPrint, match: Match | None, request_id: str, prompt_tokens: int | None, end_s: float
+    ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn)."""
         cid, turn = (match.conversation_id, match.turn) if match is not None else (request_id, 1)
         self._by_key[new.key] = _Entry(cid, turn, request_id, new, prompt_tokens, end_s)

@@ -13,8 +13,17 @@ from typing import Any, Literal, get_args
 
 from mlxproxy.core.openai import Endpoint
 
-__all__ = ["Record", "Outcome", "OUTCOMES", "OK_OUTCOMES", "TokensSource", "TOKENS_SOURCES", "rate_figures", "uncached_tokens",
-           "wall_window_s"]
+__all__ = [
+    "Record",
+    "Outcome",
+    "OUTCOMES",
+    "OK_OUTCOMES",
+    "TokensSource",
+    "TOKENS_SOURCES",
+    "rate_figures",
+    "uncached_tokens",
+    "wall_window_s",
+]
 
 Outcome = Literal[
     "ok",
@@ -35,8 +44,9 @@ TokensSource = Literal["usage", "tokenizer", "stream"]
 TOKENS_SOURCES: tuple[TokensSource, ...] = get_args(TokensSource)
 
 
-def rate_figures(n_out: int | None, ttft_s: float | None, e2e_s: float | None,
-                 duration_s: float | None) -> tuple[float | None, float | None, float | None]:
+def rate_figures(
+    n_out: int | None, ttft_s: float | None, e2e_s: float | None, duration_s: float | None
+) -> tuple[float | None, float | None, float | None]:
     """(tpot_s, decode_tps, wall_tps) of `n_out` output tokens: the decode window runs from
     the first to the last generated event (`ttft_s` to `e2e_s`), the wall time is `duration_s`."""
     tpot = decode = wall = None
@@ -159,8 +169,11 @@ class Record:
     @property
     def usage_untrusted(self) -> bool:
         """The server reported usage but the speeds do not use it (the stream contradicted it)."""
-        return (self.completion_tokens_reported is not None and self.tokens_source is not None
-                and self.tokens_source != "usage")
+        return (
+            self.completion_tokens_reported is not None
+            and self.tokens_source is not None
+            and self.tokens_source != "usage"
+        )
 
     @property
     def t_end_mono(self) -> float:

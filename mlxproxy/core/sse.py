@@ -101,8 +101,15 @@ class SSEDecoder:
         # `data: ...\n\n`, arriving while no line or event is open. Each such event is built
         # directly, exactly as `_line` + `_dispatch` would build it; at the first byte that
         # does not fit the pattern the rest of the read goes to the general path.
-        if (self._buf or self._skip_lf or self._discarding or self._open or self._skip_event
-                or not data.startswith(b"data: ") or b"\r" in data):
+        if (
+            self._buf
+            or self._skip_lf
+            or self._discarding
+            or self._open
+            or self._skip_event
+            or not data.startswith(b"data: ")
+            or b"\r" in data
+        ):
             return self._feed_general(data)
         out: list[SSEItem] = []
         find = data.find

@@ -14,8 +14,16 @@ from typing import Any
 
 import orjson
 
-__all__ = ["ToolSpec", "parse_tools", "call_problem", "find_markup", "MARKUPS", "MAX_TOOLS",
-           "MAX_ARGUMENT_CHARS", "TOOL_FINISH"]
+__all__ = [
+    "ToolSpec",
+    "parse_tools",
+    "call_problem",
+    "find_markup",
+    "MARKUPS",
+    "MAX_TOOLS",
+    "MAX_ARGUMENT_CHARS",
+    "TOOL_FINISH",
+]
 
 MAX_TOOLS = 256  # tools kept from one request (more are ignored, as if undeclared: never judged)
 MAX_NAME_CHARS = 128
@@ -74,7 +82,9 @@ def call_problem(tools: Iterable[ToolSpec], name: str, arguments: str, *, trunca
     specs = {t.name: t for t in tools}
     shown = repr(name[:60])
     if name not in specs:
-        return f"call to {shown}, which the request did not declare (declared: {', '.join(sorted(specs)[:8]) or 'none'})"
+        return (
+            f"call to {shown}, which the request did not declare (declared: {', '.join(sorted(specs)[:8]) or 'none'})"
+        )
     if truncated:
         return None  # too long to keep: not judged
     text = arguments.strip() or "{}"
@@ -117,12 +127,14 @@ def find_markup(text: str, tools: Iterable[ToolSpec]) -> str | None:
     for label, pat in MARKUPS:
         m = pat.search(text)
         if m:
-            return f"{label} at char {m.start()}: {text[m.start():m.start() + 80]!r}"
+            return f"{label} at char {m.start()}: {text[m.start() : m.start() + 80]!r}"
     names = {t.name for t in tools}
     if "{" in text and names:
         for m in _NAME_PAIR.finditer(text):
             if m.group(1) in names and _ARGS_KEY.search(text):
                 start = text.rfind("{", 0, m.start())
                 start = m.start() if start < 0 else start
-                return f"JSON object naming the declared tool {m.group(1)!r} at char {start}: {text[start:start + 80]!r}"
+                return (
+                    f"JSON object naming the declared tool {m.group(1)!r} at char {start}: {text[start : start + 80]!r}"
+                )
     return None

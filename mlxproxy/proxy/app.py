@@ -64,25 +64,35 @@ OFF_LOOP_EVENTS = 20_000  # a stream with more generated events has its record f
 
 now = time.perf_counter
 
-BAD_TARGET = json_error(400, "the request target must be a path starting with '/' (origin-form)",
-                        "invalid_request_target", "invalid_request_error")[1]
+BAD_TARGET = json_error(
+    400,
+    "the request target must be a path starting with '/' (origin-form)",
+    "invalid_request_target",
+    "invalid_request_error",
+)[1]
 INTERNAL_ERROR = json_error(500, "the proxy failed on this request (a bug; the log has details)", "internal_error")[1]
 RID_SCOPE_KEY = "mlxproxy.request_id"  # set in the scope once a request has a record
 
-UNAUTHORIZED = json_error(401, "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' "
-                               "or 'x-api-key: <key>'", "invalid_api_key", "invalid_request_error")[1]
+UNAUTHORIZED = json_error(
+    401,
+    "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+    "invalid_api_key",
+    "invalid_request_error",
+)[1]
 
 
 class ProxyApp:
     """The ASGI application. `observers` receive every finished record after the
     built-in ones (metrics, recent records, log line)."""
 
-    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
-                 observers: list[Observer] | None = None) -> None:
+    def __init__(
+        self, config: Config, *, registry: CollectorRegistry | None = None, observers: list[Observer] | None = None
+    ) -> None:
         """Raises `ConfigError` when `proxy_api_key_env` names an unset variable."""
         self.config = config
-        self.head_limits = HeadLimits(config.max_request_header_bytes, config.max_request_headers,
-                                      config.request_header_timeout_s)  # applied by the server (runner.py)
+        self.head_limits = HeadLimits(
+            config.max_request_header_bytes, config.max_request_headers, config.request_header_timeout_s
+        )  # applied by the server (runner.py)
         key = proxy_api_key(config)
         self._authorized = KeyCheck(key) if key is not None else None
         self._open_routes = frozenset(PAGE_PATHS | {"/healthz"} if config.metrics_need_key else OWN_ROUTES)
@@ -92,13 +102,17 @@ class ProxyApp:
         self.loop_lag = LoopLagMonitor(self.registry)
         self.finisher = Finisher()
         self.pool = UpstreamPool(config)
-        self._scrub = Scrubber(tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ()),
-                               config.redact_headers)
+        self._scrub = Scrubber(
+            tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ()),
+            config.redact_headers,
+        )
         self.recent = RecentRecords(config.recent_records)
         base: list[Observer] = [self.metrics, self.recent]
         if config.log_requests:
             base.append(LogObserver())
-        self.fanout = Fanout(base + list(observers or []), on_error=lambda name: self.metrics.observer_errors.labels(name).inc())
+        self.fanout = Fanout(
+            base + list(observers or []), on_error=lambda name: self.metrics.observer_errors.labels(name).inc()
+        )
         self.in_flight: dict[str, RequestMeter] = {}
         self.thresholds = config.detectors
         self._recent_by_upstream: dict[str, deque[Record]] = {u.name: deque(maxlen=64) for u in self.pool.upstreams}
@@ -106,11 +120,16 @@ class ProxyApp:
         self.tokens = TokenCounter(config.tokenizer, config.tokenizer_search)
         self.capture: CaptureWriter | None = None
         if config.capture:
-            self.capture = CaptureWriter(config.capture, keep_responses=config.capture_responses,
-                                         keep_prompts=config.capture_prompts, redact=config.redact_headers,
-                                         queue_size=config.capture_queue_size, queue_bytes=config.capture_queue_bytes,
-                                         on_drop=self.metrics.capture_dropped.inc,
-                                         on_error=self.metrics.capture_errors.inc)
+            self.capture = CaptureWriter(
+                config.capture,
+                keep_responses=config.capture_responses,
+                keep_prompts=config.capture_prompts,
+                redact=config.redact_headers,
+                queue_size=config.capture_queue_size,
+                queue_bytes=config.capture_queue_bytes,
+                on_drop=self.metrics.capture_dropped.inc,
+                on_error=self.metrics.capture_errors.inc,
+            )
             self.fanout.add(self.capture)
         _quiet_client_aborts()
         self.started_mono = now()
@@ -130,8 +149,12 @@ class ProxyApp:
             except (AbortClient, asyncio.CancelledError):
                 raise
             except Exception as exc:  # a bug: answer in the promised shape, log one line
-                log.error("internal error on a %s request: %s", bounded_field(str(scope.get("method"))),
-                          bounded_field(f"{type(exc).__name__}: {exc}"), exc_info=log.isEnabledFor(logging.DEBUG))
+                log.error(
+                    "internal error on a %s request: %s",
+                    bounded_field(str(scope.get("method"))),
+                    bounded_field(f"{type(exc).__name__}: {exc}"),
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
                 rid = scope.get(RID_SCOPE_KEY)
                 try:
                     await respond(send, 500, INTERNAL_ERROR, extra=[(REQUEST_ID_HEADER, rid.encode())] if rid else None)
@@ -174,7 +197,11 @@ class ProxyApp:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         msg = await receive()
         body = msg.get("body", b"")
-        if msg.get("more_body", False) or msg["type"] != "http.request" or len(body) > self.config.max_request_body_bytes:
+        if (
+            msg.get("more_body", False)
+            or msg["type"] != "http.request"
+            or len(body) > self.config.max_request_body_bytes
+        ):
             body = await self._read_body(msg, receive, send)  # the body comes in parts (or is too large)
             if body is None:
                 return
@@ -204,8 +231,12 @@ class ProxyApp:
             if part:
                 size += len(part)
                 if size > limit:
-                    status, body = json_error(413, f"request body is larger than max_request_body_bytes ({limit} bytes)",
-                                              "request_too_large", "invalid_request_error")
+                    status, body = json_error(
+                        413,
+                        f"request body is larger than max_request_body_bytes ({limit} bytes)",
+                        "request_too_large",
+                        "invalid_request_error",
+                    )
                     await respond(send, status, body)
                     return None
                 chunks.append(part)
@@ -222,11 +253,18 @@ class ProxyApp:
         upstream = self.pool.route(info.model)
         if info.model is not None and (len(info.model) > MAX_FIELD_CHARS or not info.model.isprintable()):
             info = dataclasses.replace(info, model=bounded_field(info.model))  # labels, records, logs: bounded
-        url = upstream.url_for(scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?", 1)[0],
-                               scope.get("query_string", b""))
+        url = upstream.url_for(
+            scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?", 1)[0],
+            scope.get("query_string", b""),
+        )
         headers, replay = upstream_request_headers(scope["headers"], self._drop_request_headers, upstream.auth_header)
-        inject = (self.config.inject_usage and info.stream and not info.usage_requested and obj is not None
-                  and info.endpoint in USAGE_INJECTABLE)
+        inject = (
+            self.config.inject_usage
+            and info.stream
+            and not info.usage_requested
+            and obj is not None
+            and info.endpoint in USAGE_INJECTABLE
+        )
         exchange = Exchange(body, scope["headers"]) if self.capture is not None else None
         if inject:
             body = inject_include_usage(body, obj)  # type: ignore[arg-type]
@@ -235,9 +273,17 @@ class ProxyApp:
         # `concurrency` is what the server saw: requests to this upstream whose response is
         # still being forwarded (a request leaves the count in `Flow.release`)
         upstream.in_flight += 1
-        meter = RequestMeter(info, request_id=request_id, upstream=upstream.name, t_start=t_start, started_at=started_at,
-                             usage_injected=inject, concurrency=upstream.in_flight, tags=("replay",) if replay else (),
-                             keep_text=self.config.capture_responses)
+        meter = RequestMeter(
+            info,
+            request_id=request_id,
+            upstream=upstream.name,
+            t_start=t_start,
+            started_at=started_at,
+            usage_injected=inject,
+            concurrency=upstream.in_flight,
+            tags=("replay",) if replay else (),
+            keep_text=self.config.capture_responses,
+        )
         return Flow(upstream, meter, scope["headers"], exchange), Outbound(method, url, headers, body, inject)
 
     async def _forward(self, flow: Flow, outbound: Outbound, receive: Receive, send: Send) -> None:
@@ -324,17 +370,29 @@ class ProxyApp:
             record = record.evolve(error=self._scrub(record.error, flow.client_headers))
         return record
 
-    def _finish(self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None,
-                earlier: Iterable[Record] = ()) -> Record:
+    def _finish(
+        self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None, earlier: Iterable[Record] = ()
+    ) -> Record:
         try:
-            return finish_checked(meter, t_end, self.thresholds, outcome=outcome, error=error,
-                                  earlier=earlier, prefixes=self.prefixes.get(meter.upstream),
-                                  count_tokens=self.tokens.for_model(meter.request.model) if meter.sse else None)
+            return finish_checked(
+                meter,
+                t_end,
+                self.thresholds,
+                outcome=outcome,
+                error=error,
+                earlier=earlier,
+                prefixes=self.prefixes.get(meter.upstream),
+                count_tokens=self.tokens.for_model(meter.request.model) if meter.sse else None,
+            )
         except Exception as exc:  # metering must never take the request down
             log.exception("metering failed for %s", meter.request_id)
-            return RequestMeter(meter.request, request_id=meter.request_id, upstream=meter.upstream,
-                                t_start=meter.t_start, started_at=meter.started_at).finish(
-                t_end, outcome="protocol_error", error=f"metering failed: {type(exc).__name__}")
+            return RequestMeter(
+                meter.request,
+                request_id=meter.request_id,
+                upstream=meter.upstream,
+                t_start=meter.t_start,
+                started_at=meter.started_at,
+            ).finish(t_end, outcome="protocol_error", error=f"metering failed: {type(exc).__name__}")
 
 
 class _DropAbortTracebacks(logging.Filter):

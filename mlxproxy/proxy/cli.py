@@ -16,36 +16,78 @@ from mlxproxy.vocabulary import SECONDS, help_for
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 def exposure_warning(cfg: Config) -> str | None:
     """The warning to print when the proxy would listen beyond this machine without a key."""
     if is_loopback_host(cfg.host) or cfg.proxy_api_key_env is not None:
         return None
-    return (f"mlxproxy: warning: listening on {cfg.host} without a proxy key: anyone who can reach this address can "
-            "use your servers and read /metrics and /streams; set proxy_api_key_env in the config (see SECURITY.md)")
+    return (
+        f"mlxproxy: warning: listening on {cfg.host} without a proxy key: anyone who can reach this address can "
+        "use your servers and read /metrics and /streams; set proxy_api_key_env in the config (see SECURITY.md)"
+    )
 
 
 @click.command("serve")
-@click.option("--upstream", "upstream_url", metavar="URL",
-              help="Server to forward to, e.g. http://127.0.0.1:8080 (replaces the config's upstreams; a trailing /v1 "
-                   "is dropped). Default: the config's upstreams, else http://127.0.0.1:8080 (mlx_lm.server's default port).")
+@click.option(
+    "--upstream",
+    "upstream_url",
+    metavar="URL",
+    help="Server to forward to, e.g. http://127.0.0.1:8080 (replaces the config's upstreams; a trailing /v1 "
+    "is dropped). Default: the config's upstreams, else http://127.0.0.1:8080 (mlx_lm.server's default port).",
+)
 @click.option("--host", default=None, help=help_for("--host", "[default: 127.0.0.1]"))
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help=help_for("--port", "[default: 8000]"))
-@click.option("--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS",
-              help=help_for("--timeout", "Replaces the config's timeouts.read_s.  [default: 1800]"))
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="YAML config file (keys: see config.example.yaml). Flags override it.")
-@click.option("--capture", "capture_path", type=click.Path(dir_okay=False), default=None,
-              help="Append every finished request to this JSON Lines capture file (for `mlxproxy replay`).")
-@click.option("--no-inject-usage", is_flag=True, default=False,
-              help="Do not add stream_options.include_usage upstream: pure byte-for-byte passthrough.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
-              help="One line per finished request is logged at info.")
-def serve(upstream_url: str | None, host: str | None, port: int | None, timeout: tuple[str | None, float] | None,
-          config_path: str | None, capture_path: str | None, no_inject_usage: bool, log_level: str) -> None:
+@click.option(
+    "--timeout",
+    "timeout",
+    type=SECONDS,
+    default=None,
+    metavar="SECONDS",
+    help=help_for("--timeout", "Replaces the config's timeouts.read_s.  [default: 1800]"),
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="YAML config file (keys: see config.example.yaml). Flags override it.",
+)
+@click.option(
+    "--capture",
+    "capture_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append every finished request to this JSON Lines capture file (for `mlxproxy replay`).",
+)
+@click.option(
+    "--no-inject-usage",
+    is_flag=True,
+    default=False,
+    help="Do not add stream_options.include_usage upstream: pure byte-for-byte passthrough.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="One line per finished request is logged at info.",
+)
+def serve(
+    upstream_url: str | None,
+    host: str | None,
+    port: int | None,
+    timeout: tuple[str | None, float] | None,
+    config_path: str | None,
+    capture_path: str | None,
+    no_inject_usage: bool,
+    log_level: str,
+) -> None:
     """Run the measuring proxy.
 
     Point clients at http://HOST:PORT/v1 instead of the server. Every request is
@@ -58,9 +100,17 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
             parse_upstream_url(upstream_url, "--upstream")
         if timeout is not None and timeout[0] is not None:
             raise ConfigError("--timeout takes SECONDS here (the proxy has one read timeout for every upstream)")
-        cfg = load_config(config_path, upstream_url=upstream_url, host=host, port=port,
-                          inject_usage=False if no_inject_usage else None, capture=capture_path)
-        cfg = normalized_upstreams(cfg, upstream_url is not None, lambda m: click.echo(f"mlxproxy: note: {m}", err=True))
+        cfg = load_config(
+            config_path,
+            upstream_url=upstream_url,
+            host=host,
+            port=port,
+            inject_usage=False if no_inject_usage else None,
+            capture=capture_path,
+        )
+        cfg = normalized_upstreams(
+            cfg, upstream_url is not None, lambda m: click.echo(f"mlxproxy: note: {m}", err=True)
+        )
     except ConfigError as exc:
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
@@ -71,8 +121,11 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
 
         parent = os.path.dirname(os.path.abspath(cfg.capture))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            click.echo(f"mlxproxy: cannot write the capture file {cfg.capture}: folder {parent} "
-                       f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}", err=True)
+            click.echo(
+                f"mlxproxy: cannot write the capture file {cfg.capture}: folder {parent} "
+                f"{'is not writable' if os.path.isdir(parent) else 'does not exist'}",
+                err=True,
+            )
             sys.exit(2)
     setup_logging(log_level)
     from mlxproxy.proxy.app import create_app
@@ -99,7 +152,10 @@ def serve(upstream_url: str | None, host: str | None, port: int | None, timeout:
         sys.exit(1)
     bound = sock.getsockname()[1]
     ups = ", ".join(f"{u.name}={display_url(u.url)}" for u in cfg.upstreams)
-    click.echo(f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (live page: http://{cfg.host}:{bound}/, metrics: /metrics)", err=True)
+    click.echo(
+        f"mlxproxy: listening on http://{cfg.host}:{bound}/v1 -> {ups}  (live page: http://{cfg.host}:{bound}/, metrics: /metrics)",
+        err=True,
+    )
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     import uvicorn

@@ -56,7 +56,9 @@ def bounded_field(value: str) -> str:
     `MAX_FIELD_CHARS` characters and fits on one line."""
     if len(value) <= MAX_FIELD_CHARS and value.isprintable():
         return value
-    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value[: _KEEP_CHARS * 4])
+    text = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value[: _KEEP_CHARS * 4]
+    )
     if len(value) <= MAX_FIELD_CHARS and len(text) <= MAX_FIELD_CHARS:
         return text
     digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:12]
@@ -72,8 +74,10 @@ def error_response(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 response: OpenAI-shaped JSON error, then the connection closes."""
     body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}})
     phrase = HTTPStatus(status).phrase
-    head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
     return head.encode("ascii") + body
 
 
@@ -85,7 +89,9 @@ def _folded(head: bytes) -> bool:
     return b"\n " in head or b"\n\t" in head
 
 
-def _framing_problem(headers: Any, version: bytes | str, target: bytes, limits: HeadLimits) -> tuple[int, str, str] | None:
+def _framing_problem(
+    headers: Any, version: bytes | str, target: bytes, limits: HeadLimits
+) -> tuple[int, str, str] | None:
     """The refusal for a complete request head, or None when it may go to the app. (A head
     that arrived whole in one read is measured here; one still arriving, as it arrives.)"""
     if not origin_form(target):
@@ -93,8 +99,11 @@ def _framing_problem(headers: Any, version: bytes | str, target: bytes, limits: 
     if version not in (b"1.1", b"1.0", "1.1", "1.0"):
         return 400, "only HTTP/1.0 and HTTP/1.1 are served", "unsupported_http_version"
     if len(headers) > limits.max_count:
-        return 431, f"the request has more than {limits.max_count} header lines (max_request_headers)", \
-            "request_headers_too_large"
+        return (
+            431,
+            f"the request has more than {limits.max_count} header lines (max_request_headers)",
+            "request_headers_too_large",
+        )
     cl = te = False
     size = len(target) + 16  # request line
     for k, v in headers:
@@ -105,8 +114,11 @@ def _framing_problem(headers: Any, version: bytes | str, target: bytes, limits: 
         elif k == b"transfer-encoding":
             te = True
     if size > limits.max_bytes:
-        return 431, f"the request head is larger than {limits.max_bytes} bytes (max_request_header_bytes)", \
-            "request_headers_too_large"
+        return (
+            431,
+            f"the request head is larger than {limits.max_bytes} bytes (max_request_header_bytes)",
+            "request_headers_too_large",
+        )
     if cl and te:
         return 400, "a request must not carry both Content-Length and Transfer-Encoding", "ambiguous_framing"
     return None
@@ -170,8 +182,11 @@ class _HeadGuard:
         if not self._awaiting_head or self.transport.is_closing():
             return
         if self._head_bytes:
-            self._refuse(408, f"the request head did not arrive within {self.limits.timeout_s:g} s "
-                              "(request_header_timeout_s)", "request_header_timeout")
+            self._refuse(
+                408,
+                f"the request head did not arrive within {self.limits.timeout_s:g} s (request_header_timeout_s)",
+                "request_header_timeout",
+            )
         else:
             self.transport.close()
 
@@ -190,8 +205,11 @@ class _HeadGuard:
         return self._awaiting_head and self._head_bytes > self.limits.max_bytes
 
     def _refuse_too_large(self) -> None:
-        self._refuse(431, f"the request head is larger than {self.limits.max_bytes} bytes (max_request_header_bytes)",
-                     "request_headers_too_large")
+        self._refuse(
+            431,
+            f"the request head is larger than {self.limits.max_bytes} bytes (max_request_header_bytes)",
+            "request_headers_too_large",
+        )
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self._cancel_head_timer()
@@ -290,8 +308,11 @@ def _plain_class(limits: HeadLimits) -> type:
                     buffered = conn.trailing_data[0]
                     end = _head_end(buffered)
                     if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
-                        self._refusal = (400, "request lines must end in CRLF and headers must not be folded",
-                                         "invalid_request")
+                        self._refusal = (
+                            400,
+                            "request lines must end in CRLF and headers must not be folded",
+                            "invalid_request",
+                        )
                         raise h11.RemoteProtocolError("bare LF or obs-fold")
                 event = parse()
                 if type(event) is h11.Request:

@@ -28,9 +28,13 @@ class LoopLagMonitor:
 
     def __init__(self, registry: CollectorRegistry, interval_s: float = 0.05) -> None:
         self.interval_s = interval_s
-        self.histogram = Histogram("mlxproxy_event_loop_lag_seconds",
-                                   "How much later than scheduled the proxy's event loop ran a timer callback "
-                                   f"(sampled every {interval_s:g} s).", buckets=LAG_BUCKETS, registry=registry)
+        self.histogram = Histogram(
+            "mlxproxy_event_loop_lag_seconds",
+            "How much later than scheduled the proxy's event loop ran a timer callback "
+            f"(sampled every {interval_s:g} s).",
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
         self.max_lag_s = 0.0  # the largest lag seen since start (also in /healthz)
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0

@@ -70,9 +70,16 @@ def _observe_all_fast(child: Any, amounts: Sequence[float]) -> bool:
     bounds = getattr(child, "_upper_bounds", None)
     buckets = getattr(child, "_buckets", None)
     total = getattr(child, "_sum", None)
-    if (_MutexValue is None or type(total) is not _MutexValue or type(bounds) is not list or not bounds
-            or bounds[-1] != math.inf or type(buckets) is not list or len(buckets) != len(bounds)
-            or type(buckets[0]) is not _MutexValue):
+    if (
+        _MutexValue is None
+        or type(total) is not _MutexValue
+        or type(bounds) is not list
+        or not bounds
+        or bounds[-1] != math.inf
+        or type(buckets) is not list
+        or len(buckets) != len(bounds)
+        or type(buckets[0]) is not _MutexValue
+    ):
         return False
     counts = [0] * len(bounds)
     for a in amounts:
@@ -100,51 +107,143 @@ class ProxyMetrics:
         self._models: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
         up_model = ["upstream", "model"]
-        self.requests = Counter("mlxproxy_requests", "Finished requests by outcome.",
-                                ["upstream", "model", "endpoint", "stream", "code", "outcome"], registry=registry)
+        self.requests = Counter(
+            "mlxproxy_requests",
+            "Finished requests by outcome.",
+            ["upstream", "model", "endpoint", "stream", "code", "outcome"],
+            registry=registry,
+        )
         self.in_flight = Gauge("mlxproxy_requests_in_flight", "Requests in flight.", up_model, registry=registry)
-        self.duration = Histogram("mlxproxy_request_duration_seconds", "Whole request: client request in to response body fully sent.",
-                                  ["upstream", "model", "endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttfb = Histogram("mlxproxy_time_to_first_byte_seconds", "Time to the first response body byte (may be a keep-alive comment).",
-                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttft = Histogram("mlxproxy_time_to_first_token_seconds", "Time to the first generated token (reasoning included).",
-                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttfc = Histogram("mlxproxy_time_to_first_content_seconds", "Time to the first answer or tool-call token.",
-                              ["upstream", "model", "endpoint"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("mlxproxy_inter_token_latency_seconds", "Gaps between consecutive generated events.",
-                             up_model, buckets=GAP_BUCKETS, registry=registry)
-        self.tpot = Histogram("mlxproxy_time_per_output_token_seconds", "Per request: (last token - first token) / (tokens - 1).",
-                              up_model, buckets=GAP_BUCKETS, registry=registry)
-        self.tps = Histogram("mlxproxy_output_tokens_per_second", "Per request output tokens/s; kind=wall|decode; concurrency at start.",
-                             ["upstream", "model", "kind", "concurrency"], buckets=TPS_BUCKETS, registry=registry)
-        self.prefill = Histogram("mlxproxy_prefill_tokens_per_second", "(prompt - cached tokens) / TTFT.",
-                                 up_model, buckets=PREFILL_BUCKETS, registry=registry)
-        self.prompt_len = Histogram("mlxproxy_prompt_length_tokens", "Prompt tokens per request (reported by the server).",
-                                    up_model, buckets=LENGTH_BUCKETS, registry=registry)
-        self.gen_len = Histogram("mlxproxy_generation_length_tokens", "Output tokens per request (reported, else counted).",
-                                 up_model, buckets=LENGTH_BUCKETS, registry=registry)
-        self.tokens = Counter("mlxproxy_tokens", "Tokens by type and by who counted them.",
-                              ["upstream", "model", "type", "source"], registry=registry)
-        self.usage_reports = Counter("mlxproxy_usage_reports", "Streams/responses with and without a usage report.",
-                                     ["upstream", "model", "present"], registry=registry)
-        self.anomalies = Counter("mlxproxy_anomalies", "Truth-check anomalies by kind.",
-                                 ["upstream", "model", "kind"], registry=registry)
-        self.tool_calls = Counter("mlxproxy_tool_calls", "Structured tool calls on requests that offered tools, by outcome.",
-                                  ["upstream", "model", "outcome"], registry=registry)
-        self.prompt_cache = Counter("mlxproxy_prompt_tokens", "Prompt tokens the server served from its cache (reused) "
-                                    "or prefilled (recomputed), when it reports cached_tokens.",
-                                    ["upstream", "model", "cache"], registry=registry)
-        self.prefill_wasted = Counter("mlxproxy_prefill_wasted_seconds", "TTFT lost to prefix_cache_miss (estimate).",
-                                      ["upstream", "model"], registry=registry)
-        self.overhead = Histogram("mlxproxy_proxy_overhead_seconds", "Time the proxy itself adds, by phase.",
-                                  ["phase"], buckets=OVERHEAD_BUCKETS, registry=registry)
-        self.observer_errors = Counter("mlxproxy_observer_errors", "Observers that raised on a record (forwarding was not affected).",
-                                       ["observer"], registry=registry)
-        self.capture_dropped = Counter("mlxproxy_capture_dropped", "Records not written to the capture because its queue was full.",
-                                       registry=registry)
-        self.capture_errors = Counter("mlxproxy_capture_errors", "Capture lines that could not be written (disk full, read-only path).",
-                                      registry=registry)
-        self.build_info = Gauge("mlxproxy_build_info", "Always 1; the version label says which build.", ["version"], registry=registry)
+        self.duration = Histogram(
+            "mlxproxy_request_duration_seconds",
+            "Whole request: client request in to response body fully sent.",
+            ["upstream", "model", "endpoint", "stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttfb = Histogram(
+            "mlxproxy_time_to_first_byte_seconds",
+            "Time to the first response body byte (may be a keep-alive comment).",
+            ["upstream", "model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "mlxproxy_time_to_first_token_seconds",
+            "Time to the first generated token (reasoning included).",
+            ["upstream", "model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttfc = Histogram(
+            "mlxproxy_time_to_first_content_seconds",
+            "Time to the first answer or tool-call token.",
+            ["upstream", "model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "mlxproxy_inter_token_latency_seconds",
+            "Gaps between consecutive generated events.",
+            up_model,
+            buckets=GAP_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "mlxproxy_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1).",
+            up_model,
+            buckets=GAP_BUCKETS,
+            registry=registry,
+        )
+        self.tps = Histogram(
+            "mlxproxy_output_tokens_per_second",
+            "Per request output tokens/s; kind=wall|decode; concurrency at start.",
+            ["upstream", "model", "kind", "concurrency"],
+            buckets=TPS_BUCKETS,
+            registry=registry,
+        )
+        self.prefill = Histogram(
+            "mlxproxy_prefill_tokens_per_second",
+            "(prompt - cached tokens) / TTFT.",
+            up_model,
+            buckets=PREFILL_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_len = Histogram(
+            "mlxproxy_prompt_length_tokens",
+            "Prompt tokens per request (reported by the server).",
+            up_model,
+            buckets=LENGTH_BUCKETS,
+            registry=registry,
+        )
+        self.gen_len = Histogram(
+            "mlxproxy_generation_length_tokens",
+            "Output tokens per request (reported, else counted).",
+            up_model,
+            buckets=LENGTH_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "mlxproxy_tokens",
+            "Tokens by type and by who counted them.",
+            ["upstream", "model", "type", "source"],
+            registry=registry,
+        )
+        self.usage_reports = Counter(
+            "mlxproxy_usage_reports",
+            "Streams/responses with and without a usage report.",
+            ["upstream", "model", "present"],
+            registry=registry,
+        )
+        self.anomalies = Counter(
+            "mlxproxy_anomalies", "Truth-check anomalies by kind.", ["upstream", "model", "kind"], registry=registry
+        )
+        self.tool_calls = Counter(
+            "mlxproxy_tool_calls",
+            "Structured tool calls on requests that offered tools, by outcome.",
+            ["upstream", "model", "outcome"],
+            registry=registry,
+        )
+        self.prompt_cache = Counter(
+            "mlxproxy_prompt_tokens",
+            "Prompt tokens the server served from its cache (reused) "
+            "or prefilled (recomputed), when it reports cached_tokens.",
+            ["upstream", "model", "cache"],
+            registry=registry,
+        )
+        self.prefill_wasted = Counter(
+            "mlxproxy_prefill_wasted_seconds",
+            "TTFT lost to prefix_cache_miss (estimate).",
+            ["upstream", "model"],
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "mlxproxy_proxy_overhead_seconds",
+            "Time the proxy itself adds, by phase.",
+            ["phase"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.observer_errors = Counter(
+            "mlxproxy_observer_errors",
+            "Observers that raised on a record (forwarding was not affected).",
+            ["observer"],
+            registry=registry,
+        )
+        self.capture_dropped = Counter(
+            "mlxproxy_capture_dropped",
+            "Records not written to the capture because its queue was full.",
+            registry=registry,
+        )
+        self.capture_errors = Counter(
+            "mlxproxy_capture_errors",
+            "Capture lines that could not be written (disk full, read-only path).",
+            registry=registry,
+        )
+        self.build_info = Gauge(
+            "mlxproxy_build_info", "Always 1; the version label says which build.", ["version"], registry=registry
+        )
         self.build_info.labels(__version__).set(1)
         self._overhead_request = self.overhead.labels("request")
         self._overhead_chunk = self.overhead.labels("chunk")

@@ -46,12 +46,20 @@ PAGE_FILES = {"/": "index.html", "/ui/app.js": "app.js", "/ui/app.css": "app.css
 PAGE_PATHS = frozenset(PAGE_FILES)
 DATA_PATHS = frozenset({"/metrics", "/streams"})
 OWN_PATHS = PAGE_PATHS | DATA_PATHS | {"/healthz"}
-MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-               ".css": "text/css; charset=utf-8", "": "text/plain; charset=utf-8"}
+MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    "": "text/plain; charset=utf-8",
+}
 # the page loads nothing from anywhere else and may not be framed
-PAGE_HEADERS = {"content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
-                                           "base-uri 'none'; form-action 'none'",
-                "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-cache"}
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+    "base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -83,8 +91,12 @@ def own_routes(proxy: ProxyApp) -> _Quiet:
 
     async def healthz(request: Request) -> Response:
         body: dict[str, Any] = {
-            "status": "ok", "version": __version__, "uptime_s": round(time.perf_counter() - proxy.started_mono, 3),
-            "in_flight": len(proxy.in_flight), "requests": proxy.requests_seen, "tasks": len(asyncio.all_tasks()),
+            "status": "ok",
+            "version": __version__,
+            "uptime_s": round(time.perf_counter() - proxy.started_mono, 3),
+            "in_flight": len(proxy.in_flight),
+            "requests": proxy.requests_seen,
+            "tasks": len(asyncio.all_tasks()),
         }
         loop_lag = getattr(proxy, "loop_lag", None)  # the proxy's event-loop lag monitor, where it has one
         if loop_lag is not None:
@@ -106,18 +118,20 @@ def own_routes(proxy: ProxyApp) -> _Quiet:
                 raise HTTPException(400, f"query parameter 'since' must be a whole number >= 0, got {since_arg[:40]!r}")
             # since > total: the proxy restarted since that answer, so everything it holds is new
             new = ring.total - since if since <= ring.total else len(records)
-            records = records[len(records) - min(new, len(records)):] if new > 0 else []
+            records = records[len(records) - min(new, len(records)) :] if new > 0 else []
         ids = request.query_params.getlist("id")
         if ids:
             records = [r for r in records if r.id in ids]
         t = time.perf_counter()
-        return _json({
-            "now": time.time(),
-            "seq": ring.total,
-            "in_flight": [live_view(m, t) for m in list(proxy.in_flight.values())],
-            "recent": [_record(r, timeline) for r in reversed(records)],
-            "stall_rule": {"factor": proxy.thresholds.stall_factor, "min_s": proxy.thresholds.stall_min_s},
-        })
+        return _json(
+            {
+                "now": time.time(),
+                "seq": ring.total,
+                "in_flight": [live_view(m, t) for m in list(proxy.in_flight.values())],
+                "recent": [_record(r, timeline) for r in reversed(records)],
+                "stall_rule": {"factor": proxy.thresholds.stall_factor, "min_s": proxy.thresholds.stall_min_s},
+            }
+        )
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -128,13 +142,22 @@ def own_routes(proxy: ProxyApp) -> _Quiet:
         return _error(exc.status_code, str(exc.detail), "invalid_request")
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        body = {"error": {"message": f"the proxy failed to answer {request.url.path}: {type(exc).__name__}",
-                          "type": "proxy_error", "code": "internal_error", "param": None}}
+        body = {
+            "error": {
+                "message": f"the proxy failed to answer {request.url.path}: {type(exc).__name__}",
+                "type": "proxy_error",
+                "code": "internal_error",
+                "param": None,
+            }
+        }
         return Response(orjson.dumps(body), status_code=500, media_type="application/json")
 
     routes = [Route(p, page_file, methods=["GET"]) for p in PAGE_FILES]
-    routes += [Route("/metrics", metrics, methods=["GET"]), Route("/healthz", healthz, methods=["GET"]),
-               Route("/streams", streams, methods=["GET"])]
+    routes += [
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/streams", streams, methods=["GET"]),
+    ]
     return _Quiet(Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}))
 
 

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
-from yarl import URL
-
 from aiohttp.client_proto import ResponseHandler
+from yarl import URL
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
 from mlxproxy.errors import ConfigError, UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
@@ -55,8 +54,11 @@ def _reusable(proto: ResponseHandler) -> bool:
     """False after anything unexpected: bytes while idle, buffered or half-parsed data, an
     error, or a read timer still armed after the response ended (aiohttp can leave one
     behind after pausing for a large body; it would fail the next request at once)."""
-    return not (getattr(proto, "tainted", False) or proto.should_close
-                or getattr(proto, "_read_timeout_handle", None) is not None)
+    return not (
+        getattr(proto, "tainted", False)
+        or proto.should_close
+        or getattr(proto, "_read_timeout_handle", None) is not None
+    )
 
 
 class _GuardedConnector(aiohttp.TCPConnector):
@@ -115,9 +117,14 @@ class UpstreamResponse:
         # mlx_lm.server) ends the same way for a clean close and for a reset; the
         # connection's `closed` future tells them apart.
         self._closed: asyncio.Future[None] | None = None
-        if resp.headers.get("content-length") is None and "chunked" not in resp.headers.get("transfer-encoding", "").lower():
+        if (
+            resp.headers.get("content-length") is None
+            and "chunked" not in resp.headers.get("transfer-encoding", "").lower()
+        ):
             conn = resp.connection
-            self._closed = getattr(conn.protocol, "closed", None) if conn is not None and conn.protocol is not None else None
+            self._closed = (
+                getattr(conn.protocol, "closed", None) if conn is not None and conn.protocol is not None else None
+            )
 
     async def read(self) -> bytes:
         """The next part of the body as it arrived (already de-chunked); b"" at its clean end.
@@ -126,7 +133,9 @@ class UpstreamResponse:
         try:
             chunk = await self._read()
         except asyncio.TimeoutError:
-            raise UpstreamBodyTimeout(f"upstream '{self._upstream.name}' went silent for longer than the read timeout") from None
+            raise UpstreamBodyTimeout(
+                f"upstream '{self._upstream.name}' went silent for longer than the read timeout"
+            ) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(exc)}") from None
         if not chunk:
@@ -172,16 +181,25 @@ class Upstream:
                 user_pass = f"{unquote(parts.username or '')}:{password}".encode("latin-1")
                 self.auth_header = b"Basic " + base64.b64encode(user_pass)
         except UnicodeEncodeError:
-            where = f"the environment variable {cfg.api_key_env}" if self.api_key is not None else "the URL's user:password"
-            raise ConfigError(f"upstream '{cfg.name}': {where} holds characters an HTTP header cannot carry "
-                              "(only latin-1)") from None
+            where = (
+                f"the environment variable {cfg.api_key_env}" if self.api_key is not None else "the URL's user:password"
+            )
+            raise ConfigError(
+                f"upstream '{cfg.name}': {where} holds characters an HTTP header cannot carry (only latin-1)"
+            ) from None
         if self.auth_header is not None and any(c in self.auth_header for c in b"\r\n\0"):
-            raise ConfigError(f"upstream '{cfg.name}': its key holds a line break or NUL, which an HTTP header cannot carry")
+            raise ConfigError(
+                f"upstream '{cfg.name}': its key holds a line break or NUL, which an HTTP header cannot carry"
+            )
         self.secrets = tuple(x for x in (self.api_key, parts.password, password) if x)
         self.in_flight = 0
         self.open_responses = 0  # responses opened and not yet closed (tests: nothing leaks)
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s or None,
-                                              sock_connect=timeouts.connect_s or None, sock_read=timeouts.read_s or None)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=timeouts.connect_s or None,
+            sock_connect=timeouts.connect_s or None,
+            sock_read=timeouts.read_s or None,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._reuse = reuse_connections
 
@@ -192,8 +210,11 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=(_GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S) if self._reuse
-                           else _GuardedConnector(limit=0, force_close=True)),
+                connector=(
+                    _GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S)
+                    if self._reuse
+                    else _GuardedConnector(limit=0, force_close=True)
+                ),
                 timeout=self._timeout,
                 auto_decompress=False,  # the client gets the bytes the upstream sent
                 cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies never reach another's request
@@ -217,10 +238,13 @@ class Upstream:
         """Send the request; return once status and headers arrived (body not read)."""
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
-            resp = await self.session.request(method, url, headers=hdrs, data=body or None, allow_redirects=False,
-                                              compress=None, chunked=None)
+            resp = await self.session.request(
+                method, url, headers=hdrs, data=body or None, allow_redirects=False, compress=None, chunked=None
+            )
         except asyncio.TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream '{self.name}' did not answer within the timeout ({type(exc).__name__})") from exc
+            raise UpstreamTimeout(
+                f"upstream '{self.name}' did not answer within the timeout ({type(exc).__name__})"
+            ) from exc
         except (aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from exc
         except aiohttp.ClientError as exc:

@@ -35,8 +35,12 @@ from mlxproxy.sim.request import RequestError, parse_request, plan_output, repor
 from mlxproxy.sim.styles import style_class
 from mlxproxy.sim.wire import Style, WireContext
 
-COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
-                    "/v1/completions": "completions", "/completions": "completions"}
+COMPLETION_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/completions": "completions",
+}
 _DISCONNECTED = object()
 TRUTH_HISTORY = 1000
 MAX_LAG_WALL_S = 0.02  # overdue by more than this: pause the simulated clock instead of bursting
@@ -126,17 +130,23 @@ class SimApp:
         if path in COMPLETION_PATHS and method == "POST":
             await self._completion(scope, receive, send, COMPLETION_PATHS[path])
         elif method == "GET" and path in ("/v1/models", "/models"):
-            body = self._bare_style().models_body(self.profile.model_name, int(time.time()), self.profile.max_context_tokens)
+            body = self._bare_style().models_body(
+                self.profile.model_name, int(time.time()), self.profile.max_context_tokens
+            )
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         elif method == "GET" and path == "/health":
-            await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], self._bare_style().health_body()))
+            await _play_simple(
+                send, json_start(200, [(b"content-type", b"application/json")], self._bare_style().health_body())
+            )
         elif method == "GET" and path == "/sim/profile":
-            body = orjson.dumps({**self.profile.knobs(), "speed": self.speed, "seed": self.seed,
-                                 "truth": truth_lines(self.profile)})
+            body = orjson.dumps(
+                {**self.profile.knobs(), "speed": self.speed, "seed": self.seed, "truth": truth_lines(self.profile)}
+            )
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         elif method == "GET" and path == "/sim/requests":
-            body = orjson.dumps({"speed": self.speed, "clock_paused_s": self.clock_paused_s,
-                                 "requests": list(self.truths)})
+            body = orjson.dumps(
+                {"speed": self.speed, "clock_paused_s": self.clock_paused_s, "requests": list(self.truths)}
+            )
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
         else:
             status, headers, body = self._bare_style().not_found()
@@ -191,7 +201,9 @@ class SimApp:
         default_model = "default_model" if self.profile.wire == "mlx-lm" else self.profile.model_name
         ctx = WireContext(
             response_id=self._style_cls.make_id(f"{self.seed}|{self._count}", endpoint),
-            model=req.model or default_model, created=int(time.time()), endpoint=endpoint,
+            model=req.model or default_model,
+            created=int(time.time()),
+            endpoint=endpoint,
             include_usage=req.include_usage,
             stream_options_without_include_usage=req.stream and req.stream_options_without_include_usage,
         )
@@ -199,18 +211,37 @@ class SimApp:
         cached = self._prompt_cache.serve(req.prompt_text, req.prompt_tokens) if self._prompt_cache is not None else 0
         self._hold_clock_if_late()
         admitted_s = max(self.sim_now(), self.engine.now_s)
-        renderer = Renderer(self._style_cls(ctx), self.profile, plan, req.prompt_tokens,
-                            stream=req.stream, faults=faults, admitted_s=admitted_s)
+        renderer = Renderer(
+            self._style_cls(ctx),
+            self.profile,
+            plan,
+            req.prompt_tokens,
+            stream=req.stream,
+            faults=faults,
+            admitted_s=admitted_s,
+        )
         renderer.cached_tokens = cached
         if plan.tool_name:
             renderer.style.tool_name = plan.tool_name
         truth: dict[str, Any] = {
-            "request": req_id, "response_id": ctx.response_id, "endpoint": endpoint, "stream": req.stream,
-            "prompt_tokens": req.prompt_tokens, "cached_tokens": cached, "n_tokens": plan.n_visible, "n_reasoning": plan.n_reasoning,
-            "n_engine_tokens": plan.n_engine_tokens, "finish_reason": plan.finish_reason,
+            "request": req_id,
+            "response_id": ctx.response_id,
+            "endpoint": endpoint,
+            "stream": req.stream,
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": cached,
+            "n_tokens": plan.n_visible,
+            "n_reasoning": plan.n_reasoning,
+            "n_engine_tokens": plan.n_engine_tokens,
+            "finish_reason": plan.finish_reason,
             "reported_completion_tokens": reported_completion_tokens(plan, self.profile),
-            "faults": headers.get("x-sim-fault", self.profile.faults), "admitted_s": admitted_s,
-            "headers_s": None, "first_token_s": None, "last_token_s": None, "finish_s": None, "outcome": None,
+            "faults": headers.get("x-sim-fault", self.profile.faults),
+            "admitted_s": admitted_s,
+            "headers_s": None,
+            "first_token_s": None,
+            "last_token_s": None,
+            "finish_s": None,
+            "outcome": None,
         }
         self.truths.append(truth)
         early = renderer.before_admission()
@@ -235,8 +266,9 @@ class SimApp:
             self.engine.cancel(req_id, max(self.sim_now(), self.engine.now_s))
             self._schedule()
 
-    async def _respond(self, renderer: Renderer, queue: asyncio.Queue[Any], send: Send, receive: Receive,
-                       truth: dict[str, Any]) -> None:
+    async def _respond(
+        self, renderer: Renderer, queue: asyncio.Queue[Any], send: Send, receive: Receive, truth: dict[str, Any]
+    ) -> None:
         offset = _Offset()
         idle_s = self.profile.keepalive_idle_s
         last_write_s = renderer.admitted_s
@@ -266,8 +298,9 @@ class SimApp:
         if renderer.faults.any:
             truth["outcome"] = "fault"
 
-    async def _play(self, writes: list[Write], send: Send, receive: Receive, renderer: Renderer,
-                    offset: _Offset) -> bool:
+    async def _play(
+        self, writes: list[Write], send: Send, receive: Receive, renderer: Renderer, offset: _Offset
+    ) -> bool:
         """Send `writes`; complete the body when the renderer is done. True if the connection was dropped."""
         for w in writes:
             if isinstance(w, Start):

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from mlxproxy.vocabulary import deprecated_alias, help_for
 from mlxproxy.sim.profiles import PROFILES, Profile, coerce_knob, get_profile, truth_lines
+from mlxproxy.vocabulary import deprecated_alias, help_for
 
 
 def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, ...]) -> Profile:
@@ -30,31 +30,64 @@ def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, .
 
 
 @click.command("sim")
-@click.option("--profile", "profile_name", type=click.Choice(list(PROFILES)), default="healthy", show_default=True,
-              help="Which real server to imitate.")
+@click.option(
+    "--profile",
+    "profile_name",
+    type=click.Choice(list(PROFILES)),
+    default="healthy",
+    show_default=True,
+    help="Which real server to imitate.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help=help_for("--host"))
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help=help_for("--port"))
-@click.option("--speed", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
-              help=help_for("--speed", "Simulated time against the wall clock."))
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help=help_for("--speed", "Simulated time against the wall clock."),
+)
 @click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the generated text."))
 @click.option("--decode-tps", type=click.FloatRange(min=0.0, min_open=True), help="Single-stream decode tokens/s.")
 @click.option("--prefill-tps", type=click.FloatRange(min=0.0, min_open=True), help="Prefill tokens/s.")
 @click.option("--max-context", type=click.IntRange(min=0), help="Reject longer prompts with HTTP 400 (0 = no limit).")
-@click.option("--max-output-tokens", "max_tokens", type=click.IntRange(min=1),
-              help="The server's cap on output tokens per request (a request asking for more gets this many).")
-@click.option("--max-tokens", "old_max_tokens", type=click.IntRange(min=1), hidden=True,
-              callback=deprecated_alias("sim", "--max-tokens"))
+@click.option(
+    "--max-output-tokens",
+    "max_tokens",
+    type=click.IntRange(min=1),
+    help="The server's cap on output tokens per request (a request asking for more gets this many).",
+)
+@click.option(
+    "--max-tokens",
+    "old_max_tokens",
+    type=click.IntRange(min=1),
+    hidden=True,
+    callback=deprecated_alias("sim", "--max-tokens"),
+)
 @click.option("--output-tokens", type=click.IntRange(min=1), help="Output tokens when a request sets no max_tokens.")
 @click.option("--batch-penalty", type=click.FloatRange(min=0.0), help="Extra step cost per added stream (fraction).")
 @click.option("--max-batch", type=click.IntRange(min=0), help="Most streams decoding at once (0 = no limit).")
 @click.option("--batching", type=click.Choice(["continuous", "serial"]), help="Batching model.")
 @click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Set any profile knob (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the effective knobs and exit without serving.")
-def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode_tps: float | None,
-        prefill_tps: float | None, max_context: int | None, max_tokens: int | None, old_max_tokens: int | None,
-        output_tokens: int | None,
-        batch_penalty: float | None, max_batch: int | None, batching: str | None, sets: tuple[str, ...],
-        dry_run: bool) -> None:
+def sim(
+    profile_name: str,
+    host: str,
+    port: int,
+    speed: float,
+    seed: int,
+    decode_tps: float | None,
+    prefill_tps: float | None,
+    max_context: int | None,
+    max_tokens: int | None,
+    old_max_tokens: int | None,
+    output_tokens: int | None,
+    batch_penalty: float | None,
+    max_batch: int | None,
+    batching: str | None,
+    sets: tuple[str, ...],
+    dry_run: bool,
+) -> None:
     """Serve a simulated MLX server: OpenAI-compatible, deterministic timing, a real server's wire format.
 
     Profiles: healthy, mlx-lm, mlx-openai-server, mlx-omni-server, vllm-mlx, rapid-mlx, omlx,
@@ -64,9 +97,13 @@ def sim(profile_name: str, host: str, port: int, speed: float, seed: int, decode
     if max_tokens is None:
         max_tokens = old_max_tokens
     options = {
-        "decode_tps": decode_tps, "prefill_tps": prefill_tps, "max_context_tokens": max_context,
-        "max_output_tokens": max_tokens, "default_output_tokens": output_tokens,
-        "batch_penalty": batch_penalty, "max_batch_streams": max_batch,
+        "decode_tps": decode_tps,
+        "prefill_tps": prefill_tps,
+        "max_context_tokens": max_context,
+        "max_output_tokens": max_tokens,
+        "default_output_tokens": output_tokens,
+        "batch_penalty": batch_penalty,
+        "max_batch_streams": max_batch,
         "serial": None if batching is None else batching == "serial",
     }
     profile = build_profile(profile_name, options, sets)

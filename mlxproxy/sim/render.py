@@ -60,8 +60,17 @@ def json_start(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> 
 class Renderer:
     """Renders one response. Call `before_admission` first; admit to the engine only if not `done`."""
 
-    def __init__(self, style: Style, profile: Profile, plan: OutputPlan, prompt_tokens: int, *,
-                 stream: bool, faults: Faults, admitted_s: float) -> None:
+    def __init__(
+        self,
+        style: Style,
+        profile: Profile,
+        plan: OutputPlan,
+        prompt_tokens: int,
+        *,
+        stream: bool,
+        faults: Faults,
+        admitted_s: float,
+    ) -> None:
         self.style = style
         self.profile = profile
         self.plan = plan
@@ -150,7 +159,10 @@ class Renderer:
             reasoning_tokens=self.plan.n_reasoning,
             reasoning_chars=len(reasoning),
             total_chars=len(reasoning) + len(self.plan.content_text),
-            ttft_s=ttft, decode_s=decode, total_s=total, n_visible=self.plan.n_visible,
+            ttft_s=ttft,
+            decode_s=decode,
+            total_s=total,
+            n_visible=self.plan.n_visible,
             cached_tokens=self.cached_tokens,
         )
 
@@ -210,8 +222,9 @@ class Renderer:
         self.finish_s = ev.t_s
         usage = self.usage()
         if not self.stream:
-            body = self.style.nonstream_body(self.plan.reasoning_text, self.plan.content_text,
-                                             self.plan.finish_reason, usage)
+            body = self.style.nonstream_body(
+                self.plan.reasoning_text, self.plan.content_text, self.plan.finish_reason, usage
+            )
             if self.started:  # headers already sent (oMLX)
                 return [body]
             return json_start(200, [(b"content-type", b"application/json")], body)

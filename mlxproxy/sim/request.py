@@ -93,7 +93,9 @@ def _message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
     return ""
 
 
@@ -197,9 +199,9 @@ def _tool_plan(tool: tuple[str, tuple[str, ...]], style: str) -> OutputPlan:
         args = args[:-1]
     if style == "markup":
         text = f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
-        pieces = tuple(text[i:i + 6] for i in range(0, len(text), 6))
+        pieces = tuple(text[i : i + 6] for i in range(0, len(text), 6))
         return OutputPlan(pieces, 0, "stop", len(pieces))
-    pieces = tuple(args[i:i + 4] for i in range(0, len(args), 4)) or ("{}",)
+    pieces = tuple(args[i : i + 4] for i in range(0, len(args), 4)) or ("{}",)
     return OutputPlan(pieces, 0, "tool_calls", len(pieces), tool_name=name)
 
 

@@ -95,7 +95,12 @@ def uuid_like(seed: str) -> str:
     return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-8{h[17:20]}-{h[20:32]}"
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 def error_type(status: int) -> str:
@@ -167,8 +172,12 @@ class Style:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self._tool_started:
                 self._tool_started = True
-                call = {"index": 0, "id": "call_" + self.ctx.response_id[-12:], "type": "function",
-                        "function": {"name": self.tool_name, "arguments": text}}
+                call = {
+                    "index": 0,
+                    "id": "call_" + self.ctx.response_id[-12:],
+                    "type": "function",
+                    "function": {"name": self.tool_name, "arguments": text},
+                }
             return {"tool_calls": [call]}
         return {"reasoning_content" if kind == "reasoning" else "content": text}
 
@@ -209,14 +218,31 @@ class Style:
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         if self.ctx.endpoint == "chat":
-            choice = {"index": 0, "message": self.message(reasoning, content), "logprobs": None, "finish_reason": reason}
-            obj = {"id": self.ctx.response_id, "object": "chat.completion", "created": self.ctx.created,
-                   "model": self.ctx.model, "choices": [choice], "usage": self.usage_obj(usage),
-                   "system_fingerprint": None}
+            choice = {
+                "index": 0,
+                "message": self.message(reasoning, content),
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            obj = {
+                "id": self.ctx.response_id,
+                "object": "chat.completion",
+                "created": self.ctx.created,
+                "model": self.ctx.model,
+                "choices": [choice],
+                "usage": self.usage_obj(usage),
+                "system_fingerprint": None,
+            }
         else:
             choice = {"index": 0, "text": reasoning + content, "logprobs": None, "finish_reason": reason}
-            obj = {"id": self.ctx.response_id, "object": "text_completion", "created": self.ctx.created,
-                   "model": self.ctx.model, "choices": [choice], "usage": self.usage_obj(usage)}
+            obj = {
+                "id": self.ctx.response_id,
+                "object": "text_completion",
+                "created": self.ctx.created,
+                "model": self.ctx.model,
+                "choices": [choice],
+                "usage": self.usage_obj(usage),
+            }
         return self.dumps(obj)
 
     # -- errors and small endpoints ----------------------------------------------------------

@@ -28,6 +28,7 @@ from mlxproxy.sim.wire import (
     uuid_like,
 )
 
+
 class MlxLmStyle(Style):
     """mlx_lm.server: spaced JSON, role in every delta, `reasoning`, `: keepalive P/T` comments."""
 
@@ -42,13 +43,24 @@ class MlxLmStyle(Style):
         return dumps_spaced(obj)
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"access-control-allow-origin", b"*"), (b"access-control-allow-methods", b"*"),
-                (b"access-control-allow-headers", b"*")]
+        return [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (b"access-control-allow-origin", b"*"),
+            (b"access-control-allow-methods", b"*"),
+            (b"access-control-allow-headers", b"*"),
+        ]
 
     def _envelope(self, obj_name: str, choices: list[Any], **extra: Any) -> bytes:
-        obj = {"id": self.ctx.response_id, "system_fingerprint": self.fingerprint, "object": obj_name,
-               "model": self.ctx.model, "created": self.ctx.created, "choices": choices, **extra}
+        obj = {
+            "id": self.ctx.response_id,
+            "system_fingerprint": self.fingerprint,
+            "object": obj_name,
+            "model": self.ctx.model,
+            "created": self.ctx.created,
+            "choices": choices,
+            **extra,
+        }
         return self.dumps(obj)
 
     def _stream_chunk(self, finish: str | None, delta: dict[str, Any] | None, text: str | None) -> bytes:
@@ -69,8 +81,12 @@ class MlxLmStyle(Style):
         return self._stream_chunk(None, {field: text}, text)
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
-        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        }
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         out = self._stream_chunk(reason, None, "")
@@ -122,25 +138,43 @@ class MlxOpenAIServerStyle(Style):
         return dumps_spaced(obj)
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"cache-control", b"no-cache"), (b"connection", b"keep-alive"), (b"x-accel-buffering", b"no"),
-                (b"content-type", b"text/event-stream; charset=utf-8")]
+        return [
+            (b"cache-control", b"no-cache"),
+            (b"connection", b"keep-alive"),
+            (b"x-accel-buffering", b"no"),
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+        ]
 
     def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
-        obj = {"id": self.ctx.response_id, "choices": choices, "created": self.ctx.created,
-               "model": self.ctx.model, "object": "chat.completion.chunk", **extra,
-               "request_id": "req-" + self.ctx.response_id[-8:]}
+        obj = {
+            "id": self.ctx.response_id,
+            "choices": choices,
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "object": "chat.completion.chunk",
+            **extra,
+            "request_id": "req-" + self.ctx.response_id[-8:],
+        }
         return sse(self.dumps(obj))
 
     def open_stream(self) -> bytes:
         return self._chunk([{"delta": {"role": "assistant"}, "index": 0}])
 
     def piece(self, kind: str, text: str, rate_tps: float | None = None) -> bytes:
-        delta = {"role": "assistant", "reasoning_content": text} if kind == "reasoning" else {"content": text, "role": "assistant"}
+        delta = (
+            {"role": "assistant", "reasoning_content": text}
+            if kind == "reasoning"
+            else {"content": text, "role": "assistant"}
+        )
         return self._chunk([{"delta": delta, "index": 0}])
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
-        return {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens,
-                "completion_tokens": usage.completion_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "total_tokens": usage.total_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        }
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         # Never "length": the server only ever says stop (or tool_calls).
@@ -158,12 +192,20 @@ class MlxOpenAIServerStyle(Style):
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         choice = {"finish_reason": "stop", "index": 0, "message": self.message(reasoning, content)}
-        obj = {"id": self.ctx.response_id, "choices": [choice], "created": self.ctx.created, "model": self.ctx.model,
-               "object": "chat.completion", "usage": self.usage_obj(usage)}
+        obj = {
+            "id": self.ctx.response_id,
+            "choices": [choice],
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "object": "chat.completion",
+            "usage": self.usage_obj(usage),
+        }
         return self.dumps(obj)
 
     def error_body(self, status: int, message: str) -> bytes:
-        return self.dumps({"error": {"message": message, "type": error_type(status), "param": None, "code": str(status)}})
+        return self.dumps(
+            {"error": {"message": message, "type": error_type(status), "param": None, "code": str(status)}}
+        )
 
     def not_found(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         return 404, list(JSON_HEADERS), self.dumps({"detail": "Not Found"})
@@ -187,12 +229,21 @@ class MlxOmniServerStyle(DetailErrors):
         return dumps_spaced(obj)
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"cache-control", b"no-cache"), (b"connection", b"keep-alive"),
-                (b"content-type", b"text/event-stream; charset=utf-8")]
+        return [
+            (b"cache-control", b"no-cache"),
+            (b"connection", b"keep-alive"),
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+        ]
 
     def _chunk(self, choice: dict[str, Any], **extra: Any) -> bytes:
-        obj = {"id": self.ctx.response_id, "object": "chat.completion.chunk", "created": self.ctx.created,
-               "model": self.ctx.model, "choices": [choice], **extra}
+        obj = {
+            "id": self.ctx.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "choices": [choice],
+            **extra,
+        }
         return sse(self.dumps(obj))
 
     def open_stream(self) -> bytes:
@@ -202,8 +253,11 @@ class MlxOmniServerStyle(DetailErrors):
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": text}})
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
-        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens}
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+        }
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         choice = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": "stop"}
@@ -223,8 +277,14 @@ class MlxOmniServerStyle(DetailErrors):
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         choice = {"index": 0, "message": self.message(reasoning, content), "finish_reason": reason}
-        obj = {"id": self.ctx.response_id, "object": "chat.completion", "created": self.ctx.created,
-               "model": self.ctx.model, "choices": [choice], "usage": self.usage_obj(usage)}
+        obj = {
+            "id": self.ctx.response_id,
+            "object": "chat.completion",
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "choices": [choice],
+            "usage": self.usage_obj(usage),
+        }
         return self.dumps(obj)
 
 
@@ -239,14 +299,28 @@ class MlxVlmStyle(DetailErrors):
         return "chatcmpl-" + uuid_like(seed)
 
     def _chunk(self, choices: list[Any], usage: Any, timings: dict[str, Any]) -> bytes:
-        obj = {"id": self.ctx.response_id, "object": "chat.completion.chunk", "created": self.ctx.created,
-               "model": self.ctx.model, "choices": choices, "usage": usage, "timings": timings}
+        obj = {
+            "id": self.ctx.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "choices": choices,
+            "usage": usage,
+            "timings": timings,
+        }
         return sse(self.dumps(obj))
 
     @staticmethod
     def _full_delta(content: str | None = None, reasoning: str | None = None) -> dict[str, Any]:
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning, "reasoning": reasoning,
-                "tool_calls": None, "tool_call_id": None, "name": None}
+        return {
+            "role": "assistant",
+            "content": content,
+            "reasoning_content": reasoning,
+            "reasoning": reasoning,
+            "tool_calls": None,
+            "tool_call_id": None,
+            "name": None,
+        }
 
     def open_stream(self) -> bytes:
         return b""
@@ -264,16 +338,28 @@ class MlxVlmStyle(DetailErrors):
         out = self._chunk([choice], None, {"predicted_per_second": rate})
         if self.ctx.include_usage:
             ttft = usage.ttft_s or 0.0
-            timings = {"prompt_n": usage.prompt_tokens, "cache_n": 0, "predicted_n": usage.completion_tokens,
-                       "prompt_ms": round(ttft * 1000, 1),
-                       "prompt_per_token_ms": round(ttft * 1000 / max(usage.prompt_tokens, 1), 2),
-                       "prompt_per_second": round(usage.prompt_tokens / ttft, 1) if ttft else None,
-                       "predicted_ms": round(decode * 1000, 1),
-                       "predicted_per_token_ms": round(decode * 1000 / max(usage.n_visible - 1, 1), 2),
-                       "predicted_per_second": rate, "peak_memory": 19.8, "draft_kind": None,
-                       "draft_rounds": None, "draft_n": None, "draft_n_accepted": None}
-            usage_obj = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                         "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            timings = {
+                "prompt_n": usage.prompt_tokens,
+                "cache_n": 0,
+                "predicted_n": usage.completion_tokens,
+                "prompt_ms": round(ttft * 1000, 1),
+                "prompt_per_token_ms": round(ttft * 1000 / max(usage.prompt_tokens, 1), 2),
+                "prompt_per_second": round(usage.prompt_tokens / ttft, 1) if ttft else None,
+                "predicted_ms": round(decode * 1000, 1),
+                "predicted_per_token_ms": round(decode * 1000 / max(usage.n_visible - 1, 1), 2),
+                "predicted_per_second": rate,
+                "peak_memory": 19.8,
+                "draft_kind": None,
+                "draft_rounds": None,
+                "draft_n": None,
+                "draft_n_accepted": None,
+            }
+            usage_obj = {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            }
             out += self._chunk([], usage_obj, timings)
         return out + DONE
 
@@ -281,11 +367,27 @@ class MlxVlmStyle(DetailErrors):
         return sse(self.dumps({"error": message})), "end"  # a plain string, and no [DONE]
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None,
-                   "reasoning": reasoning or None, "tool_calls": None}
+        message = {
+            "role": "assistant",
+            "content": content,
+            "reasoning_content": reasoning or None,
+            "reasoning": reasoning or None,
+            "tool_calls": None,
+        }
         choice = {"index": 0, "finish_reason": reason, "message": message, "logprobs": None}
-        usage_obj = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                     "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-        return self.dumps({"id": self.ctx.response_id, "object": "chat.completion", "created": self.ctx.created,
-                           "model": self.ctx.model, "choices": [choice], "usage": usage_obj})
-
+        usage_obj = {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        }
+        return self.dumps(
+            {
+                "id": self.ctx.response_id,
+                "object": "chat.completion",
+                "created": self.ctx.created,
+                "model": self.ctx.model,
+                "choices": [choice],
+                "usage": usage_obj,
+            }
+        )

@@ -46,8 +46,14 @@ def mlx_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("mlx-lm-log") / "server.log"
     with contextlib.ExitStack() as stack:
         with cpu_affinity(SERVER_CPUS):  # the child keeps these cores (see peers.split_cpus)
-            url = stack.enter_context(mlx_lm_server(tiny_model, max_tokens=SERVER_MAX_TOKENS,
-                                                    extra_args=["--prefill-step-size", str(PREFILL_STEP)], log_path=log))
+            url = stack.enter_context(
+                mlx_lm_server(
+                    tiny_model,
+                    max_tokens=SERVER_MAX_TOKENS,
+                    extra_args=["--prefill-step-size", str(PREFILL_STEP)],
+                    log_path=log,
+                )
+            )
         yield url
 
 

@@ -105,12 +105,20 @@ def build_fixed_text_model(dir: Path, *, vocab_size: int = 4000) -> FixedTextMod
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     # CJK is trained as the words it is made of (no spaces in the passages), so its tokens
     # are one or two characters as in real tokenizers, not whole sentences
-    corpus = (TRAINING_TEXT.splitlines(keepends=True) + [p for k, p in PASSAGES.items() if k not in CJK_WORDS for _ in range(3)]
-              + [w for words in CJK_WORDS.values() for w in words.split()])
+    corpus = (
+        TRAINING_TEXT.splitlines(keepends=True)
+        + [p for k, p in PASSAGES.items() if k not in CJK_WORDS for _ in range(3)]
+        + [w for words in CJK_WORDS.values() for w in words.split()]
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     vocab = tok.get_vocab_size()
     tok.save(str(dir / "tokenizer.json"))
@@ -134,19 +142,44 @@ def build_fixed_text_model(dir: Path, *, vocab_size: int = 4000) -> FixedTextMod
     hidden = 64 * ((len(states) + 63) // 64)  # one dimension per chain token
 
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "num_hidden_layers": 1, "intermediate_size": 2 * hidden, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": hidden // 4, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": eos,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": eos,
         "torch_dtype": "float32",
     }
     (dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
-    (dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": None, "add_bos_token": False, "model_max_length": 8192,
-        "clean_up_tokenization_spaces": False, "chat_template": _template()}, indent=2) + "\n")
+    (dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "model_max_length": 8192,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": _template(),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
@@ -166,7 +199,7 @@ def build_fixed_text_model(dir: Path, *, vocab_size: int = 4000) -> FixedTextMod
             head[nxt][dim[t]] = 8.0  # logit 8 * sqrt(hidden) after the final RMSNorm; all others 0
             text = tok.decode([t])
             if tok.encode(text, add_special_tokens=False).ids == [t]:  # a prompt ending in it ends in t
-                starts.append((name, text, tok.decode(chain[k + 1:]), stops))
+                starts.append((name, text, tok.decode(chain[k + 1 :]), stops))
     weights["model.embed_tokens.weight"] = mx.array(embed, dtype=mx.float32)
     weights["lm_head.weight"] = mx.array(head, dtype=mx.float32)
     for name in list(weights):

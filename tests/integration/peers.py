@@ -191,7 +191,9 @@ class ProxyProcess:
 
         wait_for(lambda: lines() >= at_least, timeout_s)
         caps = read_capture(path)
-        return sorted((dataclasses.replace(c.record, t_start_mono=c.offset_s) for c in caps), key=lambda r: r.t_start_mono)
+        return sorted(
+            (dataclasses.replace(c.record, t_start_mono=c.offset_s) for c in caps), key=lambda r: r.t_start_mono
+        )
 
     def log(self) -> str:
         try:
@@ -204,8 +206,14 @@ _LISTENING = re.compile(r"listening on (http://[^\s/]+)/v1")
 
 
 @contextlib.contextmanager
-def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, capture: bool = False,
-                   startup_timeout_s: float = 30.0, cpus: set[int] | None = CLIENT_CPUS) -> Iterator[ProxyProcess]:
+def mlxproxy_serve(
+    upstream_url: str,
+    config: dict[str, Any] | None = None,
+    *,
+    capture: bool = False,
+    startup_timeout_s: float = 30.0,
+    cpus: set[int] | None = CLIENT_CPUS,
+) -> Iterator[ProxyProcess]:
     """Run ``python -m mlxproxy serve --config FILE --port 0`` in front of ``upstream_url``.
 
     ``config`` holds extra config keys (YAML written as JSON); ``capture`` adds a capture
@@ -215,8 +223,11 @@ def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, c
     """
     with tempfile.TemporaryDirectory(prefix="mlxproxy-serve-") as tmp:
         tmpdir = Path(tmp)
-        raw: dict[str, Any] = {"upstreams": [{"name": "mlx-lm", "url": upstream_url}], "log_requests": False,
-                               **(config or {})}
+        raw: dict[str, Any] = {
+            "upstreams": [{"name": "mlx-lm", "url": upstream_url}],
+            "log_requests": False,
+            **(config or {}),
+        }
         capture_path = tmpdir / "capture.jsonl" if capture else None
         if capture_path is not None:
             raw["capture"] = str(capture_path)
@@ -225,8 +236,14 @@ def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, c
         log_path = tmpdir / "serve.log"
         cmd = [sys.executable, "-m", "mlxproxy", "serve", "--config", str(cfg), "--port", "0", "--log-level", "warning"]
         with open(log_path, "wb") as logf, cpu_affinity(cpus):
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=loopback_env(PYTHONUNBUFFERED="1"), cwd=tmpdir)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=loopback_env(PYTHONUNBUFFERED="1"),
+                cwd=tmpdir,
+            )
         http = httpx.Client(timeout=30.0, trust_env=False)
         try:
             deadline = time.monotonic() + startup_timeout_s
@@ -236,8 +253,10 @@ def mlxproxy_serve(upstream_url: str, config: dict[str, Any] | None = None, *, c
                 if m:
                     url = m.group(1)
                 elif proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlxproxy serve did not start (exit code {proc.poll()}):\n"
-                                       f"{log_path.read_text(errors='replace')[-3000:]}")
+                    raise RuntimeError(
+                        f"mlxproxy serve did not start (exit code {proc.poll()}):\n"
+                        f"{log_path.read_text(errors='replace')[-3000:]}"
+                    )
                 else:
                     time.sleep(0.02)  # start-up polling, not a measurement
             wait_for(lambda: _healthy(http, url), startup_timeout_s)

@@ -48,10 +48,13 @@ def _run(cmd: list[str], *, cwd: Path, env: dict[str, str], name: str) -> subpro
     env = {**env, "PWD": str(cwd)}  # OpenCode takes its project directory from $PWD, not getcwd()
     t0 = time.monotonic()
     try:
-        res = subprocess.run(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=CLIENT_TIMEOUT_S)
+        res = subprocess.run(
+            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{name} did not finish within {CLIENT_TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}") from None
+        raise AssertionError(
+            f"{name} did not finish within {CLIENT_TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}"
+        ) from None
     print(f"\n{name} finished in {time.monotonic() - t0:.1f} s with exit code {res.returncode}")
     return res
 
@@ -61,24 +64,63 @@ def _chat_records(records: list[Record]) -> list[Record]:
 
 
 def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_path: Path) -> None:
-    aider = require_client("aider", "CI installs it with .ci/install-clients (pip install aider-chat in .ci-tools/aider-venv)")
+    aider = require_client(
+        "aider", "CI installs it with .ci/install-clients (pip install aider-chat in .ci-tools/aider-venv)"
+    )
     home = tmp_path / "home"
     work = tmp_path / "work"
     work.mkdir()
     # A non-empty price cache younger than 24 h: Aider then never downloads litellm's list.
     cache = home / ".aider" / "caches"
     cache.mkdir(parents=True)
-    (cache / "model_prices_and_context_window.json").write_text(json.dumps({
-        f"openai/{MODEL_NAME}": {"max_input_tokens": 32768, "max_output_tokens": AGENT_OUTPUT_TOKENS,
-                                 "max_tokens": AGENT_OUTPUT_TOKENS, "input_cost_per_token": 0.0,
-                                 "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}}))
-    env = loopback_env(HOME=str(home), OPENAI_API_KEY="dummy", LITELLM_LOCAL_MODEL_COST_MAP="True",
-                       AIDER_CHECK_UPDATE="false", PYTHONUNBUFFERED="1")
+    (cache / "model_prices_and_context_window.json").write_text(
+        json.dumps(
+            {
+                f"openai/{MODEL_NAME}": {
+                    "max_input_tokens": 32768,
+                    "max_output_tokens": AGENT_OUTPUT_TOKENS,
+                    "max_tokens": AGENT_OUTPUT_TOKENS,
+                    "input_cost_per_token": 0.0,
+                    "output_cost_per_token": 0.0,
+                    "litellm_provider": "openai",
+                    "mode": "chat",
+                }
+            }
+        )
+    )
+    env = loopback_env(
+        HOME=str(home),
+        OPENAI_API_KEY="dummy",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        AIDER_CHECK_UPDATE="false",
+        PYTHONUNBUFFERED="1",
+    )
     with mlxproxy_serve(mlx_server, capture=True) as px:
-        cmd = [aider, "--message", "say hi", "--yes-always", "--no-git", "--openai-api-base", px.url + "/v1",
-               "--model", f"openai/{MODEL_NAME}", "--no-check-update", "--no-show-release-notes", "--analytics-disable",
-               "--no-show-model-warnings", "--no-pretty", "--no-fancy-input", "--map-tokens", "0", "--no-auto-lint",
-               "--no-auto-test", "--no-suggest-shell-commands", "--no-detect-urls", "--timeout", "60"]
+        cmd = [
+            aider,
+            "--message",
+            "say hi",
+            "--yes-always",
+            "--no-git",
+            "--openai-api-base",
+            px.url + "/v1",
+            "--model",
+            f"openai/{MODEL_NAME}",
+            "--no-check-update",
+            "--no-show-release-notes",
+            "--analytics-disable",
+            "--no-show-model-warnings",
+            "--no-pretty",
+            "--no-fancy-input",
+            "--map-tokens",
+            "0",
+            "--no-auto-lint",
+            "--no-auto-test",
+            "--no-suggest-shell-commands",
+            "--no-detect-urls",
+            "--timeout",
+            "60",
+        ]
         res = _run(cmd, cwd=work, env=env, name="aider")
         out = res.stdout + res.stderr
         # Aider exits 0 even when every API call failed; the proxy's records tell the truth.
@@ -87,7 +129,9 @@ def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_p
         captured = px.captured(at_least=1)
         live = px.records()
         chats = _chat_records(captured)
-        assert chats, f"Aider sent no chat completion through the proxy: {[(r.method, r.path) for r in captured]}\n{out}"
+        assert chats, (
+            f"Aider sent no chat completion through the proxy: {[(r.method, r.path) for r in captured]}\n{out}"
+        )
         print_requests("aider", captured)
         assert {r.id for r in captured} == {r.id for r in live}, "capture and /streams disagree"
         for r in chats:
@@ -100,9 +144,28 @@ def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_p
         # Replay the capture against mlx_lm.server directly, with the real CLI.
         assert px.capture_path is not None
         result = tmp_path / "replay.json"
-        rep = subprocess.run([sys.executable, "-m", "mlxproxy", "replay", str(px.capture_path), "--target", mlx_server,
-                              "--mode", "sequential", "--json", str(result), "--timeout", "120"], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S, env=loopback_env())
+        rep = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlxproxy",
+                "replay",
+                str(px.capture_path),
+                "--target",
+                mlx_server,
+                "--mode",
+                "sequential",
+                "--json",
+                str(result),
+                "--timeout",
+                "120",
+            ],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+            env=loopback_env(),
+        )
     assert rep.returncode == 0, rep.stdout + rep.stderr
     doc = json.loads(result.read_text())
     replayed = [Record.from_dict(r) for g in doc["groups"] for r in g["records"]]
@@ -116,19 +179,28 @@ def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_p
 
 def print_requests(client: str, records: list[Record]) -> None:
     """One line describing what a client sent through the proxy (shown with -s or on failure)."""
-    print(f"{client} requests: " + "; ".join(
-        f"{r.method} {r.path} {r.outcome} stream={r.stream} ttft={r.ttft_s and round(r.ttft_s, 3)}s "
-        f"prompt={r.prompt_tokens} tokens={r.completion_tokens_reported} anomalies={list(r.anomalies)}" for r in records))
+    print(
+        f"{client} requests: "
+        + "; ".join(
+            f"{r.method} {r.path} {r.outcome} stream={r.stream} ttft={r.ttft_s and round(r.ttft_s, 3)}s "
+            f"prompt={r.prompt_tokens} tokens={r.completion_tokens_reported} anomalies={list(r.anomalies)}"
+            for r in records
+        )
+    )
 
 
 def _opencode_config(proxy_url: str) -> dict[str, Any]:
     return {
         "$schema": "https://opencode.ai/config.json",
-        "provider": {"mlx": {"npm": "@ai-sdk/openai-compatible", "name": "mlx",
-                             "options": {"baseURL": proxy_url + "/v1", "apiKey": "dummy"},
-                             # a small context limit makes OpenCode compact in an endless loop
-                             "models": {MODEL_NAME: {"name": "tiny", "limit": {"context": 200000,
-                                                                                 "output": AGENT_OUTPUT_TOKENS}}}}},
+        "provider": {
+            "mlx": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "mlx",
+                "options": {"baseURL": proxy_url + "/v1", "apiKey": "dummy"},
+                # a small context limit makes OpenCode compact in an endless loop
+                "models": {MODEL_NAME: {"name": "tiny", "limit": {"context": 200000, "output": AGENT_OUTPUT_TOKENS}}},
+            }
+        },
         "model": f"mlx/{MODEL_NAME}",
         "autoupdate": False,
         "share": "disabled",
@@ -136,17 +208,35 @@ def _opencode_config(proxy_url: str) -> dict[str, Any]:
 
 
 def test_opencode_run_through_proxy_is_measured(mlx_server: str, tmp_path: Path) -> None:
-    opencode = require_client("opencode", "CI installs it with .ci/install-clients when Node.js/npm are available "
-                                          "(npm install -g opencode-ai into .ci-tools/npm)")
+    opencode = require_client(
+        "opencode",
+        "CI installs it with .ci/install-clients when Node.js/npm are available "
+        "(npm install -g opencode-ai into .ci-tools/npm)",
+    )
     home = tmp_path / "home"
     project = tmp_path / "project"
     project.mkdir()
-    xdg = {k: str(home / sub) for k, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_DATA_HOME", ".local/share"),
-                                              ("XDG_CACHE_HOME", ".cache"), ("XDG_STATE_HOME", ".local/state"))}
-    env = loopback_env(HOME=str(home), **xdg, OPENCODE_DISABLE_MODELS_FETCH="1", OPENCODE_DISABLE_AUTOUPDATE="1",
-                       OPENCODE_DISABLE_DEFAULT_PLUGINS="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1",
-                       OPENCODE_DISABLE_CLAUDE_CODE="1", OPENCODE_DISABLE_SHARE="1",
-                       npm_config_offline="true", npm_config_update_notifier="false")
+    xdg = {
+        k: str(home / sub)
+        for k, sub in (
+            ("XDG_CONFIG_HOME", ".config"),
+            ("XDG_DATA_HOME", ".local/share"),
+            ("XDG_CACHE_HOME", ".cache"),
+            ("XDG_STATE_HOME", ".local/state"),
+        )
+    }
+    env = loopback_env(
+        HOME=str(home),
+        **xdg,
+        OPENCODE_DISABLE_MODELS_FETCH="1",
+        OPENCODE_DISABLE_AUTOUPDATE="1",
+        OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
+        OPENCODE_DISABLE_LSP_DOWNLOAD="1",
+        OPENCODE_DISABLE_CLAUDE_CODE="1",
+        OPENCODE_DISABLE_SHARE="1",
+        npm_config_offline="true",
+        npm_config_update_notifier="false",
+    )
     with mlxproxy_serve(mlx_server, capture=True) as px:
         (project / "opencode.json").write_text(json.dumps(_opencode_config(px.url), indent=2))
         res = _run([opencode, "run", "say hi", "-m", f"mlx/{MODEL_NAME}"], cwd=project, env=env, name="opencode")

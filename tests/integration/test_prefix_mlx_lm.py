@@ -28,8 +28,14 @@ if _REASON is not None:
 
 
 def _turn(proxy: Any, messages: list[dict[str, str]]) -> tuple[Any, str]:
-    body = {"model": MODEL_NAME, "stream": True, "max_tokens": 8, "temperature": 0,
-            "stream_options": {"include_usage": True}, "messages": messages}
+    body = {
+        "model": MODEL_NAME,
+        "stream": True,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+        "messages": messages,
+    }
     with proxy.http.stream("POST", proxy.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         raw = b"".join(r.iter_bytes())
@@ -44,7 +50,8 @@ def _turn(proxy: Any, messages: list[dict[str, str]]) -> tuple[Any, str]:
 
 
 def test_three_turns_show_cached_next_to_reusable_and_name_the_changed_system_prompt(
-        mlx_server: str, record_property: Any) -> None:
+    mlx_server: str, record_property: Any
+) -> None:
     system = nonce_prompt(40)  # ~460 tokens; the nonce keeps other tests' prompts out of the cache
     with mlxproxy_serve(mlx_server, {"detectors": {"prefix_min_tokens": 200}}) as proxy:
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": "List three colours."}]
@@ -53,14 +60,28 @@ def test_three_turns_show_cached_next_to_reusable_and_name_the_changed_system_pr
         t2, a2 = _turn(proxy, msgs)
         changed = [{"role": "system", "content": "Today is Monday. " + system}] + msgs[1:]
         t3, _ = _turn(proxy, changed)
-    figures = [(r.turn, r.prompt_tokens, r.cached_tokens, r.prefix_reusable_tokens, r.cache_hit_ratio,
-                r.prefix_diverged_at, list(r.anomalies)) for r in (t1, t2, t3)]
+    figures = [
+        (
+            r.turn,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.prefix_reusable_tokens,
+            r.cache_hit_ratio,
+            r.prefix_diverged_at,
+            list(r.anomalies),
+        )
+        for r in (t1, t2, t3)
+    ]
     record_property("turns", figures)
     print("\n(turn, prompt, cached, reusable, hit ratio, diverged at, anomalies):", *figures, sep="\n  ")
     assert t1.prompt_tokens > 300 and (t1.turn, t2.turn, t3.turn) == (1, 2, 3)
     assert t1.conversation_id == t2.conversation_id == t3.conversation_id == t1.id
     # turn 2 extends turn 1: all of turn 1's prompt is reusable, and mlx_lm.server reused it
-    assert (t2.prefix_reusable_tokens, t2.prefix_tokens_source, t2.prefix_diverged_at) == (t1.prompt_tokens, "usage", None)
+    assert (t2.prefix_reusable_tokens, t2.prefix_tokens_source, t2.prefix_diverged_at) == (
+        t1.prompt_tokens,
+        "usage",
+        None,
+    )
     assert t2.cached_tokens is not None and t2.cache_hit_ratio is not None and 0.9 <= t2.cache_hit_ratio <= 1.2
     assert not {"prefix_cache_miss", "prompt_prefix_changed"} & set(t2.anomalies), t2.anomaly_evidence
     # turn 3 changed the system prompt: the client's change is named, and the server could reuse ~nothing

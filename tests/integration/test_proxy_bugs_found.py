@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [test] extra: pip install -e '.[test]'")
 
 MLX_LM_STREAM = (
-    b': keepalive 16/20\n\n: keepalive 20/20\n\n'
+    b": keepalive 16/20\n\n: keepalive 20/20\n\n"
     b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "default_model", '
     b'"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": null}]}\n\n'
     b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "default_model", '
@@ -62,11 +62,15 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
         conn.writer.close()
 
     with FakeUpstream(mlx_lm_like) as up, in_process_proxy(up.url) as (url, app):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0,
-                               http_client=httpx.Client(trust_env=False, timeout=10))
+        client = openai.OpenAI(
+            base_url=url + "/v1", api_key="dummy", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=10)
+        )
         raw = client.chat.completions.with_raw_response.create(
-            model="default_model", messages=[{"role": "user", "content": "hi"}], stream=True,
-            stream_options={"include_usage": True})
+            model="default_model",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
         assert text == "Hello world"  # the client got the whole stream, [DONE] included
         rid = raw.headers["x-mlxproxy-request-id"]
@@ -79,7 +83,8 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
         rec = wait_for(lambda: next((r for r in app.recent.records if r.id == rid), None))
         assert rec.finish_reason == "length" and rec.completion_tokens_reported == 2
         assert rec.outcome == "ok", (
-            f"outcome {rec.outcome!r} ({rec.error}) for a stream the client read to data: [DONE]")
+            f"outcome {rec.outcome!r} ({rec.error}) for a stream the client read to data: [DONE]"
+        )
 
 
 def test_requests_released_together_start_alike() -> None:
@@ -117,4 +122,5 @@ def test_requests_released_together_start_alike() -> None:
         asyncio.run(bench_like(up.url))
     reused = {tag: ports[tag] == ports[b'"single"'] for tag in (b'"a"', b'"b"')}
     assert len(set(reused.values())) == 1, (
-        f"one request of the wave reused the warm connection and the other opened a new one: {reused}")
+        f"one request of the wave reused the warm connection and the other opened a new one: {reused}"
+    )

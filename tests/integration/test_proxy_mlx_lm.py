@@ -66,8 +66,13 @@ class Seen:
 
 
 def sdk(base_url: str) -> Any:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="dummy", max_retries=0, timeout=120.0,
-                         http_client=httpx.Client(trust_env=False, timeout=120.0))
+    return openai.OpenAI(
+        base_url=base_url + "/v1",
+        api_key="dummy",
+        max_retries=0,
+        timeout=120.0,
+        http_client=httpx.Client(trust_env=False, timeout=120.0),
+    )
 
 
 def sdk_stream(client: Any, **body: Any) -> Seen:
@@ -183,8 +188,13 @@ def test_ttft_and_decode_speed_through_proxy_match_direct(mlx_server: str, recor
         seen: dict[str, list[Seen]] = {"direct": [], "proxy": []}
 
         def one(name: str) -> Seen:
-            return sdk_stream(clients[name], messages=user(nonce_prompt(TIMING_PROMPT_WORDS)), temperature=0,
-                              max_tokens=TIMING_MAX_TOKENS, stream_options={"include_usage": True})
+            return sdk_stream(
+                clients[name],
+                messages=user(nonce_prompt(TIMING_PROMPT_WORDS)),
+                temperature=0,
+                max_tokens=TIMING_MAX_TOKENS,
+                stream_options={"include_usage": True},
+            )
 
         for name in ("direct", "proxy"):  # warm-up: connections, first-request costs
             one(name)
@@ -196,12 +206,13 @@ def test_ttft_and_decode_speed_through_proxy_match_direct(mlx_server: str, recor
                     seen[name].append(one(name))
 
         def ratios() -> dict[str, float]:
-            return {m: median([getattr(s, m) for s in seen["proxy"]]) / median([getattr(s, m) for s in seen["direct"]])
-                    for m in ("ttft_s", "decode_tps")}
+            return {
+                m: median([getattr(s, m) for s in seen["proxy"]]) / median([getattr(s, m) for s in seen["direct"]])
+                for m in ("ttft_s", "decode_tps")
+            }
 
         run_pairs(TIMING_PAIRS)
-        while (any(abs(r - 1) > TIMING_TOLERANCE for r in ratios().values())
-               and len(seen["direct"]) < TIMING_MAX_PAIRS):
+        while any(abs(r - 1) > TIMING_TOLERANCE for r in ratios().values()) and len(seen["direct"]) < TIMING_MAX_PAIRS:
             run_pairs(TIMING_PAIRS)
         r = ratios()
 
@@ -216,7 +227,8 @@ def test_ttft_and_decode_speed_through_proxy_match_direct(mlx_server: str, recor
             "proxy_recorded_decode_tps": median([x.decode_tps for x in records]),
             "ttft_ratio": r["ttft_s"],
             "decode_ratio": r["decode_tps"],
-            "ttft_cv_direct": statistics.pstdev([s.ttft_s for s in seen["direct"]]) / statistics.mean([s.ttft_s for s in seen["direct"]]),
+            "ttft_cv_direct": statistics.pstdev([s.ttft_s for s in seen["direct"]])
+            / statistics.mean([s.ttft_s for s in seen["direct"]]),
         }
         for k, v in figures.items():
             record_property(k, round(v, 4))
@@ -231,7 +243,9 @@ def test_ttft_and_decode_speed_through_proxy_match_direct(mlx_server: str, recor
             # token back and sends it with the next one (with these prompts: never seen)
             assert rec.completion_tokens_counted == s.content_chunks <= rec.completion_tokens_reported
         assert abs(r["ttft_s"] - 1) <= TIMING_TOLERANCE, f"TTFT through the proxy is off by more than 15%: {summary}"
-        assert abs(r["decode_tps"] - 1) <= TIMING_TOLERANCE, f"decode tok/s through the proxy is off by more than 15%: {summary}"
+        assert abs(r["decode_tps"] - 1) <= TIMING_TOLERANCE, (
+            f"decode tok/s through the proxy is off by more than 15%: {summary}"
+        )
 
 
 def test_local_tokenizer_makes_usage_check_exact(mlx_server: str, tiny_model: Path, record_property: Any) -> None:
@@ -262,15 +276,37 @@ def test_local_tokenizer_makes_usage_check_exact(mlx_server: str, tiny_model: Pa
         client = sdk(px.url)
         # long nonce prompts, and short chat-like ones (whose replies hold many lone spaces)
         for max_tokens in (16, 32, 64, 128, 256):
-            check(px, sdk_stream(client, messages=user(nonce_prompt(10)), temperature=0, max_tokens=max_tokens,
-                                 stream_options={"include_usage": True}))
+            check(
+                px,
+                sdk_stream(
+                    client,
+                    messages=user(nonce_prompt(10)),
+                    temperature=0,
+                    max_tokens=max_tokens,
+                    stream_options={"include_usage": True},
+                ),
+            )
         for i in range(5):
-            check(px, sdk_stream(client, messages=user(f"hi {i}"), temperature=0, max_tokens=64,
-                                 stream_options={"include_usage": True}))
+            check(
+                px,
+                sdk_stream(
+                    client,
+                    messages=user(f"hi {i}"),
+                    temperature=0,
+                    max_tokens=64,
+                    stream_options={"include_usage": True},
+                ),
+            )
     # Without a configured tokenizer, a model name that is the local folder finds it too.
     with mlxproxy_serve(mlx_server) as px:
-        s = sdk_stream(sdk(px.url), messages=user(nonce_prompt(10)), temperature=0, max_tokens=64,
-                       stream_options={"include_usage": True}, extra_body={"model": str(tiny_model)})
+        s = sdk_stream(
+            sdk(px.url),
+            messages=user(nonce_prompt(10)),
+            temperature=0,
+            max_tokens=64,
+            stream_options={"include_usage": True},
+            extra_body={"model": str(tiny_model)},
+        )
         assert px.record(s.request_id).model == str(tiny_model)
         check(px, s)
     record_property("usage_minus_tokenizer", tok_diffs)
@@ -292,7 +328,6 @@ PROGRESS_PROMPT_WORDS = 250  # ~2900 tokens: ~180 prefill steps of 16, a few hun
 _KEEPALIVE = re.compile(rb"^: keepalive (\d+)/(\d+)$")
 
 
-
 def test_prefill_progress_comments_pass_through_and_show_in_streams(mlx_server: str, record_property: Any) -> None:
     """mlx_lm.server's ``: keepalive P/T`` comments reach the client byte for byte, and
     ``GET /streams`` shows the in-flight request's ``prefill_progress`` advancing."""
@@ -308,11 +343,18 @@ def test_prefill_progress_comments_pass_through_and_show_in_streams(mlx_server: 
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        body = {"model": MODEL_NAME, "messages": user(nonce_prompt(PROGRESS_PROMPT_WORDS)), "stream": True,
-                "max_tokens": 8, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL_NAME,
+            "messages": user(nonce_prompt(PROGRESS_PROMPT_WORDS)),
+            "stream": True,
+            "max_tokens": 8,
+            "stream_options": {"include_usage": True},
+        }
         try:
-            with httpx.Client(trust_env=False, timeout=120) as c, \
-                    c.stream("POST", px.url + "/v1/chat/completions", json=body) as r:
+            with (
+                httpx.Client(trust_env=False, timeout=120) as c,
+                c.stream("POST", px.url + "/v1/chat/completions", json=body) as r,
+            ):
                 assert r.status_code == 200
                 rid = r.headers["x-mlxproxy-request-id"]
                 raw = b"".join(r.iter_raw())
@@ -349,8 +391,10 @@ def test_prefill_progress_comments_pass_through_and_show_in_streams(mlx_server: 
     mine = [e for e in polls if e["id"] == rid]
     during = [tuple(e["prefill_progress"]) for e in mine if e["prefill_progress"] and e["ttft_s"] is None]
     record_property("prefill_snapshots", len(during))
-    print(f"\n/streams showed prefill progress in {len(during)} snapshots of a {total}-token prefill "
-          f"({len(comments)} comments, {len(mine)} snapshots in all): first {during[:1]}, last {during[-1:]}")
+    print(
+        f"\n/streams showed prefill progress in {len(during)} snapshots of a {total}-token prefill "
+        f"({len(comments)} comments, {len(mine)} snapshots in all): first {during[:1]}, last {during[-1:]}"
+    )
     assert any(p < t for p, t in during), f"no in-flight snapshot caught the prefill in progress: {mine[:3]}"
     assert set(during) <= set(progress), "the proxy reported progress the client never received"
     assert [p for p, _ in during] == sorted(p for p, _ in during), "progress went backwards"
@@ -405,8 +449,12 @@ def _clusters(records: list[Record]) -> list[list[Record]]:
 def _figures(single: Record, wave: list[Record]) -> dict[str, float]:
     """bench's "double" figures: pair tok/s over the single's wall tok/s, and overlap."""
     agg = aggregate_tps(wave)
-    return {"speedup": agg / single.wall_tps, "overlap": overlap_ratio(wave), "single_tps": single.wall_tps,
-            "pair_tps": agg}
+    return {
+        "speedup": agg / single.wall_tps,
+        "overlap": overlap_ratio(wave),
+        "single_tps": single.wall_tps,
+        "pair_tps": agg,
+    }
 
 
 def _bench_figures(res: TargetResult) -> dict[str, float]:
@@ -427,8 +475,12 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
 
     def req() -> PreparedRequest:  # like bench's: nonce + filler, ~100 prompt tokens, temperature 0
         text = f"[nonce {uuid.uuid4().hex[:12]}] " + filler_text(4 * BATCH_PROMPT_TOKENS - 60)
-        return PreparedRequest("POST", "/v1/chat/completions", chat_body(MODEL_NAME, text, BATCH_MAX_TOKENS),
-                               (("content-type", "application/json"),))
+        return PreparedRequest(
+            "POST",
+            "/v1/chat/completions",
+            chat_body(MODEL_NAME, text, BATCH_MAX_TOKENS),
+            (("content-type", "application/json"),),
+        )
 
     async def through_proxy(url: str) -> tuple[Record, list[Record]]:
         async with MeasuringClient(url, timeout_s=120) as c:
@@ -437,13 +489,14 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
             _, (wave,) = await c.run_waves([req(), req()], 2)
         return single, wave
 
-    opts = BenchOptions(prompt_tokens=(BATCH_PROMPT_TOKENS,), max_tokens=BATCH_MAX_TOKENS, repeat=1, batch=2,
-                        model=MODEL_NAME)
+    opts = BenchOptions(
+        prompt_tokens=(BATCH_PROMPT_TOKENS,), max_tokens=BATCH_MAX_TOKENS, repeat=1, batch=2, model=MODEL_NAME
+    )
     direct: list[TargetResult] = []
     client: list[tuple[Record, list[Record]]] = []
     with mlxproxy_serve(mlx_server, capture=True) as px:
         for i in range(BATCH_ROUNDS):  # interleaved, order flipped each round
-            for side in (("direct", "proxy") if i % 2 == 0 else ("proxy", "direct")):
+            for side in ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct"):
                 if side == "direct":
                     (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 120.0)], opts, progress=False))
                     assert res.error is None, res.error
@@ -464,15 +517,26 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
         c_single, c_wave = client[i]
         for r in (c_single, *c_wave):
             assert (r.outcome, r.anomalies) == ("ok", ()), r
-        rows.append({"proxy": _figures(single, wave), "client": _figures(c_single, c_wave),
-                     "bench_direct": _bench_figures(direct[i])})
+        rows.append(
+            {
+                "proxy": _figures(single, wave),
+                "client": _figures(c_single, c_wave),
+                "bench_direct": _bench_figures(direct[i]),
+            }
+        )
     for res in direct:
         for g in res.groups:
             assert not g.summary.anomalies, (g.name, g.summary.anomalies)
 
-    lines = [f"  round {i}: " + "; ".join(f"{src} speedup {f['speedup']:.2f}x overlap {f['overlap']:.2f} "
-                                          f"(single {f['single_tps']:.0f}, pair {f['pair_tps']:.0f} tok/s)"
-                                          for src, f in row.items()) for i, row in enumerate(rows)]
+    lines = [
+        f"  round {i}: "
+        + "; ".join(
+            f"{src} speedup {f['speedup']:.2f}x overlap {f['overlap']:.2f} "
+            f"(single {f['single_tps']:.0f}, pair {f['pair_tps']:.0f} tok/s)"
+            for src, f in row.items()
+        )
+        for i, row in enumerate(rows)
+    ]
     print("\nbatching, two requests released together:\n" + "\n".join(lines))
 
     # 1. The very same requests: the proxy's figures are the client's (bench's meter).
@@ -485,8 +549,10 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
     assert all(row[src]["overlap"] >= MIN_OVERLAP for row in rows for src in ("proxy", "bench_direct")), lines
     compared = 0
     for at_once in (True, False):
-        sp = {src: [row[src]["speedup"] for row in rows if (row[src]["overlap"] >= AT_ONCE_OVERLAP) == at_once]
-              for src in ("proxy", "bench_direct")}
+        sp = {
+            src: [row[src]["speedup"] for row in rows if (row[src]["overlap"] >= AT_ONCE_OVERLAP) == at_once]
+            for src in ("proxy", "bench_direct")
+        }
         if sp["proxy"] and sp["bench_direct"]:
             ratio = median(sp["proxy"]) / median(sp["bench_direct"])
             record_property(f"speedup_ratio_{'at_once' if at_once else 'late'}", round(ratio, 3))

@@ -59,12 +59,27 @@ def _capture(path: Path) -> None:
     lines = []
     for i in range(2):
         text = f"question {i}: " + " ".join(f"item{j} fox jumps" for j in range(PROMPT_WORDS))
-        rec = Record(id=f"cap{i}", started_at=1.0 + i, upstream="mlx-lm", model=MODEL_NAME, endpoint="chat_completions",
-                     stream=True, status=200, outcome="ok", method="POST", path="/v1/chat/completions")
+        rec = Record(
+            id=f"cap{i}",
+            started_at=1.0 + i,
+            upstream="mlx-lm",
+            model=MODEL_NAME,
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+        )
         d = orjson.loads(w.line_for(rec, None))
         d["path"] = "/v1/chat/completions"
-        d["request"] = {"model": MODEL_NAME, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0,
-                        "messages": [{"role": "user", "content": text}]}
+        d["request"] = {
+            "model": MODEL_NAME,
+            "stream": True,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": text}],
+        }
         lines.append(orjson.dumps(d))
     w.close()
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -72,9 +87,28 @@ def _capture(path: Path) -> None:
 
 def _replay(capture: Path, url: str, out: Path, *extra: str) -> tuple[dict[str, Any], str]:
     env = loopback_env(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-m", "mlxproxy", "replay", str(capture), "--target", f"mlx-lm={url}",
-                          "--batch", "2", "--repeat", str(REPEAT), "--json", str(out), *extra],
-                         capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxproxy",
+            "replay",
+            str(capture),
+            "--target",
+            f"mlx-lm={url}",
+            "--batch",
+            "2",
+            "--repeat",
+            str(REPEAT),
+            "--json",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return orjson.loads(out.read_bytes()), res.stderr
 
@@ -94,9 +128,16 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
     assert all(r["outcome"] == "ok" for r in waves)
     assert median(cached_share) > 0.5, cached_share  # the premise: this server caches prompts
     assert "served mostly from the prompt cache" in stderr and "drop --no-nonce" in stderr
-    assert "cached_replayed" in subprocess.run([sys.executable, "-m", "mlxproxy", "report", str(tmp_path / "cached.json")],
-                                               capture_output=True, text=True, timeout=60,
-                                               env=loopback_env(PYTHONPATH=str(REPO))).stdout
+    assert (
+        "cached_replayed"
+        in subprocess.run(
+            [sys.executable, "-m", "mlxproxy", "report", str(tmp_path / "cached.json")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=loopback_env(PYTHONPATH=str(REPO)),
+        ).stdout
+    )
 
     # 2. the default: a nonce per request sent, baseline and waves uncached; and 3. bench on
     #    the same server, same prompt size and reply length, rounds interleaved so a shared
@@ -104,7 +145,7 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
     replay_speedups: list[float] = []
     bench_speedups: list[float] = []
     for i in range(ROUNDS):
-        for side in (("replay", "bench") if i % 2 == 0 else ("bench", "replay")):
+        for side in ("replay", "bench") if i % 2 == 0 else ("bench", "replay"):
             if side == "replay":
                 doc, stderr = _replay(capture, mlx_server, tmp_path / f"fresh{i}.json")
                 groups = _groups(doc)
@@ -113,11 +154,14 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
                 assert len(sent) == 2 * 2 * REPEAT and all(r["outcome"] == "ok" for r in sent)
                 for r in sent:  # at most the chat template's shared prefix before the nonce
                     assert r["cached_tokens"] is not None and r["cached_tokens"] <= 0.15 * r["prompt_tokens"], r
-                replay_speedups += _wave_speedups(groups["single"]["summary"]["wall_tps"]["p50"], groups["batch 2"]["records"])
+                replay_speedups += _wave_speedups(
+                    groups["single"]["summary"]["wall_tps"]["p50"], groups["batch 2"]["records"]
+                )
                 prompt_tokens = int(median([r["prompt_tokens"] for r in sent]))
             else:
-                opts = BenchOptions(prompt_tokens=(PROMPT_TOKENS,), max_tokens=MAX_TOKENS, repeat=REPEAT, batch=2,
-                                    model=MODEL_NAME)
+                opts = BenchOptions(
+                    prompt_tokens=(PROMPT_TOKENS,), max_tokens=MAX_TOKENS, repeat=REPEAT, batch=2, model=MODEL_NAME
+                )
                 (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 300.0)], opts, progress=False))
                 assert res.error is None, res.error
                 bg = {g.name: g for g in res.groups}
@@ -126,9 +170,11 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
                 bench_speedups += _wave_speedups(bg["single"].summary.wall_tps.p50, list(bg["double"].records))
     lo, hi = min(bench_speedups), max(bench_speedups)
     replay_speedup = median(replay_speedups)
-    print(f"\nreplay --batch 2 per-wave speedups {', '.join(f'{s:.2f}' for s in replay_speedups)}x (prompt {prompt_tokens} "
-          f"tokens); bench {', '.join(f'{s:.2f}' for s in bench_speedups)}x; cached share without nonce p50 "
-          f"{median(cached_share):.2f}")
+    print(
+        f"\nreplay --batch 2 per-wave speedups {', '.join(f'{s:.2f}' for s in replay_speedups)}x (prompt {prompt_tokens} "
+        f"tokens); bench {', '.join(f'{s:.2f}' for s in bench_speedups)}x; cached share without nonce p50 "
+        f"{median(cached_share):.2f}"
+    )
     record_property("replay_speedup_p50", round(replay_speedup, 3))
     record_property("bench_speedups", [round(s, 3) for s in bench_speedups])
     assert lo * (1 - SPREAD_MARGIN) <= replay_speedup <= hi * (1 + SPREAD_MARGIN), (replay_speedups, bench_speedups)
@@ -137,4 +183,4 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
 def _wave_speedups(single_wall_tps: float, records: list[dict[str, Any]]) -> list[float]:
     """Each wave's aggregate tok/s over one request alone (how the summaries' speedup is made)."""
     recs = [Record.from_dict(r) for r in records]
-    return [aggregate_tps(recs[i:i + 2]) / single_wall_tps for i in range(0, len(recs), 2)]
+    return [aggregate_tps(recs[i : i + 2]) / single_wall_tps for i in range(0, len(recs), 2)]

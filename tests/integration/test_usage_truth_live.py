@@ -48,15 +48,24 @@ def fixed_text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
     log = tmp_path_factory.mktemp("fixed-text-log") / "server.log"
     with contextlib.ExitStack() as stack:
         with cpu_affinity(SERVER_CPUS):
-            url = stack.enter_context(mlx_lm_server(model.path, max_tokens=64, log_path=log,
-                                                    extra_args=["--prefill-step-size", str(PREFILL_STEP)]))
+            url = stack.enter_context(
+                mlx_lm_server(
+                    model.path, max_tokens=64, log_path=log, extra_args=["--prefill-step-size", str(PREFILL_STEP)]
+                )
+            )
         yield model, url
 
 
 def stream_chat(http: httpx.Client, base: str, content: str, max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion; what the client saw."""
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text, usage, events = [], None, 0
     with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, r.read()
@@ -108,7 +117,9 @@ def check_records(px: Any, seen: list[dict[str, Any]], tokenizer: bool) -> dict[
         assert rec.completion_tokens_reported == rep and rec.completion_tokens_counted == s["events"]
         # the trusted count is the server's usage, and so are the speeds
         assert (rec.completion_tokens, rec.tokens_source, rec.n_out) == (rep, "usage", rep)
-        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(rep, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
+        assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(
+            rep, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s)
+        )
         assert (rec.completion_tokens_tokenizer is not None) == (tokenizer and s["events"] > 0)
         stats["stop"] += rec.finish_reason == "stop"
         stats["chars_over_4"] += len(s["text"]) / 4 > rep + 3  # where chars/4 used to cry wolf
@@ -118,8 +129,9 @@ def check_records(px: Any, seen: list[dict[str, Any]], tokenizer: bool) -> dict[
 
 
 @pytest.mark.parametrize("tokenizer", [False, True], ids=["no-tokenizer", "tokenizer"])
-def test_200_requests_of_real_text_raise_no_usage_alarm(fixed_text, mlx_server: str, tiny_model: Path,
-                                                        tokenizer: bool, record_property: Any) -> None:
+def test_200_requests_of_real_text_raise_no_usage_alarm(
+    fixed_text, mlx_server: str, tiny_model: Path, tokenizer: bool, record_property: Any
+) -> None:
     model, fixed_url = fixed_text
     http = httpx.Client(timeout=120.0, trust_env=False)
     totals: dict[str, dict[str, int]] = {}
@@ -134,8 +146,15 @@ def test_200_requests_of_real_text_raise_no_usage_alarm(fixed_text, mlx_server: 
         cfg = {"recent_records": 500, **({"tokenizer": str(tiny_model / "tokenizer.json")} if tokenizer else {})}
         rng = random.Random(20)
         with mlxproxy_serve(mlx_server, cfg) as px:
-            seen = [stream_chat(http, px.url, f"[{rng.random():.8f}] {RANDOM_PROMPTS[i % len(RANDOM_PROMPTS)]}",
-                                rng.choice((16, 48, 100, 200, 256))) for i in range(RANDOM_REQUESTS)]
+            seen = [
+                stream_chat(
+                    http,
+                    px.url,
+                    f"[{rng.random():.8f}] {RANDOM_PROMPTS[i % len(RANDOM_PROMPTS)]}",
+                    rng.choice((16, 48, 100, 200, 256)),
+                )
+                for i in range(RANDOM_REQUESTS)
+            ]
             totals["random"] = check_records(px, seen, tokenizer)
     finally:
         http.close()
@@ -156,7 +175,9 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
     model, fixed_url = fixed_text
 
     def four_times(event: bytes) -> bytes:
-        return re.sub(rb'"completion_tokens":\s*(\d+)', lambda m: b'"completion_tokens": %d' % (4 * int(m.group(1))), event)
+        return re.sub(
+            rb'"completion_tokens":\s*(\d+)', lambda m: b'"completion_tokens": %d' % (4 * int(m.group(1))), event
+        )
 
     async def relay(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -168,17 +189,28 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
             if not msg.get("more_body"):
                 break
         async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
-            async with c.stream("POST", fixed_url + scope["path"], content=body,
-                                headers={"content-type": "application/json"}) as r:
-                await send({"type": "http.response.start", "status": r.status_code,
-                            "headers": [(b"content-type", r.headers["content-type"].encode())]})
+            async with c.stream(
+                "POST", fixed_url + scope["path"], content=body, headers={"content-type": "application/json"}
+            ) as r:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": r.status_code,
+                        "headers": [(b"content-type", r.headers["content-type"].encode())],
+                    }
+                )
                 buf = b""
                 async for data in r.aiter_bytes():
                     buf += data
                     *events, buf = buf.split(b"\n\n")
                     if events:
-                        await send({"type": "http.response.body", "more_body": True,
-                                    "body": b"".join(four_times(e) + b"\n\n" for e in events)})
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "more_body": True,
+                                "body": b"".join(four_times(e) + b"\n\n" for e in events),
+                            }
+                        )
                 await send({"type": "http.response.body", "body": four_times(buf)})
 
     name, prompt, _, stops = next(s for s in model.starts if s[0] == "python" and not s[3])
@@ -198,6 +230,8 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
                 source = "tokenizer" if cfg else "stream"
                 n = rec.completion_tokens_tokenizer if cfg else 120
                 assert (rec.completion_tokens, rec.tokens_source) == (n, source)
-                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(n, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s))
+                assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(
+                    n, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s)
+                )
     finally:
         http.close()

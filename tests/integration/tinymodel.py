@@ -31,8 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 __all__ = [
     "MODEL_NAME",
@@ -373,9 +373,7 @@ def mlx_lm_server(
                 *extra_args,
             ]  # fmt: skip
             with open(log, "ab") as logf:
-                proc = subprocess.Popen(
-                    cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-                )
+                proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             try:
                 ready, last_error = _wait_ready(proc, host, port, startup_timeout, warmup)
                 if not ready:
@@ -393,9 +391,7 @@ def mlx_lm_server(
         raise RuntimeError(f"mlx_lm.server failed to start after {attempts} attempts: {last_error}")
 
 
-def _wait_ready(
-    proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, warmup: bool
-) -> tuple[bool, str]:
+def _wait_ready(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float, warmup: bool) -> tuple[bool, str]:
     """Poll until the server is ready (see :func:`mlx_lm_server`); return ``(ready, last_error)``."""
     deadline = time.monotonic() + timeout
     last = "no answer yet"
