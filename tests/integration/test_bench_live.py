@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .bench_live import SERVERS, all_servers, build_loop_model, row, run_bench
+from .bench_live import SERVERS, TOGETHER, all_servers, build_loop_model, row, run_bench
 from .tinymodel import mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
@@ -22,19 +22,21 @@ _REASON = mlx_unavailable_reason()
 if _REASON is not None:
     pytest.skip(f"mlx stack unavailable (the rigged model is built with it): {_REASON}", allow_module_level=True)
 
-#: The batching class each server showed in every run of ``python -m tests.integration.bench_live``
-#: (Linux CPU, 2 cores): vllm-mlx in simple mode answers the second stream with HTTP 200 then an
-#: error event; mlx-openai-server 1.6.3 serves one request at a time (``--max-concurrency`` 1 by
-#: default); the others generate the two streams together. Whether two overlapping streams also
-#: gain (speedup >= 1.2: "continuous batching") or not ("batches, no gain") depends on the CPU
-#: left over by whatever else runs, so for those servers either is accepted; the overlap is not.
-OBSERVED: dict[str, frozenset[str]] = {
-    "vllm-mlx": frozenset({"rejects concurrent requests"}),
-    "mlx-openai-server": frozenset({"serial"}),
+#: What each server did with two streams in every run of ``python -m tests.integration.bench_live``
+#: (Linux CPU, 2 shared cores): vllm-mlx in simple mode answers the second stream with HTTP 200 then
+#: an error event; mlx-openai-server 1.6.3 serves one request at a time (``--max-concurrency`` 1 by
+#: default); the others generate the two streams together (overlap 0.99-1.00). Whether those also
+#: gain ("continuous batching", >= 1.2x) or not ("batches, no gain"), or the gain is too close to
+#: call, depended on the CPU the other work on the machine left (mlx-vlm: 0.98x in one run, 1.54x
+#: and 1.77x in the next two), so the gain is not asserted; the overlap-decided class is.
+OBSERVED: dict[str, str] = {
+    "vllm-mlx": "rejects concurrent requests",
+    "mlx-openai-server": "serial",
+    "vllm-mlx-cb": TOGETHER,
+    "rapid-mlx": TOGETHER,
+    "mlx-vlm": TOGETHER,
+    "mlx-lm": TOGETHER,
 }
-BATCHES = frozenset({"continuous batching", "batches, no gain"})
-for _name in ("vllm-mlx-cb", "rapid-mlx", "mlx-vlm", "mlx-lm"):
-    OBSERVED[_name] = BATCHES
 
 
 def test_bench_verdicts_against_every_live_server(tmp_path: Path) -> None:
@@ -44,14 +46,16 @@ def test_bench_verdicts_against_every_live_server(tmp_path: Path) -> None:
             print(f"left out {name}: {why}")
         if not urls:
             pytest.skip("no live server could run: " + "; ".join(f"{n}: {w}" for n, w in missing.items()))
-        _, doc = run_bench(urls, tmp_path / "bench.json", max_tokens=120, repeat=3)
+        # 400 tokens: at 300-900 tok/s a stream lasts about a second, long enough that the two of a
+        # wave overlap on a server that batches (at 160, mlx_lm.server's waves were sometimes serial)
+        _, doc = run_bench(urls, tmp_path / "bench.json", max_tokens=400, repeat=3)
     assert set(urls) <= set(SERVERS)
     failures = []
     for name in urls:
         r = row(doc, name)
         print(f"{name}: {r['verdict']}")
-        if r["class"] not in OBSERVED[name]:
-            failures.append(f"{name}: {r['verdict']!r} is not {' or '.join(sorted(OBSERVED[name]))}")
+        if r["behaviour"] != OBSERVED[name]:
+            failures.append(f"{name}: {r['verdict']!r} is not {OBSERVED[name]}")
         if r["contradiction"]:
             failures.append(f"{name}: {r['verdict']!r} contradicts its overlap: {r['contradiction']}")
     assert not failures, "\n".join(failures)
