@@ -442,6 +442,9 @@ OVERLAP_SERIAL = 0.25
 OVERLAP_BATCHING = 0.6
 #: with overlapping streams, a speedup below this is no gain (a CPU-bound server shares one compute)
 GAIN = 1.2
+#: a median speedup within this of GAIN (1.1-1.3) cannot say gain from no gain: one lone request's
+#: tok/s varies that much from the next on a shared machine, so the verdict says so instead of flipping
+GAIN_MARGIN = 0.1
 #: N streams can give at most N x one stream; beyond N x this margin the baseline was not comparable
 IMPOSSIBLE_MARGIN = 1.1
 #: a verdict names an anomaly only when at least this share of the target's requests had it
@@ -513,6 +516,9 @@ def batching_verdict(group: Group) -> str | None:
             }
         )
         return f"rejects concurrent requests{at} ({counts[top]} of {len(rows)} waves: {', '.join(how)})"
+    if top in ("continuous batching", "batches, no gain") and sp is not None and abs(sp - GAIN) < GAIN_MARGIN:
+        return (f"inconclusive{at}: the streams are generated together ({ov_txt or 'overlap not measured'}), but "
+                f"speedup {sp_txt} is too close to {GAIN:g}x to say whether they gain")
     parts = [top + at]
     if top == "overlap not measurable":
         return f"speedup{at} {sp_txt}, overlap not measurable" if sp_txt else top + at

@@ -582,6 +582,9 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
     "omlx": {},
     "mlx-vlm": {"stall_every_tokens": 24, "stall_s": 1.2},
     "phantom-usage": {},
+    # the whole answer in one write at the end, as Rapid-MLX did in the 2026 Mac benchmark (0.16.10
+    # streams one token per event by default, so its own profile no longer does)
+    "burst-at-end": {"profile": "rapid-mlx", "burst_at_end": True},
 }
 
 
@@ -608,7 +611,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
 )
 @click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True, help=help_for("--repeat"))
 def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
-    """Run the whole product on built-in simulators: eight simulated MLX servers behind
+    """Run the whole product on built-in simulators: nine simulated MLX servers behind
     one proxy, a short benchmark through it, and the comparison table with verdicts.
     Needs no network beyond loopback and no Mac."""
     from mlxproxy.config import build_config
@@ -638,7 +641,9 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         except OSError as exc:
             fail(f"cannot listen on 127.0.0.1:{port} (--port): {exc.strerror or exc}", 1)
         for name, knobs in DEMO_PROFILES.items():
-            sims[name] = ServerThread(create_sim(name, prefill_tps=20000.0, **knobs)).start()
+            knobs = dict(knobs)
+            profile = knobs.pop("profile", name)
+            sims[name] = ServerThread(create_sim(profile, prefill_tps=20000.0, **knobs)).start()
         upstreams = [{"name": name, "url": s.url, "models": [name]} for name, s in sims.items()]
         cfg = build_config({"upstreams": upstreams, "capture": str(capture)}, port=port, log_requests=False)
         app = create_app(cfg)

@@ -89,6 +89,24 @@ def test_two_thirds_of_the_waves_decide() -> None:
     assert text is not None and text.startswith("continuous batching 1.80x (1.00\u20131.90)")
 
 
+@pytest.mark.parametrize("speedups", [(1.19, 1.19, 1.32), (1.25, 1.21, 1.5), (1.15, 1.12, 1.9)])
+def test_speedup_too_close_to_the_gain_line_is_inconclusive(speedups: tuple[float, ...]) -> None:
+    """Overlapping streams whose median speedup is within 0.1 of 1.2: live vllm-mlx
+    --continuous-batching gave 1.36x, 1.19x and 1.71x in three runs on a shared 2-core machine, and
+    the 1.19x run said "batches, no gain". A lone request's tok/s varies that much, so the verdict
+    says the gain cannot be told, with the figures, instead of picking a side by noise."""
+    text = batching_verdict(group([wave(sp, 0.99) for sp in speedups]))
+    assert text is not None and text.startswith("inconclusive: the streams are generated together (overlap 0.99")
+    assert "is too close to 1.2x to say whether they gain" in text
+
+
+@pytest.mark.parametrize("speedups, cls", [((1.31, 1.36, 1.5), "continuous batching"),
+                                           ((1.09, 1.0, 1.5), "batches, no gain")])
+def test_speedup_clear_of_the_gain_line_is_judged(speedups: tuple[float, ...], cls: str) -> None:
+    text = batching_verdict(group([wave(sp, 0.99) for sp in speedups]))
+    assert text is not None and text.startswith(cls)
+
+
 def test_disagreeing_waves_are_inconclusive_with_the_reason() -> None:
     """Waves that each say something else (like the issue's runs of one server: 0.96x and 1.79x
     at overlap 0.99): not a verdict picked by whichever median came out, but the disagreement named."""
@@ -188,17 +206,17 @@ def test_an_anomaly_in_one_stream_of_thirty_is_not_a_verdict() -> None:
 # -- the whole command against simulated servers --------------------------------------------
 
 CASES = {  # name: (profile, knobs, the verdict's start)
-    "batching": ("mlx-openai-server", {}, "continuous batching "),
+    "batching": ("healthy", {"batch_penalty": 0.02}, "continuous batching "),
+    "serial-queue": ("mlx-openai-server", {}, "serial: "),  # live 1.6.3: one request at a time
     # a slow prefill (1 s for 100 tokens) pauses the first stream while the second one prefills:
     # the streams generate together for ~40 % of the wave
     "partial": ("healthy", {"prefill_tps": 100.0}, "partial batching "),
     "serial": ("mlx-omni-server", {}, "serial: "),
-    "cpu-bound": ("healthy", {"batch_penalty": 1.0}, "batches, no gain: "),
-    "rejects-in-stream": (
-        "healthy",
-        {"reject_concurrent": "stream"},
-        "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)",
-    ),
+    # two streams at 0.8x of one (live Rapid-MLX on a shared CPU: 0.73-0.78x): clear of the band
+    # around 1.2x where the gain cannot be told (1.0x measured up to 1.16x on a loaded machine)
+    "cpu-bound": ("healthy", {"batch_penalty": 1.5}, "batches, no gain: "),
+    "rejects-in-stream": ("healthy", {"reject_concurrent": "stream"},
+                          "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)"),
     "rejects-http": ("healthy", {"reject_concurrent": "http"}, "rejects concurrent requests (3 of 3 waves: HTTP 503)"),
 }
 
@@ -248,7 +266,7 @@ def test_bench_verdict_holds_over_three_runs(case: str, tmp_path: Path) -> None:
                 assert s["speedup"] == pytest.approx(truth, abs=0.25), (run, s["speedup"], truth)
                 assert s["speedup_min"] <= s["speedup"] <= s["speedup_max"]
                 ov = s["overlap"]
-                assert {"serial": ov <= 0.25, "partial": 0.25 < ov < 0.6}.get(case, ov >= 0.6), (run, ov)
+                assert {"serial": ov <= 0.25, "serial-queue": ov <= 0.25, "partial": 0.25 < ov < 0.6}.get(case, ov >= 0.6), (run, ov)
             seen.append(next(c for c in BATCH_CLASSES if text.startswith(c)))
     assert len(set(seen)) == 1, seen
 
@@ -260,7 +278,7 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
 
     from mlxproxy.bench import BenchOptions, bench_targets
 
-    with ServerThread(create_sim("mlx-openai-server", speed=4.0, prefill_tps=20000.0)) as sim:
+    with ServerThread(create_sim("healthy", speed=4.0, prefill_tps=20000.0, batch_penalty=0.02)) as sim:
         opts = BenchOptions(prompt_tokens=(100, 400), max_tokens=16, repeat=3, batches=(2, 3))
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     groups = {g.name: g for g in res.groups}

@@ -250,8 +250,8 @@ def test_phantom_usage_reports_a_multiple() -> None:
     assert usage["completion_tokens"] == 4 * out.n_visible == 40
 
 
-def test_rapid_mlx_bursts_everything_at_the_end() -> None:
-    writes, out = render("rapid-mlx", chat_body(stream=True, max_tokens=8))
+def test_burst_at_end_sends_everything_in_one_write() -> None:
+    writes, out = render("rapid-mlx", chat_body(stream=True, max_tokens=8), burst_at_end=True)
     chunks = [w for w in writes if isinstance(w, bytes) and w]
     assert len(chunks) == 2  # the role chunk at the headers, then one burst
     assert chunks[1].count(b"data: ") == out.n_visible + 2  # tokens, finish, [DONE]

@@ -152,10 +152,11 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             name="mlx-openai-server",
-            description="mlx-openai-server: continuous batching (~2x at two streams), role-only first "
-            "chunk, `reasoning_content`, usage always on the finish chunk, never `length`.",
+            description="mlx-openai-server: one request at a time (`--max-concurrency` defaults to 1), "
+            "role-only first chunk, `reasoning_content`, usage always on the finish chunk, never `length`.",
             wire="mlx-openai-server",
-            batch_penalty=0.02,
+            serial=True,  # live 1.6.3: two streams one after the other (overlap 0.00 in every wave)
+            batch_penalty=0.0,  # ... at 0.92-1.06x of one stream
             reasoning_share=0.25,
             usage_counts_eos=True,  # live 1.6.3: 16 words + EOS = usage 17
         ),
@@ -178,10 +179,9 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             name="rapid-mlx",
-            description="Rapid-MLX: role chunk at once, then silence, then the whole answer in one "
-            "burst at the end (TTFT == total time).",
+            description="Rapid-MLX: role-only first chunk, then one token per event (`--stream-interval` "
+            "defaults to 1), usage only on request, `: keepalive` after 20 s idle.",
             wire="rapid-mlx",
-            burst_at_end=True,
             reasoning_share=0.25,
             keepalive_idle_s=20.0,
             usage_counts_eos=True,  # live 0.16.10: 16 words + EOS = usage 17
