@@ -517,8 +517,10 @@ def batching_verdict(group: Group) -> str | None:
         )
         return f"rejects concurrent requests{at} ({counts[top]} of {len(rows)} waves: {', '.join(how)})"
     if top in ("continuous batching", "batches, no gain") and sp is not None and abs(sp - GAIN) < GAIN_MARGIN:
-        return (f"inconclusive{at}: the streams are generated together ({ov_txt or 'overlap not measured'}), but "
-                f"speedup {sp_txt} is too close to {GAIN:g}x to say whether they gain")
+        return (
+            f"inconclusive{at}: the streams are generated together ({ov_txt or 'overlap not measured'}), but "
+            f"speedup {sp_txt} is too close to {GAIN:g}x to say whether they gain"
+        )
     parts = [top + at]
     if top == "overlap not measurable":
         return f"speedup{at} {sp_txt}, overlap not measurable" if sp_txt else top + at

@@ -100,8 +100,9 @@ def test_speedup_too_close_to_the_gain_line_is_inconclusive(speedups: tuple[floa
     assert "is too close to 1.2x to say whether they gain" in text
 
 
-@pytest.mark.parametrize("speedups, cls", [((1.31, 1.36, 1.5), "continuous batching"),
-                                           ((1.09, 1.0, 1.5), "batches, no gain")])
+@pytest.mark.parametrize(
+    "speedups, cls", [((1.31, 1.36, 1.5), "continuous batching"), ((1.09, 1.0, 1.5), "batches, no gain")]
+)
 def test_speedup_clear_of_the_gain_line_is_judged(speedups: tuple[float, ...], cls: str) -> None:
     text = batching_verdict(group([wave(sp, 0.99) for sp in speedups]))
     assert text is not None and text.startswith(cls)
@@ -215,8 +216,11 @@ CASES = {  # name: (profile, knobs, the verdict's start)
     # two streams at 0.8x of one (live Rapid-MLX on a shared CPU: 0.73-0.78x): clear of the band
     # around 1.2x where the gain cannot be told (1.0x measured up to 1.16x on a loaded machine)
     "cpu-bound": ("healthy", {"batch_penalty": 1.5}, "batches, no gain: "),
-    "rejects-in-stream": ("healthy", {"reject_concurrent": "stream"},
-                          "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)"),
+    "rejects-in-stream": (
+        "healthy",
+        {"reject_concurrent": "stream"},
+        "rejects concurrent requests (3 of 3 waves: HTTP 200 then an error in the stream)",
+    ),
     "rejects-http": ("healthy", {"reject_concurrent": "http"}, "rejects concurrent requests (3 of 3 waves: HTTP 503)"),
 }
 
@@ -266,7 +270,9 @@ def test_bench_verdict_holds_over_three_runs(case: str, tmp_path: Path) -> None:
                 assert s["speedup"] == pytest.approx(truth, abs=0.25), (run, s["speedup"], truth)
                 assert s["speedup_min"] <= s["speedup"] <= s["speedup_max"]
                 ov = s["overlap"]
-                assert {"serial": ov <= 0.25, "serial-queue": ov <= 0.25, "partial": 0.25 < ov < 0.6}.get(case, ov >= 0.6), (run, ov)
+                assert {"serial": ov <= 0.25, "serial-queue": ov <= 0.25, "partial": 0.25 < ov < 0.6}.get(
+                    case, ov >= 0.6
+                ), (run, ov)
             seen.append(next(c for c in BATCH_CLASSES if text.startswith(c)))
     assert len(set(seen)) == 1, seen
 

@@ -409,8 +409,22 @@ def test_report_renders_the_runs_own_view_with_distinct_labels(tmp_path: Path) -
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with ServerThread(create_sim("healthy", speed=20, batch_penalty=0.02)) as sim:
-        runs = [cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50,200", "--repeat", "2", "--max-tokens", "8",
-                    "--json", str(tmp_path / d / "bench.json")) for d in ("a", "b")]
+        runs = [
+            cli(
+                "bench",
+                "--target",
+                f"s={sim.url}",
+                "--prompt-tokens",
+                "50,200",
+                "--repeat",
+                "2",
+                "--max-tokens",
+                "8",
+                "--json",
+                str(tmp_path / d / "bench.json"),
+            )
+            for d in ("a", "b")
+        ]
     for res in runs:
         assert res.returncode == 0, res.stderr[-1500:]
         assert "Verdicts:" in res.stdout and "TTFT: time to first token" in res.stdout  # a legend under the table

@@ -308,8 +308,10 @@ SIMS = (
     ("thinking", "vllm-mlx", "sim-thinking"),
     ("cache", "healthy", "sim-cache"),  # a prompt cache dropped before every other request (SIM_KNOBS)
 )
-SIM_KNOBS = {"cache": {"prompt_cache": True, "cache_drop": "every-other"},
-             "burst": {"burst_at_end": True}}  # the whole answer in one write (Rapid-MLX's wire)
+SIM_KNOBS = {
+    "cache": {"prompt_cache": True, "cache_drop": "every-other"},
+    "burst": {"burst_at_end": True},
+}  # the whole answer in one write (Rapid-MLX's wire)
 AGENT_SYSTEM = "You are a coding agent; keep the repository's conventions and run its tests. " * 80  # ~1600 tokens
 PROMPT_TOKENS = (40, 300, 1500, 6000)
 MAX_TOKENS = (16, 40, 80, 160)

@@ -24,8 +24,12 @@ from mlxproxy.plot import COLORS, HEIGHT
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
-SERVERS = {"batching": ("healthy", {"batch_penalty": 0.02}), "serial": ("mlx-omni-server", {}),
-           "batching-too": ("vllm-mlx", {}), "not-streaming": ("rapid-mlx", {"burst_at_end": True})}
+SERVERS = {
+    "batching": ("healthy", {"batch_penalty": 0.02}),
+    "serial": ("mlx-omni-server", {}),
+    "batching-too": ("vllm-mlx", {}),
+    "not-streaming": ("rapid-mlx", {"burst_at_end": True}),
+}
 
 
 def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
@@ -71,8 +75,10 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
 
 @pytest.fixture(scope="module")
 def results():
-    sims = [ServerThread(create_sim(profile, speed=4, prefill_tps=20000.0, **knobs)).start()
-            for profile, knobs in SERVERS.values()]
+    sims = [
+        ServerThread(create_sim(profile, speed=4, prefill_tps=20000.0, **knobs)).start()
+        for profile, knobs in SERVERS.values()
+    ]
     try:
         targets = [Target(name, s.url, 60.0) for name, s in zip(SERVERS, sims)]
         opts = BenchOptions(prompt_tokens=(100, 1000, 4000), max_tokens=24, repeat=1, batches=(2, 3))

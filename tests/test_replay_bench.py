@@ -127,7 +127,9 @@ def test_batch_speedup_tracks_the_truth() -> None:
     speedups = {}
     knobs = {"healthy": {"batch_penalty": 0.02}, "mlx-omni-server": {}}
     for profile in ("healthy", "mlx-omni-server"):
-        with ServerThread(create_sim(profile, speed=2, **knobs[profile])) as sim:  # 10 ms token gaps: robust on a busy machine
+        with ServerThread(
+            create_sim(profile, speed=2, **knobs[profile])
+        ) as sim:  # 10 ms token gaps: robust on a busy machine
             groups = run(caps, sim.url, ReplayOptions(mode="batch", batch=2))
         speedups[profile] = groups[-1]["summary"]["speedup"]
         truth = planned_speedup(get_profile(profile, **knobs[profile]), 2, 100, 64)
@@ -202,7 +204,11 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
     assert doc["kind"] == "bench" and sum(len(g["records"]) for g in doc["groups"]) >= 12 + 6
     assert paths[3].read_text().startswith("<svg") and "TTFT by prompt size" in paths[3].read_text()
     out = CliRunner().invoke(main, ["report", str(paths[0])])
-    assert out.exit_code == 0 and "Requests released together (batching):" in out.output and "continuous batching" in out.output
+    assert (
+        out.exit_code == 0
+        and "Requests released together (batching):" in out.output
+        and "continuous batching" in out.output
+    )
 
 
 def test_bench_failing_target_does_not_stop_others() -> None:

@@ -53,7 +53,9 @@ def build_loop_model(dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def all_servers(model: Path, logs: Path, names: tuple[str, ...] = SERVERS) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
+def all_servers(
+    model: Path, logs: Path, names: tuple[str, ...] = SERVERS
+) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
     """Start every server of ``names`` that can run here; yield ({name: url}, {name: why not})."""
     urls: dict[str, str] = {}
     missing: dict[str, str] = {}
@@ -78,14 +80,25 @@ def all_servers(model: Path, logs: Path, names: tuple[str, ...] = SERVERS) -> It
         yield urls, missing
 
 
-def run_bench(urls: dict[str, str], json_path: Path, *, max_tokens: int, repeat: int,
-              prompt_tokens: int = 100) -> tuple[list[str], dict[str, Any]]:
+def run_bench(
+    urls: dict[str, str], json_path: Path, *, max_tokens: int, repeat: int, prompt_tokens: int = 100
+) -> tuple[list[str], dict[str, Any]]:
     """One ``mlxproxy bench`` over every url; (the argv, the JSON result document)."""
     argv = [sys.executable, "-m", "mlxproxy", "bench"]
     for name, url in urls.items():
         argv += ["--target", f"{name}={url}"]
-    argv += ["--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens), "--repeat", str(repeat),
-             "--timeout", "300", "--json", str(json_path)]
+    argv += [
+        "--prompt-tokens",
+        str(prompt_tokens),
+        "--max-tokens",
+        str(max_tokens),
+        "--repeat",
+        str(repeat),
+        "--timeout",
+        "300",
+        "--json",
+        str(json_path),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     env["NO_PROXY"] = "127.0.0.1,localhost"
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
@@ -113,7 +126,9 @@ TOGETHER = "generated together"
 
 def behaviour(cls: str, text: str) -> str:
     """The server's part of a verdict class: the gain folded into "generated together"."""
-    if cls in ("continuous batching", "batches, no gain") or text.startswith("inconclusive: the streams are generated together"):
+    if cls in ("continuous batching", "batches, no gain") or text.startswith(
+        "inconclusive: the streams are generated together"
+    ):
         return TOGETHER
     return cls
 
@@ -142,8 +157,14 @@ def row(doc: dict[str, Any], target: str) -> dict[str, Any]:
     text = (doc.get("verdicts") or {}).get(target, "")
     s = double_summary(doc, target) or {}
     cls = verdict_class(text)
-    return {"verdict": text, "class": cls, "behaviour": behaviour(cls, text), "overlap": s.get("overlap"),
-            "speedup": s.get("speedup"), "contradiction": contradiction(cls, s)}
+    return {
+        "verdict": text,
+        "class": cls,
+        "behaviour": behaviour(cls, text),
+        "overlap": s.get("overlap"),
+        "speedup": s.get("speedup"),
+        "contradiction": contradiction(cls, s),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,16 +189,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             table: dict[str, list[dict[str, Any]]] = {n: [] for n in urls}
             for k in range(args.runs):
-                cmd, doc = run_bench(urls, out / f"bench-live-{k + 1}.json", max_tokens=args.max_tokens,
-                                     repeat=args.repeat)
+                cmd, doc = run_bench(
+                    urls, out / f"bench-live-{k + 1}.json", max_tokens=args.max_tokens, repeat=args.repeat
+                )
                 if k == 0:
                     print("command: mlxproxy " + " ".join(cmd[3:]), flush=True)
                 print(f"--- run {k + 1}", flush=True)
                 for name in urls:
                     r = row(doc, name)
                     table[name].append(r)
-                    print(f"{name}: {r['verdict']}" + (f"  [CONTRADICTS: {r['contradiction']}]" if r["contradiction"] else ""),
-                          flush=True)
+                    print(
+                        f"{name}: {r['verdict']}"
+                        + (f"  [CONTRADICTS: {r['contradiction']}]" if r["contradiction"] else ""),
+                        flush=True,
+                    )
     print("--- summary", flush=True)
     bad = 0
     for name, rows in table.items():
@@ -188,11 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         contra = [r["contradiction"] for r in rows if r["contradiction"]]
         bad += (len(kinds) > 1) + bool(contra)
         figs = "; ".join(
-            f"overlap {r['overlap']:.2f} speedup {r['speedup']:.2f}x" if r["overlap"] is not None and r["speedup"] is not None
-            else f"overlap {r['overlap']} speedup {r['speedup']}" for r in rows)
-        print(f"{name}: {' | '.join(classes)} -> {'same' if same else 'gain differs'}, "
-              f"{'same behaviour: ' + ', '.join(sorted(kinds)) if len(kinds) <= 1 else 'BEHAVIOUR DIFFERS'}"
-              f"{'' if not contra else ', CONTRADICTS ' + '; '.join(contra)}  ({figs})", flush=True)
+            f"overlap {r['overlap']:.2f} speedup {r['speedup']:.2f}x"
+            if r["overlap"] is not None and r["speedup"] is not None
+            else f"overlap {r['overlap']} speedup {r['speedup']}"
+            for r in rows
+        )
+        print(
+            f"{name}: {' | '.join(classes)} -> {'same' if same else 'gain differs'}, "
+            f"{'same behaviour: ' + ', '.join(sorted(kinds)) if len(kinds) <= 1 else 'BEHAVIOUR DIFFERS'}"
+            f"{'' if not contra else ', CONTRADICTS ' + '; '.join(contra)}  ({figs})",
+            flush=True,
+        )
     return 1 if bad else 0
 
 
