@@ -296,3 +296,20 @@ def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
             res.stderr.strip().splitlines()[-1]
             == "mlxproxy: MLXPROXY_STACK must be one of plain, fast (or unset), got 'turbo'"
         )
+
+
+def test_a_run_keeps_its_records_out_of_full_collections_and_unfreezes_at_its_end() -> None:
+    import gc
+
+    from mlxproxy.loadgen import FREEZE_EVERY, _RunHeap
+
+    assert gc.get_freeze_count() == 0
+    heap = _RunHeap()
+    kept = [object() for _ in range(10)]
+    for _ in range(FREEZE_EVERY - 1):
+        heap.record_done()
+    assert gc.get_freeze_count() == 0  # nothing frozen before the first FREEZE_EVERY records
+    heap.record_done()
+    assert gc.get_freeze_count() > 0  # what the run holds is out of the collector's passes
+    heap.release()
+    assert gc.get_freeze_count() == 0 and kept  # and back in them once the run has ended
