@@ -131,7 +131,7 @@ def test_batch_speedup_tracks_the_truth() -> None:
             create_sim(profile, speed=2, **knobs[profile])
         ) as sim:  # 10 ms token gaps: robust on a busy machine
             groups = run(caps, sim.url, ReplayOptions(mode="batch", batch=2))
-        speedups[profile] = groups[-1]["summary"]["speedup"]
+        speedups[profile] = groups[-1].summary.speedup
         truth = planned_speedup(get_profile(profile, **knobs[profile]), 2, 100, 64)
         assert speedups[profile] == pytest.approx(truth, abs=0.25), (profile, truth)
     assert speedups["healthy"] > 1.8 and speedups["mlx-omni-server"] <= 1.0

@@ -392,7 +392,9 @@ def test_two_at_once(live: Live) -> None:
     results: list[Seen] = []
     errors: list[BaseException] = []
     go = threading.Barrier(2)
-    body = {"model": live.server.model, "messages": user("Count forever."), "max_tokens": 1000, "stream": True, **USAGE}
+    # long enough that a serial server makes the second stream wait well past `serialized`'s 1 s minimum
+    # (1,000 tokens took only 0.95 s once on a quiet machine, and the wait went unflagged)
+    body = {"model": live.server.model, "messages": user("Count forever."), "max_tokens": 2500, "stream": True, **USAGE}
 
     def one() -> None:
         try:
