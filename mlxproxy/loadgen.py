@@ -18,28 +18,13 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
+from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
 from mlxproxy.rawhttp import RawPool
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
 now = time.perf_counter
 _TIMER_RESOLUTION_S = 0.001
-REPLAY_HEADER = "x-mlxproxy-replay"
-# hop-by-hop and framing headers, and ones this client sets itself, are never sent as given
-_NOT_RESENT = frozenset(
-    {
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "te",
-        "upgrade",
-        "accept-encoding",
-        "proxy-authorization",
-        REPLAY_HEADER,
-    }
-)
 
 
 def _wire(text: str) -> bytes:
@@ -175,7 +160,7 @@ class MeasuringClient:
         await self.aclose()
 
     def _headers(self, req: PreparedRequest) -> list[tuple[bytes, bytes]]:
-        headers = [(k, v) for k, v in req.headers if k.lower() not in _NOT_RESENT]
+        headers = [(k, v) for k, v in req.headers if k.lower() not in NOT_RESENT]
         auth = f"Bearer {self.api_key}" if self.api_key is not None else self._url_auth
         if auth is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
