@@ -672,11 +672,42 @@ def test_client_leaving_after_done_is_not_a_disconnect() -> None:
                         break  # and close, as the SDK does
                 rid = r.headers["x-mlxproxy-request-id"]
             assert got == body
-            assert wait_for(lambda: any(x.id == rid for x in t.app.recent.records), 2) or True
         finally:
             client_done.set()
         rec = t.record(rid)
         assert rec.outcome == "ok" and rec.error is None
+
+
+def test_client_leaving_after_an_error_event_keeps_the_servers_error() -> None:
+    """The OpenAI SDK raises at an in-stream error event and closes its connection; mlx-vlm
+    sends ``{"error": ...}`` with no [DONE]. Whether the proxy sees the client leave before
+    the upstream's end is a race: either way the record says what the server said."""
+    error_event = b'data: {"error": "Generation ended with an incomplete tool call."}\n\n'
+    body = EVENT_A + error_event
+    client_done = threading.Event()
+
+    async def held_open(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        await conn.chunk(body)
+        await conn.wait_gate(client_done, 30)  # the end comes only after the client has left
+        await conn.end_chunked()
+
+    with rig({"m": held_open}) as t:
+        try:
+            with httpx.Client(timeout=30) as c, c.stream("POST", t.url + "/v1/chat/completions", json=STREAM_REQ) as r:
+                got = b""
+                for part in r.iter_raw():
+                    got += part
+                    if got.endswith(error_event):
+                        break  # and close, as the SDK does
+                rid = r.headers["x-mlxproxy-request-id"]
+            assert got == body
+            rec = t.record(rid)
+        finally:
+            client_done.set()
+        assert rec.outcome == "stream_error", rec
+        assert rec.error == "Generation ended with an incomplete tool call."
+        assert "stream_error" in rec.anomalies
 
 
 def test_slow_reading_client_pushes_back_on_the_upstream_with_bounded_buffers() -> None:

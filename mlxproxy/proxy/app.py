@@ -307,8 +307,11 @@ class ProxyApp:
         except asyncio.CancelledError:
             if not flow.disconnected:
                 raise
-            if not meter.done:  # a client that leaves after [DONE] (the OpenAI SDK stops reading
-                flow.outcome = "client_disconnect"  # there) got the whole stream: classify it normally
+            # a client that leaves after [DONE] (the OpenAI SDK stops reading there) got the whole
+            # stream, and one that leaves after an in-stream error event (the SDK raises there) got
+            # the server's last word: classify both by what the server sent
+            if not meter.done and not meter.stream_error:
+                flow.outcome = "client_disconnect"
                 flow.error = "the client disconnected"
         finally:
             t_end = now()  # the last byte has been forwarded (or the request failed): duration_s ends here
