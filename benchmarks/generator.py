@@ -1,6 +1,6 @@
 """Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
 
-`mlxproxy replay`/`bench` measure servers with `mlxproxy.loadgen.MeasuringClient` (the
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.load.client.MeasuringClient` (the
 proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
 the CLI runs it on: `mlxproxy.runner.run_async`, uvloop where installed, asyncio with
 MLXPROXY_STACK=plain). This script drives it against
@@ -129,8 +129,8 @@ async def ours(
     """mlxproxy's client: an open loop at `rate` (as `--rate` sends), or a closed loop of
     `concurrency` workers; every response metered and checked as in a real run."""
     sys.path.insert(0, REPO)
-    from mlxproxy.load import arrival_offsets, sent_rate
-    from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+    from mlxproxy.load.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.schedules import arrival_offsets, sent_rate
 
     reqs = [
         PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))

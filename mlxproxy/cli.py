@@ -58,9 +58,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from mlxproxy.bench_cli import bench, demo
+    from mlxproxy.load.bench_cli import bench
+    from mlxproxy.load.demo import demo
+    from mlxproxy.load.replay_cli import replay
+    from mlxproxy.load.report_cli import report
     from mlxproxy.proxy.cli import serve
-    from mlxproxy.replay_cli import replay, report
 
     main.add_command(demo)
     main.add_command(serve)

@@ -144,13 +144,13 @@ class _Parsed(click.ParamType):
 
 
 def _slo(text: str) -> Any:
-    from mlxproxy.load import parse_slo
+    from mlxproxy.load.schedules import parse_slo
 
     return parse_slo(text)
 
 
 def _fail_on(text: str) -> Any:
-    from mlxproxy.load import parse_fail_on
+    from mlxproxy.load.schedules import parse_fail_on
 
     return parse_fail_on(text)
 

@@ -5,7 +5,9 @@ functions) and from what importing a module actually pulls in:
   orjson: no I/O library (aiohttp, httpx, asyncio, sockets, ...), no clock, and no other
   `mlxproxy` package;
 - the simulator (`mlxproxy/sim/`) imports nothing from the proxy (`mlxproxy.proxy`);
-- inside each of the two, the imports form a tree (no cycle);
+- the proxy and the simulator import nothing from load testing (`mlxproxy/load/`), and of load
+  testing only the demo (which wires simulators behind a proxy) imports the proxy or the simulator;
+- the whole package's imports form a tree (no cycle);
 - no module of the package takes a private name (`_name`) from another.
 """
 
@@ -180,12 +182,42 @@ def test_importing_the_simulator_pulls_in_no_proxy_module() -> None:
     assert sorted(m for m in new if m.startswith("mlxproxy.proxy")) == []
 
 
-@pytest.mark.parametrize("subpackage", ["core", "sim"])
+@pytest.mark.parametrize("subpackage", ["core", "sim", "proxy", "load"])
 def test_no_import_cycle(subpackage: str) -> None:
     # Imports inside functions count: a cycle hidden in a function is still a cycle.
     edges = internal_edges(modules_of(subpackage))
     assert any(edges.values())  # the graph was read
     assert find_cycle(edges) is None, find_cycle(edges)
+
+
+def test_no_import_cycle_in_the_whole_package() -> None:
+    edges = internal_edges({module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))})
+    assert "mlxproxy.load.bench_cli" in edges["mlxproxy.cli"]  # the graph spans the subpackages
+    assert find_cycle(edges) is None, find_cycle(edges)
+
+
+def test_the_layers_import_only_downwards() -> None:
+    """proxy and sim know nothing of load testing; load testing reaches the proxy and the
+    simulator only in the demo, which runs them together."""
+    modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    assert "mlxproxy.load.client" in modules and "mlxproxy.proxy.app" in modules
+
+    def layer(name: str) -> str:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 2 or name.endswith((".core", ".sim", ".proxy", ".load")) else "top"
+
+    bad = []
+    for m, path in modules.items():
+        for target, name, line in imports_of(m, path):
+            full = f"{target}.{name}" if name and f"{target}.{name}" in modules else target
+            if full not in modules and target not in modules:
+                continue
+            src, dst = layer(m), layer(full)
+            if src in ("proxy", "sim") and dst == "load":
+                bad.append(f"{m}:{line} imports {full}")
+            if src == "load" and dst in ("proxy", "sim") and m != "mlxproxy.load.demo":
+                bad.append(f"{m}:{line} imports {full}")
+    assert bad == []
 
 
 def test_no_module_of_the_package_imports_a_private_name_of_another() -> None:

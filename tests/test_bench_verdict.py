@@ -11,12 +11,20 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from mlxproxy.bench import ANOMALY_SHARE, BATCH_CLASSES, Target, TargetResult, batching_verdict, verdict, wave_class
-from mlxproxy.bench_cli import bench_sections, results_from_doc
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
-from mlxproxy.report import read_result, render_sections
-from mlxproxy.results import Group
+from mlxproxy.load.bench import (
+    ANOMALY_SHARE,
+    BATCH_CLASSES,
+    Target,
+    TargetResult,
+    batching_verdict,
+    verdict,
+    wave_class,
+)
+from mlxproxy.load.bench_report import bench_sections, results_from_doc
+from mlxproxy.load.report import read_result, render_sections
+from mlxproxy.load.results import Group
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
@@ -282,7 +290,7 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
     judged against the lone requests k and k + 1 right around it."""
     import asyncio
 
-    from mlxproxy.bench import BenchOptions, bench_targets
+    from mlxproxy.load.bench import BenchOptions, bench_targets
 
     with ServerThread(create_sim("healthy", speed=4.0, prefill_tps=20000.0, batch_penalty=0.02)) as sim:
         opts = BenchOptions(prompt_tokens=(100, 400), max_tokens=16, repeat=3, batches=(2, 3))

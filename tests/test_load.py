@@ -15,8 +15,8 @@ import pytest
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.record import Record
-from mlxproxy.load import arrival_offsets, generator_note, schedule
-from mlxproxy.replay import ReplayOptions, run_replay
+from mlxproxy.load.replay import ReplayOptions, run_replay
+from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
@@ -155,7 +155,7 @@ def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
 
 
 def test_the_generator_says_when_it_was_the_limit() -> None:
-    from mlxproxy.results import Summary
+    from mlxproxy.load.results import Summary
 
     lag = lambda p99: {"count": 10, "p50": p99 / 2, "p99": p99}  # noqa: E731
     summ = lambda p99, sent: Summary.from_dict({"schedule_lag_s": lag(p99), "sent_rate": sent})  # noqa: E731
@@ -185,7 +185,7 @@ def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
 
 
 def test_slo_syntax() -> None:
-    from mlxproxy.load import DEFAULT_SLO, parse_slo, slo_text
+    from mlxproxy.load.schedules import DEFAULT_SLO, parse_slo, slo_text
 
     assert parse_slo("ttft_p95=3s,tpot_p50=60ms") == {"ttft_p95": 3.0, "tpot_p50": pytest.approx(0.06)}
     assert parse_slo("e2e_p99=2.5, decode_tps_p50=20tok/s, itl_p90=80ms") == {
@@ -223,7 +223,7 @@ def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") ->
 
 
 def test_goodput_counts_requests_meeting_every_threshold() -> None:
-    from mlxproxy.load import judge, step_problem
+    from mlxproxy.load.schedules import judge, step_problem
 
     slo = {"ttft_p95": 1.0, "tpot_p50": 0.05}
     recs = [
@@ -437,8 +437,8 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
 
 
 def test_capacity_lines_for_every_ending() -> None:
-    from mlxproxy.load import capacity_line, capacity_of, judge
-    from mlxproxy.results import Group
+    from mlxproxy.load.results import Group
+    from mlxproxy.load.schedules import capacity_line, capacity_of, judge
 
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(4)]
@@ -515,7 +515,7 @@ def _conversation_caps() -> list[CapturedRequest]:
 
 
 def test_a_capture_splits_into_conversations_and_a_session_shares_one_nonce() -> None:
-    from mlxproxy.replay import captured_think_s, prepare, split_sessions
+    from mlxproxy.load.replay import captured_think_s, prepare, split_sessions
 
     caps = _conversation_caps()
     sessions = split_sessions(caps)
@@ -630,7 +630,7 @@ def test_a_sweep_of_rates_gives_the_capacity_in_requests_per_second(tmp_path: Pa
 
 
 def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: Path) -> None:
-    from mlxproxy.replay import split_sessions, synthetic_agent_session
+    from mlxproxy.load.replay import split_sessions, synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     (conv,) = split_sessions(caps)  # one conversation of four turns
@@ -662,7 +662,7 @@ def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: P
 
 
 def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
-    from mlxproxy.load import ramp_offsets
+    from mlxproxy.load.schedules import ramp_offsets
 
     ramp = ramp_offsets(20.0, 2.0)  # 20/s reached after 2 s: 20 requests, due at sqrt(i / 5)
     assert len(ramp) == 20 and ramp[-1] < 2.0 and ramp[5] == pytest.approx(1.0)
@@ -700,7 +700,7 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
 
     if "prompt_cache" not in knob_names():
         pytest.skip("this simulator has no prompt cache knob (it comes with the simulator's prompt-cache work)")
-    from mlxproxy.replay import synthetic_agent_session
+    from mlxproxy.load.replay import synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:

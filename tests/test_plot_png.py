@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxproxy.bench import BenchOptions, Target, bench_targets
-from mlxproxy.bench_cli import plot_svg
-from mlxproxy.plot import COLORS, HEIGHT
+from mlxproxy.load.bench import BenchOptions, Target, bench_targets
+from mlxproxy.load.bench_report import plot_svg
+from mlxproxy.load.plot import COLORS, HEIGHT
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 

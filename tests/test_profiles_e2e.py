@@ -12,10 +12,10 @@ import pytest
 
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
-from mlxproxy.loadgen import MeasuringClient, PreparedRequest
+from mlxproxy.load.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.report import summarize_records
+from mlxproxy.load.results import Summary
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.report import summarize_records
-from mlxproxy.results import Summary
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from test_proxy_e2e import wait_for
@@ -203,8 +203,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     """What `mlxproxy demo` prints: the phantom-usage row reads ~50 tok/s (simulated) like a
     healthy server, marked and footnoted, with the usage verdict beside it; the healthy
     row is unmarked and unchanged (its speeds are its usage's)."""
-    from mlxproxy.bench import BenchOptions, headline, headline_notes, verdict
     from mlxproxy.core.record import rate_figures, wall_window_s
+    from mlxproxy.load.bench import BenchOptions, headline, headline_notes, verdict
 
     url, _, _ = stack
     opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
@@ -234,7 +234,7 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
 
 
 def _bench_each(url: str, opts):
-    from mlxproxy.bench import BenchOptions, Target, bench_targets
+    from mlxproxy.load.bench import BenchOptions, Target, bench_targets
 
     async def go():
         out = []

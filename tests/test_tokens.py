@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from fakeupstream import FakeUpstream, sse_response
-from mlxproxy.tokens import TokenCounter, find_tokenizer_file
+from mlxproxy.proxy.tokens import TokenCounter, find_tokenizer_file
 from support import read_fixture
 from test_proxy_e2e import last_record, proxy
 

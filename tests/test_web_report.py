@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from browser import Chromium, Page, require_chromium
-from mlxproxy.bench_cli import DEMO_PROFILES
 from mlxproxy.cli import main
+from mlxproxy.load.demo import DEMO_PROFILES
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 

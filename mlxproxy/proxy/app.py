@@ -51,8 +51,8 @@ from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
 from mlxproxy.proxy.relay import AbortClient, Flow, Outbound, json_error, relay, respond, watch_disconnect
 from mlxproxy.proxy.routes import OWN_PATHS, PAGE_PATHS, own_routes
+from mlxproxy.proxy.tokens import TokenCounter
 from mlxproxy.proxy.upstream import UpstreamPool, UpstreamResponse
-from mlxproxy.tokens import TokenCounter
 
 __all__ = ["ProxyApp", "create_app", "REQUEST_ID_HEADER", "REPLAY_HEADER"]
 

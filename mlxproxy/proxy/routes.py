@@ -1,6 +1,6 @@
 """The proxy's own routes, on Starlette: the live page, `/metrics`, `/healthz`, `/streams`.
 
-`ProxyApp` hands a request here only when its path is one of `OWN_PATHS` (one set lookup);
+`ProxyApp` (a `ProxyState`) hands a request here only when its path is one of `OWN_PATHS` (one set lookup);
 everything else is forwarded by the pure ASGI code in `app.py`, and nothing here runs while
 nobody asks. The key check happens before dispatch, in `app.py`: `PAGE_PATHS` (the page and
 its script and stylesheet, static files that hold no data) are open like `/healthz`; the
@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -34,12 +35,31 @@ from mlxproxy.asgi import Receive, Scope, Send
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.record import Record
 
-if TYPE_CHECKING:
-    from mlxproxy.proxy.app import ProxyApp
-
 __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
 
 log = logging.getLogger("mlxproxy")
+
+
+class Upstreams(Protocol):
+    upstreams: Sequence[Any]  # each with .name, .base, .in_flight
+
+
+class Ring(Protocol):
+    total: int
+    records: Sequence[Record]
+
+
+class ProxyState(Protocol):
+    """What the own routes read of the proxy (`ProxyApp` has it), without importing it."""
+
+    registry: Any  # a prometheus_client CollectorRegistry
+    started_mono: float
+    in_flight: Mapping[Any, RequestMeter]
+    requests_seen: int
+    pool: Upstreams
+    recent: Ring
+    thresholds: Any  # a core.detect.Thresholds
+
 
 WEB_DIR = Path(__file__).parent / "web"
 PAGE_FILES = {"/": "index.html", "/ui/app.js": "app.js", "/ui/app.css": "app.css", "/ui/LICENSE": "LICENSE"}
@@ -78,7 +98,7 @@ def _flag(request: Request, name: str) -> bool:
     return value in ("1", "true")
 
 
-def own_routes(proxy: ProxyApp) -> _Quiet:
+def own_routes(proxy: ProxyState) -> _Quiet:
     """The Starlette app that answers `OWN_PATHS` for `proxy`."""
 
     async def page_file(request: Request) -> Response:

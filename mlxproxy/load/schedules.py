@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mlxproxy.results import Summary
+from mlxproxy.load.results import ResultFile, ResultKind, Summary
 
 if TYPE_CHECKING:
-    from mlxproxy.results import Group
+    from mlxproxy.load.results import Group
 
 __all__ = [
     "ARRIVALS",
@@ -43,11 +43,9 @@ __all__ = [
     "failed_checks",
     "step_figures",
     "capacity_of",
+    "result_file",
     "capacity_line",
-    "run_sweep",
     "sweep_charts",
-    "closed_loop_step",
-    "open_loop_step",
     "capacity_value",
     "RATE_UNIT",
 ]
@@ -458,7 +456,7 @@ def _step_value(g: Group) -> float:
     return p["step"] if "step" in p else p["concurrency"]
 
 
-def _streams(n: float, unit: str = "streams") -> str:
+def step_label(n: float, unit: str = "streams") -> str:
     if unit == RATE_UNIT:
         return f"{n:g} req/s"
     return f"{n:g} concurrent {unit[:-1] if n == 1 else unit}"
@@ -475,14 +473,14 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
     broke = next((s for s in steps if s["step"] == cap.get("broken_at")), None)
     at = (lambda v: f"{v:g} req/s") if unit == RATE_UNIT else (lambda v: f"{v:g}")
     if broke is not None and capacity_value(cap) == 0:
-        return f"{target}: does not meet the SLO even at {_streams(broke['step'], unit)}: {broke['problem']}"
+        return f"{target}: does not meet the SLO even at {step_label(broke['step'], unit)}: {broke['problem']}"
     if broke is not None:
         return (
-            f"{target}: meets the SLO up to {_streams(capacity_value(cap), unit)}; at {at(broke['step'])}, "
+            f"{target}: meets the SLO up to {step_label(capacity_value(cap), unit)}; at {at(broke['step'])}, "
             f"{broke['problem']}"
         )
     last = steps[-1]
-    line = f"{target}: meets the SLO at every step, up to {_streams(last['step'], unit)}"
+    line = f"{target}: meets the SLO at every step, up to {step_label(last['step'], unit)}"
     if cap["limited_by"] == "throughput":
         best = max(steps, key=lambda s: s["aggregate_tps"] or 0.0)
         line += (
@@ -492,101 +490,10 @@ def capacity_line(target: str, cap: dict[str, Any]) -> str:
     return line
 
 
-async def run_sweep(
-    step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]],
-    steps: Sequence[float],
-    slo: dict[str, float],
-    *,
-    target: str,
-    params: dict[str, Any],
-    out: list[Group],
-    say: Callable[[str], None] | None = None,
-    unit: str = "streams",
-) -> None:
-    """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
-    saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
-    per record id (e.g. a session's turn). Each step's group is appended to `out` as it
-    finishes; `say` gets one line per step. `unit`: what runs concurrently (streams, sessions)."""
-    from mlxproxy.report import summarize_records
-    from mlxproxy.results import Group
-
-    auto = not steps
-    done: list[dict[str, Any]] = []
-    i, conc = 0, 1
-    while True:
-        if not auto:
-            if i >= len(steps):
-                break
-            conc = steps[i]
-        timed, extra = await step(conc)
-        records = []
-        for r in timed.records:
-            d = r.to_dict(timeline=True)
-            d["source_id"] = timed.source_ids.get(r.id)
-            d.update(extra.get(r.id, {}))
-            records.append(d)
-        label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
-        key = "rate" if unit == RATE_UNIT else "concurrency"
-        summary = summarize_records(
-            timed.records,
-            lag_s=timed.lag_s or None,
-            send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
-        )
-        g = Group(
-            f"sweep {conc:g}",
-            target,
-            f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""),
-            "sweep_step",
-            {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
-            summary.updated(judge(records, slo)),
-            tuple(records),
-        )
-        out.append(g)
-        done.append(step_figures(g))
-        st = done[-1]
-        if say:
-            say(
-                f"sweep {target}: {_streams(conc, unit)}: {st['ok']}/{st['requests']} ok, aggregate "
-                f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {st['goodput']['share'] or 0.0:.0%}, SLO "
-                + ("held" if st["slo_met"] else "broken: " + st["problem"])
-            )
-        i += 1
-        if auto:
-            if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
-                break
-            conc *= 2
-
-
-def open_loop_step(
-    client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant", seed: int = 0, ramp_s: float = 0.0
-) -> Callable[[float], Awaitable[Any]]:
-    """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate
-    (after an unmeasured ramp of `ramp_s` seconds up to it)."""
-
-    async def step(rate: float) -> tuple[Any, dict[str, dict[str, Any]]]:
-        ramp = ramp_offsets(rate, ramp_s, arrival, seed)
-        return await client.run_open_loop(
-            make(n), arrival_offsets(n, rate, arrival, seed), ramp=(make(len(ramp)), ramp, ramp_s) if ramp else None
-        ), {}
-
-    return step
-
-
-def closed_loop_step(client: Any, make: Callable[[int], list[Any]], per_stream: int) -> Callable[[int], Awaitable[Any]]:
-    """A sweep step of `concurrency` streams sending `concurrency * per_stream` (at least
-    MIN_PER_STREAM each) requests made by `make(n)`."""
-    per = max(per_stream, MIN_PER_STREAM)
-
-    async def step(conc: int) -> tuple[Any, dict[str, dict[str, Any]]]:
-        return await client.run_closed_loop(make(conc * per), conc), {}
-
-    return step
-
-
 def sweep_charts(groups: Sequence[Group]) -> list[Any]:
     """The plot of a sweep: TTFT and TPOT p50/p95 and aggregate tok/s by concurrency, one
     line per target and percentile, the SLO's thresholds as dashed lines ([] without a sweep)."""
-    from mlxproxy.plot import Chart
+    from mlxproxy.load.plot import Chart
 
     caps = capacity_of(groups)
     if not caps:
@@ -646,3 +553,14 @@ def sweep_charts(groups: Sequence[Group]) -> list[Any]:
             note="flat or falling: the server is saturated",
         ),
     ]
+
+
+def result_file(
+    kind: ResultKind,
+    groups: Sequence[Group],
+    verdicts: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> ResultFile:
+    """The result file of this run, written now by this version, with the sweeps' capacity."""
+    capacity = capacity_of(groups)
+    return ResultFile.new(kind, groups, verdicts, {**(extra or {}), **({"capacity": capacity} if capacity else {})})

@@ -27,20 +27,18 @@ import orjson
 from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load import (
+from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.common import Progress, filler_text
+from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
+from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
+from mlxproxy.load.schedules import (
     DEFAULT_SLO,
     RATE_UNIT,
-    closed_loop_step,
-    open_loop_step,
     parse_slo,
     ramp_offsets,
-    run_sweep,
     schedule,
 )
-from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.replay import Progress, filler_text
-from mlxproxy.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
-from mlxproxy.results import AnomalyCount, Group, GroupKind, Summary
+from mlxproxy.load.sweep import closed_loop_step, open_loop_step, run_sweep
 
 __all__ = [
     "BenchOptions",

@@ -116,7 +116,7 @@ _FIXED = (
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """A group's headline figures (`mlxproxy.report.summarize_records`). The sections only
+    """A group's headline figures (`mlxproxy.load.report.summarize_records`). The sections only
     some groups have (bench's per-wave figures, an SLO judgment, replayed sessions, ...) are
     in `extra`, in the order they were added, read through the properties below."""
 
@@ -312,16 +312,11 @@ class ResultFile:
         verdicts: Mapping[str, str] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> ResultFile:
-        """A file of this run, written now by this version, with the sweeps' capacity."""
+        """A file of this run, written now by this version (`schedules.result_file` adds the
+        sweeps' capacity)."""
         from mlxproxy import __version__
-        from mlxproxy.load import capacity_of
 
-        gs = tuple(groups)
-        more = dict(extra or {})
-        capacity = capacity_of(gs)
-        if capacity:
-            more["capacity"] = capacity
-        return cls(kind, gs, dict(verdicts or {}), __version__, time.time(), more)
+        return cls(kind, tuple(groups), dict(verdicts or {}), __version__, time.time(), dict(extra or {}))
 
     @property
     def targets(self) -> Sequence[Mapping[str, Any]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,29 +29,20 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.openai import endpoint_of, inject_include_usage
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
-from mlxproxy.load import (
+from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.common import Progress, filler_text
+from mlxproxy.load.report import summarize_records
+from mlxproxy.load.results import Group, GroupKind, Summary
+from mlxproxy.load.schedules import (
     DEFAULT_SLO,
     RATE_UNIT,
-    closed_loop_step,
-    open_loop_step,
     parse_slo,
     ramp_offsets,
-    run_sweep,
     schedule,
 )
-from mlxproxy.loadgen import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.report import summarize_records
-from mlxproxy.results import Group, GroupKind, Summary
+from mlxproxy.load.sweep import closed_loop_step, open_loop_step, run_sweep
 
-__all__ = ["ReplayOptions", "prepare", "run_replay", "select", "filler_text", "Progress"]
-
-FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
-
-
-def filler_text(n: int) -> str:
-    """Deterministic text of exactly n characters."""
-    reps = n // len(FILLER) + 1
-    return (FILLER * reps)[:n]
+__all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
 
 @dataclass(frozen=True)
@@ -301,22 +291,6 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
     return out
 
 
-class Progress:
-    """A one-line progress counter on stderr (only when stderr is a terminal)."""
-
-    def __init__(self, label: str, total: int, enabled: bool | None = None) -> None:
-        self.label, self.total, self.done = label, total, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-
-    def __call__(self) -> None:
-        self.done += 1
-        if self.enabled:
-            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[str, Any]]:
     """Each replayed request's TTFT and decode TPS next to its captured values."""
     rows = []
@@ -388,7 +362,7 @@ async def run_replay(
     out: list[Group] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[Group]:
-    """Run one replay; return the result groups (see `mlxproxy.report`). Groups are
+    """Run one replay; return the result groups (see `mlxproxy.load.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxproxy import __version__
-from mlxproxy.plot import Series, svg_charts
-from mlxproxy.report import SUMMARY_COLUMNS, summary_row
-from mlxproxy.results import Group, ResultFile
+from mlxproxy.load.plot import Series, svg_charts
+from mlxproxy.load.report import SUMMARY_COLUMNS, summary_row
+from mlxproxy.load.results import Group, ResultFile
 
 __all__ = ["render_html", "write_html"]
 
@@ -101,7 +101,7 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
         out.append("</table></section>")
 
     # capacity (sweeps)
-    from mlxproxy.load import capacity_line, capacity_of
+    from mlxproxy.load.schedules import capacity_line, capacity_of
 
     caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc.groups).items()]
     if caps:
@@ -157,7 +157,7 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     out.append("</section>")
 
     # curves
-    from mlxproxy.load import sweep_charts
+    from mlxproxy.load.schedules import sweep_charts
 
     charts: list[Any] = list(_charts(docs, name))
     for label, doc in docs:

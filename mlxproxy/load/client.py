@@ -19,7 +19,7 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
-from mlxproxy.rawhttp import RawPool
+from mlxproxy.load.rawhttp import RawPool
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
@@ -130,7 +130,7 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
-        # A lean raw-asyncio HTTP/1.1 client (mlxproxy.rawhttp): each socket read goes
+        # A lean raw-asyncio HTTP/1.1 client (mlxproxy.load.rawhttp): each socket read goes
         # straight from the connection's protocol to the request's meter, stamped once on
         # arrival, so the client is not what limits a run (benchmarks/README.md, "Is the
         # load generator ever the bottleneck?"). `timeout_s` bounds every wait for bytes,

@@ -1,6 +1,6 @@
 """Summaries, tables and result files for `replay`, `bench` and `report`.
 
-A result file is JSON (its types: `mlxproxy.results`): `{"mlxproxy_result": 1, "kind",
+A result file is JSON (its types: `mlxproxy.load.results`): `{"mlxproxy_result": 1, "kind",
 "version", "created_at", "groups": [{"name", "target", "mode", "kind", "params", "summary",
 "records": [...]}], "verdicts": {target: text}}`, with every per-request record (timeline
 included), so `mlxproxy report` can render it again and others can recompute anything from it.
@@ -21,8 +21,8 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load import generator_note, sent_rate
-from mlxproxy.results import Group, ResultFile, Summary
+from mlxproxy.load.results import Group, ResultFile, Summary
+from mlxproxy.load.schedules import generator_note, sent_rate
 
 __all__ = [
     "aggregate_tps",
@@ -368,7 +368,7 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
 def slo_section(groups: Sequence[Group]) -> Section | None:
     """The judged groups against their SLO: goodput (share and rate of requests that met
     every threshold), each threshold's measured value, and whether the SLO held."""
-    from mlxproxy.load import SLO_METRICS, fmt_value, slo_text, step_problem
+    from mlxproxy.load.schedules import SLO_METRICS, fmt_value, slo_text, step_problem
 
     judged = [(g, g.summary.slo, g.summary.goodput or {}) for g in groups if g.summary.slo is not None]
     if not judged:
@@ -403,7 +403,7 @@ def slo_section(groups: Sequence[Group]) -> Section | None:
 
 def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     """The sweep's steps per target and the capacity verdict, one line per target."""
-    from mlxproxy.load import capacity_line, capacity_of
+    from mlxproxy.load.schedules import capacity_line, capacity_of
 
     caps = capacity_of(groups)
     if not caps:

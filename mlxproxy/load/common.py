@@ -1,0 +1,129 @@
+"""What the load-testing parts share: the progress line, the filler text of synthetic prompts,
+and the command-line helpers every load command uses (one-line errors with exit 2 on bad input,
+targets, keys, output checks, the run on the stack's event loop)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from mlxproxy.load.results import Group
+
+FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
+
+
+def filler_text(n: int) -> str:
+    """Deterministic text of exactly n characters."""
+    reps = n // len(FILLER) + 1
+    return (FILLER * reps)[:n]
+
+
+class Progress:
+    """A one-line progress counter on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None = None) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.enabled:
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr (whatever the message holds, e.g. a server's HTML error page), then exit."""
+    click.echo(f"mlxproxy: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
+
+
+def run_async(coro: Any) -> Any:
+    """Run the client (`coro`) on the stack's event loop (`mlxproxy.runner.run_async`); a bad
+    MLXPROXY_STACK is one line and exit 2, before anything is sent."""
+    from mlxproxy.runner import run_async as run_on_stack
+    from mlxproxy.runner import stack_settings
+
+    try:
+        stack_settings(None)
+    except ValueError as exc:
+        coro.close()
+        fail(str(exc))
+    return run_on_stack(coro)
+
+
+def parse_target(spec: str) -> tuple[str, str]:
+    """`[NAME=]URL` -> (name, base URL), the URL checked and normalized like the proxy's
+    upstream (`parse_upstream_url`); a dropped /v1 is said in one line on stderr."""
+    from urllib.parse import urlsplit
+
+    from mlxproxy.config import parse_upstream_url
+    from mlxproxy.errors import ConfigError
+
+    name, sep, url = spec.partition("=")
+    if not sep or "://" in name:  # no NAME= (a URL may contain "=" in its own parts)
+        name, url = "", spec
+    try:
+        base, note = parse_upstream_url(url, "--target")
+    except ConfigError as exc:
+        raise click.BadParameter(
+            f"{str(exc).removeprefix('--target ')}; give [NAME=]URL", param_hint="--target"
+        ) from None
+    if note:
+        click.echo(f"mlxproxy: note: {note}", err=True)
+    return name or urlsplit(base).netloc, base
+
+
+def env_key(api_key_env: str | None) -> str | None:
+    if not api_key_env:
+        return None
+    key = os.environ.get(api_key_env)
+    if key is None:
+        raise click.BadParameter(f"environment variable {api_key_env} is not set", param_hint="--api-key-env")
+    return key
+
+
+def all_failed_reason(groups: Sequence[Group]) -> str | None:
+    """When not one request succeeded: the outcomes and the first error, in one line."""
+    from collections import Counter
+
+    from mlxproxy.core.record import OK_OUTCOMES
+
+    recs = [r for g in groups for r in g.records]
+    if not recs or any(r["outcome"] in OK_OUTCOMES for r in recs):
+        return None
+    outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
+    first = next((r for r in recs if r.get("error") or r.get("status")), recs[0])
+    why = first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"])
+    why = " ".join(str(why).split())[:200]
+    return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
+
+
+def check_writable(*paths: str | None) -> None:
+    """Fail in one line, before anything runs, when an output file cannot be written."""
+    for p in paths:
+        if not p:
+            continue
+        parent = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(parent):
+            fail(f"cannot write {p}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
+            fail(f"cannot write {p}: permission denied")
+
+
+def check_fail_on(kinds: tuple[str, ...] | None, groups: Sequence[Group]) -> None:
+    """`--fail-on`: one line on stderr either way; exit 1 when a check failed."""
+    from mlxproxy.load.schedules import failed_checks
+
+    if not kinds:
+        return
+    failed = failed_checks(kinds, groups)
+    if failed:
+        fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
+    click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)

@@ -1,0 +1,108 @@
+"""How a replay result is shown: its console tables, sweep plot, comparison table and output
+files (used by `replay` and `report`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from mlxproxy.load.common import (
+    fail,
+)
+from mlxproxy.load.results import Group
+from mlxproxy.load.schedules import result_file
+
+if TYPE_CHECKING:
+    pass
+
+
+def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Any]:
+    """Everything `replay` prints (and `report` prints again for a replay result)."""
+    from mlxproxy.load.report import Section, group_sections, session_sections, slo_section, sweep_sections
+
+    sections = group_sections(groups, verdicts)
+    slo = slo_section(groups)
+    if slo is not None:
+        sections.append(slo)
+    sections += sweep_sections(groups)
+    sections += session_sections(groups)
+    for g in groups:
+        if g.compare:
+            sections.append(
+                Section(
+                    f"{g.target} {g.mode}: captured vs replayed:",
+                    compare_table(g.compare),
+                    legend="ttft: time to first token; cached: prompt tokens the server took from its"
+                    " prompt cache (- = not reported); prompt_tok: prompt tokens of the replay.",
+                )
+            )
+    return sections
+
+
+def print_groups(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> None:
+    from mlxproxy.load.report import render_sections
+
+    click.echo(render_sections(replay_sections(groups, verdicts)))
+
+
+def sweep_svg(groups: Sequence[Group]) -> str:
+    from mlxproxy.load.plot import svg_charts
+    from mlxproxy.load.schedules import sweep_charts
+
+    return svg_charts(sweep_charts(groups))
+
+
+def compare_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
+        return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
+
+    return [
+        {
+            "source_id": str(r["source_id"])[:12],
+            "model": str(r.get("model") or "-")[:24],
+            "ttft_captured": v(r["captured_ttft_s"], unit="s"),
+            "ttft_replayed": v(r["replayed_ttft_s"], unit="s"),
+            "cached_captured": v(r.get("captured_cached_tokens")),
+            "cached_replayed": v(r.get("replayed_cached_tokens")),
+            "prompt_tok": v(r.get("replayed_prompt_tokens")),
+            "decode_tok/s_captured": v(r["captured_decode_tps"], ".1f"),
+            "decode_tok/s_replayed": v(r["replayed_decode_tps"], ".1f"),
+            "outcome": r["replayed_outcome"],
+        }
+        for r in rows
+    ]
+
+
+def write_replay_outputs(
+    groups: Sequence[Group],
+    capture: str,
+    target_url: str,
+    json_path: str | None,
+    csv_path: str | None,
+    md_path: str | None,
+    html_path: str | None = None,
+) -> None:
+    from mlxproxy.load.report import markdown_sections, write_csv, write_result
+
+    doc = result_file("replay", groups, extra={"capture": capture, "target": target_url})
+    if json_path:
+        write_result(json_path, doc)
+        click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
+    if csv_path:
+        write_csv(csv_path, groups)
+        click.echo(f"wrote {csv_path}", err=True)
+    if md_path:
+        with open(md_path, "w", encoding="utf-8") as f:
+            f.write(markdown_sections(replay_sections(groups)))
+        click.echo(f"wrote {md_path}", err=True)
+    if html_path:
+        from mlxproxy.load.htmlreport import write_html
+
+        try:
+            write_html(html_path, [(os.path.basename(capture), doc)])
+        except OSError as exc:
+            fail(f"cannot write {html_path}: {exc.strerror or exc}")
+        click.echo(f"wrote {html_path}", err=True)
