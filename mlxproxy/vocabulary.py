@@ -15,6 +15,7 @@ import click
 
 __all__ = [
     "arrival_options",
+    "shared_option",
     "MEANINGS",
     "DEPRECATED",
     "help_for",
@@ -225,3 +226,32 @@ def arrival_options(command: Any) -> Any:
     ):
         command = option(command)
     return command
+
+
+_OUTPUT_FILE: dict[str, Any] = {"type": click.Path(dir_okay=False), "default": None}
+#: how each option the load commands share is declared: (click's declarations, settings); each
+#: command adds its own help after the shared meaning and may override a setting (a default)
+_DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "--json": (("--json", "json_path"), _OUTPUT_FILE),
+    "--csv": (("--csv", "csv_path"), _OUTPUT_FILE),
+    "--markdown": (("--markdown", "md_path"), _OUTPUT_FILE),
+    "--html": (("--html", "html_path"), _OUTPUT_FILE),
+    "--plot": (("--plot", "plot_path"), _OUTPUT_FILE),
+    "--slo": (("--slo", "slo"), {"type": SLO, "default": None, "metavar": "KEY=VALUE,..."}),
+    "--fail-on": (("--fail-on", "fail_on"), {"type": FAIL_ON, "default": None, "metavar": "KIND,..."}),
+    "--api-key-env": (("--api-key-env",), {"default": None, "metavar": "VAR"}),
+    "--nonce": (("--nonce/--no-nonce",), {"default": True}),
+    "--model": (("--model",), {"default": None}),
+    "--concurrency": (("--concurrency",), {"type": INT_LIST, "default": None, "metavar": "N[,N,...]"}),
+    "--batch": (("--batch",), {"type": BATCH_SIZES, "default": None, "metavar": "N[,N,...]"}),
+    "--rate": (("--rate",), {"type": FLOAT_LIST, "default": None, "metavar": "R[,R,...]"}),
+    "--sweep": (("--sweep",), {"is_flag": True}),
+    "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
+}
+
+
+def shared_option(option: str, extra: str = "", **settings: Any) -> Any:
+    """The click option `option` as every load command declares it, its help the shared meaning
+    plus `extra`; `settings` override (e.g. a command's own default)."""
+    decls, base = _DECLARATIONS[option]
+    return click.option(*decls, help=help_for(option, extra), **{**base, **settings})

@@ -21,7 +21,13 @@ from mlxproxy.load.common import (
     parse_target,
     run_async,
 )
-from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECONDS, SLO, arrival_options, help_for
+from mlxproxy.vocabulary import (
+    INT_LIST,
+    SECONDS,
+    arrival_options,
+    help_for,
+    shared_option,
+)
 
 
 @click.command("bench")
@@ -42,42 +48,20 @@ from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECO
     help="Prompt sizes of the one-at-a-time test, in tokens (calibrated against each server's usage).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help=help_for("--max-tokens"))
-@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help=help_for("--repeat"))
-@click.option(
-    "--batch",
-    type=BATCH_SIZES,
-    default=None,
-    metavar="N[,N,...]",
-    help=help_for("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]"),
-)
+@shared_option("--repeat", default=5)
+@shared_option("--batch", "E.g. 2,4,8 for a per-stream speed curve.  [default: 2; none with --sweep]")
 @click.option(
     "--batch-prompt-tokens",
     type=click.IntRange(min=1),
     default=None,
     help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]",
 )
-@click.option(
-    "--concurrency",
-    type=INT_LIST,
-    default=None,
-    metavar="N[,N,...]",
-    help=help_for("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep)."),
-)
-@click.option(
-    "--sweep",
-    is_flag=True,
-    help=help_for("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given."),
-)
-@click.option(
+@shared_option("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep).")
+@shared_option("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given.")
+@shared_option(
     "--rate",
-    type=FLOAT_LIST,
-    default=None,
-    metavar="R[,R,...]",
-    help=help_for(
-        "--rate",
-        "Adds an open-loop test of --requests requests at the batch tests' prompt size "
-        "(several values: one per step, with the capacity in req/s).",
-    ),
+    "Adds an open-loop test of --requests requests at the batch tests' prompt size "
+    "(several values: one per step, with the capacity in req/s).",
 )
 @arrival_options
 @click.option(
@@ -88,27 +72,13 @@ from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECO
     show_default=True,
     help="Requests of the open-loop (--rate) test.",
 )
-@click.option(
+@shared_option(
     "--slo",
-    "slo",
-    type=SLO,
-    default=None,
-    metavar="KEY=VALUE,...",
-    help=help_for(
-        "--slo",
-        "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
-        "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]",
-    ),
+    "Judged on the tests at the batch prompt size (one at a time, batch, --rate, "
+    "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]",
 )
-@click.option(
-    "--fail-on",
-    "fail_on",
-    type=FAIL_ON,
-    default=None,
-    metavar="KIND,...",
-    help=help_for("--fail-on", "[default: none: exit 1 only when every target failed]"),
-)
-@click.option("--model", default=None, help=help_for("--model", "[default: the first of the target's /v1/models]"))
+@shared_option("--fail-on", "[default: none: exit 1 only when every target failed]")
+@shared_option("--model", "[default: the first of the target's /v1/models]")
 @click.option(
     "--timeout",
     "timeouts",
@@ -117,26 +87,20 @@ from mlxproxy.vocabulary import BATCH_SIZES, FAIL_ON, FLOAT_LIST, INT_LIST, SECO
     metavar="[NAME=]SECONDS",
     help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"),
 )
-@click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
-@click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
+@shared_option("--api-key-env")
+@shared_option("--nonce")
 @click.option(
     "--parallel", is_flag=True, help="Benchmark all targets at once (only fair if they do not share hardware)."
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option(
+@shared_option("--json")
+@shared_option("--csv")
+@shared_option("--markdown")
+@shared_option(
     "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help=help_for(
-        "--plot",
-        "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
-        "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO.",
-    ),
+    "TTFT and prefill tok/s by prompt size, speedup and per-stream tok/s by streams; "
+    "with --sweep also TTFT, TPOT and aggregate tok/s by concurrency, with the SLO.",
 )
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+@shared_option("--html")
 def bench(
     targets: tuple[str, ...],
     prompt_tokens: tuple[int, ...],

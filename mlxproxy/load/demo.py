@@ -20,7 +20,7 @@ from mlxproxy.load.common import (
     fail,
     run_async,
 )
-from mlxproxy.vocabulary import help_for
+from mlxproxy.vocabulary import help_for, shared_option
 
 DEMO_PROFILES: dict[str, dict[str, Any]] = {
     # Simulated servers for the demo. Prefill runs 10x faster than the profiles' default
@@ -61,7 +61,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
     is_flag=True,
     help="Keep the simulators and the proxy running after the run (Ctrl-C to stop), e.g. to scrape /metrics.",
 )
-@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True, help=help_for("--repeat"))
+@shared_option("--repeat", default=2)
 def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     """Run the whole product on built-in simulators: nine simulated MLX servers behind
     one proxy, a short benchmark through it, and the comparison table with verdicts.

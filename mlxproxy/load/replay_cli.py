@@ -18,15 +18,12 @@ from mlxproxy.load.common import (
 )
 from mlxproxy.load.results import Group
 from mlxproxy.vocabulary import (
-    BATCH_SIZES,
-    FAIL_ON,
-    FLOAT_LIST,
     INT_LIST,
     SECONDS,
-    SLO,
     arrival_options,
     deprecated_alias,
     help_for,
+    shared_option,
 )
 
 if TYPE_CHECKING:
@@ -79,30 +76,10 @@ _TESTS = {
     default=None,
     help=help_for("--speed", "Recorded mode only.  [default: 1]"),
 )
-@click.option(
-    "--concurrency",
-    type=INT_LIST,
-    default=None,
-    metavar="N[,N,...]",
-    help=help_for("--concurrency", "Implies --mode concurrency (several values: --sweep)."),
-)
-@click.option(
-    "--sweep",
-    is_flag=True,
-    help=help_for("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through the capture."),
-)
-@click.option(
-    "--batch", type=BATCH_SIZES, default=None, metavar="N[,N,...]", help=help_for("--batch", "Implies --mode batch.")
-)
-@click.option(
-    "--rate",
-    type=FLOAT_LIST,
-    default=None,
-    metavar="R[,R,...]",
-    help=help_for(
-        "--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate."
-    ),
-)
+@shared_option("--concurrency", "Implies --mode concurrency (several values: --sweep).")
+@shared_option("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through the capture.")
+@shared_option("--batch", "Implies --mode batch.")
+@shared_option("--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate.")
 @arrival_options
 @click.option(
     "--sessions",
@@ -121,7 +98,7 @@ _TESTS = {
     metavar="SECONDS",
     help="Seconds between a response's end and the conversation's next turn.  [default: as captured]",
 )
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help=help_for("--repeat"))
+@shared_option("--repeat", default=1)
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),
@@ -142,44 +119,24 @@ _TESTS = {
     is_flag=True,
     help="Skip capture lines that cannot be read (their count is printed) instead of refusing the file.",
 )
-@click.option("--nonce/--no-nonce", default=True, help=help_for("--nonce"))
-@click.option("--model", default=None, help=help_for("--model", "[default: the captured one]"))
-@click.option("--api-key-env", default=None, metavar="VAR", help=help_for("--api-key-env"))
+@shared_option("--nonce")
+@shared_option("--model", "[default: the captured one]")
+@shared_option("--api-key-env")
 @click.option(
     "--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS", help=help_for("--timeout", "[default: 1800]")
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help=help_for("--json"))
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option(
-    "--slo",
-    "slo",
-    type=SLO,
-    default=None,
-    metavar="KEY=VALUE,...",
-    help=help_for("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]"),
-)
-@click.option(
-    "--fail-on",
-    "fail_on",
-    type=FAIL_ON,
-    default=None,
-    metavar="KIND,...",
-    help=help_for("--fail-on", "[default: none: exit 1 only when every request failed]"),
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help=help_for("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO."),
-)
+@shared_option("--json")
+@shared_option("--csv")
+@shared_option("--markdown")
+@shared_option("--slo", "Every test is judged.  [default: ttft_p95=5s,tpot_p95=100ms]")
+@shared_option("--fail-on", "[default: none: exit 1 only when every request failed]")
+@shared_option("--plot", "With --sweep: TTFT, TPOT and aggregate tok/s by concurrency, with the SLO.")
 @click.option(
     "--compare",
     is_flag=True,
     help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.",
 )
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+@shared_option("--html")
 def replay(
     capture: str,
     target_spec: str,

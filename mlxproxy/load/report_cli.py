@@ -14,7 +14,7 @@ from mlxproxy.load.common import (
 )
 from mlxproxy.load.results import Group
 from mlxproxy.vocabulary import (
-    help_for,
+    shared_option,
 )
 
 if TYPE_CHECKING:
@@ -52,16 +52,10 @@ def _capture_hint(path: str) -> str | None:
 
 @click.command("report")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help=help_for("--csv"))
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help=help_for("--markdown"))
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help=help_for("--plot", "Bench results, and sweeps of replay results."),
-)
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help=help_for("--html"))
+@shared_option("--csv")
+@shared_option("--markdown")
+@shared_option("--plot", "Bench results, and sweeps of replay results.")
+@shared_option("--html")
 def report(
     files: tuple[str, ...], csv_path: str | None, md_path: str | None, plot_path: str | None, html_path: str | None
 ) -> None:
