@@ -321,15 +321,24 @@ class Counting:
             self.done += 1
 
 
+#: `python -m mlxproxy` with Ctrl-C delivered as in a terminal. A test run started in the
+#: background (`cmd &` in a script, some CI steps) has SIGINT ignored, children inherit that, and
+#: asyncio.Runner then leaves SIGINT alone: the command would never see the test's Ctrl-C.
+MLXPROXY_WITH_CTRL_C = [
+    sys.executable,
+    "-c",
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'mlxproxy'; runpy.run_module('mlxproxy', run_name='__main__', alter_sys=True)",
+]
+
+
 def test_ctrl_c_during_replay_keeps_what_was_measured(capture: Path, tmp_path: Path) -> None:
     app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))  # 8 tokens: ~0.4 s a request
     out = tmp_path / "partial.json"
     with ServerThread(app) as sim:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "mlxproxy",
+                *MLXPROXY_WITH_CTRL_C,
                 "replay",
                 str(capture),
                 "--target",
@@ -367,9 +376,7 @@ def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
     with ServerThread(app) as sim:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "mlxproxy",
+                *MLXPROXY_WITH_CTRL_C,
                 "bench",
                 "--target",
                 f"s={sim.url}",
