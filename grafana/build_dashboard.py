@@ -8,7 +8,7 @@ positions, panel ids and the PromQL stay consistent. Edit here, then run
     python grafana/build_dashboard.py --check   # exit 1 if the JSON is out of date
 
 Every query is evaluated against a real Prometheus scraping a loaded proxy by
-tests/test_dashboards.py; docs/DASHBOARDS.md describes each panel. Metric names come
+tests/proxy/test_dashboards.py; docs/DASHBOARDS.md describes each panel. Metric names come
 from the contract in docs/METRICS.md (and mlxproxy/proxy/metrics.py).
 
 Only the standard library is used, so the script runs anywhere.

@@ -10,7 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-FIXTURES = Path(__file__).parent / "fixtures"
+#: the tests folder, the repository and the byte-exact fixtures, wherever a test file sits
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FIXTURES = TESTS / "fixtures"
 
 
 def read_fixture(rel: str) -> bytes:

@@ -249,3 +249,20 @@ def test_tests_import_their_helpers_from_support_not_conftest() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """Each test file sits beside the part it tests: tests/core, proxy, sim, load, e2e (end to
+    end through the real CLI or servers) and integration (real third-party peers); only the
+    checks of the whole project are at the top."""
+    tests = Path(__file__).resolve().parent
+    parts = {"core", "proxy", "sim", "load", "e2e", "integration"}
+    assert all((tests / d).is_dir() for d in parts)
+    top = {p.name for p in tests.glob("test_*.py")}
+    assert top == {"test_architecture.py", "test_docs_links.py", "test_benchmarks_smoke.py"}, top
+    elsewhere = [
+        str(p.relative_to(tests)) for p in tests.rglob("test_*.py") if p.parent != tests and p.parent.name not in parts
+    ]
+    assert elsewhere == []
+    for d in parts - {"integration"}:
+        assert any((tests / d).glob("test_*.py")), d

@@ -65,7 +65,7 @@ def _observe_all_fast(child: Any, amounts: Sequence[float]) -> bool:
     The only code here that uses prometheus_client internals (a histogram child's
     `_upper_bounds`, `_buckets`, `_sum` and the in-process `MutexValue`'s `_lock`,
     `_value` and `inc`). Returns False, having changed nothing, when the child does not
-    have that shape (another prometheus_client, multiprocess mode); tests/test_fastpaths.py
+    have that shape (another prometheus_client, multiprocess mode); tests/core/test_fastpaths.py
     fails when that happens with the installed version."""
     bounds = getattr(child, "_upper_bounds", None)
     buckets = getattr(child, "_buckets", None)

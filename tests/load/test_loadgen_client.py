@@ -14,7 +14,7 @@ import orjson
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.load.client import MeasuringClient, PreparedRequest
-from support import read_fixture
+from support import REPO, read_fixture
 
 SSE = read_fixture("wire/01_openai_reference_include_usage.sse")
 CHAT = "/v1/chat/completions"
@@ -275,9 +275,8 @@ def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     env = {**os.environ, "PYTHONPATH": str(repo), "MLXPROXY_STACK": "turbo"}
     for args in (
         ["replay", "builtin:agent", "--target", "http://127.0.0.1:9"],

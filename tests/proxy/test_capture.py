@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from test_proxy_e2e import proxy, wait_for
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.capture import MIGRATIONS, CaptureWriter, Exchange, read_capture
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError
 from support import read_fixture
-from test_proxy_e2e import proxy, wait_for
 
 SECRET = "sk-live-0123456789abcdef"
 

@@ -26,9 +26,8 @@ from mlxproxy.cli import main
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
-from support import closed_port
+from support import REPO, closed_port
 
-REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -534,7 +533,7 @@ def test_no_machine_specific_paths_in_the_repository() -> None:
     pattern = re.compile(r"(?<![\w.])(/Users/\w|/home/\w|/work/\w|/opt/homebrew)")
     found = []
     for f in files:
-        if f.startswith("tests/fixtures/") or f.endswith((".png", ".sse")) or f == "tests/test_cli_ux.py":
+        if f.startswith("tests/fixtures/") or f.endswith((".png", ".sse")) or f == "tests/e2e/test_cli_ux.py":
             continue
         try:
             text = (REPO / f).read_text(encoding="utf-8")

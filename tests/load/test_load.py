@@ -19,8 +19,8 @@ from mlxproxy.load.replay import ReplayOptions, run_replay
 from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

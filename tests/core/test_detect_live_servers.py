@@ -19,7 +19,7 @@ from mlxproxy.core.detect import Thresholds, prefill_judgeable
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
-from support import read_fixture
+from support import REPO, read_fixture
 
 TH = Thresholds()
 USAGE_KINDS = {"usage_mismatch", "phantom_speed"}
@@ -500,11 +500,10 @@ def test_wall_tps_stops_at_done_and_the_tail_is_reported() -> None:
 
 def test_every_anomaly_kind_is_documented() -> None:
     """A kind a user can see (record, metric label, report) is explained in README and the dashboard guide."""
-    from pathlib import Path
 
     from mlxproxy.core.detect import ANOMALY_KINDS
 
-    root = Path(__file__).parent.parent
+    root = REPO
     for doc in ("README.md", "docs/DASHBOARDS.md"):
         text = (root / doc).read_text()
         missing = [k for k in ANOMALY_KINDS if f"`{k}`" not in text]

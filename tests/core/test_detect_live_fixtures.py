@@ -11,7 +11,6 @@ pieces), which is what a proxy finds next to a local model folder.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
+from support import FIXTURES
 
-LIVE = Path(__file__).parent / "fixtures" / "live"
+LIVE = FIXTURES / "live"
 TH = Thresholds()
 GAP = 0.02
 

@@ -29,8 +29,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from support import FIXTURES
 
 
 def wave(

@@ -10,8 +10,9 @@ from click.testing import CliRunner
 from mlxproxy.cli import main
 from mlxproxy.config import Config, build_config, load_config
 from mlxproxy.errors import ConfigError
+from support import REPO
 
-EXAMPLE = Path(__file__).parent.parent / "config.example.yaml"
+EXAMPLE = REPO / "config.example.yaml"
 
 
 def test_example_config_loads_and_documents_every_key() -> None:

@@ -4,7 +4,7 @@ tests/fixtures/results_41d6a63/*.json were written by `bench --json` / `replay -
 at 41d6a63 (the last version whose results were plain dicts), against `mlxproxy sim`; the
 `rendered/` files beside them are what `mlxproxy report` of that version printed and wrote for
 each (console, Markdown, CSV, HTML, SVG plot). bench_result_main_bcfcda9.json is older still.
-Regenerate the renders only on purpose: `python tests/test_result_files.py --write`.
+Regenerate the renders only on purpose: `python tests/load/test_result_files.py --write`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from mlxproxy.cli import main
+from support import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 DIR = FIXTURES / "results_41d6a63"
 RENDERED = DIR / "rendered"
 FILES = {p.stem: p for p in [*sorted(DIR.glob("*.json")), FIXTURES / "bench_result_main_bcfcda9.json"]}

@@ -17,14 +17,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from test_proxy_e2e import proxy
 
 from fakeupstream import Conn, FakeUpstream, Req
-from support import read_fixture, wait_for
-from test_proxy_e2e import proxy
+from support import REPO, read_fixture, wait_for
 
 ROUNDS = 20
 REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -215,7 +214,7 @@ def test_two_overlapping_streams_are_recorded_at_concurrency_2(stack: str) -> No
     assert all(r.duration_s is not None and r.duration_s > 0 for r in recs)
 
 
-CLOCK = Path(__file__).resolve().parent.parent / "benchmarks" / "clock.py"
+CLOCK = REPO / "benchmarks" / "clock.py"
 # Loose on purpose: with a CPU hog beside the suite, 16 plain-stack streams of 10 tokens (the
 # proxy's, the simulator's and the clients' processes on the one core left) gave p50 10-14 ms
 # and p95 25-64 ms (the better of two runs is judged). A finished record's work done synchronously for all 16 streams, or a stall
