@@ -4,11 +4,20 @@ readiness polling and a port nothing listens on. Import it as `from support impo
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from mlxproxy.config import build_config
+from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.runner import ServerThread
 
 #: the tests folder, the repository and the byte-exact fixtures, wherever a test file sits
 TESTS = Path(__file__).resolve().parent
@@ -63,3 +72,58 @@ def fast_stack_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- servers and processes the tests start -------------------------------------------------
+
+
+@contextlib.contextmanager
+def proxy(upstream_url: str | None = None, **cfg) -> Iterator[tuple[str, ProxyApp]]:
+    raw = cfg.pop("raw", None)
+    config = build_config(raw, upstream_url=upstream_url, log_requests=False, **cfg)
+    app = create_app(config)
+    with ServerThread(app, server_header=False, date_header=False) as srv:
+        yield srv.url, app
+
+
+def last_record(app: ProxyApp, rid: str | None = None):
+    """The newest record, or (better, no race with the record's finalisation) the one with id `rid`."""
+    if rid is None:
+        assert wait_for(lambda: len(app.recent.records) > 0)
+        return app.recent.records[-1]
+    assert wait_for(lambda: any(r.id == rid for r in app.recent.records)), f"no record {rid}"
+    return next(r for r in app.recent.records if r.id == rid)
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen
+    url: str
+    lines: list[str]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start(args: list[str], marker: str) -> Process:
+    """Start `python -m mlxproxy ARGS`, wait for the line with `marker` and the URL after
+    it, and keep draining its output (so it never blocks on a full pipe)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxproxy", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            url = "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split("/")[0].split()[0]
+            break
+    else:
+        raise AssertionError(f"{args[0]} did not start: {''.join(lines)}")
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    return Process(proc, url, lines)

@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from mlxproxy.asgi import Message, Receive, Scope, Send
-from mlxproxy.capture import CaptureWriter, Exchange
+from mlxproxy.capture import Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.meter import RequestMeter
@@ -44,6 +44,7 @@ from mlxproxy.headers import (
     upstream_request_headers,
 )
 from mlxproxy.proxy.auth import KeyCheck, Scrubber
+from mlxproxy.proxy.capture_writer import CaptureWriter
 from mlxproxy.proxy.finisher import Finisher
 from mlxproxy.proxy.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
 from mlxproxy.proxy.looplag import LoopLagMonitor
@@ -187,8 +188,7 @@ class ProxyApp:
                 self.loop_lag.stop()
                 self.finisher.stop()  # finishes what is queued: every record reaches the capture
                 await self.pool.aclose()
-                if self.capture is not None:
-                    self.capture.close()
+                self.fanout.close()  # every observer, the capture too: what is queued is written
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

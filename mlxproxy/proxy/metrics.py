@@ -285,7 +285,10 @@ class ProxyMetrics:
             self._overhead_request.observe(request_s)
         observe_all(self._overhead_chunk, chunk_s)
 
-    def on_record(self, r: Record) -> None:
+    def close(self) -> None:
+        pass
+
+    def on_record(self, r: Record, exchange: object = None) -> None:
         up, model = r.upstream, self.model_label(r.model)
         ep, stream = r.endpoint, "true" if r.stream else "false"
         c = self._child

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from mlxproxy.capture import Exchange
 from mlxproxy.core.record import Record
 
 __all__ = ["Observer", "Fanout", "RecentRecords", "LogObserver", "format_record_line"]
@@ -19,9 +20,21 @@ log = logging.getLogger("mlxproxy")
 
 
 class Observer(Protocol):
+    """What the proxy hands every finished request to (Prometheus, the `/streams` ring, the log
+    line, the capture, and any passed to `create_app(observers=...)`).
+
+    `on_record(record, exchange)` is called once per request, on the event loop, after its last
+    byte was forwarded; `exchange` is the request as the client sent it (body and headers) when a
+    capture is on, else None (only the capture uses it). It must not block: queue slow work.
+    `close()` is called once at shutdown, after the last record (the capture writes what is
+    queued and closes its file). An exception from either is logged and counted
+    (`mlxproxy_observer_errors_total`), never passed on to forwarding or the other observers."""
+
     name: str
 
-    def on_record(self, record: Record) -> None: ...
+    def on_record(self, record: Record, exchange: Exchange | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Fanout:
@@ -35,28 +48,33 @@ class Fanout:
     def add(self, observer: Observer) -> None:
         self.observers.append(observer)
 
-    def emit(self, record: Record, exchange: object | None = None, skip: object | None = None) -> None:
-        """Hand `record` to every observer but `skip` (one that already has it); those with
-        `on_exchange` also get the exchange (request body and headers), which only the
-        capture needs."""
+    def emit(self, record: Record, exchange: Exchange | None = None, skip: object | None = None) -> None:
+        """Hand `record` (and its exchange) to every observer but `skip` (one that already has it)."""
         for obs in self.observers:
             if obs is skip:
                 continue
             try:
-                on_exchange = getattr(obs, "on_exchange", None)
-                if on_exchange is not None:
-                    on_exchange(record, exchange)
-                else:
-                    obs.on_record(record)
+                obs.on_record(record, exchange)
             except Exception:  # an observer must never break forwarding
-                self.errors += 1
-                name = getattr(obs, "name", type(obs).__name__)
-                log.exception("observer %s failed on record %s", name, record.id)
-                if self.on_error is not None:
-                    try:
-                        self.on_error(name)
-                    except Exception:  # pragma: no cover - counting must not fail either
-                        log.exception("counting an observer failure failed")
+                self._failed(obs, f"on record {record.id}")
+
+    def close(self) -> None:
+        """Close every observer, in order, each whatever the others did."""
+        for obs in self.observers:
+            try:
+                obs.close()
+            except Exception:
+                self._failed(obs, "closing")
+
+    def _failed(self, obs: Observer, what: str) -> None:
+        self.errors += 1
+        name = getattr(obs, "name", type(obs).__name__)
+        log.exception("observer %s failed %s", name, what)
+        if self.on_error is not None:
+            try:
+                self.on_error(name)
+            except Exception:  # pragma: no cover - counting must not fail either
+                log.exception("counting an observer failure failed")
 
 
 class RecentRecords:
@@ -68,9 +86,12 @@ class RecentRecords:
         self.records: deque[Record] = deque(maxlen=max(size, 0))
         self.total = 0  # records ever seen
 
-    def on_record(self, record: Record) -> None:
+    def on_record(self, record: Record, exchange: Exchange | None = None) -> None:
         self.records.append(record)
         self.total += 1
+
+    def close(self) -> None:
+        pass
 
 
 def _f(v: float | None, fmt: str, unit: str = "") -> str:
@@ -104,6 +125,9 @@ class LogObserver:
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self.logger = logger or log
 
-    def on_record(self, record: Record) -> None:
+    def on_record(self, record: Record, exchange: Exchange | None = None) -> None:
         if self.logger.isEnabledFor(logging.INFO):
             self.logger.info("%s", format_record_line(record))
+
+    def close(self) -> None:
+        pass

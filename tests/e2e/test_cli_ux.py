@@ -64,8 +64,8 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: s
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-request capture, its lines made by the capture writer's own `line_for`."""
-    from mlxproxy.capture import CaptureWriter
     from mlxproxy.core.record import Record
+    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     path = tmp_path_factory.mktemp("ux") / "capture.jsonl"
     w = CaptureWriter(path.with_suffix(".unused"))

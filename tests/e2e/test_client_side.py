@@ -20,10 +20,9 @@ import time
 
 import httpx
 import pytest
-from test_proxy_e2e import proxy
 
 from fakeupstream import Conn, FakeUpstream, Req
-from support import REPO, read_fixture, wait_for
+from support import REPO, proxy, read_fixture, wait_for
 
 ROUNDS = 20
 REQ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-from test_proxy_e2e import wait_for
 
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
@@ -19,6 +18,7 @@ from mlxproxy.load.results import Summary
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
+from support import wait_for
 from timing import latency_ok, rate_ok
 
 SPEED = 4.0  # simulated time runs 4x faster than the wall clock

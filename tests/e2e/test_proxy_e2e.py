@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -16,10 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
-from mlxproxy.config import build_config
-from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.runner import ServerThread
-from support import closed_port, read_fixture, wait_for
+from support import closed_port, last_record, proxy, read_fixture, wait_for
 
 # every forwarding test runs on both server stacks (conftest.stack): plain asyncio + h11 and uvloop + httptools
 pytestmark = pytest.mark.usefixtures("stack")
@@ -30,24 +25,6 @@ STREAM_REQ = {
     "messages": [{"role": "user", "content": "hi"}],
     "stream_options": {"include_usage": True},
 }
-
-
-@contextlib.contextmanager
-def proxy(upstream_url: str | None = None, **cfg) -> Iterator[tuple[str, ProxyApp]]:
-    raw = cfg.pop("raw", None)
-    config = build_config(raw, upstream_url=upstream_url, log_requests=False, **cfg)
-    app = create_app(config)
-    with ServerThread(app, server_header=False, date_header=False) as srv:
-        yield srv.url, app
-
-
-def last_record(app: ProxyApp, rid: str | None = None):
-    """The newest record, or (better, no race with the record's finalisation) the one with id `rid`."""
-    if rid is None:
-        assert wait_for(lambda: len(app.recent.records) > 0)
-        return app.recent.records[-1]
-    assert wait_for(lambda: any(r.id == rid for r in app.recent.records)), f"no record {rid}"
-    return next(r for r in app.recent.records if r.id == rid)
 
 
 @pytest.mark.parametrize("http10", [False, True], ids=["chunked", "http10-close"])

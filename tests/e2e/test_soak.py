@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
-import sys
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from support import start
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS and fds from /proc (Linux)")
 
@@ -55,40 +53,6 @@ MIX: dict[str, tuple[int, str | None, str]] = {
     "unknown-path": (2, None, "http_error"),
 }
 BROKEN_BODY = {"reset-mid-stream", "stall-past-read-timeout"}  # the client must see these bodies break
-
-
-@dataclass
-class Process:
-    proc: subprocess.Popen
-    url: str
-    lines: list[str]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-def start(args: list[str], marker: str) -> Process:
-    """Start `python -m mlxproxy ARGS`, wait for the line with `marker` and the URL after
-    it, and keep draining its output (so it never blocks on a full pipe)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxproxy", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if marker in line:
-            url = "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split("/")[0].split()[0]
-            break
-    else:
-        raise AssertionError(f"{args[0]} did not start: {''.join(lines)}")
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
-    return Process(proc, url, lines)
 
 
 def rss_kib(pid: int) -> int:

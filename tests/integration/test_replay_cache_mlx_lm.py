@@ -28,10 +28,10 @@ from typing import Any
 import orjson
 import pytest
 
-from mlxproxy.capture import CaptureWriter
 from mlxproxy.core.record import Record
 from mlxproxy.load.bench import BenchOptions, Target, bench_targets
 from mlxproxy.load.report import aggregate_tps
+from mlxproxy.proxy.capture_writer import CaptureWriter
 
 from .peers import REPO, loopback_env, median
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason

@@ -104,7 +104,7 @@ def _caps(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
 
 def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
     """A capture file whose lines are made by the capture writer's own `line_for`."""
-    from mlxproxy.capture import CaptureWriter
+    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     w = CaptureWriter(path.with_suffix(".unused"))
     lines = []

@@ -10,7 +10,6 @@ from pathlib import Path
 import orjson
 import pytest
 from click.testing import CliRunner
-from test_proxy_e2e import proxy, wait_for
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
 from mlxproxy.capture import read_capture
@@ -22,7 +21,7 @@ from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
-from support import read_fixture
+from support import proxy, read_fixture, wait_for
 from timing import latency_ok, rate_ok
 
 

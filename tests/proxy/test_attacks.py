@@ -670,9 +670,9 @@ def test_capture_refuses_files_it_did_not_write(tmp_path: Path, caplog: pytest.L
     symlink, says what is wrong in one line, and tightens a capture readable by others."""
     from click.testing import CliRunner
 
-    from mlxproxy.capture import CaptureWriter
     from mlxproxy.cli import main
     from mlxproxy.errors import ConfigError
+    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     notes = tmp_path / "notes.txt"
     for content in [b"my notes\nlast line without newline", b"no newline at all", b'{"some": "json"}\n']:
@@ -713,8 +713,9 @@ def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) ->
     """With the disk stuck, 200 requests with 1 MiB prompts hold at most
     capture_queue_bytes in the queue (plus the line being written); the rest are dropped
     and counted."""
-    from mlxproxy.capture import CaptureWriter, Exchange
+    from mlxproxy.capture import Exchange
     from mlxproxy.core.record import Record
+    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     stuck = threading.Event()
     w = CaptureWriter(tmp_path / "c.jsonl", queue_bytes=8 << 20)
@@ -733,7 +734,7 @@ def test_capture_queue_memory_stays_bounded_with_a_stuck_disk(tmp_path: Path) ->
             status=200,
             outcome="ok",
         )
-        w.on_exchange(rec, Exchange(body, [(b"content-type", b"application/json")]))
+        w.on_record(rec, Exchange(body, [(b"content-type", b"application/json")]))
         del body
     grown = rss_bytes() - before
     assert w.queued_bytes <= 8 << 20 + (2 << 20)

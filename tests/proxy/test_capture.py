@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from test_proxy_e2e import proxy, wait_for
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
-from mlxproxy.capture import MIGRATIONS, CaptureWriter, Exchange, read_capture
+from mlxproxy.capture import MIGRATIONS, Exchange, read_capture
 from mlxproxy.core.record import Record
 from mlxproxy.errors import CaptureFormatError
-from support import read_fixture
+from mlxproxy.proxy.capture_writer import CaptureWriter
+from support import proxy, read_fixture, wait_for
 
 SECRET = "sk-live-0123456789abcdef"
 
@@ -105,7 +105,7 @@ def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
     block = threading.Event()
     w._file.write = lambda data, _orig=w._file.write: (block.wait(5), _orig(data))[1]  # a stuck disk
     for i in range(50):
-        w.on_exchange(rec(i), None)
+        w.on_record(rec(i), None)
     assert w.dropped >= 48 and len(dropped) == w.dropped
     block.set()
     w.close()
@@ -117,7 +117,7 @@ def test_write_errors_are_counted_not_raised(tmp_path: Path, caplog) -> None:
     w = CaptureWriter(tmp_path / "c.jsonl", on_error=lambda: errors.append(1))
     w._file.close()  # every write now fails, as on a full or read-only disk
     for i in range(3):
-        w.on_exchange(rec(i), Exchange(b"{}", []))
+        w.on_record(rec(i), Exchange(b"{}", []))
     deadline = time.monotonic() + 5
     while w.write_errors < 3 and time.monotonic() < deadline:
         time.sleep(0.01)

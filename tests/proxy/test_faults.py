@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakeupstream import Conn, FakeUpstream, Req
-from mlxproxy.capture import CaptureWriter, read_capture
+from mlxproxy.capture import read_capture
 from mlxproxy.config import build_config
 from mlxproxy.core import meter as meter_module
 from mlxproxy.core.meter import RequestMeter
@@ -39,6 +39,7 @@ from mlxproxy.core.record import OUTCOMES, Record
 from mlxproxy.core.sse import SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.proxy.app import ProxyApp, create_app
+from mlxproxy.proxy.capture_writer import CaptureWriter
 from mlxproxy.runner import ServerThread
 from support import closed_port, read_fixture
 from support import wait_for as _wait_for
@@ -900,7 +901,7 @@ def test_capture_on_a_full_disk_counts_reports_once_and_keeps_whole_lines(tmp_pa
     disk = w._file = FlakyDisk(w._file)
     for i in range(30):
         disk.full = 10 <= i < 20  # full for a while, then space comes back
-        w.on_exchange(a_record(i), None)
+        w.on_record(a_record(i), None)
         w.flush()
     w.close()
     assert (w.written, w.write_errors, len(errors)) == (20, 10, 10)
@@ -912,14 +913,14 @@ def test_capture_reopened_after_a_crash_cuts_off_the_torn_line(tmp_path: Path, c
     p = tmp_path / "c.jsonl"
     w = CaptureWriter(p)
     for i in range(3):
-        w.on_exchange(a_record(i), None)
+        w.on_record(a_record(i), None)
     w.close()
     whole = p.read_bytes()
     p.write_bytes(whole + whole.splitlines(keepends=True)[0][:50])  # killed while writing a fourth line
     warnings: list[str] = []
     assert len(read_capture(p, warn=warnings.append)) == 3 and "torn last line" in warnings[0]
     w = CaptureWriter(p)  # a restarted proxy appends to the same file
-    w.on_exchange(a_record(3), None)
+    w.on_record(a_record(3), None)
     w.close()
     assert [c.record.id for c in read_capture(p)] == ["r0", "r1", "r2", "r3"]
     assert any("torn line" in r.getMessage() for r in caplog.records)

@@ -316,7 +316,7 @@ def test_proxy_error_bodies_never_echo_secrets(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_capture_file_is_created_readable_by_its_owner_only(tmp_path: Path) -> None:
-    from mlxproxy.capture import CaptureWriter
+    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     w = CaptureWriter(tmp_path / "new" / "cap.jsonl")
     w.close()

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_proxy_e2e import last_record, proxy
 
 from fakeupstream import FakeUpstream, sse_response
 from mlxproxy.proxy.tokens import TokenCounter, find_tokenizer_file
-from support import read_fixture
+from support import last_record, proxy, read_fixture
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -84,7 +84,7 @@ def assert_no_errors(page: Page) -> None:
 @contextlib.contextmanager
 def served(tmp_path: Path, key_env: str | None = None) -> Iterator[str]:
     """`mlxproxy serve` (a real process) in front of three simulated servers; yields its URL."""
-    from test_soak import start
+    from support import start
 
     with contextlib.ExitStack() as es:
         sims = {
