@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlxproxy.core.detect import (
+    Anomaly,
     Thresholds,
     check_markup,
     check_prefix,
@@ -38,25 +39,14 @@ def finish_checked(
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
     and remembers this request's prompt fingerprints."""
-    tok = None
     text = meter.generated_text if meter.decoder is not None else None  # tool-call names and arguments too
-    if count_tokens is not None and meter.generated_events and text is not None:
-        try:
-            tok = count_tokens(text)
-        except Exception:  # a tokenizer problem must not lose the record
-            tok = None
+    tok = _count(count_tokens, text) if meter.generated_events else None
     record = meter.finish(t_end, outcome=outcome, error=error, tokenizer_tokens=tok)
-    chars = nonascii_chars = nonascii_bytes = 0
-    if text:
-        chars = len(text)
-        ascii_chars = len(text.encode("ascii", "ignore"))
-        nonascii_chars = chars - ascii_chars
-        if nonascii_chars:
-            nonascii_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
+    chars, nonascii_chars, nonascii_bytes = _text_sizes(text)
     found = check_record(
         record,
         th,
-        chars=chars if text is not None else None,
+        chars=chars,
         nonascii_chars=nonascii_chars,
         nonascii_bytes=nonascii_bytes,
         headers_to_first_byte_s=meter.silent_after_headers_s(t_end),
@@ -76,23 +66,60 @@ def finish_checked(
     pp = fingerprint(info.endpoint, info.prompt_obj) if prefixes is not None and info.prompt_obj is not None else None
     fields: dict[str, Any] = {}
     if prefixes is not None and pp is not None:
-        match = prefixes.match(pp)
-        if match is not None:
-            fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
-            found.extend(more)
-        if record.outcome in OK_OUTCOMES:
-            cid, turn = prefixes.add(pp, match, record.id, record.prompt_tokens, t_end)
-            if (
-                turn == 1
-                and not record.cached_tokens
-                and record.prefill_tps
-                and not burst
-                and (record.prompt_tokens or 0) >= th.prefix_min_tokens
-            ):
-                prefixes.cold_prefill_tps.append(record.prefill_tps)
-        elif match is not None:
-            cid, turn = match.conversation_id, match.turn
-        else:
-            cid, turn = None, None
-        fields.update(conversation_id=cid, turn=turn)
+        fields = _conversation(record, pp, prefixes, th, t_end, burst, found)
     return with_anomalies(record, found, th, **fields)  # the record's one copy
+
+
+def _count(count_tokens: Callable[[str], int] | None, text: str | None) -> int | None:
+    """A tokenizer's count of `text`; None without one, or when it fails (never loses the record)."""
+    if count_tokens is None or text is None:
+        return None
+    try:
+        return count_tokens(text)
+    except Exception:  # a tokenizer problem must not lose the record
+        return None
+
+
+def _text_sizes(text: str | None) -> tuple[int | None, int, int]:
+    """What the usage check needs of the streamed text: its characters (None when not streamed),
+    the non-ASCII ones, and their UTF-8 bytes (scripts that take more tokens per character)."""
+    if not text:
+        return (None if text is None else 0), 0, 0
+    chars = len(text)
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    nonascii = chars - ascii_chars
+    return chars, nonascii, (len(text.encode("utf-8", "surrogatepass")) - ascii_chars if nonascii else 0)
+
+
+def _conversation(
+    record: Record,
+    pp: Any,
+    prefixes: PrefixIndex,
+    th: Thresholds,
+    t_end: float,
+    burst: bool,
+    found: list[Anomaly],
+) -> dict[str, Any]:
+    """The prefix checks against this upstream's earlier prompts (appended to `found`), the
+    record's `conversation_id` and `turn`, and this prompt remembered (when it was served)."""
+    fields: dict[str, Any] = {}
+    match = prefixes.match(pp)
+    if match is not None:
+        fields, more = check_prefix(record, match, prefixes.prefill_rate(), th)
+        found.extend(more)
+    if record.outcome in OK_OUTCOMES:
+        cid, turn = prefixes.add(pp, match, record.id, record.prompt_tokens, t_end)
+        if (
+            turn == 1
+            and not record.cached_tokens
+            and record.prefill_tps
+            and not burst
+            and (record.prompt_tokens or 0) >= th.prefix_min_tokens
+        ):
+            prefixes.cold_prefill_tps.append(record.prefill_tps)
+    elif match is not None:
+        cid, turn = match.conversation_id, match.turn
+    else:
+        cid, turn = None, None
+    fields.update(conversation_id=cid, turn=turn)
+    return fields

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -54,6 +54,32 @@ MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are pa
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+class _TokenFields(TypedDict):
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens_reported: int | None
+    reasoning_tokens_reported: int | None
+    completion_tokens_counted: int | None
+    completion_tokens_tokenizer: int | None
+    completion_tokens: int | None
+    tokens_source: TokensSource | None
+    server_claims: dict[str, Any]
+
+
+class _TimeFields(TypedDict):
+    ttfb_s: float | None
+    ttft_s: float | None
+    ttfc_s: float | None
+    e2e_s: float | None
+    headers_s: float | None
+    duration_s: float
+    tail_after_done_s: float | None
+    tpot_s: float | None
+    decode_tps: float | None
+    wall_tps: float | None
+    prefill_tps: float | None
 
 
 class RequestMeter:
@@ -508,22 +534,65 @@ class RequestMeter:
         ctx: tuple[bool, int | None, int | None],
         tokenizer_tokens: int | None,
     ) -> Record:
-        t0 = self.t_start
+        tokens = self._token_fields(tokenizer_tokens)
+        times = self._time_fields(t_end, tokens["completion_tokens"], tokens["prompt_tokens"], tokens["cached_tokens"])
+        request = self.request
+        return Record(
+            id=self.request_id,
+            started_at=self.started_at,
+            upstream=self.upstream,
+            model=request.model,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            status=self.status,
+            outcome=outcome,
+            method=request.method,
+            path=request.path,
+            **times,
+            **tokens,
+            reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
+            usage_reports=self.usage_reports,
+            usage_requested=request.usage_requested,
+            usage_injected=self.usage_injected,
+            max_tokens=request.max_tokens,
+            events=self.events,
+            generated_events=self.generated_events,
+            comments=self.comments,
+            finish_reason=self.finish_reason,
+            finish_reasons_seen=self.finish_reasons_seen,
+            tool_calls=len(self.tool_calls),
+            tool_calls_valid=(None if request.tools is None else len(self.tool_calls) - len(self.tool_problems())),
+            error=None if err is None else err[:500],
+            context_prompt_tokens=ctx[1],
+            context_limit_tokens=ctx[2],
+            prefill_progress=self.prefill_progress,
+            concurrency=self.concurrency,
+            tags=self.tags,
+            bytes_out=self.bytes_out,
+            event_offsets_s=tuple(t - self.t_start for t in self.event_times),
+            t_start_mono=self.t_start,
+            dual_reasoning_events=self.dual_reasoning_events,
+            duplicate_content=self.duplicate_content,
+            response_text=self.content_text if self.keep_text else None,
+            reasoning_text=self.reasoning_text if self.keep_text else None,
+        )
+
+    def _token_fields(self, tokenizer_tokens: int | None) -> _TokenFields:
+        """The record's token counts: what `usage` reported, what was streamed, a tokenizer's
+        count, and the provisional trusted count (the usage checks in core.detect may still
+        overrule it), with the server's extra usage keys kept as claims."""
         usage = self.usage or {}
-        prompt = _int(usage.get("prompt_tokens"))
         ptd = usage.get("prompt_tokens_details")
         cached = _int(ptd.get("cached_tokens")) if isinstance(ptd, dict) else None
         if cached is None:
             cached = _int(usage.get("cached_tokens"))
         reported = _int(usage.get("completion_tokens"))
         ctd = usage.get("completion_tokens_details")
-        reasoning_rep = _int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None
         extra = {k: v for k, v in usage.items() if k not in _STD_USAGE_KEYS}
         claims = dict(self.claims)
         if extra:
             claims["usage"] = extra
         counted = self.generated_events if self.decoder is not None else None
-        # provisional trusted count: the usage checks (core.detect) may still overrule it
         source: TokensSource | None
         if reported is not None:
             n_out, source = reported, "usage"
@@ -533,6 +602,21 @@ class RequestMeter:
             n_out, source = counted, "stream"
         else:
             n_out, source = None, None
+        return {
+            "prompt_tokens": _int(usage.get("prompt_tokens")),
+            "cached_tokens": cached,
+            "completion_tokens_reported": reported,
+            "reasoning_tokens_reported": _int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None,
+            "completion_tokens_counted": counted,
+            "completion_tokens_tokenizer": tokenizer_tokens,
+            "completion_tokens": n_out,
+            "tokens_source": source,
+            "server_claims": claims,
+        }
+
+    def _time_fields(self, t_end: float, n_out: int | None, prompt: int | None, cached: int | None) -> _TimeFields:
+        """The record's times (seconds from the start) and the rates derived from them."""
+        t0 = self.t_start
 
         def rel(t: float | None) -> float | None:
             return None if t is None else t - t0
@@ -547,67 +631,21 @@ class RequestMeter:
         tpot, decode, wall = rate_figures(
             n_out, ttft if self.t_last_token is not None else None, e2e, duration - (tail or 0.0)
         )
-        prefill = None
         uncached = uncached_tokens(prompt, cached)
-        if uncached and ttft is not None and ttft > 0:  # None when nothing was prefilled
-            prefill = uncached / ttft
-        return Record(
-            id=self.request_id,
-            started_at=self.started_at,
-            upstream=self.upstream,
-            model=self.request.model,
-            endpoint=self.request.endpoint,
-            stream=self.request.stream,
-            status=self.status,
-            outcome=outcome,
-            method=self.request.method,
-            path=self.request.path,
-            ttfb_s=rel(self.t_first_byte),
-            ttft_s=ttft,
-            ttfc_s=rel(self.t_first_content),
-            e2e_s=e2e,
-            headers_s=rel(self.t_headers),
-            duration_s=duration,
-            tail_after_done_s=tail,
-            tpot_s=tpot,
-            decode_tps=decode,
-            wall_tps=wall,
-            prefill_tps=prefill,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            completion_tokens_reported=reported,
-            reasoning_tokens_reported=reasoning_rep,
-            completion_tokens_counted=counted,
-            completion_tokens_tokenizer=tokenizer_tokens,
-            completion_tokens=n_out,
-            tokens_source=source,
-            reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
-            usage_reports=self.usage_reports,
-            usage_requested=self.request.usage_requested,
-            usage_injected=self.usage_injected,
-            max_tokens=self.request.max_tokens,
-            events=self.events,
-            generated_events=self.generated_events,
-            comments=self.comments,
-            finish_reason=self.finish_reason,
-            finish_reasons_seen=self.finish_reasons_seen,
-            tool_calls=len(self.tool_calls),
-            tool_calls_valid=(None if self.request.tools is None else len(self.tool_calls) - len(self.tool_problems())),
-            error=None if err is None else err[:500],
-            context_prompt_tokens=ctx[1],
-            context_limit_tokens=ctx[2],
-            prefill_progress=self.prefill_progress,
-            server_claims=claims,
-            concurrency=self.concurrency,
-            tags=self.tags,
-            bytes_out=self.bytes_out,
-            event_offsets_s=tuple(t - t0 for t in self.event_times),
-            t_start_mono=t0,
-            dual_reasoning_events=self.dual_reasoning_events,
-            duplicate_content=self.duplicate_content,
-            response_text=self.content_text if self.keep_text else None,
-            reasoning_text=self.reasoning_text if self.keep_text else None,
-        )
+        return {
+            "ttfb_s": rel(self.t_first_byte),
+            "ttft_s": ttft,
+            "ttfc_s": rel(self.t_first_content),
+            "e2e_s": e2e,
+            "headers_s": rel(self.t_headers),
+            "duration_s": duration,
+            "tail_after_done_s": tail,
+            "tpot_s": tpot,
+            "decode_tps": decode,
+            "wall_tps": wall,
+            # None when nothing was prefilled
+            "prefill_tps": uncached / ttft if uncached and ttft is not None and ttft > 0 else None,
+        }
 
 
 def _text_snippet(body: bytearray) -> str | None:
