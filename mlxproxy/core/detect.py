@@ -316,38 +316,53 @@ def _usage_checks(
         and high is not None
         and max(rep, est) >= th.usage_min_tokens
     ):
-        tok = r.completion_tokens_tokenizer
-        if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
-            seen = (
-                f"tokenizer count {tok}"
-                if tok is not None
-                else f"{est} streamed ({r.generated_events} events{f', {chars} chars' if chars else ''})"
+        _count_checks(r, th, out, chars, rep, (low, est, high), cut_call)
+    return cut_call
+
+
+def _count_checks(
+    r: Record,
+    th: Thresholds,
+    out: list[Anomaly],
+    chars: int | None,
+    rep: int,
+    band: tuple[int, int, int],
+    cut_call: bool,
+) -> None:
+    """`usage_mismatch` (the reported count outside what the stream allows) and `phantom_speed`
+    (a count the stream cannot have carried), for a count large enough to judge."""
+    add = out.append
+    low, est, high = band
+    tok = r.completion_tokens_tokenizer
+    if rep > high + th.usage_extra_tokens or low > rep + th.usage_extra_tokens:
+        seen = (
+            f"tokenizer count {tok}"
+            if tok is not None
+            else f"{est} streamed ({r.generated_events} events{f', {chars} chars' if chars else ''})"
+        )
+        add(
+            Anomaly(
+                "usage_mismatch",
+                f"usage says {rep} output tokens, {seen}; the stream allows {low}..{high} (+{th.usage_extra_tokens})",
             )
+        )
+    window = None
+    if r.event_offsets_s and len(r.event_offsets_s) >= 2:
+        window = r.event_offsets_s[-1] - r.event_offsets_s[0]
+    base = est + r.tool_calls * th.tool_call_tokens
+    if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base and not cut_call:
+        if window and window > 0:
+            implied = (rep - 1) / window
+            real = max(est - 1, 1) / window
             add(
                 Anomaly(
-                    "usage_mismatch",
-                    f"usage says {rep} output tokens, {seen}; the stream allows "
-                    f"{low}..{high} (+{th.usage_extra_tokens})",
+                    "phantom_speed",
+                    f"usage says {rep} tokens, {est} streamed in {_fmt(window)} s: "
+                    f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)",
                 )
             )
-        window = None
-        if r.event_offsets_s and len(r.event_offsets_s) >= 2:
-            window = r.event_offsets_s[-1] - r.event_offsets_s[0]
-        base = est + r.tool_calls * th.tool_call_tokens
-        if rep >= th.phantom_min_tokens and rep > th.phantom_ratio * base and not cut_call:
-            if window and window > 0:
-                implied = (rep - 1) / window
-                real = max(est - 1, 1) / window
-                add(
-                    Anomaly(
-                        "phantom_speed",
-                        f"usage says {rep} tokens, {est} streamed in {_fmt(window)} s: "
-                        f"{_fmt(implied)} tok/s would be implausible (streamed rate {_fmt(real)} tok/s)",
-                    )
-                )
-            else:
-                add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
-    return cut_call
+        else:
+            add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
 
 
 def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
@@ -559,37 +574,53 @@ def check_prefix(
             )
         )
     if reusable >= th.prefix_min_tokens and ttft is not None and ttft > 0:
-        if cached is not None:
-            if cached < th.prefix_miss_ratio * reusable:
-                wasted = ttft * (reusable - cached) / (prompt - cached) if prompt and prompt > cached else None
-                if wasted is not None:
-                    wasted = min(wasted, ttft)
-                    fields["prefill_wasted_s"] = wasted
-                cost = f"; TTFT {_fmt(ttft)} s, ~{_fmt(ttft - wasted)} s with a hit" if wasted is not None else ""
-                out.append(
-                    Anomaly(
-                        "prefix_cache_miss",
-                        f"~{reusable} prompt tokens were reusable from request "
-                        f"{m.previous_id} (turn {m.turn - 1}) but the server reported {cached} cached "
-                        f"(ratio {cached / reusable:.2f}){cost}",
-                    )
-                )
-        elif prefill_rate and prompt and prompt >= reusable:
-            full, hit = prompt / prefill_rate, (prompt - reusable) / prefill_rate
-            if ttft > (full + hit) / 2:
-                wasted = min(ttft - hit, ttft)
-                fields["prefill_wasted_s"] = wasted
-                out.append(
-                    Anomaly(
-                        "prefix_cache_miss",
-                        f"~{reusable} prompt tokens were reusable from request "
-                        f"{m.previous_id} (turn {m.turn - 1}); no cached_tokens reported, but TTFT "
-                        f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
-                        f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
-                        f"({_fmt(hit)} s)",
-                    )
-                )
+        miss = _cache_miss(m, reusable, cached, prompt, ttft, prefill_rate, th)
+        if miss is not None:
+            out.append(miss[0])
+            if miss[1] is not None:
+                fields["prefill_wasted_s"] = miss[1]
     return fields, out
+
+
+def _cache_miss(
+    m: Match,
+    reusable: int,
+    cached: int | None,
+    prompt: int | None,
+    ttft: float,
+    prefill_rate: float | None,
+    th: Thresholds,
+) -> tuple[Anomaly, float | None] | None:
+    """`prefix_cache_miss` and the prefill time it wasted, judged on `cached_tokens` where the
+    server reports it, else on the TTFT at this upstream's first-turn prefill rate."""
+    reused_from = f"~{reusable} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
+    if cached is not None:
+        if cached >= th.prefix_miss_ratio * reusable:
+            return None
+        wasted = min(ttft * (reusable - cached) / (prompt - cached), ttft) if prompt and prompt > cached else None
+        cost = f"; TTFT {_fmt(ttft)} s, ~{_fmt(ttft - wasted)} s with a hit" if wasted is not None else ""
+        return (
+            Anomaly(
+                "prefix_cache_miss",
+                f"{reused_from} but the server reported {cached} cached (ratio {cached / reusable:.2f}){cost}",
+            ),
+            wasted,
+        )
+    if not (prefill_rate and prompt and prompt >= reusable):
+        return None
+    full, hit = prompt / prefill_rate, (prompt - reusable) / prefill_rate
+    if ttft <= (full + hit) / 2:
+        return None
+    return (
+        Anomaly(
+            "prefix_cache_miss",
+            f"{reused_from}; no cached_tokens reported, but TTFT "
+            f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
+            f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
+            f"({_fmt(hit)} s)",
+        ),
+        min(ttft - hit, ttft),
+    )
 
 
 UNTRUSTING = frozenset({"usage_mismatch", "phantom_speed"})  # usage that fired these is never used

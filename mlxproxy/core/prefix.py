@@ -70,12 +70,11 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
         return None
     pieces: list[tuple[str, str]] = []
     tools = obj.get("tools")
+    tools = tools if isinstance(tools, list) and tools else None
     tools_set = 0
-    if isinstance(tools, list) and tools:
+    if tools is not None:
         pieces.append(("tools", _text(tools)))
-        named = sorted((_text(t) for t in tools), key=str)
-        tools_set = hash("\x00".join(named))
-    first_user: str | None = None
+        tools_set = hash("\x00".join(sorted((_text(t) for t in tools), key=str)))
     if endpoint == "messages" and obj.get("system") is not None:
         pieces.append(("system", _text(obj["system"])))
     if endpoint == "responses" and obj.get("instructions") is not None:
@@ -89,6 +88,17 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
+    first_user = _message_pieces(items, name, pieces)
+    if first_user is None:
+        return None
+    key = hash((first_user, _tool_names(tools) if tools is not None else ()))
+    hashes, lengths, blocks = _piece_blocks(pieces)
+    return PromptPrint(key, tuple(label for label, _ in pieces), hashes, lengths, blocks, tools_set)
+
+
+def _message_pieces(items: list[Any], name: str, pieces: list[tuple[str, str]]) -> str | None:
+    """Append each message's fields to `pieces` (up to `MAX_PIECES`); the first user message's text."""
+    first_user: str | None = None
     add = pieces.append
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
@@ -101,20 +111,26 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
             add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
         if first_user is None and m.get("role") == "user":
             first_user = _text(m.get("content"))
-    if first_user is None:
-        return None
-    names: tuple[str, ...] = ()
-    if isinstance(tools, list) and tools:
-        names = tuple(
-            str(n)
-            for n in sorted(
-                t.get("function", t).get("name", "")
-                if isinstance(t, dict) and isinstance(t.get("function", t), dict)
-                else ""
-                for t in tools
-            )
+    return first_user
+
+
+def _tool_names(tools: list[Any]) -> tuple[str, ...]:
+    return tuple(
+        str(n)
+        for n in sorted(
+            t.get("function", t).get("name", "")
+            if isinstance(t, dict) and isinstance(t.get("function", t), dict)
+            else ""
+            for t in tools
         )
-    key = hash((first_user, names))
+    )
+
+
+def _piece_blocks(
+    pieces: list[tuple[str, str]],
+) -> tuple[array[int], array[int], tuple[array[int] | None, ...]]:
+    """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
+    `MAX_BLOCKS` budget lasts (None for a piece past it)."""
     budget = MAX_BLOCKS
     blocks: list[array[int] | None] = []
     hashes: list[int] = []
@@ -134,9 +150,7 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
             budget -= n
         else:
             blocks.append(None)
-    return PromptPrint(
-        key, tuple(label for label, _ in pieces), array("q", hashes), array("q", lengths), tuple(blocks), tools_set
-    )
+    return array("q", hashes), array("q", lengths), tuple(blocks)
 
 
 @dataclass(frozen=True, slots=True)
