@@ -65,6 +65,14 @@ def req(model: str, prompt_tokens: int | None = None, **kw) -> PreparedRequest:
     return PreparedRequest("POST", "/v1/chat/completions", body(model, **kw), headers)
 
 
+def settled_total(app: ProxyApp) -> int:
+    """The proxy's record count once every request it has taken has its record: the stack is
+    shared by the module, and an earlier test's last record may still be finishing (on a loaded
+    machine it once landed after the next test had read the count)."""
+    assert wait_for(lambda: not app.in_flight and app.recent.total >= app.requests_seen)
+    return app.recent.total
+
+
 def proxy_records(app: ProxyApp, n: int, since: int) -> list[Record]:
     """The n records the proxy itself made (not the client's) after `since` records."""
     assert wait_for(lambda: app.recent.total >= since + n)
@@ -86,7 +94,7 @@ def proxy_kinds(app: ProxyApp, n: int, since: int) -> set[str]:
 
 def test_continuous_batching_reaches_1_8x(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
     s1, s2 = asyncio.run(single_and_pair(url, "healthy"))
     assert s2.speedup is not None and s2.speedup >= 1.7, s2.speedup  # planned 1.84
     assert s2.overlap is not None and s2.overlap > 0.9
@@ -95,7 +103,7 @@ def test_continuous_batching_reaches_1_8x(stack) -> None:
 
 def test_serial_server_is_below_1x_and_flagged_serialized(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
     s1, s2 = asyncio.run(single_and_pair(url, "mlx-omni-server"))
     assert s2.speedup is not None and s2.speedup <= 1.0, s2.speedup
     assert s2.overlap is not None and s2.overlap < 0.1
@@ -112,7 +120,7 @@ def test_serial_server_is_below_1x_and_flagged_serialized(stack) -> None:
 def test_rapid_mlx_streams_one_token_per_event(stack) -> None:
     """Rapid-MLX 0.16.10 streams each token as it comes (`--stream-interval` 1), as it did live."""
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -126,7 +134,7 @@ def test_rapid_mlx_streams_one_token_per_event(stack) -> None:
 
 def test_omlx_context_limit_above_32768(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -143,7 +151,7 @@ def test_omlx_context_limit_above_32768(stack) -> None:
 
 def test_mlx_vlm_cyclic_stalls_and_dual_reasoning(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -160,7 +168,7 @@ def test_mlx_vlm_cyclic_stalls_and_dual_reasoning(stack) -> None:
 
 def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
     url, app, sims = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -179,7 +187,7 @@ def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
 
 def test_phantom_usage_is_named(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -247,7 +255,7 @@ def _bench_each(url: str, opts):
 
 def test_mlx_lm_wire_has_no_anomalies_and_usage_is_injected(stack) -> None:
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
@@ -264,7 +272,7 @@ def test_mlx_lm_wire_has_no_anomalies_and_usage_is_injected(stack) -> None:
 def test_healthy_measured_matches_configured_truth(stack) -> None:
     """20 requests of 1000 prompt tokens: TTFT = 1000 / 2000 tok/s = 0.5 s simulated, decode 50 tok/s."""
     url, app, _ = stack
-    since = app.recent.total
+    since = settled_total(app)
 
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
