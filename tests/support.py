@@ -5,6 +5,7 @@ readiness polling and a port nothing listens on. Import it as `from support impo
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import subprocess
@@ -127,3 +128,19 @@ def start(args: list[str], marker: str) -> Process:
         raise AssertionError(f"{args[0]} did not start: {''.join(lines)}")
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
     return Process(proc, url, lines)
+
+
+#: the environment of a `python -m mlxproxy` child: this checkout first on its path
+ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`python -m mlxproxy ARGS` to its end, output captured, no stdin."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlxproxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+    )

@@ -5,7 +5,6 @@ command's click parameters and the README's table)."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -26,20 +25,7 @@ from mlxproxy.cli import main
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
-from support import REPO, closed_port
-
-ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mlxproxy", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-        stdin=subprocess.DEVNULL,
-    )
+from support import ENV, REPO, cli, closed_port
 
 
 def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: str, ran: bool = False) -> str:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -19,20 +16,7 @@ from mlxproxy.load.replay import ReplayOptions, run_replay
 from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
-from support import REPO
-
-ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mlxproxy", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-        stdin=subprocess.DEVNULL,
-    )
+from support import cli
 
 
 def ks_exponential(gaps: list[float], rate: float) -> tuple[float, float]:
