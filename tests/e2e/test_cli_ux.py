@@ -49,12 +49,11 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: s
 
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-request capture, its lines made by the capture writer's own `line_for`."""
+    """A two-request capture, its lines made by the capture format's own `capture_line`."""
+    from mlxproxy.capture import capture_line
     from mlxproxy.core.record import Record
-    from mlxproxy.proxy.capture_writer import CaptureWriter
 
     path = tmp_path_factory.mktemp("ux") / "capture.jsonl"
-    w = CaptureWriter(path.with_suffix(".unused"))
     lines = []
     for i in range(2):
         rec = Record(
@@ -69,7 +68,7 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
             method="POST",
             path="/v1/chat/completions",
         )
-        d = orjson.loads(w.line_for(rec, None))
+        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
         d["path"] = "/v1/chat/completions"
         d["request"] = {
             "model": "m",
@@ -78,7 +77,6 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "messages": [{"role": "user", "content": "hi " * 30}],
         }
         lines.append(orjson.dumps(d))
-    w.close()
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 

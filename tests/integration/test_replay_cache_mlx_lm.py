@@ -28,10 +28,10 @@ from typing import Any
 import orjson
 import pytest
 
+from mlxproxy.capture import capture_line
 from mlxproxy.core.record import Record
 from mlxproxy.load.bench import BenchOptions, Target, bench_targets
 from mlxproxy.load.report import aggregate_tps
-from mlxproxy.proxy.capture_writer import CaptureWriter
 
 from .peers import REPO, loopback_env, median
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason
@@ -55,7 +55,6 @@ SPREAD_MARGIN = 0.25
 
 
 def _capture(path: Path) -> None:
-    w = CaptureWriter(path.with_suffix(".unused"))
     lines = []
     for i in range(2):
         text = f"question {i}: " + " ".join(f"item{j} fox jumps" for j in range(PROMPT_WORDS))
@@ -71,7 +70,7 @@ def _capture(path: Path) -> None:
             method="POST",
             path="/v1/chat/completions",
         )
-        d = orjson.loads(w.line_for(rec, None))
+        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
         d["path"] = "/v1/chat/completions"
         d["request"] = {
             "model": MODEL_NAME,
@@ -81,7 +80,6 @@ def _capture(path: Path) -> None:
             "messages": [{"role": "user", "content": text}],
         }
         lines.append(orjson.dumps(d))
-    w.close()
     path.write_bytes(b"\n".join(lines) + b"\n")
 
 

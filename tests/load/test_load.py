@@ -87,16 +87,14 @@ def _caps(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
 
 
 def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
-    """A capture file whose lines are made by the capture writer's own `line_for`."""
-    from mlxproxy.proxy.capture_writer import CaptureWriter
+    """A capture file whose lines are made by the capture format's own `capture_line`."""
+    from mlxproxy.capture import capture_line
 
-    w = CaptureWriter(path.with_suffix(".unused"))
     lines = []
     for c in caps:
-        d = orjson.loads(w.line_for(c.record, None))
+        d = orjson.loads(capture_line(c.record, None, t0_mono=0.0))
         d.update(path=c.path, request=c.request, offset_s=c.offset_s)
         lines.append(orjson.dumps(d))
-    w.close()
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 
