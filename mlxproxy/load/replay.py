@@ -423,7 +423,7 @@ async def run_replay(
                         compare,
                     )
                 )
-            elif opts.mode == "rate":
+            elif opts.mode == "rate" and not opts.sweep:
                 reqs = fresh()
                 ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
                 ramp_reqs = [prepare(caps[i % len(caps)], opts) for i in range(len(ramp))]

@@ -611,6 +611,24 @@ def test_a_sweep_of_rates_gives_the_capacity_in_requests_per_second(tmp_path: Pa
     assert "s: meets the SLO up to 16 req/s; at 40 req/s, TTFT p95 is" in " ".join(res.stdout.split())
 
 
+def test_replay_sweeps_rates_too(tmp_path: Path) -> None:
+    # the same server as above: 16/s keeps at most 4 answers in flight, 40/s queues them
+    cap = write_capture(tmp_path / "c.jsonl", _caps(4, max_tokens=40))
+    out = tmp_path / "rate.json"
+    with ServerThread(
+        create_sim("healthy", speed=4, max_batch_streams=4, batch_penalty=0.0, prefill_tps=20000.0)
+    ) as sim:
+        res = cli(
+            "replay", str(cap), "--target", f"s={sim.url}", "--rate", "8,16,40", "--repeat", "4",
+            "--slo", "ttft_p95=60ms", "--json", str(out),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap_s = orjson.loads(out.read_bytes())["capacity"]["s"]
+    assert cap_s["unit"] == "req/s" and cap_s["max_rate"] == 16 and cap_s["limited_by"] == "slo"
+    assert [st["rate"] for st in cap_s["steps"]] == [8, 16, 40] and all(st["requests"] == 16 for st in cap_s["steps"])
+    assert "s: meets the SLO up to 16 req/s; at 40 req/s, TTFT p95 is" in " ".join(res.stdout.split())
+
+
 def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: Path) -> None:
     from mlxproxy.load.replay import split_sessions, synthetic_agent_session
 
