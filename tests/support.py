@@ -16,7 +16,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
+from mlxproxy.capture import CapturedRequest
 from mlxproxy.config import build_config
+from mlxproxy.core.record import Record
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.runner import ServerThread
 
@@ -144,3 +148,55 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         env=ENV,
         stdin=subprocess.DEVNULL,
     )
+
+
+# -- captures ------------------------------------------------------------------------------
+
+
+def captured_chats(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
+    """`n` captured streaming chat requests (`hello 0`, `hello 1`, ...), as a capture file holds them."""
+    out = []
+    for i in range(n):
+        rec = Record(
+            id=f"c{i}",
+            started_at=1.0 + i,
+            upstream="u",
+            model="m",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+        )
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": f"hello {i}"}],
+        }
+        out.append(
+            CapturedRequest(
+                record=rec,
+                raw={},
+                request=body,
+                request_bytes=None,
+                offset_s=0.0,
+                method="POST",
+                path="/v1/chat/completions",
+            )
+        )
+    return out
+
+
+def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
+    """A capture file whose lines are made by the capture format's own `capture_line`."""
+    from mlxproxy.capture import capture_line
+
+    lines = []
+    for c in caps:
+        d = orjson.loads(capture_line(c.record, None, t0_mono=0.0))
+        d.update(path=c.path, request=c.request, offset_s=c.offset_s)
+        lines.append(orjson.dumps(d))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path

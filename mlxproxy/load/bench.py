@@ -28,7 +28,8 @@ from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.common import Progress, filler_text
+from mlxproxy.load.common import filler_text
+from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
 from mlxproxy.load.schedules import (
@@ -205,7 +206,8 @@ async def bench_one(
             + (opts.repeat + 1 if waves else 0)
             + (opts.requests if opts.rate and not opts.rate_steps else 0)
         )
-        tick = Progress(f"bench {target.name}", total, progress)
+        tick = Progress(f"bench {target.name}", total, progress, client)
+        tick.start()
         single = Timed()
         params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
         try:
@@ -237,6 +239,7 @@ async def bench_one(
                     params={**params, "prompt_tokens": bsize},
                     out=res.groups,
                     say=say,
+                    progress=tick,
                 )
             if opts.rate_steps:
 
@@ -260,6 +263,7 @@ async def bench_one(
                     },
                     out=res.groups,
                     say=say,
+                    progress=tick,
                     unit=RATE_UNIT,
                 )
             elif opts.rate:
@@ -293,6 +297,8 @@ async def bench_one(
                 _single_groups(res, single, sizes, params, th)
             res.error = f"interrupted after {len(client.finished) - len(probes)} measured requests"
             raise
+        finally:
+            tick.close()
     return res
 
 

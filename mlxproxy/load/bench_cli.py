@@ -21,6 +21,7 @@ from mlxproxy.load.common import (
     parse_target,
     run_async,
 )
+from mlxproxy.load.progress import say
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -163,11 +164,7 @@ def bench(
     results: list[TargetResult] = []
     interrupted = False
     try:
-        run_async(
-            bench_targets(
-                tlist, opts, parallel=parallel, out=results, say=lambda line: click.echo(f"mlxproxy: {line}", err=True)
-            )
-        )
+        run_async(bench_targets(tlist, opts, parallel=parallel, out=results, say=say))
     except KeyboardInterrupt:
         interrupted = True
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))

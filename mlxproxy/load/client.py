@@ -130,6 +130,8 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
+        self._streaming: set[RequestMeter] = set()  # the meters of the requests in flight
+        self._tokens_done = 0  # output tokens of the finished requests
         # A lean raw-asyncio HTTP/1.1 client (mlxproxy.load.rawhttp): each socket read goes
         # straight from the connection's protocol to the request's meter, stamped once on
         # arrival, so the client is not what limits a run (benchmarks/README.md, "Is the
@@ -148,6 +150,15 @@ class MeasuringClient:
         )
         # credentials in the URL (user:password@) become Basic auth, as in the proxy
         self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None
+
+    @property
+    def finished_count(self) -> int:
+        return len(self.finished)
+
+    def tokens_received(self) -> int:
+        """Output tokens received so far: those of the finished requests and the tokens
+        streamed so far by the requests in flight (for the progress line)."""
+        return self._tokens_done + sum(m.generated_events for m in self._streaming)
 
     async def aclose(self) -> None:
         await self._pooled.aclose()
@@ -215,6 +226,7 @@ class MeasuringClient:
             keep_text=self.keep_text,
         )
         outcome = error = None
+        self._streaming.add(meter)
         try:
             try:
                 target = self._target(req.path)
@@ -233,8 +245,10 @@ class MeasuringClient:
             error = str(exc)
         finally:
             self.in_flight -= 1
+            self._streaming.discard(meter)
         record = finish_checked(meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:])
         self.finished.append(record)
+        self._tokens_done += record.n_out or meter.generated_events
         return record
 
     # -- schedules ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What the load-testing parts share: the progress line, the filler text of synthetic prompts,
+"""What the load-testing parts share: the filler text of synthetic prompts,
 and the command-line helpers every load command uses (one-line errors with exit 2 on bad input,
 targets, keys, output checks, the run on the stack's event loop)."""
 
@@ -20,22 +20,6 @@ def filler_text(n: int) -> str:
     """Deterministic text of exactly n characters."""
     reps = n // len(FILLER) + 1
     return (FILLER * reps)[:n]
-
-
-class Progress:
-    """A one-line progress counter on stderr (only when stderr is a terminal)."""
-
-    def __init__(self, label: str, total: int, enabled: bool | None = None) -> None:
-        self.label, self.total, self.done = label, total, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-
-    def __call__(self) -> None:
-        self.done += 1
-        if self.enabled:
-            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -30,7 +30,8 @@ from mlxproxy.core.openai import endpoint_of, inject_include_usage
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.common import Progress, filler_text
+from mlxproxy.load.common import filler_text
+from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group, GroupKind, Summary
 from mlxproxy.load.schedules import (
@@ -404,9 +405,13 @@ async def run_replay(
         if opts.warmup:
             await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)
-        tick: Callable[[], None] = Progress(
-            f"replay {target_name}", n * (1 + len(sizes) if opts.mode == "batch" else 1), progress
+        tick = Progress(
+            f"replay {target_name}",
+            None if opts.sweep else n * (1 + len(sizes) if opts.mode == "batch" else 1),
+            progress,
+            client,
         )
+        tick.start()
         try:
             if opts.mode == "recorded":
                 timed = await client.run_recorded(fresh(), opts.speed, tick)
@@ -452,6 +457,7 @@ async def run_replay(
                     params=params,
                     out=groups,
                     say=say,
+                    progress=tick,
                     unit=RATE_UNIT,
                 )
             elif opts.mode == "sessions" and opts.sweep:
@@ -468,6 +474,7 @@ async def run_replay(
                     params={**params, "think_time": opts.think_time},
                     out=groups,
                     say=say,
+                    progress=tick,
                     unit="sessions",
                 )
             elif opts.mode == "sessions":
@@ -485,6 +492,7 @@ async def run_replay(
                     params=params,
                     out=groups,
                     say=say,
+                    progress=tick,
                 )
             elif opts.mode == "concurrency":
                 timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
@@ -515,6 +523,8 @@ async def run_replay(
                     _group(f"{mode} interrupted", "interrupted", target_name, params, timed, summarize_records(rest))
                 )
             raise
+        finally:
+            tick.close()
     return groups
 
 

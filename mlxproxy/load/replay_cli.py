@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
 from mlxproxy.errors import MlxproxyError
@@ -16,6 +14,8 @@ from mlxproxy.load.common import (
     parse_target,
     run_async,
 )
+from mlxproxy.load.progress import say
+from mlxproxy.load.replay_report import print_groups, sweep_svg, write_replay_outputs
 from mlxproxy.load.results import Group
 from mlxproxy.vocabulary import (
     INT_LIST,
@@ -25,10 +25,6 @@ from mlxproxy.vocabulary import (
     help_for,
     shared_option,
 )
-
-if TYPE_CHECKING:
-    pass
-from mlxproxy.load.replay_report import print_groups, sweep_svg, write_replay_outputs
 
 
 def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -299,7 +295,7 @@ def replay(
                 timeout_s=timeout[1] if timeout else 1800.0,
                 compare=compare,
                 out=groups,
-                say=lambda line: click.echo(f"mlxproxy: {line}", err=True),
+                say=say,
             )
         )
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group
 from mlxproxy.load.schedules import (
@@ -33,11 +34,12 @@ async def run_sweep(
     out: list[Group],
     say: Callable[[str], None] | None = None,
     unit: str = "streams",
+    progress: Progress | None = None,
 ) -> None:
     """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
     saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
     per record id (e.g. a session's turn). Each step's group is appended to `out` as it
-    finishes; `say` gets one line per step. `unit`: what runs concurrently (streams, sessions)."""
+    finishes; `say` gets one line per step; `progress` shows each step as a phase. `unit`: what runs concurrently (streams, sessions)."""
     auto = not steps
     done: list[dict[str, Any]] = []
     i, conc = 0, 1
@@ -46,6 +48,8 @@ async def run_sweep(
             if i >= len(steps):
                 break
             conc = steps[i]
+        if progress is not None:
+            progress.phase(f"sweep {target}: {step_label(conc, unit)}")
         timed, extra = await step(conc)
         records = []
         for r in timed.records:

@@ -16,7 +16,8 @@ from mlxproxy.load.replay import ReplayOptions, run_replay
 from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
-from support import cli
+from support import captured_chats as _caps
+from support import cli, write_capture
 
 
 def ks_exponential(gaps: list[float], rate: float) -> tuple[float, float]:
@@ -49,54 +50,6 @@ def test_schedules_are_exact_and_seeded() -> None:
     assert params["scheduled_rate"] == pytest.approx(5.0) and offs[-1] == pytest.approx(2.0)
     with pytest.raises(ValueError):
         arrival_offsets(3, 0.0)
-
-
-def _caps(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
-    out = []
-    for i in range(n):
-        rec = Record(
-            id=f"c{i}",
-            started_at=1.0 + i,
-            upstream="u",
-            model="m",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-        )
-        body = {
-            "model": "m",
-            "stream": True,
-            "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"hello {i}"}],
-        }
-        out.append(
-            CapturedRequest(
-                record=rec,
-                raw={},
-                request=body,
-                request_bytes=None,
-                offset_s=0.0,
-                method="POST",
-                path="/v1/chat/completions",
-            )
-        )
-    return out
-
-
-def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
-    """A capture file whose lines are made by the capture format's own `capture_line`."""
-    from mlxproxy.capture import capture_line
-
-    lines = []
-    for c in caps:
-        d = orjson.loads(capture_line(c.record, None, t0_mono=0.0))
-        d.update(path=c.path, request=c.request, offset_s=c.offset_s)
-        lines.append(orjson.dumps(d))
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    return path
 
 
 def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
