@@ -1,6 +1,7 @@
 """``mlxproxy bench`` against every live seed server in one run: each server's batching verdict is
 the class observed over repeated runs (docs/VERIFIED.md, "Bench verdicts against the live
-servers"), and no verdict contradicts its overlap figure.
+servers"), and no verdict contradicts its overlap figure. A server whose waves disagree
+(``inconclusive``) is measured a second time, and then must be its class.
 
 The servers serve the rigged model built so that bench's filler prompt gets the endless answer
 (``bench_live.build_loop_model``): every stream runs to ``max_tokens``. A server that cannot run
@@ -49,10 +50,19 @@ def test_bench_verdicts_against_every_live_server(tmp_path: Path) -> None:
         # 400 tokens: at 300-900 tok/s a stream lasts about a second, long enough that the two of a
         # wave overlap on a server that batches (at 160, mlx_lm.server's waves were sometimes serial)
         _, doc = run_bench(urls, tmp_path / "bench.json", max_tokens=400, repeat=3)
+        rows = {name: row(doc, name) for name in urls}
+        # On a busy machine (a CPU hog beside the suite) a batching server's waves can disagree, one
+        # admitted late: bench then says `inconclusive`, its honest answer, not a wrong class. Such
+        # a server is measured once more, as a user would; a wrong class fails at once.
+        again = {name: urls[name] for name, r in rows.items() if r["behaviour"] == "inconclusive"}
+        if again:
+            print(f"measured again (inconclusive): {', '.join(again)}")
+            _, doc2 = run_bench(again, tmp_path / "bench2.json", max_tokens=400, repeat=3)
+            rows.update({name: row(doc2, name) for name in again})
     assert set(urls) <= set(SERVERS)
     failures = []
     for name in urls:
-        r = row(doc, name)
+        r = rows[name]
         print(f"{name}: {r['verdict']}")
         if r["behaviour"] != OBSERVED[name]:
             failures.append(f"{name}: {r['verdict']!r} is not {OBSERVED[name]}")
