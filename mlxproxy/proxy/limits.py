@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import weakref
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -287,9 +288,55 @@ def _fast_class(limits: HeadLimits) -> type:
     return LimitedHttpToolsProtocol
 
 
+def drop_transport_cycle(transport: Any) -> None:
+    """Clear the bound method an asyncio selector socket transport keeps on itself
+    (`_read_ready_cb`) once its connection is lost. Before Python 3.12 that is a reference cycle
+    per closed connection (python/cpython#100348, fixed in 3.12 by clearing it on close), so
+    each closed connection's transport and socket waited for a full collection of the cyclic
+    GC. uvloop's transports have no such attribute: nothing to do there."""
+    if getattr(transport, "_read_ready_cb", None) is not None:
+        transport._read_ready_cb = None
+
+
 def _plain_class(limits: HeadLimits) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedConnection(h11.Connection):  # type: ignore[misc]
+        """h11's server connection with the proxy's checks of each request head. It refers to
+        its protocol weakly: a strong reference (as a closure over the protocol would be) makes
+        a cycle per client connection, and every closed connection's protocol, transport and
+        buffers would then wait for a full collection of the cyclic GC (benchmarks/README.md,
+        "Memory over a long run")."""
+
+        def __init__(self, owner: Any) -> None:
+            # h11's own bound, a backstop to the exact one in data_received
+            super().__init__(h11.SERVER, max_incomplete_event_size=limits.max_bytes)
+            self._owner = weakref.ref(owner)
+
+        def next_event(self) -> Any:
+            owner = self._owner()
+            if self.their_state is h11.IDLE:
+                buffered = self.trailing_data[0]
+                end = _head_end(buffered)
+                if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
+                    if owner is not None:
+                        owner._refusal = (
+                            400,
+                            "request lines must end in CRLF and headers must not be folded",
+                            "invalid_request",
+                        )
+                    raise h11.RemoteProtocolError("bare LF or obs-fold")
+            event = super().next_event()
+            if type(event) is h11.Request:
+                problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target, limits)
+                if problem is not None:
+                    if owner is not None:
+                        owner._refusal = problem
+                    raise h11.RemoteProtocolError(problem[2])
+                if owner is not None:
+                    owner._head_complete()
+            return event
 
     class LimitedH11Protocol(_HeadGuard, H11Protocol):  # type: ignore[misc]
         _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
@@ -298,32 +345,7 @@ def _plain_class(limits: HeadLimits) -> type:
             super().__init__(*args, **kwargs)
             self.limits = limits
             self._guard_init()
-            # h11's own bound, a backstop to the exact one in data_received
-            self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_bytes)
-            parse = self.conn.next_event
-
-            def next_event() -> Any:
-                conn = self.conn
-                if conn.their_state is h11.IDLE:
-                    buffered = conn.trailing_data[0]
-                    end = _head_end(buffered)
-                    if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
-                        self._refusal = (
-                            400,
-                            "request lines must end in CRLF and headers must not be folded",
-                            "invalid_request",
-                        )
-                        raise h11.RemoteProtocolError("bare LF or obs-fold")
-                event = parse()
-                if type(event) is h11.Request:
-                    problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target, limits)
-                    if problem is not None:
-                        self._refusal = problem
-                        raise h11.RemoteProtocolError(problem[2])
-                    self._head_complete()
-                return event
-
-            self.conn.next_event = next_event  # type: ignore[method-assign]
+            self.conn = GuardedConnection(self)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -332,6 +354,7 @@ def _plain_class(limits: HeadLimits) -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
             super().connection_lost(exc)
+            drop_transport_cycle(self.transport)
 
         def data_received(self, data: bytes) -> None:
             if self.conn.their_state is h11.IDLE:

@@ -4,7 +4,7 @@ faults mixed in. Afterwards: the proxy is alive, every request is counted once i
 `mlxproxy_requests_total` under the outcome its fault implies, and resident memory, file
 descriptors and event-loop tasks are back where they were after the warm-up.
 
-The default run sends 1,500 requests (well under a minute on 2 cores); the full 10,000 is
+The default run sends 1,500 requests (well under a minute on 2 cores); the full 20,000 is
 `@pytest.mark.slow`. Everything listens on 127.0.0.1, port 0. Linux only (reads /proc).
 """
 
@@ -214,5 +214,5 @@ def test_soak_1500_requests_with_faults(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_soak_10000_requests_with_faults(tmp_path: Path) -> None:
-    soak(tmp_path, warmup=1000, n=10_000)
+def test_soak_20000_requests_with_faults(tmp_path: Path) -> None:
+    soak(tmp_path, warmup=1000, n=20_000)
