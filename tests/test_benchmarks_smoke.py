@@ -67,7 +67,7 @@ def test_run_help():
 
 
 def test_upstream_and_meter_bench_help():
-    for script in ("upstream.py", "bench_meter.py", "generator.py", "instructions.py"):
+    for script in ("upstream.py", "bench_meter.py", "generator.py", "instructions.py", "soak_memory.py"):
         r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
 
