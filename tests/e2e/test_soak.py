@@ -47,7 +47,11 @@ MIX: dict[str, tuple[int, str | None, str]] = {
     "reset-mid-stream": (3, "reset-mid-stream@2", "truncated"),
     "malformed": (3, "malformed@2", "protocol_error"),
     "stream-error": (3, "stream-error@2", "stream_error"),
-    "stall-past-read-timeout": (1, "stall=1.5@2", "upstream_timeout"),
+    # 3 s against the proxy's read_s of 1 s: a margin a loaded machine's loop lag cannot close. With
+    # 1.5 s, the warm-up once reported a problem with a CPU hog and two test suites on the 2 cores
+    # (the message was not kept); a stall ending before the read timeout fired is the timing-bound
+    # check that a lagging loop can break, so its margin is widened.
+    "stall-past-read-timeout": (1, "stall=3@2", "upstream_timeout"),
     "client-leaves": (3, "stall=2@2", "client_disconnect"),
     "bad-json": (2, None, "http_error"),
     "unknown-path": (2, None, "http_error"),
