@@ -172,7 +172,8 @@ def soak(tmp_path: Path, warmup: int, n: int) -> dict:
             pid = proxy.proc.pid
             fds_idle = open_fds(pid)  # before any connection
             warm_kinds, kinds = plan(warmup, 1), plan(n, 2)
-            assert not asyncio.run(drive(proxy.url, warm_kinds))
+            warm_problems = asyncio.run(drive(proxy.url, warm_kinds))
+            assert not warm_problems, warm_problems[:10]
             before = settle(proxy.url)
             rss0, fds0, tasks0 = rss_kib(pid), open_fds(pid), before["tasks"]
             t0 = time.monotonic()
