@@ -649,10 +649,6 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
 def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
     """On a simulator with a prompt cache, each replayed conversation starts cold (its own nonce)
     and every later turn reuses the cache of the turn before it, as an agent's turns do."""
-    from mlxproxy.sim.profiles import knob_names
-
-    if "prompt_cache" not in knob_names():
-        pytest.skip("this simulator has no prompt cache knob (it comes with the simulator's prompt-cache work)")
     from mlxproxy.load.replay import synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
