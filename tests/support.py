@@ -153,40 +153,41 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 # -- captures ------------------------------------------------------------------------------
 
 
+def captured_chat(
+    rid: str,
+    messages: list[dict],
+    *,
+    started_at: float = 1.0,
+    offset_s: float = 0.0,
+    duration_s: float | None = None,
+    max_tokens: int = 4,
+) -> CapturedRequest:
+    """One captured streaming chat request (model `m`), as a capture file holds it."""
+    rec = Record(
+        id=rid,
+        started_at=started_at,
+        upstream="u",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        method="POST",
+        path="/v1/chat/completions",
+        duration_s=duration_s,
+    )
+    body = {"model": "m", "stream": True, "max_tokens": max_tokens, "messages": messages}
+    return CapturedRequest(
+        record=rec, raw={}, request=body, request_bytes=None, offset_s=offset_s, method="POST", path=rec.path
+    )
+
+
 def captured_chats(n: int, max_tokens: int = 4) -> list[CapturedRequest]:
-    """`n` captured streaming chat requests (`hello 0`, `hello 1`, ...), as a capture file holds them."""
-    out = []
-    for i in range(n):
-        rec = Record(
-            id=f"c{i}",
-            started_at=1.0 + i,
-            upstream="u",
-            model="m",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-        )
-        body = {
-            "model": "m",
-            "stream": True,
-            "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"hello {i}"}],
-        }
-        out.append(
-            CapturedRequest(
-                record=rec,
-                raw={},
-                request=body,
-                request_bytes=None,
-                offset_s=0.0,
-                method="POST",
-                path="/v1/chat/completions",
-            )
-        )
-    return out
+    """`n` captured streaming chat requests (`hello 0`, `hello 1`, ...)."""
+    return [
+        captured_chat(f"c{i}", [{"role": "user", "content": f"hello {i}"}], started_at=1.0 + i, max_tokens=max_tokens)
+        for i in range(n)
+    ]
 
 
 def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:

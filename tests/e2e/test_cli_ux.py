@@ -25,7 +25,7 @@ from mlxproxy.cli import main
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
-from support import ENV, REPO, cli, closed_port
+from support import ENV, REPO, captured_chat, cli, closed_port, write_capture
 
 
 def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: str, ran: bool = False) -> str:
@@ -50,35 +50,9 @@ def one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: s
 @pytest.fixture(scope="module")
 def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-request capture, its lines made by the capture format's own `capture_line`."""
-    from mlxproxy.capture import capture_line
-    from mlxproxy.core.record import Record
-
     path = tmp_path_factory.mktemp("ux") / "capture.jsonl"
-    lines = []
-    for i in range(2):
-        rec = Record(
-            id=f"c{i}",
-            started_at=1.0 + i,
-            upstream="u",
-            model="m",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-        )
-        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
-        d["path"] = "/v1/chat/completions"
-        d["request"] = {
-            "model": "m",
-            "stream": True,
-            "max_tokens": 8,
-            "messages": [{"role": "user", "content": "hi " * 30}],
-        }
-        lines.append(orjson.dumps(d))
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    return path
+    messages = [{"role": "user", "content": "hi " * 30}]
+    return write_capture(path, [captured_chat(f"c{i}", messages, started_at=1.0 + i, max_tokens=8) for i in range(2)])
 
 
 # -- every mistake: one line, the documented exit code -------------------------------------

@@ -11,13 +11,12 @@ import orjson
 import pytest
 
 from mlxproxy.capture import CapturedRequest
-from mlxproxy.core.record import Record
 from mlxproxy.load.replay import ReplayOptions, run_replay
 from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
+from support import captured_chat, cli, write_capture
 from support import captured_chats as _caps
-from support import cli, write_capture
 
 
 def ks_exponential(gaps: list[float], rate: float) -> tuple[float, float]:
@@ -413,31 +412,7 @@ def _conversation_caps() -> list[CapturedRequest]:
     out = []
 
     def add(rid: str, offset: float, messages: list[dict]) -> None:
-        rec = Record(
-            id=rid,
-            started_at=1000.0 + offset,
-            upstream="u",
-            model="m",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-            duration_s=0.1,
-        )
-        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": messages}
-        out.append(
-            CapturedRequest(
-                record=rec,
-                raw={},
-                request=body,
-                request_bytes=None,
-                offset_s=offset,
-                method="POST",
-                path="/v1/chat/completions",
-            )
-        )
+        out.append(captured_chat(rid, messages, started_at=1000.0 + offset, offset_s=offset, duration_s=0.1))
 
     sys_msg = {"role": "system", "content": "You are a coding agent."}
     u1, a1 = {"role": "user", "content": "fix the failing test"}, {"role": "assistant", "content": "reading tests"}
