@@ -101,6 +101,12 @@ class FakeUpstream:
             self.loop.run_until_complete(main())
         except (asyncio.CancelledError, RuntimeError):
             pass
+        # connection handlers cancelled at exit finish here (their `finally` closes the writer),
+        # not later when the garbage collector finalizes them on a closed loop
+        pending = asyncio.all_tasks(self.loop)
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
