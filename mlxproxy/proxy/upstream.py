@@ -39,16 +39,7 @@ POOL_IDLE_S = 4.0
 
 
 class _GuardedHandler(ResponseHandler):
-    """An upstream connection that remembers bytes arriving while it sat idle in the pool
-    (an extra response, or more body than the response announced)."""
-
-    idle = False
-    tainted = False
-
-    def data_received(self, data: bytes) -> None:
-        if self.idle and data:
-            self.tainted = True
-        super().data_received(data)
+    """An upstream connection that breaks its own reference cycle when it is lost."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._made = transport  # aiohttp forgets its transport when it closes it itself
@@ -63,11 +54,7 @@ def _reusable(proto: ResponseHandler) -> bool:
     """False after anything unexpected: bytes while idle, buffered or half-parsed data, an
     error, or a read timer still armed after the response ended (aiohttp can leave one
     behind after pausing for a large body; it would fail the next request at once)."""
-    return not (
-        getattr(proto, "tainted", False)
-        or proto.should_close
-        or getattr(proto, "_read_timeout_handle", None) is not None
-    )
+    return not (proto.should_close or getattr(proto, "_read_timeout_handle", None) is not None)
 
 
 class _GuardedConnector(aiohttp.TCPConnector):
@@ -82,7 +69,13 @@ class _GuardedConnector(aiohttp.TCPConnector):
     def _release(self, key: object, protocol: ResponseHandler, *, should_close: bool = False) -> None:  # type: ignore[override]
         if not should_close:
             if _reusable(protocol):
-                protocol.idle = True  # type: ignore[attr-defined]
+                # Idle in the pool, a connection has no response parser: aiohttp then keeps
+                # any byte that arrives (an extra response, more body than announced) in its
+                # `_tail`, which `should_close` reports, so the connection is never handed out
+                # again. The next request on it gets a fresh parser (`set_response_params`).
+                # (An override of `data_received` did the same at a Python call per body chunk:
+                # 3 % of the proxy's instructions for a stream, benchmarks/instructions.py.)
+                protocol._parser = None
             else:
                 should_close = True
         super()._release(key, protocol, should_close=should_close)  # type: ignore[arg-type]
@@ -96,7 +89,6 @@ class _GuardedConnector(aiohttp.TCPConnector):
             if conn is None or conn.protocol is None:
                 return conn
             if _reusable(conn.protocol):
-                conn.protocol.idle = False  # type: ignore[attr-defined]
                 return conn
             conn.close()  # bytes arrived while it sat idle, or it is half-parsed: never reused
 
