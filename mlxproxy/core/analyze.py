@@ -14,6 +14,7 @@ from mlxproxy.core.detect import (
     check_tools,
     find_abandoned,
     find_serialized,
+    stall_stats,
     with_anomalies,
 )
 from mlxproxy.core.meter import RequestMeter
@@ -43,6 +44,7 @@ def finish_checked(
     tok = _count(count_tokens, text) if meter.generated_events else None
     record = meter.finish(t_end, outcome=outcome, error=error, tokenizer_tokens=tok)
     chars, nonascii_chars, nonascii_bytes = _text_sizes(text)
+    stalls = stall_stats(record, th)
     found = check_record(
         record,
         th,
@@ -50,6 +52,7 @@ def finish_checked(
         nonascii_chars=nonascii_chars,
         nonascii_bytes=nonascii_bytes,
         headers_to_first_byte_s=meter.silent_after_headers_s(t_end),
+        stalls=stalls,
     )
     if record.tool_calls_valid is not None:
         found.extend(check_tools(record, meter.tool_problems(), meter.tool_markup() if not record.tool_calls else None))
@@ -67,7 +70,7 @@ def finish_checked(
     fields: dict[str, Any] = {}
     if prefixes is not None and pp is not None:
         fields = _conversation(record, pp, prefixes, th, t_end, burst, found)
-    return with_anomalies(record, found, th, **fields)  # the record's one copy
+    return with_anomalies(record, found, th, stalls=stalls, **fields)  # completes `record` in place
 
 
 def _count(count_tokens: Callable[[str], int] | None, text: str | None) -> int | None:

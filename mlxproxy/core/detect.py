@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.prefix import Match
-from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, uncached_tokens, wall_window_s
+from mlxproxy.core.record import OK_OUTCOMES, Record, fill_in, rate_figures, uncached_tokens, wall_window_s
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
@@ -210,17 +210,19 @@ def check_record(
     nonascii_chars: int = 0,
     nonascii_bytes: int = 0,
     headers_to_first_byte_s: float | None = None,
+    stalls: tuple[list[int], list[float]] | None = None,
 ) -> list[Anomaly]:
     """The anomalies of one finished request. `chars` is the number of generated
     characters streamed (content + reasoning + tool names and arguments), when known;
-    `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8."""
+    `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8.
+    `stalls`: `stall_stats` of `r`, when the caller has them already."""
     out = _failure_checks(r, th, headers_to_first_byte_s)
     if r.outcome not in OK_OUTCOMES:
         return out
     cut_call = _usage_checks(r, th, out, chars, nonascii_chars, nonascii_bytes)
     if r.event_offsets_s:  # streamed events: their pace (a body that was not streamed has none)
         _burst_check(r, th, out)
-        _stall_check(r, th, out)
+        _stall_check(r, th, out, stall_stats(r, th) if stalls is None else stalls)
     _length_check(r, th, out, chars, cut_call)
     return out
 
@@ -388,9 +390,9 @@ def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
             )
 
 
-def _stall_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
-    """Stalls during decode."""
-    idx, lengths = stall_stats(r, th)
+def _stall_check(r: Record, th: Thresholds, out: list[Anomaly], stalls: tuple[list[int], list[float]]) -> None:
+    """Stalls during decode (`stalls`: `stall_stats` of `r`)."""
+    idx, lengths = stalls
     if idx:
         period = _cyclic(idx, th)
         total = sum(lengths)
@@ -656,22 +658,35 @@ def _trusted_fields(r: Record, n: int | None, source: str | None) -> dict[str, A
     return {"completion_tokens": n, "tokens_source": source, "tpot_s": tpot, "decode_tps": decode, "wall_tps": wall}
 
 
-def with_anomalies(r: Record, found: Iterable[Anomaly], th: Thresholds, **changes: Any) -> Record:
-    """A copy of `r` with the anomalies (deduplicated by kind), the stall figures, the
-    trusted token count (`with_trusted_count`) and any other `changes` (fields that do not
-    feed the trusted count), made in one copy: finishing copies each record once."""
+def with_anomalies(
+    r: Record,
+    found: Iterable[Anomaly],
+    th: Thresholds,
+    *,
+    stalls: tuple[list[int], list[float]] | None = None,
+    **changes: Any,
+) -> Record:
+    """`r` completed with the anomalies (deduplicated by kind), the stall figures (`stalls`:
+    `stall_stats` of `r`, when the caller has them already), the trusted token count
+    (`with_trusted_count`) and any other `changes` (fields that do not feed the trusted
+    count). `r` itself is changed (`fill_in`): only for a record nobody else holds yet."""
     kinds = list(r.anomalies)
     evidence = dict(r.anomaly_evidence)
     for a in found:
         if a.kind not in kinds:
             kinds.append(a.kind)
             evidence[a.kind] = a.evidence
-    idx, lengths = stall_stats(r, th)
+    idx, lengths = stall_stats(r, th) if stalls is None else stalls
     n, source = trusted_count(r, kinds)
     if (n, source) != (r.completion_tokens, r.tokens_source):
         changes.update(_trusted_fields(r, n, source))
-    return r.evolve(
-        anomalies=tuple(kinds), anomaly_evidence=evidence, stall_count=len(idx), stall_total_s=sum(lengths), **changes
+    return fill_in(
+        r,
+        anomalies=tuple(kinds),
+        anomaly_evidence=evidence,
+        stall_count=len(idx),
+        stall_total_s=sum(lengths),
+        **changes,
     )
 
 

@@ -183,11 +183,12 @@ class RequestMeter:
         """A body read of `data` arrived at `t` (stamped on arrival, before any parsing)."""
         if not data:
             return
-        self._bytes(len(data), t)
-        if self.decoder is not None:
-            if not self._done:
-                self.feed_items(self.decoder.feed(data), t)
-        elif not self._body_overflow:
+        decoder = self.decoder
+        if decoder is not None:
+            self.feed_decoded(len(data), () if self._done else decoder.feed(data), t)
+            return
+        self.feed_decoded(len(data), (), t)
+        if not self._body_overflow:
             if len(self._body) + len(data) > MAX_BUFFERED_BODY_BYTES:
                 self._body_overflow = True
                 self._body.clear()
@@ -208,7 +209,7 @@ class RequestMeter:
             out = stripper.process(data, items, decoder.safe_offset)
         except Exception as exc:  # forward what is held and the rest unmetered
             self.fail(exc)
-            self._bytes(len(data), t)
+            self.feed_decoded(len(data), (), t)
             return stripper.flush() + data
         try:
             self.feed_decoded(len(data), items, t)
@@ -216,20 +217,17 @@ class RequestMeter:
             self.fail(exc)
         return out
 
-    def feed_decoded(self, nbytes: int, items: list[SSEItem], t: float) -> None:
+    def feed_decoded(self, nbytes: int, items: Sequence[SSEItem], t: float) -> None:
         """Like `feed`, for a caller that already ran this meter's `decoder` on the bytes."""
         if nbytes:
-            self._bytes(nbytes, t)
-        if not self._done:
+            if self.t_first_byte is None:
+                self.t_first_byte = t
+            self.t_last_byte = t
+            self.bytes_out += nbytes
+        if items and not self._done:
             self.feed_items(items, t)
 
-    def _bytes(self, n: int, t: float) -> None:
-        if self.t_first_byte is None:
-            self.t_first_byte = t
-        self.t_last_byte = t
-        self.bytes_out += n
-
-    def feed_items(self, items: list[SSEItem], t: float) -> None:
+    def feed_items(self, items: Sequence[SSEItem], t: float) -> None:
         for item in items:
             if self._done:
                 return
@@ -254,52 +252,54 @@ class RequestMeter:
         except orjson.JSONDecodeError:
             self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
             return
+        tool_calls: Sequence[dict[str, Any]] = ()
+        has_tool: object  # truthy when the event carries (part of) a tool call
         if self._api is not None:
-            self._api_event(messages_event(obj) if self._api == "messages" else responses_event(obj), t)
-            return
-        plain = plain_delta(obj)
-        if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
-            content, reasoning = plain
-            tool_calls: Sequence[dict[str, Any]] = ()
-        else:
-            d = classify_chunk(obj)  # (repeats the plain_delta test: only on the few other chunks)
-            if d.error is not None:
-                self.stream_error = self.stream_error or d.error
-            if d.usage is not None:
-                self.usage = d.usage
-                self.usage_reports += 1
-            if d.claims:
-                self.claims.update(d.claims)
-            if d.finish_reasons:
-                self.finish_reasons_seen += len(d.finish_reasons)
-                if self.finish_reason is None:
-                    self.finish_reason = d.finish_reasons[0]
-            if d.dual_reasoning:
-                self.dual_reasoning_events += 1
-            if not d.generated:
+            ev = messages_event(obj) if self._api == "messages" else responses_event(obj)
+            self._api_event(ev, t)
+            if not ev.generated:
                 return
-            content = d.content or d.text
-            reasoning = d.reasoning
-            tool_calls = d.tool_calls
-        if (
-            content
-            and self.content_events >= 2
-            and len(content) == self._content_chars
-            and content == "".join(self.content_parts)
-        ):  # joined only when the lengths agree: linear overall
-            self.duplicate_content = True  # a terminal chunk replaying the whole answer
-            return
-        self._generated(t, content, reasoning, bool(tool_calls))
-        for tc in tool_calls:
-            self._tool_call(tc)
-
-    def _generated(self, t: float, content: str, reasoning: str, tool: bool) -> None:
-        """One generated event at `t` (a token on per-token servers), of any API."""
+            content, reasoning, has_tool = ev.content, ev.reasoning, ev.tool_args
+        else:
+            plain = plain_delta(obj)
+            if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
+                content, reasoning = plain
+            else:
+                d = classify_chunk(obj)  # (repeats the plain_delta test: only on the few other chunks)
+                if d.error is not None:
+                    self.stream_error = self.stream_error or d.error
+                if d.usage is not None:
+                    self.usage = d.usage
+                    self.usage_reports += 1
+                if d.claims:
+                    self.claims.update(d.claims)
+                if d.finish_reasons:
+                    self.finish_reasons_seen += len(d.finish_reasons)
+                    if self.finish_reason is None:
+                        self.finish_reason = d.finish_reasons[0]
+                if d.dual_reasoning:
+                    self.dual_reasoning_events += 1
+                if not d.generated:
+                    return
+                content = d.content or d.text
+                reasoning = d.reasoning
+                tool_calls = d.tool_calls
+            if (
+                content
+                and self.content_events >= 2
+                and len(content) == self._content_chars
+                and content == "".join(self.content_parts)
+            ):  # joined only when the lengths agree: linear overall
+                self.duplicate_content = True  # a terminal chunk replaying the whole answer
+                return
+            has_tool = tool_calls
+        # one generated event (a token on per-token servers), of any API; kept inline: this
+        # runs for every event of every stream
         self.generated_events += 1
         self.event_times.append(t)
         if self.t_first_token is None:
             self.t_first_token = t
-        if self.t_first_content is None and (content or tool):
+        if self.t_first_content is None and (content or has_tool):
             self.t_first_content = t
         self.t_last_token = t
         if content:
@@ -309,6 +309,8 @@ class RequestMeter:
         if reasoning:
             self.reasoning_events += 1
             self.reasoning_parts.append(reasoning)
+        for tc in tool_calls:
+            self._tool_call(tc)
 
     def _api_event(self, ev: ApiEvent, t: float | None) -> None:
         """A Messages or Responses event (`t` None: part of a non-streamed body)."""
@@ -331,13 +333,11 @@ class RequestMeter:
         if ev.tool_name is not None or ev.tool_id is not None:
             self._call_part(idx, ev.tool_id, ev.tool_name, None)
         if ev.generated:
-            if t is None:
+            if t is None:  # (a streamed event's text and times are kept by `_event`)
                 if ev.content:
                     self.content_parts.append(ev.content)
                 if ev.reasoning:
                     self.reasoning_parts.append(ev.reasoning)
-            else:
-                self._generated(t, ev.content, ev.reasoning, bool(ev.tool_args))
             if ev.tool_args:
                 self._call_part(idx, None, None, ev.tool_args)
         if ev.tool_final_args is not None:

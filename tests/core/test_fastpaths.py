@@ -669,6 +669,16 @@ def test_record_evolve_is_dataclasses_replace() -> None:
     with pytest.raises(AttributeError):
         base.evolve(not_a_field=1)
 
+    # `fill_in` (finishing a record nobody else holds yet) gives what the copy gives, in place
+    from mlxproxy.core.record import fill_in
+
+    fresh = base.evolve()
+    assert fill_in(fresh, **changes) is fresh and fresh == new
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fresh.turn = 3  # type: ignore[misc]  # still frozen for everyone else
+    with pytest.raises(AttributeError):
+        fill_in(fresh, not_a_field=1)
+
 
 # -- prompt fingerprints: the fast paths give what the plain rule gives -------------------
 
