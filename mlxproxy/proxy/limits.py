@@ -191,16 +191,20 @@ class _HeadGuard:
         else:
             self.transport.close()
 
-    def _count_head(self, data: bytes) -> None:
-        if self._awaiting_head:
-            if not self._head_timer_armed:  # the first byte of a request on a kept-alive connection
-                self._arm_head_timer()
-            self._head_bytes += len(data)
+    def _head_pending(self) -> None:
+        """A read ended with a request head begun and not complete: bound its size, and start
+        its clock (the first byte of a request on a kept-alive connection). A head that
+        arrives whole in one read, the usual case, never touches the timer."""
+        if self._head_bytes > self.limits.max_bytes:
+            self._refuse_too_large()
+        elif not self._head_timer_armed and not self.transport.is_closing():
+            self._arm_head_timer()
 
     def _head_complete(self) -> None:
         self._awaiting_head = False
         self._head_bytes = 0
-        self._cancel_head_timer()
+        if self._head_timer_armed:
+            self._cancel_head_timer()
 
     def _head_too_large(self) -> bool:
         return self._awaiting_head and self._head_bytes > self.limits.max_bytes
@@ -244,6 +248,7 @@ def _fast_class(limits: HeadLimits) -> type:
             super().__init__(*args, **kwargs)
             self.limits = limits
             self._guard_init()
+            self._head_begun = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -255,7 +260,8 @@ def _fast_class(limits: HeadLimits) -> type:
 
         def data_received(self, data: bytes) -> None:
             self._unset_keepalive_if_required()
-            self._count_head(data)
+            if self._awaiting_head:
+                self._head_bytes += len(data)
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
@@ -267,8 +273,12 @@ def _fast_class(limits: HeadLimits) -> type:
             except httptools.HttpParserError:
                 self._refuse_malformed()
                 return
-            if self._head_too_large():
-                self._refuse_too_large()
+            if self._head_begun or (self._awaiting_head and self._head_bytes):
+                self._head_pending()  # (bytes while awaiting a head that never begins: CRLFs)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_begun = True  # the parser saw the first byte of a request
 
         def send_400_response(self, msg: str) -> None:
             self._refuse_malformed()
@@ -278,6 +288,7 @@ def _fast_class(limits: HeadLimits) -> type:
             if problem is not None:
                 self._refusal = problem
                 raise ValueError(problem[2])
+            self._head_begun = False
             self._head_complete()
             super().on_headers_complete()
 
@@ -359,10 +370,20 @@ def _plain_class(limits: HeadLimits) -> type:
         def data_received(self, data: bytes) -> None:
             if self.conn.their_state is h11.IDLE:
                 self._awaiting_head = True
-                self._count_head(data)
+                self._head_bytes += len(data)
             super().data_received(data)
-            if self._head_too_large() and self.conn.their_state is h11.IDLE:
-                self._refuse_too_large()
+            if self._awaiting_head and self._head_bytes and self.conn.their_state is h11.IDLE:
+                self._head_pending()  # (a whole head makes h11 leave IDLE and resets the count)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # part of the next request came in the same read as this one (pipelined): it gets
+            # the same deadline as a head that arrives on its own
+            pending = self.conn.trailing_data[0]
+            if pending and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._awaiting_head = True
+                self._head_bytes = len(pending)
+                self._head_pending()
 
         def send_400_response(self, msg: str) -> None:
             self._refuse_malformed()

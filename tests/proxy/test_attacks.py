@@ -405,6 +405,51 @@ def test_idle_and_unfinished_connections_are_closed_after_the_header_timeout(sta
         assert len(up.requests) == 1
 
 
+@pytest.mark.parametrize("case", ["half_head", "crlf_trickle", "pipelined_half_head"])
+def test_a_kept_alive_connection_gets_the_header_timeout_for_its_next_request(stack: str, case: str) -> None:
+    """After a served request on a kept-alive connection, the next request's head has the same
+    deadline: half a head (answered 408), a trickle of bare line ends (which never begin a
+    request), or half a head sent in the same write as the first request: each connection is
+    closed within the timeout's bound, never held open (the last two may be closed silently
+    or with an OpenAI-shaped 400/408, depending on the stack)."""
+    first = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    half = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    with proxy(stack, request_header_timeout_s=0.5) as (srv, app, up):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(first + half if case == "pipelined_half_head" else first)
+            got = b""
+            while b"\r\n\r\n" not in got:  # the first answer's head (its body is a few bytes more)
+                part = s.recv(65536)
+                assert part, got
+                got += part
+            if case == "half_head":
+                s.sendall(half)
+            elif case == "crlf_trickle":
+                s.settimeout(0.2)
+                with contextlib.suppress(OSError):
+                    while time.monotonic() - t0 < 4.0:
+                        s.sendall(b"\r\n")
+                        part = s.recv(65536)  # (times out while the connection is open)
+                        if not part:
+                            break
+                        got += part
+                s.settimeout(5)
+            got += read_all(s)
+            elapsed = time.monotonic() - t0
+        answers = parse_responses(got)
+        assert answers[0][0] == 200
+        assert elapsed < 4.0, elapsed  # closed by the server, well before the client gave up
+        if case == "half_head":
+            assert len(answers) == 2, answers
+            err = assert_openai_error(*answers[1], 408)
+            assert "request_header_timeout_s" in err["message"]
+        else:
+            assert len(answers) <= 2, answers
+            for answer in answers[1:]:
+                assert_openai_error(*answer, (400, 408))
+
+
 # -- 3. one request, one response -----------------------------------------------------------------
 
 
