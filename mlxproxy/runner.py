@@ -80,6 +80,10 @@ def make_uvicorn_config(
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("lifespan", "on")
     kwargs.setdefault("timeout_keep_alive", 30)
+    # uvicorn's X-Forwarded-* middleware rewrites scope["client"] and ["scheme"], which no
+    # app here reads; it would be one more coroutine layer that every resumption of every
+    # request passes through (the headers themselves are still forwarded unchanged)
+    kwargs.setdefault("proxy_headers", False)
     loop, http = stack_settings(stack)
     limits = limits or getattr(app, "head_limits", None) or HeadLimits()
     return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol_class(http, limits), **kwargs)

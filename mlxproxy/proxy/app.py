@@ -143,39 +143,38 @@ class ProxyApp:
     # -- ASGI entry -------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self._lifespan(receive, send)
+            return
+        try:  # (no helper coroutine here: each layer runs again on every resumption of a request)
+            path = scope["path"]
+            if not origin_form(scope.get("raw_path") or path.encode("latin-1", "replace")):
+                await respond(send, 400, BAD_TARGET)  # checked first: never forwarded, whatever the key
+            elif (
+                self._authorized is not None
+                and path not in self._open_routes
+                and not self._authorized(scope["headers"])
+            ):
+                await respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
+            elif path in OWN_ROUTES:
+                await self._own_routes(scope, receive, send)
+            else:
+                await self._proxy(scope, receive, send)
+        except (AbortClient, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug: answer in the promised shape, log one line
+            log.error(
+                "internal error on a %s request: %s",
+                bounded_field(str(scope.get("method"))),
+                bounded_field(f"{type(exc).__name__}: {exc}"),
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            rid = scope.get(RID_SCOPE_KEY)
             try:
-                await self._http(scope, receive, send)
-            except (AbortClient, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # a bug: answer in the promised shape, log one line
-                log.error(
-                    "internal error on a %s request: %s",
-                    bounded_field(str(scope.get("method"))),
-                    bounded_field(f"{type(exc).__name__}: {exc}"),
-                    exc_info=log.isEnabledFor(logging.DEBUG),
-                )
-                rid = scope.get(RID_SCOPE_KEY)
-                try:
-                    await respond(send, 500, INTERNAL_ERROR, extra=[(REQUEST_ID_HEADER, rid.encode())] if rid else None)
-                except Exception:  # the response had started: let the server drop the connection
-                    raise exc from None
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"]
-        if not origin_form(scope.get("raw_path") or path.encode("latin-1", "replace")):
-            await respond(send, 400, BAD_TARGET)  # checked first: never forwarded, whatever the key
-            return
-        if self._authorized is not None and path not in self._open_routes and not self._authorized(scope["headers"]):
-            await respond(send, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b'Bearer realm="mlxproxy"')])
-            return
-        if path in OWN_ROUTES:
-            await self._own_routes(scope, receive, send)
-        else:
-            await self._proxy(scope, receive, send)
+                await respond(send, 500, INTERNAL_ERROR, extra=[(REQUEST_ID_HEADER, rid.encode())] if rid else None)
+            except Exception:  # the response had started: let the server drop the connection
+                raise exc from None
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

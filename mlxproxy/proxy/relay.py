@@ -5,9 +5,9 @@ client disconnected) and what its record needs beyond the meter (outcome and err
 the shell, the proxy's own overhead). `relay` sends the status line and then the body by one
 of two loops that differ on purpose:
 
-- the plain loop (in `relay`) forwards each read first and meters it after (the client never
-  waits for the meter);
-- `_relay_stripping`, for a stream whose usage event the proxy injected, meters each read
+- the plain loop forwards each read first and meters it after (the client never waits for
+  the meter);
+- the stripping loop, for a stream whose usage event the proxy injected, meters each read
   first, because the stripper needs its parsed events to cut that event out, then forwards
   what is left (`RequestMeter.feed_stripping`).
 
@@ -132,11 +132,23 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
     if meter.sse and not any(k.lower() == b"x-accel-buffering" for k, _ in headers):
         headers.append((b"x-accel-buffering", b"no"))
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    read, overheads = response.read, flow.chunk_overheads
     try:
-        if strip_usage:
-            await _relay_stripping(flow, response, send)
+        if strip_usage:  # (both loops inline: each coroutine layer costs every resumption)
+            stripper = UsageStripper()
+            feed = meter.feed_stripping
+            while chunk := await read():
+                t = now()
+                out = feed(chunk, t, stripper)  # never raises: a failure stops the metering, not the bytes
+                if meter.failure is not None and flow.outcome is None:
+                    flow.metering_failed()
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                overheads.append(now() - t)
+            rest = stripper.flush()
+            if rest:
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
         else:
-            read, overheads = response.read, flow.chunk_overheads
             while chunk := await read():
                 t = now()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -154,20 +166,3 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
         raise AbortClient() from None
     flow.finished = True
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _relay_stripping(flow: Flow, response: UpstreamResponse, send: Send) -> None:
-    read, meter, overheads = response.read, flow.meter, flow.chunk_overheads
-    stripper = UsageStripper()
-    feed = meter.feed_stripping
-    while chunk := await read():
-        t = now()
-        out = feed(chunk, t, stripper)  # never raises: a failure stops the metering, not the bytes
-        if meter.failure is not None and flow.outcome is None:
-            flow.metering_failed()
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-        overheads.append(now() - t)
-    rest = stripper.flush()
-    if rest:
-        await send({"type": "http.response.body", "body": rest, "more_body": True})
