@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -33,15 +34,17 @@ MAX_CONVERSATIONS = 256  # per upstream
 MAX_PIECES = 20_000
 
 
-@dataclass(frozen=True, slots=True)
-class PromptPrint:
-    """The fingerprints of one prompt (no text)."""
+class PromptPrint(NamedTuple):
+    """The fingerprints of one prompt (no text). (Tuples, as `Match`: one of each per request,
+    and a frozen dataclass's per-field `__init__` cost more than the fingerprinting itself.)"""
 
     key: int  # the conversation key: first user message and declared tool names
     labels: tuple[str, ...]
     hashes: array[int]  # one per piece
     chars: array[int]  # characters per piece
-    blocks: tuple[array[int] | None, ...]  # per piece: fingerprints of its BLOCK_CHARS blocks (None: past MAX_BLOCKS)
+    # per piece: fingerprints of its BLOCK_CHARS blocks (a tuple for a piece of one block or
+    # none, an array for a longer one; None past MAX_BLOCKS)
+    blocks: tuple[Sequence[int] | None, ...]
     tools_set: int  # fingerprint of the tools in name order (to tell "tools order" from a change)
 
     @property
@@ -128,11 +131,11 @@ def _tool_names(tools: list[Any]) -> tuple[str, ...]:
 
 def _piece_blocks(
     pieces: list[tuple[str, str]],
-) -> tuple[array[int], array[int], tuple[array[int] | None, ...]]:
+) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
     """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
     `MAX_BLOCKS` budget lasts (None for a piece past it)."""
     budget = MAX_BLOCKS
-    blocks: list[array[int] | None] = []
+    blocks: list[Sequence[int] | None] = []
     hashes: list[int] = []
     lengths: list[int] = []
     for _, text in pieces:
@@ -141,7 +144,7 @@ def _piece_blocks(
         hashes.append(h)
         lengths.append(size)
         if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
-            blocks.append(array("q", (h,) if size else ()))
+            blocks.append((h,) if size else ())
             budget -= 1 if size else 0
             continue
         n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
@@ -153,8 +156,7 @@ def _piece_blocks(
     return array("q", hashes), array("q", lengths), tuple(blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
+class Match(NamedTuple):
     """How a new prompt relates to the latest prompt of its conversation."""
 
     conversation_id: str  # the id of the conversation's first request
