@@ -13,8 +13,11 @@ counters zeroed before and dumped after each phase:
     python benchmarks/instructions.py [SRC ...]     # default: this repository
 
 SRC is a folder holding an `mlxproxy/` package (e.g. `git archive <commit> mlxproxy | tar -x
--C /tmp/old`). Everything the proxy process does in a phase is counted, its event-loop lag
-timer included (20 ticks a second), so a phase that lasts longer counts a few more ticks.
+-C /tmp/old`). Everything the proxy process does in a phase is counted, its timers included
+(the event-loop lag monitor ticks 20 times a second). Under valgrind a phase lasts ~50 times
+longer than it would natively, so those timers weigh far more per request than they do in a
+real run. A third phase therefore measures the idle process for 2 s, and each figure is also
+printed "net of idle": the phase's count minus the idle rate times the phase's duration.
 Needs valgrind (Debian: `apt-get install valgrind`); takes about a minute per SRC.
 """
 
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -105,15 +109,27 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
         send(conn, NON_STREAM, 40)  # warm-up: imports, caches, the upstream pool
         send(conn, STREAM, 4)
         time.sleep(1.0)  # the finisher drains (not a measurement: the counters are zeroed next)
-        result = {}
-        for name, body, n in PHASES:
+
+        def phase(work: Callable[[], None]) -> tuple[int, float]:
+            """(instructions, seconds) of the proxy process while `work` runs, then 1 s more."""
             subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-            send(conn, body, n)
+            t0 = time.monotonic()
+            work()
             time.sleep(1.0)  # let the last records be finished before the dump
             before = set(glob.glob(out + "*"))
             subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            seconds = time.monotonic() - t0
             dumps = sorted(set(glob.glob(out + "*")) - before, key=os.path.getmtime)
-            result[name] = total_instructions(dumps[-1]) / n
+            return total_instructions(dumps[-1]), seconds
+
+        # what the process does with no request at all (its timers), per second
+        idle, idle_s = phase(lambda: time.sleep(2.0))
+        per_s = idle / idle_s
+        result = {"idle per second": per_s}
+        for name, body, n in PHASES:
+            total, seconds = phase(lambda: send(conn, body, n))  # noqa: B023 (called at once)
+            result[name] = total / n
+            result[name + ", net of idle"] = (total - per_s * seconds) / n
         return result
     finally:
         proc.terminate()
