@@ -91,10 +91,11 @@ def _folded(head: bytes) -> bool:
 
 
 def _framing_problem(
-    headers: Any, version: bytes | str, target: bytes, limits: HeadLimits
+    headers: Any, version: bytes | str, target: bytes, limits: HeadLimits, read_bytes: int
 ) -> tuple[int, str, str] | None:
-    """The refusal for a complete request head, or None when it may go to the app. (A head
-    that arrived whole in one read is measured here; one still arriving, as it arrives.)"""
+    """The refusal for a complete request head, or None when it may go to the app.
+    `read_bytes`: what arrived while the head was awaited, head and all; the head's own size
+    is only worked out when that is over the limit (the reads may have carried a body too)."""
     if not origin_form(target):
         return 400, "the request target must be a path starting with '/' (origin-form)", "invalid_request_target"
     if version not in (b"1.1", b"1.0", "1.1", "1.0"):
@@ -105,22 +106,17 @@ def _framing_problem(
             f"the request has more than {limits.max_count} header lines (max_request_headers)",
             "request_headers_too_large",
         )
-    cl = te = False
-    size = len(target) + 16  # request line
-    for k, v in headers:
-        size += len(k) + len(v) + 4
-        k = k.lower()
-        if k == b"content-length":
-            cl = True
-        elif k == b"transfer-encoding":
-            te = True
-    if size > limits.max_bytes:
+    if (
+        read_bytes > limits.max_bytes
+        and len(target) + 16 + sum(len(k) + len(v) + 4 for k, v in headers) > limits.max_bytes
+    ):
         return (
             431,
             f"the request head is larger than {limits.max_bytes} bytes (max_request_header_bytes)",
             "request_headers_too_large",
         )
-    if cl and te:
+    names = [k.lower() for k, _ in headers]
+    if b"content-length" in names and b"transfer-encoding" in names:
         return 400, "a request must not carry both Content-Length and Transfer-Encoding", "ambiguous_framing"
     return None
 
@@ -277,24 +273,24 @@ def _fast_class(limits: HeadLimits) -> type:
                 self._head_pending()  # (bytes while awaiting a head that never begins: CRLFs)
 
         def on_message_begin(self) -> None:
-            super().on_message_begin()
+            HttpToolsProtocol.on_message_begin(self)  # (not super(): this runs per request)
             self._head_begun = True  # the parser saw the first byte of a request
 
         def send_400_response(self, msg: str) -> None:
             self._refuse_malformed()
 
         def on_headers_complete(self) -> None:
-            problem = _framing_problem(self.headers, self.parser.get_http_version().encode("ascii"), self.url, limits)
+            problem = _framing_problem(self.headers, self.parser.get_http_version(), self.url, limits, self._head_bytes)
             if problem is not None:
                 self._refusal = problem
                 raise ValueError(problem[2])
             self._head_begun = False
             self._head_complete()
-            super().on_headers_complete()
+            HttpToolsProtocol.on_headers_complete(self)
 
         def on_message_complete(self) -> None:
             self._awaiting_head = True
-            super().on_message_complete()
+            HttpToolsProtocol.on_message_complete(self)
 
     return LimitedHttpToolsProtocol
 
@@ -340,7 +336,10 @@ def _plain_class(limits: HeadLimits) -> type:
                     raise h11.RemoteProtocolError("bare LF or obs-fold")
             event = super().next_event()
             if type(event) is h11.Request:
-                problem = _framing_problem(event.headers.raw_items(), event.http_version, event.target, limits)
+                read_bytes = owner._head_bytes if owner is not None else limits.max_bytes + 1
+                problem = _framing_problem(
+                    event.headers.raw_items(), event.http_version, event.target, limits, read_bytes
+                )
                 if problem is not None:
                     if owner is not None:
                         owner._refusal = problem
@@ -371,7 +370,7 @@ def _plain_class(limits: HeadLimits) -> type:
             if self.conn.their_state is h11.IDLE:
                 self._awaiting_head = True
                 self._head_bytes += len(data)
-            super().data_received(data)
+            H11Protocol.data_received(self, data)  # (not super(): this runs per read)
             if self._awaiting_head and self._head_bytes and self.conn.their_state is h11.IDLE:
                 self._head_pending()  # (a whole head makes h11 leave IDLE and resets the count)
 
