@@ -309,6 +309,8 @@ def _plain_class(limits: HeadLimits) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    IDLE, Request, base_next_event = h11.IDLE, h11.Request, h11.Connection.next_event
+
     class GuardedConnection(h11.Connection):  # type: ignore[misc]
         """h11's server connection with the proxy's checks of each request head. It refers to
         its protocol weakly: a strong reference (as a closure over the protocol would be) makes
@@ -322,31 +324,35 @@ def _plain_class(limits: HeadLimits) -> type:
             self._owner = weakref.ref(owner)
 
         def next_event(self) -> Any:
-            owner = self._owner()
-            if self.their_state is h11.IDLE:
+            # (h11 calls this several times per request: the checks run only where they apply,
+            # and h11's own method is called directly, not through super())
+            if self.their_state is IDLE:
                 buffered = self.trailing_data[0]
-                end = _head_end(buffered)
-                if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
-                    if owner is not None:
-                        owner._refusal = (
-                            400,
-                            "request lines must end in CRLF and headers must not be folded",
-                            "invalid_request",
+                if buffered:
+                    end = _head_end(buffered)
+                    if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
+                        self._refuse(
+                            (400, "request lines must end in CRLF and headers must not be folded", "invalid_request")
                         )
-                    raise h11.RemoteProtocolError("bare LF or obs-fold")
-            event = super().next_event()
-            if type(event) is h11.Request:
+                        raise h11.RemoteProtocolError("bare LF or obs-fold")
+            event = base_next_event(self)
+            if type(event) is Request:
+                owner = self._owner()
                 read_bytes = owner._head_bytes if owner is not None else limits.max_bytes + 1
                 problem = _framing_problem(
                     event.headers.raw_items(), event.http_version, event.target, limits, read_bytes
                 )
                 if problem is not None:
-                    if owner is not None:
-                        owner._refusal = problem
+                    self._refuse(problem)
                     raise h11.RemoteProtocolError(problem[2])
                 if owner is not None:
                     owner._head_complete()
             return event
+
+        def _refuse(self, refusal: tuple[int, str, str]) -> None:
+            owner = self._owner()
+            if owner is not None:
+                owner._refusal = refusal
 
     class LimitedH11Protocol(_HeadGuard, H11Protocol):  # type: ignore[misc]
         _deadlines = _Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
@@ -367,19 +373,19 @@ def _plain_class(limits: HeadLimits) -> type:
             drop_transport_cycle(self.transport)
 
         def data_received(self, data: bytes) -> None:
-            if self.conn.their_state is h11.IDLE:
+            if self.conn.their_state is IDLE:
                 self._awaiting_head = True
                 self._head_bytes += len(data)
             H11Protocol.data_received(self, data)  # (not super(): this runs per read)
-            if self._awaiting_head and self._head_bytes and self.conn.their_state is h11.IDLE:
+            if self._awaiting_head and self._head_bytes and self.conn.their_state is IDLE:
                 self._head_pending()  # (a whole head makes h11 leave IDLE and resets the count)
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            H11Protocol.on_response_complete(self)
             # part of the next request came in the same read as this one (pipelined): it gets
             # the same deadline as a head that arrives on its own
             pending = self.conn.trailing_data[0]
-            if pending and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if pending and self.conn.their_state is IDLE and not self.transport.is_closing():
                 self._awaiting_head = True
                 self._head_bytes = len(pending)
                 self._head_pending()
