@@ -447,5 +447,11 @@ def test_disconnect_mid_stream(live: Live) -> None:
     assert gone.outcome == "client_disconnect", gone
     nxt = stream(client, live.server.model, messages=user("Say the words."), max_tokens=64, **USAGE)
     rec = live.proxy.record(nxt.request_id)
+    if "stream_error" in rec.anomalies and "stream_error" in expected(live.name, "two_at_once_b"):
+        # a server that rejects a second stream instead of queueing it (vllm-mlx's simple mode)
+        # had not yet noticed the disconnect (seen once on a loaded machine): ask once more, now
+        # that it has; the check is about what the next request costs, not how soon it noticed
+        nxt = stream(client, live.server.model, messages=user("Say the words."), max_tokens=64, **USAGE)
+        rec = live.proxy.record(nxt.request_id)
     assert frozenset(rec.anomalies) == expected(live.name, "after_disconnect"), rec.anomaly_evidence
     assert frozenset(gone.anomalies) <= {"usage_missing"}, gone.anomaly_evidence
