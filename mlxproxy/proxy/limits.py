@@ -331,7 +331,7 @@ def _plain_class(limits: HeadLimits) -> type:
                 if buffered:
                     end = _head_end(buffered)
                     if end >= 0 and (_bare_lf(buffered[:end]) or _folded(buffered[:end])):
-                        self._refuse(
+                        self._tell_owner(
                             (400, "request lines must end in CRLF and headers must not be folded", "invalid_request")
                         )
                         raise h11.RemoteProtocolError("bare LF or obs-fold")
@@ -343,13 +343,14 @@ def _plain_class(limits: HeadLimits) -> type:
                     event.headers.raw_items(), event.http_version, event.target, limits, read_bytes
                 )
                 if problem is not None:
-                    self._refuse(problem)
+                    self._tell_owner(problem)
                     raise h11.RemoteProtocolError(problem[2])
                 if owner is not None:
                     owner._head_complete()
             return event
 
-        def _refuse(self, refusal: tuple[int, str, str]) -> None:
+        def _tell_owner(self, refusal: tuple[int, str, str]) -> None:
+            """Hand the protocol the refusal to answer with (h11 then raises its own error)."""
             owner = self._owner()
             if owner is not None:
                 owner._refusal = refusal
