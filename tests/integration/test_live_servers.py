@@ -434,7 +434,10 @@ def test_disconnect_mid_stream(live: Live) -> None:
     for _ in range(3):  # the upstream's usual TTFT, for comparison
         stream(client, live.server.model, messages=user("Say the words."), max_tokens=64)
     http = httpx.Client(trust_env=False, timeout=120.0)
-    body = {"model": live.server.model, "messages": user("Count forever."), "max_tokens": 1500, "stream": True, **USAGE}
+    # long enough that a server that runs on keeps the next request waiting well past the 1 s
+    # minimum: the rigged model decodes ~1,000 tok/s on CPU, so 1,500 left only 1.1-1.5 s, and a
+    # faster CI machine came in under 1 s once; 4,000 stays inside its 4,096 positions
+    body = {"model": live.server.model, "messages": user("Count forever."), "max_tokens": 4000, "stream": True, **USAGE}
     with http.stream("POST", live.proxy.url + "/v1/chat/completions", json=body) as resp:
         gone_id = resp.headers.get("x-mlxproxy-request-id")
         events = 0
