@@ -727,6 +727,10 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
     if w is None or later.outcome not in OK_OUTCOMES:
         return None
     b_start, b_first = later.t_start_mono, w[0]
+    if b_first - b_start < th.serialized_min_wait_s:
+        # another stream can have run at most this long while `later` waited (it ended by
+        # b_first): nothing to find, and no scan of `earlier` (most records end here)
+        return None
     for a in earlier:
         if a is later or a.id == later.id or a.upstream != later.upstream:
             continue

@@ -220,6 +220,22 @@ def test_serialized_pair_and_batched_pair() -> None:
     assert overlap_ratio([a, b_batched]) > 0.85
 
 
+def test_serialized_needs_a_first_token_wait_of_the_minimum() -> None:
+    """Another stream can only have run while `later` waited for its first token, so a TTFT
+    under `serialized_min_wait_s` is never serialized, and the earlier records are not even
+    read (the check runs on every finished record)."""
+
+    class Unread(list):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("earlier records read")
+
+    a = timed("A", 0.0, 0.1, 2.0)
+    edge = TH.serialized_min_wait_s
+    assert find_serialized(timed("B", 0.5, 0.5 + edge - 0.001, 4.0), Unread([a]), TH) is None
+    found = find_serialized(timed("B", 0.9, 2.05, 4.0), [a], TH)  # waited 1.15 s, 1.1 s of it for A
+    assert found is not None and found.kind == "serialized"
+
+
 def test_superlinear_prefill() -> None:
     def p(size: int, tps: float) -> Record:
         return rec(prompt_tokens=size, prefill_tps=tps)
