@@ -7,7 +7,8 @@ bench and the tests all drive this class, so every figure means one thing everyw
 
 Lifecycle: `RequestMeter(...)` at t_start → `upstream_sent(t)` → `response_started(t,
 status, content_type)` → `feed(data, t)` per body read (or `feed_stripping`, which also
-removes the usage event the proxy injected) → `finish(t_end)` → `Record`. `stop()` ends the
+removes the usage event the proxy injected, in two halves `strip` and `feed_forwarded` for a shell
+that forwards in between) → `finish(t_end)` → `Record`. `stop()` ends the
 parsing early (a metering bug: the bytes are still counted). The state changes only through
 these methods; the attributes are read by the checks (`core.analyze`) and the shells' views.
 """
@@ -198,24 +199,40 @@ class RequestMeter:
     def feed_stripping(self, data: bytes, t: float, stripper: UsageStripper) -> bytes:
         """`feed` for a stream whose usage event was injected by the caller: returns the bytes
         to forward now, without that event (`stripper` holds back an event still open). Never
-        raises: a metering failure is kept (`fail`) and the held bytes and the rest pass unchanged."""
+        raises: a metering failure is kept (`fail`) and the held bytes and the rest pass unchanged.
+        (`strip` then `feed_forwarded`: a shell that forwards in between keeps the metering off
+        the client's path.)"""
+        out, items = self.strip(data, stripper)
+        self.feed_forwarded(data, items, t)
+        return out
+
+    def strip(self, data: bytes, stripper: UsageStripper) -> tuple[bytes, Sequence[SSEItem] | None]:
+        """The first half of `feed_stripping`: decode a read of `data` (SSE framing only, no
+        JSON) and return the bytes to forward now, without the injected usage event, and the
+        decoded items for `feed_forwarded` (None: nothing decoded, it meters `data` itself).
+        Never raises: a decoding failure is kept (`fail`) and the held bytes and the rest pass
+        unchanged."""
         decoder = self.decoder
         if self._done or decoder is None:
-            out = stripper.flush() + data
-            self.feed(data, t)
-            return out
+            return stripper.flush() + data, None
         try:
             items = decoder.feed(data)
-            out = stripper.process(data, items, decoder.safe_offset)
+            return stripper.process(data, items, decoder.safe_offset), items
         except Exception as exc:  # forward what is held and the rest unmetered
             self.fail(exc)
-            self.feed_decoded(len(data), (), t)
-            return stripper.flush() + data
+            return stripper.flush() + data, ()
+
+    def feed_forwarded(self, data: bytes, items: Sequence[SSEItem] | None, t: float) -> None:
+        """Meter a read of `data` that arrived at `t` and has been forwarded: `items` are what
+        `strip` decoded of it, or None to decode it here (`feed`). Never raises: a metering
+        failure is kept (`fail`)."""
         try:
-            self.feed_decoded(len(data), items, t)
+            if items is None:
+                self.feed(data, t)
+            else:
+                self.feed_decoded(len(data), items, t)
         except Exception as exc:
             self.fail(exc)
-        return out
 
     def feed_decoded(self, nbytes: int, items: Sequence[SSEItem], t: float) -> None:
         """Like `feed`, for a caller that already ran this meter's `decoder` on the bytes."""

@@ -2,14 +2,11 @@
 
 `Flow` is one forwarded request's state: the flags its forwarding sets (finished, the
 client disconnected) and what its record needs beyond the meter (outcome and error seen by
-the shell, the proxy's own overhead). `relay` sends the status line and then the body by one
-of two loops that differ on purpose:
-
-- the plain loop forwards each read first and meters it after (the client never waits for
-  the meter);
-- the stripping loop, for a stream whose usage event the proxy injected, meters each read
-  first, because the stripper needs its parsed events to cut that event out, then forwards
-  what is left (`RequestMeter.feed_stripping`).
+the shell, the proxy's own overhead). `relay` sends the status line and then the body, each
+read forwarded first and metered after, so the client never waits for the meter. For a stream
+whose usage event the proxy injected, only the SSE framing of a read is decoded before it is
+forwarded (`RequestMeter.strip`: the stripper must see whole events to cut that one out);
+its JSON is metered after (`RequestMeter.feed_forwarded`).
 
 A metering failure never breaks the stream: the meter stops (`RequestMeter.fail`) and the
 bytes keep flowing; the record says `protocol_error`.
@@ -119,10 +116,9 @@ async def watch_disconnect(receive: Receive, flow: Flow, task: asyncio.Task[obje
 
 
 async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage: bool) -> None:
-    """Send `response` to the client, metering it. A body the upstream broke (or stopped
-    sending) breaks the client's body too (`AbortClient`), never a clean end that did not happen.
-    Without stripping, each read is forwarded first and metered after (the client never waits
-    for the meter)."""
+    """Send `response` to the client, metering it: each read is forwarded first and metered
+    after (the client never waits for the meter). A body the upstream broke (or stopped
+    sending) breaks the client's body too (`AbortClient`), never a clean end that did not happen."""
     meter = flow.meter
     strip_usage = strip_usage and meter.sse
     headers = [(k, v) for k, v in response.raw_headers if k.lower() not in RESPONSE_DROP]
@@ -133,31 +129,20 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
         headers.append((b"x-accel-buffering", b"no"))
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     read, overheads = response.read, flow.chunk_overheads
+    stripper = UsageStripper() if strip_usage else None
     try:
-        if strip_usage:  # (both loops inline: each coroutine layer costs every resumption)
-            stripper = UsageStripper()
-            feed = meter.feed_stripping
-            while chunk := await read():
-                t = now()
-                out = feed(chunk, t, stripper)  # never raises: a failure stops the metering, not the bytes
-                if meter.failure is not None and flow.outcome is None:
-                    flow.metering_failed()
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                overheads.append(now() - t)
-            rest = stripper.flush()
-            if rest:
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-        else:
-            while chunk := await read():
-                t = now()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                overheads.append(now() - t)
-                try:
-                    meter.feed(chunk, t)
-                except Exception as exc:  # a metering bug must never break the stream
-                    meter.fail(exc)
-                    flow.metering_failed()
+        while chunk := await read():
+            t = now()
+            # forward first, meter after: only the stripper's SSE framing (no JSON) comes first
+            out, items = (chunk, None) if stripper is None else meter.strip(chunk, stripper)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            overheads.append(now() - t)
+            meter.feed_forwarded(chunk, items, t)  # never raises: a failure stops the metering, not the bytes
+            if meter.failure is not None and flow.outcome is None:
+                flow.metering_failed()
+        if stripper is not None and (rest := stripper.flush()):
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
     except UpstreamBodyTimeout as exc:
         flow.outcome, flow.error = "upstream_timeout", str(exc)
         raise AbortClient() from None

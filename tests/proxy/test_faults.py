@@ -551,6 +551,45 @@ def test_a_metering_failure_never_breaks_the_stream(
             pass
 
 
+@pytest.mark.parametrize("injected", [False, True], ids=["passthrough", "usage-injected"])
+def test_the_client_has_each_event_before_the_meter_parses_it(injected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward first, meter after, also where the proxy strips the usage event it injected
+    (only the SSE framing is read first there): the meter's parse of the first event waits,
+    blocking the proxy's loop, until the client says it has that event. A proxy that metered
+    first would never let the event out and the wait would run out."""
+    real = RequestMeter.feed_items
+    client_has_it = threading.Event()
+    waits: list[bool] = []
+
+    def after_the_client(self, items, t):
+        if not waits and any(isinstance(i, SSEEvent) for i in items):
+            waits.append(client_has_it.wait(10))
+        return real(self, items, t)
+
+    async def per_event(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        for e in ok_events(OK_BODY):
+            await conn.chunk(e)
+        await conn.end_chunked()
+
+    body = {**STREAM_REQ}
+    if injected:
+        del body["stream_options"]
+    with rig({"m": per_event}) as t:
+        monkeypatch.setattr(RequestMeter, "feed_items", after_the_client)
+        with httpx.Client(timeout=30) as c, c.stream("POST", t.url + "/v1/chat/completions", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    client_has_it.set()
+                lines.append(line)
+            rid = r.headers["x-mlxproxy-request-id"]
+        assert waits == [True]  # the client had the event while the meter had not parsed it yet
+        assert [x for x in lines if x][-1] == "data: [DONE]"
+        rec = t.record(rid)
+        assert (rec.outcome, rec.generated_events, rec.completion_tokens_reported) == ("ok", 2, 2)  # "Hello", " world"
+
+
 def test_a_comment_with_thousands_of_digits_is_forwarded_whole() -> None:
     """The real trigger of a meter bug (int() of 5000 digits): the bytes still pass."""
     body = b": keepalive " + b"1" * 5000 + b"/2\n\n" + EVENT_A + FINISH + b"data: [DONE]\n\n"
