@@ -4,9 +4,12 @@ in unit tests (benchmarks/run.py measures, the README records)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -78,3 +81,27 @@ def test_instructions_refuses_a_folder_without_the_package(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and ("holds no mlxproxy/ package" in r.stderr or "valgrind" in r.stderr)
+
+
+def test_pooled_percentiles_pool_every_round_and_take_the_median_over_files(tmp_path: Path) -> None:
+    pooled = _load("pooled")
+
+    def one(path: Path, shift: float) -> str:
+        rounds = {  # two rounds each: 1..10 ms and 11..20 ms pooled to 1..20 ms
+            "direct": [{"ttft": [0.001] * 10}, {"ttft": [0.001] * 10}],
+            "a": [
+                {"ttft": [(i + shift) / 1e3 for i in range(1, 11)]},
+                {"ttft": [(i + shift) / 1e3 for i in range(11, 21)]},
+            ],
+        }
+        path.write_text(json.dumps({"scenarios": {"ttft": rounds}}))
+        return str(path)
+
+    files = [one(tmp_path / "1.json", 0.0), one(tmp_path / "2.json", 1.0), one(tmp_path / "3.json", 100.0)]
+    a = pooled.pooled(files[0], "ttft")["a"]
+    assert (a["p10"], a["p50"], a["p90"], a["n"]) == (3.0, 11.0, 19.0, 20.0)
+    assert a["added mean"] == pytest.approx(10.5 - 1.0)
+    assert pooled.pooled(files[0], "seq") == {}  # a scenario the run did not have
+    out = subprocess.run([sys.executable, str(BENCH / "pooled.py"), *files], capture_output=True, text=True, check=True)
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["a"])
+    assert float(row[2]) == 12.0  # p50 over the files: 11, 12 and 111 -> 12, the outlier file ignored
