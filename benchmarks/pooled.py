@@ -21,6 +21,8 @@ import argparse
 import json
 import statistics
 
+from run import pct  # the same percentile as run.py's figures
+
 KEYS = {"seq": "lat", "ttft": "ttft"}  # scenario -> the per-round sample list in run.py's JSON
 
 
@@ -38,16 +40,12 @@ def pooled(path: str, scenario: str) -> dict[str, dict[str, float]]:
         xs = sorted(x * 1e3 for r in rounds for x in r.get(key, []))
         if not xs:
             continue
-
-        def q(p: float, xs: list[float] = xs) -> float:
-            return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
-
         mean = statistics.mean(xs)
         out[name] = {
-            "p10": q(10),
-            "p50": q(50),
-            "p90": q(90),
-            "p99": q(99),
+            "p10": pct(xs, 10),
+            "p50": pct(xs, 50),
+            "p90": pct(xs, 90),
+            "p99": pct(xs, 99),
             "mean": mean,
             "added mean": mean - base * 1e3,
             "n": float(len(xs)),
