@@ -1,8 +1,8 @@
 """Per-event CPU of the proxy's metering path, in-process.
 
 What the proxy's relay runs per upstream read on its default path (the client did not ask
-for usage, so the proxy injected it and strips it again): `RequestMeter.feed_stripping`
-(`SSEDecoder.feed`, `UsageStripper.process`, `RequestMeter.feed_decoded`); plus what each request costs at its
+for usage, so the proxy injected it and strips it again): `RequestMeter.strip` (`SSEDecoder.feed`,
+`UsageStripper.process`) then `RequestMeter.feed_forwarded`; plus what each request costs at its
 end (`finish_checked`, `ProxyMetrics.on_record`, `observe_overhead`). One read per event,
 as a paced upstream delivers them. Reports the best of 5 × (300,000 / TOKENS) streams, in CPU
 microseconds per generated event (no I/O, so it is far less noisy than the side-by-side run).
@@ -84,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         m.response_started(t, 200, "text/event-stream")
         stripper = UsageStripper()
         overheads = []
-        feed = getattr(m, "feed_stripping", None)
-        if feed is not None:  # the proxy's stripping relay loop (proxy/relay.py)
+        if hasattr(m, "feed_forwarded"):  # the proxy's stripping relay loop (proxy/relay.py), less the send
+            strip, feed_forwarded = m.strip, m.feed_forwarded
             for c in chunks:
                 t = now()
-                feed(c, t, stripper)
+                _, items = strip(c, stripper)
+                feed_forwarded(c, items, t)
                 overheads.append(now() - t)
-        else:  # a source before feed_stripping: the stripper branch of ProxyApp._forward as it was
+        else:  # a source before strip/feed_forwarded: the stripper branch of ProxyApp._forward as it was
             dec = m.decoder
             assert dec is not None
             for c in chunks:

@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--port", type=int, required=True)
     a = ap.parse_args()
-    from mlxproxy.runner import stack_settings  # the proxy's own choice of stack (MLXPROXY_STACK)
+    from mlxproxy.edge.runner import stack_settings  # the proxy's own choice of stack (MLXPROXY_STACK)
 
     loop, http = stack_settings()
     uvicorn.run(

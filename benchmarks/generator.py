@@ -2,7 +2,7 @@
 
 `mlxproxy replay`/`bench` measure servers with `mlxproxy.load.client.MeasuringClient` (the
 proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
-the CLI runs it on: `mlxproxy.runner.run_async`, uvloop where installed, asyncio with
+the CLI runs it on: `mlxproxy.edge.runner.run_async`, uvloop where installed, asyncio with
 MLXPROXY_STACK=plain). This script drives it against
 `benchmarks/upstream.py` (a fast SSE server in its own process) and, side by side, the
 overhead harness's own raw-asyncio client (`benchmarks/loadgen.py`, its own process):
@@ -129,8 +129,8 @@ async def ours(
     """mlxproxy's client: an open loop at `rate` (as `--rate` sends), or a closed loop of
     `concurrency` workers; every response metered and checked as in a real run."""
     sys.path.insert(0, REPO)
+    from mlxproxy.load.arrivals import arrival_offsets, sent_rate
     from mlxproxy.load.client import MeasuringClient, PreparedRequest
-    from mlxproxy.load.schedules import arrival_offsets, sent_rate
 
     reqs = [
         PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
@@ -163,7 +163,7 @@ async def ours(
 def _run(coro: Any) -> dict[str, Any]:
     """As `mlxproxy replay`/`bench` run their client: on the stack's event loop."""
     sys.path.insert(0, REPO)
-    from mlxproxy.runner import run_async
+    from mlxproxy.edge.runner import run_async
 
     return dict(run_async(coro))
 
@@ -196,7 +196,7 @@ def main() -> None:
     busy0, wall0 = _busy(), now()
     try:
         sys.path.insert(0, REPO)
-        from mlxproxy.runner import stack_settings
+        from mlxproxy.edge.runner import stack_settings
 
         print(
             f"upstream {url}; {os.cpu_count()} cores; mlxproxy client (on {stack_settings()[0]}) vs the overhead "

@@ -648,7 +648,7 @@ class Bench:
                 vers.append(f"{pkg} {md.version(pkg)}")
             except md.PackageNotFoundError:
                 pass
-        from mlxproxy.runner import stack_settings
+        from mlxproxy.edge.runner import stack_settings
 
         loop, http = stack_settings(self.args.stack)
         self.say(
@@ -1185,7 +1185,7 @@ CATEGORIES = (
     ("mlxproxy.core (metering)", ("mlxproxy/core/",)),
     ("mlxproxy.proxy + capture (app, metrics glue)", ("mlxproxy/proxy/", "mlxproxy/capture")),
     ("prometheus_client", ("prometheus_client/",)),
-    ("event loop (uvloop C code: I/O, syscalls, callbacks)", ("mlxproxy/runner.py", "uvloop/")),
+    ("event loop (uvloop C code: I/O, syscalls, callbacks)", ("mlxproxy/edge/runner.py", "uvloop/")),
     ("asyncio (Python)", ("asyncio/",)),
 )
 WRAPPERS = (
@@ -1193,7 +1193,7 @@ WRAPPERS = (
     "click/",
     "mlxproxy/__main__.py",
     "mlxproxy/proxy/cli.py",
-    "mlxproxy/runner.py",
+    "mlxproxy/edge/runner.py",
     "threading.py",
 )
 

@@ -663,6 +663,21 @@ def panels() -> list[list[dict[str, Any]]]:
                 bars=True,
             ),
         ],
+        [
+            timeseries(
+                "Prefill time lost to re-prefills, by cause",
+                "Seconds of prefill that agent conversations lost in each interval because a turn could not "
+                "reuse the previous turn's prompt, by cause (reprefill_lost_s; an estimate: TTFT x lost / "
+                "prefilled tokens): volatile_span (a per-request value in the system prompt), system_changed, "
+                "tools_changed, history_rewritten (compaction, truncation), model_changed, cache_evicted (the "
+                "prompt extended the previous one but the server prefilled it all). /sessions and the live "
+                "page's conversations panel show which conversation and where.",
+                targets((gsum("mlxproxy_reprefill_lost_seconds_total", "$__interval", "cause"), "{{cause}}")),
+                "s",
+                w=24,
+                bars=True,
+            ),
+        ],
         [row("Proxy overhead")],
         [
             timeseries(

@@ -1,3 +1,3 @@
 from mlxproxy.cli import main
 
-main()
+main(prog_name="mlxproxy")

@@ -9,11 +9,17 @@ import click
 
 from mlxproxy import __version__
 
+#: click >= 8.2 raises this for a group called without a command (older releases print the
+#: help themselves and exit 0, which is what this keeps).
+NO_ARGS_IS_HELP: type[click.UsageError] = getattr(
+    click.exceptions, "NoArgsIsHelpError", type("_Never", (click.UsageError,), {})
+)
+
 
 class OneLineErrors(click.Group):
     """Every command-line mistake is one line on stderr and exit 2 (click's default is a
     usage block of four lines); Ctrl-C outside a command's own handling exits 130 without
-    click's `Aborted!`. Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and the README."""
+    click's `Aborted!`; bare `mlxproxy` prints the help (stdout, exit 0). Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and the README."""
 
     def main(
         self,
@@ -27,6 +33,9 @@ class OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             super().main(args, prog_name, complete_var, False, **extra)
+        except NO_ARGS_IS_HELP as exc:  # bare `mlxproxy`: the help as --help prints it, exit 0
+            click.echo(exc.ctx.get_help() if exc.ctx is not None else self.get_usage(click.Context(self)))
+            sys.exit(0)
         except click.UsageError as exc:
             where = (
                 f"mlxproxy {exc.ctx.info_name}" if exc.ctx is not None and exc.ctx.parent is not None else "mlxproxy"

@@ -207,7 +207,7 @@ def _build(cls: Any, raw: dict[str, Any], prefix: str = "") -> Any:
             f.name
             for f in dataclasses.fields(cls)
             if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]  # type: ignore[misc]
+        ]
         raise ConfigError(
             f"config section '{prefix.rstrip('.') or 'top level'}' needs key(s): {', '.join(missing)}"
         ) from exc
@@ -289,10 +289,11 @@ def parse_upstream_url(url: str, what: str = "the upstream URL") -> tuple[str, s
     """Check a server's base URL (the proxy's upstream, a replay/bench target) and
     normalize it; the one place every command parses such a URL.
 
-    Returns `(base_url, note)`: the URL without a trailing `/` and without a trailing
-    `/v1` (clients' URLs end in `/v1`, but request paths already start with it, so
-    keeping it would send `/v1/v1/...`), and a one-line note saying so when `/v1` was
-    dropped (else None). Raises `ConfigError` naming `what` for anything that cannot be
+    Returns `(base_url, note)`: the URL without a trailing `/` and without its `/v1` and
+    anything after it (clients' URLs end in `/v1`, but request paths already start with it,
+    so keeping it would send `/v1/v1/...`; an endpoint's whole URL, `/v1/chat/completions`,
+    would send every request to one wrong path), and a one-line note saying so when a
+    path was dropped (else None). Raises `ConfigError` naming `what` for anything that cannot be
     connected to: another scheme, no host, a port that is not a number in 1..65535, a
     query or fragment.
     """
@@ -312,10 +313,12 @@ def parse_upstream_url(url: str, what: str = "the upstream URL") -> tuple[str, s
         raise ConfigError(f"{what} must not have a query or fragment, got {url!r}")
     path = parts.path.rstrip("/")
     note = None
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
+    segments = path.split("/")
+    if "v1" in segments:  # `.../v1` or an endpoint's whole URL, `.../v1/chat/completions`
+        beyond = "/".join(segments[segments.index("v1") :])
+        path = "/".join(segments[: segments.index("v1")])
         note = (
-            f"{what} {url!r} ends in /v1; using {parts.scheme}://{parts.netloc}{path} "
+            f"{what} {url!r} ends in /{beyond}; using {parts.scheme}://{parts.netloc}{path} "
             "(request paths already start with /v1)"
         )
     return f"{parts.scheme}://{parts.netloc}{path}", note
@@ -359,7 +362,7 @@ def build_config(raw: dict[str, Any] | None = None, *, upstream_url: str | None 
         raw["upstreams"] = [{"name": "default", "url": upstream_url}]
         raw.pop("default_upstream", None)
     raw.setdefault("upstreams", [{"name": "default", "url": DEFAULT_UPSTREAM_URL}])
-    cfg = _build(Config, raw)
+    cfg: Config = _build(Config, raw)
     _validate(cfg)
     return cfg
 

@@ -8,11 +8,20 @@ MlxproxyError                 base; `str(exc)` is one sentence a user can act on
 │   └── UpstreamTimeout       no response or no byte within the timeout (HTTP 504)
 └── UpstreamBodyError         the response started, then its body broke (reset, bad framing)
     └── UpstreamBodyTimeout   ... or went silent for longer than the read timeout
+
+`error_body` is the one builder of the OpenAI-shaped JSON error the proxy answers with.
 """
 
 from __future__ import annotations
 
+import orjson
+
 from mlxproxy.core.record import Outcome
+
+
+def error_body(message: str, code: str, err_type: str = "proxy_error") -> bytes:
+    """The OpenAI-shaped error body: `{"error": {"message", "type", "code", "param"}}`."""
+    return orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
 
 
 class MlxproxyError(Exception):
@@ -49,3 +58,18 @@ class UpstreamBodyError(MlxproxyError):
 
 class UpstreamBodyTimeout(UpstreamBodyError):
     """The upstream's response body went silent for longer than the read timeout."""
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` on one line of at most `limit` characters, for error messages shown to a user: a
+    longer one is cut after its last whole word (else after its last punctuation, so a
+    number or a port is never cut short) and ends in "…"."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    cut = head.rfind(" ")
+    if cut < limit // 2:  # one long token (a URL, a path): end it at a separator instead
+        cut = max(head.rfind(c) for c in "/:,;)]}'\"")
+        cut = cut + 1 if cut >= limit // 2 else len(head)
+    return head[:cut].rstrip(" ,;:") + "…"

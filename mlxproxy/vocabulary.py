@@ -9,9 +9,16 @@ deprecation line on stderr (`DEPRECATED`, `deprecated_alias`).
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    _ParamType = click.ParamType[Any]
+else:  # (click's ParamType takes type arguments only in recent releases)
+    _ParamType = click.ParamType
 
 __all__ = [
     "arrival_options",
@@ -44,8 +51,11 @@ MEANINGS: dict[str, str] = {
     "--concurrency": "N[,N,...]: N requests in flight at once, each next one sent when one finishes (closed loop); "
     "several values are the steps of a --sweep.",
     "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
-    "rising, the SLO breaks or requests fail) and give the capacity: the largest concurrency that met "
-    "the --slo.",
+    "rising, the SLO breaks or requests fail, then halving the gap between the last good and the first bad "
+    "step) and give the capacity: the largest concurrency that met the --slo, never past where aggregate "
+    "tok/s stopped rising.",
+    "--sweep-budget": "SECONDS: a --sweep without given steps starts refining steps only while it has run less "
+    "than this long (the verdict says when the answer was left unrefined).",
     "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
     "--arrival); several values are the steps of a sweep.",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
@@ -91,7 +101,7 @@ def help_for(option: str, extra: str = "") -> str:
     return MEANINGS[option] + (" " + extra if extra else "")
 
 
-class _Seconds(click.ParamType):
+class _Seconds(_ParamType):
     """SECONDS or NAME=SECONDS -> (name or None, seconds)."""
 
     name = "seconds"
@@ -109,7 +119,7 @@ class _Seconds(click.ParamType):
         return (name if sep else None), v
 
 
-class _IntList(click.ParamType):
+class _IntList(_ParamType):
     """N or N,N,... -> tuple of ints >= `min`."""
 
     name = "int_list"
@@ -129,7 +139,7 @@ class _IntList(click.ParamType):
         return items
 
 
-class _Parsed(click.ParamType):
+class _Parsed(_ParamType):
     """A value parsed by `parse` (which raises ValueError with the one-line reason)."""
 
     def __init__(self, name: str, parse: Any) -> None:
@@ -144,23 +154,81 @@ class _Parsed(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def _slo(text: str) -> Any:
-    from mlxproxy.load.schedules import parse_slo
+# -- the values of --slo and --fail-on (load/schedules.py judges with them) -------------------
 
-    return parse_slo(text)
-
-
-def _fail_on(text: str) -> Any:
-    from mlxproxy.load.schedules import parse_fail_on
-
-    return parse_fail_on(text)
-
-
-SLO = _Parsed("slo", _slo)
-FAIL_ON = _Parsed("fail_on", _fail_on)
+#: metric -> (record key, unit, True when the threshold is a lower bound, label)
+SLO_METRICS: dict[str, tuple[str, str, bool, str]] = {
+    "ttft": ("ttft_s", "s", False, "TTFT"),
+    "tpot": ("tpot_s", "s", False, "TPOT"),
+    "itl": ("tpot_s", "s", False, "ITL"),  # inter-token latency: a stream's mean gap, the same as TPOT
+    "e2e": ("e2e_s", "s", False, "E2E"),
+    "decode_tps": ("decode_tps", "tok/s", True, "decode tok/s"),
+}
 
 
-class _FloatList(click.ParamType):
+def parse_slo(text: str) -> dict[str, float]:
+    """`ttft_p95=3s,tpot_p50=60ms` -> {"ttft_p95": 3.0, "tpot_p50": 0.06}; ValueError (one
+    sentence naming the bad part and the right form) otherwise."""
+    out: dict[str, float] = {}
+    form = (
+        "give KEY=VALUE,... with KEY one of "
+        + ", ".join(f"{m}_pNN" for m in SLO_METRICS)
+        + ", e.g. ttft_p95=3s,tpot_p50=60ms"
+    )
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        metric, _, pct = key.rpartition("_p")
+        if not sep or metric not in SLO_METRICS or not pct.isdigit() or not 1 <= int(pct) <= 100:
+            raise ValueError(f"{part!r}: {form}")
+        unit = SLO_METRICS[metric][1]
+        scale = 1.0
+        if unit == "s":
+            if value.endswith("ms"):
+                value, scale = value[:-2], 0.001
+            elif value.endswith("s"):
+                value = value[:-1]
+        elif value.endswith("tok/s"):
+            value = value[:-5]
+        try:
+            v = float(value) * scale
+        except ValueError:
+            raise ValueError(
+                f"{part!r}: the value must be a number" + (" (with ms or s)" if unit == "s" else "") + f"; {form}"
+            ) from None
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{part!r}: the value must be more than 0; {form}")
+        out[f"{metric}_p{int(pct)}"] = v
+    if not out:
+        raise ValueError(f"no thresholds in {text!r}; {form}")
+    return out
+
+
+FAIL_ON_WORDS = {
+    "slo": "a judged test broke the SLO (a sweep: its lightest step)",
+    "errors": "a request failed",
+    "anomaly": "any anomaly was found",
+}
+
+
+def parse_fail_on(text: str) -> tuple[str, ...]:
+    from mlxproxy.core.detect import ANOMALY_KINDS
+
+    kinds = tuple(dict.fromkeys(k.strip().lower() for k in text.split(",") if k.strip()))
+    known = (*FAIL_ON_WORDS, *ANOMALY_KINDS)
+    bad = [k for k in kinds if k not in known]
+    if bad or not kinds:
+        raise ValueError(f"{(bad or [text])[0]!r} is not a check; give KIND,... with KIND one of {', '.join(known)}")
+    return kinds
+
+
+SLO = _Parsed("slo", parse_slo)
+FAIL_ON = _Parsed("fail_on", parse_fail_on)
+
+
+class _FloatList(_ParamType):
     """R or R,R,... -> tuple of floats > 0."""
 
     name = "float_list"
@@ -199,7 +267,11 @@ def deprecated_alias(command: str, option: str) -> Any:
     return callback
 
 
-def arrival_options(command: Any) -> Any:
+#: a click command function, as a decorator takes and returns it
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def arrival_options(command: _Command) -> _Command:
     """`--arrival`, `--ramp` and `--seed`: the open-loop schedule options `bench` and `replay` share."""
     for option in reversed(
         (
@@ -246,11 +318,15 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "--batch": (("--batch",), {"type": BATCH_SIZES, "default": None, "metavar": "N[,N,...]"}),
     "--rate": (("--rate",), {"type": FLOAT_LIST, "default": None, "metavar": "R[,R,...]"}),
     "--sweep": (("--sweep",), {"is_flag": True}),
+    "--sweep-budget": (
+        ("--sweep-budget", "sweep_budget"),
+        {"type": click.FloatRange(min=0.0), "default": 600.0, "show_default": True, "metavar": "SECONDS"},
+    ),
     "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
 }
 
 
-def shared_option(option: str, extra: str = "", **settings: Any) -> Any:
+def shared_option(option: str, extra: str = "", **settings: Any) -> Callable[[_Command], _Command]:
     """The click option `option` as every load command declares it, its help the shared meaning
     plus `extra`; `settings` override (e.g. a command's own default)."""
     decls, base = _DECLARATIONS[option]

@@ -18,7 +18,7 @@ def fixture_bytes():
 def stack(request, monkeypatch):
     """Run the test on both server stacks: `plain` (asyncio + h11, what a platform without
     uvloop/httptools wheels gets) and `fast` (uvloop + httptools, the default install).
-    Every server the test starts through mlxproxy.runner picks it up from MLXPROXY_STACK."""
+    Every server the test starts through mlxproxy.edge.runner picks it up from MLXPROXY_STACK."""
     if request.param == "fast" and not fast_stack_installed():
         pytest.skip("the fast stack needs uvloop and httptools installed")
     monkeypatch.setenv("MLXPROXY_STACK", request.param)

@@ -18,8 +18,8 @@ import httpx
 import orjson
 
 from mlxproxy.config import build_config
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
 sys.path.insert(0, str(Path(__file__).parent))

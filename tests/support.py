@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+from hypothesis import strategies as st
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
+from mlxproxy.core.sse import SSEDecoder
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.runner import ServerThread
 
 #: the tests folder, the repository and the byte-exact fixtures, wherever a test file sits
 TESTS = Path(__file__).resolve().parent
@@ -201,3 +203,115 @@ def write_capture(path: Path, caps: list[CapturedRequest]) -> Path:
         lines.append(orjson.dumps(d))
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
+
+
+# -- byte-level fuzzing of the core's parsers (hypothesis) ----------------------------------------
+
+#: one generated event, as the servers send it
+EVENT_A = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+# pieces that real streams are made of, so random byte strings reach deep into the parsers
+WIRE_PIECES = [
+    b"data: ",
+    b"data:",
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b": keepalive 12/",
+    b"34",
+    b"[DONE]",
+    b"{",
+    b"}",
+    b'"choices":[',
+    b"]",
+    b'{"index":0,"delta":{"role":"assistant","content":"a","reasoning":"r","reasoning_content":"r2",'
+    b'"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{"}}]},"finish_reason":"stop"}',
+    b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}',
+    b",",
+    b'"error":{"message":"boom"}',
+    b'"error":"x"',
+    b'"detail":[{"msg":"m"}]',
+    b"\xff\xfe",
+    b"\xe2\x98",
+    b"id: 1\n",
+    b"event: e\n",
+    b"retry: 5\n",
+    b'"text":"t"',
+    b'"timings":{"predicted_per_second":3}',
+    b"null",
+    b"1e999",
+    b"-0",
+    b"\x00",
+    b"\xef\xbb\xbf",
+    b"x" * 70,
+]
+wire_bytes = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.one_of(st.sampled_from(WIRE_PIECES), st.binary(max_size=8)), max_size=40).map(b"".join),
+)
+cut_points = st.lists(st.integers(min_value=0, max_value=2000), max_size=10)
+LINE_BOUND = 64
+
+
+def cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c for c in cuts if 0 < c < len(data)})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+
+
+def held_by_decoder(dec: SSEDecoder) -> tuple[int, int]:
+    """(bytes of partial line held, characters of event data held)."""
+    return len(dec._buf), sum(map(len, dec._data))  # characters: at most one per byte received
+
+
+def decode_all(parts: list[bytes], bound: int = LINE_BOUND) -> list:
+    dec = SSEDecoder(bound)
+    out = []
+    for p in parts:
+        out.extend(dec.feed(p))
+        line, data = held_by_decoder(dec)
+        assert line <= bound and data <= bound
+    return out + dec.close()
+
+
+# -- the simulator's truth -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request of a closed loop as the simulator's engine plans it (simulated seconds)."""
+
+    started: float
+    first_token: float
+    finished: float
+
+
+def engine_closed_loop(profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int) -> list[EngineRequest]:
+    """What a closed loop of `conc` streams sending `n_total` requests gets from the
+    simulator's own engine in scripted time (the network's milliseconds are left out), in
+    the order the requests finished."""
+    from mlxproxy.sim.engine import Engine, Finish, Token
+
+    eng = Engine(profile)
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    out: list[EngineRequest] = []
+
+    def issue(t: float) -> None:
+        rid = f"r{len(started)}"
+        eng.admit(rid, t, prompt_tokens, n_tokens)
+        started[rid] = t
+
+    for _ in range(min(conc, n_total)):
+        issue(0.0)
+    while len(out) < n_total:
+        t = eng.next_event_time()
+        assert t is not None
+        for ev in eng.advance(t):
+            if isinstance(ev, Token) and ev.index == 0:
+                first[ev.req_id] = ev.t_s
+            elif isinstance(ev, Finish):
+                out.append(EngineRequest(started[ev.req_id], first[ev.req_id], ev.t_s))
+                if len(started) < n_total:
+                    issue(ev.t_s)
+    return out

@@ -7,8 +7,14 @@ functions) and from what importing a module actually pulls in:
 - the simulator (`mlxproxy/sim/`) imports nothing from the proxy (`mlxproxy.proxy`);
 - the proxy and the simulator import nothing from load testing (`mlxproxy/load/`), and of load
   testing only the demo (which wires simulators behind a proxy) imports the proxy or the simulator;
+- every import runs down the floors of `FLOORS` (a subpackage or top-level module imports only
+  from lower floors, never across or up): the server edge (`mlxproxy/edge/`) sits below the
+  proxy and the simulator that both use it, and `vocabulary.py` below load testing;
 - the whole package's imports form a tree (no cycle);
-- no module of the package takes a private name (`_name`) from another.
+- no module of the package takes a private name (`_name`) from another;
+- the private internals of aiohttp and uvicorn are used only in their compatibility modules
+  (`COMPAT`), prometheus_client's nowhere: elsewhere every `x._name` the package reads or writes
+  is its own.
 """
 
 from __future__ import annotations
@@ -174,15 +180,13 @@ def test_sim_imports_nothing_from_the_proxy() -> None:
 
 
 def test_importing_the_simulator_pulls_in_no_proxy_module() -> None:
-    # The command module is left out: it starts servers through mlxproxy.runner, whose server edge
-    # (the bounded HTTP protocols) lives in mlxproxy/proxy/limits.py for now.
-    pure = sorted(m for m in modules_of("sim") if m != "mlxproxy.sim.cli")
-    new = newly_imported(pure)
-    assert "mlxproxy.sim.app" in new and "mlxproxy.sim.styles" in new
+    # the command module too: it starts servers through the shared server edge (mlxproxy.edge)
+    new = newly_imported(sorted(modules_of("sim")) + ["mlxproxy.edge.runner"])
+    assert "mlxproxy.sim.app" in new and "mlxproxy.sim.cli" in new and "mlxproxy.edge.limits" in new
     assert sorted(m for m in new if m.startswith("mlxproxy.proxy")) == []
 
 
-@pytest.mark.parametrize("subpackage", ["core", "sim", "proxy", "load"])
+@pytest.mark.parametrize("subpackage", ["core", "sim", "proxy", "load", "edge"])
 def test_no_import_cycle(subpackage: str) -> None:
     # Imports inside functions count: a cycle hidden in a function is still a cycle.
     edges = internal_edges(modules_of(subpackage))
@@ -220,6 +224,152 @@ def test_the_layers_import_only_downwards() -> None:
     assert bad == []
 
 
+#: The package's floors, bottom first: each room (a subpackage, or a module at the top) imports
+#: only from rooms on lower floors. `mlxproxy` is the package's face (`__version__`).
+FLOORS: dict[str, int] = {
+    "mlxproxy": 0,
+    "core": 0,
+    "asgi": 0,
+    "headers": 0,
+    "errors": 1,
+    "vocabulary": 1,
+    "edge": 2,
+    "config": 2,
+    "capture": 2,
+    "sim": 3,
+    "proxy": 3,
+    "load": 4,
+    "cli": 5,
+    "__main__": 6,
+}
+
+
+def room_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_edges() -> dict[str, set[tuple[str, str]]]:
+    """room -> {(room it imports, "module:line imports module")}, across rooms only."""
+    modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    out: dict[str, set[tuple[str, str]]] = {}
+    for m, path in modules.items():
+        for target, name, line in imports_of(m, path):
+            full = f"{target}.{name}" if name and f"{target}.{name}" in modules else target
+            if full not in modules:
+                continue
+            src, dst = room_of(m), room_of(full)
+            if src != dst:
+                out.setdefault(src, set()).add((dst, f"{m}:{line} imports {full}"))
+    return out
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {room_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert {"edge", "proxy", "sim", "load", "core"} <= rooms
+    assert sorted(rooms - set(FLOORS)) == [], "give each new subpackage or top-level module its floor in FLOORS"
+
+
+def test_no_import_runs_up_or_across_the_floors() -> None:
+    edges = room_edges()
+    assert any(dst == "edge" for dst, _ in edges["sim"]) and any(dst == "edge" for dst, _ in edges["proxy"])
+    bad = sorted(why for src, out in edges.items() for dst, why in out if FLOORS[dst] >= FLOORS[src])
+    assert bad == []
+
+
+def test_no_circle_between_rooms() -> None:
+    edges = {src: {dst for dst, _ in out} for src, out in room_edges().items()}
+    edges = {room: edges.get(room, set()) for room in FLOORS}
+    assert find_cycle(edges) is None, find_cycle(edges)
+
+
+#: the one module per third-party library whose private internals the package uses
+COMPAT = {
+    "aiohttp": "mlxproxy/proxy/_compat_aiohttp.py",
+    "uvicorn": "mlxproxy/edge/_compat_uvicorn.py",
+}
+#: libraries the package uses through public API only (prometheus_client: custom collectors)
+PUBLIC_ONLY = ("prometheus_client",)
+#: private-looking names used outside them on purpose, with why
+NOT_THIRD_PARTY_INTERNALS = {
+    "_replace": "namedtuple's public API (the underscore only avoids clashing with field names)",
+    "_fields": "namedtuple's public API, likewise (core.meter's Measurement checks its field order)",
+    "_read_ready_cb": "asyncio's selector transport, not one of the three libraries (edge/limits.py, "
+    "python/cpython#100348, before 3.12)",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def foreign_private_names(files: list[Path]) -> list[str]:
+    """Every `x._name` read or written (also through getattr/setattr/hasattr with a literal name)
+    in `files` whose name those files never define themselves (as a def, a class, `self._name =`,
+    a plain name, an argument, an import alias or a `__slots__` entry): someone else's private
+    name."""
+    defined: set[str] = set()
+    used: list[tuple[str, str]] = []
+    for path in files:
+        where = str(path.relative_to(PACKAGE.parent))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.alias):
+                defined.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    defined.add(node.attr)
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+            ):
+                defined |= {
+                    c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                }
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                used.append((node.attr, f"{where}:{node.lineno}"))
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                used.append((node.args[1].value, f"{where}:{node.lineno}"))
+    return sorted(f"{where} uses {name}" for name, where in used if name not in defined)
+
+
+def test_third_party_internals_are_used_only_in_the_compat_modules() -> None:
+    compat = {PACKAGE.parent / f for f in COMPAT.values()}
+    assert all(p.is_file() for p in compat)
+    others = [p for p in sorted(PACKAGE.rglob("*.py")) if p not in compat]
+    found = foreign_private_names(others)
+    assert [f for f in found if f.rsplit(" ", 1)[1] not in NOT_THIRD_PARTY_INTERNALS] == []
+    # the check sees what the compat modules do: each of them uses internals of its library
+    for lib, f in COMPAT.items():
+        assert foreign_private_names([PACKAGE.parent / f]) != [], lib
+
+
+def test_imports_of_the_three_libraries_name_no_private_module_outside_the_compat_modules() -> None:
+    modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    compat = {module_name(PACKAGE.parent / f) for f in COMPAT.values()}
+    bad = [
+        f"{m}:{line} imports {target}.{name}"
+        for m, path in modules.items()
+        if m not in compat
+        for target, name, line in imports_of(m, path)
+        if target.split(".")[0] in (*COMPAT, *PUBLIC_ONLY)
+        and (any(_private(part) for part in target.split(".")) or (name is not None and _private(name)))
+    ]
+    assert bad == []
+
+
 def test_no_module_of_the_package_imports_a_private_name_of_another() -> None:
     modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     assert len(modules) > 40
@@ -252,11 +402,11 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_the_tests_mirror_the_package() -> None:
-    """Each test file sits beside the part it tests: tests/core, proxy, sim, load, e2e (end to
+    """Each test file sits beside the part it tests: tests/core, edge, proxy, sim, load, e2e (end to
     end through the real CLI or servers) and integration (real third-party peers); only the
     checks of the whole project are at the top."""
     tests = Path(__file__).resolve().parent
-    parts = {"core", "proxy", "sim", "load", "e2e", "integration"}
+    parts = {"core", "edge", "proxy", "sim", "load", "e2e", "integration"}
     assert all((tests / d).is_dir() for d in parts)
     top = {p.name for p in tests.glob("test_*.py")}
     assert top == {"test_architecture.py", "test_docs_links.py", "test_benchmarks_smoke.py"}, top
@@ -266,3 +416,16 @@ def test_the_tests_mirror_the_package() -> None:
     assert elsewhere == []
     for d in parts - {"integration"}:
         assert any((tests / d).glob("test_*.py")), d
+
+
+def test_no_function_in_load_is_over_80_lines() -> None:
+    """Load testing stays readable: a function that grows past 80 lines is split by what it does
+    (`htmlreport.render_html` is one function per report section)."""
+    long = []
+    for path in sorted((PACKAGE / "load").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

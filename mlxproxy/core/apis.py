@@ -153,7 +153,9 @@ def responses_event(obj: Any) -> ApiEvent:
             ev.tool_id = item.get("call_id") if isinstance(item.get("call_id"), str) else None
             ev.tool_name = item.get("name") if isinstance(item.get("name"), str) else ""
             args = item.get("arguments", item.get("input"))
-            if isinstance(args, str) and args:
+            # only the finished item's arguments are the whole call: vllm-mlx's `added` already
+            # carries them, then streams them again as one delta (they would count twice)
+            if kind == "response.output_item.done" and isinstance(args, str) and args:
                 ev.tool_final_args = args
     elif kind in ("response.completed", "response.incomplete", "response.failed"):
         r = obj.get("response")

@@ -12,11 +12,11 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
-from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
-from mlxproxy.core.prefix import Match
-from mlxproxy.core.record import OK_OUTCOMES, Record, fill_in, rate_figures, uncached_tokens, wall_window_s
+from mlxproxy.core.meter import Measurement
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit, uncached_tokens
+from mlxproxy.core.record import OK_OUTCOMES, Record, TokensSource
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
 
@@ -30,17 +30,21 @@ __all__ = [
     "find_abandoned",
     "check_markup",
     "prefill_scaling",
-    "with_anomalies",
+    "findings",
+    "verdict",
+    "is_burst",
+    "Verdict",
+    "Measured",
+    "Stalls",
     "estimated_tokens",
     "streamed_band",
     "trusted_count",
-    "with_trusted_count",
     "prefill_judgeable",
     "uncached_prompt_tokens",
     "MOSTLY_CACHED",
     "stall_stats",
     "check_tools",
-    "check_prefix",
+    "fmt_number",
 ]
 
 AnomalyKind = Literal[
@@ -67,6 +71,8 @@ AnomalyKind = Literal[
     "generation_after_disconnect",
     "reasoning_in_content",
     "reasoning_only",
+    "cached_tokens_unreported",
+    "cached_tokens_claimed_cold",
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 
@@ -101,12 +107,19 @@ class Thresholds:
     superlinear_min_size_ratio: float = 4.0
     prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
     prefix_miss_ratio: float = 0.5  # cached_tokens below this fraction of the reusable prefix: prefix_cache_miss
+    cache_timing_min_s: float = 0.05  # a hit must save this much prefill for TTFT to judge the cache
 
 
 @dataclass(frozen=True, slots=True)
 class Anomaly:
     kind: AnomalyKind
     evidence: str
+
+
+# what the per-request checks read: a finished meter's measurement, or a record (earlier ones,
+# records read back from files, the tests' own)
+Measured = Measurement | Record
+Stalls = tuple[list[int], list[float]]  # `stall_stats`: the stalls' gap indices and lengths
 
 
 def _dur(seconds: float) -> str:
@@ -126,8 +139,11 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
 
 
+fmt_number = _fmt  # the evidence's number format, for the other checks (core.cachecheck)
+
+
 def estimated_tokens(
-    r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
+    r: Measured, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
 ) -> int | None:
     """Output tokens actually streamed, best guess (the middle of `streamed_band`): the
     tokenizer's count when there is one, else the generated events, or the text's estimate
@@ -137,7 +153,7 @@ def estimated_tokens(
 
 
 def streamed_band(
-    r: Record, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
+    r: Measured, chars: int | None, th: Thresholds, *, nonascii_chars: int = 0, nonascii_bytes: int = 0
 ) -> tuple[int, int, int] | tuple[None, None, None]:
     """(low, estimate, high): the output tokens a stream can have carried, given what it
     shows. A usage count outside [low, high] (each widened by `usage_extra_tokens`) cannot
@@ -179,9 +195,10 @@ def streamed_band(
     return low, est, math.floor(th.usage_ratio * est) + tools
 
 
-def stall_stats(r: Record, th: Thresholds) -> tuple[list[int], list[float]]:
+def stall_stats(r: Measured, th: Thresholds) -> tuple[list[int], list[float]]:
     """Indices (gap i is between events i and i+1) and lengths of the stalls."""
-    gaps = r.event_gaps_s()
+    offs = r.event_offsets_s
+    gaps = [b - a for a, b in zip(offs, offs[1:])]
     if len(gaps) < th.stall_min_gaps:
         return [], []
     med = percentile(sorted(gaps), 50) or 0.0
@@ -191,7 +208,10 @@ def stall_stats(r: Record, th: Thresholds) -> tuple[list[int], list[float]]:
 
 
 def _cyclic(idx: list[int], th: Thresholds) -> float | None:
-    """The stall period in events when stalls recur regularly (>= 3 stalls), else None."""
+    """The stall period in events when stalls recur regularly (>= 3 stalls), else None. Gaps
+    back to back (one event between them) are one stall, however many gaps it spans: a
+    server that paused once, with a token or two in the middle, is not cyclic."""
+    idx = [i for k, i in enumerate(idx) if k == 0 or idx[k - 1] < i - 1]  # where each stall starts
     if len(idx) < 3:
         return None
     spacing = [b - a for a, b in zip(idx, idx[1:])]
@@ -203,7 +223,7 @@ def _cyclic(idx: list[int], th: Thresholds) -> float | None:
 
 
 def check_record(
-    r: Record,
+    r: Measured,
     th: Thresholds,
     *,
     chars: int | None = None,
@@ -227,7 +247,7 @@ def check_record(
     return out
 
 
-def _failure_checks(r: Record, th: Thresholds, headers_to_first_byte_s: float | None) -> list[Anomaly]:
+def _failure_checks(r: Measured, th: Thresholds, headers_to_first_byte_s: float | None) -> list[Anomaly]:
     """What any request can show, ok or not: a refused prompt, an error in a stream, a stream
     without finish, doubled reasoning fields, a replayed answer, a long silence after the headers."""
     out: list[Anomaly] = []
@@ -280,7 +300,7 @@ def _failure_checks(r: Record, th: Thresholds, headers_to_first_byte_s: float | 
 
 
 def _usage_checks(
-    r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int, nonascii_bytes: int
+    r: Measured, th: Thresholds, out: list[Anomaly], chars: int | None, nonascii_chars: int, nonascii_bytes: int
 ) -> bool:
     """Does the stream explain the server's count? Adds to `out`; True when a tool call was cut
     by the token limit and withheld (`truncated_tool_call`)."""
@@ -323,7 +343,7 @@ def _usage_checks(
 
 
 def _count_checks(
-    r: Record,
+    r: Measured,
     th: Thresholds,
     out: list[Anomaly],
     chars: int | None,
@@ -367,7 +387,7 @@ def _count_checks(
             add(Anomaly("phantom_speed", f"usage says {rep} tokens but only {est} were streamed"))
 
 
-def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
+def _burst_check(r: Measured, th: Thresholds, out: list[Anomaly]) -> None:
     """Burst at the end: no incremental streaming (judged on the count the speeds will use)."""
     # A stream with tool calls is not judged: servers' tool parsers send a whole call as one
     # delta by design (mlx_lm.server, vllm-mlx, mlx-openai-server), however incremental the rest.
@@ -390,19 +410,19 @@ def _burst_check(r: Record, th: Thresholds, out: list[Anomaly]) -> None:
             )
 
 
-def _stall_check(r: Record, th: Thresholds, out: list[Anomaly], stalls: tuple[list[int], list[float]]) -> None:
+def _stall_check(r: Measured, th: Thresholds, out: list[Anomaly], stalls: tuple[list[int], list[float]]) -> None:
     """Stalls during decode (`stalls`: `stall_stats` of `r`)."""
     idx, lengths = stalls
     if idx:
         period = _cyclic(idx, th)
         total = sum(lengths)
-        ev = f"{len(idx)} gaps over {_fmt(max(th.stall_min_s, 0))} s and {_fmt(th.stall_factor)}x the median gap, {_fmt(total)} s in all, longest {_fmt(max(lengths))} s"
+        ev = f"{len(idx)} gap{'s' if len(idx) != 1 else ''} over {_fmt(max(th.stall_min_s, 0))} s and {_fmt(th.stall_factor)}x the median gap, {_fmt(total)} s in all, longest {_fmt(max(lengths))} s"
         if period is not None:
             ev += f"; cyclic: every ~{period:.0f} events"
         out.append(Anomaly("stall", ev))
 
 
-def _length_check(r: Record, th: Thresholds, out: list[Anomaly], chars: int | None, cut_call: bool) -> None:
+def _length_check(r: Measured, th: Thresholds, out: list[Anomaly], chars: int | None, cut_call: bool) -> None:
     """A natural finish reason although the generated count reached max_tokens."""
     rep = r.completion_tokens_reported
     if r.finish_reason in ("stop", "end_turn", "completed") and r.max_tokens is not None and rep is not None:
@@ -419,7 +439,7 @@ def _length_check(r: Record, th: Thresholds, out: list[Anomaly], chars: int | No
             )
 
 
-def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
+def _cut_tool_call(r: Measured, est: int, th: Thresholds) -> bool:
     """Tools were offered, the token limit ended the response (a limit finish reason, or
     usage at `max_tokens`: mlx-openai-server says `stop`), no structured call came back, and
     usage counts more than `usage_extra_tokens` tokens beyond what the stream carried."""
@@ -429,7 +449,7 @@ def _cut_tool_call(r: Record, est: int, th: Thresholds) -> bool:
     return r.finish_reason in _LIMIT_FINISH or (r.max_tokens is not None and rep >= r.max_tokens)
 
 
-def _generated_count(r: Record, chars: int | None, th: Thresholds) -> tuple[int, str]:
+def _generated_count(r: Measured, chars: int | None, th: Thresholds) -> tuple[int, str]:
     """The tokens the model generated, without the end-of-sequence token that many servers
     count in usage (mlx_lm.server, mlx-openai-server, Rapid-MLX, mlx-vlm: 20 words + EOS =
     21): the stream's events when they are one per token, else the tokenizer's recount
@@ -451,7 +471,7 @@ def _generated_count(r: Record, chars: int | None, th: Thresholds) -> tuple[int,
 _LIMIT_FINISH = frozenset({"length", "max_tokens", "max_output_tokens"})
 
 
-def check_tools(r: Record, problems: Sequence[str], markup: str | None) -> list[Anomaly]:
+def check_tools(r: Measured, problems: Sequence[str], markup: str | None) -> list[Anomaly]:
     """The tool-call checks of a request that offered tools (`r.tool_calls_valid` is not
     None), judged on complete responses only. `problems` are the unusable structured
     calls (`tools.call_problem`), `markup` the tool-call markup found in the content."""
@@ -500,7 +520,7 @@ _THINK = re.compile(r"^\s*(?:<think>|<\|channel\|>analysis|<\|begin_of_thought\|
 _SCAN_CHARS = 64 * 1024
 
 
-def check_markup(r: Record, content: str) -> list[Anomaly]:
+def check_markup(r: Measured, content: str) -> list[Anomaly]:
     """Reasoning in the wrong field, judged on complete streams: `reasoning_in_content`
     when the streamed `content` carries reasoning markup (`<think>`, `</think>`, ...) that
     a reasoning parser should have moved to the reasoning field; `reasoning_only` when a
@@ -541,94 +561,10 @@ def check_markup(r: Record, content: str) -> list[Anomaly]:
     return out
 
 
-def check_prefix(
-    r: Record, m: Match, prefill_rate: float | None, th: Thresholds
-) -> tuple[dict[str, Any], list[Anomaly]]:
-    """Record fields and anomalies of a request that continues a conversation (`m`):
-    `prompt_prefix_changed` when the prompt does not extend the previous turn's and at least
-    `prefix_min_tokens` of it are thrown away; `prefix_cache_miss` when at least that many
-    tokens were reusable but the server reported fewer than `prefix_miss_ratio` of them as
-    cached, or (no `cached_tokens` reported) its TTFT is closer to re-prefilling the whole
-    prompt than to prefilling only the new part, at `prefill_rate` (this upstream's rate on
-    first turns)."""
-    reusable, source = m.tokens(m.shared_chars)
-    prev_tokens = m.tokens(m.previous_chars)[0]
-    fields: dict[str, Any] = {
-        "prefix_reusable_tokens": reusable,
-        "prefix_tokens_source": source,
-        "prefix_diverged_at": m.diverged_at,
-    }
-    cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
-    if cached is not None and reusable > 0:
-        fields["cache_hit_ratio"] = round(cached / reusable, 3)
-    out: list[Anomaly] = []
-    if r.outcome not in OK_OUTCOMES:
-        return fields, out
-    lost = prev_tokens - reusable
-    if not m.extends and lost >= th.prefix_min_tokens:
-        out.append(
-            Anomaly(
-                "prompt_prefix_changed",
-                f"continues conversation {m.conversation_id} (turn {m.turn}: same "
-                f"first user message and tools) but differs from its previous request {m.previous_id} at "
-                f"{m.diverged_at}: ~{lost} of its {prev_tokens} prompt tokens cannot be reused by any "
-                f"cache (counted from {source})",
-            )
-        )
-    if reusable >= th.prefix_min_tokens and ttft is not None and ttft > 0:
-        miss = _cache_miss(m, reusable, cached, prompt, ttft, prefill_rate, th)
-        if miss is not None:
-            out.append(miss[0])
-            if miss[1] is not None:
-                fields["prefill_wasted_s"] = miss[1]
-    return fields, out
-
-
-def _cache_miss(
-    m: Match,
-    reusable: int,
-    cached: int | None,
-    prompt: int | None,
-    ttft: float,
-    prefill_rate: float | None,
-    th: Thresholds,
-) -> tuple[Anomaly, float | None] | None:
-    """`prefix_cache_miss` and the prefill time it wasted, judged on `cached_tokens` where the
-    server reports it, else on the TTFT at this upstream's first-turn prefill rate."""
-    reused_from = f"~{reusable} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
-    if cached is not None:
-        if cached >= th.prefix_miss_ratio * reusable:
-            return None
-        wasted = min(ttft * (reusable - cached) / (prompt - cached), ttft) if prompt and prompt > cached else None
-        cost = f"; TTFT {_fmt(ttft)} s, ~{_fmt(ttft - wasted)} s with a hit" if wasted is not None else ""
-        return (
-            Anomaly(
-                "prefix_cache_miss",
-                f"{reused_from} but the server reported {cached} cached (ratio {cached / reusable:.2f}){cost}",
-            ),
-            wasted,
-        )
-    if not (prefill_rate and prompt and prompt >= reusable):
-        return None
-    full, hit = prompt / prefill_rate, (prompt - reusable) / prefill_rate
-    if ttft <= (full + hit) / 2:
-        return None
-    return (
-        Anomaly(
-            "prefix_cache_miss",
-            f"{reused_from}; no cached_tokens reported, but TTFT "
-            f"{_fmt(ttft)} s matches re-prefilling all {prompt} tokens ({_fmt(full)} s at "
-            f"{_fmt(prefill_rate)} tok/s) rather than the {prompt - reusable} new ones "
-            f"({_fmt(hit)} s)",
-        ),
-        min(ttft - hit, ttft),
-    )
-
-
 UNTRUSTING = frozenset({"usage_mismatch", "phantom_speed"})  # usage that fired these is never used
 
 
-def trusted_count(r: Record, kinds: Iterable[str]) -> tuple[int | None, str | None]:
+def trusted_count(r: Measured, kinds: Iterable[str]) -> tuple[int | None, TokensSource | None]:
     """The output count speeds use, and its source: the server's usage when the stream
     agrees with it (neither `usage_mismatch` nor `phantom_speed` among `kinds`), else the
     local tokenizer's count when there is one, else the streamed (events) count."""
@@ -644,53 +580,66 @@ def trusted_count(r: Record, kinds: Iterable[str]) -> tuple[int | None, str | No
     return None, None
 
 
-def with_trusted_count(r: Record) -> Record:
-    """A copy of `r` whose `completion_tokens`, `tokens_source` and speeds (TPOT, decode
-    and wall tok/s) follow `trusted_count` over the record's anomalies."""
-    n, source = trusted_count(r, r.anomalies)
-    if (n, source) == (r.completion_tokens, r.tokens_source):
-        return r
-    return r.evolve(**_trusted_fields(r, n, source))
+def findings(m: Measurement, th: Thresholds, earlier: Sequence[Record] = ()) -> tuple[list[Anomaly], Stalls]:
+    """Every per-request check of one finished request's measurement `m` (the truth checks,
+    the tool and markup checks), and against `earlier` records of the same process the
+    serialized-batching and abandoned-generation checks; with `m`'s stalls (`stall_stats`)."""
+    stalls = stall_stats(m, th)
+    found = check_record(
+        m,
+        th,
+        chars=m.generated_chars,
+        nonascii_chars=m.nonascii_chars,
+        nonascii_bytes=m.nonascii_bytes,
+        headers_to_first_byte_s=m.silent_after_headers_s,
+        stalls=stalls,
+    )
+    if m.tool_calls_valid is not None:
+        found.extend(check_tools(m, m.tool_problems, m.tool_markup))
+    if m.completion_tokens_counted is not None:
+        found.extend(check_markup(m, m.content_text))
+    if earlier:
+        ser = None if is_burst(found) else find_serialized(m, earlier, th)
+        if ser is not None:
+            found.append(ser)
+        gone = find_abandoned(m, earlier, th)
+        if gone is not None:
+            found.append(gone)
+    return found, stalls
 
 
-def _trusted_fields(r: Record, n: int | None, source: str | None) -> dict[str, Any]:
-    tpot, decode, wall = rate_figures(n, r.ttft_s, r.e2e_s, wall_window_s(r.duration_s, r.tail_after_done_s))
-    return {"completion_tokens": n, "tokens_source": source, "tpot_s": tpot, "decode_tps": decode, "wall_tps": wall}
+def is_burst(found: Iterable[Anomaly]) -> bool:
+    """The stream came in one burst (`non_incremental_stream`): its token times say nothing about progress."""
+    return any(a.kind == "non_incremental_stream" for a in found)
 
 
-def with_anomalies(
-    r: Record,
-    found: Iterable[Anomaly],
-    th: Thresholds,
-    *,
-    stalls: tuple[list[int], list[float]] | None = None,
-    **changes: Any,
-) -> Record:
-    """`r` completed with the anomalies (deduplicated by kind), the stall figures (`stalls`:
-    `stall_stats` of `r`, when the caller has them already), the trusted token count
-    (`with_trusted_count`) and any other `changes` (fields that do not feed the trusted
-    count). `r` itself is changed (`fill_in`): only for a record nobody else holds yet."""
-    kinds = list(r.anomalies)
-    evidence = dict(r.anomaly_evidence)
+class Verdict(NamedTuple):
+    """What the checks decided about one measurement (`verdict`): the record's checked fields."""
+
+    completion_tokens: int | None  # the trusted output count every speed uses
+    tokens_source: TokensSource | None
+    anomalies: tuple[str, ...]
+    anomaly_evidence: dict[str, str]
+    stall_count: int
+    stall_total_s: float
+
+
+def verdict(m: Measurement, found: Iterable[Anomaly], stalls: Stalls) -> Verdict:
+    """The checks' verdict on `m`: the anomalies `found` (one of each kind, the first one's
+    evidence), its stall figures, and the trusted output count (usage unless a check found it
+    untrue: `trusted_count`)."""
+    kinds: list[str] = []
+    evidence: dict[str, str] = {}
     for a in found:
-        if a.kind not in kinds:
+        if a.kind not in evidence:
             kinds.append(a.kind)
             evidence[a.kind] = a.evidence
-    idx, lengths = stall_stats(r, th) if stalls is None else stalls
-    n, source = trusted_count(r, kinds)
-    if (n, source) != (r.completion_tokens, r.tokens_source):
-        changes.update(_trusted_fields(r, n, source))
-    return fill_in(
-        r,
-        anomalies=tuple(kinds),
-        anomaly_evidence=evidence,
-        stall_count=len(idx),
-        stall_total_s=sum(lengths),
-        **changes,
-    )
+    n, source = trusted_count(m, kinds)
+    idx, lengths = stalls
+    return Verdict(n, source, tuple(kinds), evidence, len(idx), sum(lengths))
 
 
-def _decode_window(r: Record) -> tuple[float, float] | None:
+def _decode_window(r: Measured) -> tuple[float, float] | None:
     if not r.event_offsets_s:
         return None
     return r.t_start_mono + r.event_offsets_s[0], r.t_start_mono + r.event_offsets_s[-1]
@@ -712,7 +661,7 @@ def _busy_span(a: Record) -> tuple[float, float] | None:
     return None
 
 
-def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
+def find_serialized(later: Measured, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
     """Whether `later` waited for another request on the same upstream instead of
     progressing with it: while it waited for its first token, the other stream went on for
     at least `serialized_min_wait_s`, and that stream had ended (its last token, or its
@@ -764,7 +713,7 @@ def find_serialized(later: Record, earlier: Sequence[Record], th: Thresholds) ->
     return None
 
 
-def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, str]:
+def _expected_ttft(r: Measured, others: Sequence[Record]) -> tuple[float | None, str]:
     """What `r`'s TTFT would usually be on this upstream, from its other finished requests:
     their median TTFT, or `r`'s own uncached prompt at their best prefill rate when that is
     longer (a long prompt is slow on its own). (None, "") when they show neither."""
@@ -781,7 +730,7 @@ def _expected_ttft(r: Record, others: Sequence[Record]) -> tuple[float | None, s
     return None, ""
 
 
-def find_abandoned(later: Record, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
+def find_abandoned(later: Measured, earlier: Sequence[Record], th: Thresholds) -> Anomaly | None:
     """Generation that went on after its client left. An earlier request on the same
     upstream ended in `client_disconnect`, and `later`'s first token came at least
     `abandoned_min_wait_s` after that client left, with a TTFT at least

@@ -1,4 +1,4 @@
-"""The per-request meter: bytes and timestamps in, one `Record` out.
+"""The per-request meter: bytes and timestamps in, one frozen `Measurement` out.
 
 Sans-I/O: every method takes the time as an argument (seconds from one monotonic clock,
 e.g. `time.perf_counter()` in the shells, scripted floats in tests). The proxy, replay,
@@ -6,18 +6,21 @@ bench and the tests all drive this class, so every figure means one thing everyw
 (definitions: docs/METRICS.md).
 
 Lifecycle: `RequestMeter(...)` at t_start → `upstream_sent(t)` → `response_started(t,
-status, content_type)` → `feed(data, t)` per body read (or `feed_stripping`, which also
-removes the usage event the proxy injected, in two halves `strip` and `feed_forwarded` for a shell
-that forwards in between) → `finish(t_end)` → `Record`. `stop()` ends the
-parsing early (a metering bug: the bytes are still counted). The state changes only through
-these methods; the attributes are read by the checks (`core.analyze`) and the shells' views.
+status, content_type)` → `feed(data, t)` per body read (or, for a stream whose usage event
+the proxy injected, `strip(data, stripper)` before forwarding the read and
+`feed_forwarded(data, items, t)` after) → `finish(t_end)` → `Measurement`. `stop()` ends
+the parsing early, `fail(exc)` when metering raised (a bug: the bytes are still counted).
+Like h11's `Connection`, the state changes only through these methods and is read through a
+few read-only properties; `snapshot(now)` is a request's figures so far (`/streams`, the
+live page), `finish` the frozen measurement the checks (`core.detect.judge`) and the
+record (`core.record.checked_record`) are made from.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any, TypedDict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -33,18 +36,20 @@ from mlxproxy.core.apis import (
 )
 from mlxproxy.core.openai import (
     GENERATION_ENDPOINTS,
+    Endpoint,
     RequestInfo,
     classify_chunk,
     error_message,
     parse_context_limit,
     plain_delta,
+    uncached_tokens,
 )
-from mlxproxy.core.record import Outcome, Record, TokensSource, rate_figures, uncached_tokens
+from mlxproxy.core.record import MEASURED_FIELDS, Outcome
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 from mlxproxy.core.strip import UsageStripper
 from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
 
-__all__ = ["RequestMeter"]
+__all__ = ["RequestMeter", "Measurement", "Snapshot"]
 
 _PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses huge digit runs
 _STD_USAGE_KEYS = frozenset(
@@ -57,30 +62,97 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-class _TokenFields(TypedDict):
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    completion_tokens_reported: int | None
-    reasoning_tokens_reported: int | None
-    completion_tokens_counted: int | None
-    completion_tokens_tokenizer: int | None
-    completion_tokens: int | None
-    tokens_source: TokensSource | None
-    server_claims: dict[str, Any]
+class Measurement(NamedTuple):
+    """What a finished meter saw, frozen: the record's measured figures (its first fields,
+    `core.record.MEASURED_FIELDS`, same names and meaning as `Record`'s), then the evidence
+    the truth checks need and no record keeps (the generated text's size, the streamed
+    content, the unusable tool calls, the silence after the headers). The checks and the
+    trusted token count run on it (`core.detect.judge`), and the one `Record` is made of it
+    (`core.record.checked_record`)."""
 
-
-class _TimeFields(TypedDict):
+    id: str
+    started_at: float
+    upstream: str
+    model: str | None
+    endpoint: Endpoint
+    stream: bool
+    status: int | None
+    outcome: Outcome
+    method: str
+    path: str
     ttfb_s: float | None
     ttft_s: float | None
     ttfc_s: float | None
     e2e_s: float | None
     headers_s: float | None
-    duration_s: float
+    duration_s: float | None
     tail_after_done_s: float | None
-    tpot_s: float | None
-    decode_tps: float | None
-    wall_tps: float | None
     prefill_tps: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens_reported: int | None
+    reasoning_tokens_reported: int | None
+    completion_tokens_counted: int | None
+    reasoning_tokens_counted: int | None
+    completion_tokens_tokenizer: int | None
+    usage_reports: int
+    usage_requested: bool
+    usage_injected: bool
+    max_tokens: int | None
+    events: int
+    generated_events: int
+    comments: int
+    finish_reason: str | None
+    finish_reasons_seen: int
+    tool_calls: int
+    tool_calls_valid: int | None
+    error: str | None
+    context_prompt_tokens: int | None
+    context_limit_tokens: int | None
+    prefill_progress: tuple[int, int] | None
+    server_claims: dict[str, Any]
+    concurrency: int
+    tags: tuple[str, ...]
+    bytes_out: int
+    event_offsets_s: tuple[float, ...]
+    t_start_mono: float
+    dual_reasoning_events: int
+    duplicate_content: bool
+    response_text: str | None
+    reasoning_text: str | None
+    # evidence for the checks (not record fields)
+    generated_chars: int | None  # characters of generated text streamed (None: not a stream)
+    nonascii_chars: int  # ... of them not ASCII
+    nonascii_bytes: int  # ... and their UTF-8 bytes
+    content_text: str  # the answer's content, as streamed or in the body
+    tool_problems: tuple[str, ...]  # why each structured call is unusable
+    tool_markup: str | None  # tool-call markup found in the content (tools offered, no structured call)
+    silent_after_headers_s: float | None  # headers to the first body byte (or to the end); None: no headers
+
+
+if Measurement._fields[: len(MEASURED_FIELDS)] != MEASURED_FIELDS:  # pragma: no cover - caught at import
+    raise ImportError(
+        "Measurement's first fields must be core.record.MEASURED_FIELDS, in order: a new Record field is "
+        "either measured (add it to Measurement) or decided by the checks (add it to record.CHECKED_FIELDS)"
+    )
+
+
+class Snapshot(NamedTuple):
+    """A request in flight, as far as it got (`RequestMeter.snapshot`): seconds, no text."""
+
+    id: str
+    upstream: str
+    model: str | None
+    endpoint: Endpoint
+    stream: bool
+    status: int | None
+    age_s: float
+    ttft_s: float | None
+    tokens_so_far: int
+    tokens_per_s: float | None  # generated events per second from the first to the last so far
+    idle_s: float  # since the last body byte (or the start)
+    prefill_progress: tuple[int, int] | None
+    concurrency: int
 
 
 class RequestMeter:
@@ -100,62 +172,129 @@ class RequestMeter:
         keep_text: bool = False,
         max_line_bytes: int | None = None,
     ) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.upstream = upstream
-        self.t_start = t_start
-        self.started_at = started_at
-        self.usage_injected = usage_injected
-        self.concurrency = concurrency
-        self.tags = tags
-        self.keep_text = keep_text
+        self._request = request
+        self._request_id = request_id
+        self._upstream = upstream
+        self._t_start = t_start
+        self._started_at = started_at
+        self._usage_injected = usage_injected
+        self._concurrency = concurrency
+        self._tags = tags
+        self._keep_text = keep_text
         self._max_line_bytes = max_line_bytes
-        self.t_upstream_sent: float | None = None
-        self.t_headers: float | None = None
-        self.t_first_byte: float | None = None
-        self.t_last_byte: float | None = None
-        self.t_first_token: float | None = None
-        self.t_first_content: float | None = None
-        self.t_last_token: float | None = None
-        self.t_done: float | None = None
-        self.status: int | None = None
-        self.sse = False
-        self.decoder: SSEDecoder | None = None
-        self.bytes_out = 0
+        self._t_upstream_sent: float | None = None
+        self._t_headers: float | None = None
+        self._t_first_byte: float | None = None
+        self._t_last_byte: float | None = None
+        self._t_first_token: float | None = None
+        self._t_first_content: float | None = None
+        self._t_last_token: float | None = None
+        self._t_done: float | None = None
+        self._status: int | None = None
+        self._sse = False
+        self._decoder: SSEDecoder | None = None
+        self._bytes_out = 0
         self._body = bytearray()
         self._body_overflow = False
         self._done = False  # [DONE] (or the API's terminal event) seen, or metering stopped
-        self.failure: Exception | None = None  # what stopped the metering early (`fail`)
-        self.events = 0
-        self.generated_events = 0
-        self.reasoning_events = 0
-        self.content_events = 0
-        self.comments = 0
-        self.event_times: list[float] = []
-        self.finish_reason: str | None = None
-        self.finish_reasons_seen = 0
-        self.usage: dict[str, Any] | None = None
-        self.usage_reports = 0
-        self.stream_error: str | None = None
-        self.protocol_error: str | None = None
-        self.dual_reasoning_events = 0
-        self.duplicate_content = False
-        self.prefill_progress: tuple[int, int] | None = None
-        self.claims: dict[str, Any] = {}
-        self.content_parts: list[str] = []
+        self._failure: Exception | None = None  # what stopped the metering early (`fail`)
+        self._events = 0
+        self._generated_events = 0
+        self._reasoning_events = 0
+        self._content_events = 0
+        self._comments = 0
+        self._event_times: list[float] = []
+        self._finish_reason: str | None = None
+        self._finish_reasons_seen = 0
+        self._usage: dict[str, Any] | None = None
+        self._usage_reports = 0
+        self._stream_error: str | None = None
+        self._protocol_error: str | None = None
+        self._dual_reasoning_events = 0
+        self._duplicate_content = False
+        self._prefill_progress: tuple[int, int] | None = None
+        self._claims: dict[str, Any] = {}
+        self._content_parts: list[str] = []
         self._content_chars = 0
-        self.reasoning_parts: list[str] = []
-        self.tool_calls: dict[int, dict[str, str]] = {}
+        self._reasoning_parts: list[str] = []
+        self._tool_calls: dict[int, dict[str, str]] = {}
         self._tool_args_over: dict[int, int] = {}
         # Anthropic Messages / OpenAI Responses: their events follow core.apis, not the chat rules
         self._api = request.endpoint if request.endpoint in STREAM_APIS else None
         self._api_raw_usage: dict[str, Any] = {}
         self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
+    # -- the read-only surface ---------------------------------------------------------
+
+    @property
+    def request(self) -> RequestInfo:
+        return self._request
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def upstream(self) -> str:
+        return self._upstream
+
+    @property
+    def t_start(self) -> float:
+        return self._t_start
+
+    @property
+    def started_at(self) -> float:
+        return self._started_at
+
+    @property
+    def sse(self) -> bool:
+        """The response is an event stream (known once `response_started`)."""
+        return self._sse
+
     @property
     def done(self) -> bool:
         """True once the stream's end event arrived or metering was stopped: nothing more is parsed."""
         return self._done
+
+    @property
+    def stream_error(self) -> str | None:
+        """The first error event the stream carried, if any."""
+        return self._stream_error
+
+    @property
+    def failure(self) -> Exception | None:
+        """What stopped the metering early (`fail`), if anything."""
+        return self._failure
+
+    @property
+    def generated_events(self) -> int:
+        """Generated events (tokens, on per-token servers) so far."""
+        return self._generated_events
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The request's figures so far, at `now` (a request in flight: `/streams`, the live page)."""
+        tokens = self._generated_events
+        first, last = self._t_first_token, self._t_last_token
+        tps = None
+        if tokens >= 2 and first is not None and last is not None and last > first:
+            tps = (tokens - 1) / (last - first)
+        t0 = self._t_start
+        request = self._request
+        return Snapshot(
+            id=self._request_id,
+            upstream=self._upstream,
+            model=request.model,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            status=self._status,
+            age_s=now - t0,
+            ttft_s=None if first is None else first - t0,
+            tokens_so_far=tokens,
+            tokens_per_s=tps,
+            idle_s=now - (self._t_last_byte if self._t_last_byte is not None else t0),
+            prefill_progress=self._prefill_progress,
+            concurrency=self._concurrency,
+        )
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -165,30 +304,35 @@ class RequestMeter:
 
     def fail(self, exc: Exception) -> None:
         """The meter raised `exc` (a bug): stop metering and keep why (`failure`)."""
-        if self.failure is None:
-            self.failure = exc
+        if self._failure is None:
+            self._failure = exc
         self._done = True
 
     def upstream_sent(self, t: float) -> None:
-        self.t_upstream_sent = t
+        self._t_upstream_sent = t
 
     def response_started(self, t: float, status: int, content_type: str | None) -> None:
         """Status line and headers arrived. An `text/event-stream` body is parsed as SSE."""
-        self.t_headers = t
-        self.status = status
+        self._t_headers = t
+        self._status = status
         if status < 400 and content_type and content_type.lower().startswith("text/event-stream"):
-            self.sse = True
-            self.decoder = SSEDecoder(self._max_line_bytes) if self._max_line_bytes else SSEDecoder()
+            self._sse = True
+            self._decoder = SSEDecoder(self._max_line_bytes) if self._max_line_bytes else SSEDecoder()
 
     def feed(self, data: bytes, t: float) -> None:
         """A body read of `data` arrived at `t` (stamped on arrival, before any parsing)."""
         if not data:
             return
-        decoder = self.decoder
+        decoder = self._decoder
         if decoder is not None:
-            self.feed_decoded(len(data), () if self._done else decoder.feed(data), t)
+            try:
+                items = () if self._done else decoder.feed(data)
+            except Exception:  # (a decoder bug) the read still arrived: count it, then say so
+                self._feed_decoded(len(data), (), t)
+                raise
+            self._feed_decoded(len(data), items, t)
             return
-        self.feed_decoded(len(data), (), t)
+        self._feed_decoded(len(data), (), t)
         if not self._body_overflow:
             if len(self._body) + len(data) > MAX_BUFFERED_BODY_BYTES:
                 self._body_overflow = True
@@ -196,23 +340,13 @@ class RequestMeter:
             else:
                 self._body += data
 
-    def feed_stripping(self, data: bytes, t: float, stripper: UsageStripper) -> bytes:
-        """`feed` for a stream whose usage event was injected by the caller: returns the bytes
-        to forward now, without that event (`stripper` holds back an event still open). Never
-        raises: a metering failure is kept (`fail`) and the held bytes and the rest pass unchanged.
-        (`strip` then `feed_forwarded`: a shell that forwards in between keeps the metering off
-        the client's path.)"""
-        out, items = self.strip(data, stripper)
-        self.feed_forwarded(data, items, t)
-        return out
-
     def strip(self, data: bytes, stripper: UsageStripper) -> tuple[bytes, Sequence[SSEItem] | None]:
-        """The first half of `feed_stripping`: decode a read of `data` (SSE framing only, no
+        """For a stream whose usage event the caller injected, before it forwards a read: decode it of `data` (SSE framing only, no
         JSON) and return the bytes to forward now, without the injected usage event, and the
         decoded items for `feed_forwarded` (None: nothing decoded, it meters `data` itself).
         Never raises: a decoding failure is kept (`fail`) and the held bytes and the rest pass
         unchanged."""
-        decoder = self.decoder
+        decoder = self._decoder
         if self._done or decoder is None:
             return stripper.flush() + data, None
         try:
@@ -222,52 +356,53 @@ class RequestMeter:
             self.fail(exc)
             return stripper.flush() + data, ()
 
-    def feed_forwarded(self, data: bytes, items: Sequence[SSEItem] | None, t: float) -> None:
+    def feed_forwarded(self, data: bytes, items: Sequence[SSEItem] | None, t: float) -> bool:
         """Meter a read of `data` that arrived at `t` and has been forwarded: `items` are what
         `strip` decoded of it, or None to decode it here (`feed`). Never raises: a metering
-        failure is kept (`fail`)."""
+        failure is kept (`fail`). Returns whether the metering has failed (here or in `strip`)."""
         try:
             if items is None:
                 self.feed(data, t)
             else:
-                self.feed_decoded(len(data), items, t)
+                self._feed_decoded(len(data), items, t)
         except Exception as exc:
             self.fail(exc)
+        return self._failure is not None
 
-    def feed_decoded(self, nbytes: int, items: Sequence[SSEItem], t: float) -> None:
-        """Like `feed`, for a caller that already ran this meter's `decoder` on the bytes."""
+    def _feed_decoded(self, nbytes: int, items: Sequence[SSEItem], t: float) -> None:
+        """`feed` of `nbytes` whose SSE items this meter's decoder already gave (`items`)."""
         if nbytes:
-            if self.t_first_byte is None:
-                self.t_first_byte = t
-            self.t_last_byte = t
-            self.bytes_out += nbytes
+            if self._t_first_byte is None:
+                self._t_first_byte = t
+            self._t_last_byte = t
+            self._bytes_out += nbytes
         if items and not self._done:
-            self.feed_items(items, t)
+            self._feed_items(items, t)
 
-    def feed_items(self, items: Sequence[SSEItem], t: float) -> None:
+    def _feed_items(self, items: Sequence[SSEItem], t: float) -> None:
         for item in items:
             if self._done:
                 return
             if isinstance(item, SSEEvent):
                 self._event(item.data, t)
             elif isinstance(item, SSEComment):
-                self.comments += 1
+                self._comments += 1
                 m = _PROGRESS.search(item.text)
                 if m:
-                    self.prefill_progress = (int(m.group(1)), int(m.group(2)))
+                    self._prefill_progress = (int(m.group(1)), int(m.group(2)))
             elif isinstance(item, SSEProtocolError):
-                self.protocol_error = self.protocol_error or item.reason
+                self._protocol_error = self._protocol_error or item.reason
 
     def _event(self, data: str, t: float) -> None:
-        self.events += 1
+        self._events += 1
         if data.startswith("[DONE]"):
             self._done = True
-            self.t_done = t
+            self._t_done = t
             return
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            self.protocol_error = self.protocol_error or "invalid JSON in a data: line"
+            self._protocol_error = self._protocol_error or "invalid JSON in a data: line"
             return
         tool_calls: Sequence[dict[str, Any]] = ()
         has_tool: object  # truthy when the event carries (part of) a tool call
@@ -284,18 +419,18 @@ class RequestMeter:
             else:
                 d = classify_chunk(obj)  # (repeats the plain_delta test: only on the few other chunks)
                 if d.error is not None:
-                    self.stream_error = self.stream_error or d.error
+                    self._stream_error = self._stream_error or d.error
                 if d.usage is not None:
-                    self.usage = d.usage
-                    self.usage_reports += 1
+                    self._usage = d.usage
+                    self._usage_reports += 1
                 if d.claims:
-                    self.claims.update(d.claims)
+                    self._claims.update(d.claims)
                 if d.finish_reasons:
-                    self.finish_reasons_seen += len(d.finish_reasons)
-                    if self.finish_reason is None:
-                        self.finish_reason = d.finish_reasons[0]
+                    self._finish_reasons_seen += len(d.finish_reasons)
+                    if self._finish_reason is None:
+                        self._finish_reason = d.finish_reasons[0]
                 if d.dual_reasoning:
-                    self.dual_reasoning_events += 1
+                    self._dual_reasoning_events += 1
                 if not d.generated:
                     return
                 content = d.content or d.text
@@ -303,67 +438,67 @@ class RequestMeter:
                 tool_calls = d.tool_calls
             if (
                 content
-                and self.content_events >= 2
+                and self._content_events >= 2
                 and len(content) == self._content_chars
-                and content == "".join(self.content_parts)
+                and content == "".join(self._content_parts)
             ):  # joined only when the lengths agree: linear overall
-                self.duplicate_content = True  # a terminal chunk replaying the whole answer
+                self._duplicate_content = True  # a terminal chunk replaying the whole answer
                 return
             has_tool = tool_calls
         # one generated event (a token on per-token servers), of any API; kept inline: this
         # runs for every event of every stream
-        self.generated_events += 1
-        self.event_times.append(t)
-        if self.t_first_token is None:
-            self.t_first_token = t
-        if self.t_first_content is None and (content or has_tool):
-            self.t_first_content = t
-        self.t_last_token = t
+        self._generated_events += 1
+        self._event_times.append(t)
+        if self._t_first_token is None:
+            self._t_first_token = t
+        if self._t_first_content is None and (content or has_tool):
+            self._t_first_content = t
+        self._t_last_token = t
         if content:
-            self.content_events += 1
-            self.content_parts.append(content)
+            self._content_events += 1
+            self._content_parts.append(content)
             self._content_chars += len(content)
         if reasoning:
-            self.reasoning_events += 1
-            self.reasoning_parts.append(reasoning)
+            self._reasoning_events += 1
+            self._reasoning_parts.append(reasoning)
         for tc in tool_calls:
             self._tool_call(tc)
 
     def _api_event(self, ev: ApiEvent, t: float | None) -> None:
         """A Messages or Responses event (`t` None: part of a non-streamed body)."""
         if ev.error is not None:
-            self.stream_error = self.stream_error or ev.error
+            self._stream_error = self._stream_error or ev.error
         if ev.usage is not None:
             if ev.usage_final:
-                self.usage_reports += 1
+                self._usage_reports += 1
             if self._api == "messages":
                 self._api_raw_usage.update(ev.usage)
                 self._api_final_usage = self._api_final_usage or ev.usage_final
-                self.usage = messages_usage(self._api_raw_usage, self._api_final_usage)
+                self._usage = messages_usage(self._api_raw_usage, self._api_final_usage)
             else:
-                self.usage = responses_usage(ev.usage)
+                self._usage = responses_usage(ev.usage)
         if ev.finish is not None:
-            self.finish_reasons_seen += 1
-            if self.finish_reason is None:
-                self.finish_reason = ev.finish
+            self._finish_reasons_seen += 1
+            if self._finish_reason is None:
+                self._finish_reason = ev.finish
         idx = ev.tool_index if ev.tool_index is not None else 0
         if ev.tool_name is not None or ev.tool_id is not None:
             self._call_part(idx, ev.tool_id, ev.tool_name, None)
         if ev.generated:
             if t is None:  # (a streamed event's text and times are kept by `_event`)
                 if ev.content:
-                    self.content_parts.append(ev.content)
+                    self._content_parts.append(ev.content)
                 if ev.reasoning:
-                    self.reasoning_parts.append(ev.reasoning)
+                    self._reasoning_parts.append(ev.reasoning)
             if ev.tool_args:
                 self._call_part(idx, None, None, ev.tool_args)
         if ev.tool_final_args is not None:
-            slot = self.tool_calls.get(idx)
+            slot = self._tool_calls.get(idx)
             if slot is None or (not slot["arguments"] and idx not in self._tool_args_over):
                 self._call_part(idx, None, None, ev.tool_final_args)  # sent whole, never streamed
         if ev.terminal and t is not None:
             self._done = True
-            self.t_done = t
+            self._t_done = t
 
     def _tool_call(self, tc: dict[str, Any]) -> None:
         idx = _int(tc.get("index"))
@@ -377,11 +512,11 @@ class RequestMeter:
     def _call_part(self, idx: int, call_id: Any, name: Any, arguments: Any) -> None:
         """A structured call (or a piece of one) at position `idx`: arguments accumulate,
         kept up to MAX_ARGUMENT_CHARS per call (the rest only counted)."""
-        slot = self.tool_calls.get(idx)
+        slot = self._tool_calls.get(idx)
         if slot is None:
-            if len(self.tool_calls) >= 4 * MAX_TOOLS:
+            if len(self._tool_calls) >= 4 * MAX_TOOLS:
                 return
-            slot = self.tool_calls[idx] = {"id": "", "name": "", "arguments": ""}
+            slot = self._tool_calls[idx] = {"id": "", "name": "", "arguments": ""}
         if isinstance(call_id, str):
             slot["id"] = call_id[:256]
         if isinstance(name, str) and name:
@@ -394,61 +529,7 @@ class RequestMeter:
                 slot["arguments"] += arguments[: max(room, 0)]
                 self._tool_args_over[idx] = self._tool_args_over.get(idx, 0) + len(arguments) - max(room, 0)
 
-    def tool_problems(self) -> list[str]:
-        """Why each structured call is unusable (empty when all are fine or no tools were offered)."""
-        tools = self.request.tools
-        if tools is None:
-            return []
-        out = []
-        for idx, slot in sorted(self.tool_calls.items()):
-            p = call_problem(tools, slot["name"], slot["arguments"], truncated=idx in self._tool_args_over)
-            if p is not None:
-                out.append(p)
-        return out
-
-    def tool_markup(self) -> str | None:
-        """Tool-call markup in the streamed content (evidence), when the request offered tools."""
-        if self.request.tools is None:
-            return None
-        return find_markup(self.content_text, self.request.tools)
-
-    # -- outputs ---------------------------------------------------------------------
-
-    @property
-    def content_text(self) -> str:
-        return "".join(self.content_parts)
-
-    @property
-    def reasoning_text(self) -> str:
-        return "".join(self.reasoning_parts)
-
-    @property
-    def tool_call_text(self) -> str:
-        """The tool calls' names and arguments as streamed (what any recount must include)."""
-        return "".join(t["name"] + t["arguments"] for t in self.tool_calls.values())
-
-    @property
-    def generated_text(self) -> str:
-        """All generated text streamed: reasoning, content, tool-call names and arguments."""
-        return self.reasoning_text + self.content_text + self.tool_call_text
-
-    @property
-    def generated_chars(self) -> int:
-        """Characters of generated text streamed (content, reasoning, tool names and arguments)."""
-        return (
-            sum(map(len, self.content_parts))
-            + sum(map(len, self.reasoning_parts))
-            + sum(len(t["arguments"]) + len(t["name"]) for t in self.tool_calls.values())
-            + sum(self._tool_args_over.values())
-        )
-
-    def silent_after_headers_s(self, t_end: float) -> float | None:
-        """How long the body stayed silent after the headers (to the first byte, or to
-        the end when no byte came). None before headers."""
-        if self.t_headers is None:
-            return None
-        first = self.t_first_byte if self.t_first_byte is not None else t_end
-        return first - self.t_headers
+    # -- the measurement ---------------------------------------------------------------
 
     def finish(
         self,
@@ -456,213 +537,235 @@ class RequestMeter:
         *,
         outcome: Outcome | None = None,
         error: str | None = None,
-        tokenizer_tokens: int | None = None,
-    ) -> Record:
-        """Close the body and compute the record. `outcome` overrides the classification
-        for transport failures seen by the shell (`upstream_unreachable`,
-        `upstream_timeout`, `client_disconnect`). `tokenizer_tokens` is a tokenizer's
-        count of the generated text, when the caller has one."""
-        if self.decoder is not None and not self._done:
-            self.feed_items(self.decoder.close(), self.t_last_byte if self.t_last_byte is not None else t_end)
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> Measurement:
+        """Close the body and measure: the frozen `Measurement` of this request. `outcome`
+        overrides the classification for transport failures seen by the shell
+        (`upstream_unreachable`, `upstream_timeout`, `client_disconnect`). `count_tokens` (a
+        tokenizer) counts the generated text streamed; a failing one is ignored."""
+        decoder = self._decoder
+        if decoder is not None and not self._done:
+            self._feed_items(decoder.close(), self._t_last_byte if self._t_last_byte is not None else t_end)
         body_obj: Any = None
-        if self.decoder is None and self._body and not self._body_overflow:
+        if decoder is None and self._body and not self._body_overflow:
             try:
                 body_obj = orjson.loads(bytes(self._body))
             except orjson.JSONDecodeError:
                 body_obj = None
-        err_msg = error
-        ctx: tuple[bool, int | None, int | None] = (False, None, None)
-        st = self.status
-        if st is not None and st >= 400:
-            err_msg = err_msg or error_message(body_obj) or _text_snippet(self._body)
-            ctx = parse_context_limit(err_msg) if st in (400, 413, 422) else ctx
-        elif self.stream_error:
-            err_msg = err_msg or self.stream_error
-            ctx = parse_context_limit(self.stream_error)
-        if self.decoder is None and isinstance(body_obj, dict) and st is not None and st < 400:
+        stream_error = self._stream_error  # (in the stream: a body's own error is absorbed next)
+        st = self._status
+        if decoder is None and isinstance(body_obj, dict) and st is not None and st < 400:
             self._absorb_body(body_obj)
-        if outcome is None:
-            outcome = self._classify(body_obj, ctx[0])
-        if err_msg is None and outcome == "protocol_error":
-            err_msg = self.protocol_error or "response body is not valid JSON"
-        return self._record(t_end, outcome, err_msg, ctx, tokenizer_tokens)
+        return self._measurement(t_end, body_obj, stream_error, outcome, error, count_tokens)
 
     def _absorb_body(self, obj: dict[str, Any]) -> None:
         """A non-stream JSON response: usage, finish reason, error and (kept) text."""
         if self._api is not None and obj.get("type") != "error" and not obj.get("error"):
             evs, usage = messages_body(obj) if self._api == "messages" else responses_body(obj)
             if usage is not None:
-                self.usage = usage
-                self.usage_reports += 1
+                self._usage = usage
+                self._usage_reports += 1
             for ev in evs:
                 ev.usage = None
                 self._api_event(ev, None)
             return
         if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
-            self.usage_reports += 1
+            self._usage = obj["usage"]
+            self._usage_reports += 1
         msg = obj.get("error")
         if msg:
-            self.stream_error = error_message(obj)
+            self._stream_error = error_message(obj)
         choices = obj.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             ch = choices[0]
             if isinstance(ch.get("finish_reason"), str):
-                self.finish_reason = ch["finish_reason"]
-                self.finish_reasons_seen += 1
+                self._finish_reason = ch["finish_reason"]
+                self._finish_reasons_seen += 1
             m = ch.get("message")
             if isinstance(m, dict):
                 if isinstance(m.get("content"), str):
-                    self.content_parts.append(m["content"])
+                    self._content_parts.append(m["content"])
                 r = m.get("reasoning_content") or m.get("reasoning")
                 if isinstance(r, str):
-                    self.reasoning_parts.append(r)
+                    self._reasoning_parts.append(r)
                 if isinstance(m.get("tool_calls"), list):
                     for tc in m["tool_calls"]:
                         if isinstance(tc, dict):
                             self._tool_call(tc)
             elif isinstance(ch.get("text"), str):
-                self.content_parts.append(ch["text"])
+                self._content_parts.append(ch["text"])
 
-    def _classify(self, body_obj: Any, context_limit: bool) -> Outcome:
-        st = self.status
+    def _classify(self, body_obj: Any) -> Outcome:
+        """The outcome the response shows (a refused prompt is told apart by its error text)."""
+        st = self._status
         if st is None:
             return "upstream_unreachable"
         if st >= 400:
-            return "context_limit" if context_limit else "http_error"
-        if self.stream_error:
+            return "http_error"
+        if self._stream_error:
             return "stream_error"
-        if self.decoder is not None:
-            if self.protocol_error:
+        if self._decoder is not None:
+            if self._protocol_error:
                 return "protocol_error"
-            if self.finish_reason is not None:
+            if self._finish_reason is not None:
                 return "ok" if self._done else "ok_no_done"
             return "truncated"
-        if self.request.endpoint in GENERATION_ENDPOINTS and self.request.json_body:
+        if self._request.endpoint in GENERATION_ENDPOINTS and self._request.json_body:
             if body_obj is None and not self._body_overflow:
                 return "protocol_error"
         return "ok"
 
-    def _record(
+    def _measurement(
         self,
         t_end: float,
-        outcome: Outcome,
-        err: str | None,
-        ctx: tuple[bool, int | None, int | None],
-        tokenizer_tokens: int | None,
-    ) -> Record:
-        tokens = self._token_fields(tokenizer_tokens)
-        times = self._time_fields(t_end, tokens["completion_tokens"], tokens["prompt_tokens"], tokens["cached_tokens"])
-        request = self.request
-        return Record(
-            id=self.request_id,
-            started_at=self.started_at,
-            upstream=self.upstream,
-            model=request.model,
-            endpoint=request.endpoint,
-            stream=request.stream,
-            status=self.status,
-            outcome=outcome,
-            method=request.method,
-            path=request.path,
-            **times,
-            **tokens,
-            reasoning_tokens_counted=self.reasoning_events if self.decoder is not None else None,
-            usage_reports=self.usage_reports,
-            usage_requested=request.usage_requested,
-            usage_injected=self.usage_injected,
-            max_tokens=request.max_tokens,
-            events=self.events,
-            generated_events=self.generated_events,
-            comments=self.comments,
-            finish_reason=self.finish_reason,
-            finish_reasons_seen=self.finish_reasons_seen,
-            tool_calls=len(self.tool_calls),
-            tool_calls_valid=(None if request.tools is None else len(self.tool_calls) - len(self.tool_problems())),
-            error=None if err is None else err[:500],
-            context_prompt_tokens=ctx[1],
-            context_limit_tokens=ctx[2],
-            prefill_progress=self.prefill_progress,
-            concurrency=self.concurrency,
-            tags=self.tags,
-            bytes_out=self.bytes_out,
-            event_offsets_s=tuple(t - self.t_start for t in self.event_times),
-            t_start_mono=self.t_start,
-            dual_reasoning_events=self.dual_reasoning_events,
-            duplicate_content=self.duplicate_content,
-            response_text=self.content_text if self.keep_text else None,
-            reasoning_text=self.reasoning_text if self.keep_text else None,
-        )
-
-    def _token_fields(self, tokenizer_tokens: int | None) -> _TokenFields:
-        """The record's token counts: what `usage` reported, what was streamed, a tokenizer's
-        count, and the provisional trusted count (the usage checks in core.detect may still
-        overrule it), with the server's extra usage keys kept as claims."""
-        usage = self.usage or {}
+        body_obj: Any,
+        stream_error: str | None,
+        outcome: Outcome | None,
+        error: str | None,
+        count_tokens: Callable[[str], int] | None,
+    ) -> Measurement:
+        """The measurement, from the meter's own state first, then what the error body and
+        usage mean (`core.openai`)."""
+        st = self._status
+        classified = outcome is None  # (not the shell's: "http_error" may turn out a "context_limit" below)
+        if outcome is None:
+            outcome = self._classify(body_obj)
+        snippet = _text_snippet(self._body) if st is not None and st >= 400 else None
+        request = self._request
+        tools = request.tools
+        content = "".join(self._content_parts)
+        reasoning = "".join(self._reasoning_parts)
+        calls = self._tool_calls
+        sse = self._decoder is not None
+        # what any recount must include: reasoning, content, the tool calls' names and arguments
+        text = reasoning + content + "".join(c["name"] + c["arguments"] for c in calls.values()) if sse else None
+        tokenizer = _count(count_tokens, text) if self._generated_events else None
+        chars, nonascii_chars, nonascii_bytes = _text_sizes(text)
+        if chars is not None and self._tool_args_over:  # arguments past the bound were streamed too
+            chars += sum(self._tool_args_over.values())
+        problems: tuple[str, ...] = ()
+        if tools is not None and calls:
+            over = self._tool_args_over
+            found = (
+                call_problem(tools, slot["name"], slot["arguments"], truncated=idx in over)
+                for idx, slot in sorted(calls.items())
+            )
+            problems = tuple(p for p in found if p is not None)
+        usage = self._usage or {}
         ptd = usage.get("prompt_tokens_details")
         cached = _int(ptd.get("cached_tokens")) if isinstance(ptd, dict) else None
         if cached is None:
             cached = _int(usage.get("cached_tokens"))
-        reported = _int(usage.get("completion_tokens"))
+        prompt = _int(usage.get("prompt_tokens"))
         ctd = usage.get("completion_tokens_details")
+        claims = dict(self._claims)
         extra = {k: v for k, v in usage.items() if k not in _STD_USAGE_KEYS}
-        claims = dict(self.claims)
         if extra:
             claims["usage"] = extra
-        counted = self.generated_events if self.decoder is not None else None
-        source: TokensSource | None
-        if reported is not None:
-            n_out, source = reported, "usage"
-        elif tokenizer_tokens is not None:
-            n_out, source = tokenizer_tokens, "tokenizer"
-        elif counted is not None:
-            n_out, source = counted, "stream"
-        else:
-            n_out, source = None, None
-        return {
-            "prompt_tokens": _int(usage.get("prompt_tokens")),
-            "cached_tokens": cached,
-            "completion_tokens_reported": reported,
-            "reasoning_tokens_reported": _int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None,
-            "completion_tokens_counted": counted,
-            "completion_tokens_tokenizer": tokenizer_tokens,
-            "completion_tokens": n_out,
-            "tokens_source": source,
-            "server_claims": claims,
-        }
-
-    def _time_fields(self, t_end: float, n_out: int | None, prompt: int | None, cached: int | None) -> _TimeFields:
-        """The record's times (seconds from the start) and the rates derived from them."""
-        t0 = self.t_start
-
-        def rel(t: float | None) -> float | None:
-            return None if t is None else t - t0
-
-        ttft = rel(self.t_first_token)
+        t0 = self._t_start
+        ttft = None if self._t_first_token is None else self._t_first_token - t0
         duration = t_end - t0
-        e2e = rel(self.t_last_token) if self.t_last_token is not None else duration
         # wall tok/s stops at [DONE] (or the API's terminal event): a body kept open after it is
         # not the client's wait (SDKs stop reading there); the tail is reported on its own
-        done_at = rel(self.t_done)
-        tail = max(duration - done_at, 0.0) if done_at is not None else None
-        tpot, decode, wall = rate_figures(
-            n_out, ttft if self.t_last_token is not None else None, e2e, duration - (tail or 0.0)
-        )
+        tail = None if self._t_done is None else max(duration - (self._t_done - t0), 0.0)
+        # what the wire's numbers and error texts mean
         uncached = uncached_tokens(prompt, cached)
-        return {
-            "ttfb_s": rel(self.t_first_byte),
-            "ttft_s": ttft,
-            "ttfc_s": rel(self.t_first_content),
-            "e2e_s": e2e,
-            "headers_s": rel(self.t_headers),
-            "duration_s": duration,
-            "tail_after_done_s": tail,
-            "tpot_s": tpot,
-            "decode_tps": decode,
-            "wall_tps": wall,
+        err = error
+        ctx: tuple[bool, int | None, int | None] = (False, None, None)
+        if st is not None and st >= 400:
+            err = err or error_message(body_obj) or snippet
+            ctx = parse_context_limit(err) if st in (400, 413, 422) else ctx
+            if ctx[0] and classified:
+                outcome = "context_limit"
+        elif stream_error:
+            err = err or stream_error
+            ctx = parse_context_limit(stream_error)
+        if err is None and outcome == "protocol_error":
+            err = self._protocol_error or "response body is not valid JSON"
+        headers = self._t_headers
+        return Measurement(
+            id=self._request_id,
+            started_at=self._started_at,
+            upstream=self._upstream,
+            model=request.model,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            status=self._status,
+            outcome=outcome,
+            method=request.method,
+            path=request.path,
+            ttfb_s=None if self._t_first_byte is None else self._t_first_byte - t0,
+            ttft_s=ttft,
+            ttfc_s=None if self._t_first_content is None else self._t_first_content - t0,
+            e2e_s=duration if self._t_last_token is None else self._t_last_token - t0,
+            headers_s=None if headers is None else headers - t0,
+            duration_s=duration,
+            tail_after_done_s=tail,
             # None when nothing was prefilled
-            "prefill_tps": uncached / ttft if uncached and ttft is not None and ttft > 0 else None,
-        }
+            prefill_tps=uncached / ttft if uncached and ttft is not None and ttft > 0 else None,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens_reported=_int(usage.get("completion_tokens")),
+            reasoning_tokens_reported=_int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None,
+            completion_tokens_counted=self._generated_events if sse else None,
+            reasoning_tokens_counted=self._reasoning_events if sse else None,
+            completion_tokens_tokenizer=tokenizer,
+            usage_reports=self._usage_reports,
+            usage_requested=request.usage_requested,
+            usage_injected=self._usage_injected,
+            max_tokens=request.max_tokens,
+            events=self._events,
+            generated_events=self._generated_events,
+            comments=self._comments,
+            finish_reason=self._finish_reason,
+            finish_reasons_seen=self._finish_reasons_seen,
+            tool_calls=len(calls),
+            tool_calls_valid=None if tools is None else len(calls) - len(problems),
+            error=None if err is None else err[:500],
+            context_prompt_tokens=ctx[1],
+            context_limit_tokens=ctx[2],
+            prefill_progress=self._prefill_progress,
+            server_claims=claims,
+            concurrency=self._concurrency,
+            tags=self._tags,
+            bytes_out=self._bytes_out,
+            event_offsets_s=tuple(t - t0 for t in self._event_times),
+            t_start_mono=t0,
+            dual_reasoning_events=self._dual_reasoning_events,
+            duplicate_content=self._duplicate_content,
+            response_text=content if self._keep_text else None,
+            reasoning_text=reasoning if self._keep_text else None,
+            generated_chars=chars,
+            nonascii_chars=nonascii_chars,
+            nonascii_bytes=nonascii_bytes,
+            content_text=content,
+            tool_problems=problems,
+            tool_markup=find_markup(content, tools) if tools is not None and not calls else None,
+            silent_after_headers_s=None
+            if headers is None
+            else (self._t_first_byte if self._t_first_byte is not None else t_end) - headers,
+        )
+
+
+def _count(count_tokens: Callable[[str], int] | None, text: str | None) -> int | None:
+    """A tokenizer's count of `text`; None without one, or when it fails (never loses the record)."""
+    if count_tokens is None or text is None:
+        return None
+    try:
+        return count_tokens(text)
+    except Exception:  # a tokenizer problem must not lose the record
+        return None
+
+
+def _text_sizes(text: str | None) -> tuple[int | None, int, int]:
+    """What the usage check needs of the streamed text: its characters (None when not streamed),
+    the non-ASCII ones, and their UTF-8 bytes (scripts that take more tokens per character)."""
+    if not text:
+        return (None if text is None else 0), 0, 0
+    chars = len(text)
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    nonascii = chars - ascii_chars
+    return chars, nonascii, (len(text.encode("utf-8", "surrogatepass")) - ascii_chars if nonascii else 0)
 
 
 def _text_snippet(body: bytearray) -> str | None:

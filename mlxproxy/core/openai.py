@@ -30,6 +30,7 @@ __all__ = [
     "is_injected_usage_chunk",
     "error_message",
     "parse_context_limit",
+    "uncached_tokens",
 ]
 
 Endpoint = Literal["chat_completions", "completions", "messages", "responses", "embeddings", "models", "other"]
@@ -361,3 +362,15 @@ def parse_context_limit(message: str | None) -> tuple[bool, int | None, int | No
             limit = int(g["limit"]) if g.get("limit") else None
             return True, prompt, limit
     return False, None, None
+
+
+def uncached_tokens(prompt: int | None, cached: int | None) -> int | None:
+    """The prompt tokens a server really prefilled. Usually prompt_tokens - cached_tokens;
+    but `cached_tokens > prompt_tokens` can only mean the server's prompt_tokens already
+    leaves the cached ones out (mlx-openai-server: prompt_tokens 1, cached_tokens 41), so
+    prompt_tokens is the uncached count. None without prompt_tokens."""
+    if prompt is None:
+        return None
+    if cached is None or cached <= 0:
+        return max(prompt, 0)
+    return prompt if cached > prompt else prompt - cached

@@ -9,36 +9,86 @@ differs, block by block: how much of an earlier prompt a new one shares, and whe
 diverge. Fingerprints are Python's `hash()` of strings: stable within one process, which is
 all an in-memory index needs.
 
+Conversation identity (`PrefixIndex.match`): a conversation belongs to one endpoint family
+(chat, Messages, Responses) and starts from one first user message; a new request continues
+it only when its message list (the messages after the leading system ones) strictly extends
+the previous request's, or provably rewrites it (it keeps the previous request's last message
+but changes or drops an earlier one: compaction, truncation). The same list sent again (a
+repeat, a retry) starts a conversation of its own; so does another model, unless its message
+list strictly extends the previous one (`model_changed`).
+
+What changed (`prompt_change`) is named from the fingerprints alone: `model_changed`,
+`tools_changed` (which tool), `volatile_span` (a line or two of the system prompt changed
+while the rest stayed: where, and the line's shape, e.g. `a-a: a=<hex:5>;`, no text),
+`system_changed`, `history_rewritten`. For that the system pieces also keep one fingerprint
+per line, and the tools one fingerprint and the name per tool; the shape of a changed line
+is read from the new request's body while it is still at hand (`PrefixIndex.match`).
+
 `PrefixIndex` keeps, per upstream, the latest prompt of at most `MAX_CONVERSATIONS`
-conversations. A conversation is keyed by its first user message and the set of declared
-tool names: a request with the same key continues it. Limits (documented in the README):
-at most `MAX_BLOCKS` blocks (`MAX_BLOCKS * BLOCK_CHARS` characters) are fingerprinted per
-prompt; past that, pieces compare whole.
+conversations. Limits (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks
+(`MAX_BLOCKS * BLOCK_CHARS` characters) are fingerprinted per prompt; past that, pieces
+compare whole.
 """
 
 from __future__ import annotations
 
+import re
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import orjson
 
-__all__ = ["PromptPrint", "fingerprint", "PrefixIndex", "Match", "BLOCK_CHARS", "MAX_BLOCKS", "MAX_CONVERSATIONS"]
+__all__ = [
+    "PromptPrint",
+    "fingerprint",
+    "PrefixIndex",
+    "Match",
+    "Change",
+    "Cause",
+    "CAUSES",
+    "PromptCause",
+    "compare",
+    "prompt_change",
+    "line_shape",
+    "BLOCK_CHARS",
+    "MAX_BLOCKS",
+    "MAX_CONVERSATIONS",
+]
 
 BLOCK_CHARS = 256
 MAX_BLOCKS = 4096  # 1 MiB of prompt text per request (~250k tokens); 32 KiB of fingerprints at most
 MAX_CONVERSATIONS = 256  # per upstream
 MAX_PIECES = 20_000
+MAX_LINES = 4096  # line fingerprints per system piece
+SHAPE_LINE_CHARS = 400  # a longer changed line has no shape
+VOLATILE_LINES = 2  # a change of at most this many lines, in place...
+VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
+SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
+
+#: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
+Cause = Literal[
+    "volatile_span",
+    "system_changed",
+    "tools_changed",
+    "history_rewritten",
+    "model_changed",
+    "cache_evicted",
+]
+CAUSES: tuple[Cause, ...] = get_args(Cause)
+#: the causes the prompts alone show (`cache_evicted` needs the server's answer)
+PromptCause = Literal["volatile_span", "system_changed", "tools_changed", "history_rewritten", "model_changed"]
+
+_SYSTEM_ROLES = ("system", "developer")  # a tuple: a role may be any JSON value
 
 
 class PromptPrint(NamedTuple):
     """The fingerprints of one prompt (no text). (Tuples, as `Match`: one of each per request,
     and a frozen dataclass's per-field `__init__` cost more than the fingerprinting itself.)"""
 
-    key: int  # the conversation key: first user message and declared tool names
+    key: int  # the conversation key: endpoint family and first user message
     labels: tuple[str, ...]
     hashes: array[int]  # one per piece
     chars: array[int]  # characters per piece
@@ -46,6 +96,13 @@ class PromptPrint(NamedTuple):
     # none, an array for a longer one; None past MAX_BLOCKS)
     blocks: tuple[Sequence[int] | None, ...]
     tools_set: int  # fingerprint of the tools in name order (to tell "tools order" from a change)
+    family: str = ""
+    model: str | None = None
+    messages: tuple[int, ...] = ()  # one fingerprint per message after the leading system ones
+    head_messages: int = 0  # leading system/developer messages (their pieces are system pieces)
+    tools: tuple[tuple[str, int], ...] = ()  # (name, fingerprint) per declared tool, in order
+    # per system piece index: its line fingerprints
+    lines: tuple[tuple[int, array[int]], ...] = ()
 
     @property
     def total_chars(self) -> int:
@@ -67,20 +124,58 @@ def _message_fields(m: dict[str, Any]) -> Any:
     return sorted(m, key=_field_order)
 
 
-def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
+_TOKEN = re.compile(r"[A-Za-z0-9]+|\s+|.")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _token_shape(t: str) -> str:
+    if t.isspace():
+        return " "
+    if not t.isalnum() or not t.isascii():
+        return t if len(t) == 1 and not t.isalnum() else "?"
+    if t.isdigit():
+        return "9" * len(t) if len(t) <= 6 else f"<9:{len(t)}>"
+    if t.isalpha():
+        return "a"
+    if len(t) >= 4 and set(t) <= _HEX:
+        return f"<hex:{len(t)}>"
+    return f"<x:{len(t)}>"
+
+
+def line_shape(line: str) -> str:
+    """The shape of a line without its text: a word is `a`, digits `9`, a run of hex digits
+    `<hex:N>`, other letter-digit mixes `<x:N>`, whitespace one space, punctuation kept
+    (`x-anthropic-billing-header: cc_version=2.1.37; cch=3f2a1;` -> `a-a-a-a: a_a=9.9.99; a=<hex:5>;`)."""
+    return "".join(_token_shape(m.group()) for m in _TOKEN.finditer(line))[:120]
+
+
+def _lines(text: str) -> list[str]:
+    """A piece's lines: at its newlines, or at the escaped ones of a piece serialized as JSON
+    (an Anthropic `system` given as a list of text blocks)."""
+    lines = text.split("\n", MAX_LINES - 1)
+    return text.split("\\n", MAX_LINES - 1) if len(lines) == 1 else lines
+
+
+def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrint | None:
     """The prompt fingerprints of a chat, Messages or Responses request body, or None."""
     if not isinstance(obj, dict):
         return None
     pieces: list[tuple[str, str]] = []
+    system: list[int] = []  # indices of the system pieces
     tools = obj.get("tools")
     tools = tools if isinstance(tools, list) and tools else None
     tools_set = 0
+    tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:
+        texts = [_text(t) for t in tools]
         pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted((_text(t) for t in tools), key=str)))
+        tools_set = hash("\x00".join(sorted(texts)))
+        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in texts)))
     if endpoint == "messages" and obj.get("system") is not None:
+        system.append(len(pieces))
         pieces.append(("system", _text(obj["system"])))
     if endpoint == "responses" and obj.get("instructions") is not None:
+        system.append(len(pieces))
         pieces.append(("instructions", _text(obj["instructions"])))
     if endpoint == "responses":
         inp = obj.get("input")
@@ -91,42 +186,76 @@ def fingerprint(endpoint: str, obj: Any) -> PromptPrint | None:
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
-    first_user = _message_pieces(items, name, pieces)
+    first = len(pieces)
+    first_user, head, head_pieces, messages = _message_pieces(items, name, pieces)
     if first_user is None:
         return None
-    key = hash((first_user, _tool_names(tools) if tools is not None else ()))
+    system += range(first, first + head_pieces)
+    key = hash((endpoint, first_user))
     hashes, lengths, blocks = _piece_blocks(pieces)
-    return PromptPrint(key, tuple(label for label, _ in pieces), hashes, lengths, blocks, tools_set)
+    lines = tuple((i, array("q", [hash(x) for x in _lines(pieces[i][1])])) for i in system)
+    return PromptPrint(
+        key,
+        tuple(label for label, _ in pieces),
+        hashes,
+        lengths,
+        blocks,
+        tools_set,
+        endpoint,
+        model,
+        messages,
+        head,
+        tool_prints,
+        lines,
+    )
 
 
-def _message_pieces(items: list[Any], name: str, pieces: list[tuple[str, str]]) -> str | None:
-    """Append each message's fields to `pieces` (up to `MAX_PIECES`); the first user message's text."""
+def _message_index(label: str) -> int:
+    """`messages[3].content` -> 3; -1 for a piece that is not a message's."""
+    at = label.find("[")
+    return int(label[at + 1 : label.index("]")]) if at >= 0 else -1
+
+
+def _message_pieces(
+    items: list[Any], name: str, pieces: list[tuple[str, str]]
+) -> tuple[str | None, int, int, tuple[int, ...]]:
+    """Append each message's fields to `pieces` (up to `MAX_PIECES`); the first user message's
+    text, the number of leading system messages and of their pieces, and one fingerprint per
+    later message."""
     first_user: str | None = None
     add = pieces.append
+    head = head_pieces = 0
+    leading = True
+    prints: list[int] = []
+    first_piece = len(pieces)
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
             break
+        start = len(pieces)
         if not isinstance(m, dict):
             add((f"{name}[{i}]", _text(m)))
+        else:
+            for field in _message_fields(m):
+                v = m[field]
+                add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
+            if first_user is None and m.get("role") == "user":
+                first_user = _text(m.get("content"))
+        if leading and isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
+            head += 1
+            head_pieces = len(pieces) - first_piece
             continue
-        for field in _message_fields(m):
-            v = m[field]
-            add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
-        if first_user is None and m.get("role") == "user":
-            first_user = _text(m.get("content"))
-    return first_user
+        leading = False
+        prints.append(hash(tuple(text for _, text in pieces[start:])))
+    return first_user, head, head_pieces, tuple(prints)
 
 
-def _tool_names(tools: list[Any]) -> tuple[str, ...]:
-    return tuple(
-        str(n)
-        for n in sorted(
-            t.get("function", t).get("name", "")
-            if isinstance(t, dict) and isinstance(t.get("function", t), dict)
-            else ""
-            for t in tools
-        )
-    )
+def _tool_names(tools: list[Any]) -> list[str]:
+    return [
+        str(t.get("function", t).get("name", ""))
+        if isinstance(t, dict) and isinstance(t.get("function", t), dict)
+        else ""
+        for t in tools
+    ]
 
 
 def _piece_blocks(
@@ -168,6 +297,9 @@ class Match(NamedTuple):
     extends: bool  # the whole previous prompt is a prefix of the new one
     diverged_at: str | None  # where they first differ (None when the new one extends the previous)
     previous_end_s: float  # monotonic end of the previous request (time between turns)
+    change: Change | None = None  # what changed, when the new prompt does not extend the previous one
+    cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
+    lost_s: float = 0.0  # prefill seconds the conversation lost to re-prefills so far
 
     def tokens(self, chars: int) -> tuple[int, str]:
         """`chars` of the previous prompt in tokens, and how that was counted: from its
@@ -178,6 +310,13 @@ class Match(NamedTuple):
                 return self.previous_prompt_tokens, "usage"
             return round(self.previous_prompt_tokens * chars / self.previous_chars), "usage"
         return chars // 4, "chars"
+
+
+class Change(NamedTuple):
+    """What a new prompt changed against its conversation's previous one, from fingerprints."""
+
+    cause: PromptCause
+    where: str  # e.g. "system line 1: a-a-a-a: a_a=9.9.99; a=<hex:5>;", "tools: read_file changed"
 
 
 def _where(old: PromptPrint, new: PromptPrint, i: int, within: int | None) -> str:
@@ -198,8 +337,10 @@ def _where(old: PromptPrint, new: PromptPrint, i: int, within: int | None) -> st
     return a if within is None else f"{a} char {within}"
 
 
-def compare(old: PromptPrint, new: PromptPrint) -> tuple[int, bool, str | None]:
-    """(shared characters, new extends old, where they diverge)."""
+def _first_difference(old: PromptPrint, new: PromptPrint) -> tuple[int, int, int | None]:
+    """(index of the first piece that differs, characters shared before it and within it,
+    characters shared within it when its blocks tell); the index is the shorter prompt's
+    piece count when one prompt's pieces all begin the other."""
     shared = 0
     n = min(len(old.labels), len(new.labels))
     for i in range(n):
@@ -215,10 +356,115 @@ def compare(old: PromptPrint, new: PromptPrint) -> tuple[int, bool, str | None]:
             # a last, partial block that is equal is a prefix only when it is whole in the new prompt
             within = min(k * BLOCK_CHARS, old.chars[i], new.chars[i])
             shared += within
-        return shared, False, _where(old, new, i, within)
-    if len(old.labels) <= len(new.labels):
+        return i, shared, within
+    return n, shared, None
+
+
+def compare(old: PromptPrint, new: PromptPrint) -> tuple[int, bool, str | None]:
+    """(shared characters, new extends old, where they diverge)."""
+    i, shared, within = _first_difference(old, new)
+    if i == len(old.labels) and len(old.labels) <= len(new.labels):
         return shared, True, None
-    return shared, False, _where(old, new, n, None)
+    return shared, False, _where(old, new, i, within)
+
+
+def _tools_where(old: PromptPrint, new: PromptPrint) -> str:
+    """Which tool changed: `tools: NAME changed|added|removed`, or `tools order`."""
+    if old.tools_set == new.tools_set and sorted(old.tools) == sorted(new.tools):
+        return "tools order"
+    before, after = dict(old.tools), dict(new.tools)
+    for name, h in new.tools:
+        if name not in before:
+            return f"tools: {name} added"
+        if before[name] != h:
+            return f"tools: {name} changed"
+    for name, _ in old.tools:
+        if name not in after:
+            return f"tools: {name} removed"
+    return "tools"
+
+
+def _piece_text(pp: PromptPrint, body: Any, i: int) -> str | None:
+    """The text of piece `i` of `pp`, read again from the request body it was made of."""
+    label = pp.labels[i]
+    if not isinstance(body, dict):
+        return None
+    if label in ("system", "instructions"):
+        v = body.get(label)
+    else:
+        name, _, field = label.partition(".")
+        items = body.get(name[: name.index("[")])
+        k = _message_index(label)
+        m = items[k] if isinstance(items, list) and 0 <= k < len(items) else None
+        v = m.get(field) if isinstance(m, dict) else None
+    return None if v is None else _text(v)
+
+
+def _volatile(old: PromptPrint, new: PromptPrint, i: int, body: Any) -> str | None:
+    """Where and what shape a volatile span in system piece `i` has: at most `VOLATILE_LINES`
+    lines replaced in place while at least `VOLATILE_REST` of the piece stays; else None.
+    The changed line's shape is read from `body`, the new prompt's request body."""
+    a = next((x for x in old.lines if x[0] == i), None)
+    b = next((x for x in new.lines if x[0] == i), None)
+    if a is None or b is None or len(a[1]) != len(b[1]) or len(b[1]) < 2:
+        return None
+    la, lb = a[1], b[1]
+    changed = [k for k in range(len(lb)) if la[k] != lb[k]]
+    if not changed or len(changed) > VOLATILE_LINES or changed[-1] - changed[0] >= VOLATILE_LINES:
+        return None
+    k = changed[0]
+    text = _piece_text(new, body, i)
+    line = _lines(text)[k] if text is not None else None
+    shape = line_shape(line) if line is not None and len(line) <= SHAPE_LINE_CHARS else None
+    unchanged = 1 - len(changed) / len(lb)
+    if unchanged < VOLATILE_REST and new.chars[i] > 0:
+        return None
+    label = new.labels[i]
+    return f"{label} line {k + 1}" + (f": {shape}" if shape is not None else "")
+
+
+def _short(name: str | None, limit: int = 64) -> str:
+    """A model name as `reprefill_at` shows it: at most `limit` characters, printable."""
+    text = repr(name)[1:-1] if name is not None else "none"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def prompt_change(old: PromptPrint, new: PromptPrint, body: Any = None) -> Change | None:
+    """What `new` changed that makes part of `old` unusable by a prompt cache, or None when
+    it extends `old` with the same model. `body`: the request body `new` was made of (for
+    the shape of a volatile line)."""
+    if old.model != new.model:
+        return Change("model_changed", f"model {_short(old.model)} -> {_short(new.model)}")
+    i, _, within = _first_difference(old, new)
+    if i == len(old.labels) and len(old.labels) <= len(new.labels):
+        return None
+    label = (old.labels if i < len(old.labels) else new.labels)[i]
+    sys_old = any(x[0] == i for x in old.lines)
+    sys_new = any(x[0] == i for x in new.lines)
+    if label == "tools" or (i < len(new.labels) and new.labels[i] == "tools"):
+        return Change("tools_changed", _tools_where(old, new) if old.tools and new.tools else _where(old, new, i, None))
+    if sys_old and sys_new and old.labels[i] == new.labels[i]:
+        span = _volatile(old, new, i, body)
+        if span is not None:
+            return Change("volatile_span", span)
+    where = _where(old, new, i, within)
+    if sys_old or sys_new or old.head_messages != new.head_messages:
+        return Change("system_changed", where)
+    return Change("history_rewritten", where)
+
+
+def continues(old: PromptPrint, new: PromptPrint) -> bool:
+    """Whether `new` is the next turn of the conversation whose latest prompt is `old`: the
+    same endpoint family; a message list that strictly extends the previous one, or (with
+    the same model) rewrites it while keeping its last message."""
+    if old.family != new.family:
+        return False
+    a, b = old.messages, new.messages
+    if len(b) > len(a) and b[: len(a)] == a:
+        return True
+    if old.model != new.model or not a or a == b:
+        return False
+    return a[-1] in b
 
 
 @dataclass(slots=True)
@@ -229,6 +475,8 @@ class _Entry:
     prompt: PromptPrint
     prompt_tokens: int | None
     end_s: float
+    cold_prefill_tps: float | None = None
+    lost_s: float = 0.0
 
 
 class PrefixIndex:
@@ -236,17 +484,37 @@ class PrefixIndex:
 
     def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
         self.max_conversations = max_conversations
-        self._by_key: OrderedDict[int, _Entry] = OrderedDict()
+        # per key (family and first user message), the latest prompts of up to SAME_KEY
+        # conversations, the most recent first
+        self._by_key: OrderedDict[int, list[_Entry]] = OrderedDict()
+        self._count = 0
         self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return self._count
 
-    def match(self, new: PromptPrint) -> Match | None:
-        e = self._by_key.get(new.key)
-        if e is None:
+    def _find(self, new: PromptPrint) -> tuple[_Entry, int, bool, str | None] | None:
+        """The conversation `new` continues, and how it compares: of the recent ones with its
+        key that it `continues`, the same model first, then one it extends, then the one it
+        shares most with (a replayed conversation's turn belongs to its own run, not to the
+        latest run's first turn)."""
+        best: tuple[tuple[bool, bool, int], _Entry, int, bool, str | None] | None = None
+        for e in self._by_key.get(new.key, ()):
+            if not continues(e.prompt, new):
+                continue
+            shared, extends, where = compare(e.prompt, new)
+            rank = (e.prompt.model == new.model, extends, shared)
+            if best is None or rank > best[0]:
+                best = (rank, e, shared, extends, where)
+        return None if best is None else best[1:]
+
+    def match(self, new: PromptPrint, body: Any = None) -> Match | None:
+        """The conversation `new` continues and how (None: it starts one). `body`: the request
+        body `new` was made of, still at hand (the shape of a volatile line is read from it)."""
+        found = self._find(new)
+        if found is None:
             return None
-        shared, extends, where = compare(e.prompt, new)
+        e, shared, extends, where = found
         return Match(
             e.conversation_id,
             e.turn + 1,
@@ -257,17 +525,46 @@ class PrefixIndex:
             extends,
             where,
             e.end_s,
+            prompt_change(e.prompt, new, body),
+            e.cold_prefill_tps,
+            e.lost_s,
         )
 
     def add(
-        self, new: PromptPrint, match: Match | None, request_id: str, prompt_tokens: int | None, end_s: float
+        self,
+        new: PromptPrint,
+        match: Match | None,
+        request_id: str,
+        prompt_tokens: int | None,
+        end_s: float,
+        *,
+        cold_prefill_tps: float | None = None,
+        lost_s: float = 0.0,
     ) -> tuple[str, int]:
-        """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn)."""
-        cid, turn = (match.conversation_id, match.turn) if match is not None else (request_id, 1)
-        self._by_key[new.key] = _Entry(cid, turn, request_id, new, prompt_tokens, end_s)
+        """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
+        `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
+        conversation's own until a later cold turn replaces it); `lost_s`: the prefill
+        seconds it lost (summed per conversation)."""
+        entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
-        while len(self._by_key) > self.max_conversations:
-            self._by_key.popitem(last=False)
+        if match is not None:
+            old = next((e for e in entries if e.conversation_id == match.conversation_id), None)
+            if old is not None:
+                entries.remove(old)
+                self._count -= 1
+            cid, turn = match.conversation_id, match.turn
+            rate = cold_prefill_tps or match.cold_prefill_tps
+            lost = match.lost_s + lost_s
+        else:
+            cid, turn, rate, lost = request_id, 1, cold_prefill_tps, lost_s
+        entries.insert(0, _Entry(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost))
+        self._count += 1
+        if len(entries) > SAME_KEY:
+            entries.pop()
+            self._count -= 1
+        while self._count > self.max_conversations:
+            _, dropped = self._by_key.popitem(last=False)
+            self._count -= len(dropped)
         return cid, turn
 
     def prefill_rate(self) -> float | None:

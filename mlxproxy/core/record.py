@@ -8,14 +8,18 @@ prompt or completion text unless `response_text` was asked for (capture opt-in).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from mlxproxy.core.openai import Endpoint
+from mlxproxy.core.openai import Endpoint, uncached_tokens
+from mlxproxy.core.prefix import Cause
 
 __all__ = [
     "Record",
-    "fill_in",
+    "MEASURED_FIELDS",
+    "CHECKED_FIELDS",
+    "checked_record",
     "Outcome",
     "OUTCOMES",
     "OK_OUTCOMES",
@@ -59,18 +63,6 @@ def rate_figures(
     if n_out is not None and duration_s is not None and duration_s > 0:
         wall = n_out / duration_s
     return tpot, decode, wall
-
-
-def uncached_tokens(prompt: int | None, cached: int | None) -> int | None:
-    """The prompt tokens a server really prefilled. Usually prompt_tokens - cached_tokens;
-    but `cached_tokens > prompt_tokens` can only mean the server's prompt_tokens already
-    leaves the cached ones out (mlx-openai-server: prompt_tokens 1, cached_tokens 41), so
-    prompt_tokens is the uncached count. None without prompt_tokens."""
-    if prompt is None:
-        return None
-    if cached is None or cached <= 0:
-        return max(prompt, 0)
-    return prompt if cached > prompt else prompt - cached
 
 
 def wall_window_s(duration_s: float | None, tail_after_done_s: float | None) -> float | None:
@@ -137,6 +129,11 @@ class Record:
     prefix_diverged_at: str | None = None
     cache_hit_ratio: float | None = None
     prefill_wasted_s: float | None = None  # TTFT lost to a prefix_cache_miss (estimate)
+    # the cache doctor (core.cachecheck): why this turn re-prefilled part of the previous prompt
+    reprefill_cause: Cause | None = None
+    reprefill_at: str | None = None  # where, e.g. "system line 1: a-a: a=<hex:5>;" or "tools: grep changed"
+    reprefill_lost_s: float | None = None  # prefill seconds the re-prefill cost (estimate)
+    conversation_lost_s: float | None = None  # the conversation's re-prefill seconds so far, this turn included
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -234,12 +231,83 @@ _FIELD_NAMES = tuple(f.name for f in fields(Record))
 _setattr = object.__setattr__  # how a frozen dataclass sets its own fields
 
 
-def fill_in(record: Record, **changes: Any) -> Record:
-    """Set `changes` on `record` itself and return it: only for a record that nobody else
-    holds yet, the one `RequestMeter.finish` just made and `core.analyze.finish_checked`
-    completes. A copy (`Record.evolve`) of all 65 fields cost about 100,000 CPU instructions
-    per request, more than the whole truth-check of a non-streamed answer
-    (benchmarks/instructions.py). Unknown names raise AttributeError."""
-    for name, value in changes.items():
-        _setattr(record, name, value)
-    return record
+# What the checks decide (`core.detect.verdict`, the conversation's prefix checks); each has a
+# default. Every other field is measured by the meter: `RequestMeter.finish`'s `Measurement`
+# begins with them (`MEASURED_FIELDS`), in this order.
+CHECKED_FIELDS = (
+    "tpot_s",
+    "decode_tps",
+    "wall_tps",
+    "completion_tokens",
+    "tokens_source",
+    "conversation_id",
+    "turn",
+    "prefix_reusable_tokens",
+    "prefix_tokens_source",
+    "prefix_diverged_at",
+    "cache_hit_ratio",
+    "prefill_wasted_s",
+    "reprefill_cause",
+    "reprefill_at",
+    "reprefill_lost_s",
+    "conversation_lost_s",
+    "anomalies",
+    "anomaly_evidence",
+    "stall_count",
+    "stall_total_s",
+)
+MEASURED_FIELDS = tuple(name for name in _FIELD_NAMES if name not in CHECKED_FIELDS)
+# measured fields the conversation's checks may correct: `prefill_tps` is withdrawn (None) or
+# recomputed over the prefilled tokens when the cache's evidence says the server reused part of
+# the prompt without reporting it (core.cachecheck)
+_CONVERSATION_CORRECTS = frozenset({"prefill_tps"})
+# the checked fields' defaults (`anomaly_evidence`, a fresh dict each time, is always given)
+_CHECKED_DEFAULTS = {
+    f.name: f.default for f in fields(Record) if f.name in CHECKED_FIELDS and f.default is not dataclasses.MISSING
+}
+if set(CHECKED_FIELDS) - set(_CHECKED_DEFAULTS) != {"anomaly_evidence"}:  # pragma: no cover - caught at import
+    raise ImportError("every checked field of Record but anomaly_evidence needs a plain default")
+
+
+def checked_record(
+    measured: tuple[Any, ...],
+    *,
+    completion_tokens: int | None,
+    tokens_source: TokensSource | None,
+    anomalies: tuple[str, ...],
+    anomaly_evidence: dict[str, str],
+    stall_count: int,
+    stall_total_s: float,
+    conversation: dict[str, Any] | None = None,
+    error: str | None = None,
+) -> Record:
+    """The one `Record` of a finished request, built once: `measured` (a `Measurement`: its
+    first fields are `MEASURED_FIELDS`, in order) completed with the checks' verdict, the speeds
+    of the trusted count `completion_tokens`, and `error` when given (the measured one scrubbed
+    of secrets). Set field by field (a frozen record's `__init__` would cost twice as much, on
+    the event loop, once per request); unknown conversation fields raise AttributeError."""
+    new = object.__new__(Record)
+    for name, value in zip(MEASURED_FIELDS, measured):
+        _setattr(new, name, value)
+    for name, value in _CHECKED_DEFAULTS.items():
+        _setattr(new, name, value)
+    if conversation:
+        for name, value in conversation.items():
+            if name not in _CHECKED_DEFAULTS and name not in _CONVERSATION_CORRECTS:
+                raise AttributeError(f"{name!r} is not a conversation field of Record")
+            _setattr(new, name, value)
+    if error is not None:
+        _setattr(new, "error", error)
+    tpot, decode, wall = rate_figures(
+        completion_tokens, new.ttft_s, new.e2e_s, wall_window_s(new.duration_s, new.tail_after_done_s)
+    )
+    _setattr(new, "completion_tokens", completion_tokens)
+    _setattr(new, "tokens_source", tokens_source)
+    _setattr(new, "tpot_s", tpot)
+    _setattr(new, "decode_tps", decode)
+    _setattr(new, "wall_tps", wall)
+    _setattr(new, "anomalies", anomalies)
+    _setattr(new, "anomaly_evidence", anomaly_evidence)
+    _setattr(new, "stall_count", stall_count)
+    _setattr(new, "stall_total_s", stall_total_s)
+    return new

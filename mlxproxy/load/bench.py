@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,19 +27,16 @@ import orjson
 from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
+from mlxproxy.errors import clip
+from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.common import filler_text
+from mlxproxy.load.common import filler_text, requests_text, unreachable_message
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
-from mlxproxy.load.schedules import (
-    DEFAULT_SLO,
-    RATE_UNIT,
-    parse_slo,
-    ramp_offsets,
-    schedule,
-)
-from mlxproxy.load.sweep import closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.shapes import OpenLoop, Waves
+from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
 
 __all__ = [
     "BenchOptions",
@@ -85,6 +82,7 @@ class BenchOptions:
     sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
+    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
 
 
 @dataclass
@@ -161,7 +159,7 @@ def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
 
 
 def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary) -> Group:
-    return Group(name, target, name, kind, params, summary, tuple(r.to_dict(timeline=True) for r in timed.records))
+    return Group(name, target, name, kind, params, summary, tuple(timed.rows(source_ids=False)))
 
 
 async def bench_one(
@@ -178,128 +176,138 @@ async def bench_one(
     async with MeasuringClient(
         target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s
     ) as client:
-        try:
-            res.model = opts.model or await discover_model(client)
-        except Exception as exc:  # unreachable target: report and move on
-            res.error = f"cannot reach {target.url}: {type(exc).__name__}: {str(exc)[:120]}"
+        probes = await _prepare(client, res, opts)
+        if probes is None:
             return res
-        res.calibration, probes = await calibrate(client, res.model)
-        bad = [r for r in probes if r.outcome not in OK_OUTCOMES]
-        if len(bad) == len(probes):
-            r = bad[0]
-            res.error = (
-                f"probe requests failed: {r.outcome}"
-                + (f" (HTTP {r.status})" if r.status else "")
-                + (f": {r.error[:120]}" if r.error else "")
-            )
-            return res
-        sizes = list(opts.prompt_tokens)
-        bsize = opts.batch_prompt_tokens or min(sizes)
-        if bsize not in sizes:
-            sizes.append(bsize)
-        waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
-        if opts.sweep and not opts.batches:
-            waves = []  # a sweep replaces the batch waves unless they were asked for
-        total = (
-            len(sizes) * opts.repeat
-            + sum(n * opts.repeat for n in waves)
-            + (opts.repeat + 1 if waves else 0)
-            + (opts.requests if opts.rate and not opts.rate_steps else 0)
-        )
-        tick = Progress(f"bench {target.name}", total, progress, client)
+        run = _BenchRun(client, res, opts, th, say)
+        tick = Progress(f"bench {target.name}", run.total(), progress, client)
         tick.start()
-        single = Timed()
-        params = {"model": res.model, "max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}
         try:
-            for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
-                for size in sizes:
-                    body = chat_body(res.model, _prompt(res.calibration, size, opts.nonce), opts.max_tokens)
-                    r = await client.send(_req(body, f"single:{size}"))
-                    single.records.append(r)
-                    single.source_ids[r.id] = f"{size}"
-                    tick()
-            _single_groups(res, single, sizes, params, th)
-            if waves:
-                await _measure_waves(client, res, opts, bsize, waves, params, tick)
-            if opts.sweep:
-
-                def make(n: int) -> list[PreparedRequest]:
-                    return [
-                        _req(
-                            chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "sweep"
-                        )
-                        for _ in range(n)
-                    ]
-
-                await run_sweep(
-                    closed_loop_step(client, make, opts.repeat),
-                    opts.sweep_steps,
-                    opts.slo or parse_slo(DEFAULT_SLO),
-                    target=target.name,
-                    params={**params, "prompt_tokens": bsize},
-                    out=res.groups,
-                    say=say,
-                    progress=tick,
-                )
-            if opts.rate_steps:
-
-                def make_rate(n: int) -> list[PreparedRequest]:
-                    return [
-                        _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
-                        for _ in range(n)
-                    ]
-
-                await run_sweep(
-                    open_loop_step(client, make_rate, opts.requests, opts.arrival, opts.seed, opts.ramp_s),
-                    opts.rate_steps,
-                    opts.slo or parse_slo(DEFAULT_SLO),
-                    target=target.name,
-                    params={
-                        **params,
-                        "prompt_tokens": bsize,
-                        "arrival": opts.arrival,
-                        "seed": opts.seed,
-                        "ramp_s": opts.ramp_s,
-                    },
-                    out=res.groups,
-                    say=say,
-                    progress=tick,
-                    unit=RATE_UNIT,
-                )
-            elif opts.rate:
-                reqs = [
-                    _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "rate")
-                    for _ in range(opts.requests)
-                ]
-                offsets, sched = schedule(len(reqs), opts.rate, opts.arrival, opts.seed)
-                ramp = ramp_offsets(opts.rate, opts.ramp_s, opts.arrival, opts.seed)
-                ramp_reqs = [
-                    _req(chat_body(res.model, _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens), "ramp")
-                    for _ in ramp
-                ]
-                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
-                summ = summarize_records(
-                    timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records]
-                )
-                name = f"{opts.arrival} {opts.rate:g}/s"
-                res.groups.append(
-                    _group(
-                        name,
-                        "rate",
-                        target.name,
-                        {**params, "prompt_tokens": bsize, **sched, "ramp_s": opts.ramp_s},
-                        timed,
-                        summ,
-                    )
-                )
+            await run.run(tick)
         except asyncio.CancelledError:
             if not res.groups:
-                _single_groups(res, single, sizes, params, th)
-            res.error = f"interrupted after {len(client.finished) - len(probes)} measured requests"
+                _single_groups(res, run.single, run.sizes, run.params, th)
+            res.error = f"interrupted after {requests_text(len(client.finished) - len(probes), 'measured')}"
             raise
         finally:
             tick.close()
     return res
+
+
+async def _prepare(client: MeasuringClient, res: TargetResult, opts: BenchOptions) -> list[Record] | None:
+    """The model and the calibration of `res`, and the probe requests; None (and `res.error`
+    set) when the target cannot be benchmarked."""
+    try:
+        res.model = opts.model or await discover_model(client)
+    except Exception as exc:  # unreachable target: report and move on
+        res.error = unreachable_message(res.target.url, exc)
+        return None
+    res.calibration, probes = await calibrate(client, res.model)
+    bad = [r for r in probes if r.outcome not in OK_OUTCOMES]
+    if len(bad) == len(probes):
+        r = bad[0]
+        res.error = (
+            f"probe requests failed: {r.outcome}"
+            + (f" (HTTP {r.status})" if r.status else "")
+            + (f": {clip(r.error, 200)}" if r.error else "")
+        )
+        return None
+    return probes
+
+
+class _BenchRun:
+    """The tests of one target after calibration: the requests they send and the load shape
+    of each (one at a time, waves, a closed-loop sweep, an open-loop rate or a sweep of rates)."""
+
+    def __init__(
+        self,
+        client: MeasuringClient,
+        res: TargetResult,
+        opts: BenchOptions,
+        th: Thresholds,
+        say: Callable[[str], None] | None,
+    ) -> None:
+        self.client, self.res, self.opts, self.th, self.say = client, res, opts, th, say
+        self.model = res.model or "default_model"
+        self.sizes = list(opts.prompt_tokens)
+        self.bsize = opts.batch_prompt_tokens or min(self.sizes)
+        if self.bsize not in self.sizes:
+            self.sizes.append(self.bsize)
+        waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
+        # a sweep replaces the batch waves unless they were asked for
+        self.waves = [] if opts.sweep and not opts.batches else waves
+        self.single = Timed()
+        self.params: dict[str, Any] = {
+            "model": res.model,
+            "max_tokens": opts.max_tokens,
+            "repeat": opts.repeat,
+            "nonce": opts.nonce,
+        }
+
+    def total(self) -> int:
+        """Requests the progress line counts on (a sweep's are not known in advance)."""
+        opts = self.opts
+        return (
+            len(self.sizes) * opts.repeat
+            + sum(n * opts.repeat for n in self.waves)
+            + (opts.repeat + 1 if self.waves else 0)
+            + (opts.requests if opts.rate and not opts.rate_steps else 0)
+        )
+
+    def requests(self, n: int, label: str) -> list[PreparedRequest]:
+        """`n` requests at the batch prompt size, each with its own nonce."""
+        opts, cal = self.opts, self.res.calibration
+        return [
+            _req(chat_body(self.model, _prompt(cal, self.bsize, opts.nonce), opts.max_tokens), label) for _ in range(n)
+        ]
+
+    async def run(self, tick: Progress) -> None:
+        opts = self.opts
+        for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
+            for size in self.sizes:
+                body = chat_body(self.model, _prompt(self.res.calibration, size, opts.nonce), opts.max_tokens)
+                r = await self.client.send(_req(body, f"single:{size}"))
+                self.single.records.append(r)
+                self.single.source_ids[r.id] = f"{size}"
+                tick()
+        _single_groups(self.res, self.single, self.sizes, self.params, self.th)
+        if self.waves:
+            await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
+        if opts.sweep:
+            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat)
+            await self.sweep(step, opts.sweep_steps, tick)
+        if opts.rate_steps:
+            step_r = open_loop_step(
+                self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.arrival, opts.seed, opts.ramp_s
+            )
+            params = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
+            await self.sweep(step_r, opts.rate_steps, tick, RATE_UNIT, params)
+        elif opts.rate:
+            await self.rate(opts.rate, tick)
+
+    async def sweep(
+        self,
+        step: Callable[[Any], Awaitable[StepRun]],
+        steps: Sequence[float],
+        tick: Progress,
+        unit: str = "streams",
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        await run_sweep(
+            step, steps, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.res.target.name,
+            params={**self.params, "prompt_tokens": self.bsize, **(params or {})}, out=self.res.groups,
+            say=self.say, progress=tick, unit=unit, budget_s=self.opts.budget_s,
+        )  # fmt: skip
+
+    async def rate(self, rate: float, tick: Progress) -> None:
+        """One open-loop test of `--requests` requests at `rate` (after an unmeasured ramp)."""
+        opts = self.opts
+        shape = OpenLoop(rate, opts.arrival, opts.seed, opts.ramp_s)
+        reqs = self.requests(opts.requests, "rate")
+        timed = await shape.run(self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
+        summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+        params = {**self.params, "prompt_tokens": self.bsize, **shape.params(len(reqs))}
+        self.res.groups.append(_group(f"{opts.arrival} {rate:g}/s", "rate", self.res.target.name, params, timed, summ))
 
 
 #: a request of a wave that failed this way, while another of the wave was served, means the
@@ -338,7 +346,7 @@ async def _measure_waves(
         await alone()
         for _ in range(opts.repeat):
             for n in waves:
-                timed, wave_recs = await client.run_waves([_req(body(), f"x{n}") for _ in range(n)], n, tick)
+                timed, wave_recs = await Waves(n).run_waves(client, [_req(body(), f"x{n}") for _ in range(n)], tick)
                 acc, recs = per[n]
                 acc.records.extend(timed.records)
                 acc.source_ids.update(timed.source_ids)
@@ -375,7 +383,7 @@ def _wave_groups(
         if not wave_recs:
             continue
         summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=median_wall)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for k, wave in enumerate(wave_recs):  # wave k ran between baseline requests k and k + 1
             around = [w for w in walls[k : k + 2] if w]
             base = sum(around) / len(around) if around else median_wall
@@ -434,10 +442,9 @@ def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: d
 
 
 def _sent(records: Sequence[Record]) -> int | None:
-    vals = sorted(
-        r.prompt_tokens or r.context_prompt_tokens for r in records if (r.prompt_tokens or r.context_prompt_tokens)
-    )
-    return int(percentile(vals, 50)) if vals else None
+    vals = sorted(v for r in records if (v := r.prompt_tokens or r.context_prompt_tokens))
+    p50 = percentile(vals, 50)
+    return int(p50) if p50 is not None else None
 
 
 #: overlap (share of a wave's decode time when at least two of its streams were generating) at or

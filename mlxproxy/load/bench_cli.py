@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from mlxproxy.errors import clip
 from mlxproxy.load.bench import (
     DEFAULT_SIZES,
     BenchOptions,
@@ -22,6 +23,7 @@ from mlxproxy.load.common import (
     run_async,
 )
 from mlxproxy.load.progress import say
+from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -59,6 +61,7 @@ from mlxproxy.vocabulary import (
 )
 @shared_option("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep).")
 @shared_option("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given.")
+@shared_option("--sweep-budget")
 @shared_option(
     "--rate",
     "Adds an open-loop test of --requests requests at the batch tests' prompt size "
@@ -111,6 +114,7 @@ def bench(
     batch_prompt_tokens: int | None,
     concurrency: tuple[int, ...] | None,
     sweep: bool,
+    sweep_budget: float,
     rate: tuple[float, ...] | None,
     arrival: str,
     ramp_s: float,
@@ -141,26 +145,10 @@ def bench(
             "--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
             "per run; give one"
         )
-    sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
-    opts = BenchOptions(
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        repeat=repeat,
-        batch=sizes[0] if sizes else 2,
-        batches=sizes,
-        batch_prompt_tokens=batch_prompt_tokens,
-        model=model,
-        nonce=nonce,
-        rate=rate[0] if rate else None,
-        rate_steps=rate if rate and len(rate) > 1 else (),
-        ramp_s=ramp_s,
-        arrival=arrival,
-        seed=seed,
-        requests=n_requests,
-        sweep=sweep,
-        sweep_steps=concurrency or (),
-        slo=slo,
-    )
+    opts = _options(
+        prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
+        n_requests, sweep, concurrency, slo, sweep_budget,
+    )  # fmt: skip
     results: list[TargetResult] = []
     interrupted = False
     try:
@@ -183,18 +171,45 @@ def bench(
             130,
         )
     if results and all(r.error for r in results):
-        fail("every target failed: " + "; ".join(f"{r.target.name}: {r.error}" for r in results)[:300], 1)
+        fail("every target failed: " + clip("; ".join(f"{r.target.name}: {r.error}" for r in results), 300), 1)
     reason = all_failed_reason(all_groups(results))
     if reason:
         fail(reason, 1)
     check_fail_on(fail_on, all_groups(results))
 
 
+def _options(
+    prompt_tokens: tuple[int, ...],
+    max_tokens: int,
+    repeat: int,
+    batch: tuple[int, ...],
+    batch_prompt_tokens: int | None,
+    model: str | None,
+    nonce: bool,
+    rate: tuple[float, ...] | None,
+    ramp_s: float,
+    arrival: str,
+    seed: int,
+    n_requests: int,
+    sweep: bool,
+    concurrency: tuple[int, ...] | None,
+    slo: dict[str, float] | None,
+    sweep_budget: float,
+) -> BenchOptions:
+    """The benchmark's options from the command's."""
+    sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
+    return BenchOptions(
+        prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
+        batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce,
+        rate=rate[0] if rate else None, rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
+        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo,
+        budget_s=sweep_budget,
+    )  # fmt: skip
+
+
 def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:
     """SLO and goodput of the tests at the batch prompt size (the one-at-a-time test at that
     size, the waves, --rate and --sweep steps): `summary.slo`, `summary.goodput`."""
-    from mlxproxy.load.schedules import DEFAULT_SLO, judge, parse_slo
-
     slo = slo or parse_slo(DEFAULT_SLO)
     for r in results:
         r.groups[:] = [

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from mlxproxy.load.arrivals import generator_note
 from mlxproxy.load.bench import (
     Calibration,
     Target,
@@ -18,9 +19,25 @@ from mlxproxy.load.bench import (
     smallest_single,
     verdict,
 )
-from mlxproxy.load.report import LEGEND, Section, legend_for, range_text, speedup_text
+from mlxproxy.load.capacity import result_file, sweep_charts
+from mlxproxy.load.htmlreport import write_html
+from mlxproxy.load.plot import Chart, svg_charts
+from mlxproxy.load.report import (
+    LEGEND,
+    SUMMARY_COLUMNS,
+    Section,
+    legend_for,
+    markdown_sections,
+    range_text,
+    render_sections,
+    slo_section,
+    speedup_text,
+    summary_row,
+    sweep_sections,
+    write_csv,
+    write_result,
+)
 from mlxproxy.load.results import Group, ResultFile
-from mlxproxy.load.schedules import result_file
 
 
 def all_groups(results: Sequence[TargetResult]) -> list[Group]:
@@ -77,57 +94,75 @@ def _f(v: float | None, unit: str = "", fmt: str = ".1f") -> str:
 def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None = None) -> list[Section]:
     """Everything `bench` prints, as sections (the console and --markdown render the same)."""
     verdicts = verdicts if verdicts is not None else {r.target.name: verdict(r) for r in results}
-    sections = []
+    sections = _headline_sections(results, verdicts)
+    for part in (_size_section(results), _curve_section(results), _rate_section(results)):
+        if part is not None:
+            sections.append(part)
+    slo = slo_section(all_groups(results))
+    if slo is not None:
+        sections.append(slo)
+    sections += sweep_sections(all_groups(results))
+    notes = [note for r in results for note in _anomaly_notes(r)]
+    if notes:
+        sections.append(Section("Anomalies, with evidence:", [], None, "", notes))
+    return sections
+
+
+def _headline_sections(results: list[TargetResult], verdicts: dict[str, str]) -> list[Section]:
     rows = [headline(r) for r in results]
     reasoning = any(g.summary.reasoning for g in all_groups(results))
     cols = [c for c in rows[0] if c != "TTFC p50" or reasoning] if rows else []
-    sections.append(
+    width = max((len(r.target.name) for r in results), default=0)
+    return [
         Section(
             "One request at a time, smallest prompt size (p50 = median of the repeats):",
             rows,
             cols,
             legend_for(cols, ["prompt: prompt tokens sent", "speedup (N): N streams released together"]),
             headline_notes(results),
-        )
-    )
-    width = max((len(r.target.name) for r in results), default=0)
-    sections.append(
+        ),
         Section(
             "Verdicts:",
             [],
             None,
             "",
             [f"{r.target.name.ljust(width)}  {verdicts.get(r.target.name, '')}" for r in results],
-        )
-    )
+        ),
+    ]
+
+
+def _size_cell(g: Group | None) -> str:
+    if g is None:
+        return "-"
+    s = g.summary
+    if s.ok == 0:
+        return ",".join(sorted(s.outcomes))[:16]
+    ttft, pre = s.ttft_s.p50, s.prefill_tps.p50
+    return "-" if ttft is None else f"{ttft:.2f}s " + (f"{pre:.0f}/s" if pre else "-")
+
+
+def _size_section(results: list[TargetResult]) -> Section | None:
     sizes = sorted({g.params["prompt_tokens"] for g in all_groups(results) if g.kind == "single_size"})
-    if len(sizes) > 1:
-        srows = []
-        for r in results:
-            row = {"target": r.target.name}
-            for size in sizes:
-                g = next((g for g in r.groups if g.kind == "single_size" and g.params["prompt_tokens"] == size), None)
-                key = f"{size} tok"
-                if g is None:
-                    row[key] = "-"
-                    continue
-                s = g.summary
-                if s.ok == 0:
-                    row[key] = ",".join(sorted(s.outcomes))[:16]
-                    continue
-                ttft, pre = s.ttft_s.p50, s.prefill_tps.p50
-                row[key] = "-" if ttft is None else f"{ttft:.2f}s " + (f"{pre:.0f}/s" if pre else "-")
-            srows.append(row)
-        sections.append(
-            Section(
-                "TTFT p50 and prefill tok/s by prompt size:",
-                srows,
-                None,
-                "each cell: TTFT p50, then prefill tok/s (uncached prompt tokens / TTFT; - when the stream"
-                " was not incremental or the prompt mostly cached); an outcome name where every request"
-                " failed (context_limit: the server refused the prompt's size).",
-            )
-        )
+    if len(sizes) <= 1:
+        return None
+    srows = []
+    for r in results:
+        row = {"target": r.target.name}
+        for size in sizes:
+            g = next((g for g in r.groups if g.kind == "single_size" and g.params["prompt_tokens"] == size), None)
+            row[f"{size} tok"] = _size_cell(g)
+        srows.append(row)
+    return Section(
+        "TTFT p50 and prefill tok/s by prompt size:",
+        srows,
+        None,
+        "each cell: TTFT p50, then prefill tok/s (uncached prompt tokens / TTFT; - when the stream"
+        " was not incremental or the prompt mostly cached); an outcome name where every request"
+        " failed (context_limit: the server refused the prompt's size).",
+    )
+
+
+def _curve_section(results: list[TargetResult]) -> Section | None:
     crows = []
     for r in results:
         curve = [g for g in r.groups if g.kind == "wave"]
@@ -158,69 +193,60 @@ def bench_sections(results: list[TargetResult], verdicts: dict[str, str] | None 
                     + range_text(s.figure("overlap_min"), s.figure("overlap_max"), ".2f"),
                 }
             )
-    if crows:
-        sections.append(
-            Section(
-                "Requests released together (batching):",
-                crows,
-                None,
-                "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
-                " between the waves); decode tok/s: per stream (median); "
-                + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
-                + "; (a\u2013b): lowest and highest over the waves.",
-            )
-        )
+    if not crows:
+        return None
+    return Section(
+        "Requests released together (batching):",
+        crows,
+        None,
+        "streams: requests started at the same instant (1 = alone, wall tok/s, measured"
+        " between the waves); decode tok/s: per stream (median); "
+        + "; ".join(LEGEND[k] for k in ("agg tok/s", "speedup", "overlap"))
+        + "; (a\u2013b): lowest and highest over the waves.",
+    )
+
+
+def _rate_section(results: list[TargetResult]) -> Section | None:
     rate_groups = [g for g in all_groups(results) if g.kind == "rate"]
-    if rate_groups:
-        from mlxproxy.load.report import SUMMARY_COLUMNS, summary_row
-        from mlxproxy.load.schedules import generator_note
+    if not rate_groups:
+        return None
+    cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
+    lines = [generator_note(f"{g.target} {g.mode}", g.summary, g.params) for g in rate_groups]
+    return Section(
+        "Open loop (--rate: requests sent on schedule, whatever the server does):",
+        [summary_row(g.target, g.mode, g.summary) for g in rate_groups],
+        cols,
+        legend_for(cols),
+        [ln for ln in lines if ln],
+    )
 
-        cols = [c for c in SUMMARY_COLUMNS if c not in ("TTFC p50", "speedup")]
-        lines = [generator_note(f"{g.target} {g.mode}", g.summary, g.params) for g in rate_groups]
-        sections.append(
-            Section(
-                "Open loop (--rate: requests sent on schedule, whatever the server does):",
-                [summary_row(g.target, g.mode, g.summary) for g in rate_groups],
-                cols,
-                legend_for(cols),
-                [ln for ln in lines if ln],
-            )
-        )
-    from mlxproxy.load.report import slo_section, sweep_sections
 
-    slo = slo_section(all_groups(results))
-    if slo is not None:
-        sections.append(slo)
-    sections += sweep_sections(all_groups(results))
-    notes = []
-    for r in results:
-        per: dict[str, dict[str, Any]] = {}
-        total = sum(g.summary.requests for g in r.groups if g.kind != "single")
-        for g in r.groups:
-            if g.kind == "single":  # holds every `single N` again
-                for kind, a in g.summary.anomalies.items():
-                    if not any(kind in x.summary.anomalies for x in r.groups if x.kind != "single"):
-                        per.setdefault(kind, {"count": a.count, "evidence": a.evidence, "where": ["single"]})
-                continue
+def _anomaly_notes(r: TargetResult) -> list[str]:
+    """One line per anomaly kind of one target, with where it was found and its evidence."""
+    per: dict[str, dict[str, Any]] = {}
+    total = sum(g.summary.requests for g in r.groups if g.kind != "single")
+    for g in r.groups:
+        if g.kind == "single":  # holds every `single N` again
             for kind, a in g.summary.anomalies.items():
-                k = per.setdefault(kind, {"count": 0, "evidence": a.evidence, "where": []})
-                k["count"] += a.count
-                k["where"].append(g.name)
-        for kind, k in sorted(per.items()):
-            where = (
-                "across prompt sizes"
-                if k["where"] == ["single"]
-                else f"in {k['count']} of {total} requests ({', '.join(k['where'])})"
-            )
-            notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
-    if notes:
-        sections.append(Section("Anomalies, with evidence:", [], None, "", notes))
-    return sections
+                if not any(kind in x.summary.anomalies for x in r.groups if x.kind != "single"):
+                    per.setdefault(kind, {"count": a.count, "evidence": a.evidence, "where": ["single"]})
+            continue
+        for kind, a in g.summary.anomalies.items():
+            k = per.setdefault(kind, {"count": 0, "evidence": a.evidence, "where": []})
+            k["count"] += a.count
+            k["where"].append(g.name)
+    notes = []
+    for kind, k in sorted(per.items()):
+        where = (
+            "across prompt sizes"
+            if k["where"] == ["single"]
+            else f"in {k['count']} of {total} requests ({', '.join(k['where'])})"
+        )
+        notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
+    return notes
 
 
 def print_bench(results: list[TargetResult], verdicts: dict[str, str] | None = None) -> None:
-    from mlxproxy.load.report import render_sections
-
     click.echo(render_sections(bench_sections(results, verdicts)))
 
 
@@ -233,8 +259,6 @@ def write_outputs(
     verdicts: dict[str, str] | None = None,
     write_json: bool = True,
 ) -> None:
-    from mlxproxy.load.report import markdown_sections, write_csv, write_result
-
     doc = results_doc(results, verdicts)
     verdicts = dict(doc.verdicts)
     groups = doc.groups
@@ -253,15 +277,12 @@ def write_outputs(
 
 
 def write_bench_html(results: list[TargetResult], path: str) -> None:
-    from mlxproxy.load.htmlreport import write_html
-
     write_html(path, [("bench", results_doc(results))])
 
 
 def plot_svg(results: list[TargetResult]) -> str:
     """TTFT and prefill tok/s by prompt size; per-stream decode tok/s, aggregate tok/s and
     speedup by streams released together (1 = the smallest prompt alone)."""
-    from mlxproxy.load.plot import Chart, svg_charts
 
     ttft, prefill, curve, agg = [], [], [], []
     for r in results:
@@ -283,7 +304,6 @@ def plot_svg(results: list[TargetResult]) -> str:
         prefill.append((r.target.name, pts_p))
         curve.append((r.target.name, pts_c))
         agg.append((r.target.name, pts_a))
-    from mlxproxy.load.schedules import sweep_charts
 
     sweep = sweep_charts(all_groups(results))
     return svg_charts(

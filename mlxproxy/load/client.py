@@ -6,16 +6,18 @@ reports use (one at a time, recorded offsets, closed loop, released-together wav
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
+from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
@@ -71,6 +73,25 @@ class Timed:
     records: list[Record] = field(default_factory=list)
     lag_s: list[float] = field(default_factory=list)
     source_ids: dict[str, str | None] = field(default_factory=dict)  # record id -> captured id
+    lag_by_id: dict[str, float] = field(default_factory=dict)  # record id -> its schedule lag
+
+    def rows(
+        self, where: Mapping[str, Mapping[str, object]] | None = None, *, source_ids: bool = True
+    ) -> list[dict[str, object]]:
+        """The records as result-file rows: each with its `source_id` (unless `source_ids`
+        is False), its `schedule_lag_s` when it had a due time (open loop, recorded offsets)
+        and its `where` keys (a session's turn, ...)."""
+        out = []
+        for r in self.records:
+            d = r.to_dict(timeline=True)
+            if source_ids:
+                d["source_id"] = self.source_ids.get(r.id)
+            if r.id in self.lag_by_id:
+                d["schedule_lag_s"] = self.lag_by_id[r.id]
+            if where is not None and r.id in where:
+                d.update(where[r.id])
+            out.append(d)
+        return out
 
 
 #: a run freezes the cyclic collector's view of what it holds after this many finished records
@@ -130,6 +151,8 @@ class MeasuringClient:
         self.keep_text = keep_text
         self.in_flight = 0
         self.finished: list[Record] = []
+        # prompt fingerprints of the conversations sent (the cache doctor's re-prefill causes); None: not tracked
+        self.prefixes: PrefixIndex | None = None
         self._streaming: set[RequestMeter] = set()  # the meters of the requests in flight
         self._tokens_done = 0  # output tokens of the finished requests
         # A lean raw-asyncio HTTP/1.1 client (mlxproxy.load.rawhttp): each socket read goes
@@ -246,7 +269,9 @@ class MeasuringClient:
         finally:
             self.in_flight -= 1
             self._streaming.discard(meter)
-        record = finish_checked(meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:])
+        record = finish_checked(
+            meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:], prefixes=self.prefixes
+        )
         self.finished.append(record)
         self._tokens_done += record.n_out or meter.generated_events
         return record
@@ -286,8 +311,10 @@ class MeasuringClient:
         heap = _RunHeap()
 
         async def one(req: PreparedRequest, deadline: float) -> None:
-            out.lag_s.append(max(0.0, now() - deadline))
+            lag = max(0.0, now() - deadline)
+            out.lag_s.append(lag)
             r = await self.send(req)
+            out.lag_by_id[r.id] = lag
             out.records.append(r)
             out.source_ids[r.id] = req.source_id
             heap.record_done()
@@ -321,8 +348,6 @@ class MeasuringClient:
         `ramp` = (requests, offsets, seconds): those are sent first, on their own schedule
         (`mlxproxy.load.ramp_offsets`), and the measured requests start `seconds` later; the
         ramp's requests are sent but not returned (not measured)."""
-        import dataclasses
-
         timed = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, offsets)]
         if ramp is None or not ramp[0]:
             return await self.run_recorded(timed, 1.0, progress)

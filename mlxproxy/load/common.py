@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
+from mlxproxy.errors import UpstreamError, clip
 from mlxproxy.load.results import Group
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
@@ -22,17 +23,17 @@ def filler_text(n: int) -> str:
     return (FILLER * reps)[:n]
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr (whatever the message holds, e.g. a server's HTML error page), then exit."""
     click.echo(f"mlxproxy: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
 
 
 def run_async(coro: Any) -> Any:
-    """Run the client (`coro`) on the stack's event loop (`mlxproxy.runner.run_async`); a bad
+    """Run the client (`coro`) on the stack's event loop (`mlxproxy.edge.runner.run_async`); a bad
     MLXPROXY_STACK is one line and exit 2, before anything is sent."""
-    from mlxproxy.runner import run_async as run_on_stack
-    from mlxproxy.runner import stack_settings
+    from mlxproxy.edge.runner import run_async as run_on_stack
+    from mlxproxy.edge.runner import stack_settings
 
     try:
         stack_settings(None)
@@ -85,8 +86,21 @@ def all_failed_reason(groups: Sequence[Group]) -> str | None:
     outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
     first = next((r for r in recs if r.get("error") or r.get("status")), recs[0])
     why = first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"])
-    why = " ".join(str(why).split())[:200]
+    why = clip(str(why), 200)
     return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
+
+
+def requests_text(n: int, what: str = "") -> str:
+    """`1 measured request`, `2 measured requests`: a count with its noun agreeing."""
+    return f"{n} {what + ' ' if what else ''}request{'' if n == 1 else 's'}"
+
+
+def unreachable_message(url: str, exc: BaseException) -> str:
+    """Why `url` could not be reached, said once (the client's own errors already name the URL
+    and say it is unreachable), in whole words."""
+    if isinstance(exc, UpstreamError) and str(exc):
+        return clip(str(exc), 300)
+    return clip(f"cannot reach {url}: {type(exc).__name__}: {exc}", 300)
 
 
 def check_writable(*paths: str | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,19 +15,24 @@ from mlxproxy.load.bench import (
     Target,
     TargetResult,
 )
-from mlxproxy.load.bench_report import print_bench, wrap_lines, write_bench_html, write_outputs
+from mlxproxy.load.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
 from mlxproxy.load.common import (
     fail,
     run_async,
 )
+from mlxproxy.load.report import measured_requests
 from mlxproxy.vocabulary import help_for, shared_option
+
+if TYPE_CHECKING:
+    from mlxproxy.proxy.app import ProxyApp
 
 DEMO_PROFILES: dict[str, dict[str, Any]] = {
     # Simulated servers for the demo. Prefill runs 10x faster than the profiles' default
     # (20000 tok/s) so a 40000-token prompt takes seconds, not minutes; decode speed,
     # batching, stalls and wire formats are the profiles' own.
     "mlx-lm": {},
-    "mlx-openai-server": {},
+    # today's release (1.8: continuous batching by default); `mlx-openai-server@1.6` is the old serial one
+    "mlx-openai-server-1.8": {"profile": "mlx-openai-server"},
     "mlx-omni-server": {},
     "rapid-mlx": {},
     "vllm-mlx": {},
@@ -67,18 +72,11 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     one proxy, a short benchmark through it, and the comparison table with verdicts.
     Needs no network beyond loopback and no Mac."""
     from mlxproxy.config import build_config
+    from mlxproxy.edge.runner import ServerThread
     from mlxproxy.proxy.app import create_app
-    from mlxproxy.runner import ServerThread
     from mlxproxy.sim.app import create_app as create_sim
 
-    out = Path(out_dir)
-    try:  # checked before anything starts: a folder we cannot write would lose the whole run
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".mlxproxy-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        fail(f"cannot write to --dir {out_dir}: {exc.strerror or exc}")
+    out = _writable_dir(out_dir)
     capture = out / "capture.jsonl"
     if capture.exists():
         capture.unlink()
@@ -87,7 +85,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     proxy = None
     try:
         try:
-            from mlxproxy.runner import bind_socket
+            from mlxproxy.edge.runner import bind_socket
 
             bind_socket("127.0.0.1", port).close()
         except OSError as exc:
@@ -116,7 +114,8 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         try:
             run_async(_demo_run(targets, opts, results))
         except KeyboardInterrupt:
-            fail("interrupted before the benchmark finished; nothing written", 130)
+            proxy.stop()  # the requests cut short are captured too, and the file closed, before it is counted
+            fail(interrupted_note(app, capture), 130)
         elapsed = time.perf_counter() - started
         click.echo("")
         print_bench(results)
@@ -130,22 +129,8 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
                 )
             )
         )
-        write_outputs(
-            results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
-        )
-        write_bench_html(results, str(out / "bench.html"))
-        from prometheus_client import generate_latest
-
-        (out / "metrics.prom").write_bytes(generate_latest(app.registry))
-        if app.capture is not None:
-            app.capture.flush()
-        n = sum(1 for _ in capture.open("rb"))
-        click.echo(f"\nfinished in {elapsed:.0f} s. Written to {out}/:")
-        click.echo(f"  capture.jsonl  all {n} requests (replay them: mlxproxy replay {capture} --target URL)")
-        click.echo(f"  bench.json     the results (show them again: mlxproxy report {out / 'bench.json'})")
-        click.echo("  bench.csv      one row per request;  bench.md  these tables as Markdown")
-        click.echo("  bench.svg      the plot;  metrics.prom  a snapshot of the proxy's /metrics")
-        click.echo(f"HTML report: {(out / 'bench.html').resolve()} (open it in a browser; it needs no network)")
+        _write_all(results, out, app)
+        _say_written(results, out, app, capture, elapsed)
         if serve:
             click.echo(f"serving until Ctrl-C: live page at {proxy.url}/, metrics at {proxy.url}/metrics", err=True)
             try:
@@ -160,6 +145,72 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
             proxy.stop()
         for s in sims.values():
             s.stop()
+
+
+def captured_lines(app: Any, capture: Path) -> int:
+    """The requests in the capture file so far (its queue written out first)."""
+    if app.capture is not None:
+        app.capture.flush()
+    return sum(1 for _ in capture.open("rb")) if capture.exists() else 0
+
+
+def capture_count(lines: int, measured: int) -> str:
+    """What the capture holds, counted as the results count: every request the proxy forwarded
+    is the measured ones (bench.json, bench.csv, the HTML report) and bench's calibration probes."""
+    if lines <= measured:
+        return f"all {lines} requests the proxy forwarded, the {measured} measured"
+    return (
+        f"all {lines} requests the proxy forwarded: the {measured} measured and {lines - measured} calibration probes"
+    )
+
+
+def interrupted_note(app: Any, capture: Path) -> str:
+    """Ctrl-C before the benchmark finished: no results, but the capture holds what was sent."""
+    n = captured_lines(app, capture)
+    if not n:
+        return "interrupted before the benchmark finished; nothing written"
+    return (
+        f"interrupted before the benchmark finished: no results written; {capture} holds the {n} "
+        f"request{'s' if n != 1 else ''} forwarded so far (replay them: mlxproxy replay {capture} --target URL)"
+    )
+
+
+def _writable_dir(out_dir: str) -> Path:
+    """The output folder, made and checked before anything starts: a folder we cannot write
+    would lose the whole run."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".mlxproxy-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        fail(f"cannot write to --dir {out_dir}: {exc.strerror or exc}")
+    return out
+
+
+def _write_all(results: list[TargetResult], out: Path, app: ProxyApp) -> None:
+    """The bench outputs, a snapshot of the proxy's metrics, and the capture flushed."""
+    from prometheus_client import generate_latest
+
+    write_outputs(
+        results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
+    )
+    write_bench_html(results, str(out / "bench.html"))
+    (out / "metrics.prom").write_bytes(generate_latest(app.registry))
+    if app.capture is not None:
+        app.capture.flush()
+
+
+def _say_written(results: list[TargetResult], out: Path, app: ProxyApp, capture: Path, elapsed: float) -> None:
+    n = captured_lines(app, capture)
+    click.echo(f"\nfinished in {elapsed:.0f} s. Written to {out}/:")
+    click.echo(f"  capture.jsonl  {capture_count(n, measured_requests(all_groups(results)))}")
+    click.echo(f"                 (replay them: mlxproxy replay {capture} --target URL)")
+    click.echo(f"  bench.json     the results (show them again: mlxproxy report {out / 'bench.json'})")
+    click.echo("  bench.csv      one row per request;  bench.md  these tables as Markdown")
+    click.echo("  bench.svg      the plot;  metrics.prom  a snapshot of the proxy's /metrics")
+    click.echo(f"HTML report: {(out / 'bench.html').resolve()} (open it in a browser; it needs no network)")
 
 
 async def _demo_run(targets: list[Target], opts: BenchOptions, out: list[TargetResult]) -> list[TargetResult]:

@@ -13,19 +13,23 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from mlxproxy import __version__
-from mlxproxy.load.plot import Series, svg_charts
-from mlxproxy.load.report import SUMMARY_COLUMNS, summary_row
+from mlxproxy.load.capacity import capacity_line, capacity_of, sweep_charts
+from mlxproxy.load.plot import Chart, Series, svg_charts
+from mlxproxy.load.report import SUMMARY_COLUMNS, measured_requests, summary_row
 from mlxproxy.load.results import Group, ResultFile
+from mlxproxy.load.sessions_view import sessions_html
 
 __all__ = ["render_html", "write_html"]
 
 MAX_LANES = 120  # requests drawn per group
+LANE_LABEL_W = 270  # the room left of a lane for its label
+LANE_LABEL_CHARS = 48  # what fits in it at 10 px sans-serif
 MAX_TICKS = 240  # token marks drawn per request
 
 CSS = """
@@ -58,7 +62,11 @@ def _num(v: Any, fmt: str, unit: str = "") -> str:
     return format(v, fmt) + unit
 
 
-def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
+Docs = Sequence[tuple[str, ResultFile]]
+Namer = Callable[[str, str], str]  # (source label, target) -> the name a target is shown under
+
+
+def render_html(docs: Docs) -> str:
     """`docs`: (label, result document) pairs; with several, targets are shown as label:target."""
     many = len(docs) > 1
 
@@ -73,53 +81,74 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
         f"<header><h1>mlxproxy report</h1><p>written {escape(_when(time.time()))} "
         f"by mlxproxy {escape(__version__)}</p></header><main>",
     ]
+    out += _sources(docs)
+    out += _verdicts(docs, name)
+    out += _capacity(docs, name)
+    out += _summary(docs, name)
+    out += _anomalies(docs, name)
+    out.append(sessions_html(docs, name))  # replayed sessions: each conversation's turns and its re-prefills
+    out += _curves(docs, name)
+    out += _timelines(docs, name)
+    out.append("</main></body></html>\n")
+    return "".join(out)
 
-    # sources, side by side
-    out.append('<section id="sources"><h2>Results</h2><div class="cols">')
+
+def _sources(docs: Docs) -> list[str]:
+    """The result files, side by side: what each is, when written, what it measured."""
+    out = ['<section id="sources"><h2>Results</h2><div class="cols">']
     for label, doc in docs:
         targets = sorted({g.target for g in doc.groups})
-        n = sum(len(g.records) for g in doc.groups)
+        n = measured_requests(doc.groups)
         out.append(
             f'<div class="source"><h3>{escape(label)}</h3><p class="muted">{escape(doc.kind)} '
             f"written {escape(_when(doc.created_at))} by mlxproxy {escape(doc.version or '?')}; "
-            f"{len(doc.groups)} groups, {n} requests; targets: {escape(', '.join(targets))}</p>"
+            f"{n} requests measured (each counted once, though several tests may show it; "
+            f"{len(doc.groups)} tests); targets: {escape(', '.join(targets))}</p>"
         )
         for t in doc.targets:
             if t.get("error"):
                 out.append(f'<p class="bad">{escape(t["name"])}: {escape(str(t["error"]))}</p>')
         out.append("</div>")
     out.append("</div></section>")
+    return out
 
-    # verdicts
+
+def _verdicts(docs: Docs, name: Namer) -> list[str]:
     verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.verdicts.items()]
-    if verdicts:
-        out.append('<section id="verdicts"><h2>Verdicts</h2><table><tr><th>target</th><th>verdict</th></tr>')
-        out += [
-            f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
-            for t, v in verdicts
-        ]
-        out.append("</table></section>")
+    if not verdicts:
+        return []
+    out = ['<section id="verdicts"><h2>Verdicts</h2><table><tr><th>target</th><th>verdict</th></tr>']
+    out += [
+        f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
+        for t, v in verdicts
+    ]
+    out.append("</table></section>")
+    return out
 
-    # capacity (sweeps)
-    from mlxproxy.load.schedules import capacity_line, capacity_of
 
+def _capacity(docs: Docs, name: Namer) -> list[str]:
+    """Each sweep's capacity verdict."""
     caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc.groups).items()]
-    if caps:
-        out.append(
-            '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
-            "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>"
-        )
-        out += [
-            f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
-            for t, c in caps
-        ]
-        out.append("</table></section>")
+    if not caps:
+        return []
+    out = [
+        '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
+        "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>"
+    ]
+    out += [
+        f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
+        for t, c in caps
+    ]
+    out.append("</table></section>")
+    return out
 
-    # summary
-    out.append(
+
+def _summary(docs: Docs, name: Namer) -> list[str]:
+    """One row of headline figures per group."""
+    out = [
         '<section id="summary"><h2>Summary</h2><p class="muted">medians (p50) unless named; failed requests are '
         "counted by outcome and kept out of the latency figures</p><table><tr>"
-    )
+    ]
     out += [f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS]
     out.append("<th>group</th></tr>")
     for label, doc in docs:
@@ -135,8 +164,11 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
                 + f"<td>{escape(g.name)}</td></tr>"
             )
     out.append("</table></section>")
+    return out
 
-    # anomalies with evidence
+
+def _anomalies(docs: Docs, name: Namer) -> list[str]:
+    """Every anomaly kind of every group, with one example of its evidence."""
     rows = []
     for label, doc in docs:
         for g in doc.groups:
@@ -145,7 +177,7 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
                     f"<tr><td>{escape(name(label, g.target))}</td><td>{escape(g.name)}</td><td>{escape(kind)}</td>"
                     f'<td class="num">{a.count}</td><td class="evidence">{escape(a.evidence)}</td></tr>'
                 )
-    out.append('<section id="anomalies"><h2>Anomalies, with evidence</h2>')
+    out = ['<section id="anomalies"><h2>Anomalies, with evidence</h2>']
     if rows:
         out.append(
             "<table><tr><th>target</th><th>group</th><th>anomaly</th><th>count</th><th>evidence (one example)</th></tr>"
@@ -155,24 +187,30 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
     else:
         out.append("<p>None found.</p>")
     out.append("</section>")
+    return out
 
-    # curves
-    from mlxproxy.load.schedules import sweep_charts
 
+def _curves(docs: Docs, name: Namer) -> list[str]:
+    """The charts of every source, one per row."""
     charts: list[Any] = list(_charts(docs, name))
     for label, doc in docs:
         charts += sweep_charts([g.retargeted(name(label, g.target)) for g in doc.groups])
-    if charts:
-        out.append('<section id="plots"><h2>Curves</h2><div class="plots">')
-        out += [svg_charts([c]) for c in charts]
-        out.append("</div></section>")
+    if not charts:
+        return []
+    return [
+        '<section id="plots"><h2>Curves</h2><div class="plots">',
+        *(svg_charts([c]) for c in charts),
+        "</div></section>",
+    ]
 
-    # timelines
-    out.append(
+
+def _timelines(docs: Docs, name: Namer) -> list[str]:
+    """Each group's requests as lanes (a request shown by several groups, once)."""
+    out = [
         '<section id="timelines"><h2>Request timelines</h2><p class="muted">one lane per request, from its '
         "start: pale until the first token, dark while decoding, a tick per token event, red where a stall "
         "was; time from the group's first request</p>"
-    )
+    ]
     for label, doc in docs:
         shown: set[Any] = set()
         for g in doc.groups:
@@ -183,11 +221,10 @@ def render_html(docs: Sequence[tuple[str, ResultFile]]) -> str:
             title = f"{name(label, g.target)} · {g.name} · {len(recs)} requests"
             out.append(f'<details open class="timeline"><summary>{escape(title)}</summary>{_lanes(recs)}</details>')
     out.append("</section>")
-    out.append("</main></body></html>\n")
-    return "".join(out)
+    return out
 
 
-def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[tuple[str, str, str, list[Series], bool]]:
+def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[Chart]:
     ttft: list[Series] = []
     prefill: list[Series] = []
     curve: list[Series] = []
@@ -212,31 +249,29 @@ def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[tuple[str
                 smallest = min(sized, key=lambda g: g.params["prompt_tokens"])
                 pts_c.append((1.0, smallest.summary.decode_tps.p50))
             pts_a = [(float(g.params["streams"]), g.summary.aggregate_tps) for g in streams]
+            alone = [a / s for _, a, s in ((g, g.summary.aggregate_tps, g.summary.speedup) for g in streams) if a and s]
+            if alone:  # one stream alone: the tok/s each wave's speedup divides by (their median)
+                pts_a.append((1.0, sorted(alone)[len(alone) // 2]))
             pts_s = [(float(g.params["streams"]), g.summary.speedup) for g in streams]
             if streams and any(y is not None for _, y in pts_s):
                 pts_s.append((1.0, 1.0))
             for series, pts in ((ttft, pts_t), (prefill, pts_p), (curve, pts_c), (agg, pts_a), (speedup, pts_s)):
                 if any(y is not None for _, y in pts):
                     series.append((n, pts))
+    streams_x = "streams released together"
     out = []
     if ttft:
-        out.append(("TTFT by prompt size (p50)", "prompt tokens", "seconds", ttft, True))
+        out.append(Chart("TTFT by prompt size (p50)", "prompt tokens", "seconds", ttft, log_x=True))
     if prefill:
-        out.append(("Prefill tokens/s by prompt size (p50)", "prompt tokens", "tokens/s", prefill, True))
+        out.append(Chart("Prefill tokens/s by prompt size (p50)", "prompt tokens", "tokens/s", prefill, log_x=True))
     if curve:
         out.append(
-            (
-                "Per-stream decode tokens/s by parallel streams (p50)",
-                "streams released together",
-                "tokens/s",
-                curve,
-                False,
-            )
+            Chart("Per-stream decode tokens/s by parallel streams (p50)", streams_x, "tokens/s", curve, integer_x=True)
         )
     if agg:
-        out.append(("Aggregate tokens/s by parallel streams", "streams released together", "tokens/s", agg, False))
+        out.append(Chart("Aggregate tokens/s by parallel streams", streams_x, "tokens/s", agg, integer_x=True))
     if speedup:
-        out.append(("Speedup over one stream", "streams released together", "x", speedup, False))
+        out.append(Chart("Speedup over one stream", streams_x, "x", speedup, integer_x=True))
     return out
 
 
@@ -256,7 +291,7 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
     t0 = min(r.get("started_at") or 0.0 for r in recs)
     ends = [(r.get("started_at") or 0.0) - t0 + (r.get("duration_s") or 0.0) for r in recs]
     span = max(ends + [1e-3])
-    w, left, right, lane = 960, 230, 12, 13
+    w, left, right, lane = 960, LANE_LABEL_W, 12, 13
     h = 26 + lane * len(recs)
 
     def sx(t: float) -> float:
@@ -273,17 +308,16 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
         ok = r.get("outcome") in ("ok", "ok_no_done")
         color = "#2f6fdb" if ok and not r.get("anomalies") else "#d98a00" if ok else "#c62828"
         pale = {"#2f6fdb": "#b9cdf1", "#d98a00": "#f6d9a6", "#c62828": "#f3b9b9"}[color]
-        label = f"{(r.get('id') or '')[:8]} {r.get('outcome')} {_num(r.get('ttft_s'), '.3f', 's')}"
-        if r.get("anomalies"):
-            label += " " + ",".join(r["anomalies"])
+        label = _lane_label(r)
         tip = (
             f"{r.get('id')} {r.get('model') or '-'} {r.get('outcome')}: TTFT {_num(r.get('ttft_s'), '.3f', ' s')}, "
             f"e2e {_num(r.get('e2e_s'), '.3f', ' s')}, decode {_num(r.get('decode_tps'), '.1f', ' tok/s')}, "
             f"tokens reported {r.get('completion_tokens_reported')}, counted {r.get('completion_tokens_counted')}"
+            + (f"; anomalies: {', '.join(r['anomalies'])}" if r.get("anomalies") else "")
         )
         out.append(
             f'<g class="req" data-id="{escape(str(r.get("id")))}"><title>{escape(tip)}</title>'
-            f'<text x="{left - 6}" y="{y + 9}" text-anchor="end" fill="{"#1d2330" if ok else "#c62828"}">{escape(label[:40])}</text>'
+            f'<text x="{left - 6}" y="{y + 9}" text-anchor="end" fill="{"#1d2330" if ok else "#c62828"}">{escape(label)}</text>'
         )
         x1, x2 = sx(start), max(sx(end), sx(start) + 1.5)
         out.append(f'<rect x="{x1:.1f}" y="{y}" width="{x2 - x1:.1f}" height="{lane - 3}" fill="{pale}"/>')
@@ -305,15 +339,29 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
         out.append("</g>")
     axis_y = 4 + lane * len(recs) + 4
     out.append(f'<line x1="{left}" x2="{w - right}" y1="{axis_y}" y2="{axis_y}" stroke="#999"/>')
-    step = _step(span)
+    tick_s = _step(span)
     t = 0.0
     while t <= span + 1e-9:
         out.append(f'<text x="{sx(t):.1f}" y="{axis_y + 12}" text-anchor="middle" fill="#6b7280">{t:g} s</text>')
-        t += step
+        t += tick_s
     out.append("</svg>")
     if more > 0:
         out.append(f'<p class="muted">and {more} more requests not drawn</p>')
     return "".join(out)
+
+
+def _lane_label(r: Mapping[str, Any]) -> str:
+    """A lane's label: id, outcome, TTFT, then as many whole anomaly names as fit and "+N" for
+    the rest (the lane's tooltip lists them all); never a name cut in the middle."""
+    label = f"{(r.get('id') or '')[:8]} {r.get('outcome')} {_num(r.get('ttft_s'), '.3f', 's')}"
+    kinds = list(r.get("anomalies") or ())
+    for i, kind in enumerate(kinds):
+        rest = len(kinds) - i - 1
+        more = f" +{rest}" if rest else ""
+        if len(label) + 1 + len(kind) + len(more) > LANE_LABEL_CHARS:
+            return label + f" +{len(kinds) - i}"
+        label += ("," if i else " ") + kind
+    return label
 
 
 def _step(span: float) -> float:

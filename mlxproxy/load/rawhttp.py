@@ -18,6 +18,7 @@ import asyncio
 import base64
 import ssl as _ssl
 import time
+from types import ModuleType
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -28,8 +29,10 @@ from mlxproxy.errors import (
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnreachable,
+    clip,
 )
 
+httptools: ModuleType | None
 try:
     import httptools
 except ImportError:  # pragma: no cover - exercised by forcing the h11 path in tests
@@ -56,7 +59,7 @@ def _reason(exc: BaseException | None) -> str:
     if exc is None:
         return "the connection closed"
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {clip(text.splitlines()[0], 200)}" if text else type(exc).__name__
 
 
 class _Fail(Exception):
@@ -69,6 +72,7 @@ class _HttptoolsParser:
     __slots__ = ("conn", "p", "headers", "started", "completed", "extra")
 
     def __init__(self, conn: _Conn, method: bytes) -> None:
+        assert httptools is not None  # chosen only where it imports (_parser_class)
         self.conn = conn
         self.p = httptools.HttpResponseParser(self)
         self.headers: list[tuple[bytes, bytes]] = []
@@ -88,21 +92,21 @@ class _HttptoolsParser:
         if self.completed:
             return
         self.started = True
-        self.conn._on_head(self.p.get_status_code(), self.headers)
+        self.conn.response_head(self.p.get_status_code(), self.headers)
 
     def on_body(self, body: bytes) -> None:
         if not self.completed:
-            self.conn._on_body(body)
+            self.conn.response_body(body)
 
     def on_message_complete(self) -> None:
         if not self.completed:
             self.completed = True
-            self.conn._on_complete(bool(self.p.should_keep_alive()))
+            self.conn.response_complete(bool(self.p.should_keep_alive()))
 
     def feed(self, data: bytes) -> None:
         try:
             self.p.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except httptools.HttpParserError as exc:  # type: ignore[union-attr]
             if not self.completed:
                 raise _Fail(_reason(exc)) from None
             self.extra = True
@@ -113,7 +117,7 @@ class _HttptoolsParser:
             return
         if self.started and self.conn.close_delimited:
             self.completed = True
-            self.conn._on_complete(False)
+            self.conn.response_complete(False)
             return
         raise _Fail("the connection closed before the response was complete")
 
@@ -157,14 +161,14 @@ class _H11Parser:
                 continue
             if isinstance(ev, h11.Response):
                 self.started = True
-                self.conn._on_head(ev.status_code, list(ev.headers.raw_items()))
+                self.conn.response_head(ev.status_code, list(ev.headers.raw_items()))
             elif isinstance(ev, h11.Data):
-                self.conn._on_body(bytes(ev.data))
+                self.conn.response_body(bytes(ev.data))
             elif isinstance(ev, h11.EndOfMessage):
                 self.completed = True
                 if self.h.trailing_data[0]:
                     self.extra = True
-                self.conn._on_complete(self.h.their_state is h11.DONE and self.h.our_state is h11.DONE)
+                self.conn.response_complete(self.h.their_state is h11.DONE and self.h.our_state is h11.DONE)
             elif isinstance(ev, h11.ConnectionClosed):
                 raise _Fail("the connection closed before the response was complete")
 
@@ -178,9 +182,9 @@ class _H11Parser:
 
 
 def _parser_class() -> type[_HttptoolsParser] | type[_H11Parser]:
-    """The stack's parser (`mlxproxy.runner.stack_settings`): httptools where installed, h11
+    """The stack's parser (`mlxproxy.edge.runner.stack_settings`): httptools where installed, h11
     with `MLXPROXY_STACK=plain` (what a platform without the wheels gets) or without httptools."""
-    from mlxproxy.runner import stack_settings
+    from mlxproxy.edge.runner import stack_settings
 
     try:
         http = stack_settings()[1]
@@ -250,9 +254,9 @@ class _Conn(asyncio.Protocol):
         except Exception as e:
             self._fail(_reason(e))
 
-    # -- parser callbacks --------------------------------------------------------------
+    # -- what the parser (httptools or h11) tells the connection ----------------------
 
-    def _on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         ctype = None
         length = chunked = False
         for k, v in headers:
@@ -267,12 +271,12 @@ class _Conn(asyncio.Protocol):
         self.headed = True
         self.sink.response_started(self.t, status, ctype)  # type: ignore[union-attr]
         if self.head_only:  # an answer to HEAD has no body, whatever its headers announce
-            self._on_complete(False)
+            self.response_complete(False)
 
-    def _on_body(self, data: bytes) -> None:
+    def response_body(self, data: bytes) -> None:
         self.sink.feed(data, self.t)  # type: ignore[union-attr]
 
-    def _on_complete(self, keep_alive: bool) -> None:
+    def response_complete(self, keep_alive: bool) -> None:
         self._stop_timer()
         if self.done is not None and not self.done.done():
             self.done.set_result(keep_alive and not self.close_delimited)
@@ -408,7 +412,7 @@ class RawPool:
                 self._ssl = _ssl.create_default_context()
             kwargs = {"ssl": self._ssl, "server_hostname": self.host}
         try:
-            fut = loop.create_connection(lambda: conn, self.host, self.port, **kwargs)  # type: ignore[arg-type]
+            fut = loop.create_connection(lambda: conn, self.host, self.port, **kwargs)  # type: ignore[call-overload]
             if self.connect_timeout_s:
                 await asyncio.wait_for(fut, self.connect_timeout_s)
             else:

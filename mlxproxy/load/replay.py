@@ -18,30 +18,29 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from mlxproxy.capture import REDACTED, CapturedRequest
-from mlxproxy.core.detect import Thresholds, prefill_scaling
-from mlxproxy.core.openai import endpoint_of, inject_include_usage
+from mlxproxy.capture import CapturedRequest
+from mlxproxy.core.detect import MOSTLY_CACHED, Thresholds, prefill_scaling
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, endpoint_of, inject_include_usage
+from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
+from mlxproxy.edge.runner import run_async
+from mlxproxy.headers import REDACTED
+from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group, GroupKind, Summary
-from mlxproxy.load.schedules import (
-    DEFAULT_SLO,
-    RATE_UNIT,
-    parse_slo,
-    ramp_offsets,
-    schedule,
-)
-from mlxproxy.load.sweep import closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn, Waves
+from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
@@ -64,12 +63,13 @@ class ReplayOptions:
     seed: int = 0  # rate mode: the Poisson schedule's seed
     ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
     sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
-    sweep_steps: tuple[int, ...] = ()
+    sweep_steps: tuple[float, ...] = ()
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     sessions: int = 1  # sessions mode: conversations run at once
     think_time: float | None = (
         None  # sessions mode: seconds between a response's end and the next turn (None: captured)
     )
+    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
 
 
 def select(
@@ -89,28 +89,39 @@ def select(
     return out[:limit] if limit is not None else out
 
 
+def _marked(m: dict[str, Any], nonce: str) -> dict[str, Any]:
+    """A message (or Responses input item) whose text begins with `nonce`."""
+    m = dict(m)
+    c = m.get("content")
+    if isinstance(c, str):
+        m["content"] = nonce + c
+    elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
+        m["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
+    return m
+
+
+def _marked_list(items: list[Any], nonce: str) -> list[Any]:
+    out = [_marked(items[0], nonce), *items[1:]]
+    user = next((i for i, m in enumerate(out) if isinstance(m, dict) and m.get("role") == "user"), None)
+    if user:
+        out[user] = _marked(out[user], nonce)
+    return out
+
+
 def _with_nonce(obj: dict[str, Any], nonce: str) -> None:
+    """`nonce` at the start of the prompt (so no cache holds any of it) and, where the first
+    message is not the user's (a system prompt), at the start of the first user message too:
+    a conversation is known by its first user message, so two runs of the same captured
+    conversation stay two conversations (never one that seems to restart its prompt)."""
     msgs = obj.get("messages")
     if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict):
-        m = dict(msgs[0])
-        c = m.get("content")
-        if isinstance(c, str):
-            m["content"] = nonce + c
-        elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
-            m["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
-        obj["messages"] = [m, *msgs[1:]]
+        obj["messages"] = _marked_list(msgs, nonce)
     elif isinstance(obj.get("prompt"), str):
         obj["prompt"] = nonce + obj["prompt"]
     elif isinstance(obj.get("input"), str):  # OpenAI Responses
         obj["input"] = nonce + obj["input"]
     elif isinstance(obj.get("input"), list) and obj["input"] and isinstance(obj["input"][0], dict):
-        first = dict(obj["input"][0])
-        c = first.get("content")
-        if isinstance(c, str):
-            first["content"] = nonce + c
-        elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
-            first["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
-        obj["input"] = [first, *obj["input"][1:]]
+        obj["input"] = _marked_list(obj["input"], nonce)
 
 
 def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
@@ -216,8 +227,6 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
     add the assistant's tool call and the tool's result (~800 tokens of file or test output),
     so the prompt grows as an agent's does; `think_s` between a response's end and the next
     turn stands for the tool running. Each turn is recorded as lasting 4 s. Deterministic."""
-    from mlxproxy.core.record import Record
-
     tools = [
         {
             "type": "function",
@@ -321,8 +330,6 @@ def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[st
 def served_from_cache(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     """(requests whose prompt was mostly cached, requests that reported prompt tokens):
     their TTFT measures the prompt cache, not prefill."""
-    from mlxproxy.core.detect import MOSTLY_CACHED
-
     reported = [r for r in records if r.get("prompt_tokens")]
     cached = [r for r in reported if (r.get("cached_tokens") or 0) > MOSTLY_CACHED * r["prompt_tokens"]]
     return len(cached), len(reported)
@@ -336,17 +343,170 @@ def _group(
     timed: Timed,
     summary: Summary,
     compare: list[dict[str, Any]] | None = None,
-    where: dict[str, dict[str, Any]] | None = None,
+    where: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Group:
     """A group of `timed`'s records, each with its `source_id` (and its session's `where` keys)."""
-    records = []
-    for r in timed.records:
-        d = r.to_dict(timeline=True)
-        d["source_id"] = timed.source_ids.get(r.id)
-        if where is not None:
-            d.update(where[r.id])
-        records.append(d)
+    records = timed.rows(where)
     return Group(name, target, name, kind, params, summary, tuple(records), None if compare is None else tuple(compare))
+
+
+def generation_mix(caps: Sequence[CapturedRequest]) -> list[CapturedRequest]:
+    """What a sweep sends: the generation requests of the capture (not `GET /v1/models`)."""
+    return [c for c in caps if c.request is not None and endpoint_of(c.path) in GENERATION_ENDPOINTS]
+
+
+class _ReplayRun:
+    """One replay against one target: which load shape the options ask for, the requests it
+    sends (prepared anew for every phase: with the nonce on, the baseline, each wave size and
+    each repeat send prompts no cache has seen) and the groups it makes."""
+
+    def __init__(
+        self,
+        client: MeasuringClient,
+        caps: Sequence[CapturedRequest],
+        opts: ReplayOptions,
+        target: str,
+        th: Thresholds,
+        compare: bool,
+        groups: list[Group],
+        say: Callable[[str], None] | None,
+    ) -> None:
+        self.client, self.caps, self.opts, self.target, self.th = client, caps, opts, target, th
+        self.compare, self.groups, self.say = compare, groups, say
+        self.by_id = {c.record.id: c for c in caps}
+        self.params: dict[str, Any] = {
+            "speed": opts.speed,
+            "concurrency": opts.concurrency,
+            "batch": opts.batch,
+            "repeat": opts.repeat,
+            "nonce": opts.nonce,
+            "model": opts.model,
+        }
+        self.mode = _mode_name(opts)
+
+    def fresh(self) -> list[PreparedRequest]:
+        return [prepare(c, self.opts) for _ in range(self.opts.repeat) for c in self.caps]
+
+    def finish(self, mode: str, kind: GroupKind, timed: Timed, summary: Summary, params: dict[str, Any]) -> None:
+        scaling = prefill_scaling(timed.records, self.th)
+        if scaling is not None:
+            summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)
+        rows = compare_rows(self.by_id, timed) if self.compare else None
+        self.groups.append(_group(mode, kind, self.target, params, timed, summary, rows))
+
+    def shape(self) -> TimedShape:
+        """The load shape of a single test (not a sweep, sessions or batch)."""
+        opts = self.opts
+        if opts.mode == "recorded":
+            return Recorded(opts.speed)
+        if opts.mode == "rate":
+            return OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
+        if opts.mode == "concurrency":
+            return ClosedLoop(opts.concurrency)
+        return Sequential()
+
+    async def run(self, tick: Progress) -> None:
+        opts = self.opts
+        if opts.sweep:
+            await self.sweep(tick)
+        elif opts.mode == "sessions":
+            await self.sessions(tick)
+        elif opts.mode == "batch":
+            await self.batch(tick)
+        elif isinstance(shape := self.shape(), OpenLoop):
+            ramp = [prepare(self.caps[i % len(self.caps)], opts) for i in range(shape.ramp_size())]
+            timed = await shape.run(self.client, self.fresh(), tick, ramp)
+            sent = [r.t_start_mono for r in timed.records]
+            summary = summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent)
+            self.finish(self.mode, "rate", timed, summary, {**self.params, **shape.params(len(timed.records))})
+        else:
+            timed = await shape.run(self.client, self.fresh(), tick)
+            lag = timed.lag_s if isinstance(shape, Recorded) else None
+            self.finish(self.mode, "replay", timed, summarize_records(timed.records, lag_s=lag), self.params)
+
+    async def sessions(self, tick: Progress) -> None:
+        opts = self.opts
+        runs = max(opts.sessions, len(split_sessions(self.caps)) * opts.repeat)
+        timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
+        summary = summarize_records(timed.records).updated({"sessions": sess})
+        params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
+        self.groups.append(
+            _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
+        )
+
+    async def batch(self, tick: Progress) -> None:
+        single = await Sequential().run(self.client, self.fresh(), tick)
+        s_single = summarize_records(single.records)
+        self.groups.append(_group("single", "single", self.target, self.params, single, s_single))
+        for size in self.opts.batches or (self.opts.batch,):
+            timed, waves = await Waves(size).run_waves(self.client, self.fresh(), tick)
+            summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single.wall_tps.p50)
+            self.finish(f"batch {size}", "wave", timed, summary, {**self.params, "batch": size})
+
+    async def sweep(self, tick: Progress) -> None:
+        """A sweep of the capture's generation requests (the same mix at every step): rates
+        (open loop), conversations (whole, every turn) or closed-loop streams."""
+        opts = self.opts
+        mix = generation_mix(self.caps)
+        if not mix:
+            raise ValueError(
+                "a sweep needs generation requests (chat, completions, messages, responses); none selected"
+            )
+        reps = [c for _ in range(opts.repeat) for c in mix]
+
+        def copies(k: int) -> list[PreparedRequest]:
+            return [prepare(reps[i % len(reps)], opts) for i in range(k * len(reps))]
+
+        def cycle(k: int) -> list[PreparedRequest]:
+            return [prepare(reps[i % len(reps)], opts) for i in range(k)]
+
+        slo = opts.slo or parse_slo(DEFAULT_SLO)
+
+        async def sweep(step: Callable[[Any], Awaitable[StepRun]], steps: Sequence[float], **params: Any) -> None:
+            unit = params.pop("unit", "streams")
+            await run_sweep(
+                step, steps, slo, target=self.target, params={**self.params, **params}, out=self.groups,
+                say=self.say, unit=unit, progress=tick, budget_s=opts.budget_s,
+            )  # fmt: skip
+
+        if opts.mode == "rate":
+            step = open_loop_step(self.client, cycle, len(reps), opts.arrival, opts.seed, opts.ramp_s)
+            steps = opts.sweep_steps or (opts.rate or 1.0,)
+            await sweep(step, steps, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s, unit=RATE_UNIT)
+        elif opts.mode == "sessions":
+            convs = len(split_sessions(mix))
+
+            async def sessions_step(k: int) -> StepRun:
+                timed, where, _ = await run_sessions(self.client, mix, opts, k, k * convs * opts.repeat)
+                return timed, where
+
+            await sweep(sessions_step, opts.sweep_steps, think_time=opts.think_time, unit="sessions")
+        else:
+            await sweep(closed_loop_step(self.client, copies, len(reps)), opts.sweep_steps)
+
+    def interrupted(self, measured_from: int) -> None:
+        """The requests finished so far but in no group yet, as one more group."""
+        done = {r["id"] for g in self.groups for r in g.records}
+        rest = [r for r in self.client.finished[measured_from:] if r.id not in done]
+        if rest:
+            name = f"{self.mode} interrupted"
+            self.groups.append(
+                _group(name, "interrupted", self.target, self.params, Timed(rest), summarize_records(rest))
+            )
+
+
+def _mode_name(opts: ReplayOptions) -> str:
+    mode = {
+        "recorded": f"recorded x{opts.speed:g}",
+        "sequential": "sequential",
+        "concurrency": f"concurrency {opts.concurrency}",
+        "batch": "batch",
+        "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
+        "sessions": f"sessions {opts.sessions}",
+    }.get(opts.mode)
+    if mode is None:
+        raise ValueError(f"unknown replay mode {opts.mode!r}")
+    return mode
 
 
 async def run_replay(
@@ -367,161 +527,23 @@ async def run_replay(
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()
-    by_id = {c.record.id: c for c in caps}
     groups: list[Group] = out if out is not None else []
-    sizes = opts.batches or (opts.batch,)
-
-    def fresh() -> list[PreparedRequest]:
-        # prepared anew for every phase: with the nonce on, the baseline, each wave size and
-        # each repeat send prompts no cache has seen
-        return [prepare(c, opts) for _ in range(opts.repeat) for c in caps]
-
-    params = {
-        "speed": opts.speed,
-        "concurrency": opts.concurrency,
-        "batch": opts.batch,
-        "repeat": opts.repeat,
-        "nonce": opts.nonce,
-        "model": opts.model,
-    }
+    _mode_name(opts)  # an unknown mode fails before anything is sent
     n = len(caps) * opts.repeat
-    offsets: list[float] = []
-    if opts.mode == "rate":
-        offsets, sched = schedule(n, opts.rate or 1.0, opts.arrival, opts.seed)
-        params.update(sched, ramp_s=opts.ramp_s)
-    mode = {
-        "recorded": f"recorded x{opts.speed:g}",
-        "sequential": "sequential",
-        "concurrency": f"concurrency {opts.concurrency}",
-        "batch": "batch",
-        "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
-        "sessions": f"sessions {opts.sessions}",
-    }.get(opts.mode)
-    if mode is None:
-        raise ValueError(f"unknown replay mode {opts.mode!r}")
     async with MeasuringClient(
         target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
     ) as client:
         if opts.warmup:
-            await client.run_sequential([prepare(c, opts) for c in caps[: opts.warmup]])
+            await Sequential().run(client, [prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)
-        tick = Progress(
-            f"replay {target_name}",
-            None if opts.sweep else n * (1 + len(sizes) if opts.mode == "batch" else 1),
-            progress,
-            client,
-        )
+        run = _ReplayRun(client, caps, opts, target_name, th, compare, groups, say)
+        total = None if opts.sweep else n * (1 + len(opts.batches or (opts.batch,)) if opts.mode == "batch" else 1)
+        tick = Progress(f"replay {target_name}", total, progress, client)
         tick.start()
         try:
-            if opts.mode == "recorded":
-                timed = await client.run_recorded(fresh(), opts.speed, tick)
-                groups.append(
-                    _finish(
-                        mode,
-                        "replay",
-                        target_name,
-                        params,
-                        timed,
-                        summarize_records(timed.records, lag_s=timed.lag_s),
-                        th,
-                        by_id,
-                        compare,
-                    )
-                )
-            elif opts.mode == "rate" and not opts.sweep:
-                reqs = fresh()
-                ramp = ramp_offsets(opts.rate or 1.0, opts.ramp_s, opts.arrival, opts.seed)
-                ramp_reqs = [prepare(caps[i % len(caps)], opts) for i in range(len(ramp))]
-                timed = await client.run_open_loop(reqs, offsets, tick, ramp=(ramp_reqs, ramp, opts.ramp_s))
-                summary = summarize_records(
-                    timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records]
-                )
-                groups.append(_finish(mode, "rate", target_name, params, timed, summary, th, by_id, compare))
-            elif opts.mode == "sequential":
-                timed = await client.run_sequential(fresh(), tick)
-                groups.append(
-                    _finish(
-                        mode, "replay", target_name, params, timed, summarize_records(timed.records), th, by_id, compare
-                    )
-                )
-            elif opts.mode == "rate" and opts.sweep:
-
-                def cycle(k: int) -> list[PreparedRequest]:
-                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
-
-                await run_sweep(
-                    open_loop_step(client, cycle, n, opts.arrival, opts.seed, opts.ramp_s),
-                    opts.sweep_steps or (opts.rate or 1.0,),
-                    opts.slo or parse_slo(DEFAULT_SLO),
-                    target=target_name,
-                    params=params,
-                    out=groups,
-                    say=say,
-                    progress=tick,
-                    unit=RATE_UNIT,
-                )
-            elif opts.mode == "sessions" and opts.sweep:
-
-                async def sessions_step(k: int) -> tuple[Timed, dict[str, dict[str, Any]]]:
-                    timed, where, _ = await run_sessions(client, caps, opts, k, k * opts.repeat)
-                    return timed, where
-
-                await run_sweep(
-                    sessions_step,
-                    opts.sweep_steps,
-                    opts.slo or parse_slo(DEFAULT_SLO),
-                    target=target_name,
-                    params={**params, "think_time": opts.think_time},
-                    out=groups,
-                    say=say,
-                    progress=tick,
-                    unit="sessions",
-                )
-            elif opts.mode == "sessions":
-                groups.append(await _run_sessions(client, caps, opts, target_name, params, th, tick))
-            elif opts.mode == "concurrency" and opts.sweep:
-
-                def make(k: int) -> list[PreparedRequest]:
-                    return [prepare(caps[i % len(caps)], opts) for i in range(k)]
-
-                await run_sweep(
-                    closed_loop_step(client, make, opts.repeat),
-                    opts.sweep_steps,
-                    opts.slo or parse_slo(DEFAULT_SLO),
-                    target=target_name,
-                    params=params,
-                    out=groups,
-                    say=say,
-                    progress=tick,
-                )
-            elif opts.mode == "concurrency":
-                timed = await client.run_closed_loop(fresh(), opts.concurrency, tick)
-                groups.append(
-                    _finish(
-                        mode, "replay", target_name, params, timed, summarize_records(timed.records), th, by_id, compare
-                    )
-                )
-            else:
-                single = await client.run_sequential(fresh(), tick)
-                s_single = summarize_records(single.records)
-                groups.append(_group("single", "single", target_name, params, single, s_single))
-                for size in sizes:
-                    timed, waves = await client.run_waves(fresh(), size, tick)
-                    summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single.wall_tps.p50)
-                    name = f"batch {size}"
-                    groups.append(
-                        _finish(
-                            name, "wave", target_name, {**params, "batch": size}, timed, summary, th, by_id, compare
-                        )
-                    )
+            await run.run(tick)
         except asyncio.CancelledError:
-            done = {r["id"] for g in groups for r in g.records}
-            rest = [r for r in client.finished[measured_from:] if r.id not in done]
-            if rest:
-                timed = Timed(rest)
-                groups.append(
-                    _group(f"{mode} interrupted", "interrupted", target_name, params, timed, summarize_records(rest))
-                )
+            run.interrupted(measured_from)
             raise
         finally:
             tick.close()
@@ -535,88 +557,34 @@ async def run_sessions(
     at_once: int,
     runs: int,
     tick: Callable[[], None] | None = None,
-) -> tuple[Timed, dict[str, dict[str, Any]], dict[str, Any]]:
+) -> tuple[Timed, dict[str, dict[str, float | int]], dict[str, Any]]:
     """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
     conversations in order, cycled), each its turns in order with the think time between
-    a response's end and the next turn; a worker takes the next conversation when its last
-    one ends; each run has its own nonce. Returns the records, each record's `session`,
-    `turn` and `think_s`, and the `sessions` summary."""
-    import asyncio
-    import time
-
+    a response's end and the next turn (`Sessions`); each run has its own nonce (so it is a
+    conversation of its own, never the continuation of another run). Returns the records,
+    each record's `session`, `turn` and `think_s`, and the `sessions` summary."""
     convs = split_sessions(caps)
-    queue = list(enumerate(convs[i % len(convs)] for i in range(runs)))[::-1]
-    timed = Timed()
-    where: dict[str, dict[str, Any]] = {}
-    session_s: list[float] = []
-
-    async def worker() -> None:
-        while queue:
-            si, conv = queue.pop()
-            nonce = f"[nonce {os.urandom(6).hex()}] " if opts.nonce else None
-            t0 = time.perf_counter()
-            for ti, c in enumerate(conv):
-                think = 0.0
-                if ti:
-                    think = opts.think_time if opts.think_time is not None else captured_think_s(conv[ti - 1], c)
-                    await asyncio.sleep(think)
-                r = await client.send(prepare(c, opts, nonce))
-                timed.records.append(r)
-                timed.source_ids[r.id] = c.record.id
-                where[r.id] = {"session": si, "turn": ti, "think_s": think}
-                if tick:
-                    tick()
-            session_s.append(time.perf_counter() - t0)
-
-    await asyncio.gather(*(worker() for _ in range(max(1, at_once))))
+    if client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
+        client.prefixes = PrefixIndex()
+    plans = [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
+    timed, where, session_s = await Sessions(at_once).run_sessions(client, plans, tick)
     return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
 
 
-async def _run_sessions(
-    client: MeasuringClient,
-    caps: Sequence[CapturedRequest],
-    opts: ReplayOptions,
-    target: str,
-    params: dict[str, Any],
-    th: Thresholds,
-    tick: Callable[[], None],
-) -> Group:
-    """`opts.sessions` conversations at once; the capture's conversations run `repeat`
-    times, cycled to at least `sessions`."""
-    runs = max(opts.sessions, len(split_sessions(caps)) * opts.repeat)
-    timed, where, sess = await run_sessions(client, caps, opts, opts.sessions, runs, tick)
-    summary = summarize_records(timed.records).updated({"sessions": sess})
-    return _group(
-        f"sessions {opts.sessions}",
-        "sessions",
-        target,
-        {**params, "sessions": opts.sessions, "think_time": opts.think_time},
-        timed,
-        summary,
-        where=where,
-    )
-
-
-def _finish(
-    mode: str,
-    kind: GroupKind,
-    target: str,
-    params: dict[str, Any],
-    timed: Timed,
-    summary: Summary,
-    th: Thresholds,
-    by_id: dict[str, CapturedRequest],
-    compare: bool,
-) -> Group:
-    scaling = prefill_scaling(timed.records, th)
-    if scaling is not None:
-        summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)
-    return _group(mode, kind, target, params, timed, summary, compare_rows(by_id, timed) if compare else None)
+def _session_run(conv: Sequence[CapturedRequest], opts: ReplayOptions) -> list[Turn]:
+    """One run of a conversation: its turns prepared with one nonce of their own, each with
+    its think time (`--think-time`, else as captured)."""
+    nonce = f"[nonce {os.urandom(6).hex()}] " if opts.nonce else None
+    turns = []
+    for ti, c in enumerate(conv):
+        think = 0.0
+        if ti:
+            think = opts.think_time if opts.think_time is not None else captured_think_s(conv[ti - 1], c)
+        turns.append(Turn(prepare(c, opts, nonce), think))
+    return turns
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[Group]:
-    from mlxproxy.runner import run_async
-
     return run_async(run_replay(caps, target_url, opts, **kw))
 
 

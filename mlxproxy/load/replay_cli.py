@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from mlxproxy.capture import CapturedRequest, read_capture
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.common import (
     all_failed_reason,
@@ -12,11 +13,24 @@ from mlxproxy.load.common import (
     env_key,
     fail,
     parse_target,
+    requests_text,
     run_async,
 )
+from mlxproxy.load.inputs import interrupted_line, nothing_to_replay, result_file_hint
+from mlxproxy.load.preflight import require_reachable
 from mlxproxy.load.progress import say
+from mlxproxy.load.replay import (
+    BUILTIN_AGENT,
+    ReplayOptions,
+    generation_mix,
+    run_replay,
+    select,
+    served_from_cache,
+    synthetic_agent_session,
+)
 from mlxproxy.load.replay_report import print_groups, sweep_svg, write_replay_outputs
 from mlxproxy.load.results import Group
+from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -73,7 +87,12 @@ _TESTS = {
     help=help_for("--speed", "Recorded mode only.  [default: 1]"),
 )
 @shared_option("--concurrency", "Implies --mode concurrency (several values: --sweep).")
-@shared_option("--sweep", "Each step sends streams x --repeat (at least 3) requests, cycling through the capture.")
+@shared_option(
+    "--sweep",
+    "Every step sends the capture's generation requests (not GET /v1/models) x --repeat, whole copies of them "
+    "scaled by the step (at least 3 per stream and 20 in all); --sessions steps replay whole conversations.",
+)
+@shared_option("--sweep-budget")
 @shared_option("--batch", "Implies --mode batch.")
 @shared_option("--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate.")
 @arrival_options
@@ -141,6 +160,7 @@ def replay(
     speed: float | None,
     concurrency: tuple[int, ...] | None,
     sweep: bool,
+    sweep_budget: float,
     batch: tuple[int, ...] | None,
     rate: tuple[float, ...] | None,
     arrival: str,
@@ -173,19 +193,90 @@ def replay(
     on streams, --model, the nonce (--no-nonce to send the captured prompts), and
     filler text for privacy captures.
     """
-    from mlxproxy.capture import read_capture
-    from mlxproxy.load.replay import (
-        BUILTIN_AGENT,
-        ReplayOptions,
-        run_replay,
-        select,
-        served_from_cache,
-        synthetic_agent_session,
-    )
-
     name, target_url = parse_target(target_spec)
-    if target_name:
-        name = target_name
+    name = target_name or name
+    mode, sweep = _shape(mode, speed, concurrency, sweep, batch, rate, sessions, think_time, ramp_s)
+    if timeout is not None and timeout[0] not in (None, name):
+        fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
+    api_key = env_key(api_key_env)
+    check_writable(json_path, csv_path, md_path, html_path, plot_path)
+    if plot_path and not sweep:
+        fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
+    chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, sweep)
+    steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
+    opts = ReplayOptions(
+        mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
+        sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
+        repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
+        rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
+        sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
+    )  # fmt: skip
+    require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
+    click.echo(
+        f"replaying {requests_text(len(chosen))} x{repeat} from {capture} against {target_url} ({mode}"
+        f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
+        err=True,
+    )
+    groups, interrupted = _run(chosen, target_url, opts, name, api_key, timeout[1] if timeout else 1800.0, compare)
+    judge_groups(groups, slo)
+    outputs = (json_path, csv_path, md_path, html_path)
+    _show(groups, nonce, capture, target_url, outputs, plot_path)
+    _exit(groups, interrupted, any(outputs), fail_on)
+
+
+def _run(
+    chosen: list[CapturedRequest],
+    target_url: str,
+    opts: ReplayOptions,
+    name: str,
+    api_key: str | None,
+    timeout_s: float,
+    compare: bool,
+) -> tuple[list[Group], bool]:
+    """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
+    groups: list[Group] = []
+    try:
+        run_async(
+            run_replay(
+                chosen,
+                target_url,
+                opts,
+                target_name=name,
+                api_key=api_key,
+                timeout_s=timeout_s,
+                compare=compare,
+                out=groups,
+                say=say,
+            )  # fmt: skip
+        )
+    except KeyboardInterrupt:
+        return groups, True
+    return groups, False
+
+
+def _exit(groups: list[Group], interrupted: bool, written: bool, fail_on: tuple[str, ...] | None) -> None:
+    """The exit code: 130 when interrupted, 1 when every request failed or a --fail-on check did."""
+    if interrupted:
+        fail(interrupted_line(groups, written), 130)
+    reason = all_failed_reason(groups)
+    if reason:
+        fail(reason, 1)
+    check_fail_on(fail_on, groups)
+
+
+def _shape(
+    mode: str | None,
+    speed: float | None,
+    concurrency: tuple[int, ...] | None,
+    sweep: bool,
+    batch: tuple[int, ...] | None,
+    rate: tuple[float, ...] | None,
+    sessions: tuple[int, ...] | None,
+    think_time: float | None,
+    ramp_s: float,
+) -> tuple[str, bool]:
+    """The replay mode and whether it is a sweep, from the options given (one-line errors for
+    options that conflict)."""
     given = [
         o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v
     ]
@@ -221,23 +312,24 @@ def replay(
         fail("--mode sessions needs --sessions N (conversations at once)")
     if speed is not None and mode != "recorded":
         fail(f"--speed only applies to --mode recorded, not {mode}")
-    if timeout is not None and timeout[0] not in (None, name):
-        fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
-    api_key = env_key(api_key_env)
-    check_writable(json_path, csv_path, md_path, html_path, plot_path)
-    if plot_path and not sweep:
-        fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
+    return mode, sweep
+
+
+def _warn(message: str) -> None:
+    click.echo(f"mlxproxy: warning: {message}", err=True)
+
+
+def _chosen(
+    capture: str, skip_bad_lines: bool, filters: tuple[tuple[str, str], ...], limit: int | None, sweep: bool
+) -> list[CapturedRequest]:
+    """The requests to replay: the capture's (or the bundled agent session's) that match the
+    filters (one-line errors when there are none, or none a sweep can send)."""
     skipped: list[str] = []
     try:
         caps = (
             synthetic_agent_session()
             if capture == BUILTIN_AGENT
-            else read_capture(
-                capture,
-                warn=lambda m: click.echo(f"mlxproxy: warning: {m}", err=True),
-                skip_bad=skip_bad_lines,
-                skipped=skipped,
-            )
+            else read_capture(capture, warn=_warn, skip_bad=skip_bad_lines, skipped=skipped)
         )
     except MlxproxyError as exc:
         hint = (
@@ -245,91 +337,43 @@ def replay(
             if skip_bad_lines or "cannot read" in str(exc) or "version" in str(exc)
             else " (--skip-bad-lines skips such lines)"
         )
-        fail(f"{exc}{hint}")
+        fail(result_file_hint(capture) or f"{exc}{hint}")
     if skipped:
-        click.echo(
-            f"mlxproxy: warning: skipped {len(skipped)} unreadable line(s) of {capture}; the first: {skipped[0]}",
-            err=True,
-        )
-    chosen = select(caps, parse_filters(filters), limit)
+        _warn(f"skipped {len(skipped)} unreadable line(s) of {capture}; the first: {skipped[0]}")
+    chosen = select(caps, filters, limit)
     if not chosen:
-        fail(f"no requests to replay: {capture} has {len(caps)}, none matched the filters")
-    steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
-    opts = ReplayOptions(
-        mode=mode,
-        speed=speed or 1.0,
-        concurrency=(concurrency or (1,))[0],
-        sweep=sweep,
-        sweep_steps=steps if sweep else (),
-        slo=slo,
-        batch=(batch or (2,))[0],
-        batches=batch or (2,),
-        repeat=repeat,
-        warmup=warmup,
-        nonce=nonce,
-        model=model,
-        limit=limit,
-        filters=parse_filters(filters),
-        rate=rate[0] if rate else None,
-        arrival=arrival,
-        ramp_s=ramp_s,
-        seed=seed,
-        sessions=(sessions or (1,))[0],
-        think_time=think_time,
-    )
-    click.echo(
-        f"replaying {len(chosen)} requests x{repeat} from {capture} against {target_url} ({mode}"
-        f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
-        err=True,
-    )
-    groups: list[Group] = []
-    interrupted = False
-    try:
-        run_async(
-            run_replay(
-                chosen,
-                target_url,
-                opts,
-                target_name=name,
-                api_key=api_key,
-                timeout_s=timeout[1] if timeout else 1800.0,
-                compare=compare,
-                out=groups,
-                say=say,
-            )
-        )
-    except KeyboardInterrupt:
-        interrupted = True
-    judge_groups(groups, slo)
-    print_groups(groups)
+        fail(nothing_to_replay(capture, len(caps)))
+    if sweep and not generation_mix(chosen):
+        fail(f"nothing to sweep: none of the {len(chosen)} requests chosen from {capture} asks for generation")
+    return chosen
+
+
+def _show(
+    groups: list[Group],
+    nonce: bool,
+    capture: str,
+    target_url: str,
+    outputs: tuple[str | None, str | None, str | None, str | None],
+    plot_path: str | None,
+) -> None:
+    """The console tables, the prompt-cache warning and the output files."""
+    if any(g.records for g in groups):  # a Ctrl-C before the first result: no empty table, no legend
+        print_groups(groups)
     cached, reported = served_from_cache(r for g in groups for r in g.records)
     if cached:
-        click.echo(
-            f"mlxproxy: warning: {cached} of {reported} replayed requests were served mostly from the prompt cache "
+        _warn(
+            f"{cached} of {reported} replayed requests were served mostly from the prompt cache "
             "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
-            + ("; drop --no-nonce to measure prefill" if not nonce else ""),
-            err=True,
+            + ("; drop --no-nonce to measure prefill" if not nonce else "")
         )
-    write_replay_outputs(groups, capture, target_url, json_path, csv_path, md_path, html_path)
+    write_replay_outputs(groups, capture, target_url, *outputs)
     if plot_path:
         with open(plot_path, "w", encoding="utf-8") as fh:
             fh.write(sweep_svg(groups))
         click.echo(f"wrote {plot_path}", err=True)
-    if interrupted:
-        fail(
-            f"interrupted: {sum(len(g.records) for g in groups)} finished requests printed"
-            + (" and written" if json_path or csv_path or md_path or html_path else ""),
-            130,
-        )
-    reason = all_failed_reason(groups)
-    if reason:
-        fail(reason, 1)
-    check_fail_on(fail_on, groups)
 
 
 def judge_groups(groups: list[Group], slo: dict[str, float] | None) -> None:
     """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO), in place."""
-    from mlxproxy.load.schedules import DEFAULT_SLO, judge, parse_slo
-
     slo = slo or parse_slo(DEFAULT_SLO)
     groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo))) for g in groups]

@@ -5,24 +5,32 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
+from mlxproxy.load.capacity import result_file, sweep_charts
 from mlxproxy.load.common import (
     fail,
 )
+from mlxproxy.load.htmlreport import write_html
+from mlxproxy.load.plot import svg_charts
+from mlxproxy.load.report import (
+    Section,
+    group_sections,
+    markdown_sections,
+    render_sections,
+    session_sections,
+    slo_section,
+    sweep_sections,
+    write_csv,
+    write_result,
+)
 from mlxproxy.load.results import Group
-from mlxproxy.load.schedules import result_file
-
-if TYPE_CHECKING:
-    pass
 
 
 def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Any]:
     """Everything `replay` prints (and `report` prints again for a replay result)."""
-    from mlxproxy.load.report import Section, group_sections, session_sections, slo_section, sweep_sections
-
     sections = group_sections(groups, verdicts)
     slo = slo_section(groups)
     if slo is not None:
@@ -43,15 +51,10 @@ def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = N
 
 
 def print_groups(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> None:
-    from mlxproxy.load.report import render_sections
-
     click.echo(render_sections(replay_sections(groups, verdicts)))
 
 
 def sweep_svg(groups: Sequence[Group]) -> str:
-    from mlxproxy.load.plot import svg_charts
-    from mlxproxy.load.schedules import sweep_charts
-
     return svg_charts(sweep_charts(groups))
 
 
@@ -85,8 +88,6 @@ def write_replay_outputs(
     md_path: str | None,
     html_path: str | None = None,
 ) -> None:
-    from mlxproxy.load.report import markdown_sections, write_csv, write_result
-
     doc = result_file("replay", groups, extra={"capture": capture, "target": target_url})
     if json_path:
         write_result(json_path, doc)
@@ -99,8 +100,6 @@ def write_replay_outputs(
             f.write(markdown_sections(replay_sections(groups)))
         click.echo(f"wrote {md_path}", err=True)
     if html_path:
-        from mlxproxy.load.htmlreport import write_html
-
         try:
             write_html(html_path, [(os.path.basename(capture), doc)])
         except OSError as exc:

@@ -272,13 +272,16 @@ def render_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None =
     return "\n\n".join(parts)
 
 
+def _md_cell(v: object) -> str:
+    return str(v).replace("|", "\\|")
+
+
 def markdown_table(rows: Sequence[dict[str, str]], columns: Sequence[str] | None = None) -> str:
     if not rows:
         return "(no results)\n"
     cols = list(columns or rows[0].keys())
-    esc = lambda v: str(v).replace("|", "\\|")  # noqa: E731
-    md = ["| " + " | ".join(map(esc, cols)) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(esc(r.get(c, "")) for c in cols) + " |" for r in rows]
+    md = ["| " + " | ".join(map(_md_cell, cols)) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(_md_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(md) + "\n"
 
 
@@ -550,6 +553,13 @@ CSV_FIELDS = (
     "turn",
     "think_s",
 )
+
+
+def measured_requests(groups: Sequence[Group]) -> int:
+    """How many requests `groups` measured, each once: a request that belongs to several groups
+    (bench's `single` holds every `single N`) counts once, as in `write_csv`'s rows. Requests
+    sent but not measured (bench's two calibration probes per target) are not among them."""
+    return len({(g.target, r.get("id")) for g in groups for r in g.records})
 
 
 def write_csv(path: str | Path, groups: Sequence[Group]) -> None:

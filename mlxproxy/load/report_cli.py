@@ -8,10 +8,15 @@ from typing import TYPE_CHECKING
 import click
 
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.load.bench_report import bench_sections, plot_svg, results_from_doc
+from mlxproxy.load.capacity import capacity_of
 from mlxproxy.load.common import (
     check_writable,
     fail,
 )
+from mlxproxy.load.htmlreport import write_html
+from mlxproxy.load.replay_report import replay_sections, sweep_svg
+from mlxproxy.load.report import markdown_sections, read_result, render_sections, write_csv
 from mlxproxy.load.results import Group
 from mlxproxy.vocabulary import (
     shared_option,
@@ -19,7 +24,6 @@ from mlxproxy.vocabulary import (
 
 if TYPE_CHECKING:
     from mlxproxy.load.bench import TargetResult
-from mlxproxy.load.replay_report import replay_sections, sweep_svg
 
 
 def file_labels(files: tuple[str, ...] | list[str]) -> list[str]:
@@ -61,8 +65,6 @@ def report(
 ) -> None:
     """Render saved replay/bench results (--json files) again, the same view as the run
     that wrote them; several files side by side, each target labelled with its file."""
-    from mlxproxy.load.bench_report import bench_sections, plot_svg, results_from_doc
-    from mlxproxy.load.report import markdown_sections, read_result, render_sections, write_csv
 
     check_writable(csv_path, md_path, plot_path, html_path)
     docs = []
@@ -85,7 +87,6 @@ def report(
         else:
             replay_groups += [g.retargeted(prefix + g.target) for g in doc.groups]
             replay_verdicts.update({prefix + t: v for t, v in doc.verdicts.items()})
-    from mlxproxy.load.schedules import capacity_of
 
     if plot_path and not bench_results and not capacity_of(replay_groups):
         fail(
@@ -110,8 +111,6 @@ def report(
             fh.write(plot_svg(bench_results) if bench_results else sweep_svg(replay_groups))
         click.echo(f"wrote {plot_path}", err=True)
     if html_path:
-        from mlxproxy.load.htmlreport import write_html
-
         try:
             write_html(html_path, list(zip(labels, docs)))
         except OSError as exc:

@@ -1,31 +1,58 @@
-"""Sweeps: closed-loop or open-loop steps run one after another until the server saturates or
-breaks the SLO (`--sweep`), each step's group judged against the SLO as it finishes."""
+"""Sweeps: steps of growing load run one after another, each step's group judged against the
+SLO as it finishes (`--sweep`).
+
+Every step sends the same mix (the same requests or conversations, scaled by the step's
+count), so steps differ only in load. Given steps run as given; without them the sweep
+doubles from 1 until a step breaks the SLO, has failed requests or adds no throughput, then
+refines between the last good and the first bad step by binary search on integers, for as
+long as the time budget allows, so the answer is "7", not "between 4 and 8".
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from mlxproxy.load.progress import Progress
-from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Group
-from mlxproxy.load.schedules import (
+from mlxproxy.load.capacity import (
     MAX_AUTO_CONCURRENCY,
     MIN_PER_STREAM,
+    MIN_STEP_REQUESTS,
     RATE_UNIT,
-    arrival_offsets,
-    judge,
-    ramp_offsets,
+    Step,
+    holds,
+    knee_of,
     step_figures,
     step_label,
     stop_reason,
 )
+from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.progress import Progress
+from mlxproxy.load.report import summarize_records
+from mlxproxy.load.results import Group
+from mlxproxy.load.shapes import ClosedLoop, OpenLoop
+from mlxproxy.load.slo import judge
 
-__all__ = ["run_sweep", "open_loop_step", "closed_loop_step"]
+__all__ = [
+    "DEFAULT_BUDGET_S",
+    "StepRun",
+    "run_sweep",
+    "open_loop_step",
+    "closed_loop_step",
+    "mix_copies",
+    "refine_bounds",
+]
+
+#: `--sweep-budget`'s default: refining steps start only while the sweep has run less than this
+DEFAULT_BUDGET_S = 600.0
+
+#: what one step returns: its records and extra keys per record id (a session's turn, ...)
+StepRun = tuple[Timed, Mapping[str, Mapping[str, Any]]]
 
 
 async def run_sweep(
-    step: Callable[[Any], Awaitable[tuple[Any, dict[str, dict[str, Any]]]]],
+    step: Callable[[Any], Awaitable[StepRun]],
     steps: Sequence[float],
     slo: dict[str, float],
     *,
@@ -35,81 +62,136 @@ async def run_sweep(
     say: Callable[[str], None] | None = None,
     unit: str = "streams",
     progress: Progress | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
 ) -> None:
-    """Closed-loop steps at each concurrency of `steps` (empty: doubling from 1 until
-    saturation). `step(concurrency)` runs one step and returns its `Timed` and extra keys
-    per record id (e.g. a session's turn). Each step's group is appended to `out` as it
-    finishes; `say` gets one line per step; `progress` shows each step as a phase. `unit`: what runs concurrently (streams, sessions)."""
+    """Run `step(n)` at each of `steps` (empty: doubling from 1, then refining within
+    `budget_s` seconds). Each step's group is appended to `out` as it finishes; `say` gets
+    one line per step; `progress` shows each step as a phase. `unit`: what the steps count
+    (streams, sessions, req/s)."""
     auto = not steps
-    done: list[dict[str, Any]] = []
-    i, conc = 0, 1
-    while True:
-        if not auto:
-            if i >= len(steps):
-                break
-            conc = steps[i]
+    t0 = time.monotonic()
+    done: list[Step] = []
+
+    async def one(n: float) -> None:
         if progress is not None:
-            progress.phase(f"sweep {target}: {step_label(conc, unit)}")
-        timed, extra = await step(conc)
-        records = []
-        for r in timed.records:
-            d = r.to_dict(timeline=True)
-            d["source_id"] = timed.source_ids.get(r.id)
-            d.update(extra.get(r.id, {}))
-            records.append(d)
-        label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
-        key = "rate" if unit == RATE_UNIT else "concurrency"
-        summary = summarize_records(
-            timed.records,
-            lag_s=timed.lag_s or None,
-            send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
-        )
-        g = Group(
-            f"sweep {conc:g}",
-            target,
-            f"{label} {conc:g}" + ("/s" if unit == RATE_UNIT else ""),
-            "sweep_step",
-            {**params, key: conc, "step": conc, "sweep": True, "auto": auto, "unit": unit},
-            summary.updated(judge(records, slo)),
-            tuple(records),
-        )
+            progress.phase(f"sweep {target}: {step_label(n, unit)}")
+        timed, where = await step(n)
+        g = _step_group(timed, where, n, slo, target, {**params, "auto": auto, "budget_s": budget_s}, unit)
         out.append(g)
         done.append(step_figures(g))
-        st = done[-1]
+        done.sort(key=lambda s: s["step"])
         if say:
-            say(
-                f"sweep {target}: {step_label(conc, unit)}: {st['ok']}/{st['requests']} ok, aggregate "
-                f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {st['goodput']['share'] or 0.0:.0%}, SLO "
-                + ("held" if st["slo_met"] else "broken: " + st["problem"])
-            )
-        i += 1
-        if auto:
-            if stop_reason(done) or conc >= MAX_AUTO_CONCURRENCY:
-                break
-            conc *= 2
+            say(_step_line(target, unit, next(s for s in done if s["step"] == n)))
+
+    if not auto:
+        for n in steps:
+            await one(n)
+        return
+    n = 1
+    while True:
+        await one(n)
+        if stop_reason([s for s in done if s["step"] <= n]) or n >= MAX_AUTO_CONCURRENCY:
+            break
+        n *= 2
+    while time.monotonic() - t0 < budget_s and (bounds := refine_bounds(done)) is not None:
+        await one((bounds[0] + bounds[1]) // 2)
+
+
+def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
+    """(last good, first bad) steps still more than one apart, or None: nothing to refine.
+    Good: judged, held the SLO, throughput still rising; bad: the first step past it that
+    broke the SLO, added no throughput or was too small to judge."""
+    ordered = sorted(steps, key=lambda s: s["step"])
+    good: Step | None = None
+    for i, s in enumerate(ordered):
+        if not holds(s):
+            break
+        if knee_of([x for x in ordered[: i + 1] if holds(x)]) is not None:
+            break
+        good = s
+    if good is None:
+        return None
+    later = [s for s in ordered if s["step"] > good["step"]]
+    if not later:
+        return None
+    lo, hi = int(good["step"]), int(later[0]["step"])
+    return (lo, hi) if hi - lo > 1 else None
+
+
+def _step_group(
+    timed: Timed,
+    where: Mapping[str, Mapping[str, Any]],
+    n: float,
+    slo: dict[str, float],
+    target: str,
+    params: dict[str, Any],
+    unit: str,
+) -> Group:
+    records = timed.rows(where)
+    label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
+    key = "rate" if unit == RATE_UNIT else "concurrency"
+    summary = summarize_records(
+        timed.records,
+        lag_s=timed.lag_s or None,
+        send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
+    )
+    return Group(
+        f"sweep {n:g}",
+        target,
+        f"{label} {n:g}" + ("/s" if unit == RATE_UNIT else ""),
+        "sweep_step",
+        {**params, key: n, "step": n, "sweep": True, "unit": unit},
+        summary.updated(judge(records, slo)),
+        tuple(records),
+    )
+
+
+def _step_line(target: str, unit: str, st: Step) -> str:
+    head = (
+        f"sweep {target}: {step_label(st['step'], unit)}: {st['ok']}/{st['requests']} ok, aggregate "
+        f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {(st['goodput'] or {}).get('share') or 0.0:.0%}, SLO "
+    )
+    if st["too_small"]:
+        return head + f"not judged: too few requests (under {MIN_STEP_REQUESTS})"
+    return head + ("held" if st["slo_met"] else "broken: " + st["problem"])
+
+
+def mix_copies(count: int, mix_size: int, per_stream: int = MIN_PER_STREAM) -> int:
+    """Whole copies of a mix of `mix_size` requests a closed-loop step of `count` streams
+    sends: the same whole number of copies per stream (so every stream works to the end and
+    no tail of fewer streams skews the step's throughput), at least `per_stream` requests per
+    stream and `MIN_STEP_REQUESTS` in all."""
+    size, count = max(1, mix_size), max(1, int(count))
+    per = max(per_stream, math.ceil(MIN_STEP_REQUESTS / count))
+    return count * math.ceil(per / size)
 
 
 def open_loop_step(
-    client: Any, make: Callable[[int], list[Any]], n: int, arrival: str = "constant", seed: int = 0, ramp_s: float = 0.0
-) -> Callable[[float], Awaitable[Any]]:
-    """A sweep step of `n` requests made by `make(n)`, sent in an open loop at the step's rate
-    (after an unmeasured ramp of `ramp_s` seconds up to it)."""
+    client: MeasuringClient,
+    make: Callable[[int], list[PreparedRequest]],
+    n: int,
+    arrival: str = "constant",
+    seed: int = 0,
+    ramp_s: float = 0.0,
+) -> Callable[[float], Awaitable[StepRun]]:
+    """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
+    an open loop at the step's rate (after an unmeasured ramp of `ramp_s` seconds up to it)."""
 
-    async def step(rate: float) -> tuple[Any, dict[str, dict[str, Any]]]:
-        ramp = ramp_offsets(rate, ramp_s, arrival, seed)
-        return await client.run_open_loop(
-            make(n), arrival_offsets(n, rate, arrival, seed), ramp=(make(len(ramp)), ramp, ramp_s) if ramp else None
-        ), {}
+    async def step(rate: float) -> StepRun:
+        shape = OpenLoop(rate, arrival, seed, ramp_s)
+        return await shape.run(client, make(n), None, make(shape.ramp_size())), {}
 
     return step
 
 
-def closed_loop_step(client: Any, make: Callable[[int], list[Any]], per_stream: int) -> Callable[[int], Awaitable[Any]]:
-    """A sweep step of `concurrency` streams sending `concurrency * per_stream` (at least
-    MIN_PER_STREAM each) requests made by `make(n)`."""
-    per = max(per_stream, MIN_PER_STREAM)
+def closed_loop_step(
+    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], mix_size: int, per_stream: int = 1
+) -> Callable[[int], Awaitable[StepRun]]:
+    """A sweep step of `concurrency` streams sending whole copies of a mix (`make(k)`: k
+    copies of the mix's `mix_size` requests, in order), `mix_copies` of them."""
 
-    async def step(conc: int) -> tuple[Any, dict[str, dict[str, Any]]]:
-        return await client.run_closed_loop(make(conc * per), conc), {}
+    async def step(conc: int) -> StepRun:
+        copies = mix_copies(conc, mix_size, max(per_stream, MIN_PER_STREAM))
+        return await ClosedLoop(conc).run(client, make(copies)), {}
 
     return step

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -35,7 +35,8 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import USAGE_INJECTABLE, inject_include_usage, parse_request
 from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
-from mlxproxy.errors import UpstreamError
+from mlxproxy.edge.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
+from mlxproxy.errors import UpstreamError, error_body
 from mlxproxy.headers import (
     CLIENT_KEY_HEADERS,
     REPLAY_HEADER_B,
@@ -46,11 +47,11 @@ from mlxproxy.headers import (
 from mlxproxy.proxy.auth import KeyCheck, Scrubber
 from mlxproxy.proxy.capture_writer import CaptureWriter
 from mlxproxy.proxy.finisher import Finisher
-from mlxproxy.proxy.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
+from mlxproxy.proxy.inflight import InFlight
 from mlxproxy.proxy.looplag import LoopLagMonitor
 from mlxproxy.proxy.metrics import ProxyMetrics
 from mlxproxy.proxy.observers import Fanout, LogObserver, Observer, RecentRecords
-from mlxproxy.proxy.relay import AbortClient, Flow, Outbound, json_error, relay, respond, watch_disconnect
+from mlxproxy.proxy.relay import AbortClient, Flow, Outbound, relay, respond, watch_disconnect
 from mlxproxy.proxy.routes import OWN_PATHS, PAGE_PATHS, own_routes
 from mlxproxy.proxy.tokens import TokenCounter
 from mlxproxy.proxy.upstream import UpstreamPool, UpstreamResponse
@@ -65,21 +66,19 @@ OFF_LOOP_EVENTS = 20_000  # a stream with more generated events has its record f
 
 now = time.perf_counter
 
-BAD_TARGET = json_error(
-    400,
+BAD_TARGET = error_body(
     "the request target must be a path starting with '/' (origin-form)",
     "invalid_request_target",
     "invalid_request_error",
-)[1]
-INTERNAL_ERROR = json_error(500, "the proxy failed on this request (a bug; the log has details)", "internal_error")[1]
+)
+INTERNAL_ERROR = error_body("the proxy failed on this request (a bug; the log has details)", "internal_error")
 RID_SCOPE_KEY = "mlxproxy.request_id"  # set in the scope once a request has a record
 
-UNAUTHORIZED = json_error(
-    401,
+UNAUTHORIZED = error_body(
     "missing or wrong API key for this proxy: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
     "invalid_api_key",
     "invalid_request_error",
-)[1]
+)
 
 
 class ProxyApp:
@@ -114,7 +113,7 @@ class ProxyApp:
         self.fanout = Fanout(
             base + list(observers or []), on_error=lambda name: self.metrics.observer_errors.labels(name).inc()
         )
-        self.in_flight: dict[str, RequestMeter] = {}
+        self.in_flight = InFlight(self.metrics)  # what is being forwarded: /streams, /healthz, the gauge
         self.thresholds = config.detectors
         self._recent_by_upstream: dict[str, deque[Record]] = {u.name: deque(maxlen=64) for u in self.pool.upstreams}
         self.prefixes = {u.name: PrefixIndex() for u in self.pool.upstreams}  # prompt fingerprints, no text
@@ -205,17 +204,11 @@ class ProxyApp:
             if body is None:
                 return
         flow, outbound = self._start(scope, body)
-        meter = flow.meter
         self.requests_seen += 1
-        self.in_flight[meter.request_id] = meter
-        model_label = self.metrics.model_label(meter.request.model)
-        self.metrics.request_started(flow.upstream.name, model_label)
         try:
             await self._forward(flow, outbound, receive, send)
         finally:
-            flow.release()
-            self.in_flight.pop(meter.request_id, None)
-            self.metrics.request_ended(flow.upstream.name, model_label)
+            self.in_flight.leave(flow)  # (already, unless forwarding failed before its own `finally`)
 
     async def _read_body(self, msg: Message, receive: Receive, send: Send) -> bytes | None:
         """The whole request body from its first message `msg` on, or None when the client left
@@ -230,13 +223,12 @@ class ProxyApp:
             if part:
                 size += len(part)
                 if size > limit:
-                    status, body = json_error(
-                        413,
+                    body = error_body(
                         f"request body is larger than max_request_body_bytes ({limit} bytes)",
                         "request_too_large",
                         "invalid_request_error",
                     )
-                    await respond(send, status, body)
+                    await respond(send, 413, body)
                     return None
                 chunks.append(part)
             if not msg.get("more_body", False):
@@ -244,7 +236,8 @@ class ProxyApp:
             msg = await receive()
 
     def _start(self, scope: Scope, body: bytes) -> tuple[Flow, Outbound]:
-        """Route a request, give it a record id and a meter, and count it in its upstream's `concurrency`."""
+        """Route a request, have its upstream admit it (its `concurrency`), give it a record id
+        and a meter, and enter it in the requests in flight."""
         t_start = now()
         started_at = time.time()
         method = scope["method"]
@@ -270,8 +263,8 @@ class ProxyApp:
         request_id = os.urandom(8).hex()
         scope[RID_SCOPE_KEY] = request_id
         # `concurrency` is what the server saw: requests to this upstream whose response is
-        # still being forwarded (a request leaves the count in `Flow.release`)
-        upstream.in_flight += 1
+        # still being forwarded (a request leaves the count in `InFlight.leave`)
+        concurrency = upstream.admit()
         meter = RequestMeter(
             info,
             request_id=request_id,
@@ -279,11 +272,13 @@ class ProxyApp:
             t_start=t_start,
             started_at=started_at,
             usage_injected=inject,
-            concurrency=upstream.in_flight,
+            concurrency=concurrency,
             tags=("replay",) if replay else (),
             keep_text=self.config.capture_responses,
         )
-        return Flow(upstream, meter, scope["headers"], exchange), Outbound(method, url, headers, body, inject)
+        flow = Flow(upstream, meter, scope["headers"], exchange)
+        self.in_flight.enter(flow, self.metrics.model_label(info.model))
+        return flow, Outbound(method, url, headers, body, inject)
 
     async def _forward(self, flow: Flow, outbound: Outbound, receive: Receive, send: Send) -> None:
         """Open the upstream request and relay its response; whatever happens, the record is finished."""
@@ -310,43 +305,43 @@ class ProxyApp:
             # stream, and one that leaves after an in-stream error event (the SDK raises there) got
             # the server's last word: classify both by what the server sent
             if not meter.done and not meter.stream_error:
-                flow.outcome = "client_disconnect"
-                flow.error = "the client disconnected"
+                flow.end("client_disconnect", "the client disconnected")
         finally:
             t_end = now()  # the last byte has been forwarded (or the request failed): duration_s ends here
-            flow.release()
+            self.in_flight.leave(flow)
             flow.finished = True
             watcher.cancel()
             if response is not None:
                 await _aclose_quietly(response)
-            self.finisher.submit(self._complete, flow, t_end)
+            long = meter.generated_events > OFF_LOOP_EVENTS
+            self.finisher.submit(self._complete_off_loop if long else self._complete, flow, t_end)
 
     async def _open_failed(self, flow: Flow, exc: UpstreamError, send: Send) -> None:
         """No response from the upstream: the client gets the error (unless it had left)."""
         if flow.disconnected:  # the client left first; the cancellation surfaced as an error
-            flow.outcome, flow.error = "client_disconnect", "the client disconnected"
+            flow.end("client_disconnect", "the client disconnected")
             return
-        flow.outcome, flow.error = exc.outcome, self._scrub(str(exc), flow.client_headers)
-        status, err_body = json_error(exc.status, flow.error, exc.code)
+        message = self._scrub(str(exc), flow.client_headers)
+        flow.end(exc.outcome, message)
         flow.finished = True
-        await respond(send, status, err_body, extra=[(REQUEST_ID_HEADER, flow.meter.request_id.encode())])
+        await respond(
+            send, exc.status, error_body(message, exc.code), extra=[(REQUEST_ID_HEADER, flow.meter.request_id.encode())]
+        )
 
     def _complete(self, flow: Flow, t_end: float) -> None:
         """Finish, check and hand out one request's record (run by the finisher)."""
-        if flow.meter.generated_events > OFF_LOOP_EVENTS:
-            self._finish_off_loop(flow, t_end)
-            return
-        record = self._record(flow, t_end, self._recent_by_upstream[flow.meter.upstream])
+        record = self._record(flow, t_end, self._recent_by_upstream[flow.upstream.name])
         self._recent_by_upstream[record.upstream].append(record)
         self.metrics.observe_overhead(flow.request_overhead, flow.chunk_overheads)
         self.fanout.emit(record, flow.exchange)
 
-    def _finish_off_loop(self, flow: Flow, t_end: float) -> None:
-        """Finish a very long stream's record in a worker thread: its checks and histogram
-        observations grow with its events (0.5 s and more at 10^6), and on the event loop
-        they would stall every other stream. The other observers get it on the loop."""
+    def _complete_off_loop(self, flow: Flow, t_end: float) -> None:
+        """`_complete` for a very long stream: its record is finished in a worker thread (its
+        checks and histogram observations grow with its events, 0.5 s and more at 10^6, and
+        on the event loop they would stall every other stream). The other observers get it
+        on the loop."""
         loop = asyncio.get_running_loop()
-        earlier = list(self._recent_by_upstream[flow.meter.upstream])
+        earlier = list(self._recent_by_upstream[flow.upstream.name])
 
         def work() -> Record:
             record = self._record(flow, t_end, earlier)
@@ -365,36 +360,43 @@ class ProxyApp:
 
         loop.run_in_executor(None, work).add_done_callback(done)
 
-    def _record(self, flow: Flow, t_end: float, earlier: Iterable[Record]) -> Record:
+    def _record(self, flow: Flow, t_end: float, earlier: Sequence[Record]) -> Record:
         """The request's checked record, its error text scrubbed of secrets."""
-        record = self._finish(flow.meter, t_end, flow.outcome, flow.error, earlier)
-        if record.error is not None:
-            record = record.evolve(error=self._scrub(record.error, flow.client_headers))
-        return record
-
-    def _finish(
-        self, meter: RequestMeter, t_end: float, outcome: str | None, error: str | None, earlier: Iterable[Record] = ()
-    ) -> Record:
+        meter = flow.meter
+        count_tokens = self.tokens.for_model(meter.request.model) if meter.sse else None
         try:
             return finish_checked(
                 meter,
                 t_end,
                 self.thresholds,
-                outcome=outcome,
-                error=error,
+                outcome=flow.outcome,
+                error=flow.error,
                 earlier=earlier,
-                prefixes=self.prefixes.get(meter.upstream),
-                count_tokens=self.tokens.for_model(meter.request.model) if meter.sse else None,
+                prefixes=self.prefixes.get(flow.upstream.name),
+                count_tokens=count_tokens,
+                scrub=lambda text: self._scrub(text, flow.client_headers),
             )
-        except Exception as exc:  # metering must never take the request down
+        except Exception as exc:  # metering must never take the request down: a bare record says why
             log.exception("metering failed for %s", meter.request_id)
-            return RequestMeter(
-                meter.request,
-                request_id=meter.request_id,
-                upstream=meter.upstream,
-                t_start=meter.t_start,
+            info = meter.request
+            return Record(
+                id=meter.request_id,
                 started_at=meter.started_at,
-            ).finish(t_end, outcome="protocol_error", error=f"metering failed: {type(exc).__name__}")
+                upstream=meter.upstream,
+                model=info.model,
+                endpoint=info.endpoint,
+                stream=info.stream,
+                status=None,
+                outcome="protocol_error",
+                method=info.method,
+                path=info.path,
+                duration_s=t_end - meter.t_start,
+                e2e_s=t_end - meter.t_start,
+                usage_requested=info.usage_requested,
+                max_tokens=info.max_tokens,
+                error=f"metering failed: {type(exc).__name__}",
+                t_start_mono=meter.t_start,
+            )
 
 
 class _DropAbortTracebacks(logging.Filter):

@@ -128,9 +128,10 @@ def serve(
             )
             sys.exit(2)
     setup_logging(log_level)
+    from mlxproxy.edge.runner import bind_socket, make_uvicorn_config, run_server, stack_settings
     from mlxproxy.proxy.app import create_app
+    from mlxproxy.proxy.reach import start_warnings
     from mlxproxy.proxy.upstream import display_url
-    from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server, stack_settings
 
     try:
         stack_settings(None)
@@ -158,6 +159,8 @@ def serve(
     )
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
+    for line in start_warnings(app.pool.upstreams):
+        click.echo(f"mlxproxy: warning: {line}", err=True)
     import uvicorn
 
     ucfg = make_uvicorn_config(app, cfg.host, bound, server_header=False, date_header=False)

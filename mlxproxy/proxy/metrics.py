@@ -7,22 +7,16 @@ model label falls back to `other` past `max_model_labels` distinct names.
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
-from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-try:  # only for `observe_all`'s fast path; without it every value goes through `observe`
-    from prometheus_client.values import MutexValue as _MutexValue
-except ImportError:  # pragma: no cover - a prometheus_client without it
-    _MutexValue = None
-
 from mlxproxy import __version__
 from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
+from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import OK_OUTCOMES, Record
+from mlxproxy.proxy.histograms import BatchHistogram, observe_all
 
 __all__ = ["ProxyMetrics", "concurrency_bucket", "observe_all"]
 
@@ -47,53 +41,6 @@ def concurrency_bucket(n: int) -> str:
     if n <= 16:
         return "9-16"
     return "17+"
-
-
-def observe_all(child: Any, amounts: Sequence[float]) -> None:
-    """`child.observe(a)` for every amount, in order: the same bucket counts and the same
-    sum, only cheaper (see `_observe_all_fast`)."""
-    if amounts and not _observe_all_fast(child, amounts):
-        for a in amounts:
-            child.observe(a)
-
-
-def _observe_all_fast(child: Any, amounts: Sequence[float]) -> bool:
-    """`observe_all` with one bucket search per amount and one locked add per bucket
-    touched, instead of a bucket scan and two locked adds per amount. The sum is still
-    added one amount at a time, in order, so it is the very float `observe` would leave.
-
-    The only code here that uses prometheus_client internals (a histogram child's
-    `_upper_bounds`, `_buckets`, `_sum` and the in-process `MutexValue`'s `_lock`,
-    `_value` and `inc`). Returns False, having changed nothing, when the child does not
-    have that shape (another prometheus_client, multiprocess mode); tests/core/test_fastpaths.py
-    fails when that happens with the installed version."""
-    bounds = getattr(child, "_upper_bounds", None)
-    buckets = getattr(child, "_buckets", None)
-    total = getattr(child, "_sum", None)
-    if (
-        _MutexValue is None
-        or type(total) is not _MutexValue
-        or type(bounds) is not list
-        or not bounds
-        or bounds[-1] != math.inf
-        or type(buckets) is not list
-        or len(buckets) != len(bounds)
-        or type(buckets[0]) is not _MutexValue
-    ):
-        return False
-    counts = [0] * len(bounds)
-    for a in amounts:
-        if a <= math.inf:  # false only for NaN, which observe() counts in no bucket
-            counts[bisect_left(bounds, a)] += 1  # the first bound >= a, as observe's scan finds
-    with total._lock:
-        s = total._value
-        for a in amounts:
-            s += a
-        total._value = s
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
-    return True
 
 
 class ProxyMetrics:
@@ -142,7 +89,8 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.itl = Histogram(
+        # (the two histograms fed a batch per record: BatchHistogram, the same exposition)
+        self.itl = BatchHistogram(
             "mlxproxy_inter_token_latency_seconds",
             "Gaps between consecutive generated events.",
             up_model,
@@ -218,7 +166,13 @@ class ProxyMetrics:
             ["upstream", "model"],
             registry=registry,
         )
-        self.overhead = Histogram(
+        self.reprefill_lost = Counter(
+            "mlxproxy_reprefill_lost_seconds",
+            "Prefill seconds conversations lost to re-prefills, by cause (reprefill_lost_s; estimate).",
+            ["upstream", "model", "cause"],
+            registry=registry,
+        )
+        self.overhead = BatchHistogram(
             "mlxproxy_proxy_overhead_seconds",
             "Time the proxy itself adds, by phase.",
             ["phase"],
@@ -274,6 +228,8 @@ class ProxyMetrics:
             for cache in ("reused", "recomputed"):
                 self._child(self.prompt_cache, upstream, model, cache)
             self._child(self.prefill_wasted, upstream, model)
+            for cause in CAUSES:
+                self._child(self.reprefill_lost, upstream, model, cause)
             child = self._child(self.in_flight, upstream, model)
         child.inc()
 
@@ -303,6 +259,8 @@ class ProxyMetrics:
             c(self.prompt_cache, up, model, "recomputed").inc(r.prompt_tokens - reused)
         if r.prefill_wasted_s:
             c(self.prefill_wasted, up, model).inc(r.prefill_wasted_s)
+        if r.reprefill_cause is not None and r.reprefill_lost_s:
+            c(self.reprefill_lost, up, model, r.reprefill_cause).inc(r.reprefill_lost_s)
         if r.tool_calls_valid is not None and r.tool_calls:
             if r.tool_calls_valid:
                 c(self.tool_calls, up, model, "valid").inc(r.tool_calls_valid)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from mlxproxy.capture import Exchange
 from mlxproxy.core.record import Record
+from mlxproxy.errors import clip
 
 __all__ = ["Observer", "Fanout", "RecentRecords", "LogObserver", "format_record_line"]
 
@@ -113,7 +114,7 @@ def format_record_line(r: Record) -> str:
     if r.anomalies:
         line += " anomalies=" + ",".join(r.anomalies)
     if r.error:
-        line += f" error={r.error[:120]!r}"
+        line += f" error={clip(r.error, 200)!r}"
     return line
 
 

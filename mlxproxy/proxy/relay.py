@@ -2,7 +2,7 @@
 
 `Flow` is one forwarded request's state: the flags its forwarding sets (finished, the
 client disconnected) and what its record needs beyond the meter (outcome and error seen by
-the shell, the proxy's own overhead). `relay` sends the status line and then the body, each
+the shell, set only through `Flow.end`; the proxy's own overhead). `relay` sends the status line and then the body, each
 read forwarded first and metered after, so the client never waits for the meter. For a stream
 whose usage event the proxy injected, only the SSE framing of a read is decoded before it is
 forwarded (`RequestMeter.strip`: the stripper must see whole events to cut that one out);
@@ -20,29 +20,22 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import orjson
-
 from mlxproxy.asgi import Headers, Receive, Send
 from mlxproxy.capture import Exchange
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.record import Outcome
 from mlxproxy.core.strip import UsageStripper
-from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout
+from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, error_body
 from mlxproxy.headers import REQUEST_ID_HEADER, RESPONSE_DROP
 from mlxproxy.proxy.upstream import Upstream, UpstreamResponse
 
 if TYPE_CHECKING:
     from yarl import URL
 
-__all__ = ["Flow", "Outbound", "AbortClient", "relay", "watch_disconnect", "json_error", "respond"]
+__all__ = ["Flow", "Outbound", "AbortClient", "relay", "watch_disconnect", "respond", "error_body"]
 
 log = logging.getLogger("mlxproxy")
 now = time.perf_counter
-
-
-def json_error(status: int, message: str, code: str, err_type: str = "proxy_error") -> tuple[int, bytes]:
-    """An OpenAI-shaped error body."""
-    return status, orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": None}})
 
 
 async def respond(send: Send, status: int, body: bytes, extra: Headers | None = None) -> None:
@@ -74,25 +67,27 @@ class Flow:
     exchange: Exchange | None
     finished: bool = False  # the response is complete (or answered by the proxy): a disconnect is no news
     disconnected: bool = False  # the client left while the response was being forwarded
-    released: bool = False
-    outcome: Outcome | None = None  # set by the shell: a transport failure or a metering failure
+    outcome: Outcome | None = None  # what the shell saw (`end`): a transport failure or a metering failure
     error: str | None = None
     request_overhead: float | None = None
     chunk_overheads: list[float] = field(default_factory=list)
 
-    def release(self) -> None:
-        """The last byte has been forwarded (or the request failed): it leaves the upstream's
-        `concurrency` count now, not when its record is done (a keep-alive client sends its
-        next request while the proxy still finishes the previous record)."""
-        if not self.released:
-            self.released = True
-            self.upstream.in_flight -= 1
+    def end(self, outcome: Outcome | None, error: str) -> None:
+        """The one transition of what the shell saw: `error` happened, with `outcome` (None:
+        the meter classifies the response, e.g. a body the upstream broke). A later fact
+        replaces an earlier one's error, and its outcome unless it has none."""
+        if outcome is not None:
+            self.outcome = outcome
+        self.error = error
 
     def metering_failed(self) -> None:
-        """The meter stopped on a bug: log it once; the record says `protocol_error`."""
+        """The meter stopped on a bug: log it once; the record says `protocol_error`
+        (unless the shell saw another outcome first)."""
+        if self.outcome is not None:
+            return
         exc = self.meter.failure
         log.error("metering failed for %s; the stream is forwarded unmetered", self.meter.request_id, exc_info=exc)
-        self.outcome, self.error = "protocol_error", f"metering failed: {type(exc).__name__}"
+        self.end("protocol_error", f"metering failed: {type(exc).__name__}")
 
 
 class AbortClient(Exception):
@@ -138,16 +133,16 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             overheads.append(now() - t)
-            meter.feed_forwarded(chunk, items, t)  # never raises: a failure stops the metering, not the bytes
-            if meter.failure is not None and flow.outcome is None:
+            # never raises: a failure stops the metering, not the bytes
+            if meter.feed_forwarded(chunk, items, t):
                 flow.metering_failed()
         if stripper is not None and (rest := stripper.flush()):
             await send({"type": "http.response.body", "body": rest, "more_body": True})
     except UpstreamBodyTimeout as exc:
-        flow.outcome, flow.error = "upstream_timeout", str(exc)
+        flow.end("upstream_timeout", str(exc))
         raise AbortClient() from None
     except UpstreamBodyError as exc:  # a reset, a truncated chunked encoding
-        flow.error = str(exc)
+        flow.end(None, str(exc))
         raise AbortClient() from None
     flow.finished = True
     await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,4 +1,4 @@
-"""The proxy's own routes, on Starlette: the live page, `/metrics`, `/healthz`, `/streams`.
+"""The proxy's own routes, on Starlette: the live page, `/metrics`, `/healthz`, `/streams`, `/sessions`.
 
 `ProxyApp` (a `ProxyState`) hands a request here only when its path is one of `OWN_PATHS` (one set lookup);
 everything else is forwarded by the pure ASGI code in `app.py`, and nothing here runs while
@@ -10,7 +10,9 @@ page reads its data from `/streams`, which follows the `/metrics` rule.
 `?since=SEQ` (the `seq` of an earlier answer) only the records finished after that one are
 listed (the page polls it that way), `?id=ID` (repeatable) lists only those records, and
 `?timeline=1` adds each listed record's `event_offsets_ms` (the page asks for one record's when
-it is opened: a timeline costs ~1 µs per token event to encode).
+it is opened: a timeline costs ~1 µs per token event to encode). Its `reprefill_lost_s` sums
+the recent records' prefill seconds lost per re-prefill cause. `/sessions` groups the recent
+records by conversation (`proxy/sessions.py`; `?limit=N`, default 50).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,8 +34,10 @@ from starlette.routing import Route
 
 from mlxproxy import __version__
 from mlxproxy.asgi import Receive, Scope, Send
-from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.meter import Snapshot
 from mlxproxy.core.record import Record
+from mlxproxy.errors import error_body
+from mlxproxy.proxy.sessions import lost_by_cause, sessions
 
 __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
 
@@ -41,30 +45,49 @@ log = logging.getLogger("mlxproxy")
 
 
 class Upstreams(Protocol):
-    upstreams: Sequence[Any]  # each with .name, .base, .in_flight
+    @property
+    def upstreams(self) -> Sequence[Any]: ...  # each with .name, .base, .in_flight
+
+
+class InFlight(Protocol):
+    """The requests being forwarded (`proxy.inflight.InFlight`)."""
+
+    def __len__(self) -> int: ...
+
+    def snapshots(self, now: float) -> list[Snapshot]: ...
 
 
 class Ring(Protocol):
-    total: int
-    records: Sequence[Record]
+    @property
+    def total(self) -> int: ...
+    @property
+    def records(self) -> Sequence[Record]: ...
 
 
 class ProxyState(Protocol):
     """What the own routes read of the proxy (`ProxyApp` has it), without importing it."""
 
-    registry: Any  # a prometheus_client CollectorRegistry
-    started_mono: float
-    in_flight: Mapping[Any, RequestMeter]
-    requests_seen: int
-    pool: Upstreams
-    recent: Ring
-    thresholds: Any  # a core.detect.Thresholds
+    # (read-only properties: the routes only read them, and a `ProxyApp` holds narrower types)
+    @property
+    def registry(self) -> Any: ...  # a prometheus_client CollectorRegistry
+    @property
+    def started_mono(self) -> float: ...
+    @property
+    def in_flight(self) -> InFlight: ...
+    @property
+    def requests_seen(self) -> int: ...
+    @property
+    def pool(self) -> Upstreams: ...
+    @property
+    def recent(self) -> Ring: ...
+    @property
+    def thresholds(self) -> Any: ...  # a core.detect.Thresholds
 
 
 WEB_DIR = Path(__file__).parent / "web"
 PAGE_FILES = {"/": "index.html", "/ui/app.js": "app.js", "/ui/app.css": "app.css", "/ui/LICENSE": "LICENSE"}
 PAGE_PATHS = frozenset(PAGE_FILES)
-DATA_PATHS = frozenset({"/metrics", "/streams"})
+DATA_PATHS = frozenset({"/metrics", "/streams", "/sessions"})
 OWN_PATHS = PAGE_PATHS | DATA_PATHS | {"/healthz"}
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -86,9 +109,11 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
-def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+def _error(
+    status: int, message: str, code: str, headers: dict[str, str] | None = None, err_type: str = "invalid_request_error"
+) -> Response:
+    body = error_body(message, code, err_type)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def _flag(request: Request, name: str) -> bool:
@@ -122,6 +147,7 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         if loop_lag is not None:
             body["event_loop_lag_max_s"] = round(loop_lag.max_lag_s, 6)
         body["upstreams"] = [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams]
+        await upstream_reach(proxy.pool.upstreams, body["upstreams"])
         return _json(body)
 
     async def streams(request: Request) -> Response:
@@ -147,11 +173,18 @@ def own_routes(proxy: ProxyState) -> _Quiet:
             {
                 "now": time.time(),
                 "seq": ring.total,
-                "in_flight": [live_view(m, t) for m in list(proxy.in_flight.values())],
+                "in_flight": [live_view(s) for s in proxy.in_flight.snapshots(t)],
                 "recent": [_record(r, timeline) for r in reversed(records)],
                 "stall_rule": {"factor": proxy.thresholds.stall_factor, "min_s": proxy.thresholds.stall_min_s},
+                "reprefill_lost_s": lost_by_cause(ring.records),
             }
         )
+
+    async def conversations(request: Request) -> Response:
+        arg = request.query_params.get("limit", "50")
+        if not arg.isdigit() or int(arg) < 1:
+            raise HTTPException(400, f"query parameter 'limit' must be a whole number >= 1, got {arg[:40]!r}")
+        return _json({"now": time.time(), "sessions": sessions(list(proxy.recent.records), int(arg))})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -162,23 +195,29 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         return _error(exc.status_code, str(exc.detail), "invalid_request")
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        body = {
-            "error": {
-                "message": f"the proxy failed to answer {request.url.path}: {type(exc).__name__}",
-                "type": "proxy_error",
-                "code": "internal_error",
-                "param": None,
-            }
-        }
-        return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+        message = f"the proxy failed to answer {request.url.path}: {type(exc).__name__}"
+        return _error(500, message, "internal_error", err_type="proxy_error")
 
     routes = [Route(p, page_file, methods=["GET"]) for p in PAGE_FILES]
     routes += [
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/streams", streams, methods=["GET"]),
+        Route("/sessions", conversations, methods=["GET"]),
     ]
     return _Quiet(Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}))
+
+
+async def upstream_reach(upstreams: Sequence[Any], views: list[dict[str, Any]]) -> None:
+    """Each upstream's `reachable`, `last_error` and `last_error_at` (proxy/reach.py) added to
+    its `/healthz` entry, probed again when the last evidence is a few seconds old."""
+    from mlxproxy.proxy.reach import refresh
+
+    with_reach = [u for u in upstreams if hasattr(u, "reach")]
+    await refresh(with_reach)
+    for u, view in zip(upstreams, views):
+        if hasattr(u, "reach"):
+            view.update(u.reach.view())
 
 
 class _Quiet:
@@ -202,26 +241,20 @@ def _record(record: Record, timeline: bool) -> dict[str, Any]:
     return d
 
 
-def live_view(meter: RequestMeter, now: float) -> dict[str, Any]:
-    """`/streams`' view of a request in flight (its figures so far, no text), read from its meter."""
-    tokens = meter.generated_events
-    tps = None
-    if tokens >= 2 and meter.t_first_token is not None and meter.t_last_token is not None:
-        window = meter.t_last_token - meter.t_first_token
-        tps = (tokens - 1) / window if window > 0 else None
-    request = meter.request
+def live_view(s: Snapshot) -> dict[str, Any]:
+    """`/streams`' view of a request in flight (`RequestMeter.snapshot`: its figures so far, no text)."""
     return {
-        "id": meter.request_id,
-        "upstream": meter.upstream,
-        "model": request.model,
-        "endpoint": request.endpoint,
-        "stream": request.stream,
-        "status": meter.status,
-        "age_s": round(now - meter.t_start, 3),
-        "ttft_s": None if meter.t_first_token is None else round(meter.t_first_token - meter.t_start, 4),
-        "tokens_so_far": tokens,
-        "tokens_per_s": None if tps is None else round(tps, 2),
-        "idle_s": round(now - (meter.t_last_byte if meter.t_last_byte is not None else meter.t_start), 3),
-        "prefill_progress": list(meter.prefill_progress) if meter.prefill_progress else None,
-        "concurrency": meter.concurrency,
+        "id": s.id,
+        "upstream": s.upstream,
+        "model": s.model,
+        "endpoint": s.endpoint,
+        "stream": s.stream,
+        "status": s.status,
+        "age_s": round(s.age_s, 3),
+        "ttft_s": None if s.ttft_s is None else round(s.ttft_s, 4),
+        "tokens_so_far": s.tokens_so_far,
+        "tokens_per_s": None if s.tokens_per_s is None else round(s.tokens_per_s, 2),
+        "idle_s": round(s.idle_s, 3),
+        "prefill_progress": list(s.prefill_progress) if s.prefill_progress else None,
+        "concurrency": s.concurrency,
     }

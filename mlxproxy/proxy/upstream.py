@@ -13,18 +13,24 @@ from __future__ import annotations
 import asyncio
 import base64
 import fnmatch
-import functools
 import os
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
-from aiohttp.client_proto import ResponseHandler
 from yarl import URL
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
-from mlxproxy.errors import ConfigError, UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
-from mlxproxy.proxy.limits import drop_transport_cycle
+from mlxproxy.errors import (
+    ConfigError,
+    UpstreamBodyError,
+    UpstreamBodyTimeout,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    clip,
+)
+from mlxproxy.proxy._compat_aiohttp import connector
+from mlxproxy.proxy.reach import Reach
 
 __all__ = ["Upstream", "UpstreamPool", "UpstreamResponse", "display_url"]
 
@@ -36,61 +42,6 @@ _NO_AUTO_HEADERS = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Conten
 # (vLLM, vllm-mlx) and llama.cpp, so the proxy never sends a request on a connection the
 # server is closing at that moment.
 POOL_IDLE_S = 4.0
-
-
-class _GuardedHandler(ResponseHandler):
-    """An upstream connection that breaks its own reference cycle when it is lost."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._made = transport  # aiohttp forgets its transport when it closes it itself
-        super().connection_made(transport)  # type: ignore[arg-type]
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        super().connection_lost(exc)
-        drop_transport_cycle(self.__dict__.pop("_made", None))
-
-
-def _reusable(proto: ResponseHandler) -> bool:
-    """False after anything unexpected: bytes while idle, buffered or half-parsed data, an
-    error, or a read timer still armed after the response ended (aiohttp can leave one
-    behind after pausing for a large body; it would fail the next request at once)."""
-    return not (proto.should_close or getattr(proto, "_read_timeout_handle", None) is not None)
-
-
-class _GuardedConnector(aiohttp.TCPConnector):
-    """A connection pool that never hands out a connection after anything unexpected: each
-    is checked when it is given back and again when it is taken (SECURITY.md, "One request,
-    one response")."""
-
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self._factory = functools.partial(_GuardedHandler, loop=self._loop)
-
-    def _release(self, key: object, protocol: ResponseHandler, *, should_close: bool = False) -> None:  # type: ignore[override]
-        if not should_close:
-            if _reusable(protocol):
-                # Idle in the pool, a connection has no response parser: aiohttp then keeps
-                # any byte that arrives (an extra response, more body than announced) in its
-                # `_tail`, which `should_close` reports, so the connection is never handed out
-                # again. The next request on it gets a fresh parser (`set_response_params`).
-                # (An override of `data_received` did the same at a Python call per body chunk:
-                # 3 % of the proxy's instructions for a stream, benchmarks/instructions.py.)
-                protocol._parser = None
-            else:
-                should_close = True
-        super()._release(key, protocol, should_close=should_close)  # type: ignore[arg-type]
-
-    async def _get(self, key: object, traces: list) -> aiohttp.connector.Connection | None:  # type: ignore[override]
-        # only the connection about to be handed out is checked (walking every idle one cost
-        # O(pool) per request: 2 % of a load generator's CPU at 800 req/s); one that fails is
-        # closed and the next is taken
-        while True:
-            conn = await super()._get(key, traces)  # type: ignore[arg-type]
-            if conn is None or conn.protocol is None:
-                return conn
-            if _reusable(conn.protocol):
-                return conn
-            conn.close()  # bytes arrived while it sat idle, or it is half-parsed: never reused
 
 
 def display_url(url: str) -> str:
@@ -144,8 +95,10 @@ class UpstreamResponse:
         if not chunk:
             self._eof = True
             closed = self._closed
-            if closed is not None and closed.done() and not closed.cancelled() and closed.exception() is not None:
-                raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(closed.exception())}")  # type: ignore[arg-type]
+            if closed is not None and closed.done() and not closed.cancelled():
+                broken = closed.exception()
+                if broken is not None:
+                    raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(broken)}")
         return chunk
 
     async def aclose(self) -> None:
@@ -195,7 +148,8 @@ class Upstream:
                 f"upstream '{cfg.name}': its key holds a line break or NUL, which an HTTP header cannot carry"
             )
         self.secrets = tuple(x for x in (self.api_key, parts.password, password) if x)
-        self.in_flight = 0
+        self._in_flight = 0
+        self.reach = Reach()  # whether it can be reached, for /healthz (proxy/reach.py)
         self.open_responses = 0  # responses opened and not yet closed (tests: nothing leaks)
         self._timeout = aiohttp.ClientTimeout(
             total=None,
@@ -206,6 +160,21 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         self._reuse = reuse_connections
 
+    @property
+    def in_flight(self) -> int:
+        """Requests to this upstream whose response is still being forwarded."""
+        return self._in_flight
+
+    def admit(self) -> int:
+        """One more request in flight to this upstream; returns how many there are now, this
+        one included (the request's `concurrency`: what the server saw). `leave` when done."""
+        self._in_flight += 1
+        return self._in_flight
+
+    def leave(self) -> None:
+        """A request admitted here is done forwarding (`proxy.inflight.InFlight.leave`)."""
+        self._in_flight -= 1
+
     def matches(self, model: str | None) -> bool:
         return model is not None and any(fnmatch.fnmatchcase(model, p) for p in self.patterns)
 
@@ -214,9 +183,9 @@ class Upstream:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=(
-                    _GuardedConnector(limit=0, keepalive_timeout=POOL_IDLE_S)
+                    connector(limit=0, keepalive_timeout=POOL_IDLE_S)
                     if self._reuse
-                    else _GuardedConnector(limit=0, force_close=True)
+                    else connector(limit=0, force_close=True)
                 ),
                 timeout=self._timeout,
                 auto_decompress=False,  # the client gets the bytes the upstream sent
@@ -249,6 +218,8 @@ class Upstream:
                 f"upstream '{self.name}' did not answer within the timeout ({type(exc).__name__})"
             ) from exc
         except (aiohttp.ClientConnectionError, OSError) as exc:
+            if isinstance(exc, OSError):  # could not connect (or reset at once): /healthz shows it
+                self.reach.saw(_reason(exc))
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' failed before responding: {_reason(exc)}") from exc
@@ -284,7 +255,7 @@ def _forget_tracebacks(exc: BaseException) -> None:
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {clip(text.splitlines()[0], 200)}" if text else type(exc).__name__
 
 
 class UpstreamPool:

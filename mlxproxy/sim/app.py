@@ -220,7 +220,8 @@ class SimApp:
             faults=faults,
             admitted_s=admitted_s,
         )
-        renderer.cached_tokens = cached
+        renderer.cached_tokens = 0 if self.profile.cache_report == "hidden" else cached
+        prefill = req.prompt_tokens - (0 if self.profile.cache_report == "claimed-cold" else cached)
         if plan.tool_name:
             renderer.style.tool_name = plan.tool_name
         truth: dict[str, Any] = {
@@ -230,6 +231,8 @@ class SimApp:
             "stream": req.stream,
             "prompt_tokens": req.prompt_tokens,
             "cached_tokens": cached,
+            "cached_tokens_reported": renderer.cached_tokens,
+            "prefilled_tokens": prefill,
             "n_tokens": plan.n_visible,
             "n_reasoning": plan.n_reasoning,
             "n_engine_tokens": plan.n_engine_tokens,
@@ -253,7 +256,7 @@ class SimApp:
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[req_id] = queue
-        self.engine.admit(req_id, admitted_s, req.prompt_tokens - cached, plan.n_engine_tokens)  # TTFT: uncached only
+        self.engine.admit(req_id, admitted_s, prefill, plan.n_engine_tokens)  # TTFT: what it prefills only
         self._pump()
         watcher = asyncio.ensure_future(_watch_disconnect(receive, queue))
         try:

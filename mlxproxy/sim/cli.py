@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from typing import Any
 
@@ -90,8 +91,8 @@ def sim(
 ) -> None:
     """Serve a simulated MLX server: OpenAI-compatible, deterministic timing, a real server's wire format.
 
-    Profiles: healthy, mlx-lm, mlx-openai-server, mlx-omni-server, vllm-mlx, rapid-mlx, omlx,
-    mlx-vlm, phantom-usage (see docs/SIMULATOR.md). The effective knobs are printed first as one
+    Profiles: healthy, mlx-lm, mlx-openai-server (1.8), mlx-openai-server@1.6, mlx-omni-server,
+    vllm-mlx, rapid-mlx, omlx, mlx-vlm, phantom-usage (see docs/SIMULATOR.md). The effective knobs are printed first as one
     JSON line, so a test knows the truth it should measure; GET /sim/profile returns them too.
     """
     if max_tokens is None:
@@ -107,6 +108,7 @@ def sim(
         "serial": None if batching is None else batching == "serial",
     }
     profile = build_profile(profile_name, options, sets)
+    sock = None if dry_run else _listen(host, port)  # a taken port is the only line, before the knobs
     click.echo(json.dumps({"sim_profile": profile.knobs(), "speed": speed, "seed": seed}))
     for line in truth_lines(profile):
         click.echo(f"truth: {line}")
@@ -114,15 +116,11 @@ def sim(
         return
     import uvicorn
 
-    from mlxproxy.runner import bind_socket, make_uvicorn_config, run_server
+    from mlxproxy.edge.runner import make_uvicorn_config, run_server
     from mlxproxy.sim.app import SimApp
 
+    assert sock is not None
     app = SimApp(profile, speed=speed, seed=seed)
-    try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        click.echo(f"mlxproxy sim: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
-        sys.exit(1)
     bound = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
     click.echo(f"mlxproxy sim ({profile.name}) listening on http://{shown_host}:{bound} (speed {speed:g}x)")
@@ -130,3 +128,14 @@ def sim(
         run_server(uvicorn.Server(make_uvicorn_config(app, host, bound)), sock)
     except KeyboardInterrupt:  # Ctrl-C is how a foreground server is stopped: not an error
         pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, or one line and exit 1 when the port cannot be opened."""
+    from mlxproxy.edge.runner import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        click.echo(f"mlxproxy sim: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        sys.exit(1)

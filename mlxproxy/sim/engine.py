@@ -43,7 +43,8 @@ def prefill_s(profile: Profile, prompt_tokens: int) -> float:
     knee = profile.superlinear_after_tokens
     if knee is None or prompt_tokens <= knee or profile.superlinear_exponent == 1.0:
         return linear_s
-    return linear_s * (prompt_tokens / knee) ** (profile.superlinear_exponent - 1.0)
+    factor: float = (prompt_tokens / knee) ** (profile.superlinear_exponent - 1.0)
+    return linear_s * factor
 
 
 def step_s(profile: Profile, n_streams: int) -> float:
@@ -322,29 +323,32 @@ class Timeline:
 
 def timelines(events: Iterable[Event]) -> dict[str, Timeline]:
     """Group events by request into `Timeline`s (insertion order = first event seen)."""
-    parts: dict[str, dict[str, object]] = {}
+    order: dict[str, None] = {}  # request ids, first event seen first
+    marks: dict[tuple[str, str], float] = {}  # (request id, "headers" | "rejected" | "finish") -> t
+    progress: dict[str, list[tuple[float, int]]] = {}
+    tokens: dict[str, list[float]] = {}
     for ev in events:
-        part = parts.setdefault(ev.req_id, {"progress": [], "token_s": []})
+        order.setdefault(ev.req_id)
         if isinstance(ev, Headers):
-            part["headers_s"] = ev.t_s
+            marks[ev.req_id, "headers"] = ev.t_s
         elif isinstance(ev, Rejected):
-            part["rejected_s"] = ev.t_s
+            marks[ev.req_id, "rejected"] = ev.t_s
         elif isinstance(ev, PrefillProgress):
-            part["progress"].append((ev.t_s, ev.processed_tokens))  # type: ignore[union-attr]
+            progress.setdefault(ev.req_id, []).append((ev.t_s, ev.processed_tokens))
         elif isinstance(ev, Token):
-            part["token_s"].append(ev.t_s)  # type: ignore[union-attr]
+            tokens.setdefault(ev.req_id, []).append(ev.t_s)
         elif isinstance(ev, Finish):
-            part["finish_s"] = ev.t_s
+            marks[ev.req_id, "finish"] = ev.t_s
     return {
         req_id: Timeline(
             req_id,
-            headers_s=part.get("headers_s"),  # type: ignore[arg-type]
-            rejected_s=part.get("rejected_s"),  # type: ignore[arg-type]
-            progress=tuple(part["progress"]),  # type: ignore[arg-type]
-            token_s=tuple(part["token_s"]),  # type: ignore[arg-type]
-            finish_s=part.get("finish_s"),  # type: ignore[arg-type]
+            headers_s=marks.get((req_id, "headers")),
+            rejected_s=marks.get((req_id, "rejected")),
+            progress=tuple(progress.get(req_id, ())),
+            token_s=tuple(tokens.get(req_id, ())),
+            finish_s=marks.get((req_id, "finish")),
         )
-        for req_id, part in parts.items()
+        for req_id in order
     }
 
 

@@ -79,6 +79,9 @@ class Profile:
     # Prompt cache (sim/cache.py): reuse the longest cached prefix, report it as cached_tokens.
     prompt_cache: bool = False
     cache_drop: str = ""  # "", "every", "every-other", "after:N"
+    # What usage says of the cache: "" (the truth), "hidden" (reuses its cache but reports
+    # cached_tokens 0), "claimed-cold" (reports what it could reuse, but prefills every token).
+    cache_report: str = ""
     # Answer to a chat request that declares tools (OpenAI wire only): "" (text), "structured",
     # "markup" (<tool_call> in content), "invalid-json" (structured, broken arguments).
     tool_call_style: str = ""
@@ -127,6 +130,8 @@ def _validate(p: Profile) -> None:
         raise bad("tool_call_style", "must be '', 'structured', 'markup' or 'invalid-json'")
     if p.tool_call_style and p.wire != "openai":
         raise bad("tool_call_style", "is only simulated on the openai wire")
+    if p.cache_report not in ("", "hidden", "claimed-cold"):
+        raise bad("cache_report", "must be '', 'hidden' or 'claimed-cold'")
     if p.reject_concurrent not in ("", "stream", "http"):
         raise bad("reject_concurrent", "must be '', 'stream' or 'http'")
     try:
@@ -152,7 +157,18 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             name="mlx-openai-server",
-            description="mlx-openai-server: one request at a time (`--max-concurrency` defaults to 1), "
+            description="mlx-openai-server 1.8 (today's release): continuous batching by default (since "
+            "1.7), role-only first chunk, `reasoning_content`, usage always on the finish chunk, never `length`.",
+            wire="mlx-openai-server",  # live 1.8.1: the same chunks as 1.6.3
+            # 1.8.1 decodes with mlx-lm's BatchGenerator, as mlx_lm.server does: the mlx-lm profile's
+            # penalty (live CPU, 1,500-token streams: overlap 0.92, 1.40x)
+            batch_penalty=0.1,
+            reasoning_share=0.25,
+            usage_counts_eos=True,  # live 1.8.1: 16 words + EOS = usage 17
+        ),
+        Profile(
+            name="mlx-openai-server@1.6",
+            description="mlx-openai-server 1.6: one request at a time (`--max-concurrency` defaults to 1), "
             "role-only first chunk, `reasoning_content`, usage always on the finish chunk, never `length`.",
             wire="mlx-openai-server",
             serial=True,  # live 1.6.3: two streams one after the other (overlap 0.00 in every wave)

@@ -22,6 +22,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from mlxproxy.core.tools import parse_tools
 from mlxproxy.sim.profiles import Profile
 
@@ -119,7 +121,12 @@ def parse_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", missing_field="messages")
-        text = "".join(_message_text(m.get("content")) for m in messages if isinstance(m, dict))
+        texts = [_message_text(m.get("content")) for m in messages if isinstance(m, dict)]
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools:  # rendered after the system prompt, as Qwen's template does
+            at = 1 if isinstance(messages[0], dict) and messages[0].get("role") == "system" else 0
+            texts.insert(at, orjson.dumps(tools).decode())
+        text = "".join(texts)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):

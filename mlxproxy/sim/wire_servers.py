@@ -235,7 +235,7 @@ class MlxOmniServerStyle(DetailErrors):
             (b"content-type", b"text/event-stream; charset=utf-8"),
         ]
 
-    def _chunk(self, choice: dict[str, Any], **extra: Any) -> bytes:
+    def _chunk_of(self, choice: dict[str, Any], **extra: Any) -> bytes:
         obj = {
             "id": self.ctx.response_id,
             "object": "chat.completion.chunk",
@@ -250,7 +250,7 @@ class MlxOmniServerStyle(DetailErrors):
         return b""
 
     def piece(self, kind: str, text: str, rate_tps: float | None = None) -> bytes:
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": text}})
+        return self._chunk_of({"index": 0, "delta": {"role": "assistant", "content": text}})
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
         return {
@@ -261,9 +261,9 @@ class MlxOmniServerStyle(DetailErrors):
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         choice = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": "stop"}
-        out = self._chunk(choice)
+        out = self._chunk_of(choice)
         if self.ctx.include_usage:
-            out += self._chunk(choice, usage=self.usage_obj(usage))
+            out += self._chunk_of(choice, usage=self.usage_obj(usage))
         return out + DONE
 
     def stream_error(self, message: str, reason: str, usage: UsageReport) -> tuple[bytes, str]:
@@ -298,7 +298,7 @@ class MlxVlmStyle(DetailErrors):
     def make_id(cls, seed: str, endpoint: str = "chat") -> str:
         return "chatcmpl-" + uuid_like(seed)
 
-    def _chunk(self, choices: list[Any], usage: Any, timings: dict[str, Any]) -> bytes:
+    def _timed_chunk(self, choices: list[Any], usage: Any, timings: dict[str, Any]) -> bytes:
         obj = {
             "id": self.ctx.response_id,
             "object": "chat.completion.chunk",
@@ -329,13 +329,13 @@ class MlxVlmStyle(DetailErrors):
         delta = self._full_delta(reasoning=text) if kind == "reasoning" else self._full_delta(content=text)
         choice = {"index": 0, "finish_reason": None, "delta": delta, "logprobs": None}
         rate = round(rate_tps, 1) if rate_tps is not None else None
-        return self._chunk([choice], None, {"predicted_per_second": rate})
+        return self._timed_chunk([choice], None, {"predicted_per_second": rate})
 
     def finish(self, reason: str, usage: UsageReport, last: tuple[str, str] | None = None) -> bytes:
         decode = usage.decode_s or 0.0
         rate = round((usage.n_visible - 1) / decode, 1) if decode > 0 else None
         choice = {"index": 0, "finish_reason": reason, "delta": self._full_delta(), "logprobs": None}
-        out = self._chunk([choice], None, {"predicted_per_second": rate})
+        out = self._timed_chunk([choice], None, {"predicted_per_second": rate})
         if self.ctx.include_usage:
             ttft = usage.ttft_s or 0.0
             timings = {
@@ -360,7 +360,7 @@ class MlxVlmStyle(DetailErrors):
                 "total_tokens": usage.total_tokens,
                 "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             }
-            out += self._chunk([], usage_obj, timings)
+            out += self._timed_chunk([], usage_obj, timings)
         return out + DONE
 
     def stream_error(self, message: str, reason: str, usage: UsageReport) -> tuple[bytes, str]:

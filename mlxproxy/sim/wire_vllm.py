@@ -23,7 +23,7 @@ class VllmMlxStyle(DetailErrors):
     def make_id(cls, seed: str, endpoint: str = "chat") -> str:
         return ("chatcmpl-" if endpoint == "chat" else "cmpl-") + hex_id(seed, 8)
 
-    def _chunk(self, choices: list[Any], usage: Any = None) -> bytes:
+    def _chunk(self, choices: list[Any], usage: Any = None, **extra: Any) -> bytes:
         chat = self.ctx.endpoint == "chat"
         response_id = self.ctx.response_id
         if not chat and self.per_chunk_completion_ids:
@@ -39,6 +39,7 @@ class VllmMlxStyle(DetailErrors):
         }
         if chat:
             obj["generation_metadata"] = None
+        obj.update(extra)  # (vllm-mlx's own streams pass none)
         return sse(self.dumps(obj))
 
     def _choice(self, delta: dict[str, Any] | None, text: str | None, finish: str | None) -> dict[str, Any]:

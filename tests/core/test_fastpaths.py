@@ -18,7 +18,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 import mlxproxy.core.meter as meter_mod
 import mlxproxy.core.openai as openai_mod
@@ -27,6 +27,7 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
 from mlxproxy.core.sse import DEFAULT_MAX_LINE_BYTES, SSEDecoder, SSEEvent
 from mlxproxy.core.strip import UsageStripper
+from mlxproxy.proxy.histograms import BatchHistogram
 from support import FIXTURES, splits
 
 # chat and text completion streams (the Anthropic Messages and Responses recordings have their own rules)
@@ -505,7 +506,7 @@ def meter_record(parts: list[bytes], *, fast: bool):
     m.upstream_sent(0.1)
     m.response_started(0.5, 200, "text/event-stream")
     if not fast:
-        m.decoder = GeneralDecoder()
+        m._decoder = GeneralDecoder()  # (the meter's own decoder: no public way to swap it)
     t = 1.0
     off = contextlib.ExitStack()
     if not fast:  # both the meter's and classify_chunk's own use of it
@@ -515,7 +516,8 @@ def meter_record(parts: list[bytes], *, fast: bool):
         for p in parts:
             m.feed(p, t)
             t += 0.25
-        return m.finish(t + 1.0), (m.tool_calls, m.content_parts, m.reasoning_parts, m.duplicate_content)
+        recounted: list[str] = []  # what a tokenizer is handed: reasoning, content, tool names and arguments
+        return m.finish(t + 1.0, count_tokens=lambda text: recounted.append(text) or 1), recounted
 
 
 @pytest.mark.parametrize("name", SSE_FIXTURES)
@@ -564,24 +566,6 @@ def samples(registry: CollectorRegistry) -> list[tuple]:
     return out
 
 
-def test_histogram_internals_observe_all_relies_on_are_there() -> None:
-    """Fails when prometheus_client changes the internals `observe_all` reads (it would
-    then fall back to `observe`, correct but slow): time to look again."""
-    reg = CollectorRegistry()
-    child = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels("a")
-    assert metrics_mod._observe_all_fast(child, [0.004, 0.004, 100.0])
-    assert reg.get_sample_value("h_bucket", {"l": "a", "le": "0.005"}) == 2.0
-    assert (
-        reg.get_sample_value("h_bucket", {"l": "a", "le": "+Inf"}) == reg.get_sample_value("h_count", {"l": "a"}) == 3.0
-    )
-    assert reg.get_sample_value("h_sum", {"l": "a"}) == 0.0 + 0.004 + 0.004 + 100.0
-    assert metrics_mod._observe_all_fast(Histogram("u", "u", registry=reg), [1.0])
-    parent = Histogram("p", "p", ["l"], registry=reg)  # a parent cannot observe: observe_all raises as observe does
-    assert not metrics_mod._observe_all_fast(parent, [1.0])
-    with pytest.raises(ValueError):
-        metrics_mod.observe_all(parent, [1.0])
-
-
 AMOUNT = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([*metrics_mod.GAP_BUCKETS, 0.0, -0.0]),
@@ -590,20 +574,38 @@ AMOUNT = st.one_of(
 )
 
 
-@pytest.mark.parametrize("fast", [True, False])
 @settings(max_examples=300, deadline=None)
-@given(batches=st.lists(st.lists(AMOUNT, max_size=30), max_size=4))
-def test_observe_all_equals_observe_each(batches: list[list[float]], fast: bool) -> None:
+@given(batches=st.lists(st.lists(AMOUNT, max_size=30), max_size=4), labels=st.sampled_from([(), ("a",), ("a", "b")]))
+def test_batch_histogram_exposes_what_a_histogram_observing_one_by_one_would(
+    batches: list[list[float]], labels: tuple[str, ...]
+) -> None:
+    names = ["l", "m"][: len(labels)]
     reg_ref, reg = CollectorRegistry(), CollectorRegistry()
-    ref = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg_ref).labels("a")
-    got = Histogram("h", "h", ["l"], buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels("a")
-    fast_fn = metrics_mod._observe_all_fast if fast else (lambda child, amounts: False)
-    with mock.patch.object(metrics_mod, "_observe_all_fast", fast_fn):
-        for batch in batches:
-            for a in batch:
-                ref.observe(a)
-            metrics_mod.observe_all(got, batch)
-            assert samples(reg) == samples(reg_ref)
+    ref_family = Histogram("h", "Gaps.", names, buckets=metrics_mod.GAP_BUCKETS, registry=reg_ref)
+    ref = ref_family.labels(*labels) if labels else ref_family
+    got = BatchHistogram("h", "Gaps.", names, buckets=metrics_mod.GAP_BUCKETS, registry=reg).labels(*labels)
+    for batch in batches:
+        for a in batch:
+            ref.observe(a)
+        metrics_mod.observe_all(got, batch)
+        assert samples(reg) == samples(reg_ref)
+    # the whole exposition, byte for byte but for the creation times
+    strip = lambda text: [ln for ln in text.splitlines() if "_created" not in ln]  # noqa: E731
+    assert strip(generate_latest(reg).decode()) == strip(generate_latest(reg_ref).decode())
+    created = [s for fam in reg.collect() for s in fam.samples if s.name == "h_created"]
+    assert len(created) == 1 and created[0].labels == dict(zip(names, labels))
+
+
+def test_batch_histogram_is_refused_twice_on_one_registry_and_checks_its_labels() -> None:
+    reg = CollectorRegistry()
+    h = BatchHistogram("h", "h", ["l"], buckets=(1, 2), registry=reg)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Histogram("h", "h", ["l"], registry=reg)
+    with pytest.raises(ValueError, match="takes 1 label values, got 2"):
+        h.labels("a", "b")
+    assert h.labels("a") is h.labels("a")
+    with pytest.raises(ValueError, match="increasing order"):
+        BatchHistogram("g", "g", [], buckets=(2, 1), registry=reg)
 
 
 def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
@@ -669,15 +671,51 @@ def test_record_evolve_is_dataclasses_replace() -> None:
     with pytest.raises(AttributeError):
         base.evolve(not_a_field=1)
 
-    # `fill_in` (finishing a record nobody else holds yet) gives what the copy gives, in place
-    from mlxproxy.core.record import fill_in
 
-    fresh = base.evolve()
-    assert fill_in(fresh, **changes) is fresh and fresh == new
+def test_checked_record_is_the_record_init() -> None:
+    """`checked_record` (the one build of a record, field by field) gives what `Record(...)` gives."""
+    import dataclasses
+
+    from mlxproxy.core.record import (
+        CHECKED_FIELDS,
+        MEASURED_FIELDS,
+        Record,
+        checked_record,
+        rate_figures,
+        wall_window_s,
+    )
+
+    info, _ = parse_request("POST", "/v1/chat/completions", CHAT)
+    m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, keep_text=True)
+    m.response_started(0.5, 200, "text/event-stream")
+    m.feed((FIXTURES / "wire/01_openai_reference_include_usage.sse").read_bytes(), 1.0)
+    measured = m.finish(2.0)
+    verdict = {
+        "completion_tokens": 7,
+        "tokens_source": "tokenizer",
+        "anomalies": ("stall",),
+        "anomaly_evidence": {"stall": "x"},
+        "stall_count": 1,
+        "stall_total_s": 1.5,
+    }
+    got = checked_record(measured, **verdict, conversation={"conversation_id": "c", "turn": 2}, error="scrubbed")
+    window = wall_window_s(measured.duration_s, measured.tail_after_done_s)  # to [DONE], here at 1.0 of 2.0
+    tpot, decode, wall = rate_figures(7, measured.ttft_s, measured.e2e_s, window)
+    want = Record(
+        **{name: getattr(measured, name) for name in MEASURED_FIELDS if name != "error"},
+        **verdict,
+        error="scrubbed",
+        conversation_id="c",
+        turn=2,
+        tpot_s=tpot,
+        decode_tps=decode,
+        wall_tps=wall,
+    )
+    assert got == want and set(MEASURED_FIELDS) | set(CHECKED_FIELDS) == {f.name for f in dataclasses.fields(Record)}
     with pytest.raises(dataclasses.FrozenInstanceError):
-        fresh.turn = 3  # type: ignore[misc]  # still frozen for everyone else
+        got.turn = 3  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        fill_in(fresh, not_a_field=1)
+        checked_record(measured, **verdict, conversation={"not_a_field": 1})
 
 
 # -- prompt fingerprints: the fast paths give what the plain rule gives -------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.openai import parse_request
-from mlxproxy.core.record import Record
 from support import read_fixture, splits
 
 CHAT = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
@@ -20,7 +21,8 @@ def run(
     ctype: str = "text/event-stream",
     req: bytes = CHAT,
     path: str = "/v1/chat/completions",
-) -> tuple[RequestMeter, Record]:
+    count_tokens: Callable[[str], int] | None = None,
+) -> tuple[RequestMeter, Measurement]:
     info, _ = parse_request("POST", path, req)
     m = RequestMeter(info, request_id="r1", upstream="u", t_start=0.0, started_at=0.0, keep_text=True)
     m.upstream_sent(0.0)
@@ -29,7 +31,7 @@ def run(
     for p in parts:
         m.feed(p, t)
         t += 1.0
-    return m, m.finish(t)
+    return m, m.finish(t, count_tokens=count_tokens)
 
 
 def all_ways(name: str, **kw):
@@ -40,7 +42,7 @@ def all_ways(name: str, **kw):
 
 def test_01_openai_reference() -> None:
     for m, r in all_ways("wire/01_openai_reference_include_usage.sse"):
-        assert m.content_text == "Hello world"
+        assert r.content_text == "Hello world"
         assert r.generated_events == 2 and r.completion_tokens_counted == 2
         assert r.finish_reason == "stop" and r.completion_tokens_reported == 2 and r.usage_reports == 1
         assert m.done and r.outcome == "ok"
@@ -48,9 +50,9 @@ def test_01_openai_reference() -> None:
 
 
 def test_02_mlx_lm_reasoning_keepalive() -> None:
-    for m, r in all_ways("wire/02_mlx_lm_server_reasoning_keepalive.sse"):
+    for _m, r in all_ways("wire/02_mlx_lm_server_reasoning_keepalive.sse"):
         assert r.comments == 2 and r.prefill_progress == (4096, 5120)
-        assert m.reasoning_text == "Let me think." and m.content_text == "Hi there"
+        assert r.reasoning_text == "Let me think." and r.content_text == "Hi there"
         assert r.finish_reason == "stop" and r.outcome == "ok"
         assert r.completion_tokens_reported == 7 and r.completion_tokens_counted == 4
         assert r.reasoning_tokens_counted == 2
@@ -58,15 +60,15 @@ def test_02_mlx_lm_reasoning_keepalive() -> None:
 
 
 def test_03_mlx_openai_server() -> None:
-    for m, r in all_ways("wire/03_mlx_openai_server.sse"):
+    for _m, r in all_ways("wire/03_mlx_openai_server.sse"):
         assert r.generated_events == 2  # role-only first chunk is not a token
         assert r.completion_tokens_reported == 3 and r.usage_reports == 1 and not r.usage_requested
-        assert m.reasoning_text == "Thinking" and m.content_text == "Hi" and r.outcome == "ok"
+        assert r.reasoning_text == "Thinking" and r.content_text == "Hi" and r.outcome == "ok"
 
 
 def test_05_mlx_omni_server() -> None:
-    for m, r in all_ways("wire/05_mlx_omni_server_include_usage.sse"):
-        assert m.content_text == "Okay, the user asks...Hello!" and m.reasoning_text == ""
+    for _m, r in all_ways("wire/05_mlx_omni_server_include_usage.sse"):
+        assert r.content_text == "Okay, the user asks...Hello!" and r.reasoning_text == ""
         assert r.finish_reason == "stop" and r.finish_reasons_seen == 2
         assert r.completion_tokens_reported == 5 and r.outcome == "ok"
         assert r.ttft_s == r.ttfc_s
@@ -78,7 +80,7 @@ def test_06_vllm_mlx_reasoning_usage_twice() -> None:
         m, r = run(body, parts)
         assert r.usage_reports == 2 and r.completion_tokens_reported == 4
         assert r.comments == 1 and r.generated_events == 4 and r.reasoning_tokens_counted == 2
-        assert m.reasoning_text == "The user wants" and m.content_text == "Sure."
+        assert r.reasoning_text == "The user wants" and r.content_text == "Sure."
     # first generated event is the reasoning chunk: feed event by event with distinct times
     events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
     m, r = run(body, events)
@@ -111,14 +113,14 @@ def test_10_omlx_context_400() -> None:
 
 
 def test_11_rapid_mlx_fast_path() -> None:
-    for m, r in all_ways("wire/11_rapid_mlx_fast_path.sse"):
-        assert m.reasoning_text == "Think" and m.content_text == "Answer" and r.outcome == "ok"
+    for _m, r in all_ways("wire/11_rapid_mlx_fast_path.sse"):
+        assert r.reasoning_text == "Think" and r.content_text == "Answer" and r.outcome == "ok"
         assert r.completion_tokens_reported == 3 and r.reasoning_tokens_reported == 1
 
 
 def test_13_mlx_vlm_nulls_dual_reasoning() -> None:
-    for m, r in all_ways("wire/13_mlx_vlm_nulls_dual_reasoning_timings.sse"):
-        assert m.reasoning_text == "Hmm" and m.content_text == "Yes"
+    for _m, r in all_ways("wire/13_mlx_vlm_nulls_dual_reasoning_timings.sse"):
+        assert r.reasoning_text == "Hmm" and r.content_text == "Yes"
         assert r.dual_reasoning_events == 1 and r.generated_events == 2
         assert r.server_claims["timings"]["predicted_n"] == 2
         assert r.outcome == "ok" and r.completion_tokens_reported == 2
@@ -126,17 +128,18 @@ def test_13_mlx_vlm_nulls_dual_reasoning() -> None:
 
 def test_16_omlx_nonstream_leading_spaces() -> None:
     req = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
-    for m, r in all_ways("wire/16_omlx_nonstream_leading_spaces.json", ctype="application/json", req=req):
+    for _m, r in all_ways("wire/16_omlx_nonstream_leading_spaces.json", ctype="application/json", req=req):
         assert r.completion_tokens_reported == 5 and r.outcome == "ok" and r.finish_reason == "stop"
-        assert m.content_text == "Hi" and m.reasoning_text == "Think"
+        assert r.content_text == "Hi" and r.reasoning_text == "Think"
         assert r.completion_tokens_counted is None and r.ttft_s is None
 
 
 def test_17a_tool_calls_incremental() -> None:
     body = read_fixture("wire/17a_tool_calls_incremental.sse")
     for parts in splits(body):
-        m, r = run(body, parts)
-        assert m.tool_calls == {0: {"id": "call_1", "name": "read_file", "arguments": '{"path":"a.py"}'}}
+        recounted: list[str] = []  # what a tokenizer is handed: the call's name and arguments, whole
+        m, r = run(body, parts, count_tokens=lambda text: recounted.append(text) or 1)  # noqa: B023
+        assert recounted == ['read_file{"path":"a.py"}'] and r.completion_tokens_tokenizer == 1
         assert r.finish_reason == "tool_calls" and r.outcome == "ok" and r.tool_calls == 1
         assert r.generated_events == 3
     m, r = run(body, [body])
@@ -153,7 +156,7 @@ def test_17a_tool_calls_incremental() -> None:
     ],
 )
 def test_real_streams(name: str, reported: int | None, counted: int | None, prompt: int | None) -> None:
-    results = [(m.content_text, r) for m, r in all_ways(name)]
+    results = [(r.content_text, r) for _, r in all_ways(name)]
     first_text, first = results[0]
     assert first.outcome == "ok" and first.finish_reason is not None
     if reported is not None:

@@ -8,6 +8,8 @@ import sys
 import orjson
 import pytest
 
+from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, is_injected_usage_chunk, parse_request
 
@@ -29,6 +31,11 @@ def meter(t0: float = 100.0) -> RequestMeter:
     return RequestMeter(info, request_id="r", upstream="u", t_start=t0, started_at=1.7e9)
 
 
+def record(m: RequestMeter, t_end: float):
+    """The meter's record: its speeds follow the trusted count the checks settle."""
+    return finish_checked(m, t_end, Thresholds())
+
+
 def test_exact_ttft_tpot_decode_wall() -> None:
     m = meter()
     m.upstream_sent(100.001)
@@ -47,7 +54,7 @@ def test_exact_ttft_tpot_decode_wall() -> None:
         101.4,
     )
     m.feed(b"data: [DONE]\n\n", 101.45)
-    r = m.finish(101.5)
+    r = record(m, 101.5)
     assert r.outcome == "ok"
     assert r.ttfb_s == pytest.approx(0.1)
     assert r.ttft_s == pytest.approx(0.5)
@@ -71,7 +78,7 @@ def test_reported_tokens_win_over_counted_for_n_out() -> None:
     m.feed(chunk({"content": "a"}), 1.0)
     m.feed(chunk({"content": "b"}), 2.0)
     m.feed(chunk({}, finish="length", usage={"completion_tokens": 5}), 2.0)
-    r = m.finish(4.0)
+    r = record(m, 4.0)
     assert r.outcome == "ok_no_done"
     assert r.decode_tps == pytest.approx(4.0)  # (5 - 1) / 1 s
     assert r.wall_tps == pytest.approx(5 / 4.0)
@@ -81,12 +88,12 @@ def test_single_token_has_no_tpot_and_no_token_has_no_ttft() -> None:
     m = meter(0.0)
     m.response_started(0.0, 200, "text/event-stream")
     m.feed(chunk({"content": "a"}, finish="stop"), 1.0)
-    r = m.finish(2.0)
+    r = record(m, 2.0)
     assert r.tpot_s is None and r.decode_tps is None and r.ttft_s == 1.0
     m = meter(0.0)
     m.response_started(0.0, 200, "text/event-stream")
     m.feed(b"data: [DONE]\n\n", 1.0)
-    r = m.finish(2.0)
+    r = record(m, 2.0)
     assert r.ttft_s is None and r.e2e_s == 2.0 and r.outcome == "truncated"
 
 
@@ -183,3 +190,16 @@ def test_core_imports_no_io_or_clock() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing the core pulled in: {out}"
+
+
+def test_the_meter_has_a_small_read_only_surface() -> None:
+    """Like h11's Connection: inputs through methods, state read through read-only properties."""
+    m = meter()
+    assert [name for name in vars(m) if not name.startswith("_")] == []
+    inputs = {"upstream_sent", "response_started", "feed", "strip", "feed_forwarded", "stop", "fail", "finish"}
+    reads = {"request", "request_id", "upstream", "t_start", "started_at", "sse", "done", "stream_error", "failure"}
+    reads |= {"generated_events", "snapshot"}
+    assert {name for name in dir(RequestMeter) if not name.startswith("_")} == inputs | reads
+    for name in reads - {"snapshot"}:
+        with pytest.raises(AttributeError):
+            setattr(m, name, None)

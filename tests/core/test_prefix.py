@@ -20,8 +20,8 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, PrefixIndex, fingerprint
 from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.cache import PromptCache
 from support import FIXTURES, wait_for
@@ -36,9 +36,14 @@ def recorded(name: str) -> tuple[str, bytes]:
     return rq["request_line"].split()[1], orjson.dumps(rq["body"])
 
 
-def replay_turn(index: PrefixIndex, name: str, rid: str, ttft: float = 0.3) -> Record:
-    """One recorded turn through the shared finish path; every event `ttft` + 10 ms apart."""
+def replay_turn(index: PrefixIndex, name: str, rid: str, ttft: float = 0.3, extra: list | None = None) -> Record:
+    """One recorded turn through the shared finish path; every event `ttft` + 10 ms apart.
+    `extra`: messages appended to the recorded request's."""
     path, body = recorded(name)
+    if extra:
+        obj = orjson.loads(body)
+        obj["messages"] = obj["messages"] + extra
+        body = orjson.dumps(obj)
     info, _ = parse_request("POST", path, body)
     m = RequestMeter(info, request_id=rid, upstream="u", t_start=0.0, started_at=0.0)
     m.response_started(0.01, 200, "text/event-stream")
@@ -59,21 +64,41 @@ def test_recorded_three_turn_conversations(prefix: str, prompts: tuple, cached: 
     index = PrefixIndex()
     t1 = replay_turn(index, f"{prefix}_turn1", "t1")
     t2 = replay_turn(index, f"{prefix}_turn2", "t2")
-    t3 = replay_turn(index, f"{prefix}_turn3_new_system", "t3")
+    # the recorded turn 3 resends turn 2's messages with another system prompt: not a new turn
+    # (nothing extends the message list), so a conversation of its own, like a replay's repeat
+    again = replay_turn(index, f"{prefix}_turn3_new_system", "again")
+    assert (again.conversation_id, again.turn, again.reprefill_cause) == ("again", 1, None)
+    assert not KINDS & set(again.anomalies)
+    # the same change with one more message (as an agent's next turn) continues turn 2
+    index = PrefixIndex()
+    t1 = replay_turn(index, f"{prefix}_turn1", "t1")
+    t2 = replay_turn(index, f"{prefix}_turn2", "t2")
+    t3 = replay_turn(index, f"{prefix}_turn3_new_system", "t3", extra=[{"role": "user", "content": "And now?"}])
     assert (t1.prompt_tokens, t2.prompt_tokens, t3.prompt_tokens) == prompts
     assert (t1.cached_tokens, t2.cached_tokens, t3.cached_tokens) == cached
     # turn 1 starts the conversation: no prefix figures, no judgement
     assert (t1.conversation_id, t1.turn, t1.prefix_reusable_tokens, t1.cache_hit_ratio) == ("t1", 1, None, None)
-    # turn 2 extends turn 1: the whole turn-1 prompt is reusable and the server reused it
+    # turn 2 extends turn 1: the whole turn-1 prompt is reusable and the server reused it (and
+    # the turn-1 answer: the server's own cached count is the floor of the reusable estimate)
     assert (t2.conversation_id, t2.turn, t2.prefix_diverged_at) == ("t1", 2, None)
-    assert (t2.prefix_reusable_tokens, t2.prefix_tokens_source) == (prompts[0], "usage")
-    assert 0.95 <= t2.cache_hit_ratio <= 1.05
+    assert t2.prefix_reusable_tokens == max(prompts[0], cached[1])
+    assert t2.prefix_tokens_source == ("cached" if cached[1] > prompts[0] else "usage")
+    assert 0.95 <= t2.cache_hit_ratio <= 1.0
+    assert t2.reprefill_cause is None and t2.reprefill_lost_s is None
     assert not KINDS & set(t1.anomalies) and not KINDS & set(t2.anomalies)
     # turn 3 changed the system prompt: named, and the thrown-away tokens are counted
     system = "messages[0].content" if prefix.startswith("chat") else "system"
     assert (t3.conversation_id, t3.turn) == ("t1", 3)
     assert t3.prefix_diverged_at is not None and t3.prefix_diverged_at.startswith(system)
     assert t3.prefix_reusable_tokens < 300  # only what comes before the change
+    # the server reused 11 tokens (the template's start) where ~2 were estimated: the ratio is
+    # never above 1 (it was 5.5 when the estimate had no floor)
+    assert t3.prefix_reusable_tokens == t3.cached_tokens == 11 and t3.cache_hit_ratio == 1.0
+    assert t3.reprefill_cause == "system_changed" and t3.reprefill_at.startswith(system)
+    # the seconds lost: TTFT x thrown-away / prefilled tokens
+    thrown = t2.prompt_tokens - 11
+    assert t3.reprefill_lost_s == pytest.approx(t3.ttft_s * thrown / (t3.prompt_tokens - 11), rel=0.01)
+    assert t3.conversation_lost_s == t3.reprefill_lost_s
     assert "prompt_prefix_changed" in t3.anomalies and "prefix_cache_miss" not in t3.anomalies
     assert system in t3.anomaly_evidence["prompt_prefix_changed"]
 

@@ -253,10 +253,17 @@ def test_markup_from_the_responses_and_chat_recordings_also_found_in_its_functio
 
 def test_huge_arguments_are_bounded_and_not_judged() -> None:
     big = '{"city": "' + "x" * (MAX_ARGUMENT_CHARS + 1000)
-    m, r = run(WEATHER_REQ, [call_chunks("get_weather", [big[i : i + 50_000] for i in range(0, len(big), 50_000)])])
-    assert len(m.tool_calls[0]["arguments"]) == MAX_ARGUMENT_CHARS
-    assert m.generated_chars >= len(big)  # the recount still sees every character
+    parts = [call_chunks("get_weather", [big[i : i + 50_000] for i in range(0, len(big), 50_000)])]
+    m, r = run(WEATHER_REQ, parts)
     assert r.tool_calls_valid == 1 and "invalid_tool_arguments" not in r.anomalies
+    info, _ = parse_request("POST", "/v1/chat/completions", WEATHER_REQ)
+    m = RequestMeter(info, request_id="r", upstream="u", t_start=0.0, started_at=0.0)
+    m.response_started(0.01, 200, "text/event-stream")
+    m.feed(parts[0], 0.1)
+    kept: list[str] = []
+    measured = m.finish(0.2, count_tokens=lambda text: kept.append(text) or 1)
+    assert kept == ["get_weather" + big[:MAX_ARGUMENT_CHARS]]  # the arguments are kept up to the bound
+    assert measured.generated_chars == len("get_weather") + len(big)  # the usage check still sees every character
 
 
 def test_nonstream_chat_with_tool_calls_is_checked() -> None:
@@ -317,8 +324,8 @@ def test_simulator_tool_call_styles_through_the_proxy(style: str, fires: set) ->
     import httpx
 
     from mlxproxy.config import build_config
+    from mlxproxy.edge.runner import ServerThread
     from mlxproxy.proxy.app import create_app
-    from mlxproxy.runner import ServerThread
     from mlxproxy.sim.app import create_app as create_sim
     from support import wait_for
 

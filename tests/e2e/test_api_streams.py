@@ -21,8 +21,8 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
-from mlxproxy.runner import ServerThread
 from support import FIXTURES, splits, wait_for
 
 TH = Thresholds()

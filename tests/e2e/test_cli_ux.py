@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from mlxproxy.cli import main
-from mlxproxy.runner import ServerThread
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.vocabulary import DEPRECATED, EXIT_CODES, MEANINGS
 from support import ENV, REPO, captured_chat, cli, closed_port, write_capture
@@ -154,21 +154,35 @@ def test_bench_flag_errors(tmp_path: Path) -> None:
 
 
 def test_replay_and_bench_exit_1_when_every_request_failed(capture: Path) -> None:
+    with ServerThread(create_sim("healthy", speed=20, faults="http-error=500")) as sim:
+        one_line_error(
+            cli("replay", str(capture), "--target", sim.url, "--mode", "sequential"),
+            1,
+            "every request failed",
+            "http_error 2",
+            ran=True,
+        )
     dead = f"http://127.0.0.1:{closed_port()}"
-    one_line_error(
-        cli("replay", str(capture), "--target", dead, "--mode", "sequential"),
-        1,
-        "every request failed",
-        "upstream_unreachable",
-        ran=True,
-    )
-    one_line_error(
+    line = one_line_error(
         cli("bench", "--target", f"dead={dead}", "--prompt-tokens", "100", "--repeat", "1"),
         1,
         "every target failed",
-        "cannot reach",
+        f"{dead} is unreachable: ConnectionRefusedError",
         ran=True,
     )
+    assert line.count(dead) == 1 and "cannot reach" not in line  # said once
+
+
+def test_replay_checks_the_target_before_its_schedule_like_bench() -> None:
+    """builtin:agent's recorded schedule takes ~28 s; a dead target is one line at once."""
+    dead = f"http://127.0.0.1:{closed_port()}"
+    t0 = time.monotonic()
+    res = cli("replay", "builtin:agent", "--target", dead)
+    took = time.monotonic() - t0
+    line = one_line_error(res, 1, f"{dead} is unreachable", "Connection refused")
+    assert res.stdout == "" and "schedule lag" not in res.stderr and "replaying" not in res.stderr
+    assert took < 15, took  # the schedule alone is ~28 s
+    assert line.endswith("Connection refused"), line  # whole words, nothing cut
 
 
 def test_report_on_a_capture_says_replay_it(capture: Path, tmp_path: Path) -> None:
@@ -362,6 +376,8 @@ def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
     doc = orjson.loads(out.read_bytes())
     singles = [r for g in doc["groups"] if g["name"] == "single" for r in g["records"]]
     assert 2 <= len(singles) < 40 and "interrupted" in doc["targets"][0]["error"] and "Verdicts:" in stdout
+    m = re.search(r"interrupted after (\d+) measured (requests?)", doc["targets"][0]["error"])
+    assert m and m.group(2) == ("request" if m.group(1) == "1" else "requests"), doc["targets"][0]["error"]
 
 
 # -- report renders what was measured --------------------------------------------------------
@@ -499,3 +515,179 @@ def test_no_machine_specific_paths_in_the_repository() -> None:
             continue
         found += [f"{f}:{i + 1}: {ln.strip()[:80]}" for i, ln in enumerate(text.splitlines()) if pattern.search(ln)]
     assert not found, found
+
+
+# -- the first hour, round two -----------------------------------------------------------------
+
+
+def test_bare_mlxproxy_prints_the_help_on_several_lines() -> None:
+    res = cli()
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    assert out[0].startswith("Usage: mlxproxy") and len(out) > 10, out
+    assert any(ln.strip().startswith("serve") for ln in out) and res.stderr == ""
+
+
+def test_serve_given_an_endpoints_whole_url_cuts_it_at_v1_with_one_note() -> None:
+    import httpx
+
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        with serve_process("--upstream", sim.url + "/v1/chat/completions") as (proc, url, lines):
+            notes = [ln for ln in lines if "ends in /v1/chat/completions" in ln]
+            assert len(notes) == 1 and f"using {sim.url} " in notes[0], lines
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4  # not a 404
+
+
+def test_replay_of_a_result_file_or_an_empty_capture_says_what_to_run(tmp_path: Path) -> None:
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        result = tmp_path / "result.json"
+        res = cli("bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--json", str(result))
+        assert res.returncode == 0, res.stderr[-1500:]
+        line = one_line_error(cli("replay", str(result), "--target", sim.url), 2, "is a result file", "mlxproxy report")
+        assert "not a JSON line" not in line and "--skip-bad-lines" not in line
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("")
+        line = one_line_error(cli("replay", str(empty), "--target", sim.url), 2, "holds none", "serve --capture")
+        assert "filters" not in line
+
+
+def ctrl_c_after(args: list[str], ready: Any, timeout_s: float = 60) -> tuple[int, str, str]:
+    """Run `mlxproxy ARGS`, press Ctrl-C once `ready()` holds; (exit code, stdout, stderr)."""
+    proc = subprocess.Popen(
+        [*MLXPROXY_WITH_CTRL_C, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ready() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # waiting for progress, not measuring
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stdout, stderr
+
+
+def test_ctrl_c_before_any_replay_result_prints_no_empty_table(capture: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=2.0))  # 8 tokens: 4 s a request
+    with ServerThread(app) as sim:
+        code, stdout, stderr = ctrl_c_after(
+            ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.done >= 1
+        )  # the preflight's GET /v1/models was answered: the first request is about to go out
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    assert stdout == "", stdout  # no legend under a table that is not there
+    assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted before any request finished"
+
+
+def test_ctrl_c_during_demo_names_the_capture_it_wrote(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    cap = out / "capture.jsonl"
+
+    def some_captured() -> bool:
+        return cap.exists() and len(cap.read_bytes().splitlines()) >= 3
+
+    code, _, stderr = ctrl_c_after(["demo", "--repeat", "1", "--dir", str(out)], some_captured, 120)
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    last = stderr.strip().splitlines()[-1]
+    n = len(cap.read_bytes().splitlines())
+    assert "nothing written" not in last and f"{cap} holds the {n} requests forwarded so far" in last, last
+    assert last.startswith("mlxproxy: interrupted before the benchmark finished: no results written")
+
+
+def _shape(line: str) -> list[str]:
+    """A log line with its values blanked: the logger, the fields and their order remain."""
+    line = re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "TIME ", line)
+    line = re.sub(r"\b[0-9a-f]{16}\b", "ID", line)
+    return re.sub(r"=[^ ]+", "=V", line).split()[:2] + re.findall(r"\S+=", line)
+
+
+def test_the_readmes_example_log_line_is_what_serve_prints() -> None:
+    import httpx
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    example = text.split("Each finished request logs one line")[1].split("```text\n")[1].split("\n")[0]
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        with serve_process("--upstream", sim.url) as (proc, url, lines):
+            body = {"model": "qwen", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                r.read()
+            deadline = time.monotonic() + 10
+            while not any(" chat_completions " in ln for ln in lines) and time.monotonic() < deadline:
+                time.sleep(0.05)  # waiting for the log line, not measuring
+    real = next(ln for ln in lines if " chat_completions " in ln)
+    assert _shape(example) == _shape(real), (example, real)
+    assert example.split(" ")[2:4] == real.split(" ")[2:4] == ["INFO", "mlxproxy:"]
+
+
+def test_sim_on_a_taken_port_says_only_that() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        port = str(s.getsockname()[1])
+        res = cli("sim", "--port", port)
+    finally:
+        s.close()
+    assert res.stdout == "", res.stdout[:300]  # no knobs or truth lines for a server that never ran
+    assert (
+        res.returncode == 1
+        and len(res.stderr.strip().splitlines()) == 1
+        and res.stderr.startswith(f"mlxproxy sim: cannot listen on 127.0.0.1:{port}: ")
+    )
+
+
+def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Path) -> None:
+    """A server that pauses once, with a token or two in the middle of the pause (three long
+    gaps in a row), was reported as `cyclic: every ~1 events`."""
+    import asyncio
+
+    from fakeupstream import Conn, FakeUpstream, Req
+
+    def event(text: str) -> bytes:
+        chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    async def handler(req: Req, conn: Conn) -> None:
+        if req.method == "GET":
+            await conn.head(404, [("content-length", "0")])
+            return
+        await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
+        for i in range(40):
+            if i in (20, 21, 22):  # one pause of three long gaps, a token between each
+                await asyncio.sleep(1.2)  # the server's script, not a measurement
+            else:
+                await asyncio.sleep(0.01)
+            await conn.chunk(event(f" t{i}"))
+        end = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        }
+        await conn.chunk(b"data: " + orjson.dumps(end) + b"\n\n" + b"data: [DONE]\n\n")
+        await conn.end_chunked()
+
+    cap = write_capture(tmp_path / "c.jsonl", [captured_chat("c0", [{"role": "user", "content": "hi"}], max_tokens=40)])
+    with FakeUpstream(handler) as up:
+        res = cli("replay", str(cap), "--target", up.url, "--mode", "sequential", "--json", str(tmp_path / "r.json"))
+    assert res.returncode == 0, res.stderr[-1500:]
+    (rec,) = [r for g in orjson.loads((tmp_path / "r.json").read_bytes())["groups"] for r in g["records"]]
+    evidence = rec["anomaly_evidence"]["stall"]
+    assert evidence.startswith("3 gaps over") and "cyclic" not in evidence, evidence
+
+
+def test_a_synthetic_sweep_plot_leaves_out_empty_charts_and_labels_its_axes(tmp_path: Path) -> None:
+    """`bench --sweep` at one prompt size (the README's synthetic sweep): no batching waves, so
+    their charts are left out rather than drawn as "no data", and the one prompt size is a tick."""
+    svg = tmp_path / "capacity.svg"
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli(
+            "bench", "--target", sim.url, "--sweep", "--prompt-tokens", "400", "--repeat", "1",
+            "--max-tokens", "8", "--concurrency", "1,2", "--plot", str(svg),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    text = svg.read_text()
+    assert "no data" not in text and "Batching" not in text and "released together" not in text
+    assert "TTFT by prompt size" in text and "TTFT by concurrency" in text
+    assert text.count('text-anchor="middle" font-size="12">400</text>') == 2  # TTFT and prefill by prompt size

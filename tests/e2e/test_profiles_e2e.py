@@ -12,11 +12,11 @@ import pytest
 
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.client import MeasuringClient, PreparedRequest
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Summary
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from support import wait_for
 from timing import latency_ok, rate_ok

@@ -33,7 +33,7 @@ from .live_servers import live_server, unavailable_reason
 from .tinymodel import mlx_lm_server
 
 #: every server the bench runs against, in the order of the table
-SERVERS = ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "rapid-mlx", "mlx-vlm", "mlx-lm")
+SERVERS = ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "mlx-openai-server-1.8", "rapid-mlx", "mlx-vlm", "mlx-lm")
 
 
 def build_loop_model(dir: Path) -> Path:

@@ -1,5 +1,5 @@
-"""The seed servers run live: vllm-mlx (simple and ``--continuous-batching``), mlx-openai-server,
-Rapid-MLX and mlx-vlm, each from its own venv made by ``.ci/install-servers``.
+"""The seed servers run live: vllm-mlx (simple and ``--continuous-batching``), mlx-openai-server
+(1.6.3 and 1.8.1), Rapid-MLX and mlx-vlm, each from its own venv made by ``.ci/install-servers``.
 
 :func:`live_server` starts one on a free loopback port with a local model folder, waits until
 it answers a 1-token chat completion, yields a :class:`LiveServer` and stops it (SIGTERM,
@@ -23,6 +23,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
+from .peers import ProxyProcess, mlxproxy_serve
 from .tinymodel import free_port
 
 SERVERS_DIR = Path(os.environ.get("MLXPROXY_SERVERS_DIR") or Path.home() / ".cache" / "mlxproxy-servers")
@@ -130,7 +133,9 @@ def _mlx_vlm(venv: Path, model: Path, host: str, port: int) -> list[str]:
 SPECS: dict[str, Spec] = {
     "vllm-mlx": Spec("vllm-mlx", "vllm-mlx", _vllm(())),
     "vllm-mlx-cb": Spec("vllm-mlx-cb", "vllm-mlx", _vllm(("--continuous-batching",))),
-    "mlx-openai-server": Spec("mlx-openai-server", "mlx-openai-server", _mlx_openai),
+    "mlx-openai-server": Spec("mlx-openai-server", "mlx-openai-server", _mlx_openai),  # 1.6.3
+    # 1.8.1: continuous batching by default since 1.7 (the same command)
+    "mlx-openai-server-1.8": Spec("mlx-openai-server-1.8", "mlx-openai-server-1.8", _mlx_openai),
     # Rapid-MLX constrains tool calls by default with a Metal kernel, which fails on CPU
     # ("[metal_kernel] No Metal back-end" -> 503 engine_aborted): run its free-form parser
     "rapid-mlx": Spec("rapid-mlx", "rapid-mlx", _rapid, env=(("RAPID_MLX_CONSTRAIN_TOOLS", "0"),)),
@@ -287,3 +292,22 @@ def _wait_ready(proc: subprocess.Popen[bytes], host: str, port: int, timeout: fl
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(0.2)  # readiness polling interval, not a measurement
     return None, last
+
+
+@contextlib.contextmanager
+def proxied_live_server(name: str, model_dir: Path, log_path: Path) -> Iterator[tuple[LiveServer, ProxyProcess]]:
+    """Live server ``name`` on ``model_dir`` (a rigged model with its tokenizer.json) with one
+    ``mlxproxy serve`` in front, capture on; the test is skipped with the reason when the server
+    is not installed here or does not start."""
+    reason = unavailable_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(live_server(name, model_dir, log_path=log_path))
+        except RuntimeError as exc:
+            pytest.skip(f"{name} did not start: {str(exc)[-1500:]}")
+        proxy = stack.enter_context(
+            mlxproxy_serve(server.url, {"tokenizer": str(model_dir / "tokenizer.json")}, capture=True)
+        )
+        yield server, proxy

@@ -39,12 +39,19 @@ from mlxproxy.core.record import Record
 REPO = Path(__file__).resolve().parents[2]
 
 #: Where each client is looked for, in order, before ``PATH``: the executable an environment
-#: variable names (``MLXPROXY_AIDER``, ``MLXPROXY_OPENCODE``: a developer's own install), then
-#: where ``.ci/install-clients`` puts it.
-CLIENT_ENV = {"aider": "MLXPROXY_AIDER", "opencode": "MLXPROXY_OPENCODE"}
+#: variable names (``MLXPROXY_AIDER``, ``MLXPROXY_OPENCODE``, ``MLXPROXY_CLAUDE``,
+#: ``MLXPROXY_CODEX``: a developer's own install), then where ``.ci/install-clients`` puts it.
+CLIENT_ENV = {
+    "aider": "MLXPROXY_AIDER",
+    "opencode": "MLXPROXY_OPENCODE",
+    "claude": "MLXPROXY_CLAUDE",
+    "codex": "MLXPROXY_CODEX",
+}
 CLIENT_PATHS: dict[str, tuple[Path, ...]] = {
     "aider": (REPO / ".ci-tools/aider-venv/bin/aider",),
     "opencode": (REPO / ".ci-tools/npm/bin/opencode",),
+    "claude": (REPO / ".ci-tools/npm/bin/claude",),
+    "codex": (REPO / ".ci-tools/npm/bin/codex",),
 }
 
 T = TypeVar("T")

@@ -47,6 +47,7 @@ __all__ = [
     "TOOL_CALL",
     "WORDS",
     "WORDS_N",
+    "answer_always",
     "build_rigged_model",
 ]
 
@@ -253,3 +254,26 @@ def build_rigged_model(dir: Path, *, short_tool_call: bool = False, vocab_size: 
         words_tokens=len(chains["<|rig_words|>"]) - 1,
         tool_call=tool_call,
     )
+
+
+#: The generation prompt's selector, as the chat template writes it (see CHAT_TEMPLATE).
+_SELECTOR = (
+    "{%- if tools %}<|rig_tool|>"
+    "{%- elif 'think' in (messages[-1]['content'] | string) %}<|rig_think|>"
+    "{%- elif 'forever' in (messages[-1]['content'] | string) %}<|rig_loop|>"
+    "{%- else %}<|rig_words|>{% endif %}"
+)
+
+
+def answer_always(rig: RiggedModel, selector: str) -> None:
+    """Make ``rig`` give the one answer ``selector`` starts, whatever it is asked (tools included):
+    for agent CLIs, whose requests always offer tools the rig's ``write_file`` is not among, and
+    whose long prompts may mention ``think`` or ``forever`` anywhere."""
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown selector {selector!r}")
+    cfg_path = rig.path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if _SELECTOR not in cfg["chat_template"]:
+        raise RuntimeError("rigged chat template changed: cannot fix its answer")
+    cfg["chat_template"] = cfg["chat_template"].replace(_SELECTOR, selector)
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")

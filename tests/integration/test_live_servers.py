@@ -1,6 +1,6 @@
 """The seed servers live behind ``mlxproxy serve``: vllm-mlx (simple and
-``--continuous-batching``), mlx-openai-server, Rapid-MLX and mlx-vlm, each serving the rigged
-tiny model (``rigged.py``), driven with the OpenAI SDK.
+``--continuous-batching``), mlx-openai-server (1.6.3 and 1.8.1), Rapid-MLX and mlx-vlm, each
+serving the rigged tiny model (``rigged.py``), driven with the OpenAI SDK.
 
 One server at a time (a module-scoped fixture per server, CPU is scarce), one proxy in front
 of it, with the rigged model's ``tokenizer.json`` configured so every recount runs. For each
@@ -17,7 +17,6 @@ with the reason (pytest ``-ra`` prints it); nothing passes silently.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
@@ -28,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from .live_servers import LiveServer, live_server, unavailable_reason
-from .peers import ProxyProcess, mlxproxy_serve
+from .live_servers import LiveServer, proxied_live_server
+from .peers import ProxyProcess
 from .rigged import LOOP, REASONING_ANSWER, REASONING_THOUGHT, TOOL_ARGUMENTS, WORDS, RiggedModel
 from .tinymodel import mlx_unavailable_reason
 
@@ -41,7 +40,7 @@ if _REASON is not None:
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [test] extra: pip install -e '.[test]'")
 
-SERVERS = ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "rapid-mlx", "mlx-vlm")
+SERVERS = ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "mlx-openai-server-1.8", "rapid-mlx", "mlx-vlm")
 
 TOOLS = [
     {
@@ -69,12 +68,11 @@ for _vllm in ("vllm-mlx", "vllm-mlx-cb"):
 #: ... except where simple mode says "length" at max_tokens 17 (EOS counted) though the model stopped
 EXPECTED["vllm-mlx-cb"].update(stop_at_max_stream=frozenset({"reasoning_only"}))
 #: a tool call cut by max_tokens that the server's parser held back: nothing streamed, usage 30
-for _held in ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "rapid-mlx"):
+for _held in ("vllm-mlx", "vllm-mlx-cb", "mlx-openai-server", "mlx-openai-server-1.8", "rapid-mlx"):
     EXPECTED[_held].update(tool_cut_stream=frozenset({"usage_mismatch", "truncated_tool_call"}))
-#: ... and mlx-openai-server also says "stop" for it (usage 30 = max_tokens 30)
-EXPECTED["mlx-openai-server"].update(
-    tool_cut_stream=frozenset({"usage_mismatch", "truncated_tool_call", "unreported_length"})
-)
+#: ... and mlx-openai-server (1.6.3 and 1.8.1) also says "stop" for it (usage 30 = max_tokens 30)
+for _mos in ("mlx-openai-server", "mlx-openai-server-1.8"):
+    EXPECTED[_mos].update(tool_cut_stream=frozenset({"usage_mismatch", "truncated_tool_call", "unreported_length"}))
 #: what two concurrent streams on a loaded 2-core machine may really show besides the expected
 TIMING_DEPENDENT = frozenset({"stall"})
 #: vllm-mlx in simple mode answers a second concurrent stream with HTTP 200, then an error event
@@ -85,6 +83,11 @@ EXPECTED["mlx-openai-server"].update(
     after_disconnect=frozenset({"generation_after_disconnect"}),
     two_at_once_a=frozenset({"unreported_length"}),
     two_at_once_b=frozenset({"unreported_length", "serialized"}),
+)
+#: mlx-openai-server 1.8.1 batches by default (since 1.7): two streams at once, neither waits, and
+#: the request after a disconnect is not kept waiting; it still never says "length"
+EXPECTED["mlx-openai-server-1.8"].update(
+    two_at_once_a=frozenset({"unreported_length"}), two_at_once_b=frozenset({"unreported_length"})
 )
 #: mlx-vlm: a cut tool call ends with an error event; reasoning comes in both fields
 EXPECTED["mlx-vlm"].update(
@@ -126,18 +129,8 @@ def live(request: pytest.FixtureRequest, rig: RiggedModel, tmp_path_factory: pyt
     """One live server (the param) with one ``mlxproxy serve`` in front; skipped with the reason
     when its venv is missing or it does not start."""
     name = request.param
-    reason = unavailable_reason(name)
-    if reason is not None:
-        pytest.skip(reason)
     log = tmp_path_factory.mktemp(f"{name}-log") / "server.log"
-    with contextlib.ExitStack() as stack:
-        try:
-            server = stack.enter_context(live_server(name, rig.path, log_path=log))
-        except RuntimeError as exc:
-            pytest.skip(f"{name} did not start: {str(exc)[-1500:]}")
-        proxy = stack.enter_context(
-            mlxproxy_serve(server.url, {"tokenizer": str(rig.path / "tokenizer.json")}, capture=True)
-        )
+    with proxied_live_server(name, rig.path, log) as (server, proxy):
         yield Live(name, server, proxy, rig)
 
 

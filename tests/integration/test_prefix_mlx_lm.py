@@ -1,7 +1,7 @@
 """Prompt-prefix tracking against a real ``mlx_lm.server`` (issue 17, "Done when").
 
 A 3-turn agent-style conversation through ``mlxproxy serve``: turn 2 resends turn 1 plus
-the answer and a new message, turn 3 the same with a changed system prompt. The proxy's
+the answer and a new message, turn 3 the same again with a changed system prompt. The proxy's
 records (read back from ``/streams``) show the server's own ``cached_tokens`` next to
 ``prefix_reusable_tokens``; turn 2 is a hit, turn 3 names ``messages[0]`` as the place the
 client changed. ``prefix_min_tokens`` is lowered to 200 so a few hundred prompt tokens
@@ -58,6 +58,7 @@ def test_three_turns_show_cached_next_to_reusable_and_name_the_changed_system_pr
         t1, a1 = _turn(proxy, msgs)
         msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": "And three more."}]
         t2, a2 = _turn(proxy, msgs)
+        msgs += [{"role": "assistant", "content": a2}, {"role": "user", "content": "And three last ones."}]
         changed = [{"role": "system", "content": "Today is Monday. " + system}] + msgs[1:]
         t3, _ = _turn(proxy, changed)
     figures = [
@@ -77,15 +78,12 @@ def test_three_turns_show_cached_next_to_reusable_and_name_the_changed_system_pr
     assert t1.prompt_tokens > 300 and (t1.turn, t2.turn, t3.turn) == (1, 2, 3)
     assert t1.conversation_id == t2.conversation_id == t3.conversation_id == t1.id
     # turn 2 extends turn 1: all of turn 1's prompt is reusable, and mlx_lm.server reused it
-    assert (t2.prefix_reusable_tokens, t2.prefix_tokens_source, t2.prefix_diverged_at) == (
-        t1.prompt_tokens,
-        "usage",
-        None,
-    )
-    assert t2.cached_tokens is not None and t2.cache_hit_ratio is not None and 0.9 <= t2.cache_hit_ratio <= 1.2
+    # (and turn 1's answer: its own cached count is then the reusable figure)
+    assert t2.prefix_diverged_at is None and t2.prefix_reusable_tokens >= t1.prompt_tokens
+    assert t2.cached_tokens is not None and t2.cache_hit_ratio is not None and 0.9 <= t2.cache_hit_ratio <= 1.0
     assert not {"prefix_cache_miss", "prompt_prefix_changed"} & set(t2.anomalies), t2.anomaly_evidence
     # turn 3 changed the system prompt: the client's change is named, and the server could reuse ~nothing
     assert t3.prefix_diverged_at is not None and t3.prefix_diverged_at.startswith("messages[0].content")
     assert "prompt_prefix_changed" in t3.anomalies and "messages[0]" in t3.anomaly_evidence["prompt_prefix_changed"]
     assert t3.cached_tokens is not None and t3.cached_tokens < 0.2 * t2.prompt_tokens
-    assert "prefix_cache_miss" not in t3.anomalies
+    assert "prefix_cache_miss" not in t3.anomalies and t3.reprefill_cause == "system_changed"

@@ -16,8 +16,8 @@ import pytest
 
 from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.config import build_config
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.runner import ServerThread
 
 from .peers import wait_for
 

@@ -170,7 +170,7 @@ def test_over_reporting_server_still_fires(fixed_text) -> None:
     """A server whose usage over-reports 4x (the real server's stream, passed on event by
     event by a relay that multiplies its usage): the usage check fires, and the speeds use
     the streamed count, or the tokenizer's."""
-    from mlxproxy.runner import ServerThread
+    from mlxproxy.edge.runner import ServerThread
 
     model, fixed_url = fixed_text
 

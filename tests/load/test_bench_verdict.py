@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.bench import (
     ANOMALY_SHARE,
     BATCH_CLASSES,
@@ -25,7 +26,6 @@ from mlxproxy.load.bench import (
 from mlxproxy.load.bench_report import bench_sections, results_from_doc
 from mlxproxy.load.report import read_result, render_sections
 from mlxproxy.load.results import Group
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
@@ -215,7 +215,7 @@ def test_an_anomaly_in_one_stream_of_thirty_is_not_a_verdict() -> None:
 
 CASES = {  # name: (profile, knobs, the verdict's start)
     "batching": ("healthy", {"batch_penalty": 0.02}, "continuous batching "),
-    "serial-queue": ("mlx-openai-server", {}, "serial: "),  # live 1.6.3: one request at a time
+    "serial-queue": ("mlx-openai-server@1.6", {}, "serial: "),  # live 1.6.3: one request at a time
     # a slow prefill (1 s for 100 tokens) pauses the first stream while the second one prefills:
     # the streams generate together for ~40 % of the wave
     "partial": ("healthy", {"prefill_tps": 100.0}, "partial batching "),

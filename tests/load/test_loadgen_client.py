@@ -261,7 +261,7 @@ def test_the_client_runs_on_the_chosen_stack() -> None:
     stack, uvloop for the fast one (where installed)."""
     import pytest
 
-    from mlxproxy.runner import run_async
+    from mlxproxy.edge.runner import run_async
 
     async def loop_module() -> str:
         return type(asyncio.get_running_loop()).__module__

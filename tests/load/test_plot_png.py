@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.bench import BenchOptions, Target, bench_targets
 from mlxproxy.load.bench_report import plot_svg
 from mlxproxy.load.plot import COLORS, HEIGHT
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
 SERVERS = {

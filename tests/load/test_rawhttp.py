@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakeupstream import Conn, FakeUpstream, Req
+from mlxproxy.edge.runner import run_async
 from mlxproxy.errors import UpstreamBodyError, UpstreamUnreachable
 from mlxproxy.load import rawhttp
 from mlxproxy.load.client import MeasuringClient, PreparedRequest
-from mlxproxy.runner import run_async
 
 PARSERS = ["h11"] + (["httptools"] if rawhttp.httptools is not None else [])
 _CLASSES = {"h11": rawhttp._H11Parser, "httptools": rawhttp._HttptoolsParser}
@@ -239,7 +239,7 @@ def test_an_invalid_url_is_a_one_line_record_not_an_exception() -> None:
 
 
 def _stacks() -> list[str]:
-    from mlxproxy.runner import stack_settings
+    from mlxproxy.edge.runner import stack_settings
 
     out = ["plain"]
     try:
@@ -261,7 +261,7 @@ def test_simulator_wire_styles_metered_as_the_reference_client_meters_them(parse
     from mlxproxy.core.detect import Thresholds
     from mlxproxy.core.meter import RequestMeter
     from mlxproxy.core.openai import parse_request
-    from mlxproxy.runner import ServerThread
+    from mlxproxy.edge.runner import ServerThread
     from mlxproxy.sim.app import create_app
 
     def body(stream: bool) -> bytes:

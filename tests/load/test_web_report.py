@@ -6,6 +6,7 @@ timelines are there, and headless Chromium shows them from a file URL with the n
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from click.testing import CliRunner
 
 from browser import Chromium, Page, require_chromium
 from mlxproxy.cli import main
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.demo import DEMO_PROFILES
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 
 EVIL = "evil<script>alert(1)</script>"
@@ -173,9 +174,19 @@ def test_demo_writes_an_html_report_that_opens_offline(tmp_path: Path) -> None:
     assert f"HTML report: {report.resolve()}" in res.stdout
     doc = orjson.loads((out / "bench.json").read_bytes())
     assert set(doc["verdicts"]) == set(DEMO_PROFILES)
+    # one request count everywhere: each measured request once (bench's `single` repeats its
+    # `single N`), the CSV's rows, and the capture's lines are those plus the calibration probes
+    measured = len({(g["target"], r["id"]) for g in doc["groups"] for r in g["records"]})
+    assert measured < sum(len(g["records"]) for g in doc["groups"])
+    captured = len((out / "capture.jsonl").read_bytes().splitlines())
+    csv_rows = len((out / "bench.csv").read_text().splitlines()) - 1
+    assert csv_rows == measured and captured == measured + 2 * len(DEMO_PROFILES)
+    assert f"all {captured} requests the proxy forwarded: the {measured} measured and " in res.stdout
     with Chromium() as chromium:
         page = open_offline(chromium, report)
         assert_shows_report(page, doc)
+        sources = page.eval("document.querySelector('#sources').textContent")
+        assert f"{measured} requests measured" in sources
         text = page.eval("document.querySelector('#anomalies').textContent")
         for kind in ("non_incremental_stream", "context_limit", "stall", "usage_mismatch", "serialized"):
             assert kind in text, kind
@@ -232,3 +243,54 @@ def test_replay_html_report(tmp_path: Path) -> None:
     ids = {r["id"] for g in doc["groups"] for r in g["records"]}
     assert len(ids) == 3 and set(re.findall(r'<g class="req" data-id="([0-9a-f]+)"', html)) == ids
     assert "<td>again</td><td>sequential</td>" in html
+
+
+def test_html_report_curves_have_whole_stream_ticks_and_lanes_whole_anomaly_names(tmp_path: Path) -> None:
+    """One wave of two streams (as the demo runs): the stream charts are ticked at whole
+    numbers, the aggregate chart has its one-stream point too (a line, not a lone dot on an
+    axis from 1 to 3), and a lane's label never cuts an anomaly name."""
+    from mlxproxy.core.detect import ANOMALY_KINDS
+
+    require_chromium()
+    out = tmp_path / "r.html"
+    with ServerThread(create_sim("mlx-openai-server@1.6", speed=8.0, prefill_tps=20000.0)) as sim:
+        res = CliRunner().invoke(
+            main,
+            ["bench", "--target", f"serial={sim.url}", "--prompt-tokens", "100,2000", "--repeat", "1"]
+            + ["--max-tokens", "40", "--batch", "2", "--html", str(out)],
+        )
+    assert res.exit_code == 0, res.output
+    with Chromium() as chromium:
+        page = open_offline(chromium, out)
+        charts = page.eval(
+            "[...document.querySelectorAll('#plots svg')].map(s => [s.querySelector('text').textContent,"
+            " [...s.querySelectorAll('text[text-anchor=middle][font-size=\"12\"]')].map(t => t.textContent),"
+            " s.querySelectorAll('polyline').length])"
+        )
+        streams = [c for c in charts if "parallel streams" in c[0] or "Speedup" in c[0]]
+        assert len(streams) == 3, charts
+        for title, ticks, lines in streams:
+            assert ticks and all(t.isdigit() for t in ticks), (title, ticks)  # no 1.2, 1.5, 2.5 streams
+            assert lines >= 1, title  # one stream alone and the wave: a line
+        labels = page.eval("[...document.querySelectorAll('#timelines g.req > text')].map(t => t.textContent)")
+        named = [ln.split(" ", 3)[3] for ln in labels if len(ln.split(" ", 3)) == 4]
+        assert named, labels
+        for part in named:
+            names = part.split(" +")[0].split(",") if not part.startswith("+") else []
+            assert all(n in ANOMALY_KINDS for n in names), part
+        shots = Path(os.environ.get("MLXPROXY_TEST_ARTIFACTS") or tmp_path)
+        print(f"\nscreenshot: {page.screenshot(shots / 'html-report-one-wave.png')}")
+        assert page.errors == [], page.errors
+
+
+def test_a_lane_label_keeps_whole_anomaly_names() -> None:
+    from mlxproxy.load.htmlreport import LANE_LABEL_CHARS, _lane_label
+
+    kinds = ["unreported_length", "serialized", "stall"]
+    for ttft in (0.5, 12.5):
+        label = _lane_label({"id": "0123456789ab", "outcome": "ok", "ttft_s": ttft, "anomalies": kinds})
+        assert len(label) <= LANE_LABEL_CHARS, label
+        part = label.split(" ", 3)[3]
+        names, _, more = part.partition(" +")
+        shown = names.split(",") if names else []
+        assert shown == kinds[: len(shown)] and len(shown) + int(more or 0) == 3, label  # whole names, the rest counted

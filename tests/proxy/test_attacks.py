@@ -24,9 +24,9 @@ import pytest
 
 from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.config import build_config
+from mlxproxy.edge.limits import MAX_FIELD_CHARS, bounded_field
+from mlxproxy.edge.runner import ServerThread, stack_settings
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.proxy.limits import MAX_FIELD_CHARS, bounded_field
-from mlxproxy.runner import ServerThread, stack_settings
 from support import read_fixture, wait_for
 
 STACKS = ["plain", "fast"]

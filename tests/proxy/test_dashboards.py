@@ -37,8 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import promharness as ph
 from mlxproxy.config import build_config
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
-from mlxproxy.runner import ServerThread
 
 ROOT = ph.ROOT
 DASHBOARD_PATH = ROOT / "grafana" / "dashboards" / "mlxproxy.json"

@@ -20,7 +20,7 @@ from collections import Counter
 
 import httpx
 
-from mlxproxy.runner import ServerThread
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from support import proxy, wait_for
 
@@ -44,7 +44,7 @@ WATCHED = {
     "ClientResponse",
     "StreamReader",
     "ResponseHandler",
-    "_GuardedHandler",
+    "GuardedHandler",
     "LimitedH11Protocol",
     "LimitedHttpToolsProtocol",
     "GuardedConnection",

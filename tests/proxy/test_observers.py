@@ -14,8 +14,8 @@ from fakeupstream import FakeUpstream, sse_response
 from mlxproxy.capture import Exchange, read_capture
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
-from mlxproxy.runner import ServerThread
 from support import read_fixture, wait_for
 
 BODY = read_fixture("wire/01_openai_reference_include_usage.sse")

@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.cli import main
 from mlxproxy.config import build_config, is_loopback_host
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.errors import ConfigError
 from mlxproxy.proxy import auth as auth_module
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.cli import exposure_warning
-from mlxproxy.runner import ServerThread
 from support import read_fixture
 from support import wait_for as _wait_for
 
@@ -82,12 +82,12 @@ def test_binds_to_loopback_unless_told_otherwise() -> None:
 
 
 def test_serve_warns_before_listening_beyond_loopback_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mlxproxy.runner
+    import mlxproxy.edge.runner
 
     def refuse(host: str, port: int):  # the test never listens on a public address
         raise OSError(99, "not in this test")
 
-    monkeypatch.setattr(mlxproxy.runner, "bind_socket", refuse)
+    monkeypatch.setattr(mlxproxy.edge.runner, "bind_socket", refuse)
     res = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"])
     assert res.exit_code == 1 and "warning: listening on 0.0.0.0 without a proxy key" in res.output
     res = CliRunner().invoke(main, ["serve", "--host", "127.0.0.1", "--upstream", "http://127.0.0.1:9"])

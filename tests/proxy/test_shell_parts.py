@@ -74,31 +74,47 @@ def _meter(injected: bool = True) -> RequestMeter:
     return m
 
 
+def _relay(m: RequestMeter, data: bytes, t: float, stripper: UsageStripper) -> bytes:
+    """What the relay loop does with one read: strip (SSE framing only), forward, then meter."""
+    out, items = m.strip(data, stripper)
+    m.feed_forwarded(data, items, t)
+    return out
+
+
 @pytest.mark.parametrize("way", range(4))
-def test_feed_stripping_forwards_all_but_the_injected_usage(way: int) -> None:
+def test_strip_then_feed_forwarded_forwards_all_but_the_injected_usage(way: int) -> None:
     pieces = splits(STREAM, seed=way)[way]
     m, stripper = _meter(), UsageStripper()
-    out = b"".join(m.feed_stripping(p, 0.2 + i * 0.01, stripper) for i, p in enumerate(pieces)) + stripper.flush()
+    out = b"".join(_relay(m, p, 0.2 + i * 0.01, stripper) for i, p in enumerate(pieces)) + stripper.flush()
     assert out == STREAM.replace(USAGE, b"")
     r = m.finish(1.0)
     assert (r.outcome, r.generated_events, r.completion_tokens_reported, r.bytes_out) == ("ok", 4, 4, len(STREAM))
     assert m.failure is None and m.done
 
 
-def test_feed_stripping_never_raises_and_forwards_unchanged_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_strip_never_raises_and_forwards_unchanged_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     m, stripper = _meter(), UsageStripper()
-    first = m.feed_stripping(EV + EV[:10], 0.2, stripper)
+    first = _relay(m, EV + EV[:10], 0.2, stripper)
     assert first == EV  # the open event is held back
     real = SSEDecoder.feed
     monkeypatch.setattr(SSEDecoder, "feed", lambda self, data: 1 / 0)
     rest = EV[10:] + FINISH + USAGE + DONE
-    out = m.feed_stripping(rest, 0.3, stripper)
+    out, items = m.strip(rest, stripper)
+    assert m.feed_forwarded(rest, items, 0.3)  # it says the metering failed
     monkeypatch.setattr(SSEDecoder, "feed", real)
     assert isinstance(m.failure, ZeroDivisionError) and m.done
     assert first + out == EV + EV[:10] + rest  # held bytes and the rest: nothing stripped, nothing lost
-    assert m.feed_stripping(EV, 0.4, stripper) == EV  # stopped: passes through, bytes still counted
-    assert m.bytes_out == len(EV) + 10 + len(rest) + len(EV)
+    assert _relay(m, EV, 0.4, stripper) == EV  # stopped: passes through, bytes still counted
     assert m.generated_events == 1
+    assert m.finish(0.5).bytes_out == len(EV) + 10 + len(rest) + len(EV)
+
+
+def test_feed_forwarded_never_raises_and_says_the_metering_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _meter(injected=False)
+    assert not m.feed_forwarded(EV, None, 0.2)
+    monkeypatch.setattr(SSEDecoder, "feed", lambda self, data: 1 / 0)
+    assert m.feed_forwarded(EV, None, 0.3) and isinstance(m.failure, ZeroDivisionError)
+    assert m.finish(0.5).bytes_out == 2 * len(EV)
 
 
 def test_stop_ends_parsing_but_not_byte_counting() -> None:
@@ -107,8 +123,9 @@ def test_stop_ends_parsing_but_not_byte_counting() -> None:
     m.stop()
     assert m.done and m.failure is None
     m.feed(EV + FINISH + DONE, 0.3)
-    assert m.generated_events == 1 and m.bytes_out == 2 * len(EV) + len(FINISH) + len(DONE)
-    assert m.finish(0.5).outcome == "truncated"  # no finish reason was parsed
+    r = m.finish(0.5)
+    assert r.generated_events == 1 and r.bytes_out == 2 * len(EV) + len(FINISH) + len(DONE)
+    assert r.outcome == "truncated"  # no finish reason was parsed
 
 
 def test_live_view_of_a_meter_in_flight() -> None:
@@ -116,7 +133,7 @@ def test_live_view_of_a_meter_in_flight() -> None:
     m.feed(b": prefill 5/10\n\n", 0.15)
     for i in range(3):
         m.feed(EV, 0.5 + 0.1 * i)
-    view = live_view(m, 1.0)
+    view = live_view(m.snapshot(1.0))
     assert view == {
         "id": "r",
         "upstream": "u",

@@ -20,8 +20,8 @@ import yaml
 
 from browser import Chromium, Page, require_chromium
 from mlxproxy.config import build_config
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
-from mlxproxy.runner import ServerThread
 from mlxproxy.sim.app import create_app as create_sim
 from support import wait_for
 
@@ -362,3 +362,107 @@ def test_record_to_dict_equals_the_deep_copy_it_replaced() -> None:
         new["server_claims"]["timings"]["tps"] = 0.0
         new["anomaly_evidence"]["stall"] = "changed"
         assert r.server_claims["timings"]["tps"] == 50.0 and r.anomaly_evidence["stall"] == "3 gaps"  # a copy
+
+
+def test_an_unreachable_upstream_is_warned_about_at_start_and_shown_in_healthz_and_on_the_page(
+    chromium: Chromium, artifacts: Path, tmp_path: Path
+) -> None:
+    """`serve` with one upstream that answers and one with nothing listening: one warning line
+    at start for the dead one, `/healthz` says which can be reached (its older keys unchanged),
+    the log line names the dead port whole, and the live page shows a banner for it only."""
+    from support import closed_port, start
+
+    dead = closed_port()
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        config = tmp_path / "proxy.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "port": 0,
+                    "upstreams": [
+                        {"name": "alive", "url": sim.url, "models": ["alive"]},
+                        {"name": "gone", "url": f"http://127.0.0.1:{dead}", "models": ["gone"]},
+                    ],
+                }
+            )
+        )
+        proxy = start(["serve", "--config", str(config)], "listening on")
+        try:
+            assert wait_for(lambda: any("warning: upstream" in ln for ln in proxy.lines), 10), proxy.lines
+            warnings = [ln for ln in proxy.lines if "warning: upstream" in ln]
+            assert len(warnings) == 1 and f"'gone' at http://127.0.0.1:{dead} is unreachable" in warnings[0]
+            health = httpx.get(proxy.url + "/healthz").json()
+            assert {"status", "version", "uptime_s", "in_flight", "requests", "tasks", "upstreams"} <= set(health)
+            ups = {u["name"]: u for u in health["upstreams"]}
+            assert ups["alive"]["reachable"] is True and ups["alive"]["last_error"] is None
+            assert ups["gone"]["reachable"] is False and "ConnectionRefusedError" in ups["gone"]["last_error"]
+            assert {"name", "url", "in_flight", "last_error_at"} <= set(ups["gone"])
+
+            r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "gone", "messages": []}, timeout=30)
+            assert r.status_code == 502
+            assert wait_for(lambda: any(" upstream_unreachable " in ln for ln in proxy.lines), 10)
+            line = next(ln for ln in proxy.lines if " upstream_unreachable " in ln)
+            error = line.split(" error=", 1)[1].strip()
+            assert f"127.0.0.1:{dead} " in error and not error.endswith('…"'), error  # the port whole, not cut
+
+            page = chromium.page()
+            page.goto(proxy.url + "/")
+            page.wait_for("!document.querySelector('#upstream-health').hidden")
+            banner = page.eval("document.querySelector('#upstream-health').textContent")
+            assert f"upstream gone at http://127.0.0.1:{dead} is unreachable" in banner and "alive" not in banner
+            print(f"\nscreenshot: {page.screenshot(artifacts / 'live-page-unreachable-upstream.png')}")
+            assert_no_errors(page)
+        finally:
+            proxy.stop()
+
+
+def test_a_serial_server_is_one_lane_and_a_queued_request_is_not_called_prefill(
+    chromium: Chromium, artifacts: Path
+) -> None:
+    """Three streams to a serial server at once: one lane (a lane is a stream decoding at a
+    time), the queued ones shown waiting with how many are ahead, then their time to the first
+    token without calling it prefill; mlx_lm.server's prefill bar goes once tokens flow; at
+    1400 px the last time label and the recent table's last column are not cut."""
+    with contextlib.ExitStack() as es:
+        serial = es.enter_context(ServerThread(create_sim("mlx-openai-server@1.6", decode_tps=20.0)))
+        lm = es.enter_context(ServerThread(create_sim("mlx-lm", decode_tps=20.0)))
+        raw = {"upstreams": [{"name": "serial", "url": serial.url, "models": ["serial"]},
+                             {"name": "mlx-lm", "url": lm.url, "models": ["mlx-lm"]}]}  # fmt: skip
+        px = es.enter_context(ServerThread(create_app(build_config(raw, log_requests=False))))
+        page = chromium.page()
+        page.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False},
+        )
+        page.goto(px.url + "/")
+        threads = in_background(*[(chat, px.url, "serial", 30) for _ in range(3)], (chat, px.url, "mlx-lm", 60))
+        cells = "[...document.querySelectorAll('#inflight tbody tr')].map(tr => tr.children[4].textContent)"
+        waiting = page.wait_for(f"{cells}.filter(t => /^waiting, [12] ahead of it$/.test(t))")
+        assert waiting
+        queued = page.wait_for(f"{cells}.filter(t => /^after [0-9.]+ s, [12] in flight before it$/.test(t))")
+        assert queued  # a queued request's first token: its wait is not called prefill
+        lm_cell = page.wait_for(
+            "(() => { const tr = [...document.querySelectorAll('#inflight tbody tr')]"
+            ".find(tr => tr.children[2].textContent === 'mlx-lm' && +tr.querySelector('td.tokens').textContent > 2);"
+            " return tr ? tr.children[4].textContent : ''; })()"
+        )
+        assert lm_cell.startswith("after ") and "/" not in lm_cell, lm_cell  # no "1/1" bar while decoding
+        seen = page.eval(f"{cells}.join(' | ')")
+        assert "prefill" not in seen and "done in" not in seen, seen
+        for t in threads:
+            t.join(60)
+        page.wait_for("document.querySelectorAll('#recent tbody tr').length === 4")
+        page.wait_for("document.querySelectorAll('#inflight tbody tr').length === 0")
+        lanes = page.eval("[...document.querySelectorAll('#lanes text.lane-label')].map(t => t.textContent)")
+        assert "serial (1 lane)" in lanes and "mlx-lm (1 lane)" in lanes, lanes
+        cut = page.eval(
+            "(() => { const s = document.querySelector('#lanes svg').getBoundingClientRect();"
+            " return [...document.querySelectorAll('#lanes text.tick')].map(t => t.getBoundingClientRect())"
+            ".filter(r => r.right > s.right + 0.5 || r.left < s.left - 0.5).length; })()"
+        )
+        assert cut == 0
+        assert page.eval(
+            "(() => { const s = document.querySelector('#recent'); return s.scrollWidth <= s.clientWidth; })()"
+        )
+        print(f"\nscreenshot: {page.screenshot(artifacts / 'live-page-serial-one-lane.png')}")
+        assert_no_errors(page)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from mlxproxy.runner import ServerThread
+from mlxproxy.edge.runner import ServerThread
 from mlxproxy.sim.app import create_app
 from mlxproxy.sim.cli import sim
 from timing import latency_ok, rate_ok

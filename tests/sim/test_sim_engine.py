@@ -103,7 +103,8 @@ def test_late_arrival_joins_after_the_current_step() -> None:
 def test_continuous_batching_speedup_of_the_profiles() -> None:
     """The truth the proxy team measures: aggregate TPS of 2 parallel / wall TPS of 1 alone."""
     assert planned_speedup(get_profile("healthy", batch_penalty=0.02)) >= 1.9
-    assert planned_speedup(PROFILES["mlx-openai-server"]) == pytest.approx(1.0)  # one at a time, live 1.6.3
+    assert planned_speedup(PROFILES["mlx-openai-server@1.6"]) == pytest.approx(1.0)  # one at a time, live 1.6.3
+    assert planned_speedup(PROFILES["mlx-openai-server"]) >= 1.8  # 1.8: batching by default, as mlx-lm
     assert 1.8 <= planned_speedup(PROFILES["healthy"]) < 2.0
     assert 0.8 <= planned_speedup(PROFILES["mlx-omni-server"]) <= 0.95
     assert planned_speedup(PROFILES["mlx-omni-server"], n_parallel=3) < 0.9

@@ -100,7 +100,8 @@ def test_profiles_validate_and_coerce() -> None:
     assert set(PROFILES) == {
         "healthy",
         "mlx-lm",
-        "mlx-openai-server",
+        "mlx-openai-server",  # today's release (1.8)
+        "mlx-openai-server@1.6",  # the old one-at-a-time default
         "mlx-omni-server",
         "vllm-mlx",
         "rapid-mlx",
@@ -108,6 +109,7 @@ def test_profiles_validate_and_coerce() -> None:
         "mlx-vlm",
         "phantom-usage",
     }
+    assert PROFILES["mlx-openai-server@1.6"].serial and not PROFILES["mlx-openai-server"].serial
 
 
 # -- faults ---------------------------------------------------------------------------------

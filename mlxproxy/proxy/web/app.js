@@ -145,6 +145,10 @@
     for (let t = Math.ceil(lo / step) * step; t <= hi; t += step) out.push(t);
     return out;
   }
+  // An x tick label's anchor: centred, or ending at its tick near the right edge so it is not cut.
+  function tickAnchor(x, right, half) {
+    return x > right - half ? "end" : "middle";
+  }
   function shortNum(v) {
     if (Math.abs(v) >= 1000) return (v / 1000).toFixed(v % 1000 === 0 ? 0 : 1) + "k";
     return Math.abs(v) >= 10 || v === 0 ? String(Math.round(v)) : v.toPrecision(2);
@@ -163,7 +167,7 @@
     }
     for (const t of (xfmt === clock ? timeTicks(x0, x1, 4) : niceTicks(x0, x1, 8))) {
       svg("line", { x1: sx(t), x2: sx(t), y1: B, y2: B + 3, class: "axis" }, root);
-      svg("text", { x: sx(t), y: B + 14, class: "tick", "text-anchor": "middle" }, root, xfmt(t));
+      svg("text", { x: sx(t), y: B + 14, class: "tick", "text-anchor": tickAnchor(sx(t), w, 24) }, root, xfmt(t));
     }
     svg("rect", { x: L, y: T, width: R - L, height: B - T, class: "box" }, root);
     if (ylabel) svg("text", { x: 10, y: (T + B) / 2, class: "tick", transform: `rotate(-90 10 ${(T + B) / 2})`, "text-anchor": "middle" }, root, ylabel);
@@ -183,7 +187,10 @@
       td(tr, s.upstream);
       td(tr, fmt(s.age_s, 1), "num");
       const pre = td(tr, "");
-      if (s.prefill_progress) {
+      const ahead = firstTokenText(s);
+      if (ahead) {
+        pre.textContent = ahead;
+      } else {
         const [done, total] = s.prefill_progress;
         const pct = total > 0 ? Math.min(100, 100 * done / total) : 0;
         const bar = document.createElement("span");
@@ -193,8 +200,6 @@
         bar.appendChild(fill);
         pre.appendChild(bar);
         pre.appendChild(document.createTextNode(` ${done}/${total}`));
-      } else {
-        pre.textContent = s.ttft_s !== null && s.ttft_s !== undefined ? "done in " + fmt(s.ttft_s, 2) + " s" : "waiting";
       }
       td(tr, String(s.tokens_so_far), "num tokens");
       td(tr, fmt(s.tokens_per_s, 1), "num");
@@ -203,6 +208,20 @@
     }
     $("#inflight-count").textContent = String(rows.length);
     $("#inflight .empty").hidden = rows.length > 0;
+  }
+
+  // The "first token" cell of a stream in flight, or null to draw its prefill progress bar. The
+  // time to the first token includes any wait behind other requests (a serial server queues
+  // them), so it is never called prefill; a progress of one step ("1/1") says nothing, and
+  // once the first token came the prefill is over.
+  function firstTokenText(s) {
+    if (s.ttft_s !== null && s.ttft_s !== undefined) {
+      const before = (s.concurrency || 1) - 1;
+      return "after " + fmt(s.ttft_s, 2) + " s" + (before > 0 ? `, ${before} in flight before it` : "");
+    }
+    if (s.prefill_progress && s.prefill_progress[1] > 1) return null;
+    const ahead = state.inflight.filter((o) => o.upstream === s.upstream && o.age_s > s.age_s).length;
+    return ahead > 0 ? `waiting, ${ahead} ahead of it` : "waiting";
   }
 
   // -- swim lanes ---------------------------------------------------------------------------
@@ -224,16 +243,20 @@
     const t0 = Math.max(now - LANE_WINDOW_S, Math.min(...spans.map((s) => s.start)) - 1);
     const ups = [...new Set(spans.map((s) => s.up))].sort();
     const lanesOf = new Map();
+    // A lane is one stream decoding at a time: spans share a lane unless their decoding (dark)
+    // parts overlap, so a serial server is one lane however many requests wait in its queue.
+    // Later decodes are drawn first, so each lane's dark parts lie over the waits (pale) under them.
+    const decodeStart = (s) => (s.ttft !== null && s.ttft !== undefined ? Math.min(s.start + s.ttft, s.end) : s.end);
     for (const up of ups) {
-      const mine = spans.filter((s) => s.up === up).sort((a, b) => a.start - b.start);
+      const mine = spans.filter((s) => s.up === up).sort((a, b) => decodeStart(a) - decodeStart(b));
       const ends = [];
       for (const s of mine) {
-        let i = ends.findIndex((e) => e <= s.start);
+        let i = ends.findIndex((e) => e <= decodeStart(s));
         if (i < 0) { i = ends.length; ends.push(0); }
         ends[i] = s.end;
         s.lane = i;
       }
-      lanesOf.set(up, { spans: mine, lanes: Math.max(1, ends.length) });
+      lanesOf.set(up, { spans: mine.reverse(), lanes: Math.max(1, ends.length) });
     }
     const laneH = 9, gap = 14, w = 1200, L = 190;
     let h = 24;
@@ -265,7 +288,7 @@
     }
     for (const t of timeTicks(t0, now, 10)) {
       svg("line", { x1: sx(t), x2: sx(t), y1: 2, y2: h - 16, class: "grid" }, root);
-      svg("text", { x: sx(t), y: h - 4, class: "tick", "text-anchor": "middle" }, root, clock(t));
+      svg("text", { x: sx(t), y: h - 4, class: "tick", "text-anchor": tickAnchor(sx(t), w, 28) }, root, clock(t));
     }
   }
 
@@ -367,6 +390,59 @@
     $("#anomalies .empty").hidden = n > 0;
   }
 
+  // -- conversations (the records grouped as /sessions groups them) --------------------------
+  const MAX_CONVERSATIONS = 8;
+  const CACHE_ANOMALIES = new Set(["prefix_cache_miss", "prompt_prefix_changed", "cached_tokens_unreported",
+    "cached_tokens_claimed_cold"]);
+  function renderConversations() {
+    const groups = new Map();
+    for (const r of state.records.values()) {
+      if (!r.conversation_id) continue;
+      if (!groups.has(r.conversation_id)) groups.set(r.conversation_id, []);
+      groups.get(r.conversation_id).push(r);
+    }
+    const latest = (turns) => Math.max(...turns.map((r) => r.started_at));
+    const convs = [...groups.entries()].sort((a, b) => latest(b[1]) - latest(a[1]));
+    const body = $("#conversations tbody");
+    body.textContent = "";
+    for (const [cid, turns] of convs.slice(0, MAX_CONVERSATIONS)) {
+      turns.sort((a, b) => (a.turn || 0) - (b.turn || 0) || a.started_at - b.started_at);
+      const last = turns[turns.length - 1];
+      const lost = Math.max(...turns.map((r) => r.conversation_lost_s || 0));
+      const causes = [...new Set(turns.map((r) => r.reprefill_cause).filter(Boolean))];
+      const head = document.createElement("tr");
+      head.className = "conv";
+      td(head, `${cid} · ${last.turn} turn${last.turn === 1 ? "" : "s"}`, "mono");
+      td(head, `${last.model || "–"} @ ${last.upstream}`);
+      td(head, last.prompt_tokens ?? "–", "num");
+      td(head, "", "num"); td(head, "", "num"); td(head, "", "num");
+      td(head, fmt(lost, 2), lost > 0 ? "num warn" : "num");
+      td(head, causes.join(", "), causes.length ? "warn" : "");
+      td(head, ""); td(head, "");
+      body.appendChild(head);
+      for (const r of turns) {
+        const tr = document.createElement("tr");
+        tr.dataset.id = r.id;
+        tr.className = "turn";
+        td(tr, `turn ${r.turn ?? "–"} · ${clock(r.started_at)}`, "mono");
+        td(tr, OK.has(r.outcome) ? "" : r.outcome, OK.has(r.outcome) ? "" : "bad");
+        td(tr, r.prompt_tokens ?? "–", "num");
+        td(tr, r.prefix_reusable_tokens ?? "–", "num");
+        td(tr, r.cached_tokens ?? "–", "num");
+        td(tr, fmt(r.ttft_s, 3), "num");
+        td(tr, r.reprefill_lost_s ? fmt(r.reprefill_lost_s, 3) : "", "num");
+        td(tr, r.reprefill_cause || "", r.reprefill_cause ? "warn" : "");
+        td(tr, r.reprefill_at || "", "mono where").title = r.reprefill_at || "";
+        const anomalies = (r.anomalies || []).filter((a) => CACHE_ANOMALIES.has(a));
+        td(tr, anomalies.join(", "), anomalies.length ? "warn" : "");
+        tr.addEventListener("click", () => select(r.id));
+        body.appendChild(tr);
+      }
+    }
+    $("#conversation-count").textContent = String(groups.size);
+    $("#conversations .empty").hidden = groups.size > 0;
+  }
+
   // -- recent requests ----------------------------------------------------------------------
   function sortValue(r, col) {
     if (col === "n_out") return nOut(r);
@@ -399,7 +475,7 @@
       td(tr, `${r.completion_tokens_reported ?? "–"}/${r.completion_tokens_counted ?? "–"}`, "num");
       td(tr, r.prompt_tokens ?? "–", "num");
       td(tr, fmt(r.e2e_s, 2), "num");
-      td(tr, (r.anomalies || []).join(", "), (r.anomalies || []).length ? "warn" : "");
+      td(tr, (r.anomalies || []).join(", "), (r.anomalies || []).length ? "warn anoms" : "anoms");
       tr.addEventListener("click", () => select(r.id));
       body.appendChild(tr);
     }
@@ -544,10 +620,36 @@
       scatter("chart-decode", (r) => (OK.has(r.outcome) ? r.decode_tps : null));
       aggregate();
       renderAnomalies();
+      renderConversations();
       renderRecent();
       renderDetail();
     }
   }
+
+  // -- upstream reachability (/healthz, every 5 s; open without the proxy key) --------------------
+  const HEALTH_MS = 5000;
+  async function pollHealth() {
+    try {
+      const r = await fetch("/healthz", { cache: "no-store" });
+      renderHealth(r.ok ? (await r.json()).upstreams || [] : []);
+    } catch (err) {
+      renderHealth([]);  // the proxy itself is down: the status line says so
+    }
+    setTimeout(pollHealth, HEALTH_MS);
+  }
+  function renderHealth(upstreams) {
+    const box = $("#upstream-health");
+    const down = upstreams.filter((u) => u.reachable === false);
+    box.replaceChildren();
+    for (const u of down) {
+      const p = document.createElement("p");
+      p.textContent = `upstream ${u.name} at ${u.url} is unreachable` + (u.last_error ? `: ${u.last_error}` : "") +
+        (u.last_error_at ? ` (${clock(u.last_error_at)})` : "") + "; requests to it get HTTP 502";
+      box.appendChild(p);
+    }
+    box.hidden = down.length === 0;
+  }
+  pollHealth();
 
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden && keybox.hidden) schedule(0);

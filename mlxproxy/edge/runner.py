@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from mlxproxy.proxy.limits import HeadLimits, protocol_class
+from mlxproxy.edge._compat_uvicorn import protocol_class
+from mlxproxy.edge.limits import HeadLimits
 
 T = TypeVar("T")
 STACKS = ("plain", "fast")
@@ -67,14 +68,15 @@ def run_async(coro: Coroutine[Any, Any, T], stack: str | None = None) -> T:
     if not hasattr(asyncio, "Runner"):  # Python 3.10: the standard loop
         return asyncio.run(coro)
     with asyncio.Runner(loop_factory=lambda: new_event_loop(stack)) as runner:
-        return runner.run(coro)
+        result: T = runner.run(coro)  # (typed Any when mypy reads Python 3.10's asyncio)
+        return result
 
 
 def make_uvicorn_config(
     app: Any, host: str, port: int, *, stack: str | None = None, limits: HeadLimits | None = None, **kwargs: Any
 ) -> uvicorn.Config:
     """A uvicorn config for `stack` (see `stack_settings`) with no access log. Its HTTP
-    protocol bounds request heads (`mlxproxy.proxy.limits`): `limits`, else the app's own
+    protocol bounds request heads (`mlxproxy.edge.limits`, hooked into uvicorn by `_compat_uvicorn`): `limits`, else the app's own
     `head_limits` attribute, else the defaults."""
     kwargs.setdefault("log_level", "warning")
     kwargs.setdefault("access_log", False)
@@ -125,7 +127,6 @@ class ServerThread:
         self.port: int = self.sock.getsockname()[1]
         self.config = make_uvicorn_config(app, host, self.port, stack=stack, **uvicorn_kwargs)
         self.server = uvicorn.Server(self.config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None

@@ -1,0 +1,131 @@
+"""The one place that uses aiohttp's private internals: the guarded connection pool.
+
+Tested with aiohttp 3.14.5 (the newest release on 2026-12-04; `pyproject.toml` pins
+`aiohttp>=3.12,<3.15`, and `.ci/newest` runs the forwarding tests against the newest release
+whatever the pin). `tests/proxy/test_compat.py` checks that every name in `PRIVATE_NAMES` exists
+in the installed aiohttp, and the fallback below.
+
+What it relies on (`PRIVATE_NAMES`): `TCPConnector._release` and `_get` (overridden, to check a
+connection when it is given back and when it is taken), `TCPConnector._factory` and `_loop` (the
+protocol factory, replaced by one that breaks a reference cycle), `ResponseHandler._parser`
+(cleared while a connection is idle, so a stray byte marks it `should_close`) and
+`ResponseHandler._read_timeout_handle` (a read timer left armed after a response).
+
+Fallback: where any of them is missing, `connector()` logs one warning and returns aiohttp's own
+`TCPConnector` with `force_close=True`: a new connection per request, never one that saw anything
+unexpected (the property the guarded pool keeps), at the cost of a connect per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+
+from mlxproxy.edge.limits import drop_transport_cycle
+
+__all__ = ["PRIVATE_NAMES", "TESTED", "connector", "missing_internals", "reusable"]
+
+TESTED = "aiohttp 3.14.5"
+#: class -> the private attributes (methods, or instance attributes set in __init__) used here
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "TCPConnector": ("_release", "_get", "_factory", "_loop"),
+    "ResponseHandler": ("_parser", "_read_timeout_handle"),
+}
+
+log = logging.getLogger("mlxproxy")
+
+
+class GuardedHandler(ResponseHandler):
+    """An upstream connection that breaks its own reference cycle when it is lost."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._made = transport  # aiohttp forgets its transport when it closes it itself
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        drop_transport_cycle(self.__dict__.pop("_made", None))
+
+
+def reusable(proto: ResponseHandler) -> bool:
+    """False after anything unexpected: bytes while idle, buffered or half-parsed data, an
+    error, or a read timer still armed after the response ended (aiohttp can leave one
+    behind after pausing for a large body; it would fail the next request at once)."""
+    return not (proto.should_close or getattr(proto, "_read_timeout_handle", None) is not None)
+
+
+class GuardedConnector(aiohttp.TCPConnector):
+    """A connection pool that never hands out a connection after anything unexpected: each
+    is checked when it is given back and again when it is taken (SECURITY.md, "One request,
+    one response")."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not hasattr(self, "_factory"):  # (the fallback in `connector` takes over)
+            raise AttributeError("no _factory", name="_factory", obj=self)
+        self._factory = functools.partial(GuardedHandler, loop=self._loop)  # type: ignore[assignment]  # (a subclass)
+
+    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+        if not should_close:
+            if reusable(protocol):
+                # Idle in the pool, a connection has no response parser: aiohttp then keeps
+                # any byte that arrives (an extra response, more body than announced) in its
+                # `_tail`, which `should_close` reports, so the connection is never handed out
+                # again. The next request on it gets a fresh parser (`set_response_params`).
+                # (An override of `data_received` did the same at a Python call per body chunk:
+                # 3 % of the proxy's instructions for a stream, benchmarks/instructions.py.)
+                protocol._parser = None
+            else:
+                should_close = True
+        super()._release(key, protocol, should_close=should_close)
+
+    async def _get(self, key: Any, traces: list[Any]) -> aiohttp.connector.Connection | None:
+        # only the connection about to be handed out is checked (walking every idle one cost
+        # O(pool) per request: 2 % of a load generator's CPU at 800 req/s); one that fails is
+        # closed and the next is taken
+        while True:
+            conn = await super()._get(key, traces)
+            if conn is None or conn.protocol is None:
+                return conn
+            if reusable(conn.protocol):
+                return conn
+            conn.close()  # bytes arrived while it sat idle, or it is half-parsed: never reused
+
+
+def missing_internals(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """The names of `PRIVATE_NAMES` the installed aiohttp lacks (empty: the guarded pool can
+    work); the connector's own attributes are checked when one is made (`GuardedConnector`)."""
+    missing = [
+        f"TCPConnector.{n}" for n in ("_release", "_get") if not callable(getattr(aiohttp.TCPConnector, n, None))
+    ]
+    handler = ResponseHandler(loop)
+    return missing + [f"ResponseHandler.{n}" for n in PRIVATE_NAMES["ResponseHandler"] if not hasattr(handler, n)]
+
+
+_missing: list[str] | None = None
+
+
+def connector(**kwargs: Any) -> aiohttp.TCPConnector:
+    """The upstream's connection pool (call inside the running loop): the guarded pool where
+    the installed aiohttp has what it needs, else aiohttp's own with a connection per request."""
+    global _missing
+    if _missing is None:
+        _missing = missing_internals(asyncio.get_running_loop())
+    if not _missing:
+        try:
+            return GuardedConnector(**kwargs)
+        except AttributeError as exc:
+            _missing = [f"TCPConnector.{exc.name}"]
+    log.warning(
+        "aiohttp %s lacks %s (tested: %s): upstream connections are not reused",
+        aiohttp.__version__,
+        ", ".join(_missing),
+        TESTED,
+    )
+    kwargs.pop("keepalive_timeout", None)
+    return aiohttp.TCPConnector(**{**kwargs, "force_close": True})

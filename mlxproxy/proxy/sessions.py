@@ -1,0 +1,85 @@
+"""The conversations view: the proxy's recent records grouped by conversation (`/sessions`,
+the live page's conversations panel), and the prefill seconds lost per re-prefill cause
+(`/streams`). Pure functions over records; no text leaves (records carry none)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from mlxproxy.core.prefix import CAUSES
+from mlxproxy.core.record import Record
+
+__all__ = ["sessions", "lost_by_cause", "TURN_KEYS", "CACHE_ANOMALIES"]
+
+#: what each turn of a conversation shows
+TURN_KEYS = (
+    "id",
+    "turn",
+    "started_at",
+    "outcome",
+    "prompt_tokens",
+    "prefix_reusable_tokens",
+    "cached_tokens",
+    "cache_hit_ratio",
+    "ttft_s",
+    "prefill_tps",
+    "reprefill_cause",
+    "reprefill_at",
+    "reprefill_lost_s",
+)
+#: the anomalies a turn's row names (the cache doctor's)
+CACHE_ANOMALIES = frozenset(
+    {"prefix_cache_miss", "prompt_prefix_changed", "cached_tokens_unreported", "cached_tokens_claimed_cold"}
+)
+
+
+def _round(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def lost_by_cause(records: Iterable[Record]) -> dict[str, float]:
+    """Seconds of prefill lost to re-prefills in `records`, per cause (every cause listed)."""
+    out = dict.fromkeys(CAUSES, 0.0)
+    for r in records:
+        if r.reprefill_cause is not None and r.reprefill_lost_s:
+            out[r.reprefill_cause] += r.reprefill_lost_s
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, Any]]:
+    """The `limit` most recently active conversations among `records`, newest first, each with
+    its turns in order (those still among `records`), the prefill seconds it lost in all
+    (`lost_s`, from its latest turn's `conversation_lost_s`, so turns no longer held count
+    too) and per cause over the turns held (`lost_by_cause`)."""
+    groups: dict[str, list[Record]] = {}
+    for r in records:
+        if r.conversation_id is not None:
+            groups.setdefault(r.conversation_id, []).append(r)
+    ordered = sorted(groups.items(), key=lambda kv: max(r.started_at for r in kv[1]), reverse=True)
+    out = []
+    for cid, turns in ordered[:limit]:
+        turns.sort(key=lambda r: (r.turn or 0, r.started_at))
+        last = turns[-1]
+        causes = {k: v for k, v in lost_by_cause(turns).items() if v > 0}
+        out.append(
+            {
+                "conversation_id": cid,
+                "upstream": last.upstream,
+                "model": last.model,
+                "endpoint": last.endpoint,
+                "turns": last.turn,
+                "turns_held": len(turns),
+                "lost_s": round(max((r.conversation_lost_s or 0.0) for r in turns), 4),
+                "lost_by_cause": causes,
+                "misses": sum(r.reprefill_cause is not None for r in turns),
+                "turn_list": [
+                    {
+                        **{k: _round(getattr(r, k)) for k in TURN_KEYS},
+                        "anomalies": [a for a in r.anomalies if a in CACHE_ANOMALIES],
+                    }
+                    for r in turns
+                ],
+            }
+        )
+    return out

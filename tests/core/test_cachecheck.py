@@ -1,0 +1,236 @@
+"""The cache doctor's three fixed cases (issue 28): a hidden cache hit (vllm-mlx 0.6.0 reports
+no cached_tokens) must not yield a prefill rate; requests of two endpoint families and models
+are two conversations; `cache_hit_ratio` never exceeds 1 (the last one: test_prefix.py's
+recorded three-turn conversations). Then the honesty checks and re-prefill causes, each on
+scripted timestamps."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.detect import Thresholds
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.openai import parse_request
+from mlxproxy.core.prefix import PrefixIndex
+from mlxproxy.core.record import Record
+from mlxproxy.proxy.metrics import ProxyMetrics
+from support import FIXTURES
+
+TH = Thresholds()
+REAL = FIXTURES / "real"
+REAL2 = FIXTURES / "real2"
+SYSTEM = "You are a weather assistant. Keep answers short and factual.\n" * 80  # ~4,800 characters
+
+
+def vllm_mlx_events(prompt_tokens: int, cached: int | None = None) -> list[bytes]:
+    """vllm-mlx 0.6.0's recorded chat stream (300 tokens), its usage set to `prompt_tokens`
+    (and `cached_tokens` when given; vllm-mlx itself never reports it)."""
+    raw = (REAL / "vllm_mlx_chat_stream_300tok.sse").read_bytes()
+    usage = b'"usage":{"prompt_tokens":%d,"completion_tokens":300,"total_tokens":%d' % (
+        prompt_tokens,
+        prompt_tokens + 300,
+    )
+    if cached is not None:
+        usage += b',"prompt_tokens_details":{"cached_tokens":%d}' % cached
+    raw = raw.replace(b'"usage":{"prompt_tokens":20,"completion_tokens":300,"total_tokens":320', usage)
+    return [e + b"\n\n" for e in raw.split(b"\n\n") if e.strip()]
+
+
+def turn(
+    index: PrefixIndex,
+    rid: str,
+    messages: list,
+    prompt_tokens: int,
+    ttft: float,
+    *,
+    cached: int | None = None,
+    model: str = "tiny-qwen3",
+    extra: dict | None = None,
+) -> Record:
+    body = orjson.dumps({"model": model, "stream": True, "messages": messages, **(extra or {})})
+    info, _ = parse_request("POST", "/v1/chat/completions", body)
+    m = RequestMeter(info, request_id=rid, upstream="u", t_start=0.0, started_at=0.0)
+    m.response_started(0.005, 200, "text/event-stream")
+    events = vllm_mlx_events(prompt_tokens, cached)
+    for i, e in enumerate(events):
+        m.feed(e, ttft + 0.005 * (i - 1))  # the first event is the role chunk
+    return finish_checked(m, ttft + 0.005 * len(events), TH, prefixes=index)
+
+
+def conversation(n: int) -> list[list]:
+    """The message lists of an agent's first `n` turns (each resends everything so far)."""
+    msgs: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris?"}]
+    out = [msgs]
+    for k in range(1, n):
+        msgs = msgs + [{"role": "assistant", "content": f"answer {k}"}, {"role": "user", "content": f"and {k}?"}]
+        out.append(msgs)
+    return out
+
+
+def exported_prefill(records: list[Record]) -> float:
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry)
+    for r in records:
+        metrics.on_record(r)
+    return (
+        registry.get_sample_value("mlxproxy_prefill_tokens_per_second_count", {"upstream": "u", "model": "tiny-qwen3"})
+        or 0
+    )
+
+
+def test_a_hidden_cache_hit_has_no_prefill_rate_and_is_named() -> None:
+    """vllm-mlx 0.6.0: turn 1 cold (1,201 tokens in 0.186 s, 6,455 tok/s), turn 2 a hit in
+    21 ms with no cached_tokens: 1,227 / 0.021 = 58,000 tok/s was a fiction."""
+    index = PrefixIndex()
+    m1, m2 = conversation(2)
+    t1 = turn(index, "t1", m1, 1201, 0.186)
+    t2 = turn(index, "t2", m2, 1227, 0.021)
+    assert t1.prefill_tps == pytest.approx(1201 / 0.186)
+    assert (t2.conversation_id, t2.turn, t2.cached_tokens) == ("t1", 2, None)
+    assert t2.prefill_tps is None
+    assert "cached_tokens_unreported" in t2.anomalies and "prefix_cache_miss" not in t2.anomalies
+    ev = t2.anomaly_evidence["cached_tokens_unreported"]
+    assert "no cached_tokens" in ev and "this conversation's first turn" in ev
+    assert t2.reprefill_cause is None
+    assert exported_prefill([t1, t2]) == 1  # turn 1 only
+    # the same turn 2 prefilled cold (TTFT as turn 1's): a miss; its rate is honest and kept
+    index = PrefixIndex()
+    turn(index, "c1", m1, 1201, 0.186)
+    cold = turn(index, "c2", m2, 1227, 0.19)
+    assert cold.prefill_tps == pytest.approx(1227 / 0.19)
+    assert "prefix_cache_miss" in cold.anomalies and "cached_tokens_unreported" not in cold.anomalies
+    assert cold.reprefill_cause == "cache_evicted" and 0.15 < cold.reprefill_lost_s <= 0.19
+    # a server that says cached_tokens 0 on the hit: the same anomaly, and no prefill rate
+    index = PrefixIndex()
+    turn(index, "z1", m1, 1201, 0.186, cached=0)
+    zero = turn(index, "z2", m2, 1227, 0.021, cached=0)
+    assert "cached_tokens_unreported" in zero.anomalies and "prefix_cache_miss" not in zero.anomalies
+    assert zero.prefill_tps is None and "cached_tokens 0" in zero.anomaly_evidence["cached_tokens_unreported"]
+
+
+def test_a_claimed_cache_that_prefilled_cold() -> None:
+    index = PrefixIndex()
+    m1, m2 = conversation(2)
+    turn(index, "t1", m1, 1201, 0.186)
+    t2 = turn(index, "t2", m2, 1227, 0.19, cached=1200)
+    assert "cached_tokens_claimed_cold" in t2.anomalies and "prefix_cache_miss" not in t2.anomalies
+    assert "claims 1200 of 1227" in t2.anomaly_evidence["cached_tokens_claimed_cold"]
+    assert t2.prefill_tps == pytest.approx(1227 / 0.19)  # all of it was prefilled
+    index = PrefixIndex()
+    turn(index, "h1", m1, 1201, 0.186)
+    hit = turn(index, "h2", m2, 1227, 0.02, cached=1200)
+    assert not {"cached_tokens_claimed_cold", "cached_tokens_unreported", "prefix_cache_miss"} & set(hit.anomalies)
+    assert 0.99 <= hit.cache_hit_ratio <= 1.0 and hit.reprefill_cause is None
+
+
+def recorded(name: str, model: str | None = None, extra: list | None = None) -> tuple[str, bytes]:
+    rq = orjson.loads((REAL2 / f"{name}.request.json").read_bytes())
+    if model is not None:
+        rq["body"]["model"] = model
+    rq["body"]["messages"] += extra or []
+    return rq["request_line"].split()[1], orjson.dumps(rq["body"])
+
+
+def replay(index: PrefixIndex, name: str, rid: str, model: str | None = None, extra: list | None = None) -> Record:
+    path, body = recorded(name, model, extra)
+    info, _ = parse_request("POST", path, body)
+    m = RequestMeter(info, request_id=rid, upstream="u", t_start=0.0, started_at=0.0)
+    m.response_started(0.01, 200, "text/event-stream")
+    m.feed((REAL2 / f"{name}.sse").read_bytes(), 0.3)
+    return finish_checked(m, 0.4, TH, prefixes=index)
+
+
+@pytest.mark.parametrize("model", [None, "tiny-other"])
+def test_a_messages_request_and_a_chat_request_are_two_conversations(model: str | None) -> None:
+    """Same first user message and tool name, but /v1/messages then /v1/chat/completions (of
+    the same or another model): two conversations, no `tools char 0` divergence."""
+    index = PrefixIndex()
+    a = replay(index, "anthropic_messages_litellm_tool_use", "a")
+    later = [{"role": "assistant", "content": "Let me check."}, {"role": "user", "content": "And in Rome?"}]
+    b = replay(index, "chat_litellm_tool_calls", "b", model, later)  # its message list extends a's
+    assert (a.conversation_id, a.turn) == ("a", 1)
+    assert (b.conversation_id, b.turn, b.prefix_diverged_at, b.reprefill_cause) == ("b", 1, None, None)
+    assert len(index) == 2
+
+
+def test_a_repeat_and_another_model_start_new_conversations() -> None:
+    index = PrefixIndex()
+    m1, m2 = conversation(2)
+    turn(index, "t1", m1, 1201, 0.186)
+    again = turn(index, "again", m1, 1201, 0.186)  # the same request once more: a repeat
+    assert (again.conversation_id, again.turn) == ("again", 1)
+    other = turn(index, "o", m1, 1201, 0.186, model="other")  # another model, same messages
+    assert (other.conversation_id, other.turn) == ("o", 1)
+    # another model that extends the message list continues: nothing of it is reusable
+    switched = turn(index, "s", m2, 1227, 0.19, model="big-model")
+    assert switched.turn == 2 and switched.reprefill_cause == "model_changed"
+    assert switched.reprefill_at.endswith(" -> big-model") and switched.prefix_reusable_tokens == 0
+    assert "prompt_prefix_changed" in switched.anomalies
+
+
+def agent(system_of, tools_of=None, messages_of=None, n: int = 4, cached_of=None) -> list[Record]:
+    """`n` turns of a scripted agent on a server whose prompt cache works (cached_tokens as
+    reported by `cached_of(turn, previous prompt)`, default: the previous prompt whole)."""
+    index = PrefixIndex()
+    out: list[Record] = []
+    prompt = 1200
+    for k in range(1, n + 1):
+        msgs = [{"role": "system", "content": system_of(k)}] + conversation(k)[-1][1:]
+        if messages_of is not None:
+            msgs = messages_of(k, msgs)
+        extra = {"tools": tools_of(k)} if tools_of is not None else None
+        cached = (cached_of or (lambda k, p: 0 if k == 1 else p))(k, prompt)
+        new = prompt + 26 if k > 1 else prompt
+        ttft = (new - cached) / 6455 + 0.005
+        out.append(turn(index, f"t{k}", msgs, new, ttft, cached=cached, extra=extra))
+        prompt = new
+    return out
+
+
+def header(k: int) -> str:
+    return f"x-anthropic-billing-header: cc_version=2.1.37; cch={k * 0x1F3A5:05x};\n" + SYSTEM
+
+
+def test_each_cause_is_named_with_its_place() -> None:
+    volatile = agent(header, cached_of=lambda k, p: 0 if k == 1 else 3)
+    assert [r.reprefill_cause for r in volatile] == [None] + ["volatile_span"] * 3
+    assert volatile[1].reprefill_at == "messages[0].content line 1: a-a-a-a: a_a=9.9.99; a=<hex:5>;"
+    assert all(r.reprefill_lost_s > 0 for r in volatile[1:])
+    assert volatile[-1].conversation_lost_s == pytest.approx(sum(r.reprefill_lost_s for r in volatile[1:]))
+    clean = agent(lambda k: SYSTEM)
+    assert [r.reprefill_cause for r in clean] == [None] * 4 and not any(r.anomalies for r in clean)
+    changed = agent(lambda k: SYSTEM if k < 3 else SYSTEM.upper(), cached_of=lambda k, p: 0 if k in (1, 3) else p)
+    assert [r.reprefill_cause for r in changed] == [None, None, "system_changed", None]
+
+    def tool(name: str, desc: str = "does it") -> dict:
+        return {"type": "function", "function": {"name": name, "description": desc, "parameters": {}}}
+
+    tools = [tool("read"), tool("grep"), tool("edit")]
+    cold_from_3 = lambda k, p: 0 if k == 1 or k >= 3 else p  # noqa: E731 (the server's answer to a changed prefix)
+    reordered = agent(lambda k: SYSTEM, tools_of=lambda k: tools if k != 3 else tools[::-1], cached_of=cold_from_3)
+    assert [r.reprefill_cause for r in reordered] == [None, None, "tools_changed", "tools_changed"]
+    assert reordered[2].reprefill_at == "tools order"
+    edited = agent(
+        lambda k: SYSTEM,
+        tools_of=lambda k: tools if k < 3 else [tools[0], tool("grep", "new"), tools[2]],
+        cached_of=lambda k, p: 0 if k in (1, 3) else p,
+    )
+    assert edited[2].reprefill_at == "tools: grep changed"
+
+    def compact(k: int, msgs: list) -> list:
+        return msgs if k != 4 else [msgs[0], msgs[1], {"role": "assistant", "content": "summary"}, *msgs[-3:]]
+
+    compacted = agent(lambda k: SYSTEM, messages_of=compact, cached_of=lambda k, p: 0 if k in (1, 4) else p)
+    assert [r.reprefill_cause for r in compacted] == [None, None, None, "history_rewritten"]
+    assert compacted[3].turn == 4 and compacted[3].reprefill_at.startswith("messages[2]")
+
+
+def test_a_huge_model_name_is_bounded_in_reprefill_at() -> None:
+    index = PrefixIndex()
+    m1, m2 = conversation(2)
+    turn(index, "t1", m1, 1201, 0.186)
+    r = turn(index, "t2", m2, 1227, 0.19, model="x" * 100_000 + "\n")
+    assert r.reprefill_cause == "model_changed" and len(r.reprefill_at) < 150 and "\n" not in r.reprefill_at

@@ -1,0 +1,78 @@
+"""The cache doctor against a real ``mlx_lm.server`` (issue 28, "Done when").
+
+The same 5-turn agent conversation twice through ``mlxproxy serve``: once with a per-request
+header line at the front of the system prompt (Claude Code's ``cch=`` attribution shape),
+once without. With it every later turn names ``volatile_span`` (line 1, its shape) and the
+prefill seconds it lost; without it no turn has an anomaly. The seconds lost add up to the
+measured TTFT differences between the two runs within 20%. ``prefix_min_tokens`` is lowered
+to 200, so a prompt of ~800 tokens (fast on CPU) is judged.
+
+Skipped, with the reason, where the mlx stack does not import.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from .peers import mlxproxy_serve
+from .test_prefix_mlx_lm import _turn
+from .tinymodel import mlx_unavailable_reason
+
+pytestmark = pytest.mark.integration
+
+_REASON = mlx_unavailable_reason()
+if _REASON is not None:
+    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+
+TURNS = 5
+
+
+def _system(volatile: bool, turn: int, nonce: str) -> str:
+    rules = "\n".join(f"Rule {i}: item{i} fox jumps over the lazy dog." for i in range(60))
+    body = f"You are a coding agent [{nonce}].\n{rules}"  # the nonce keeps other runs out of the cache
+    if not volatile:
+        return body
+    value = f"{turn}{uuid.uuid4().hex[:3]}f"  # 5 hex digits, a new value every request
+    return f"x-anthropic-billing-header: cc_version=2.1.37; cch={value};\n{body}"
+
+
+def _conversation(proxy: Any, volatile: bool) -> list[Any]:
+    nonce = uuid.uuid4().hex
+    msgs: list[dict[str, str]] = [{"role": "user", "content": "List three colours."}]
+    out = []
+    for turn in range(1, TURNS + 1):
+        rec, answer = _turn(proxy, [{"role": "system", "content": _system(volatile, turn, nonce)}, *msgs])
+        out.append(rec)
+        msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Step {turn}: three more."}]
+    return out
+
+
+def test_a_volatile_header_line_names_every_turn_and_its_cost(mlx_server: str, record_property: Any) -> None:
+    with mlxproxy_serve(mlx_server, {"detectors": {"prefix_min_tokens": 200}}) as proxy:
+        clean = _conversation(proxy, volatile=False)
+        volatile = _conversation(proxy, volatile=True)
+    rows = [
+        (r.turn, r.prompt_tokens, r.cached_tokens, r.ttft_s, r.reprefill_cause, r.reprefill_lost_s, list(r.anomalies))
+        for r in clean + volatile
+    ]
+    record_property("turns", rows)
+    print("\n(turn, prompt, cached, TTFT, cause, lost s, anomalies):", *rows, sep="\n  ")
+    assert clean[0].prompt_tokens > 600 and [r.turn for r in clean] == [r.turn for r in volatile] == [1, 2, 3, 4, 5]
+    assert len({r.conversation_id for r in clean}) == len({r.conversation_id for r in volatile}) == 1
+    # without the line: every turn reuses the cache, no anomaly, no cause
+    assert all(r.anomalies == () and r.reprefill_cause is None for r in clean), [r.anomaly_evidence for r in clean]
+    # with it: every later turn names the span, where it is and its shape
+    for r in volatile[1:]:
+        assert r.reprefill_cause == "volatile_span", (r.turn, r.reprefill_at, r.anomaly_evidence)
+        assert r.reprefill_at == "messages[0].content line 1: a-a-a-a: a_a=9.9.99; a=<hex:5>;"
+        assert r.reprefill_lost_s is not None and r.reprefill_lost_s > 0
+    # the seconds lost add up to the measured TTFT differences (turns 2-5) within 20%
+    lost = sum(r.reprefill_lost_s for r in volatile[1:])
+    measured = sum(v.ttft_s - c.ttft_s for v, c in zip(volatile[1:], clean[1:]))
+    record_property("lost_vs_measured", (lost, measured))
+    print(f"seconds lost {lost:.3f}, measured TTFT difference {measured:.3f}")
+    assert volatile[-1].conversation_lost_s == pytest.approx(lost)
+    assert measured > 0 and abs(lost - measured) <= 0.2 * measured

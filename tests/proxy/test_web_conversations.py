@@ -1,0 +1,82 @@
+"""The live page's conversations panel, in a real headless Chromium (tests/browser.py): two
+scripted agents through the proxy against the simulator's prompt cache, one with a volatile
+header line in its system prompt. The panel shows each conversation's turns with the figures
+`/sessions` gives, the cause and place of every re-prefill, and the seconds lost."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from browser import Chromium, require_chromium
+from mlxproxy.config import build_config
+from mlxproxy.edge.runner import ServerThread
+from mlxproxy.proxy.app import create_app
+from mlxproxy.sim.agent import Agent, AgentKnobs
+from mlxproxy.sim.app import create_app as create_sim
+from support import wait_for
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Chromium]:
+    require_chromium()
+    with Chromium() as c:
+        yield c
+
+
+def run_agent(url: str, agent: Agent, turns: int) -> None:
+    with httpx.Client(timeout=30) as c:
+        for t in range(1, turns + 1):
+            with c.stream("POST", url + "/v1/chat/completions", json=agent.request(t)) as r:
+                assert r.status_code == 200
+                events = [
+                    orjson.loads(x[6:]) for x in b"".join(r.iter_bytes()).split(b"\n\n") if x.startswith(b"data: {")
+                ]
+            agent.answered("".join((e["choices"] or [{}])[0].get("delta", {}).get("content") or "" for e in events))
+
+
+def test_conversations_panel_matches_sessions(chromium: Chromium, tmp_path: Path) -> None:
+    artifacts = Path(os.environ.get("MLXPROXY_TEST_ARTIFACTS") or tmp_path)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    with ServerThread(create_sim("healthy", speed=5.0, prompt_cache=True)) as sim:
+        app = create_app(build_config(None, upstream_url=sim.url, log_requests=False))
+        with ServerThread(app) as px:
+            run_agent(px.url, Agent("Fix the flaky test."), 4)
+            run_agent(px.url, Agent("Port the parser.", knobs=AgentKnobs(volatile_header=True)), 4)
+            assert wait_for(lambda: len(app.recent.records) == 8)
+            sessions = httpx.get(px.url + "/sessions").json()["sessions"]
+            page = chromium.page()
+            page.goto(px.url + "/")
+            page.wait_for("document.querySelectorAll('#conversations tr.turn').length === 8")
+            assert page.eval("document.querySelector('#conversation-count').textContent") == "2"
+            heads = page.eval("[...document.querySelectorAll('#conversations tr.conv')].map(tr => tr.textContent)")
+            rows = page.eval(
+                "[...document.querySelectorAll('#conversations tr.turn')].map(tr => [tr.dataset.id,"
+                " [...tr.querySelectorAll('td')].map(td => td.textContent)])"
+            )
+            shot = page.screenshot(artifacts / "live-page-conversations.png")
+            print(f"\nscreenshot: {shot}")
+    assert [s["turns"] for s in sessions] == [4, 4]
+    volatile, clean = sessions  # most recent first
+    assert volatile["lost_by_cause"].keys() == {"volatile_span"} and volatile["lost_s"] > 0.1
+    assert clean["lost_s"] == 0 and clean["misses"] == 0
+    # the panel: the most recent conversation first, its lost seconds and cause in its heading
+    assert heads[0].startswith(f"{volatile['conversation_id']} · 4 turns") and "volatile_span" in heads[0]
+    assert f"{volatile['lost_s']:.2f}" in heads[0] and "volatile_span" not in heads[1]
+    by_id = dict(rows)
+    for s in sessions:
+        for t in s["turn_list"]:
+            cells = by_id[t["id"]]
+            assert cells[0].startswith(f"turn {t['turn']} ")
+            assert cells[2:5] == [
+                str(t["prompt_tokens"]),
+                str(t["prefix_reusable_tokens"] or "–"),
+                str(t["cached_tokens"]),
+            ]
+            assert cells[7] == (t["reprefill_cause"] or "") and cells[8] == (t["reprefill_at"] or "")
+    assert all(by_id[t["id"]][8].endswith("a=<hex:5>;") for t in volatile["turn_list"][1:])
