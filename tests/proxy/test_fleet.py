@@ -268,7 +268,9 @@ def test_request_counts_per_proxy_and_fleet_are_exact(live: Fleet, dashboard: di
         for target, plan in zip(live.targets, PLAN)
         for upstream, (ok, failed, _) in plan.items()
     }
-    assert _by(_query(live, dashboard, "Requests by proxy and upstream (range)"), "instance", "upstream") == want
+    got = _by(_query(live, dashboard, "Requests by proxy and upstream (range)"), "instance", "upstream")
+    print(f"\n[fleet] requests per proxy and upstream: {got}")
+    assert got == want
     failed = sum(f for plan in PLAN for _, f, _ in plan.values())
     assert _by(_query(live, dashboard, "Failed requests (range)")) == {(): float(failed)}
     share = _by(_query(live, dashboard, "Error share (range)"))[()]
@@ -298,6 +300,7 @@ def test_rates_and_gauges_are_the_sum_of_the_proxies(live: Fleet, dashboard: dic
     assert all(v > 0 for v in per_proxy.values()), per_proxy
     assert list(total) == [()], "the fleet stat is one series, summed over proxies"
     assert total[()] == pytest.approx(sum(per_proxy.values()), rel=1e-9)
+    print(f"\n[fleet] requests/s: fleet {total[()]:.4f}, per proxy {per_proxy}")
     # the gauge: nothing in flight now, on either proxy, and the fleet stat is their sum
     in_flight = _by(_query(live, dashboard, "Streams in flight by proxy"), "instance")
     assert set(in_flight) == {(t,) for t in live.targets} and sum(in_flight.values()) == 0
@@ -336,6 +339,7 @@ def test_histograms_per_proxy_are_exact_bucket_for_bucket(live: Fleet, dashboard
         got = _by(_query(live, dashboard, title, ref), "instance")
         want = {(t,): _bucket_quantile(q, _buckets(text, ttft)) for t, text in zip(live.targets, live.metrics)}
         assert got == pytest.approx(want, rel=1e-9), (q, got, want)
+        print(f"\n[fleet] TTFT p{round(q * 100)} per proxy over the range: {got}")
     p50 = {t: v for (t,), v in _by(_query(live, dashboard, title, "A"), "instance").items()}
     assert p50[live.targets[0]] < p50[live.targets[1]], "short prompts on the first proxy, long on the second"
     # each proxy's series carries its own counts: a per-proxy time series for both
