@@ -38,7 +38,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import promharness as ph
-from support import Process, start
+from support import Process, start, wait_for
 
 DASHBOARD_PATH = ph.ROOT / "grafana" / "dashboards" / "mlxproxy.json"
 DOCS = ph.ROOT / "docs" / "DASHBOARDS.md"
@@ -101,6 +101,11 @@ def _scalar(prom: ph.Prometheus, expr: str) -> float | None:
     return float(ans["data"]["result"][0]["value"][1])
 
 
+def _counted(url: str) -> float:
+    text = httpx.get(url + "/metrics", trust_env=False).text
+    return sum(v for _, v in _families(text, "mlxproxy_requests_total"))
+
+
 def _sent() -> int:
     return sum(ok + failed for plan in PLAN for ok, failed, _ in plan.values())
 
@@ -148,6 +153,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             n_first = float(len(PLAN) * len(UPSTREAMS))
             prom.wait_for(lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == n_first, 20, "the first requests")
         asyncio.run(_load(urls, first=False))
+        # a record is finished just after its last byte went out: wait until each proxy counted all
+        for url, plan in zip(urls, PLAN):
+            want = sum(ok + failed for ok, failed, _ in plan.values())
+            done = wait_for(lambda u=url, n=want: _counted(u) == n, 20)
+            assert done, f"{url} counted {_counted(url)} of {want} requests"
         metrics = [httpx.get(u + "/metrics", trust_env=False).text for u in urls]
 
         variables: dict[str, str] = {}
