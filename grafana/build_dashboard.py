@@ -24,7 +24,10 @@ from typing import Any
 OUT = Path(__file__).resolve().parent / "dashboards" / "mlxproxy.json"
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
-SEL = 'upstream=~"$upstream", model=~"$model"'
+# Every selector carries the proxy (`instance`, set by Prometheus at scrape time), the upstream
+# and the model: every panel follows the three variables, and sums over what is selected.
+INST = 'instance=~"$instance"'
+SEL = f'{INST}, upstream=~"$upstream", model=~"$model"'
 GEN_ENDPOINTS = 'endpoint=~"chat_completions|completions|messages|responses"'
 OK_OUTCOMES = "ok|ok_no_done"
 ERR = f'outcome!~"{OK_OUTCOMES}"'
@@ -91,6 +94,11 @@ def gsum(metric: str, window: str, by: str = "", extra: str = "") -> str:
 def range_mean(metric: str, by: str, extra: str = "") -> str:
     """Mean of a histogram's observations over the dashboard range, exact (see grown())."""
     return f"{gsum(metric + '_sum', '$__range', by, extra)}\n/\n{gsum(metric + '_count', '$__range', by, extra)}"
+
+
+def range_quantile(q: float, metric: str, by: str, extra: str = "") -> str:
+    """histogram_quantile over the bucket counts of the whole dashboard range, exact (see grown())."""
+    return f"histogram_quantile({q}, {gsum(metric + '_bucket', '$__range', f'le, {by}', extra)})"
 
 
 def heatmap_expr(metric: str, extra: str = "") -> str:
@@ -333,6 +341,9 @@ USAGE = "mlxproxy_usage_reports_total"
 COUNTED = 'type="completion", source="counted"'
 REPORTED = 'type="completion", source="reported"'
 NO_USAGE = 'present="false"'
+TTFT = "mlxproxy_time_to_first_token_seconds"
+OVERHEAD = "mlxproxy_proxy_overhead_seconds"
+LOOP_LAG = "mlxproxy_event_loop_lag_seconds"
 
 
 def speedup_expr() -> str:
@@ -392,10 +403,11 @@ def panels() -> list[list[dict[str, Any]]]:
             ),
             stat(
                 "Proxy build",
-                "mlxproxy version of the scraped proxy (mlxproxy_build_info).",
-                targets(("max by (version) (mlxproxy_build_info)", "{{version}}")),
+                "mlxproxy version of the scraped proxies (mlxproxy_build_info), and how many of the selected "
+                "proxies run it: one value per version, so a fleet half-way through an upgrade shows both.",
+                targets((f"count by (version) (mlxproxy_build_info{{{INST}}})", "{{version}}")),
                 "short",
-                text_mode="name",
+                text_mode="value_and_name",
                 w=4,
             ),
         ],
@@ -685,10 +697,10 @@ def panels() -> list[list[dict[str, Any]]]:
                 "Time the proxy itself adds. phase=request: from the "
                 "whole client request in to the request handed to the upstream connection (once per "
                 "request); phase=chunk: from an upstream read to the client write done (once per chunk). "
-                "All upstreams (this histogram has no upstream label).",
+                "All upstreams and the selected proxies (this histogram has no upstream label).",
                 [
                     target(
-                        f"histogram_quantile({q}, sum by (le, phase) ({rate('mlxproxy_proxy_overhead_seconds_bucket')}))",
+                        f"histogram_quantile({q}, sum by (le, phase) ({rate(OVERHEAD + '_bucket{' + INST + '}')}))",
                         f"{{{{phase}}}} p{round(q * 100)}",
                         chr(ord("A") + i),
                     )
@@ -707,7 +719,7 @@ def panels() -> list[list[dict[str, Any]]]:
                 "is slowing clients down.",
                 [
                     target(
-                        f"histogram_quantile({q}, sum by (le) ({rate('mlxproxy_event_loop_lag_seconds_bucket')}))",
+                        f"histogram_quantile({q}, sum by (le) ({rate(LOOP_LAG + '_bucket{' + INST + '}')}))",
                         f"p{round(q * 100)}",
                         chr(ord("A") + i),
                     )
@@ -736,6 +748,113 @@ def panels() -> list[list[dict[str, Any]]]:
                 "short",
                 w=12,
                 scheme="Greens",
+            ),
+        ],
+        *fleet_panels(),
+    ]
+
+
+# The fleet row: the same metrics broken down by the proxy that exported them (`instance`, the
+# target label Prometheus adds at scrape time). Every panel above sums over the selected proxies.
+SHARDING = (
+    " The serialized and generation_after_disconnect checks, the concurrency label (the batching row) and "
+    "the prompt-cache checks each see only the streams of their own proxy: keep every stream of one "
+    'upstream on one proxy (docs/DASHBOARDS.md, "A fleet of proxies").'
+)
+
+
+def fleet_panels() -> list[list[dict[str, Any]]]:
+    by_proxy = "{{instance}}"
+    return [
+        [row("Fleet: per proxy")],
+        [
+            timeseries(
+                "Requests/s by proxy",
+                "Finished requests per second, all outcomes, per proxy (the instance label Prometheus gives each "
+                "scrape target). The Requests/s stat is their sum.",
+                targets((rsum(REQ, "instance"), by_proxy)),
+                "reqps",
+            ),
+            timeseries(
+                "Streams in flight by proxy",
+                "Requests each proxy is forwarding, sampled at each scrape. The Streams in flight stat is their sum.",
+                targets((f"sum by (instance) (mlxproxy_requests_in_flight{{{SEL}}})", by_proxy)),
+                "short",
+            ),
+            bargauge(
+                "Requests by proxy and upstream (range)",
+                "Finished requests in the selected time range, all outcomes, per proxy and upstream: how the "
+                "traffic is spread over the fleet. Whole counts.",
+                targets((gsum(REQ, "$__range", "instance, upstream"), "{{instance}} {{upstream}}")),
+                "short",
+                decimals=0,
+            ),
+        ],
+        [
+            timeseries(
+                "TTFT p50 / p99 by proxy",
+                "Time to first token per proxy, successful requests, from each proxy's own histogram buckets. "
+                "The TTFT panel sums the buckets of every selected proxy before taking the quantile (a "
+                "quantile of the whole fleet, never an average of quantiles).",
+                quantile_targets(TTFT, by="instance", qs=(0.5, 0.99), with_mean=False),
+                "s",
+            ),
+            bargauge(
+                "TTFT p50 / p99 by proxy (range)",
+                "Time to first token per proxy over the whole selected time range, successful requests: "
+                "p50 and p99 from the exact bucket counts of the range (every request in it, the first ones "
+                "included).",
+                targets(
+                    (range_quantile(0.5, TTFT, "instance"), "{{instance}} p50"),
+                    (range_quantile(0.99, TTFT, "instance"), "{{instance}} p99"),
+                ),
+                "s",
+                decimals=3,
+            ),
+            bargauge(
+                "Proxies per upstream (range)",
+                "How many proxies forwarded requests to each upstream in the selected time range. 1 is the "
+                "layout the checks need; 2 or more (orange) means each proxy sees only part of that upstream's "
+                "streams." + SHARDING,
+                targets(
+                    (
+                        f"count by (upstream) (\n{gsum(REQ, '$__range', 'upstream, instance')} > 0\n)",
+                        "{{upstream}}",
+                    )
+                ),
+                "short",
+                decimals=0,
+                thresholds=[(None, "green"), (2, "orange")],
+            ),
+        ],
+        [
+            timeseries(
+                "Proxy event-loop lag p99 by proxy",
+                "How late each proxy's event loop ran its 50 ms timer, p99 per proxy: a starved machine "
+                "shows here, where the fleet-wide panel would average it away.",
+                targets(
+                    (
+                        f"histogram_quantile(0.99, sum by (le, instance) ({rate(LOOP_LAG + '_bucket{' + INST + '}')}))",
+                        by_proxy,
+                    )
+                ),
+                "s",
+                w=12,
+                h=7,
+            ),
+            timeseries(
+                "Proxy overhead p99 by proxy",
+                "The time each proxy itself adds, p99 per proxy and phase (request: client request in to "
+                "upstream send; chunk: upstream read to client write done).",
+                targets(
+                    (
+                        f"histogram_quantile(0.99, sum by (le, instance, phase) ({rate(OVERHEAD + '_bucket{' + INST + '}')}))",
+                        "{{instance}} {{phase}}",
+                    )
+                ),
+                "s",
+                w=12,
+                h=7,
             ),
         ],
     ]
@@ -798,8 +917,9 @@ def variables() -> list[dict[str, Any]]:
             "multi": False,
             "skipUrlSync": False,
         },
-        query_var("upstream", "Upstream", f"label_values({REQ}, upstream)"),
-        query_var("model", "Model", f'label_values({REQ}{{upstream=~"$upstream"}}, model)'),
+        query_var("instance", "Proxy", "label_values(mlxproxy_build_info, instance)"),
+        query_var("upstream", "Upstream", f"label_values({REQ}{{{INST}}}, upstream)"),
+        query_var("model", "Model", f'label_values({REQ}{{{INST}, upstream=~"$upstream"}}, model)'),
     ]
 
 

@@ -28,6 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"
 SHIPPED_PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
+SHIPPED_FLEET_YML = ROOT / "deploy" / "prometheus-fleet.yml"
 
 
 def find_binary(name: str) -> str | None:
@@ -45,9 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config_for_test(shipped: str, target: str, *, scrape_interval: str = "1s", job: str = "mlxproxy") -> str:
-    """The shipped Prometheus config with `job`'s targets replaced by `target` and every
-    scrape interval set to `scrape_interval` (timeouts no longer than it)."""
+def config_for_test(
+    shipped: str, target: str | list[str], *, scrape_interval: str = "1s", job: str = "mlxproxy"
+) -> str:
+    """The shipped Prometheus config with `job`'s targets replaced by `target` (one address, or
+    a list for a fleet: the first static group keeps its `labels`, the other groups are dropped)
+    and every scrape interval set to `scrape_interval` (timeouts no longer than it)."""
     cfg = yaml.safe_load(shipped)
     cfg.setdefault("global", {})["scrape_interval"] = scrape_interval
     cfg["global"]["evaluation_interval"] = scrape_interval
@@ -58,7 +62,11 @@ def config_for_test(shipped: str, target: str, *, scrape_interval: str = "1s", j
         j["scrape_interval"] = scrape_interval
         if "scrape_timeout" in j:
             j["scrape_timeout"] = scrape_interval
-    jobs[0]["static_configs"] = [{"targets": [target]}]
+    groups = jobs[0].get("static_configs") or [{}]
+    group: dict[str, Any] = {"targets": [target] if isinstance(target, str) else list(target)}
+    if groups[0].get("labels"):
+        group["labels"] = groups[0]["labels"]
+    jobs[0]["static_configs"] = [group]
     return yaml.safe_dump(cfg, sort_keys=False)
 
 

@@ -48,8 +48,9 @@ PROVISIONING = ROOT / "grafana" / "provisioning"
 DOCS = ROOT / "docs" / "DASHBOARDS.md"
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
-KNOWN_VARIABLES = {"__rate_interval", "__range", "__interval", "upstream", "model"}
-# Families without upstream/model labels: the only ones a panel may query unfiltered.
+KNOWN_VARIABLES = {"__rate_interval", "__range", "__interval", "instance", "upstream", "model"}
+# Families without upstream/model labels: the only ones a panel may query without those filters
+# (every query still filters by the proxy, $instance).
 UNFILTERED_OK = {
     "mlxproxy_proxy_overhead_seconds",
     "mlxproxy_event_loop_lag_seconds",
@@ -77,7 +78,7 @@ CONTRACT_FAMILIES = (
     "mlxproxy_prompt_tokens_total",
     "mlxproxy_prefill_wasted_seconds_total",
 )
-ROWS = ("traffic", "latency", "token flow", "batching", "truth", "prompt cache", "overhead", "length")
+ROWS = ("traffic", "latency", "token flow", "batching", "truth", "prompt cache", "overhead", "length", "fleet")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,8 @@ def test_template_variables(dashboard: dict[str, Any]) -> None:
     by_name = {v["name"]: v for v in dashboard["templating"]["list"]}
     ds = by_name["datasource"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
-    for name in ("upstream", "model"):
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "instance", "upstream", "model"]
+    for name in ("instance", "upstream", "model"):
         v = by_name[name]
         assert v["type"] == "query" and v["datasource"] == DS
         assert v["multi"] is True and v["includeAll"] is True and v["allValue"] == ".*"
@@ -177,6 +179,8 @@ def test_template_variables(dashboard: dict[str, Any]) -> None:
         m = re.fullmatch(r"label_values\((mlxproxy_\w+)(\{.*\})?, (\w+)\)", v["definition"])
         assert m and m.group(3) == name, v["definition"]
     assert "$upstream" in by_name["model"]["definition"], "the model list follows the chosen upstreams"
+    for name in ("upstream", "model"):
+        assert 'instance=~"$instance"' in by_name[name]["definition"], f"the {name} list follows the chosen proxies"
     text = json.dumps(dashboard)
     assert '"uid": "prometheus"' not in text and "mlxproxy-prometheus" not in text, "no hard-coded datasource"
 
@@ -191,6 +195,7 @@ def test_queries_use_only_known_variables_and_filters(dashboard: dict[str, Any])
             assert window in ("$__interval", "$__range"), f"{p['title']}: hard-coded offset {window}"
         for m in re.finditer(r"(mlxproxy_\w+)(\{[^}]*\})?", expr):
             name, sel = m.group(1), m.group(2) or ""
+            assert 'instance=~"$instance"' in sel, f"{p['title']}: {name} is not filtered by the instance variable"
             if base_family(name) in UNFILTERED_OK:
                 continue
             assert 'upstream=~"$upstream"' in sel and 'model=~"$model"' in sel, (
@@ -449,7 +454,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "two samples of every mlxproxy series",
         )
         window = f"{math.ceil(time.time() - prom_started) + 5}s"
-        variables = {"__rate_interval": window, "__range": window, "__interval": "1s", "upstream": ".*", "model": ".*"}
+        variables = {
+            "__rate_interval": window,
+            "__range": window,
+            "__interval": "1s",
+            "instance": ".*",
+            "upstream": ".*",
+            "model": ".*",
+        }
         metrics_text = httpx.get(proxy.url + "/metrics").text
         print(
             f"\n[dashboards] {sent} requests in {load_done - t0:.1f} s from start; windows {window}; "
@@ -544,7 +556,11 @@ def test_template_variables_list_upstreams_and_models(live: Live, dashboard: dic
         m = re.fullmatch(r"label_values\((.+), (\w+)\)", ph.substitute(v["definition"], live.variables))
         assert m, v["definition"]
         values = set(live.prom.label_values(m.group(2), m.group(1)))
-        expected = {n for n, _, _ in SIMS} if v["name"] == "upstream" else {mod for _, _, mod in SIMS}
+        expected = {
+            "instance": {live.proxy_url.removeprefix("http://")},
+            "upstream": {n for n, _, _ in SIMS},
+            "model": {mod for _, _, mod in SIMS},
+        }[v["name"]]
         assert values >= expected, (v["name"], values)
 
 
