@@ -72,14 +72,33 @@ def slo_text(slo: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
-def fmt_value(v: float | None, unit: str) -> str:
+def fmt_value(v: float | None, unit: str, extra: int = 0) -> str:
+    """`v` in `unit` for people; `extra` more decimal places than usual."""
     if v is None:
         return "-"
     if unit == "s":
         if v < 0.01:
-            return f"{v * 1000:.1f} ms"
-        return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s".replace(".00 s", " s")
-    return f"{v:.1f} {unit}"
+            return f"{v * 1000:.{1 + extra}f} ms"
+        if v < 1:
+            return f"{v * 1000:.{extra}f} ms"
+        return f"{v:.{2 + extra}f} s" if extra else f"{v:.2f} s".replace(".00 s", " s")
+    return f"{v:.{1 + extra}f} {unit}"
+
+
+def _shown(text: str) -> float:
+    """The number a `fmt_value` text shows, in its base unit."""
+    number, _, unit = text.partition(" ")
+    return float(number) / (1000 if unit == "ms" else 1)
+
+
+def fmt_apart(v: float, limit: float, unit: str) -> tuple[str, str]:
+    """`v` and `limit` as `fmt_value` texts, with more digits while they would read as equal
+    (a p95 just over a 100 ms limit reads `100.3 ms`, not `100 ms`)."""
+    for extra in range(8):
+        a, b = fmt_value(v, unit, extra), fmt_value(limit, unit, extra)
+        if _shown(a) != _shown(b):
+            break
+    return a, b
 
 
 def succeeded(r: Mapping[str, Any]) -> bool:
@@ -163,9 +182,8 @@ def breach_text(b: dict[str, Any]) -> str:
     """`TTFT p95 is 5.2 s (> 3 s)`."""
     metric, pct = split_key(b["key"])
     _, unit, lower, label = SLO_METRICS[metric]
-    return (
-        f"{label} p{pct} is {fmt_value(b['value'], unit)} ({'<' if lower else '>'} {fmt_value(b['threshold'], unit)})"
-    )
+    value, limit = fmt_apart(b["value"], b["threshold"], unit)
+    return f"{label} p{pct} is {value} ({'<' if lower else '>'} {limit})"
 
 
 def step_problem(step: Mapping[str, Any] | Summary) -> str:

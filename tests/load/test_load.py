@@ -207,6 +207,23 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
     assert strict.returncode == 1 and "SLO broken on s" in strict.stderr and "TTFT p50 is" in strict.stderr
 
 
+def test_a_breach_never_reads_as_equal_to_its_limit() -> None:
+    from mlxproxy.load.slo import breach_text
+
+    def text(key: str, value: float, limit: float) -> str:
+        return breach_text({"key": key, "value": value, "threshold": limit})
+
+    assert text("tpot_p95", 0.1004, 0.1) == "TPOT p95 is 100.4 ms (> 100.0 ms)"  # was "100 ms (> 100 ms)"
+    assert text("tpot_p95", 0.10004, 0.1) == "TPOT p95 is 100.04 ms (> 100.00 ms)"
+    assert text("tpot_p95", 0.1007, 0.1006) == "TPOT p95 is 100.7 ms (> 100.6 ms)"  # not "100.7 ms (> 101 ms)"
+    assert text("ttft_p95", 5.001, 5.0) == "TTFT p95 is 5.001 s (> 5.000 s)"
+    assert text("ttft_p95", 1.0004, 0.9996) == "TTFT p95 is 1.000 s (> 999.6 ms)"  # not "1 s (> 1000 ms)"
+    assert text("decode_tps_p50", 19.96, 20.0) == "decode tok/s p50 is 19.96 tok/s (< 20.00 tok/s)"
+    # apart already: as before
+    assert text("ttft_p95", 5.2, 3.0) == "TTFT p95 is 5.20 s (> 3 s)"
+    assert text("tpot_p95", 0.104, 0.1) == "TPOT p95 is 104 ms (> 100 ms)"
+
+
 @pytest.mark.parametrize("command", ["bench", "replay"])
 @pytest.mark.parametrize(
     "opt, value, needle",
