@@ -6,7 +6,10 @@ can inject, by knob, each client-side cause of a re-prefill (docs/METRICS.md, "R
 causes"): `volatile_header` (a per-request header line with a hex value at the front of the
 system prompt, like Claude Code's `cch=` attribution), `reorder_tools_at` (from that turn on
 the tools are declared in reverse order), `compact_at` (at that turn the history before the
-previous exchange is replaced by a summary).
+previous exchange is replaced by a summary), `system_change_at` (from that turn on a reminder
+line is inserted in the middle of the system prompt, as agents move their nudges),
+`switch_model_at` (from that turn on the request names `switch_model`, extending the message
+list as usual).
 The server-side causes are the simulator's own knobs: `cache_drop` (eviction) and
 `cache_report` (`hidden`, `claimed-cold`). Pure: no I/O; a test or tool sends the bodies.
 """
@@ -23,6 +26,10 @@ _RULES = (
     "Follow the repository's conventions. Run the tests before and after every change. Keep each "
     "change small and explain it in the commit message. Never touch generated files."
 )
+_REMINDER = (
+    "Reminder: the plan changed. Finish the step in progress, run the tests, and report back "
+    "before starting the next one."
+)
 _TOOLS = ("read_file", "grep", "edit_file", "run_tests")
 
 
@@ -33,6 +40,9 @@ class AgentKnobs:
     volatile_header: bool = False
     reorder_tools_at: int | None = None
     compact_at: int | None = None
+    system_change_at: int | None = None
+    switch_model_at: int | None = None
+    switch_model: str = "m-other"
 
 
 @dataclass
@@ -50,6 +60,9 @@ class Agent:
 
     def _system(self, turn: int) -> str:
         lines = [f"Rule {i}: {_RULES}" for i in range(1, self.system_lines + 1)]
+        at = self.knobs.system_change_at
+        if at is not None and turn >= at:
+            lines.insert(len(lines) // 2, _REMINDER)
         body = "You are a coding agent.\n" + "\n".join(lines)
         if not self.knobs.volatile_header:
             return body
@@ -85,8 +98,9 @@ class Agent:
                 self.messages = [self.messages[0], summary, last, *new]
             else:
                 self.messages = self.messages + new
+        at = self.knobs.switch_model_at
         return {
-            "model": self.model,
+            "model": self.knobs.switch_model if at is not None and turn >= at else self.model,
             "stream": True,
             "max_tokens": self.max_tokens,
             "stream_options": {"include_usage": True},

@@ -208,7 +208,11 @@ class SimApp:
             stream_options_without_include_usage=req.stream and req.stream_options_without_include_usage,
         )
         plan = plan_output(req, self.profile, self.seed)
-        cached = self._prompt_cache.serve(req.prompt_text, req.prompt_tokens) if self._prompt_cache is not None else 0
+        cached = (
+            self._prompt_cache.serve(req.prompt_text, req.prompt_tokens, req.model)
+            if self._prompt_cache is not None
+            else 0
+        )
         self._hold_clock_if_late()
         admitted_s = max(self.sim_now(), self.engine.now_s)
         renderer = Renderer(

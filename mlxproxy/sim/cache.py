@@ -1,7 +1,9 @@
 """The simulator's prompt cache: which leading part of a prompt a server could reuse.
 
-A server with `prompt_cache: true` keeps the text of its last `CACHE_SLOTS` prompts. A new
-prompt reuses its longest common prefix with any of them: `cached_tokens` =
+A server with `prompt_cache: true` keeps the text of its last `CACHE_SLOTS` prompts, each with
+the model name it was requested with. A new prompt reuses its longest common prefix with any of
+those of the same model name (a KV cache belongs to one model's weights: no server reuses one
+model's cache for another, so a request naming another model is prefilled cold): `cached_tokens` =
 that prefix's characters / `chars_per_token` (rounded down, at most prompt_tokens - 1, the
 last token is always computed), reported as `prompt_tokens_details.cached_tokens`; only the
 rest is prefilled, so TTFT depends on uncached tokens only.
@@ -49,20 +51,20 @@ class PromptCache:
     def __init__(self, chars_per_token: float, drop: str = "") -> None:
         self.chars_per_token = chars_per_token
         self.mode, self.limit = parse_cache_drop(drop)
-        self._texts: deque[str] = deque(maxlen=CACHE_SLOTS)
+        self._texts: deque[tuple[str | None, str]] = deque(maxlen=CACHE_SLOTS)
         self.requests = 0
 
-    def serve(self, text: str, prompt_tokens: int) -> int:
-        """The cached tokens for a prompt arriving now, and remember it."""
+    def serve(self, text: str, prompt_tokens: int, model: str | None = None) -> int:
+        """The cached tokens for a prompt of `model` arriving now, and remember it."""
         self.requests += 1
         if self.mode == "every" or (self.mode == "every-other" and self.requests % 2 == 0):
             self._texts.clear()
-        best = max((_common_prefix(t, text) for t in self._texts), default=0)
+        best = max((_common_prefix(t, text) for m, t in self._texts if m == model), default=0)
         cached = min(int(best / self.chars_per_token), prompt_tokens - 1)
         if self.mode != "after" or prompt_tokens <= (self.limit or 0):
             try:
-                self._texts.remove(text)
+                self._texts.remove((model, text))
             except ValueError:
                 pass
-            self._texts.append(text)
+            self._texts.append((model, text))
         return max(cached, 0)

@@ -203,6 +203,11 @@ def test_sim_prompt_cache_rules() -> None:
     assert c.serve("a" * 400, 100) == 0
     assert c.serve("a" * 400 + "b" * 40, 110) == 100
     assert c.serve("a" * 400, 100) == 99  # the last token is always computed
+    # a cache belongs to one model: another model's request is prefilled cold, the first
+    # model's prompts stay reusable
+    assert c.serve("a" * 400 + "b" * 40, 110, "other") == 0
+    assert c.serve("a" * 400 + "b" * 80, 120, "other") == 110
+    assert c.serve("a" * 400 + "b" * 80, 120) == 110
     drop = PromptCache(4.0, "every-other")
     assert [drop.serve("a" * 400, 100) for _ in range(4)] == [0, 0, 99, 0]
     after = PromptCache(4.0, "after:50")

@@ -66,6 +66,8 @@ CASES = {
     "volatile header line": ({}, AgentKnobs(volatile_header=True), dict.fromkeys(range(2, 7), {"volatile_span"})),
     "re-ordered tools": ({}, AgentKnobs(reorder_tools_at=3), {3: {"tools_changed"}}),
     "compacted history": ({}, AgentKnobs(compact_at=4), {4: {"history_rewritten"}}),
+    "reminder inserted in the system prompt": ({}, AgentKnobs(system_change_at=3), {3: {"system_changed"}}),
+    "another model": ({}, AgentKnobs(switch_model_at=4), {4: {"model_changed"}}),
     "eviction": (
         {"cache_drop": "every-other"},
         AgentKnobs(),
@@ -97,6 +99,10 @@ def test_each_cause_fires_on_its_knob_and_nowhere_else(case: str) -> None:
     assert got == expected, {r.turn: (r.reprefill_at, r.anomaly_evidence) for r in recs}
     if case == "volatile header line":
         assert all(r.reprefill_at == "messages[0].content line 1: a-a-a-a: a_a=9.9.99; a=<hex:5>;" for r in recs[1:])
+    if case == "reminder inserted in the system prompt":
+        assert recs[2].reprefill_at is not None and recs[2].reprefill_at.startswith("messages[0].content char ")
+    if case == "another model":
+        assert recs[3].reprefill_at == "model m -> m-other" and {r.model for r in recs[3:]} == {"m-other"}
     if case == "hides cache hits":
         assert all(r.prefill_tps is None for r in recs[1:]) and recs[0].prefill_tps is not None
     # the seconds lost: per turn, summed per conversation (/sessions) and per cause (/streams)
@@ -107,8 +113,10 @@ def test_each_cause_fires_on_its_knob_and_nowhere_else(case: str) -> None:
     assert sum(streams["reprefill_lost_s"].values()) == pytest.approx(lost, abs=1e-3)
     causes = {r.reprefill_cause for r in recs} - {None}
     assert set(session["lost_by_cause"]) == causes
-    if causes & {"volatile_span", "cache_evicted"}:
+    if causes & {"volatile_span", "cache_evicted", "model_changed"}:
         assert lost > 0.3  # each of these re-prefills the system prompt: ~0.75 s here
+    elif causes == {"system_changed"}:
+        assert 0.15 < lost < 0.6  # the second half of the system prompt: ~0.37 s here
     elif causes:
         assert 0 < lost < 0.1  # the tools and the history come after it: only they are prefilled again
 
