@@ -6,9 +6,7 @@ to a loopback receiver. Skips, saying why, without the [otel] extra."""
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -17,8 +15,6 @@ import pytest
 pytest.importorskip("opentelemetry.sdk", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
 pytest.importorskip("opentelemetry.proto", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -32,6 +28,7 @@ from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.otel import OtelObserver, otlp_providers
 from mlxproxy.sim.app import create_app as create_sim
+from otlpreceiver import otlp_attrs, receiver
 from support import closed_port, last_record, wait_for
 
 RID = "x-mlxproxy-request-id"
@@ -198,67 +195,6 @@ def test_requests_that_are_no_genai_operation_yield_nothing() -> None:
     assert one(otel.points("gen_ai.client.operation.duration")).count == 1
 
 
-# -- OTLP over HTTP, as a collector receives it ---------------------------------------------
-
-
-class Receiver(ThreadingHTTPServer):
-    """A loopback OTLP/HTTP receiver: keeps each decoded export request by path."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.got: dict[str, list[Any]] = {"/v1/traces": [], "/v1/metrics": []}
-        self.content_types: set[str] = set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        kinds = {"/v1/traces": ExportTraceServiceRequest, "/v1/metrics": ExportMetricsServiceRequest}
-        kind = kinds.get(self.path)
-        if kind is None or self.headers.get("Content-Encoding"):
-            self.send_response(404)
-            self.end_headers()
-            return
-        msg = kind()
-        msg.ParseFromString(body)
-        self.server.got[self.path].append(msg)
-        self.server.content_types.add(self.headers["Content-Type"])
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def receiver() -> Iterator[Receiver]:
-    srv = Receiver()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
-def otlp_attrs(kvs: Any) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for kv in kvs:
-        v = kv.value
-        which = v.WhichOneof("value")
-        out[kv.key] = [x.string_value for x in v.array_value.values] if which == "array_value" else getattr(v, which)
-    return out
-
-
 def test_the_otlp_http_exporters_deliver_the_span_and_the_metrics_as_protobuf() -> None:
     with receiver() as collector, ServerThread(create_sim("healthy", speed=20)) as sim:
         meters, tracers = otlp_providers(collector.url)
@@ -270,9 +206,7 @@ def test_the_otlp_http_exporters_deliver_the_span_and_the_metrics_as_protobuf() 
         # the app's shutdown closed the observer: the providers flushed what they held
         assert collector.got["/v1/traces"] and collector.got["/v1/metrics"]
     assert collector.content_types == {"application/x-protobuf"}
-    spans = [
-        s for req in collector.got["/v1/traces"] for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans
-    ]
+    spans = collector.spans()
     (span,) = spans
     resource = otlp_attrs(collector.got["/v1/traces"][0].resource_spans[0].resource.attributes)
     assert resource["service.name"] == "mlxproxy"
@@ -282,13 +216,7 @@ def test_the_otlp_http_exporters_deliver_the_span_and_the_metrics_as_protobuf() 
     assert attrs["gen_ai.usage.output_tokens"] == rec.n_out and attrs["gen_ai.response.finish_reasons"] == [
         rec.finish_reason
     ]
-    metrics = {
-        m.name: m
-        for req in collector.got["/v1/metrics"]
-        for rm in req.resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-    }
+    metrics = collector.metrics()
     assert {
         "gen_ai.client.operation.duration",
         "gen_ai.server.time_to_first_token",
