@@ -148,7 +148,7 @@ class OtelObserver:
             description="Output tokens spent reasoning (reported by the server, else counted in the stream).",
         )
         self.anomalies = meter.create_counter(
-            "mlxproxy.anomalies",
+            "mlxproxy.request.anomalies",
             unit="{request}",
             description="Requests with each anomaly (attribute mlxproxy.anomaly; docs/METRICS.md).",
         )

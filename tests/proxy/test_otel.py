@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 pytest.importorskip("opentelemetry.sdk", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
 pytest.importorskip("opentelemetry.proto", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
@@ -29,7 +30,7 @@ from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.proxy.otel import OtelObserver, otlp_providers
 from mlxproxy.sim.app import create_app as create_sim
 from otlpreceiver import otlp_attrs, receiver
-from support import closed_port, last_record, wait_for
+from support import REPO, closed_port, last_record, wait_for
 
 RID = "x-mlxproxy-request-id"
 
@@ -155,6 +156,18 @@ def check_span(span: ReadableSpan, rec: Record, common: dict[str, object]) -> No
     assert not any(isinstance(v, str) and ("sea" in v or "wet" in v) for v in attrs.values())
 
 
+def test_anomalies_are_counted_and_named_on_the_span() -> None:
+    with ServerThread(create_sim("phantom-usage", speed=20)) as sim, proxied(sim.url) as (url, app, otel):
+        r = chat(url, [{"role": "user", "content": "hi"}], max_tokens=24)
+        rec = last_record(app, r.headers[RID])
+        assert wait_for(lambda: len(otel.finished()) == 1)
+    assert rec.anomalies, "phantom-usage reports usage the stream contradicts"
+    points = otel.points("mlxproxy.request.anomalies")
+    assert {p.attributes["mlxproxy.anomaly"]: p.value for p in points} == dict.fromkeys(rec.anomalies, 1)
+    (span,) = otel.finished()
+    assert span.attributes is not None and span.attributes["mlxproxy.anomalies"] == rec.anomalies
+
+
 def test_an_unreachable_upstream_gives_error_type_and_an_error_span() -> None:
     dead = f"http://127.0.0.1:{closed_port()}"
     with proxied(dead) as (url, app, otel):
@@ -230,3 +243,16 @@ def test_the_otlp_http_exporters_deliver_the_span_and_the_metrics_as_protobuf() 
         for p in metrics["gen_ai.client.token.usage"].histogram.data_points
     }
     assert usage["input"].sum == rec.prompt_tokens and usage["output"].sum == rec.n_out
+
+
+def test_the_collector_config_wires_otlp_in_to_prometheus_out() -> None:
+    """deploy/otel-collector.yaml (docs/DASHBOARDS.md): an OTLP/HTTP receiver where `serve
+    --otlp-endpoint` sends, a prometheus exporter, and pipelines naming only defined components."""
+    cfg = yaml.safe_load((REPO / "deploy" / "otel-collector.yaml").read_text(encoding="utf-8"))
+    assert cfg["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
+    assert cfg["exporters"]["prometheus"]["endpoint"] == "127.0.0.1:8889"
+    pipelines = cfg["service"]["pipelines"]
+    assert set(pipelines) == {"metrics", "traces"} and pipelines["metrics"]["exporters"] == ["prometheus"]
+    for pipeline in pipelines.values():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipeline.get(kind, [])) <= set(cfg[kind]), (kind, pipeline)
