@@ -5,14 +5,23 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import click
 
 from mlxproxy.config import Config, is_loopback_host, load_config, parse_upstream_url
 from mlxproxy.errors import ConfigError
 from mlxproxy.vocabulary import SECONDS, help_for
+
+if TYPE_CHECKING:
+    from mlxproxy.proxy.observers import Observer
+
+#: the one line `serve --otlp-endpoint` prints when the [otel] extra is not installed
+OTEL_EXTRA_MISSING = "OpenTelemetry export needs the [otel] extra: pip install 'mlxproxy[otel]'"
 
 
 def setup_logging(level: str) -> None:
@@ -72,6 +81,13 @@ def exposure_warning(cfg: Config) -> str | None:
     help="Do not add stream_options.include_usage upstream: pure byte-for-byte passthrough.",
 )
 @click.option(
+    "--otlp-endpoint",
+    metavar="URL",
+    default=None,
+    help="Export OpenTelemetry GenAI metrics and one span per request over OTLP/HTTP (protobuf) to this "
+    "collector, e.g. http://127.0.0.1:4318 (/v1/traces and /v1/metrics are added). Needs the [otel] extra.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -86,6 +102,7 @@ def serve(
     config_path: str | None,
     capture_path: str | None,
     no_inject_usage: bool,
+    otlp_endpoint: str | None,
     log_level: str,
 ) -> None:
     """Run the measuring proxy.
@@ -117,8 +134,6 @@ def serve(
     if timeout is not None:
         cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, read_s=timeout[1]))
     if cfg.capture:  # checked now: a capture that cannot be written would lose the day's traffic
-        import os
-
         parent = os.path.dirname(os.path.abspath(cfg.capture))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             click.echo(
@@ -139,7 +154,8 @@ def serve(
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
     try:
-        app = create_app(cfg)
+        observers = [otlp_observer(otlp_endpoint, cfg)] if otlp_endpoint is not None else []
+        app = create_app(cfg, observers=observers)
     except ConfigError as exc:
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
@@ -159,6 +175,8 @@ def serve(
     )
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
+    if otlp_endpoint is not None:
+        click.echo(f"mlxproxy: exporting OpenTelemetry metrics and spans to {otlp_endpoint}", err=True)
     for line in start_warnings(app.pool.upstreams):
         click.echo(f"mlxproxy: warning: {line}", err=True)
     import uvicorn
@@ -186,3 +204,28 @@ def normalized_upstreams(cfg: Config, from_flag: bool, note: Callable[[str], Non
             note(msg)
         ups.append(dataclasses.replace(up, url=url))
     return dataclasses.replace(cfg, upstreams=tuple(ups))
+
+
+def otlp_observer(endpoint: str, cfg: Config) -> Observer:
+    """The OpenTelemetry observer exporting to `endpoint` (OTLP over HTTP, protobuf).
+    Raises `ConfigError` with one line for a bad URL, another OTLP protocol asked in the
+    environment, or a missing `[otel]` extra."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--otlp-endpoint takes an http(s)://HOST[:PORT] URL, not {endpoint!r}")
+    for var in (
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+    ):
+        protocol = os.environ.get(var)
+        if protocol is not None and protocol != "http/protobuf":
+            raise ConfigError(f"{var}={protocol}: mlxproxy exports OTLP over http/protobuf only")
+    try:
+        from mlxproxy.proxy import otel  # the optional [otel] extra, imported only when asked
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "opentelemetry":
+            raise
+        raise ConfigError(OTEL_EXTRA_MISSING) from None
+    meters, tracers = otel.otlp_providers(endpoint)
+    return otel.OtelObserver({u.name: u.url for u in cfg.upstreams}, meters, tracers, own_providers=True)

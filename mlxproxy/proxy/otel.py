@@ -1,0 +1,297 @@
+"""OpenTelemetry export (the optional `[otel]` extra): per finished record, OTLP metrics and one
+span named and attributed by the OpenTelemetry GenAI semantic conventions (the names, and the
+version they were checked against: docs/METRICS.md, "OpenTelemetry export").
+
+Importing this module imports the OpenTelemetry SDK and its OTLP/HTTP exporter: `mlxproxy serve
+--otlp-endpoint` imports it only when asked, and says which pip command installs the extra when
+it is missing.
+The observer runs where the other observers run, after a request's last byte was forwarded;
+recording is in memory, the export runs on the SDK's own threads (a batch of spans, a periodic
+metric export), never on the event loop.
+
+No prompt or response text, and no error message (it may quote the prompt), is ever put in a
+span or an attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.util.types import AttributeValue
+
+import mlxproxy
+from mlxproxy.capture import Exchange
+from mlxproxy.core.openai import Endpoint
+from mlxproxy.core.record import OK_OUTCOMES, Record
+
+__all__ = [
+    "OPERATION_NAMES",
+    "OtelObserver",
+    "Server",
+    "error_type",
+    "otlp_providers",
+    "signal_url",
+]
+
+#: `gen_ai.operation.name` per endpoint; the endpoints not listed (models, other) are no GenAI
+#: operation and yield neither metrics nor a span
+OPERATION_NAMES: Mapping[Endpoint, str] = {
+    "chat_completions": "chat",
+    "completions": "text_completion",
+    "messages": "chat",
+    "responses": "chat",
+    "embeddings": "embeddings",
+}
+
+#: the bucket boundaries the conventions advise (seconds; tokens)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+
+
+@dataclass(frozen=True)
+class Server:
+    """An upstream's `server.address` and `server.port`."""
+
+    address: str
+    port: int
+
+
+def server_of(url: str) -> Server:
+    """The host and port of an upstream URL (the scheme's default port when it names none)."""
+    parts = urlsplit(url)
+    port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
+    return Server(parts.hostname or "", port)
+
+
+def error_type(record: Record) -> str | None:
+    """`error.type` of a failed request: the upstream's HTTP status for an HTTP error (`500`), else
+    the outcome (`upstream_timeout`, `context_limit`, ...); None when the request succeeded."""
+    if record.outcome in OK_OUTCOMES:
+        return None
+    if record.outcome == "http_error" and record.status is not None:
+        return str(record.status)
+    return record.outcome
+
+
+def _ns(epoch_s: float) -> int:
+    return int(round(epoch_s * 1e9))
+
+
+class OtelObserver:
+    """Records each finished record's GenAI metrics and span on the providers it is given.
+
+    `upstreams` maps an upstream's name to its URL (for `server.address`/`server.port`).
+    `close()` shuts down the providers it owns (`own_providers`: those `otlp_providers` built),
+    which flushes what is queued; providers passed in by a caller are the caller's to close."""
+
+    name = "otel"
+
+    def __init__(
+        self,
+        upstreams: Mapping[str, str],
+        meter_provider: MeterProvider,
+        tracer_provider: TracerProvider,
+        *,
+        own_providers: bool = False,
+    ) -> None:
+        self.servers = {name: server_of(url) for name, url in upstreams.items()}
+        self._providers = (meter_provider, tracer_provider) if own_providers else None
+        version = mlxproxy.__version__
+        meter = meter_provider.get_meter("mlxproxy", version)
+        self.tracer = tracer_provider.get_tracer("mlxproxy", version)
+        self.duration = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            unit="s",
+            description="GenAI operation duration.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token generated after the first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used.",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )
+        self.cache_read = meter.create_counter(
+            "mlxproxy.usage.cache_read.input_tokens",
+            unit="{token}",
+            description="Input tokens the server reported served from its prompt cache (usage cached_tokens).",
+        )
+        self.reasoning = meter.create_counter(
+            "mlxproxy.usage.reasoning.output_tokens",
+            unit="{token}",
+            description="Output tokens spent reasoning (reported by the server, else counted in the stream).",
+        )
+        self.anomalies = meter.create_counter(
+            "mlxproxy.request.anomalies",
+            unit="{request}",
+            description="Requests with each anomaly (attribute mlxproxy.anomaly; docs/METRICS.md).",
+        )
+
+    def on_record(self, record: Record, exchange: Exchange | None = None) -> None:
+        operation = OPERATION_NAMES.get(record.endpoint)
+        if operation is None:
+            return
+        common = self._common_attributes(record, operation)
+        err = error_type(record)
+        metric_attrs = dict(common)
+        if err is not None:
+            metric_attrs["error.type"] = err
+        if record.duration_s is not None:
+            self.duration.record(record.duration_s, metric_attrs)
+        if err is None:  # the server metrics are "for successful responses"
+            if record.ttft_s is not None:
+                self.ttft.record(record.ttft_s, common)
+            if record.tpot_s is not None:
+                self.tpot.record(record.tpot_s, common)
+        if record.prompt_tokens is not None:
+            self.tokens.record(record.prompt_tokens, {**common, "gen_ai.token.type": "input"})
+        n_out = record.n_out
+        if n_out is not None:
+            self.tokens.record(n_out, {**common, "gen_ai.token.type": "output"})
+        if record.cached_tokens:
+            self.cache_read.add(record.cached_tokens, common)
+        reasoning = _reasoning_tokens(record)
+        if reasoning:
+            self.reasoning.add(reasoning, common)
+        for anomaly in record.anomalies:
+            self.anomalies.add(1, {**common, "mlxproxy.anomaly": anomaly})
+        self._span(record, operation, common, err)
+
+    def _common_attributes(self, record: Record, operation: str) -> dict[str, AttributeValue]:
+        attrs: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "anthropic" if record.endpoint == "messages" else "openai",
+        }
+        if record.model:
+            attrs["gen_ai.request.model"] = record.model
+        server = self.servers.get(record.upstream)
+        if server is not None and server.address:
+            attrs["server.address"] = server.address
+            attrs["server.port"] = server.port
+        return attrs
+
+    def _span(self, record: Record, operation: str, common: dict[str, AttributeValue], err: str | None) -> None:
+        attrs = dict(common)
+        attrs.update(_span_attributes(record))
+        if err is not None:
+            attrs["error.type"] = err
+        start = _ns(record.started_at)
+        end = _ns(record.started_at + (record.duration_s or 0.0))
+        name = f"{operation} {record.model}" if record.model else operation
+        # a root span: the proxy does not join the client's trace (no traceparent is read)
+        span = self.tracer.start_span(name, context=Context(), kind=SpanKind.CLIENT, attributes=attrs, start_time=start)
+        if err is not None:
+            span.set_status(Status(StatusCode.ERROR, err))
+        span.end(end_time=end)
+
+    def close(self) -> None:
+        if self._providers is None:
+            return
+        meters, tracers = self._providers
+        self._providers = None
+        for provider in (tracers, meters):
+            shutdown = getattr(provider, "shutdown", None)
+            if shutdown is not None:
+                shutdown()  # flushes what is queued (bounded by the exporters' timeouts)
+
+
+def _reasoning_tokens(record: Record) -> int | None:
+    if record.reasoning_tokens_reported is not None:
+        return record.reasoning_tokens_reported
+    return record.reasoning_tokens_counted
+
+
+def _span_attributes(r: Record) -> dict[str, AttributeValue]:
+    """The span's attributes beyond the metrics' own: usage, finish reason, mlxproxy's figures."""
+    out: dict[str, AttributeValue] = {
+        "gen_ai.request.stream": r.stream,
+        "mlxproxy.request.id": r.id,
+        "mlxproxy.upstream": r.upstream,
+        "mlxproxy.outcome": r.outcome,
+        "mlxproxy.concurrency": r.concurrency,
+    }
+    optional: Iterable[tuple[str, AttributeValue | None]] = (
+        ("gen_ai.request.max_tokens", r.max_tokens),
+        ("gen_ai.usage.input_tokens", r.prompt_tokens),
+        ("gen_ai.usage.output_tokens", r.n_out),
+        ("gen_ai.usage.cache_read.input_tokens", r.cached_tokens),
+        ("gen_ai.usage.reasoning.output_tokens", _reasoning_tokens(r)),
+        ("gen_ai.response.time_to_first_chunk", r.ttft_s),
+        ("http.response.status_code", r.status),
+        ("mlxproxy.completion_tokens", r.completion_tokens),
+        ("mlxproxy.tokens_source", r.tokens_source),
+        ("mlxproxy.ttft_s", r.ttft_s),
+        ("mlxproxy.tpot_s", r.tpot_s),
+        ("mlxproxy.decode_tps", r.decode_tps),
+        ("mlxproxy.wall_tps", r.wall_tps),
+        ("mlxproxy.prefill_tps", r.prefill_tps),
+        ("mlxproxy.conversation.id", r.conversation_id),
+        ("mlxproxy.conversation.turn", r.turn),
+        ("mlxproxy.cache_hit_ratio", r.cache_hit_ratio),
+        ("mlxproxy.reprefill.cause", r.reprefill_cause),
+        ("mlxproxy.reprefill.lost_s", r.reprefill_lost_s),
+    )
+    for key, value in optional:
+        if value is not None:
+            out[key] = value
+    if r.finish_reason is not None:
+        out["gen_ai.response.finish_reasons"] = (r.finish_reason,)
+    if r.anomalies:
+        out["mlxproxy.anomalies"] = tuple(r.anomalies)
+    if r.usage_untrusted:
+        out["mlxproxy.usage_untrusted"] = True
+    return out
+
+
+def signal_url(endpoint: str, signal: str) -> str:
+    """The OTLP/HTTP URL of `signal` ("traces", "metrics") under a base endpoint, the way the
+    standard `OTEL_EXPORTER_OTLP_ENDPOINT` is resolved: `http://host:4318` -> `http://host:4318/v1/traces`."""
+    return endpoint.rstrip("/") + "/v1/" + signal
+
+
+def otlp_providers(
+    endpoint: str, *, metric_readers: Iterable[MetricReader] = (), span_exporter: SpanExporter | None = None
+) -> tuple[SdkMeterProvider, SdkTracerProvider]:
+    """A meter provider exporting OTLP/HTTP (protobuf) to `endpoint`'s `/v1/metrics` every
+    `OTEL_METRIC_EXPORT_INTERVAL` ms (default 60 s) and a tracer provider batching spans to its
+    `/v1/traces`. The resource is `service.name=mlxproxy` unless `OTEL_SERVICE_NAME` or
+    `OTEL_RESOURCE_ATTRIBUTES` say otherwise; the exporters also honour the standard
+    `OTEL_EXPORTER_OTLP_HEADERS`, `..._TIMEOUT`, `..._COMPRESSION` and `..._CERTIFICATE`.
+    `metric_readers` and `span_exporter` replace the OTLP ones (tests)."""
+    resource = Resource.create({"service.version": mlxproxy.__version__})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # none in the environment
+        resource = resource.merge(Resource({SERVICE_NAME: "mlxproxy"}))
+    readers = list(metric_readers) or [
+        PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=signal_url(endpoint, "metrics")))
+    ]
+    meters = SdkMeterProvider(resource=resource, metric_readers=readers)
+    tracers = SdkTracerProvider(resource=resource)
+    exporter = span_exporter if span_exporter is not None else OTLPSpanExporter(endpoint=signal_url(endpoint, "traces"))
+    tracers.add_span_processor(BatchSpanProcessor(exporter))
+    return meters, tracers
