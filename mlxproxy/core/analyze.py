@@ -3,10 +3,10 @@
 In order, each step once, the data flowing one way: the meter measures (`RequestMeter.finish`:
 a frozen `Measurement`, with what the wire's figures and error text mean already read); the
 prompt is fingerprinted and looked up among this upstream's conversations (`core.prefix`);
-the per-request checks give their verdict on the measurement: the anomalies and the trusted
-output count (`core.detect.judge`); the cache doctor judges the turn and the index remembers
-it (`core.cachecheck.conversation_turn`); and the record is built once from the measurement
-and the verdict (`core.record.checked_record`).
+the per-request checks run on the measurement and give their verdict: the anomalies and
+the trusted output count (`core.detect.findings`, `verdict`); the cache doctor judges the
+turn and the index remembers it (`core.cachecheck.conversation_turn`); and the record is
+built once from the measurement and the verdict (`core.record.checked_record`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlxproxy.core.cachecheck import conversation_turn
-from mlxproxy.core.detect import Thresholds, judge
+from mlxproxy.core.detect import Thresholds, findings, verdict
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.prefix import Match, PrefixIndex, fingerprint
 from mlxproxy.core.record import Outcome, Record, checked_record
@@ -53,7 +53,8 @@ def finish_checked(
     if prefixes is not None and pp is not None:
         match = prefixes.match(pp, info.prompt_obj)
         upstream_rate = prefixes.prefill_rate() if match is not None else None
-    v = judge(m, th, earlier)
+    found, stalls = findings(m, th, earlier)
+    v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
     fields: dict[str, Any] = {}
     if prefixes is not None and pp is not None:

@@ -31,7 +31,6 @@ __all__ = [
     "check_markup",
     "prefill_scaling",
     "findings",
-    "judge",
     "verdict",
     "is_burst",
     "Verdict",
@@ -625,12 +624,6 @@ def findings(m: Measurement, th: Thresholds, earlier: Sequence[Record] = ()) -> 
         if gone is not None:
             found.append(gone)
     return found, stalls
-
-
-def judge(m: Measurement, th: Thresholds, earlier: Sequence[Record] = ()) -> Verdict:
-    """`findings` and their `verdict`: what the per-request checks decide about `m`."""
-    found, stalls = findings(m, th, earlier)
-    return verdict(m, found, stalls)
 
 
 def is_burst(found: Iterable[Anomaly]) -> bool:

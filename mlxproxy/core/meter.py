@@ -12,7 +12,7 @@ the proxy injected, `strip(data, stripper)` before forwarding the read and
 the parsing early, `fail(exc)` when metering raised (a bug: the bytes are still counted).
 Like h11's `Connection`, the state changes only through these methods and is read through a
 few read-only properties; `snapshot(now)` is a request's figures so far (`/streams`, the
-live page), `finish` the frozen measurement the checks (`core.detect.judge`) and the
+live page), `finish` the frozen measurement the checks (`core.detect.findings`) and the
 record (`core.record.checked_record`) are made from.
 """
 
@@ -67,7 +67,7 @@ class Measurement(NamedTuple):
     `core.record.MEASURED_FIELDS`, same names and meaning as `Record`'s), then the evidence
     the truth checks need and no record keeps (the generated text's size, the streamed
     content, the unusable tool calls, the silence after the headers). The checks and the
-    trusted token count run on it (`core.detect.judge`), and the one `Record` is made of it
+    trusted token count run on it (`core.detect.findings`, `verdict`), and the one `Record` is made of it
     (`core.record.checked_record`)."""
 
     id: str
