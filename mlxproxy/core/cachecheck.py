@@ -17,20 +17,64 @@ from typing import Any, Literal
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.openai import uncached_tokens
-from mlxproxy.core.prefix import Match
+from mlxproxy.core.openai import whole_prompt_tokens
+from mlxproxy.core.prefix import Match, PrefixIndex, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
-__all__ = ["check_turn", "timing_says", "whole_prompt"]
+__all__ = ["conversation_turn", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
 
 Timing = Literal["hit", "miss"]
 
 
-def whole_prompt(prompt: int | None, cached: int | None) -> int | None:
-    """All prompt tokens, cached or not (a server's `prompt_tokens` may leave cached ones out)."""
-    if prompt is None:
+whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
+
+
+def conversation_turn(
+    r: Measured,
+    pp: PromptPrint,
+    match: Match | None,
+    upstream_rate: float | None,
+    prefixes: PrefixIndex,
+    th: Thresholds,
+    t_end: float,
+    burst: bool,
+) -> tuple[dict[str, Any], list[Anomaly]]:
+    """One request's turn of its conversation, judged and remembered: its record fields (the
+    `check_turn` ones, `conversation_id`, `turn`) and anomalies; a served prompt `pp` becomes
+    its conversation's latest in `prefixes` (`PrefixIndex.add`), with its prefill rate when
+    it shows a cold cache (`cold_rate`) and the seconds it lost. `match`: the conversation
+    `pp` continues (`PrefixIndex.match`), `upstream_rate` the index's `prefill_rate` before
+    this turn; `burst`: the stream came in one burst (`non_incremental_stream`)."""
+    fields: dict[str, Any] = {}
+    out: list[Anomaly] = []
+    if match is not None:
+        fields, out = check_turn(r, match, upstream_rate, th)
+    if r.outcome in OK_OUTCOMES:
+        cold = cold_rate(r, th) if match is None and not burst else None
+        cid, turn = prefixes.add(
+            pp,
+            match,
+            r.id,
+            r.prompt_tokens,
+            t_end,
+            cold_prefill_tps=cold,
+            lost_s=fields.get("reprefill_lost_s") or 0.0,
+        )
+    elif match is not None:
+        cid, turn = match.conversation_id, match.turn
+    else:
+        cid, turn = None, None
+    fields.update(conversation_id=cid, turn=turn)
+    return fields, out
+
+
+def cold_rate(r: Measured, th: Thresholds) -> float | None:
+    """A first turn's prefill rate when it says how fast a cold cache prefills: it reports no
+    cached tokens and has at least `prefix_min_tokens` prompt tokens (a stream that came in
+    one burst says nothing: its caller leaves it out)."""
+    if r.cached_tokens or not r.prefill_tps:
         return None
-    return max(prompt, (uncached_tokens(prompt, cached) or 0) + (cached or 0))
+    return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
 
 
 def timing_says(
@@ -59,7 +103,7 @@ def check_turn(
     if change is not None and change.cause == "model_changed":
         estimate = 0  # no server shares a prompt cache between models
     prev_tokens = m.tokens(m.previous_chars)[0]
-    cached, prompt, ttft = r.cached_tokens, r.prompt_tokens, r.ttft_s
+    cached, ttft = r.cached_tokens, r.ttft_s
     reusable = estimate
     if cached is not None and cached > reusable:  # the server's own count is a floor
         reusable, source = cached, "cached"
@@ -74,12 +118,12 @@ def check_turn(
     out: list[Anomaly] = []
     if r.outcome not in OK_OUTCOMES:
         return fields, out
-    whole = whole_prompt(prompt, cached)
+    whole = r.whole_prompt_tokens
     rate = m.cold_prefill_tps or upstream_rate
     rate_of = "this conversation's first turn" if m.cold_prefill_tps else "this upstream's first turns"
     said = timing_says(whole, reusable, ttft, rate, th) if reusable >= th.prefix_min_tokens else None
     claimed = timing_says(whole, cached or 0, ttft, rate, th) if cached and cached >= th.prefix_min_tokens else None
-    prefilled = uncached_tokens(prompt, cached)
+    prefilled = r.uncached_prompt_tokens
 
     lost_tokens, cause, at = 0, None, None
     reused_from = f"~{reusable} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"

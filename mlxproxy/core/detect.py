@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
 from mlxproxy.core.meter import Measurement
-from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit, uncached_tokens
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.record import OK_OUTCOMES, Record, TokensSource
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.tools import TOOL_FINISH
@@ -235,8 +235,25 @@ def check_record(
     """The anomalies of one finished request. `chars` is the number of generated
     characters streamed (content + reasoning + tool names and arguments), when known;
     `nonascii_chars` of them are not ASCII and take `nonascii_bytes` bytes in UTF-8.
-    `stalls`: `stall_stats` of `r`, when the caller has them already."""
-    out = _failure_checks(r, th, headers_to_first_byte_s)
+    `stalls`: `stall_stats` of `r`, when the caller has them already. A refused prompt is
+    read from `r`'s outcome and error text (a finished meter's `Measurement` says so itself:
+    `findings`)."""
+    refused = r.outcome == "context_limit" or (r.outcome == "stream_error" and parse_context_limit(r.error)[0])
+    return _record_checks(r, th, refused, chars, nonascii_chars, nonascii_bytes, headers_to_first_byte_s, stalls)
+
+
+def _record_checks(
+    r: Measured,
+    th: Thresholds,
+    refused: bool,
+    chars: int | None,
+    nonascii_chars: int,
+    nonascii_bytes: int,
+    headers_to_first_byte_s: float | None,
+    stalls: Stalls | None,
+) -> list[Anomaly]:
+    """`check_record`, told whether the prompt was refused as too long (`refused`)."""
+    out = _failure_checks(r, th, refused, headers_to_first_byte_s)
     if r.outcome not in OK_OUTCOMES:
         return out
     cut_call = _usage_checks(r, th, out, chars, nonascii_chars, nonascii_bytes)
@@ -247,14 +264,14 @@ def check_record(
     return out
 
 
-def _failure_checks(r: Measured, th: Thresholds, headers_to_first_byte_s: float | None) -> list[Anomaly]:
+def _failure_checks(r: Measured, th: Thresholds, refused: bool, headers_to_first_byte_s: float | None) -> list[Anomaly]:
     """What any request can show, ok or not: a refused prompt, an error in a stream, a stream
     without finish, doubled reasoning fields, a replayed answer, a long silence after the headers."""
     out: list[Anomaly] = []
     add = out.append
     sse = r.completion_tokens_counted is not None
     # context limit: an HTTP 400/413 or an in-stream error saying the prompt is too long
-    if r.outcome == "context_limit" or (r.outcome == "stream_error" and parse_context_limit(r.error)[0]):
+    if refused:
         if r.context_prompt_tokens is not None and r.context_limit_tokens is not None:
             ev = f"prompt of {r.context_prompt_tokens} tokens refused: the limit is {r.context_limit_tokens} tokens"
         elif r.context_limit_tokens is not None:
@@ -585,14 +602,15 @@ def findings(m: Measurement, th: Thresholds, earlier: Sequence[Record] = ()) -> 
     the tool and markup checks), and against `earlier` records of the same process the
     serialized-batching and abandoned-generation checks; with `m`'s stalls (`stall_stats`)."""
     stalls = stall_stats(m, th)
-    found = check_record(
+    found = _record_checks(
         m,
         th,
-        chars=m.generated_chars,
-        nonascii_chars=m.nonascii_chars,
-        nonascii_bytes=m.nonascii_bytes,
-        headers_to_first_byte_s=m.silent_after_headers_s,
-        stalls=stalls,
+        m.context_refused,
+        m.generated_chars,
+        m.nonascii_chars,
+        m.nonascii_bytes,
+        m.silent_after_headers_s,
+        stalls,
     )
     if m.tool_calls_valid is not None:
         found.extend(check_tools(m, m.tool_problems, m.tool_markup))
@@ -721,7 +739,7 @@ def _expected_ttft(r: Measured, others: Sequence[Record]) -> tuple[float | None,
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     median = percentile(ttfts, 50) if ttfts else None
     rates = [o.prefill_tps for o in ok if o.prefill_tps and prefill_judgeable(o)]
-    own = uncached_tokens(r.prompt_tokens, r.cached_tokens)
+    own = r.uncached_prompt_tokens
     prefill = own / max(rates) if rates and own else None
     if prefill is not None and (median is None or prefill > median):
         return prefill, f"{own} uncached prompt tokens at this upstream's best {_fmt(max(rates))} tok/s prefill"
@@ -815,10 +833,10 @@ MOSTLY_CACHED = 0.5
 
 def uncached_prompt_tokens(r: Record) -> int | None:
     """The prompt tokens the server really processed: prompt_tokens minus cached_tokens, or
-    prompt_tokens itself when cached_tokens exceeds it (`record.uncached_tokens`)."""
+    prompt_tokens itself when cached_tokens exceeds it (`openai.uncached_tokens`)."""
     if not r.prompt_tokens:
         return None
-    return uncached_tokens(r.prompt_tokens, r.cached_tokens)
+    return r.uncached_prompt_tokens
 
 
 def prefill_judgeable(r: Record) -> bool:
@@ -829,7 +847,7 @@ def prefill_judgeable(r: Record) -> bool:
         return False
     if "non_incremental_stream" in r.anomalies:
         return False
-    uncached = uncached_tokens(r.prompt_tokens, r.cached_tokens) or 0
+    uncached = r.uncached_prompt_tokens or 0
     whole = max(r.prompt_tokens, uncached + (r.cached_tokens or 0))  # prompt_tokens may leave cached ones out
     return whole - uncached <= MOSTLY_CACHED * whole
 

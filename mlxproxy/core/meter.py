@@ -12,7 +12,7 @@ the proxy injected, `strip(data, stripper)` before forwarding the read and
 the parsing early, `fail(exc)` when metering raised (a bug: the bytes are still counted).
 Like h11's `Connection`, the state changes only through these methods and is read through a
 few read-only properties; `snapshot(now)` is a request's figures so far (`/streams`, the
-live page), `finish` the frozen measurement the checks (`core.detect.judge`) and the
+live page), `finish` the frozen measurement the checks (`core.detect.findings`) and the
 record (`core.record.checked_record`) are made from.
 """
 
@@ -67,7 +67,7 @@ class Measurement(NamedTuple):
     `core.record.MEASURED_FIELDS`, same names and meaning as `Record`'s), then the evidence
     the truth checks need and no record keeps (the generated text's size, the streamed
     content, the unusable tool calls, the silence after the headers). The checks and the
-    trusted token count run on it (`core.detect.judge`), and the one `Record` is made of it
+    trusted token count run on it (`core.detect.findings`, `verdict`), and the one `Record` is made of it
     (`core.record.checked_record`)."""
 
     id: str
@@ -128,6 +128,10 @@ class Measurement(NamedTuple):
     tool_problems: tuple[str, ...]  # why each structured call is unusable
     tool_markup: str | None  # tool-call markup found in the content (tools offered, no structured call)
     silent_after_headers_s: float | None  # headers to the first body byte (or to the end); None: no headers
+    # what the wire's figures and error text mean, read once here (`core.openai`) for the checks
+    context_refused: bool  # the prompt was refused as too long (HTTP, or an error event saying so)
+    uncached_prompt_tokens: int | None  # the prompt tokens the server prefilled (`openai.uncached_tokens`)
+    whole_prompt_tokens: int | None  # every prompt token, cached or not (prompt_tokens may leave cached ones out)
 
 
 if Measurement._fields[: len(MEASURED_FIELDS)] != MEASURED_FIELDS:  # pragma: no cover - caught at import
@@ -672,16 +676,25 @@ class RequestMeter:
         uncached = uncached_tokens(prompt, cached)
         err = error
         ctx: tuple[bool, int | None, int | None] = (False, None, None)
+        parsed: str | None = None  # the text `ctx` was read from
         if st is not None and st >= 400:
             err = err or error_message(body_obj) or snippet
-            ctx = parse_context_limit(err) if st in (400, 413, 422) else ctx
+            if st in (400, 413, 422):
+                ctx, parsed = parse_context_limit(err), err
             if ctx[0] and classified:
                 outcome = "context_limit"
         elif stream_error:
             err = err or stream_error
-            ctx = parse_context_limit(stream_error)
+            ctx, parsed = parse_context_limit(stream_error), stream_error
         if err is None and outcome == "protocol_error":
             err = self._protocol_error or "response body is not valid JSON"
+        err = None if err is None else err[:500]
+        # a refused prompt: the outcome says so, or an in-stream error's text (the record's own
+        # error text, so a record read back is judged alike: `core.detect.check_record`)
+        refused = outcome == "context_limit" or (
+            outcome == "stream_error"
+            and (ctx[0] if parsed is not None and parsed == err else parse_context_limit(err)[0])
+        )
         headers = self._t_headers
         return Measurement(
             id=self._request_id,
@@ -721,7 +734,7 @@ class RequestMeter:
             finish_reasons_seen=self._finish_reasons_seen,
             tool_calls=len(calls),
             tool_calls_valid=None if tools is None else len(calls) - len(problems),
-            error=None if err is None else err[:500],
+            error=err,
             context_prompt_tokens=ctx[1],
             context_limit_tokens=ctx[2],
             prefill_progress=self._prefill_progress,
@@ -744,6 +757,9 @@ class RequestMeter:
             silent_after_headers_s=None
             if headers is None
             else (self._t_first_byte if self._t_first_byte is not None else t_end) - headers,
+            context_refused=refused,
+            uncached_prompt_tokens=uncached,
+            whole_prompt_tokens=None if prompt is None else max(prompt, (uncached or 0) + (cached or 0)),
         )
 
 

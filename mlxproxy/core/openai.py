@@ -31,6 +31,7 @@ __all__ = [
     "error_message",
     "parse_context_limit",
     "uncached_tokens",
+    "whole_prompt_tokens",
 ]
 
 Endpoint = Literal["chat_completions", "completions", "messages", "responses", "embeddings", "models", "other"]
@@ -362,6 +363,14 @@ def parse_context_limit(message: str | None) -> tuple[bool, int | None, int | No
             limit = int(g["limit"]) if g.get("limit") else None
             return True, prompt, limit
     return False, None, None
+
+
+def whole_prompt_tokens(prompt: int | None, cached: int | None) -> int | None:
+    """All prompt tokens, cached or not (a server's `prompt_tokens` may leave the cached ones
+    out: `uncached_tokens`). None without prompt_tokens."""
+    if prompt is None:
+        return None
+    return max(prompt, (uncached_tokens(prompt, cached) or 0) + (cached or 0))
 
 
 def uncached_tokens(prompt: int | None, cached: int | None) -> int | None:

@@ -543,8 +543,11 @@ class PrefixIndex:
     ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
         `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
-        conversation's own until a later cold turn replaces it); `lost_s`: the prefill
-        seconds it lost (summed per conversation)."""
+        conversation's own until a later cold turn replaces it, and, on a first turn, among
+        this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
+        conversation)."""
+        if match is None and cold_prefill_tps is not None:
+            self.cold_prefill_tps.append(cold_prefill_tps)
         entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
         if match is not None:

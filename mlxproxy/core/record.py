@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from mlxproxy.core.openai import Endpoint, uncached_tokens
+from mlxproxy.core.openai import Endpoint, uncached_tokens, whole_prompt_tokens
 from mlxproxy.core.prefix import Cause
 
 __all__ = [
@@ -172,6 +172,16 @@ class Record:
             and self.tokens_source is not None
             and self.tokens_source != "usage"
         )
+
+    @property
+    def uncached_prompt_tokens(self) -> int | None:
+        """The prompt tokens the server prefilled (`uncached_tokens`), as a `Measurement` has them."""
+        return uncached_tokens(self.prompt_tokens, self.cached_tokens)
+
+    @property
+    def whole_prompt_tokens(self) -> int | None:
+        """Every prompt token, cached or not (`whole_prompt_tokens`), as a `Measurement` has them."""
+        return whole_prompt_tokens(self.prompt_tokens, self.cached_tokens)
 
     @property
     def t_end_mono(self) -> float:

@@ -21,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
 from mlxproxy.edge.limits import drop_transport_cycle
+
+if TYPE_CHECKING:  # (aiohttp's own annotations name them so; neither is public API)
+    from aiohttp.client_reqrep import ConnectionKey
+    from aiohttp.tracing import Trace
 
 __all__ = ["PRIVATE_NAMES", "TESTED", "connector", "missing_internals", "reusable"]
 
@@ -59,18 +63,26 @@ def reusable(proto: ResponseHandler) -> bool:
     return not (proto.should_close or getattr(proto, "_read_timeout_handle", None) is not None)
 
 
+def _guarded_handler(*, loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+    """The pool's protocol factory (aiohttp's is `partial(ResponseHandler, loop=...)`)."""
+    return GuardedHandler(loop=loop)
+
+
 class GuardedConnector(aiohttp.TCPConnector):
     """A connection pool that never hands out a connection after anything unexpected: each
     is checked when it is given back and again when it is taken (SECURITY.md, "One request,
     one response")."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, limit: int, keepalive_timeout: float | None = None, force_close: bool = False) -> None:
+        if keepalive_timeout is None:  # (aiohttp's default)
+            super().__init__(limit=limit, force_close=force_close)
+        else:
+            super().__init__(limit=limit, keepalive_timeout=keepalive_timeout, force_close=force_close)
         if not hasattr(self, "_factory"):  # (the fallback in `connector` takes over)
             raise AttributeError("no _factory", name="_factory", obj=self)
-        self._factory = functools.partial(GuardedHandler, loop=self._loop)  # type: ignore[assignment]  # (a subclass)
+        self._factory = functools.partial(_guarded_handler, loop=self._loop)
 
-    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+    def _release(self, key: ConnectionKey, protocol: ResponseHandler, *, should_close: bool = False) -> None:
         if not should_close:
             if reusable(protocol):
                 # Idle in the pool, a connection has no response parser: aiohttp then keeps
@@ -84,7 +96,7 @@ class GuardedConnector(aiohttp.TCPConnector):
                 should_close = True
         super()._release(key, protocol, should_close=should_close)
 
-    async def _get(self, key: Any, traces: list[Any]) -> aiohttp.connector.Connection | None:
+    async def _get(self, key: ConnectionKey, traces: list[Trace]) -> aiohttp.connector.Connection | None:
         # only the connection about to be handed out is checked (walking every idle one cost
         # O(pool) per request: 2 % of a load generator's CPU at 800 req/s); one that fails is
         # closed and the next is taken
@@ -110,15 +122,16 @@ def missing_internals(loop: asyncio.AbstractEventLoop) -> list[str]:
 _missing: list[str] | None = None
 
 
-def connector(**kwargs: Any) -> aiohttp.TCPConnector:
+def connector(*, limit: int, keepalive_timeout: float | None = None, force_close: bool = False) -> aiohttp.TCPConnector:
     """The upstream's connection pool (call inside the running loop): the guarded pool where
-    the installed aiohttp has what it needs, else aiohttp's own with a connection per request."""
+    the installed aiohttp has what it needs, else aiohttp's own with a connection per request.
+    `keepalive_timeout` None: aiohttp's default."""
     global _missing
     if _missing is None:
         _missing = missing_internals(asyncio.get_running_loop())
     if not _missing:
         try:
-            return GuardedConnector(**kwargs)
+            return GuardedConnector(limit=limit, keepalive_timeout=keepalive_timeout, force_close=force_close)
         except AttributeError as exc:
             _missing = [f"TCPConnector.{exc.name}"]
     log.warning(
@@ -127,5 +140,4 @@ def connector(**kwargs: Any) -> aiohttp.TCPConnector:
         ", ".join(_missing),
         TESTED,
     )
-    kwargs.pop("keepalive_timeout", None)
-    return aiohttp.TCPConnector(**{**kwargs, "force_close": True})
+    return aiohttp.TCPConnector(limit=limit, force_close=True)

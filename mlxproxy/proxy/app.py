@@ -23,7 +23,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -100,7 +99,7 @@ class ProxyApp:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry, max_model_labels=config.max_model_labels)
         self.loop_lag = LoopLagMonitor(self.registry)
-        self.finisher = Finisher()
+        self.finisher: Finisher[Flow] = Finisher()
         self.pool = UpstreamPool(config)
         self._scrub = Scrubber(
             tuple(s for u in self.pool for s in u.secrets) + ((key.decode("latin-1"),) if key else ()),
@@ -258,8 +257,8 @@ class ProxyApp:
             and info.endpoint in USAGE_INJECTABLE
         )
         exchange = Exchange(body, scope["headers"]) if self.capture is not None else None
-        if inject:
-            body = inject_include_usage(body, obj)  # type: ignore[arg-type]
+        if inject and obj is not None:  # (`inject` implies the parsed object; said again for the type)
+            body = inject_include_usage(body, obj)
         request_id = os.urandom(8).hex()
         scope[RID_SCOPE_KEY] = request_id
         # `concurrency` is what the server saw: requests to this upstream whose response is
@@ -419,6 +418,8 @@ async def _aclose_quietly(response: UpstreamResponse) -> None:
         pass
 
 
-def create_app(config: Config, **kwargs: Any) -> ProxyApp:
+def create_app(
+    config: Config, *, registry: CollectorRegistry | None = None, observers: list[Observer] | None = None
+) -> ProxyApp:
     """The proxy ASGI app for `config` (see `ProxyApp` for keyword arguments)."""
-    return ProxyApp(config, **kwargs)
+    return ProxyApp(config, registry=registry, observers=observers)

@@ -20,8 +20,8 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
+from io import FileIO
 from pathlib import Path
-from typing import Any
 
 from mlxproxy.capture import DEFAULT_REDACT, Exchange, capture_line, end_of_last_line, looks_like_capture
 from mlxproxy.core.record import Record
@@ -31,7 +31,7 @@ __all__ = ["CaptureWriter"]
 
 log = logging.getLogger("mlxproxy")
 
-_STOP = object()
+_STOP = None  # queued by `close`: the writer thread ends
 
 
 class CaptureWriter:
@@ -66,12 +66,12 @@ class CaptureWriter:
         self.write_errors = 0
         self._on_drop = on_drop
         self._on_error = on_error
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[tuple[Record, Exchange | None, int] | None] = queue.Queue(maxsize=queue_size)
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0  # estimated memory held by queued records
         self._bytes_lock = threading.Lock()
         self._reported = False
-        self._file: Any = None
+        self._file: FileIO | None = None
         try:
             self._file = self._open()
         except OSError as exc:  # reported now; the writer thread keeps trying
@@ -107,7 +107,7 @@ class CaptureWriter:
             redact=self.redact,
         )
 
-    def _open(self) -> Any:
+    def _open(self) -> FileIO:
         """Open the file for appending, first cutting off a torn last line (a crash while
         it was written), so that every line after it stays readable."""
         for parent in self.path.parents:

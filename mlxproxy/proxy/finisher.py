@@ -15,19 +15,22 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 __all__ = ["Finisher"]
 
 log = logging.getLogger("mlxproxy")
 
+T = TypeVar("T")
+Work = Callable[[T, float], None]  # finishes one item (a request's flow) that ended at a time
 
-class Finisher:
+
+class Finisher(Generic[T]):
     """A queue of finishing work drained one item per loop turn. Before `start()` and after
     `stop()` (or an app used without lifespan) work runs at once."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._queue: deque[tuple[Work[T], T, float]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
 
@@ -38,19 +41,19 @@ class Finisher:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+    def submit(self, fn: Work[T], item: T, t: float) -> None:
+        """Run `fn(item, t)` on a later loop turn (now, when the finisher is not started)."""
         if self._loop is None:
-            _run_one(fn, args)
+            _run_one(fn, item, t)
             return
-        self._queue.append((fn, args))
+        self._queue.append((fn, item, t))
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._drain_one)
 
     def _drain_one(self) -> None:
         if self._queue:
-            fn, args = self._queue.popleft()
-            _run_one(fn, args)
+            _run_one(*self._queue.popleft())
         if self._queue and self._loop is not None:
             self._loop.call_soon(self._drain_one)  # the next one after the loop has polled its sockets
         else:
@@ -60,12 +63,11 @@ class Finisher:
         """Finish everything still queued, now; later work runs at once."""
         self._loop = None
         while self._queue:
-            fn, args = self._queue.popleft()
-            _run_one(fn, args)
+            _run_one(*self._queue.popleft())
 
 
-def _run_one(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _run_one(fn: Work[T], item: T, t: float) -> None:
     try:
-        fn(*args)
+        fn(item, t)
     except Exception:  # finishing must never take the loop down; the record is lost, say so
         log.exception("finishing a record failed")

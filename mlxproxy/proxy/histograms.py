@@ -19,7 +19,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -128,7 +128,13 @@ class BatchHistogram:
         return [metric]
 
 
-def observe_all(child: Any, values: Sequence[float]) -> None:
+class Observes(Protocol):
+    """A histogram's child (`HistogramSeries`, or a prometheus_client `Histogram`'s)."""
+
+    def observe(self, amount: float, /) -> None: ...
+
+
+def observe_all(child: Observes, values: Sequence[float]) -> None:
     """`child.observe(v)` for every value, in order: in one call where the child is a
     `HistogramSeries`, one by one for any other (a prometheus_client `Histogram`'s child)."""
     if isinstance(child, HistogramSeries):

@@ -11,12 +11,12 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import Any, Protocol
+from typing import Protocol, TypeGuard
 from urllib.parse import urlsplit
 
 from mlxproxy.errors import clip
 
-__all__ = ["Reach", "probe", "refresh", "PROBE_TIMEOUT_S", "PROBE_EVERY_S"]
+__all__ = ["Reach", "HasReach", "has_reach", "probe", "refresh", "PROBE_TIMEOUT_S", "PROBE_EVERY_S"]
 
 PROBE_TIMEOUT_S = 1.0  # a loopback or LAN server that accepts connections answers in far less
 PROBE_EVERY_S = 5.0  # /healthz polled often (the live page: every 5 s) connects at most this often
@@ -41,14 +41,25 @@ class Reach:
         if error is not None:
             self.last_error, self.last_error_at = error, round(time.time(), 3)
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> dict[str, object]:
         """`/healthz`' keys for this upstream."""
         return {"reachable": self.reachable, "last_error": self.last_error, "last_error_at": self.last_error_at}
 
 
 class HasReach(Protocol):
+    """An upstream as this module probes it (`proxy.upstream.Upstream` is one)."""
+
     base: str
     reach: Reach
+
+
+class NamedReach(HasReach, Protocol):
+    name: str
+
+
+def has_reach(upstream: object) -> TypeGuard[HasReach]:
+    """Whether `upstream` keeps its reachability (a `Reach`)."""
+    return isinstance(getattr(upstream, "reach", None), Reach)
 
 
 async def probe(base: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
@@ -76,7 +87,7 @@ async def refresh(upstreams: Sequence[HasReach], max_age_s: float = PROBE_EVERY_
         u.reach.saw(error)
 
 
-def start_warnings(upstreams: Sequence[Any]) -> list[str]:
+def start_warnings(upstreams: Sequence[NamedReach]) -> list[str]:
     """Probe every upstream now (before the server's own loop runs) and return one warning
     line per upstream that cannot be reached."""
     asyncio.run(refresh(upstreams, max_age_s=0.0))

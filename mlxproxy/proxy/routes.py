@@ -22,9 +22,10 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import orjson
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,9 +35,11 @@ from starlette.routing import Route
 
 from mlxproxy import __version__
 from mlxproxy.asgi import Receive, Scope, Send
+from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import Snapshot
 from mlxproxy.core.record import Record
 from mlxproxy.errors import error_body
+from mlxproxy.proxy.reach import has_reach, refresh
 from mlxproxy.proxy.sessions import lost_by_cause, sessions
 
 __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
@@ -44,9 +47,21 @@ __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
 log = logging.getLogger("mlxproxy")
 
 
+class UpstreamView(Protocol):
+    """What `/healthz` shows of an upstream (`proxy.upstream.Upstream`; with a `reach`, its
+    reachability too: `proxy.reach.has_reach`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def base(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+
+
 class Upstreams(Protocol):
     @property
-    def upstreams(self) -> Sequence[Any]: ...  # each with .name, .base, .in_flight
+    def upstreams(self) -> Sequence[UpstreamView]: ...
 
 
 class InFlight(Protocol):
@@ -69,7 +84,7 @@ class ProxyState(Protocol):
 
     # (read-only properties: the routes only read them, and a `ProxyApp` holds narrower types)
     @property
-    def registry(self) -> Any: ...  # a prometheus_client CollectorRegistry
+    def registry(self) -> CollectorRegistry: ...
     @property
     def started_mono(self) -> float: ...
     @property
@@ -81,7 +96,7 @@ class ProxyState(Protocol):
     @property
     def recent(self) -> Ring: ...
     @property
-    def thresholds(self) -> Any: ...  # a core.detect.Thresholds
+    def thresholds(self) -> Thresholds: ...
 
 
 WEB_DIR = Path(__file__).parent / "web"
@@ -105,7 +120,7 @@ PAGE_HEADERS = {
 }
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def _json(body: object, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
@@ -135,7 +150,7 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         return Response(generate_latest(proxy.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "status": "ok",
             "version": __version__,
             "uptime_s": round(time.perf_counter() - proxy.started_mono, 3),
@@ -146,8 +161,11 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         loop_lag = getattr(proxy, "loop_lag", None)  # the proxy's event-loop lag monitor, where it has one
         if loop_lag is not None:
             body["event_loop_lag_max_s"] = round(loop_lag.max_lag_s, 6)
-        body["upstreams"] = [{"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams]
-        await upstream_reach(proxy.pool.upstreams, body["upstreams"])
+        views: list[dict[str, object]] = [
+            {"name": u.name, "url": u.base, "in_flight": u.in_flight} for u in proxy.pool.upstreams
+        ]
+        body["upstreams"] = views
+        await upstream_reach(proxy.pool.upstreams, views)
         return _json(body)
 
     async def streams(request: Request) -> Response:
@@ -208,15 +226,12 @@ def own_routes(proxy: ProxyState) -> _Quiet:
     return _Quiet(Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}))
 
 
-async def upstream_reach(upstreams: Sequence[Any], views: list[dict[str, Any]]) -> None:
+async def upstream_reach(upstreams: Sequence[UpstreamView], views: list[dict[str, object]]) -> None:
     """Each upstream's `reachable`, `last_error` and `last_error_at` (proxy/reach.py) added to
     its `/healthz` entry, probed again when the last evidence is a few seconds old."""
-    from mlxproxy.proxy.reach import refresh
-
-    with_reach = [u for u in upstreams if hasattr(u, "reach")]
-    await refresh(with_reach)
+    await refresh([u for u in upstreams if has_reach(u)])
     for u, view in zip(upstreams, views):
-        if hasattr(u, "reach"):
+        if has_reach(u):
             view.update(u.reach.view())
 
 
@@ -234,14 +249,14 @@ class _Quiet:
             log.error("the proxy's own route %s failed: %s: %s", scope.get("path"), type(exc).__name__, exc)
 
 
-def _record(record: Record, timeline: bool) -> dict[str, Any]:
+def _record(record: Record, timeline: bool) -> dict[str, object]:
     d = record.to_dict(timeline=timeline)
     d.pop("response_text", None)  # no prompt or completion text leaves through /streams
     d.pop("reasoning_text", None)
     return d
 
 
-def live_view(s: Snapshot) -> dict[str, Any]:
+def live_view(s: Snapshot) -> dict[str, object]:
     """`/streams`' view of a request in flight (`RequestMeter.snapshot`: its figures so far, no text)."""
     return {
         "id": s.id,

@@ -5,7 +5,6 @@ the live page's conversations panel), and the prefill seconds lost per re-prefil
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import Record
@@ -34,7 +33,7 @@ CACHE_ANOMALIES = frozenset(
 )
 
 
-def _round(v: Any) -> Any:
+def _round(v: object) -> object:
     return round(v, 4) if isinstance(v, float) else v
 
 
@@ -47,7 +46,7 @@ def lost_by_cause(records: Iterable[Record]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, Any]]:
+def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, object]]:
     """The `limit` most recently active conversations among `records`, newest first, each with
     its turns in order (those still among `records`), the prefill seconds it lost in all
     (`lost_s`, from its latest turn's `conversation_lost_s`, so turns no longer held count
@@ -57,7 +56,7 @@ def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, Any]]
         if r.conversation_id is not None:
             groups.setdefault(r.conversation_id, []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: max(r.started_at for r in kv[1]), reverse=True)
-    out = []
+    out: list[dict[str, object]] = []
     for cid, turns in ordered[:limit]:
         turns.sort(key=lambda r: (r.turn or 0, r.started_at))
         last = turns[-1]

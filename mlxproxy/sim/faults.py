@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 MIDDLE = -1  # "@K" not given: the middle visible token
 
@@ -50,6 +51,18 @@ class Faults:
         return self != Faults()
 
 
+class _Switches(TypedDict, total=False):
+    """`Faults`' fields as `parse_faults` reads them, one at a time."""
+
+    http_error: int
+    reset_before_headers: bool
+    reset_at: int
+    malformed_at: int
+    stall_s: float
+    stall_at: int
+    stream_error_at: int
+
+
 def _position(name: str, at: str | None) -> int:
     if at is None:
         return MIDDLE
@@ -64,7 +77,7 @@ def _position(name: str, at: str | None) -> int:
 
 def parse_faults(text: str | None) -> Faults:
     """Parse the fault syntax above; empty or None gives no faults."""
-    fields: dict[str, object] = {}
+    fields: _Switches = {}
     for raw in (text or "").split(","):
         item = raw.strip()
         if not item:
@@ -103,4 +116,4 @@ def parse_faults(text: str | None) -> Faults:
                 f"unknown fault {name!r}; use http-error=CODE, reset-before-headers, reset-mid-stream[@K], "
                 "malformed[@K], stall=SECONDS[@K] or stream-error[@K]"
             )
-    return Faults(**fields)  # type: ignore[arg-type]
+    return Faults(**fields)
