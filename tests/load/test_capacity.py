@@ -74,22 +74,45 @@ def test_the_engines_truth_is_what_the_tests_below_expect() -> None:
         assert truth_capacity(p, list(range(1, 13)), lambda c: mix_copies(c, 1, 3)) == mb
 
 
-def test_bench_sweep_doubles_then_refines_to_the_engines_truth(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("max_batch", "sweep"), [(4, ["--sweep"]), (6, ["--sweep", "auto"])])
+def test_bench_sweep_doubles_then_refines_to_the_engines_truth(
+    tmp_path: Path, max_batch: int, sweep: list[str]
+) -> None:
+    """`--sweep` alone is `--sweep auto`: 6 on a --max-batch 6 server, not a power of two."""
     out = tmp_path / "b.json"
-    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(4))) as sim:
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(max_batch))) as sim:
         res = cli(
             "bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1",
-            "--max-tokens", str(TOKENS), "--sweep", "--slo", SLO, "--json", str(out),
+            "--max-tokens", str(TOKENS), *sweep, "--slo", SLO, "--json", str(out),
         )  # fmt: skip
     assert res.returncode == 0, res.stderr[-1500:]
     cap = orjson.loads(out.read_bytes())["capacity"]["s"]
     ran = [st["concurrency"] for st in cap["steps"]]
-    truth = truth_capacity(get_profile("healthy", **knobs(4)), sorted(ran), lambda c: mix_copies(c, 1, 3))
-    assert cap["max_concurrency"] == truth == 4, (ran, cap["max_concurrency"])
-    assert {1, 2, 4, 8} <= set(ran) and 5 in ran  # doubled, then refined between 4 and 8 down to 5
+    truth = truth_capacity(get_profile("healthy", **knobs(max_batch)), sorted(ran), lambda c: mix_copies(c, 1, 3))
+    assert cap["max_concurrency"] == truth == max_batch, (ran, cap["max_concurrency"])
+    assert {1, 2, 4, 8, max_batch + 1} <= set(ran)  # doubled, then refined between 4 and 8 to the step past it
     assert all(st["requests"] >= MIN_STEP_REQUESTS and not st["too_small"] for st in cap["steps"])
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("s: "))
-    assert "meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in " ".join(res.stdout.split()), line
+    want = f"meets the SLO up to {max_batch} concurrent streams; at {max_batch + 1}, TTFT p95 is"
+    assert want in " ".join(res.stdout.split()), line
+
+
+def test_bench_sweep_double_stops_at_the_powers_of_two(tmp_path: Path) -> None:
+    """`--sweep double` on the --max-batch 6 server: 1, 2, 4, 8 and no more; the answer is the
+    power of two below the truth, and the verdict says it was not refined."""
+    out = tmp_path / "b.json"
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(6))) as sim:
+        res = cli(
+            "bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1",
+            "--max-tokens", str(TOKENS), "--sweep", "double", "--slo", SLO, "--json", str(out),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap = orjson.loads(out.read_bytes())["capacity"]["s"]
+    ran = [st["concurrency"] for st in cap["steps"]]
+    assert ran == [1, 2, 4, 8]
+    truth = truth_capacity(get_profile("healthy", **knobs(6)), ran, lambda c: mix_copies(c, 1, 3))
+    assert cap["max_concurrency"] == truth == 4 and cap["broken_at"] == 8
+    assert "the capacity lies between 4 and 7: not refined" in " ".join(res.stdout.split())
 
 
 def _capture_with_models(tmp_path: Path, chats: list[CapturedRequest]) -> Path:
@@ -104,8 +127,10 @@ def _capture_with_models(tmp_path: Path, chats: list[CapturedRequest]) -> Path:
     return write_capture(tmp_path / "c.jsonl", [models, *chats])
 
 
-@pytest.mark.parametrize("max_batch", [4, 6])
-def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(tmp_path: Path, max_batch: int) -> None:
+@pytest.mark.parametrize(("max_batch", "sweep"), [(4, ["--sweep"]), (6, ["--sweep", "auto"])])
+def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(
+    tmp_path: Path, max_batch: int, sweep: list[str]
+) -> None:
     """Doubling 1, 2, 4, 8, then refining: 6 on a --max-batch 6 server, not a power of two."""
     chats = [
         captured_chat(f"c{i}", [{"role": "user", "content": f"task {i}"}], started_at=1.0 + i, max_tokens=TOKENS)
@@ -114,7 +139,7 @@ def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(tmp
     cap_file = _capture_with_models(tmp_path, chats)
     out = tmp_path / "r.json"
     with ServerThread(create_sim("healthy", speed=SPEED, **knobs(max_batch))) as sim:
-        res = cli("replay", str(cap_file), "--target", f"s={sim.url}", "--sweep", "--slo", SLO, "--json", str(out))
+        res = cli("replay", str(cap_file), "--target", f"s={sim.url}", *sweep, "--slo", SLO, "--json", str(out))
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
@@ -171,6 +196,34 @@ def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_to
     assert "meets the SLO up to 4 concurrent sessions; at 5, TTFT p95 is" in text
     assert "2: too few requests to judge (under 20 generation requests" in text
     assert "not judged: too few requests" in res.stderr
+
+
+def test_a_sessions_sweep_auto_refines_to_the_engines_truth(tmp_path: Path) -> None:
+    """`replay --mode sessions --sweep auto` on the --max-batch 6 server: the first steps are too
+    small to judge (5 and 10 requests), 4 and 8 are judged, then refining finds 6 sessions."""
+    cap_file = _capture_with_models(tmp_path, _five_turns())
+    out = tmp_path / "s.json"
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(6))) as sim:
+        res = cli(
+            "replay", str(cap_file), "--target", f"s={sim.url}", "--mode", "sessions", "--sweep", "auto",
+            "--think-time", "0", "--slo", SLO, "--json", str(out),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap = orjson.loads(out.read_bytes())["capacity"]["s"]
+    ran = [st["concurrency"] for st in cap["steps"]]
+    truth = truth_capacity(get_profile("healthy", **knobs(6)), sorted(ran), lambda c: 5 * c)
+    assert cap["max_concurrency"] == truth == 6, (ran, cap)
+    assert {1, 2, 4, 8, 7} <= set(ran) and cap["too_small"] == [1, 2] and cap["unit"] == "sessions"
+    assert "meets the SLO up to 6 concurrent sessions; at 7, TTFT p95 is" in " ".join(res.stdout.split())
+
+
+def test_a_bare_sweep_before_the_capture_leaves_the_capture_an_argument(tmp_path: Path) -> None:
+    """`--sweep` takes an optional value: the word after a bare `--sweep` is still the capture."""
+    cap_file = _capture_with_models(tmp_path, _five_turns())
+    res = cli("replay", "--sweep", str(cap_file), "--target", "http://127.0.0.1:9", "--batch", "2")
+    assert res.returncode == 2 and "--sweep steps" in res.stderr  # parsed as a sweep of that capture
+    res = cli("replay", str(cap_file), "--target", "http://127.0.0.1:9", "--sweep", "twice")
+    assert res.returncode == 2 and "'twice' is not one of 'auto', 'double'" in res.stderr
 
 
 # -- the verdict ------------------------------------------------------------------------------
