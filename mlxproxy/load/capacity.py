@@ -16,10 +16,10 @@ same step twice.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlxproxy.load.plot import Chart
-from mlxproxy.load.results import ResultFile, ResultKind
+from mlxproxy.load.results import Group, ResultFile, ResultKind
 from mlxproxy.load.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,
@@ -31,9 +31,6 @@ from mlxproxy.load.slo import (
     step_problem,
     succeeded,
 )
-
-if TYPE_CHECKING:
-    from mlxproxy.load.results import Group
 
 __all__ = [
     "MAX_AUTO_CONCURRENCY",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,8 +22,10 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.load.arrivals import generator_note, sent_rate
+from mlxproxy.load.capacity import capacity_line, capacity_of
 from mlxproxy.load.results import Group, ResultFile, Summary
-from mlxproxy.load.schedules import generator_note, sent_rate
+from mlxproxy.load.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 
 __all__ = [
     "aggregate_tps",
@@ -240,8 +243,6 @@ def _ms(v: float | None) -> str:
 
 
 def _wrap(text: str, width: int = LINE_WIDTH, indent: str = "  ") -> list[str]:
-    import textwrap
-
     return textwrap.wrap(text, width=width, subsequent_indent=indent, break_on_hyphens=False) or [""]
 
 
@@ -371,8 +372,6 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
 def slo_section(groups: Sequence[Group]) -> Section | None:
     """The judged groups against their SLO: goodput (share and rate of requests that met
     every threshold), each threshold's measured value, and whether the SLO held."""
-    from mlxproxy.load.schedules import SLO_METRICS, fmt_value, slo_text, step_problem
-
     judged = [(g, g.summary.slo, g.summary.goodput or {}) for g in groups if g.summary.slo is not None]
     if not judged:
         return None
@@ -406,8 +405,6 @@ def slo_section(groups: Sequence[Group]) -> Section | None:
 
 def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     """The sweep's steps per target and the capacity verdict, one line per target."""
-    from mlxproxy.load.schedules import capacity_line, capacity_of
-
     caps = capacity_of(groups)
     if not caps:
         return []

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from mlxproxy import __version__
+
 __all__ = [
     "RESULT_VERSION",
     "GroupKind",
@@ -314,8 +316,6 @@ class ResultFile:
     ) -> ResultFile:
         """A file of this run, written now by this version (`schedules.result_file` adds the
         sweeps' capacity)."""
-        from mlxproxy import __version__
-
         return cls(kind, tuple(groups), dict(verdicts or {}), __version__, time.time(), dict(extra or {}))
 
     @property

@@ -16,18 +16,15 @@ its effective latency: TTFT and E2E from when it was due, not from when it was s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
 from mlxproxy.core.stats import percentile
-from mlxproxy.load.results import Summary
+from mlxproxy.load.results import Group, Summary
 
 # the option values' meaning (--slo, --fail-on) is the vocabulary's, shared by the commands
 from mlxproxy.vocabulary import SLO_METRICS, parse_fail_on, parse_slo
-
-if TYPE_CHECKING:
-    from mlxproxy.load.results import Group
 
 __all__ = [
     "SLO_METRICS",
