@@ -214,7 +214,7 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
     slo = slo or parse_slo(DEFAULT_SLO)
     for r in results:
         r.groups[:] = [
-            g.with_summary(g.summary.updated(judge(g.records, slo)))
+            g.with_summary(g.summary.judged(judge(g.records, slo)))
             if g.kind != "single" and g.params.get("prompt_tokens") == prompt_tokens
             else g
             for g in r.groups

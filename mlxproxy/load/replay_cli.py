@@ -378,4 +378,4 @@ def _show(
 def judge_groups(groups: list[Group], slo: dict[str, float] | None) -> None:
     """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO), in place."""
     slo = slo or parse_slo(DEFAULT_SLO)
-    groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo))) for g in groups]
+    groups[:] = [g.with_summary(g.summary.judged(judge(g.records, slo))) for g in groups]

@@ -78,9 +78,9 @@ async def run_sweep(
         g = _step_group(timed, where, n, slo, target, {**params, "auto": auto, "budget_s": budget_s}, unit)
         out.append(g)
         done.append(step_figures(g))
-        done.sort(key=lambda s: s["step"])
+        done.sort(key=lambda s: s.step)
         if say:
-            say(_step_line(target, unit, next(s for s in done if s["step"] == n)))
+            say(_step_line(target, unit, next(s for s in done if s.step == n)))
 
     if not auto:
         for n in steps:
@@ -89,7 +89,7 @@ async def run_sweep(
     n = 1
     while True:
         await one(n)
-        if stop_reason([s for s in done if s["step"] <= n]) or n >= MAX_AUTO_CONCURRENCY:
+        if stop_reason([s for s in done if s.step <= n]) or n >= MAX_AUTO_CONCURRENCY:
             break
         n *= 2
     while refine and time.monotonic() - t0 < budget_s and (bounds := refine_bounds(done)) is not None:
@@ -102,10 +102,10 @@ def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
     broke the SLO, added no throughput or was too small to judge. Steps too small to judge
     before the first judged one are passed over (a sessions sweep's first steps send few
     requests)."""
-    ordered = sorted(steps, key=lambda s: s["step"])
+    ordered = sorted(steps, key=lambda s: s.step)
     good: Step | None = None
     for i, s in enumerate(ordered):
-        if good is None and s.get("too_small"):
+        if good is None and s.too_small:
             continue
         if not holds(s):
             break
@@ -114,10 +114,10 @@ def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
         good = s
     if good is None:
         return None
-    later = [s for s in ordered if s["step"] > good["step"]]
+    later = [s for s in ordered if s.step > good.step]
     if not later:
         return None
-    lo, hi = int(good["step"]), int(later[0]["step"])
+    lo, hi = int(good.step), int(later[0].step)
     return (lo, hi) if hi - lo > 1 else None
 
 
@@ -144,19 +144,19 @@ def _step_group(
         f"{label} {n:g}" + ("/s" if unit == RATE_UNIT else ""),
         "sweep_step",
         {**params, key: n, "step": n, "sweep": True, "unit": unit},
-        summary.updated(judge(records, slo)),
+        summary.judged(judge(records, slo)),
         tuple(records),
     )
 
 
 def _step_line(target: str, unit: str, st: Step) -> str:
     head = (
-        f"sweep {target}: {step_label(st['step'], unit)}: {st['ok']}/{st['requests']} ok, aggregate "
-        f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {(st['goodput'] or {}).get('share') or 0.0:.0%}, SLO "
+        f"sweep {target}: {step_label(st.step, unit)}: {st.ok}/{st.requests} ok, aggregate "
+        f"{st.aggregate_tps or 0.0:.1f} tok/s, goodput {(st.goodput.share if st.goodput else None) or 0.0:.0%}, SLO "
     )
-    if st["too_small"]:
+    if st.too_small:
         return head + f"not judged: too few requests (under {MIN_STEP_REQUESTS})"
-    return head + ("held" if st["slo_met"] else "broken: " + st["problem"])
+    return head + ("held" if st.slo_met else "broken: " + st.problem)
 
 
 def mix_copies(count: int, mix_size: int, per_stream: int = MIN_PER_STREAM) -> int:

@@ -248,7 +248,7 @@ def _step(c: float, ttft: float, agg: float, n: int = 20, outcome: str = "ok", u
             "mode": f"{key} {c:g}",
             "kind": "sweep_step",
             "params": {key: c, "step": c, "sweep": True, "unit": unit},
-            "summary": {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 5.0})},
+            "summary": {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 5.0}).to_json()},
             "records": recs,
         }
     )
@@ -258,7 +258,7 @@ def test_flat_throughput_ends_the_capacity_at_the_knee_and_names_two_steps() -> 
     # the --max-batch 4 server under a loose SLO: TTFT 0.8 s -> 4.5 s, throughput flat past 4
     groups = [_step(1, 0.8, 50), _step(2, 0.8, 100), _step(4, 0.9, 200), _step(8, 4.5, 201)]
     cap = capacity_of(groups)["t"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "throughput" and cap["knee"] == 4
+    assert cap.value == 4 and cap.limited_by == "throughput" and cap.knee == 4
     line = capacity_line("t", cap)
     assert line == (
         "t: capacity 4 concurrent streams, where aggregate tok/s stopped rising (200 tok/s; 201 at 8, where the SLO"
@@ -269,7 +269,7 @@ def test_flat_throughput_ends_the_capacity_at_the_knee_and_names_two_steps() -> 
 def test_falling_throughput_is_not_capacity() -> None:
     # the capture replayed at 4 then 8 streams: 911 -> 122 tok/s while the SLO's thresholds still held
     cap = capacity_of([_step(1, 0.5, 300), _step(2, 0.6, 600), _step(4, 1.0, 911), _step(8, 4.0, 122)])["t"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "throughput"
+    assert cap.value == 4 and cap.limited_by == "throughput"
     assert "capacity 4 concurrent streams, where aggregate tok/s stopped rising (911 tok/s; 122 at 8," in capacity_line(
         "t", cap
     )
@@ -292,16 +292,16 @@ def test_the_verdict_never_names_one_step_twice() -> None:
             head = line.split(": too few requests")[0].rsplit("; ", 1)[0] if "too few" in line else line
             named = re.findall(r"\b(?:at|past|to|capacity) (\d+)\b", head)
             assert len(named) == len(set(named)), (combo, aggs, line)  # each step named once at most
-            if cap["max_concurrency"]:
-                st = next(s for s in cap["steps"] if s["step"] == cap["max_concurrency"])
-                assert st["slo_met"] and not st["too_small"], (combo, aggs, line)
+            if cap.value:
+                st = next(s for s in cap.steps if s.step == cap.value)
+                assert st.slo_met and not st.too_small, (combo, aggs, line)
             seen += 1
     assert seen == 4**4 * 3
 
 
 def test_a_too_small_step_is_never_reported_as_meeting_the_slo() -> None:
     cap = capacity_of([_step(1, 0.1, 10, n=5), _step(2, 0.1, 20, n=10)])["t"]
-    assert cap["max_concurrency"] == 0 and cap["limited_by"] == "too_small" and cap["too_small"] == [1, 2]
+    assert cap.value == 0 and cap.limited_by == "too_small" and cap.too_small == (1, 2)
     line = capacity_line("t", cap)
     assert (
         line
@@ -310,12 +310,15 @@ def test_a_too_small_step_is_never_reported_as_meeting_the_slo() -> None:
 
 
 def test_refining_stops_when_the_bounds_meet() -> None:
-    steps = [dict(s, too_small=False) for s in capacity_of([_step(c, 1.0, 10 * c) for c in (1, 2, 4)])["t"]["steps"]]
+    steps = [
+        dataclasses.replace(s, too_small=False)
+        for s in capacity_of([_step(c, 1.0, 10 * c) for c in (1, 2, 4)])["t"].steps
+    ]
     assert refine_bounds(steps) is None  # every step held and rose: nothing to refine
-    broke = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 1.0, 40), _step(8, 9.0, 40)])["t"]["steps"]
+    broke = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 1.0, 40), _step(8, 9.0, 40)])["t"].steps
     assert refine_bounds(broke) == (4, 8)
     more = capacity_of([_step(c, 1.0 if c <= 6 else 9.0, 10 * min(c, 6)) for c in (1, 2, 4, 6, 7, 8)])["t"]
-    assert refine_bounds(more["steps"]) is None and more["max_concurrency"] == 6
+    assert refine_bounds(more.steps) is None and more.value == 6
 
 
 # -- coordinated omission -----------------------------------------------------------------------
@@ -326,10 +329,10 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
     on_time = [_rec(i, 0.5, lag=0.001) for i in range(20)]
     late = [_rec(i, 0.5, lag=3.0) for i in range(20)]
     slo = {"ttft_p95": 2.0, "e2e_p95": 3.0}
-    assert judge(on_time, slo)["slo"]["met"]
+    assert judge(on_time, slo).slo.met
     j = judge(late, slo)
-    assert not j["slo"]["met"] and j["slo"]["values"]["ttft_p95"] == pytest.approx(3.5)
-    assert j["goodput"]["good"] == 0
+    assert not j.slo.met and j.slo.values["ttft_p95"] == pytest.approx(3.5)
+    assert j.goodput.good == 0
 
 
 def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
@@ -403,3 +406,20 @@ def test_fail_on_slo_judges_the_lightest_step_big_enough_to_judge() -> None:
     ]
     (broken,) = failed_checks(("slo",), [_step(2, 1.0, 20), _step(1, 9.0, 10)])  # in step order, not run order
     assert broken.startswith("SLO broken on t concurrency 1: TTFT p95 is 9")
+
+
+def test_the_capacity_object_keeps_its_keys_in_the_result_file() -> None:
+    """The frozen results convert to the same JSON keys, in the same order, as the file always had."""
+    cap = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 9.0, 20), _step(8, 1.0, 20, n=5)])["t"]
+    d = cap.to_json()
+    assert list(d) == ["max_concurrency", "slo", "limited_by", "unit", "steps", "broken_at", "too_small"]
+    assert d["max_concurrency"] == 2 and d["broken_at"] == 4 and d["too_small"] == [8] and d["slo"] == {"ttft_p95": 5.0}
+    step = d["steps"][2]
+    assert list(step) == [
+        "step", "concurrency", "requests", "ok", "errors", "too_small", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
+        "tpot_p95_s", "decode_tps_p50", "aggregate_tps", "anomalies", "goodput", "slo_met", "breaches", "problem",
+    ]  # fmt: skip
+    assert step["breaches"] == [{"key": "ttft_p95", "value": 9.0, "threshold": 5.0}] and step["slo_met"] is False
+    assert list(step["goodput"]) == ["good", "requests", "share", "rate"]
+    rate = capacity_of([_step(2.5, 1.0, 10, unit="req/s")])["t"].to_json()
+    assert "max_rate" in rate and list(rate["steps"][0])[:2] == ["step", "rate"]
