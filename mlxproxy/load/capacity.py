@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mlxproxy.load.plot import Chart
 from mlxproxy.load.results import Breach, Goodput, Group, ResultFile, ResultKind
@@ -385,7 +384,7 @@ def result_file(
     kind: ResultKind,
     groups: Sequence[Group],
     verdicts: Mapping[str, str] | None = None,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
 ) -> ResultFile:
     """The result file of this run, written now by this version, with the sweeps' capacity."""
     capacity = {t: c.to_json() for t, c in capacity_of(groups).items()}

@@ -65,7 +65,7 @@ class Stat:
     p99: float | None = None
     max: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | float | None]:
         return {
             "count": self.count,
             "mean": self.mean,
@@ -97,7 +97,7 @@ class AnomalyCount:
     count: int
     evidence: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | str]:
         return {"count": self.count, "evidence": self.evidence}
 
     @classmethod
@@ -222,8 +222,8 @@ class Summary:
     untrusted_usage: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
         for name in _STATS:
             out[name] = getattr(self, name).to_dict()
         out.update(
@@ -318,8 +318,8 @@ class Group:
     #: replay --compare: each replayed request next to its captured figures (None: not asked)
     compare: tuple[Mapping[str, Any], ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "name": self.name,
             "target": self.target,
             "mode": self.mode,
@@ -410,7 +410,7 @@ class ResultFile:
         """bench's per-target facts (`name`, `url`, `model`, `calibration`, `error`); empty for replay."""
         return self.extra.get("targets") or ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "mlxproxy_result": self.format_version,
             "kind": self.kind,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
 from mlxproxy.load.capacity import (
     MAX_AUTO_CONCURRENCY,
@@ -55,7 +54,7 @@ async def run_sweep(
     slo: dict[str, float],
     *,
     target: str,
-    params: dict[str, Any],
+    params: Mapping[str, object],
     out: list[Group],
     say: Callable[[str], None] | None = None,
     unit: str = "streams",
@@ -127,7 +126,7 @@ def _step_group(
     n: float,
     slo: dict[str, float],
     target: str,
-    params: dict[str, Any],
+    params: Mapping[str, object],
     unit: str,
 ) -> Group:
     records = timed.rows(where)
