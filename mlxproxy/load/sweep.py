@@ -63,9 +63,9 @@ async def run_sweep(
     refine: bool = True,
 ) -> None:
     """Run `step(n)` at each of `steps` (empty: doubling from 1, then, with `refine`, refining
-    within `budget_s` seconds; `mlxproxy.load.shapes.Sweep` runs a shape this way). Each step's group is appended to `out` as it finishes; `say` gets
-    one line per step; `progress` shows each step as a phase. `unit`: what the steps count
-    (streams, sessions, req/s)."""
+    within `budget_s` seconds; `mlxproxy.load.shapes.Sweep` runs a shape this way). Each step's
+    group is appended to `out` as it finishes; `say` gets one line per step; `progress` shows
+    each step as a phase. `unit`: what the steps count (streams, sessions, req/s)."""
     auto = not steps
     t0 = time.monotonic()
     done: list[Step] = []
