@@ -10,6 +10,7 @@ deprecation line on stderr (`DEPRECATED`, `deprecated_alias`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,6 +35,8 @@ __all__ = [
     "SLO",
     "FAIL_ON",
     "FLOAT_LIST",
+    "SWEEP_MODES",
+    "LoadCommand",
 ]
 
 #: option -> its one meaning (the first sentence of its help in every command that has it)
@@ -50,10 +53,11 @@ MEANINGS: dict[str, str] = {
     "the speedup (2 = the double-batch test).",
     "--concurrency": "N[,N,...]: N requests in flight at once, each next one sent when one finishes (closed loop); "
     "several values are the steps of a --sweep.",
-    "--sweep": "Step the concurrency up (the --concurrency values, else 1, 2, 4, ... until aggregate tok/s stops "
-    "rising, the SLO breaks or requests fail, then halving the gap between the last good and the first bad "
-    "step) and give the capacity: the largest concurrency that met the --slo, never past where aggregate "
-    "tok/s stopped rising.",
+    "--sweep": "auto or double: step the concurrency up and give the capacity: the largest concurrency that met "
+    "the --slo, never past where aggregate tok/s stopped rising. auto (what --sweep alone means): 1, 2, 4, ... "
+    "until aggregate tok/s stops rising, the SLO breaks or requests fail, then halving the gap between the last "
+    "good and the first bad step, to the exact number; double: the powers of two only, not refined. Steps "
+    "given with --concurrency run as given.",
     "--sweep-budget": "SECONDS: a --sweep without given steps starts refining steps only while it has run less "
     "than this long (the verdict says when the answer was left unrefined).",
     "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
@@ -300,6 +304,10 @@ def arrival_options(command: _Command) -> _Command:
     return command
 
 
+#: `--sweep`'s values: auto (doubling, then refined to the exact step; `--sweep` alone) or double
+SWEEP_MODES = ("auto", "double")
+
+
 _OUTPUT_FILE: dict[str, Any] = {"type": click.Path(dir_okay=False), "default": None}
 #: how each option the load commands share is declared: (click's declarations, settings); each
 #: command adds its own help after the shared meaning and may override a setting (a default)
@@ -317,13 +325,42 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "--concurrency": (("--concurrency",), {"type": INT_LIST, "default": None, "metavar": "N[,N,...]"}),
     "--batch": (("--batch",), {"type": BATCH_SIZES, "default": None, "metavar": "N[,N,...]"}),
     "--rate": (("--rate",), {"type": FLOAT_LIST, "default": None, "metavar": "R[,R,...]"}),
-    "--sweep": (("--sweep",), {"is_flag": True}),
+    "--sweep": (
+        ("--sweep",),
+        {"type": click.Choice(SWEEP_MODES), "is_flag": False, "flag_value": "auto", "default": None},
+    ),
     "--sweep-budget": (
         ("--sweep-budget", "sweep_budget"),
         {"type": click.FloatRange(min=0.0), "default": 600.0, "show_default": True, "metavar": "SECONDS"},
     ),
     "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
 }
+
+
+def _is_value(word: str) -> bool:
+    """Whether the word after `--sweep` is meant as its value: one of them, or a bare word
+    that names no file (a mistyped value, which gets click's "not one of" error)."""
+    return word in SWEEP_MODES or (word.isalpha() and word.islower() and not os.path.exists(word))
+
+
+def _bare_sweep(args: list[str]) -> list[str]:
+    """`args` with each `--sweep` not followed by a value spelled `--sweep=auto`, so the word
+    after it stays an argument (`replay --sweep CAPTURE`)."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a == "--":
+            break
+        if a == "--sweep" and (i + 1 == len(out) or out[i + 1].startswith("-") or not _is_value(out[i + 1])):
+            out[i] = "--sweep=auto"
+    return out
+
+
+class LoadCommand(click.Command):
+    """A load command (bench, replay): `--sweep` takes an optional value, and a bare `--sweep`
+    before an argument leaves the argument alone."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _bare_sweep(args))
 
 
 def shared_option(option: str, extra: str = "", **settings: Any) -> Callable[[_Command], _Command]:

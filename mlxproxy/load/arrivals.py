@@ -75,7 +75,9 @@ def ramp_offsets(rate: float, ramp_s: float, arrival: str = "constant", seed: in
     return [math.sqrt(2.0 * ramp_s * u / rate) for u in units]
 
 
-def schedule(n: int, rate: float, arrival: str = "constant", seed: int = 0) -> tuple[list[float], dict[str, Any]]:
+def schedule(
+    n: int, rate: float, arrival: str = "constant", seed: int = 0
+) -> tuple[list[float], dict[str, float | str | int | None]]:
     """`arrival_offsets` and the group params that describe them (`scheduled_rate`: the
     schedule's own rate, which a short Poisson schedule makes differ from `rate`)."""
     offs = arrival_offsets(n, rate, arrival, seed)

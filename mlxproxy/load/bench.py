@@ -28,15 +28,14 @@ from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.errors import clip
-from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text, requests_text, unreachable_message
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
-from mlxproxy.load.shapes import OpenLoop, Waves
+from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves, closed_loop_step, open_loop_step
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
 
 __all__ = [
     "BenchOptions",
@@ -83,6 +82,7 @@ class BenchOptions:
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
 
 
 @dataclass
@@ -275,28 +275,26 @@ class _BenchRun:
             await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
         if opts.sweep:
             step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat)
-            await self.sweep(step, opts.sweep_steps, tick)
+            await self.sweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s), step, tick)
         if opts.rate_steps:
-            step_r = open_loop_step(
-                self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.arrival, opts.seed, opts.ramp_s
-            )
+            step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests)
+            shape = Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)
             params = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
-            await self.sweep(step_r, opts.rate_steps, tick, RATE_UNIT, params)
+            await self.sweep(shape, step_r, tick, params)
         elif opts.rate:
             await self.rate(opts.rate, tick)
 
     async def sweep(
         self,
-        step: Callable[[Any], Awaitable[StepRun]],
-        steps: Sequence[float],
+        shape: Sweep[SweptShape],
+        step: Callable[[SweptShape], Awaitable[StepRun]],
         tick: Progress,
-        unit: str = "streams",
         params: Mapping[str, Any] | None = None,
     ) -> None:
-        await run_sweep(
-            step, steps, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.res.target.name,
+        await shape.run(
+            step, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.res.target.name,
             params={**self.params, "prompt_tokens": self.bsize, **(params or {})}, out=self.res.groups,
-            say=self.say, progress=tick, unit=unit, budget_s=self.opts.budget_s,
+            say=self.say, progress=tick,
         )  # fmt: skip
 
     async def rate(self, rate: float, tick: Progress) -> None:

@@ -27,13 +27,14 @@ from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
+    LoadCommand,
     arrival_options,
     help_for,
     shared_option,
 )
 
 
-@click.command("bench")
+@click.command("bench", cls=LoadCommand)
 @click.option(
     "--target",
     "targets",
@@ -113,7 +114,7 @@ def bench(
     batch: tuple[int, ...],
     batch_prompt_tokens: int | None,
     concurrency: tuple[int, ...] | None,
-    sweep: bool,
+    sweep: str | None,
     sweep_budget: float,
     rate: tuple[float, ...] | None,
     arrival: str,
@@ -137,7 +138,7 @@ def bench(
     released together, with the truth checks applied and a verdict per target."""
     tlist = parse_targets(targets, timeouts, api_key_env)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
-    sweep = sweep or bool(concurrency)
+    sweep = sweep or ("auto" if concurrency else None)
     if ramp_s and not rate:
         fail("--ramp applies to --rate only")
     if sweep and rate and len(rate) > 1:
@@ -191,7 +192,7 @@ def _options(
     arrival: str,
     seed: int,
     n_requests: int,
-    sweep: bool,
+    sweep: str | None,
     concurrency: tuple[int, ...] | None,
     slo: dict[str, float] | None,
     sweep_budget: float,
@@ -202,8 +203,8 @@ def _options(
         prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
         batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce,
         rate=rate[0] if rate else None, rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
-        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo,
-        budget_s=sweep_budget,
+        arrival=arrival, seed=seed, requests=n_requests, sweep=bool(sweep), sweep_steps=concurrency or (), slo=slo,
+        budget_s=sweep_budget, refine=sweep != "double",
     )  # fmt: skip
 
 
@@ -213,7 +214,7 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
     slo = slo or parse_slo(DEFAULT_SLO)
     for r in results:
         r.groups[:] = [
-            g.with_summary(g.summary.updated(judge(g.records, slo)))
+            g.with_summary(g.summary.judged(judge(g.records, slo)))
             if g.kind != "single" and g.params.get("prompt_tokens") == prompt_tokens
             else g
             for g in r.groups

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,6 @@ def results_from_doc(doc: ResultFile, prefix: str = "") -> tuple[list[TargetResu
 
 
 def wrap_lines(text: str) -> list[str]:
-    import textwrap
-
     return textwrap.wrap(text, width=100)
 
 

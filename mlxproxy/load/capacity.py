@@ -16,10 +16,10 @@ same step twice.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
 
 from mlxproxy.load.plot import Chart
-from mlxproxy.load.results import ResultFile, ResultKind
+from mlxproxy.load.results import Breach, Goodput, Group, ResultFile, ResultKind
 from mlxproxy.load.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,
@@ -32,10 +32,9 @@ from mlxproxy.load.slo import (
     succeeded,
 )
 
-if TYPE_CHECKING:
-    from mlxproxy.load.results import Group
-
 __all__ = [
+    "Capacity",
+    "Step",
     "MAX_AUTO_CONCURRENCY",
     "MIN_PER_STREAM",
     "MIN_STEP_REQUESTS",
@@ -43,7 +42,6 @@ __all__ = [
     "RISE",
     "capacity_line",
     "capacity_of",
-    "capacity_value",
     "holds",
     "knee_of",
     "result_file",
@@ -59,7 +57,86 @@ RISE = 1.05  # aggregate tok/s must grow at least 5 % per doubling, else the ser
 MIN_PER_STREAM = 3  # each stream of a closed-loop sweep step sends at least this many requests
 RATE_UNIT = "req/s"
 
-Step = dict[str, Any]  # one step's figures, as the result file's `capacity.steps` holds them
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One judged step's figures over its generation requests (an entry of `capacity.steps`
+    in result files); `step` is the step's count, as the sweep ran it (streams, sessions or
+    req/s), `rate` tells a step of an open-loop rate."""
+
+    step: float
+    requests: int
+    ok: int
+    errors: int
+    too_small: bool
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p95_s: float | None = None
+    decode_tps_p50: float | None = None
+    aggregate_tps: float | None = None
+    anomalies: Mapping[str, int] = field(default_factory=dict)
+    goodput: Goodput | None = None
+    slo_met: bool | None = None
+    breaches: tuple[Breach, ...] | None = None
+    problem: str = ""
+    rate: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        """The step as `capacity.steps` holds it (its count under `step` and under `concurrency`
+        or `rate`)."""
+        return {
+            "step": self.step,
+            "rate" if self.rate else "concurrency": self.step,
+            "requests": self.requests,
+            "ok": self.ok,
+            "errors": self.errors,
+            "too_small": self.too_small,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p95_s": self.ttft_p95_s,
+            "tpot_p50_s": self.tpot_p50_s,
+            "tpot_p95_s": self.tpot_p95_s,
+            "decode_tps_p50": self.decode_tps_p50,
+            "aggregate_tps": self.aggregate_tps,
+            "anomalies": dict(self.anomalies),
+            "goodput": None if self.goodput is None else self.goodput.to_json(),
+            "slo_met": self.slo_met,
+            "breaches": None if self.breaches is None else [b.to_json() for b in self.breaches],
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What one target's sweep answers (the result file's `capacity[target]`): the largest step
+    that held the SLO (`value`), why it is not larger (`limited_by`: `slo`, `errors`,
+    `throughput`, `steps` or `too_small`), the SLO's thresholds, the steps, and where they apply
+    the first judged step that broke the SLO, the knee and the steps too small to judge."""
+
+    value: float
+    unit: str
+    slo: Mapping[str, float]
+    limited_by: str
+    steps: tuple[Step, ...]
+    broken_at: float | None = None
+    knee: float | None = None
+    too_small: tuple[float, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "max_rate" if self.unit == RATE_UNIT else "max_concurrency": self.value,
+            "slo": dict(self.slo),
+            "limited_by": self.limited_by,
+            "unit": self.unit,
+            "steps": [st.to_json() for st in self.steps],
+        }
+        if self.broken_at is not None:
+            out["broken_at"] = self.broken_at
+        if self.knee is not None:
+            out["knee"] = self.knee
+        if self.too_small:
+            out["too_small"] = list(self.too_small)
+        return out
 
 
 def step_figures(g: Group) -> Step:
@@ -68,36 +145,34 @@ def step_figures(g: Group) -> Step:
     recs = judged(g.records)
     ok = [r for r in recs if succeeded(r)]
 
-    def p(field: str, q: float) -> float | None:
-        return percentile_of([x for r in ok if (x := effective(r, field)) is not None], q)
+    def p(name: str, q: float) -> float | None:
+        return percentile_of([x for r in ok if (x := effective(r, name)) is not None], q)
 
     anomalies: dict[str, int] = {}
     for r in recs:
         for k in r.get("anomalies", ()):
             anomalies[k] = anomalies.get(k, 0) + 1
     s = g.summary
-    slo = s.slo or {}
-    step = _step_value(g)
-    key = "rate" if g.params.get("unit") == RATE_UNIT else "concurrency"
-    return {
-        "step": step,
-        key: step,
-        "requests": len(recs),
-        "ok": len(ok),
-        "errors": len(recs) - len(ok),
-        "too_small": len(recs) < MIN_STEP_REQUESTS,
-        "ttft_p50_s": p("ttft_s", 50),
-        "ttft_p95_s": p("ttft_s", 95),
-        "tpot_p50_s": p("tpot_s", 50),
-        "tpot_p95_s": p("tpot_s", 95),
-        "decode_tps_p50": p("decode_tps", 50),
-        "aggregate_tps": s.aggregate_tps,
-        "anomalies": anomalies,
-        "goodput": s.goodput,
-        "slo_met": slo.get("met"),
-        "breaches": slo.get("breaches"),
-        "problem": step_problem(s),
-    }
+    slo = s.slo
+    return Step(
+        _step_value(g),
+        len(recs),
+        len(ok),
+        len(recs) - len(ok),
+        len(recs) < MIN_STEP_REQUESTS,
+        p("ttft_s", 50),
+        p("ttft_s", 95),
+        p("tpot_s", 50),
+        p("tpot_s", 95),
+        p("decode_tps", 50),
+        s.aggregate_tps,
+        anomalies,
+        s.goodput,
+        None if slo is None else slo.met,
+        None if slo is None else slo.breaches,
+        step_problem(s),
+        g.params.get("unit") == RATE_UNIT,
+    )
 
 
 def rise_needed(lower: float, upper: float) -> float:
@@ -109,14 +184,9 @@ def rise_needed(lower: float, upper: float) -> float:
     return 1.0 + (RISE - 1.0) * min(1.0, (upper - lower) / lower)
 
 
-def _too_small(s: Step) -> bool:
-    # files written before steps had `too_small` judged every step
-    return bool(s.get("too_small"))
-
-
 def holds(s: Step) -> bool:
     """The step was big enough to judge and held the SLO."""
-    return not _too_small(s) and bool(s["slo_met"])
+    return not s.too_small and bool(s.slo_met)
 
 
 def knee_of(held: Sequence[Step]) -> Step | None:
@@ -127,7 +197,7 @@ def knee_of(held: Sequence[Step]) -> Step | None:
         return None
     best = held[0]
     for s in held[1:]:
-        if (s["aggregate_tps"] or 0.0) >= rise_needed(best["step"], s["step"]) * (best["aggregate_tps"] or 0.0):
+        if (s.aggregate_tps or 0.0) >= rise_needed(best.step, s.step) * (best.aggregate_tps or 0.0):
             best = s
     return None if best is held[-1] else best
 
@@ -137,54 +207,47 @@ def stop_reason(steps: Sequence[Step]) -> str | None:
     `errors`, `slo` (the last step was judged and broke) or `throughput` (it held, but
     aggregate tok/s stopped rising). A step too small to judge never stops it."""
     last = steps[-1]
-    if _too_small(last):
+    if last.too_small:
         return None
-    if last["errors"]:
+    if last.errors:
         return "errors"
-    if not last["slo_met"]:
+    if not last.slo_met:
         return "slo"
     return "throughput" if knee_of([s for s in steps if holds(s)]) is not None else None
 
 
-def capacity_of(groups: Sequence[Group]) -> dict[str, dict[str, Any]]:
-    """The `capacity` object per target of a run's sweep groups (empty without a sweep):
-    `{"max_concurrency" (or "max_rate"), "slo", "limited_by", "unit", "steps"}`, and
-    `broken_at` (the first judged step that broke the SLO), `knee` (where throughput stopped
-    rising), `too_small` (steps too small to judge) when they apply. limited_by is `slo` or
-    `errors` (the first step past the capacity broke the SLO / had failed requests),
-    `throughput` (aggregate tok/s stopped rising while the SLO still held), `steps` (every
-    step held) or `too_small` (no step was big enough to judge)."""
-    out: dict[str, dict[str, Any]] = {}
+def capacity_of(groups: Sequence[Group]) -> dict[str, Capacity]:
+    """The capacity per target of a run's sweep groups (empty without a sweep). `broken_at`:
+    the first judged step that broke the SLO; `knee`: where throughput stopped rising;
+    `limited_by`: `slo` or `errors` (the first step past the capacity broke the SLO / had
+    failed requests), `throughput` (aggregate tok/s stopped rising while the SLO still held),
+    `steps` (every step held) or `too_small` (no step was big enough to judge)."""
+    out: dict[str, Capacity] = {}
     sweeps = [g for g in groups if g.kind == "sweep_step" and g.summary.slo is not None]
     for target in dict.fromkeys(g.target for g in sweeps):
         gs = sorted((g for g in sweeps if g.target == target), key=_step_value)
-        steps = [step_figures(g) for g in gs]
-        broke = next((s for s in steps if not _too_small(s) and not s["slo_met"]), None)
-        held = [s for s in steps if holds(s) and (broke is None or s["step"] < broke["step"])]
+        steps = tuple(step_figures(g) for g in gs)
+        broke = next((s for s in steps if not s.too_small and not s.slo_met), None)
+        held = [s for s in steps if holds(s) and (broke is None or s.step < broke.step)]
         knee = knee_of(held)
-        unit = gs[0].params.get("unit", "streams")
+        best: float = 0
         if knee is not None:
-            best, limited = knee["step"], "throughput"
+            best, limited = knee.step, "throughput"
         elif held:
-            best, limited = held[-1]["step"], "steps" if broke is None else "errors" if broke["errors"] else "slo"
+            best, limited = held[-1].step, "steps" if broke is None else "errors" if broke.errors else "slo"
         else:
-            best = 0
-            limited = "too_small" if broke is None else "errors" if broke["errors"] else "slo"
-        cap: dict[str, Any] = {
-            "max_rate" if unit == RATE_UNIT else "max_concurrency": best,
-            "slo": (gs[0].summary.slo or {})["thresholds"],
-            "limited_by": limited,
-            "unit": unit,
-            "steps": steps,
-        }
-        if broke is not None:
-            cap["broken_at"] = broke["step"]
-        if knee is not None:
-            cap["knee"] = knee["step"]
-        small = [s["step"] for s in steps if _too_small(s)]
-        if small:
-            cap["too_small"] = small
-        out[target] = cap
+            limited = "too_small" if broke is None else "errors" if broke.errors else "slo"
+        verdict = gs[0].summary.slo
+        out[target] = Capacity(
+            best,
+            str(gs[0].params.get("unit", "streams")),
+            {} if verdict is None else verdict.thresholds,
+            limited,
+            steps,
+            None if broke is None else broke.step,
+            None if knee is None else knee.step,
+            tuple(s.step for s in steps if s.too_small),
+        )
     return out
 
 
@@ -200,11 +263,6 @@ def step_label(n: float, unit: str = "streams") -> str:
     return f"{n:g} concurrent {unit[:-1] if n == 1 else unit}"
 
 
-def capacity_value(cap: Mapping[str, Any]) -> float:
-    """The capacity figure: `max_concurrency` or, for a sweep of rates, `max_rate`."""
-    return float(cap["max_rate"] if "max_rate" in cap else cap["max_concurrency"])
-
-
 def _at_rate(v: float) -> str:
     return f"{v:g} req/s"
 
@@ -213,44 +271,43 @@ def _at(v: float) -> str:
     return f"{v:g}"
 
 
-def capacity_line(target: str, cap: Mapping[str, Any]) -> str:
+def capacity_line(target: str, cap: Capacity) -> str:
     """The one-line verdict, e.g. `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95
     is 5.2 s (> 3 s)`. Names each step at most once."""
-    steps, unit = cap["steps"], cap.get("unit", "streams")
-    by_step = {s["step"]: s for s in steps}
-    broke = by_step.get(cap.get("broken_at"))
+    steps, unit, value = cap.steps, cap.unit, cap.value
+    by_step = {s.step: s for s in steps}
+    broke = None if cap.broken_at is None else by_step.get(cap.broken_at)
     at = _at_rate if unit == RATE_UNIT else _at
-    value = capacity_value(cap)
-    small = [s["step"] for s in steps if _too_small(s)]
+    small = [s.step for s in steps if s.too_small]
     tail = ""
     if small:
         tail = (
             f"; {', '.join(at(v) for v in small)}: too few requests to judge (under {MIN_STEP_REQUESTS}"
             " generation requests; add --repeat)"
         )
-    if cap["limited_by"] == "too_small":
+    if cap.limited_by == "too_small":
         return (
             f"{target}: cannot say: every step was too small to judge ({', '.join(at(v) for v in small)}: under"
             f" {MIN_STEP_REQUESTS} generation requests each; add --repeat)"
         )
-    if cap.get("knee") is not None:
-        knee = by_step[cap["knee"]]
-        later = [s for s in steps if holds(s) and s["step"] > knee["step"]]
-        flat = max(later, key=lambda s: s["step"])
+    if cap.knee is not None:
+        knee = by_step[cap.knee]
+        later = [s for s in steps if holds(s) and s.step > knee.step]
+        flat = max(later, key=lambda s: s.step)
         line = (
             f"{target}: capacity {step_label(value, unit)}, where aggregate tok/s stopped rising"
-            f" ({knee['aggregate_tps'] or 0.0:.0f} tok/s; {flat['aggregate_tps'] or 0.0:.0f} at {at(flat['step'])},"
+            f" ({knee.aggregate_tps or 0.0:.0f} tok/s; {flat.aggregate_tps or 0.0:.0f} at {at(flat.step)},"
             " where the SLO still held: more load only queues)"
         )
         if broke is not None:
-            line += f"; at {at(broke['step'])}, {broke['problem']}"
+            line += f"; at {at(broke.step)}, {broke.problem}"
         return line + tail
     if broke is not None and value == 0:
-        return f"{target}: does not meet the SLO even at {step_label(broke['step'], unit)}: {broke['problem']}" + tail
+        return f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}: {broke.problem}" + tail
     if broke is not None:
-        line = f"{target}: meets the SLO up to {step_label(value, unit)}; at {at(broke['step'])}, {broke['problem']}"
-        if unit != RATE_UNIT and broke["step"] - value > 1:
-            line += f" (the capacity lies between {at(value)} and {at(broke['step'] - 1)}: not refined)"
+        line = f"{target}: meets the SLO up to {step_label(value, unit)}; at {at(broke.step)}, {broke.problem}"
+        if unit != RATE_UNIT and broke.step - value > 1:
+            line += f" (the capacity lies between {at(value)} and {at(broke.step - 1)}: not refined)"
         return line + tail
     return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}" + tail
 
@@ -263,21 +320,26 @@ def sweep_charts(groups: Sequence[Group]) -> list[Chart]:
         return []
     ttft, tpot, agg = [], [], []
     for target, cap in caps.items():
-        steps = cap["steps"]
+        steps = cap.steps
         for q in ("p50", "p95"):
-            ttft.append((f"{target} {q}", [(float(s["step"]), s[f"ttft_{q}_s"]) for s in steps]))
+            ttft.append(
+                (f"{target} {q}", [(float(s.step), s.ttft_p50_s if q == "p50" else s.ttft_p95_s) for s in steps])
+            )
             tpot.append(
                 (
                     f"{target} {q}",
                     [
-                        (float(s["step"]), None if s[f"tpot_{q}_s"] is None else s[f"tpot_{q}_s"] * 1000.0)
+                        (
+                            float(s.step),
+                            None if (v := s.tpot_p50_s if q == "p50" else s.tpot_p95_s) is None else v * 1000.0,
+                        )
                         for s in steps
                     ],
                 )
             )
-        agg.append((target, [(float(s["step"]), s["aggregate_tps"]) for s in steps]))
-    slo = next(iter(caps.values()))["slo"]
-    unit = next(iter(caps.values())).get("unit", "streams")
+        agg.append((target, [(float(s.step), s.aggregate_tps) for s in steps]))
+    first = next(iter(caps.values()))
+    slo, unit = first.slo, first.unit
     xl = "requests/s sent (open loop)" if unit == RATE_UNIT else f"concurrent {unit}"
     by = "rate" if unit == RATE_UNIT else "concurrency"
 
@@ -322,8 +384,8 @@ def result_file(
     kind: ResultKind,
     groups: Sequence[Group],
     verdicts: Mapping[str, str] | None = None,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
 ) -> ResultFile:
     """The result file of this run, written now by this version, with the sweeps' capacity."""
-    capacity = capacity_of(groups)
+    capacity = {t: c.to_json() for t, c in capacity_of(groups).items()}
     return ResultFile.new(kind, groups, verdicts, {**(extra or {}), **({"capacity": capacity} if capacity else {})})

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import click
 
-from mlxproxy.errors import UpstreamError, clip
+from mlxproxy.config import parse_upstream_url
+from mlxproxy.core.record import OK_OUTCOMES
+from mlxproxy.edge.runner import run_async as run_on_stack
+from mlxproxy.edge.runner import stack_settings
+from mlxproxy.errors import ConfigError, UpstreamError, clip
 from mlxproxy.load.results import Group
+from mlxproxy.load.slo import failed_checks
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
 
@@ -32,9 +39,6 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def run_async(coro: Any) -> Any:
     """Run the client (`coro`) on the stack's event loop (`mlxproxy.edge.runner.run_async`); a bad
     MLXPROXY_STACK is one line and exit 2, before anything is sent."""
-    from mlxproxy.edge.runner import run_async as run_on_stack
-    from mlxproxy.edge.runner import stack_settings
-
     try:
         stack_settings(None)
     except ValueError as exc:
@@ -46,11 +50,6 @@ def run_async(coro: Any) -> Any:
 def parse_target(spec: str) -> tuple[str, str]:
     """`[NAME=]URL` -> (name, base URL), the URL checked and normalized like the proxy's
     upstream (`parse_upstream_url`); a dropped /v1 is said in one line on stderr."""
-    from urllib.parse import urlsplit
-
-    from mlxproxy.config import parse_upstream_url
-    from mlxproxy.errors import ConfigError
-
     name, sep, url = spec.partition("=")
     if not sep or "://" in name:  # no NAME= (a URL may contain "=" in its own parts)
         name, url = "", spec
@@ -76,10 +75,6 @@ def env_key(api_key_env: str | None) -> str | None:
 
 def all_failed_reason(groups: Sequence[Group]) -> str | None:
     """When not one request succeeded: the outcomes and the first error, in one line."""
-    from collections import Counter
-
-    from mlxproxy.core.record import OK_OUTCOMES
-
     recs = [r for g in groups for r in g.records]
     if not recs or any(r["outcome"] in OK_OUTCOMES for r in recs):
         return None
@@ -117,8 +112,6 @@ def check_writable(*paths: str | None) -> None:
 
 def check_fail_on(kinds: tuple[str, ...] | None, groups: Sequence[Group]) -> None:
     """`--fail-on`: one line on stderr either way; exit 1 when a check failed."""
-    from mlxproxy.load.schedules import failed_checks
-
     if not kinds:
         return
     failed = failed_checks(kinds, groups)

@@ -9,11 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from prometheus_client import generate_latest
 
+from mlxproxy.config import build_config
+from mlxproxy.core.detect import Thresholds
+from mlxproxy.edge.runner import ServerThread, bind_socket
 from mlxproxy.load.bench import (
     BenchOptions,
     Target,
     TargetResult,
+    bench_one,
 )
 from mlxproxy.load.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
 from mlxproxy.load.common import (
@@ -71,8 +76,8 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     """Run the whole product on built-in simulators: nine simulated MLX servers behind
     one proxy, a short benchmark through it, and the comparison table with verdicts.
     Needs no network beyond loopback and no Mac."""
-    from mlxproxy.config import build_config
-    from mlxproxy.edge.runner import ServerThread
+    # the proxy's and the simulator's apps (aiohttp, starlette, the whole proxy) are imported
+    # when the demo runs, not when the command line starts: every command registers `demo`
     from mlxproxy.proxy.app import create_app
     from mlxproxy.sim.app import create_app as create_sim
 
@@ -85,8 +90,6 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     proxy = None
     try:
         try:
-            from mlxproxy.edge.runner import bind_socket
-
             bind_socket("127.0.0.1", port).close()
         except OSError as exc:
             fail(f"cannot listen on 127.0.0.1:{port} (--port): {exc.strerror or exc}", 1)
@@ -191,8 +194,6 @@ def _writable_dir(out_dir: str) -> Path:
 
 def _write_all(results: list[TargetResult], out: Path, app: ProxyApp) -> None:
     """The bench outputs, a snapshot of the proxy's metrics, and the capture flushed."""
-    from prometheus_client import generate_latest
-
     write_outputs(
         results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
     )
@@ -216,9 +217,6 @@ def _say_written(results: list[TargetResult], out: Path, app: ProxyApp, capture:
 async def _demo_run(targets: list[Target], opts: BenchOptions, out: list[TargetResult]) -> list[TargetResult]:
     # each target is the same proxy; the model name routes to the simulator of that name
     out.extend(TargetResult(t) for t in targets)
-    from mlxproxy.core.detect import Thresholds
-    from mlxproxy.load.bench import bench_one
-
     await asyncio.gather(
         *(
             bench_one(t, BenchOptions(**{**opts.__dict__, "model": t.name}), Thresholds(), None, r)

@@ -22,6 +22,9 @@ from types import ModuleType
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
+import h11
+
+from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import (
     ConfigError,
     UpstreamBodyError,
@@ -128,8 +131,6 @@ class _H11Parser:
     __slots__ = ("conn", "h", "started", "completed", "extra")
 
     def __init__(self, conn: _Conn, method: bytes) -> None:
-        import h11
-
         self.conn = conn
         self.h = h11.Connection(h11.CLIENT)
         # h11 must see the request to know what answer to expect (HEAD: no body); the bytes
@@ -148,8 +149,6 @@ class _H11Parser:
         self._drain()
 
     def _drain(self) -> None:
-        import h11
-
         while not self.completed:
             try:
                 ev = self.h.next_event()
@@ -184,8 +183,6 @@ class _H11Parser:
 def _parser_class() -> type[_HttptoolsParser] | type[_H11Parser]:
     """The stack's parser (`mlxproxy.edge.runner.stack_settings`): httptools where installed, h11
     with `MLXPROXY_STACK=plain` (what a platform without the wheels gets) or without httptools."""
-    from mlxproxy.edge.runner import stack_settings
-
     try:
         http = stack_settings()[1]
     except ValueError:  # a bad MLXPROXY_STACK: the CLI refuses it before any client exists

@@ -32,15 +32,27 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
 from mlxproxy.headers import REDACTED
-from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group, GroupKind, Summary
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn, Waves
+from mlxproxy.load.shapes import (
+    ClosedLoop,
+    OpenLoop,
+    Recorded,
+    Sequential,
+    Sessions,
+    Sweep,
+    SweptShape,
+    TimedShape,
+    Turn,
+    Waves,
+    closed_loop_step,
+    open_loop_step,
+)
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
@@ -70,6 +82,7 @@ class ReplayOptions:
         None  # sessions mode: seconds between a response's end and the next turn (None: captured)
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
 
 
 def select(
@@ -462,27 +475,31 @@ class _ReplayRun:
 
         slo = opts.slo or parse_slo(DEFAULT_SLO)
 
-        async def sweep(step: Callable[[Any], Awaitable[StepRun]], steps: Sequence[float], **params: Any) -> None:
-            unit = params.pop("unit", "streams")
-            await run_sweep(
-                step, steps, slo, target=self.target, params={**self.params, **params}, out=self.groups,
-                say=self.say, unit=unit, progress=tick, budget_s=opts.budget_s,
+        async def sweep(
+            shape: Sweep[SweptShape], step: Callable[[SweptShape], Awaitable[StepRun]], **params: object
+        ) -> None:
+            await shape.run(
+                step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
+                progress=tick,
             )  # fmt: skip
 
+        steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
         if opts.mode == "rate":
-            step = open_loop_step(self.client, cycle, len(reps), opts.arrival, opts.seed, opts.ramp_s)
-            steps = opts.sweep_steps or (opts.rate or 1.0,)
-            await sweep(step, steps, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s, unit=RATE_UNIT)
+            open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
+            shape = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget)
+            step = open_loop_step(self.client, cycle, len(reps))
+            await sweep(shape, step, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s)
         elif opts.mode == "sessions":
             convs = len(split_sessions(mix))
 
-            async def sessions_step(k: int) -> StepRun:
+            async def sessions_step(shape: Sessions) -> StepRun:
+                k = shape.at_once
                 timed, where, _ = await run_sessions(self.client, mix, opts, k, k * convs * opts.repeat)
                 return timed, where
 
-            await sweep(sessions_step, opts.sweep_steps, think_time=opts.think_time, unit="sessions")
+            await sweep(Sweep(Sessions(1), steps, refine, budget), sessions_step, think_time=opts.think_time)
         else:
-            await sweep(closed_loop_step(self.client, copies, len(reps)), opts.sweep_steps)
+            await sweep(Sweep(ClosedLoop(1), steps, refine, budget), closed_loop_step(self.client, copies, len(reps)))
 
     def interrupted(self, measured_from: int) -> None:
         """The requests finished so far but in no group yet, as one more group."""

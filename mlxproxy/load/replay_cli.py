@@ -34,6 +34,7 @@ from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
+    LoadCommand,
     arrival_options,
     deprecated_alias,
     help_for,
@@ -61,7 +62,7 @@ _TESTS = {
 }
 
 
-@click.command("replay")
+@click.command("replay", cls=LoadCommand)
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option(
     "--target",
@@ -159,7 +160,7 @@ def replay(
     mode: str | None,
     speed: float | None,
     concurrency: tuple[int, ...] | None,
-    sweep: bool,
+    sweep: str | None,
     sweep_budget: float,
     batch: tuple[int, ...] | None,
     rate: tuple[float, ...] | None,
@@ -195,21 +196,22 @@ def replay(
     """
     name, target_url = parse_target(target_spec)
     name = target_name or name
-    mode, sweep = _shape(mode, speed, concurrency, sweep, batch, rate, sessions, think_time, ramp_s)
+    mode, swept = _shape(mode, speed, concurrency, sweep is not None, batch, rate, sessions, think_time, ramp_s)
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
     check_writable(json_path, csv_path, md_path, html_path, plot_path)
-    if plot_path and not sweep:
+    if plot_path and not swept:
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
-    chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, sweep)
+    chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, swept)
     steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
     opts = ReplayOptions(
-        mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep,
-        sweep_steps=steps if sweep else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
+        mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=swept,
+        sweep_steps=steps if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
         rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
         sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
+        refine=sweep != "double",
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
     click.echo(
@@ -376,4 +378,4 @@ def _show(
 def judge_groups(groups: list[Group], slo: dict[str, float] | None) -> None:
     """Every group's `summary.slo` and `summary.goodput` against `slo` (default: DEFAULT_SLO), in place."""
     slo = slo or parse_slo(DEFAULT_SLO)
-    groups[:] = [g.with_summary(g.summary.updated(judge(g.records, slo))) for g in groups]
+    groups[:] = [g.with_summary(g.summary.judged(judge(g.records, slo))) for g in groups]

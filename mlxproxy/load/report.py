@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,8 +22,10 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load.results import Group, ResultFile, Summary
-from mlxproxy.load.schedules import generator_note, sent_rate
+from mlxproxy.load.arrivals import generator_note, sent_rate
+from mlxproxy.load.capacity import capacity_line, capacity_of
+from mlxproxy.load.results import Goodput, Group, ResultFile, Summary
+from mlxproxy.load.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 
 __all__ = [
     "aggregate_tps",
@@ -240,8 +243,6 @@ def _ms(v: float | None) -> str:
 
 
 def _wrap(text: str, width: int = LINE_WIDTH, indent: str = "  ") -> list[str]:
-    import textwrap
-
     return textwrap.wrap(text, width=width, subsequent_indent=indent, break_on_hyphens=False) or [""]
 
 
@@ -371,12 +372,10 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
 def slo_section(groups: Sequence[Group]) -> Section | None:
     """The judged groups against their SLO: goodput (share and rate of requests that met
     every threshold), each threshold's measured value, and whether the SLO held."""
-    from mlxproxy.load.schedules import SLO_METRICS, fmt_value, slo_text, step_problem
-
-    judged = [(g, g.summary.slo, g.summary.goodput or {}) for g in groups if g.summary.slo is not None]
+    judged = [(g, slo, g.summary.goodput or Goodput(0, 0)) for g in groups if (slo := g.summary.slo) is not None]
     if not judged:
         return None
-    thresholds = judged[0][1]["thresholds"]
+    thresholds = judged[0][1].thresholds
     rows = []
     for g, slo, gp in judged:
         s = g.summary
@@ -384,15 +383,15 @@ def slo_section(groups: Sequence[Group]) -> Section | None:
             "target": g.target,
             "test": g.mode,
             "ok/req": f"{s.ok}/{s.requests}",
-            "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
-            "good req/s": _num(gp["rate"], ".2f"),
+            "goodput": "-" if gp.share is None else f"{gp.share:.0%}",
+            "good req/s": _num(gp.rate, ".2f"),
         }
         for key in thresholds:
             metric, _, pct = key.rpartition("_p")
-            row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo["values"].get(key), SLO_METRICS[metric][1])
-        row["SLO"] = "held" if slo["met"] else "broken"
+            row[f"{SLO_METRICS[metric][3]} p{pct}"] = fmt_value(slo.values.get(key), SLO_METRICS[metric][1])
+        row["SLO"] = "held" if slo.met else "broken"
         rows.append(row)
-    notes = [f"{g.target} {g.mode}: {step_problem(g.summary)}" for g, slo, _ in judged if not slo["met"]]
+    notes = [f"{g.target} {g.mode}: {step_problem(g.summary)}" for g, slo, _ in judged if not slo.met]
     return Section(
         f"SLO ({slo_text(thresholds)}):",
         rows,
@@ -406,30 +405,27 @@ def slo_section(groups: Sequence[Group]) -> Section | None:
 
 def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     """The sweep's steps per target and the capacity verdict, one line per target."""
-    from mlxproxy.load.schedules import capacity_line, capacity_of
-
     caps = capacity_of(groups)
     if not caps:
         return []
     rows = []
     for target, cap in caps.items():
-        for st in cap["steps"]:
-            gp = st["goodput"]
-            unit = cap.get("unit", "streams")
+        for st in cap.steps:
+            gp, unit = st.goodput, cap.unit
             rows.append(
                 {
                     "target": target,
-                    "step": f"{st['step']:g} " + (unit if unit == "req/s" else unit[:4] + "."),
-                    "ok/req": f"{st['ok']}/{st['requests']}",
-                    "TTFT p50": _sec(st["ttft_p50_s"]),
-                    "TTFT p95": _sec(st["ttft_p95_s"]),
-                    "TPOT p50": _ms(st["tpot_p50_s"]),
-                    "TPOT p95": _ms(st["tpot_p95_s"]),
-                    "decode tok/s": _num(st["decode_tps_p50"], ".1f"),
-                    "agg tok/s": _num(st["aggregate_tps"], ".1f"),
-                    "goodput": "-" if gp["share"] is None else f"{gp['share']:.0%}",
-                    "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st["anomalies"].items())) or "-",
-                    "SLO": "held" if st["slo_met"] else "broken",
+                    "step": f"{st.step:g} " + (unit if unit == "req/s" else unit[:4] + "."),
+                    "ok/req": f"{st.ok}/{st.requests}",
+                    "TTFT p50": _sec(st.ttft_p50_s),
+                    "TTFT p95": _sec(st.ttft_p95_s),
+                    "TPOT p50": _ms(st.tpot_p50_s),
+                    "TPOT p95": _ms(st.tpot_p95_s),
+                    "decode tok/s": _num(st.decode_tps_p50, ".1f"),
+                    "agg tok/s": _num(st.aggregate_tps, ".1f"),
+                    "goodput": "-" if gp is None or gp.share is None else f"{gp.share:.0%}",
+                    "anomalies": ",".join(f"{k} {v}" for k, v in sorted(st.anomalies.items())) or "-",
+                    "SLO": "held" if st.slo_met else "broken",
                 }
             )
     legend = (

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import click
+import orjson
 
 from mlxproxy.errors import MlxproxyError
+from mlxproxy.load.bench import TargetResult
 from mlxproxy.load.bench_report import bench_sections, plot_svg, results_from_doc
 from mlxproxy.load.capacity import capacity_of
 from mlxproxy.load.common import (
@@ -22,9 +23,6 @@ from mlxproxy.vocabulary import (
     shared_option,
 )
 
-if TYPE_CHECKING:
-    from mlxproxy.load.bench import TargetResult
-
 
 def file_labels(files: tuple[str, ...] | list[str]) -> list[str]:
     """Short labels that tell the files apart: the file name, or as many trailing path
@@ -38,8 +36,6 @@ def file_labels(files: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def _capture_hint(path: str) -> str | None:
-    import orjson
-
     try:
         with open(path, "rb") as f:
             first = f.readline()

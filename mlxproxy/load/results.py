@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from mlxproxy import __version__
+
 __all__ = [
     "RESULT_VERSION",
     "GroupKind",
@@ -25,6 +27,10 @@ __all__ = [
     "Stat",
     "AnomalyCount",
     "Summary",
+    "Breach",
+    "SloVerdict",
+    "Goodput",
+    "Judgment",
     "Group",
     "ResultFile",
     "legacy_kind",
@@ -59,7 +65,7 @@ class Stat:
     p99: float | None = None
     max: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | float | None]:
         return {
             "count": self.count,
             "mean": self.mean,
@@ -91,12 +97,89 @@ class AnomalyCount:
     count: int
     evidence: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | str]:
         return {"count": self.count, "evidence": self.evidence}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AnomalyCount:
         return cls(int(d.get("count") or 0), str(d.get("evidence") or ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Breach:
+    """One threshold a step missed: the percentile's `key` (`ttft_p95`), its `value` and the `threshold`."""
+
+    key: str
+    value: float
+    threshold: float
+
+    def to_json(self) -> dict[str, str | float]:
+        return {"key": self.key, "value": self.value, "threshold": self.threshold}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Breach:
+        return cls(str(d["key"]), float(d["value"]), float(d["threshold"]))
+
+
+@dataclass(frozen=True, slots=True)
+class SloVerdict:
+    """Whether a step held the SLO (`summary.slo` in result files): every percentile within its
+    threshold, no failed request and at least one success."""
+
+    met: bool
+    breaches: tuple[Breach, ...] = ()
+    errors: int = 0
+    values: Mapping[str, float | None] = field(default_factory=dict)
+    thresholds: Mapping[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "met": self.met,
+            "breaches": [b.to_json() for b in self.breaches],
+            "errors": self.errors,
+            "values": dict(self.values),
+            "thresholds": dict(self.thresholds),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SloVerdict:
+        return cls(
+            bool(d.get("met")),
+            tuple(Breach.from_json(b) for b in d.get("breaches") or ()),
+            int(d.get("errors") or 0),
+            dict(d.get("values") or {}),
+            dict(d.get("thresholds") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    """The requests of a step that succeeded and met every threshold themselves (`summary.goodput`):
+    how many, of how many, their share and their rate per second of the step's wall time."""
+
+    good: int
+    requests: int
+    share: float | None = None
+    rate: float | None = None
+
+    def to_json(self) -> dict[str, int | float | None]:
+        return {"good": self.good, "requests": self.requests, "share": self.share, "rate": self.rate}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Goodput:
+        return cls(int(d.get("good") or 0), int(d.get("requests") or 0), d.get("share"), d.get("rate"))
+
+
+@dataclass(frozen=True, slots=True)
+class Judgment:
+    """A step judged against an SLO (`judge`): its verdict and its goodput."""
+
+    slo: SloVerdict
+    goodput: Goodput
+
+    def to_json(self) -> dict[str, object]:
+        """The summary keys it sets in a result file: `{"slo": ..., "goodput": ...}`."""
+        return {"slo": self.slo.to_json(), "goodput": self.goodput.to_json()}
 
 
 _STATS = ("ttft_s", "ttfc_s", "e2e_s", "wall_tps", "decode_tps", "tpot_s", "prefill_tps", "cached_tokens")
@@ -139,8 +222,8 @@ class Summary:
     untrusted_usage: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
         for name in _STATS:
             out[name] = getattr(self, name).to_dict()
         out.update(
@@ -190,14 +273,20 @@ class Summary:
     # -- the optional sections ----------------------------------------------------------------
 
     @property
-    def slo(self) -> Mapping[str, Any] | None:
-        """`{"met", "breaches", "errors", "values", "thresholds"}` of a judged group (`mlxproxy.load.judge`)."""
-        return self.extra.get("slo")
+    def slo(self) -> SloVerdict | None:
+        """The SLO verdict of a judged group (`mlxproxy.load.slo.judge`)."""
+        d = self.extra.get("slo")
+        return None if d is None else SloVerdict.from_json(d)
 
     @property
-    def goodput(self) -> Mapping[str, Any] | None:
-        """`{"good", "requests", "share", "rate"}` of a judged group."""
-        return self.extra.get("goodput")
+    def goodput(self) -> Goodput | None:
+        """The goodput of a judged group."""
+        d = self.extra.get("goodput")
+        return None if d is None else Goodput.from_json(d)
+
+    def judged(self, j: Judgment) -> Summary:
+        """This summary with `j`'s verdict and goodput set (`summary.slo`, `summary.goodput`)."""
+        return self.updated(j.to_json())
 
     @property
     def waves(self) -> Sequence[Mapping[str, Any]] | None:
@@ -229,8 +318,8 @@ class Group:
     #: replay --compare: each replayed request next to its captured figures (None: not asked)
     compare: tuple[Mapping[str, Any], ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "name": self.name,
             "target": self.target,
             "mode": self.mode,
@@ -314,8 +403,6 @@ class ResultFile:
     ) -> ResultFile:
         """A file of this run, written now by this version (`schedules.result_file` adds the
         sweeps' capacity)."""
-        from mlxproxy import __version__
-
         return cls(kind, tuple(groups), dict(verdicts or {}), __version__, time.time(), dict(extra or {}))
 
     @property
@@ -323,7 +410,7 @@ class ResultFile:
         """bench's per-target facts (`name`, `url`, `model`, `calibration`, `error`); empty for replay."""
         return self.extra.get("targets") or ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "mlxproxy_result": self.format_version,
             "kind": self.kind,

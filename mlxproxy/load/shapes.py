@@ -2,8 +2,7 @@
 
 `replay` and `bench` build requests and pick a shape; the shape sends them through the
 measuring client (`mlxproxy.load.client`), which keeps each request's record and, where
-requests have due times, the schedule lag. A sweep (`mlxproxy.load.sweep`) runs one shape at
-growing counts.
+requests have due times, the schedule lag. A sweep (`Sweep`) runs one shape at growing counts.
 
 - `Sequential`: one request at a time.
 - `Recorded(speed)`: each request at its recorded offset / speed (open loop on the capture's clock).
@@ -12,20 +11,43 @@ growing counts.
 - `ClosedLoop(streams)`: `streams` workers, each sending its next request when its last ends.
 - `Waves(size)`: requests released together, `size` at a time (the double-batch method).
 - `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
+- `Sweep(inner, steps, refine, budget_s)`: one of `OpenLoop`, `ClosedLoop` or `Sessions` run at
+  growing counts (its rate, streams or sessions at once), each step judged against the SLO as
+  it finishes (`mlxproxy.load.sweep.run_sweep`); `open_loop_step` and `closed_loop_step` build
+  the step that sends a mix at one count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 from mlxproxy.core.record import Record
 from mlxproxy.load.arrivals import arrival_offsets, ramp_offsets, schedule
+from mlxproxy.load.capacity import MIN_PER_STREAM, RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.progress import Progress
+from mlxproxy.load.results import Group
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, mix_copies, run_sweep
 
-__all__ = ["ClosedLoop", "LoadShape", "OpenLoop", "Recorded", "Sequential", "Sessions", "TimedShape", "Turn", "Waves"]
+__all__ = [
+    "ClosedLoop",
+    "LoadShape",
+    "OpenLoop",
+    "Recorded",
+    "Sequential",
+    "Sessions",
+    "Sweep",
+    "SweptShape",
+    "TimedShape",
+    "Turn",
+    "Waves",
+    "closed_loop_step",
+    "open_loop_step",
+]
 
 Tick = Callable[[], None] | None
 
@@ -147,7 +169,88 @@ class Sessions:
         return timed, where, session_s
 
 
+#: the shapes a `Sweep` runs at growing counts
+SweptShape = TypeVar("SweptShape", OpenLoop, ClosedLoop, Sessions)
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep(Generic[SweptShape]):
+    """`inner` run at growing counts: an `OpenLoop`'s rate, a `ClosedLoop`'s streams or the
+    `Sessions` at once. `steps` run as given; without them the count doubles from 1 until a
+    step breaks the SLO, has failed requests or adds no throughput, then, with `refine`
+    (`--sweep auto`), the gap between the last good and the first bad step is halved while the
+    sweep has run less than `budget_s` seconds; without it (`--sweep double`) the answer stays
+    a power of two. The inner shape's own count is a placeholder: each step replaces it."""
+
+    inner: SweptShape
+    steps: tuple[float, ...] = ()
+    refine: bool = True
+    budget_s: float = DEFAULT_BUDGET_S
+
+    @property
+    def unit(self) -> str:
+        """What the steps count: `req/s`, `sessions` or `streams`."""
+        if isinstance(self.inner, OpenLoop):
+            return RATE_UNIT
+        return "sessions" if isinstance(self.inner, Sessions) else "streams"
+
+    def at(self, n: float) -> SweptShape:
+        """The inner shape at the count `n`."""
+        inner = self.inner
+        if isinstance(inner, OpenLoop):
+            return replace(inner, rate=n)
+        if isinstance(inner, ClosedLoop):
+            return replace(inner, streams=int(n))
+        return replace(inner, at_once=int(n))
+
+    async def run(
+        self,
+        step: Callable[[SweptShape], Awaitable[StepRun]],
+        slo: dict[str, float],
+        *,
+        target: str,
+        params: Mapping[str, object],
+        out: list[Group],
+        say: Callable[[str], None] | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """`step(shape)` at each count, its judged group appended to `out` as it finishes."""
+
+        async def at(n: float) -> StepRun:
+            return await step(self.at(n))
+
+        await run_sweep(
+            at, self.steps, slo, target=target, params=dict(params), out=out, say=say, unit=self.unit,
+            progress=progress, budget_s=self.budget_s, refine=self.refine,
+        )  # fmt: skip
+
+
+def open_loop_step(
+    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], n: int
+) -> Callable[[OpenLoop], Awaitable[StepRun]]:
+    """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
+    the step's open loop (after its unmeasured ramp, if it has one)."""
+
+    async def step(shape: OpenLoop) -> StepRun:
+        return await shape.run(client, make(n), None, make(shape.ramp_size())), {}
+
+    return step
+
+
+def closed_loop_step(
+    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], mix_size: int, per_stream: int = 1
+) -> Callable[[ClosedLoop], Awaitable[StepRun]]:
+    """A sweep step of the step's streams sending whole copies of a mix (`make(k)`: k copies
+    of the mix's `mix_size` requests, in order), `mix_copies` of them."""
+
+    async def step(shape: ClosedLoop) -> StepRun:
+        copies = mix_copies(shape.streams, mix_size, max(per_stream, MIN_PER_STREAM))
+        return await shape.run(client, make(copies)), {}
+
+    return step
+
+
 #: the shapes whose `run` gives one `Timed` (a sweep runs `OpenLoop` or `ClosedLoop` at growing counts)
 TimedShape = Sequential | Recorded | OpenLoop | ClosedLoop
 #: every shape a test can take
-LoadShape = TimedShape | Waves | Sessions
+LoadShape = TimedShape | Waves | Sessions | Sweep[OpenLoop] | Sweep[ClosedLoop] | Sweep[Sessions]

@@ -16,22 +16,23 @@ its effective latency: TTFT and E2E from when it was due, not from when it was s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
 from mlxproxy.core.stats import percentile
-from mlxproxy.load.results import Summary
+from mlxproxy.load.results import Breach, Goodput, Group, Judgment, SloVerdict, Summary
 
 # the option values' meaning (--slo, --fail-on) is the vocabulary's, shared by the commands
 from mlxproxy.vocabulary import SLO_METRICS, parse_fail_on, parse_slo
 
-if TYPE_CHECKING:
-    from mlxproxy.load.results import Group
-
 __all__ = [
     "SLO_METRICS",
     "MIN_STEP_REQUESTS",
+    "Breach",
+    "SloVerdict",
+    "Goodput",
+    "Judgment",
     "DEFAULT_SLO",
     "parse_slo",
     "slo_text",
@@ -62,7 +63,7 @@ def split_key(key: str) -> tuple[str, int]:
     return metric, int(pct)
 
 
-def slo_text(slo: dict[str, float]) -> str:
+def slo_text(slo: Mapping[str, float]) -> str:
     """`TTFT p95 <= 5 s, TPOT p95 <= 100 ms`."""
     parts = []
     for key, v in slo.items():
@@ -105,7 +106,7 @@ def succeeded(r: Mapping[str, Any]) -> bool:
     return r.get("outcome") in ("ok", "ok_no_done")
 
 
-def request_meets(r: Mapping[str, Any], slo: dict[str, float]) -> bool:
+def request_meets(r: Mapping[str, Any], slo: Mapping[str, float]) -> bool:
     """One request's own figures against every threshold (a failed request never meets it)."""
     if not succeeded(r):
         return False
@@ -142,58 +143,47 @@ def judged(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in records if r.get("endpoint", "chat_completions") in GENERATION_ENDPOINTS]
 
 
-def judge(records: Sequence[Mapping[str, Any]], slo: dict[str, float]) -> dict[str, Any]:
-    """The SLO and goodput of one step (records as in result files): `{"slo": {"met",
-    "breaches": [{"key", "value", "threshold"}]}, "goodput": {"good", "requests", "share",
-    "rate"}}`, over its generation requests (`judged`). A step with failed requests or none
-    that succeeded does not meet the SLO."""
+def judge(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> Judgment:
+    """The SLO and goodput of one step (records as in result files), over its generation
+    requests (`judged`). A step with failed requests or none that succeeded does not meet the SLO."""
     records = judged(records)
     ok = [r for r in records if succeeded(r)]
-    breaches, values = [], {}
+    breaches: list[Breach] = []
+    values: dict[str, float | None] = {}
     for key, v in slo.items():
         metric, pct = split_key(key)
-        field, _, lower, _ = SLO_METRICS[metric]
-        value = values[key] = percentile_of([x for r in ok if (x := effective(r, field)) is not None], pct)
+        field_, _, lower, _ = SLO_METRICS[metric]
+        value = values[key] = percentile_of([x for r in ok if (x := effective(r, field_)) is not None], pct)
         if value is not None and ((value < v) if lower else (value > v)):
-            breaches.append({"key": key, "value": value, "threshold": v})
+            breaches.append(Breach(key, value, v))
     good = sum(1 for r in records if request_meets(r, slo))
     starts = [r["started_at"] for r in records if r.get("started_at") is not None]
     ends = [r["started_at"] + (r.get("duration_s") or 0.0) for r in records if r.get("started_at") is not None]
     span = (max(ends) - min(starts)) if starts else 0.0
     errors = len(records) - len(ok)
-    return {
-        "slo": {
-            "met": bool(ok) and not breaches and not errors,
-            "breaches": breaches,
-            "errors": errors,
-            "values": values,
-            "thresholds": dict(slo),
-        },
-        "goodput": {
-            "good": good,
-            "requests": len(records),
-            "share": good / len(records) if records else None,
-            "rate": good / span if span > 0 else None,
-        },
-    }
+    return Judgment(
+        SloVerdict(bool(ok) and not breaches and not errors, tuple(breaches), errors, values, dict(slo)),
+        Goodput(good, len(records), good / len(records) if records else None, good / span if span > 0 else None),
+    )
 
 
-def breach_text(b: dict[str, Any]) -> str:
+def breach_text(b: Breach) -> str:
     """`TTFT p95 is 5.2 s (> 3 s)`."""
-    metric, pct = split_key(b["key"])
+    metric, pct = split_key(b.key)
     _, unit, lower, label = SLO_METRICS[metric]
-    value, limit = fmt_apart(b["value"], b["threshold"], unit)
+    value, limit = fmt_apart(b.value, b.threshold, unit)
     return f"{label} p{pct} is {value} ({'<' if lower else '>'} {limit})"
 
 
-def step_problem(step: Mapping[str, Any] | Summary) -> str:
+def step_problem(step: Judgment | Summary) -> str:
     """Why a judged step (a summary, or `judge`'s output) broke the SLO, in words (empty when it held)."""
-    s = (step.slo if isinstance(step, Summary) else step.get("slo")) or {}
-    goodput = (step.goodput if isinstance(step, Summary) else step.get("goodput")) or {}
-    parts = [breach_text(b) for b in s.get("breaches", ())]
-    if s.get("errors"):
-        parts.append(f"{s['errors']} of {goodput.get('requests')} requests failed")
-    if not parts and not s.get("met"):
+    s, goodput = step.slo, step.goodput
+    if s is None:
+        return ""
+    parts = [breach_text(b) for b in s.breaches]
+    if s.errors:
+        parts.append(f"{s.errors} of {goodput.requests if goodput else None} requests failed")
+    if not parts and not s.met:
         parts.append("no request succeeded")
     return "; ".join(parts)
 
@@ -223,7 +213,7 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[Group]) -> list[str]:
                     )
                     continue
                 lightest = big[:1] if steps else gs
-                broken = [g for g in lightest if not (g.summary.slo or {}).get("met")]
+                broken = [g for g in lightest if not (g.summary.slo is not None and g.summary.slo.met)]
                 if broken:
                     g = broken[0]
                     out.append(f"SLO broken on {target} {g.mode}: {step_problem(g.summary)}")

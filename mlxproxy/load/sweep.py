@@ -1,11 +1,12 @@
 """Sweeps: steps of growing load run one after another, each step's group judged against the
-SLO as it finishes (`--sweep`).
+SLO as it finishes (`--sweep`); `mlxproxy.load.shapes.Sweep` is the load shape that runs one.
 
 Every step sends the same mix (the same requests or conversations, scaled by the step's
 count), so steps differ only in load. Given steps run as given; without them the sweep
 doubles from 1 until a step breaks the SLO, has failed requests or adds no throughput, then
 refines between the last good and the first bad step by binary search on integers, for as
-long as the time budget allows, so the answer is "7", not "between 4 and 8".
+long as the time budget allows, so the answer is "7", not "between 4 and 8" (`--sweep auto`;
+`--sweep double` stops at the powers of two).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
 from mlxproxy.load.capacity import (
     MAX_AUTO_CONCURRENCY,
@@ -27,19 +27,16 @@ from mlxproxy.load.capacity import (
     step_label,
     stop_reason,
 )
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.client import Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop
 from mlxproxy.load.slo import judge
 
 __all__ = [
     "DEFAULT_BUDGET_S",
     "StepRun",
     "run_sweep",
-    "open_loop_step",
-    "closed_loop_step",
     "mix_copies",
     "refine_bounds",
 ]
@@ -48,26 +45,27 @@ __all__ = [
 DEFAULT_BUDGET_S = 600.0
 
 #: what one step returns: its records and extra keys per record id (a session's turn, ...)
-StepRun = tuple[Timed, Mapping[str, Mapping[str, Any]]]
+StepRun = tuple[Timed, Mapping[str, Mapping[str, float | int]]]
 
 
 async def run_sweep(
-    step: Callable[[Any], Awaitable[StepRun]],
+    step: Callable[[float], Awaitable[StepRun]],
     steps: Sequence[float],
     slo: dict[str, float],
     *,
     target: str,
-    params: dict[str, Any],
+    params: Mapping[str, object],
     out: list[Group],
     say: Callable[[str], None] | None = None,
     unit: str = "streams",
     progress: Progress | None = None,
     budget_s: float = DEFAULT_BUDGET_S,
+    refine: bool = True,
 ) -> None:
-    """Run `step(n)` at each of `steps` (empty: doubling from 1, then refining within
-    `budget_s` seconds). Each step's group is appended to `out` as it finishes; `say` gets
-    one line per step; `progress` shows each step as a phase. `unit`: what the steps count
-    (streams, sessions, req/s)."""
+    """Run `step(n)` at each of `steps` (empty: doubling from 1, then, with `refine`, refining
+    within `budget_s` seconds; `mlxproxy.load.shapes.Sweep` runs a shape this way). Each step's
+    group is appended to `out` as it finishes; `say` gets one line per step; `progress` shows
+    each step as a phase. `unit`: what the steps count (streams, sessions, req/s)."""
     auto = not steps
     t0 = time.monotonic()
     done: list[Step] = []
@@ -79,9 +77,9 @@ async def run_sweep(
         g = _step_group(timed, where, n, slo, target, {**params, "auto": auto, "budget_s": budget_s}, unit)
         out.append(g)
         done.append(step_figures(g))
-        done.sort(key=lambda s: s["step"])
+        done.sort(key=lambda s: s.step)
         if say:
-            say(_step_line(target, unit, next(s for s in done if s["step"] == n)))
+            say(_step_line(target, unit, next(s for s in done if s.step == n)))
 
     if not auto:
         for n in steps:
@@ -90,20 +88,24 @@ async def run_sweep(
     n = 1
     while True:
         await one(n)
-        if stop_reason([s for s in done if s["step"] <= n]) or n >= MAX_AUTO_CONCURRENCY:
+        if stop_reason([s for s in done if s.step <= n]) or n >= MAX_AUTO_CONCURRENCY:
             break
         n *= 2
-    while time.monotonic() - t0 < budget_s and (bounds := refine_bounds(done)) is not None:
+    while refine and time.monotonic() - t0 < budget_s and (bounds := refine_bounds(done)) is not None:
         await one((bounds[0] + bounds[1]) // 2)
 
 
 def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
     """(last good, first bad) steps still more than one apart, or None: nothing to refine.
     Good: judged, held the SLO, throughput still rising; bad: the first step past it that
-    broke the SLO, added no throughput or was too small to judge."""
-    ordered = sorted(steps, key=lambda s: s["step"])
+    broke the SLO, added no throughput or was too small to judge. Steps too small to judge
+    before the first judged one are passed over (a sessions sweep's first steps send few
+    requests)."""
+    ordered = sorted(steps, key=lambda s: s.step)
     good: Step | None = None
     for i, s in enumerate(ordered):
+        if good is None and s.too_small:
+            continue
         if not holds(s):
             break
         if knee_of([x for x in ordered[: i + 1] if holds(x)]) is not None:
@@ -111,20 +113,20 @@ def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
         good = s
     if good is None:
         return None
-    later = [s for s in ordered if s["step"] > good["step"]]
+    later = [s for s in ordered if s.step > good.step]
     if not later:
         return None
-    lo, hi = int(good["step"]), int(later[0]["step"])
+    lo, hi = int(good.step), int(later[0].step)
     return (lo, hi) if hi - lo > 1 else None
 
 
 def _step_group(
     timed: Timed,
-    where: Mapping[str, Mapping[str, Any]],
+    where: Mapping[str, Mapping[str, float | int]],
     n: float,
     slo: dict[str, float],
     target: str,
-    params: dict[str, Any],
+    params: Mapping[str, object],
     unit: str,
 ) -> Group:
     records = timed.rows(where)
@@ -141,19 +143,19 @@ def _step_group(
         f"{label} {n:g}" + ("/s" if unit == RATE_UNIT else ""),
         "sweep_step",
         {**params, key: n, "step": n, "sweep": True, "unit": unit},
-        summary.updated(judge(records, slo)),
+        summary.judged(judge(records, slo)),
         tuple(records),
     )
 
 
 def _step_line(target: str, unit: str, st: Step) -> str:
     head = (
-        f"sweep {target}: {step_label(st['step'], unit)}: {st['ok']}/{st['requests']} ok, aggregate "
-        f"{st['aggregate_tps'] or 0.0:.1f} tok/s, goodput {(st['goodput'] or {}).get('share') or 0.0:.0%}, SLO "
+        f"sweep {target}: {step_label(st.step, unit)}: {st.ok}/{st.requests} ok, aggregate "
+        f"{st.aggregate_tps or 0.0:.1f} tok/s, goodput {(st.goodput.share if st.goodput else None) or 0.0:.0%}, SLO "
     )
-    if st["too_small"]:
+    if st.too_small:
         return head + f"not judged: too few requests (under {MIN_STEP_REQUESTS})"
-    return head + ("held" if st["slo_met"] else "broken: " + st["problem"])
+    return head + ("held" if st.slo_met else "broken: " + st.problem)
 
 
 def mix_copies(count: int, mix_size: int, per_stream: int = MIN_PER_STREAM) -> int:
@@ -164,34 +166,3 @@ def mix_copies(count: int, mix_size: int, per_stream: int = MIN_PER_STREAM) -> i
     size, count = max(1, mix_size), max(1, int(count))
     per = max(per_stream, math.ceil(MIN_STEP_REQUESTS / count))
     return count * math.ceil(per / size)
-
-
-def open_loop_step(
-    client: MeasuringClient,
-    make: Callable[[int], list[PreparedRequest]],
-    n: int,
-    arrival: str = "constant",
-    seed: int = 0,
-    ramp_s: float = 0.0,
-) -> Callable[[float], Awaitable[StepRun]]:
-    """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
-    an open loop at the step's rate (after an unmeasured ramp of `ramp_s` seconds up to it)."""
-
-    async def step(rate: float) -> StepRun:
-        shape = OpenLoop(rate, arrival, seed, ramp_s)
-        return await shape.run(client, make(n), None, make(shape.ramp_size())), {}
-
-    return step
-
-
-def closed_loop_step(
-    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], mix_size: int, per_stream: int = 1
-) -> Callable[[int], Awaitable[StepRun]]:
-    """A sweep step of `concurrency` streams sending whole copies of a mix (`make(k)`: k
-    copies of the mix's `mix_size` requests, in order), `mix_copies` of them."""
-
-    async def step(conc: int) -> StepRun:
-        copies = mix_copies(conc, mix_size, max(per_stream, MIN_PER_STREAM))
-        return await ClosedLoop(conc).run(client, make(copies)), {}
-
-    return step

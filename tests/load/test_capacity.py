@@ -74,22 +74,45 @@ def test_the_engines_truth_is_what_the_tests_below_expect() -> None:
         assert truth_capacity(p, list(range(1, 13)), lambda c: mix_copies(c, 1, 3)) == mb
 
 
-def test_bench_sweep_doubles_then_refines_to_the_engines_truth(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("max_batch", "sweep"), [(4, ["--sweep"]), (6, ["--sweep", "auto"])])
+def test_bench_sweep_doubles_then_refines_to_the_engines_truth(
+    tmp_path: Path, max_batch: int, sweep: list[str]
+) -> None:
+    """`--sweep` alone is `--sweep auto`: 6 on a --max-batch 6 server, not a power of two."""
     out = tmp_path / "b.json"
-    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(4))) as sim:
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(max_batch))) as sim:
         res = cli(
             "bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1",
-            "--max-tokens", str(TOKENS), "--sweep", "--slo", SLO, "--json", str(out),
+            "--max-tokens", str(TOKENS), *sweep, "--slo", SLO, "--json", str(out),
         )  # fmt: skip
     assert res.returncode == 0, res.stderr[-1500:]
     cap = orjson.loads(out.read_bytes())["capacity"]["s"]
     ran = [st["concurrency"] for st in cap["steps"]]
-    truth = truth_capacity(get_profile("healthy", **knobs(4)), sorted(ran), lambda c: mix_copies(c, 1, 3))
-    assert cap["max_concurrency"] == truth == 4, (ran, cap["max_concurrency"])
-    assert {1, 2, 4, 8} <= set(ran) and 5 in ran  # doubled, then refined between 4 and 8 down to 5
+    truth = truth_capacity(get_profile("healthy", **knobs(max_batch)), sorted(ran), lambda c: mix_copies(c, 1, 3))
+    assert cap["max_concurrency"] == truth == max_batch, (ran, cap["max_concurrency"])
+    assert {1, 2, 4, 8, max_batch + 1} <= set(ran)  # doubled, then refined between 4 and 8 to the step past it
     assert all(st["requests"] >= MIN_STEP_REQUESTS and not st["too_small"] for st in cap["steps"])
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("s: "))
-    assert "meets the SLO up to 4 concurrent streams; at 5, TTFT p95 is" in " ".join(res.stdout.split()), line
+    want = f"meets the SLO up to {max_batch} concurrent streams; at {max_batch + 1}, TTFT p95 is"
+    assert want in " ".join(res.stdout.split()), line
+
+
+def test_bench_sweep_double_stops_at_the_powers_of_two(tmp_path: Path) -> None:
+    """`--sweep double` on the --max-batch 6 server: 1, 2, 4, 8 and no more; the answer is the
+    power of two below the truth, and the verdict says it was not refined."""
+    out = tmp_path / "b.json"
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(6))) as sim:
+        res = cli(
+            "bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1",
+            "--max-tokens", str(TOKENS), "--sweep", "double", "--slo", SLO, "--json", str(out),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap = orjson.loads(out.read_bytes())["capacity"]["s"]
+    ran = [st["concurrency"] for st in cap["steps"]]
+    assert ran == [1, 2, 4, 8]
+    truth = truth_capacity(get_profile("healthy", **knobs(6)), ran, lambda c: mix_copies(c, 1, 3))
+    assert cap["max_concurrency"] == truth == 4 and cap["broken_at"] == 8
+    assert "the capacity lies between 4 and 7: not refined" in " ".join(res.stdout.split())
 
 
 def _capture_with_models(tmp_path: Path, chats: list[CapturedRequest]) -> Path:
@@ -104,8 +127,10 @@ def _capture_with_models(tmp_path: Path, chats: list[CapturedRequest]) -> Path:
     return write_capture(tmp_path / "c.jsonl", [models, *chats])
 
 
-@pytest.mark.parametrize("max_batch", [4, 6])
-def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(tmp_path: Path, max_batch: int) -> None:
+@pytest.mark.parametrize(("max_batch", "sweep"), [(4, ["--sweep"]), (6, ["--sweep", "auto"])])
+def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(
+    tmp_path: Path, max_batch: int, sweep: list[str]
+) -> None:
     """Doubling 1, 2, 4, 8, then refining: 6 on a --max-batch 6 server, not a power of two."""
     chats = [
         captured_chat(f"c{i}", [{"role": "user", "content": f"task {i}"}], started_at=1.0 + i, max_tokens=TOKENS)
@@ -114,7 +139,7 @@ def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(tmp
     cap_file = _capture_with_models(tmp_path, chats)
     out = tmp_path / "r.json"
     with ServerThread(create_sim("healthy", speed=SPEED, **knobs(max_batch))) as sim:
-        res = cli("replay", str(cap_file), "--target", f"s={sim.url}", "--sweep", "--slo", SLO, "--json", str(out))
+        res = cli("replay", str(cap_file), "--target", f"s={sim.url}", *sweep, "--slo", SLO, "--json", str(out))
     assert res.returncode == 0, res.stderr[-1500:]
     doc = orjson.loads(out.read_bytes())
     cap = doc["capacity"]["s"]
@@ -173,6 +198,34 @@ def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_to
     assert "not judged: too few requests" in res.stderr
 
 
+def test_a_sessions_sweep_auto_refines_to_the_engines_truth(tmp_path: Path) -> None:
+    """`replay --mode sessions --sweep auto` on the --max-batch 6 server: the first steps are too
+    small to judge (5 and 10 requests), 4 and 8 are judged, then refining finds 6 sessions."""
+    cap_file = _capture_with_models(tmp_path, _five_turns())
+    out = tmp_path / "s.json"
+    with ServerThread(create_sim("healthy", speed=SPEED, **knobs(6))) as sim:
+        res = cli(
+            "replay", str(cap_file), "--target", f"s={sim.url}", "--mode", "sessions", "--sweep", "auto",
+            "--think-time", "0", "--slo", SLO, "--json", str(out),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    cap = orjson.loads(out.read_bytes())["capacity"]["s"]
+    ran = [st["concurrency"] for st in cap["steps"]]
+    truth = truth_capacity(get_profile("healthy", **knobs(6)), sorted(ran), lambda c: 5 * c)
+    assert cap["max_concurrency"] == truth == 6, (ran, cap)
+    assert {1, 2, 4, 8, 7} <= set(ran) and cap["too_small"] == [1, 2] and cap["unit"] == "sessions"
+    assert "meets the SLO up to 6 concurrent sessions; at 7, TTFT p95 is" in " ".join(res.stdout.split())
+
+
+def test_a_bare_sweep_before_the_capture_leaves_the_capture_an_argument(tmp_path: Path) -> None:
+    """`--sweep` takes an optional value: the word after a bare `--sweep` is still the capture."""
+    cap_file = _capture_with_models(tmp_path, _five_turns())
+    res = cli("replay", "--sweep", str(cap_file), "--target", "http://127.0.0.1:9", "--batch", "2")
+    assert res.returncode == 2 and "--sweep steps" in res.stderr  # parsed as a sweep of that capture
+    res = cli("replay", str(cap_file), "--target", "http://127.0.0.1:9", "--sweep", "twice")
+    assert res.returncode == 2 and "'twice' is not one of 'auto', 'double'" in res.stderr
+
+
 # -- the verdict ------------------------------------------------------------------------------
 
 
@@ -195,7 +248,7 @@ def _step(c: float, ttft: float, agg: float, n: int = 20, outcome: str = "ok", u
             "mode": f"{key} {c:g}",
             "kind": "sweep_step",
             "params": {key: c, "step": c, "sweep": True, "unit": unit},
-            "summary": {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 5.0})},
+            "summary": {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 5.0}).to_json()},
             "records": recs,
         }
     )
@@ -205,7 +258,7 @@ def test_flat_throughput_ends_the_capacity_at_the_knee_and_names_two_steps() -> 
     # the --max-batch 4 server under a loose SLO: TTFT 0.8 s -> 4.5 s, throughput flat past 4
     groups = [_step(1, 0.8, 50), _step(2, 0.8, 100), _step(4, 0.9, 200), _step(8, 4.5, 201)]
     cap = capacity_of(groups)["t"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "throughput" and cap["knee"] == 4
+    assert cap.value == 4 and cap.limited_by == "throughput" and cap.knee == 4
     line = capacity_line("t", cap)
     assert line == (
         "t: capacity 4 concurrent streams, where aggregate tok/s stopped rising (200 tok/s; 201 at 8, where the SLO"
@@ -216,7 +269,7 @@ def test_flat_throughput_ends_the_capacity_at_the_knee_and_names_two_steps() -> 
 def test_falling_throughput_is_not_capacity() -> None:
     # the capture replayed at 4 then 8 streams: 911 -> 122 tok/s while the SLO's thresholds still held
     cap = capacity_of([_step(1, 0.5, 300), _step(2, 0.6, 600), _step(4, 1.0, 911), _step(8, 4.0, 122)])["t"]
-    assert cap["max_concurrency"] == 4 and cap["limited_by"] == "throughput"
+    assert cap.value == 4 and cap.limited_by == "throughput"
     assert "capacity 4 concurrent streams, where aggregate tok/s stopped rising (911 tok/s; 122 at 8," in capacity_line(
         "t", cap
     )
@@ -239,16 +292,16 @@ def test_the_verdict_never_names_one_step_twice() -> None:
             head = line.split(": too few requests")[0].rsplit("; ", 1)[0] if "too few" in line else line
             named = re.findall(r"\b(?:at|past|to|capacity) (\d+)\b", head)
             assert len(named) == len(set(named)), (combo, aggs, line)  # each step named once at most
-            if cap["max_concurrency"]:
-                st = next(s for s in cap["steps"] if s["step"] == cap["max_concurrency"])
-                assert st["slo_met"] and not st["too_small"], (combo, aggs, line)
+            if cap.value:
+                st = next(s for s in cap.steps if s.step == cap.value)
+                assert st.slo_met and not st.too_small, (combo, aggs, line)
             seen += 1
     assert seen == 4**4 * 3
 
 
 def test_a_too_small_step_is_never_reported_as_meeting_the_slo() -> None:
     cap = capacity_of([_step(1, 0.1, 10, n=5), _step(2, 0.1, 20, n=10)])["t"]
-    assert cap["max_concurrency"] == 0 and cap["limited_by"] == "too_small" and cap["too_small"] == [1, 2]
+    assert cap.value == 0 and cap.limited_by == "too_small" and cap.too_small == (1, 2)
     line = capacity_line("t", cap)
     assert (
         line
@@ -257,12 +310,15 @@ def test_a_too_small_step_is_never_reported_as_meeting_the_slo() -> None:
 
 
 def test_refining_stops_when_the_bounds_meet() -> None:
-    steps = [dict(s, too_small=False) for s in capacity_of([_step(c, 1.0, 10 * c) for c in (1, 2, 4)])["t"]["steps"]]
+    steps = [
+        dataclasses.replace(s, too_small=False)
+        for s in capacity_of([_step(c, 1.0, 10 * c) for c in (1, 2, 4)])["t"].steps
+    ]
     assert refine_bounds(steps) is None  # every step held and rose: nothing to refine
-    broke = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 1.0, 40), _step(8, 9.0, 40)])["t"]["steps"]
+    broke = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 1.0, 40), _step(8, 9.0, 40)])["t"].steps
     assert refine_bounds(broke) == (4, 8)
     more = capacity_of([_step(c, 1.0 if c <= 6 else 9.0, 10 * min(c, 6)) for c in (1, 2, 4, 6, 7, 8)])["t"]
-    assert refine_bounds(more["steps"]) is None and more["max_concurrency"] == 6
+    assert refine_bounds(more.steps) is None and more.value == 6
 
 
 # -- coordinated omission -----------------------------------------------------------------------
@@ -273,10 +329,10 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
     on_time = [_rec(i, 0.5, lag=0.001) for i in range(20)]
     late = [_rec(i, 0.5, lag=3.0) for i in range(20)]
     slo = {"ttft_p95": 2.0, "e2e_p95": 3.0}
-    assert judge(on_time, slo)["slo"]["met"]
+    assert judge(on_time, slo).slo.met
     j = judge(late, slo)
-    assert not j["slo"]["met"] and j["slo"]["values"]["ttft_p95"] == pytest.approx(3.5)
-    assert j["goodput"]["good"] == 0
+    assert not j.slo.met and j.slo.values["ttft_p95"] == pytest.approx(3.5)
+    assert j.goodput.good == 0
 
 
 def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
@@ -350,3 +406,20 @@ def test_fail_on_slo_judges_the_lightest_step_big_enough_to_judge() -> None:
     ]
     (broken,) = failed_checks(("slo",), [_step(2, 1.0, 20), _step(1, 9.0, 10)])  # in step order, not run order
     assert broken.startswith("SLO broken on t concurrency 1: TTFT p95 is 9")
+
+
+def test_the_capacity_object_keeps_its_keys_in_the_result_file() -> None:
+    """The frozen results convert to the same JSON keys, in the same order, as the file always had."""
+    cap = capacity_of([_step(1, 1.0, 10), _step(2, 1.0, 20), _step(4, 9.0, 20), _step(8, 1.0, 20, n=5)])["t"]
+    d = cap.to_json()
+    assert list(d) == ["max_concurrency", "slo", "limited_by", "unit", "steps", "broken_at", "too_small"]
+    assert d["max_concurrency"] == 2 and d["broken_at"] == 4 and d["too_small"] == [8] and d["slo"] == {"ttft_p95": 5.0}
+    step = d["steps"][2]
+    assert list(step) == [
+        "step", "concurrency", "requests", "ok", "errors", "too_small", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
+        "tpot_p95_s", "decode_tps_p50", "aggregate_tps", "anomalies", "goodput", "slo_met", "breaches", "problem",
+    ]  # fmt: skip
+    assert step["breaches"] == [{"key": "ttft_p95", "value": 9.0, "threshold": 5.0}] and step["slo_met"] is False
+    assert list(step["goodput"]) == ["good", "requests", "share", "rate"]
+    rate = capacity_of([_step(2.5, 1.0, 10, unit="req/s")])["t"].to_json()
+    assert "max_rate" in rate and list(rate["steps"][0])[:2] == ["step", "rate"]

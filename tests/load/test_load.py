@@ -170,14 +170,14 @@ def test_goodput_counts_requests_meeting_every_threshold() -> None:
     ]
     j = judge(recs, slo)
     # r0 and r3 meet both; r1 too slow per token, r2 too slow to start, r4 failed; span 100..105 s
-    assert j["goodput"] == {"good": 2, "requests": 5, "share": 0.4, "rate": pytest.approx(2 / 5.0)}
-    assert not j["slo"]["met"] and j["slo"]["errors"] == 1
-    assert [b["key"] for b in j["slo"]["breaches"]] == ["ttft_p95"]  # tpot p50 of 0.02,0.06,0.02,0.03 is 0.025
+    assert j.goodput.to_json() == {"good": 2, "requests": 5, "share": 0.4, "rate": pytest.approx(2 / 5.0)}
+    assert not j.slo.met and j.slo.errors == 1
+    assert [b.key for b in j.slo.breaches] == ["ttft_p95"]  # tpot p50 of 0.02,0.06,0.02,0.03 is 0.025
     assert "TTFT p95 is" in step_problem(j) and "1 of 5 requests failed" in step_problem(j)
     fine = judge(recs[:1] + recs[3:4], slo)
-    assert fine["slo"]["met"] and fine["goodput"]["share"] == 1.0
+    assert fine.slo.met and fine.goodput.share == 1.0
     lower = judge([_rec(0, 0.1, 0.1), _rec(1, 0.1, 0.01)], {"decode_tps_p50": 20.0})
-    assert lower["goodput"]["good"] == 1  # decode_tps is a lower bound: 10 tok/s misses, 100 meets
+    assert lower.goodput.good == 1  # decode_tps is a lower bound: 10 tok/s misses, 100 meets
 
 
 def bench_args(url: str, *extra: str) -> list[str]:
@@ -208,10 +208,11 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
 
 
 def test_a_breach_never_reads_as_equal_to_its_limit() -> None:
+    from mlxproxy.load.results import Breach
     from mlxproxy.load.slo import breach_text
 
     def text(key: str, value: float, limit: float) -> str:
-        return breach_text({"key": key, "value": value, "threshold": limit})
+        return breach_text(Breach(key, value, limit))
 
     assert text("tpot_p95", 0.1004, 0.1) == "TPOT p95 is 100.4 ms (> 100.0 ms)"  # was "100 ms (> 100 ms)"
     assert text("tpot_p95", 0.10004, 0.1) == "TPOT p95 is 100.04 ms (> 100.00 ms)"
@@ -372,7 +373,7 @@ def test_capacity_lines_for_every_ending() -> None:
 
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(20)]
-        summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0})}
+        summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0}).to_json()}
         return Group.from_dict(
             {
                 "target": "t",
@@ -385,21 +386,21 @@ def test_capacity_lines_for_every_ending() -> None:
         )
 
     cap = capacity_of([group(1, 2.0)])["t"]
-    assert cap["max_concurrency"] == 0
+    assert cap.value == 0
     assert capacity_line("t", cap) == "t: does not meet the SLO even at 1 concurrent stream: TTFT p95 is 2 s (> 1 s)"
     cap = capacity_of([group(1, 0.1, agg=50), group(2, 0.1, agg=52)])["t"]
-    assert cap["limited_by"] == "throughput" and cap["max_concurrency"] == 1  # 2 streams added no throughput
+    assert cap.limited_by == "throughput" and cap.value == 1  # 2 streams added no throughput
     assert capacity_line("t", cap) == (
         "t: capacity 1 concurrent stream, where aggregate tok/s stopped rising (50 tok/s; 52 at 2, where the SLO"
         " still held: more load only queues)"
     )
     cap = capacity_of([group(1, 0.1, agg=50), group(2, 0.1, agg=100)])["t"]
     assert (
-        cap["limited_by"] == "steps"
+        cap.limited_by == "steps"
         and capacity_line("t", cap) == "t: meets the SLO at every step, up to 2 concurrent streams"
     )
     cap = capacity_of([group(1, 0.1), group(2, 0.1, outcome="upstream_timeout")])["t"]
-    assert cap["limited_by"] == "errors" and "at 2, 20 of 20 requests failed" in capacity_line("t", cap)
+    assert cap.limited_by == "errors" and "at 2, 20 of 20 requests failed" in capacity_line("t", cap)
 
 
 # -- agent sessions --------------------------------------------------------------------------------
