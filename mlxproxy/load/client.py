@@ -149,6 +149,7 @@ class MeasuringClient:
         self.api_key = api_key
         self.tag_replay = tag_replay
         self.keep_text = keep_text
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.in_flight = 0
         self.finished: list[Record] = []
         # prompt fingerprints of the conversations sent (the cache doctor's re-prefill causes); None: not tracked
@@ -291,10 +292,17 @@ class MeasuringClient:
         return out
 
     async def run_recorded(
-        self, reqs: Sequence[PreparedRequest], speed: float = 1.0, progress: Callable[[], None] | None = None
+        self,
+        reqs: Sequence[PreparedRequest],
+        speed: float = 1.0,
+        progress: Callable[[], None] | None = None,
+        *,
+        start: float | None = None,
     ) -> Timed:
         """Each request sent at its recorded offset / speed, against absolute deadlines;
-        the lag of every actual send behind its deadline is kept.
+        the lag of every actual send behind its deadline is kept. The offsets count from the
+        first request's, which is sent now; with `start` (a `perf_counter` instant) they count
+        from that instant instead (the segments of several workers share one start).
 
         One dispatcher sleeps until the next deadline and only then starts that request's
         task: creating every task up front would spend the first moments of a long run
@@ -304,8 +312,8 @@ class MeasuringClient:
         if not reqs:
             return out
         ordered = sorted(reqs, key=lambda r: r.offset_s)
-        first = ordered[0].offset_s
-        t0 = now()
+        first = ordered[0].offset_s if start is None else 0.0
+        t0 = now() if start is None else start
         tasks: list[asyncio.Task[None]] = []
 
         heap = _RunHeap()
