@@ -37,6 +37,7 @@ from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
 from mlxproxy.load.shapes import OpenLoop, Waves
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.workers import ONE_PROCESS, Workers, run_shape, workers_section
 
 __all__ = [
     "BenchOptions",
@@ -83,6 +84,7 @@ class BenchOptions:
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    workers: Workers = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
 
 @dataclass
@@ -274,12 +276,13 @@ class _BenchRun:
         if self.waves:
             await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
         if opts.sweep:
-            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat)
+            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat, opts.workers)
             await self.sweep(step, opts.sweep_steps, tick)
         if opts.rate_steps:
             step_r = open_loop_step(
-                self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.arrival, opts.seed, opts.ramp_s
-            )
+                self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.arrival, opts.seed, opts.ramp_s,
+                opts.workers,
+            )  # fmt: skip
             params = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
             await self.sweep(step_r, opts.rate_steps, tick, RATE_UNIT, params)
         elif opts.rate:
@@ -304,8 +307,9 @@ class _BenchRun:
         opts = self.opts
         shape = OpenLoop(rate, opts.arrival, opts.seed, opts.ramp_s)
         reqs = self.requests(opts.requests, "rate")
-        timed = await shape.run(self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
+        timed = await run_shape(opts.workers, shape, self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
         summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+        summ = workers_section(summ, timed)
         params = {**self.params, "prompt_tokens": self.bsize, **shape.params(len(reqs))}
         self.res.groups.append(_group(f"{opts.arrival} {rate:g}/s", "rate", self.res.target.name, params, timed, summ))
 

@@ -41,6 +41,8 @@ from mlxproxy.load.results import Group, GroupKind, Summary
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn, Waves
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, closed_loop_step, open_loop_step, run_sweep
+from mlxproxy.load.workers import ONE_PROCESS, Workers, run_shape, workers_section
+from mlxproxy.load.workers import run_sessions as sessions_on
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
@@ -70,6 +72,7 @@ class ReplayOptions:
         None  # sessions mode: seconds between a response's end and the next turn (None: captured)
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    workers: Workers = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
 
 
 def select(
@@ -415,14 +418,15 @@ class _ReplayRun:
             await self.batch(tick)
         elif isinstance(shape := self.shape(), OpenLoop):
             ramp = [prepare(self.caps[i % len(self.caps)], opts) for i in range(shape.ramp_size())]
-            timed = await shape.run(self.client, self.fresh(), tick, ramp)
+            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick, ramp)
             sent = [r.t_start_mono for r in timed.records]
-            summary = summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent)
+            summary = workers_section(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent), timed)
             self.finish(self.mode, "rate", timed, summary, {**self.params, **shape.params(len(timed.records))})
         else:
-            timed = await shape.run(self.client, self.fresh(), tick)
+            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick)
             lag = timed.lag_s if isinstance(shape, Recorded) else None
-            self.finish(self.mode, "replay", timed, summarize_records(timed.records, lag_s=lag), self.params)
+            summary = workers_section(summarize_records(timed.records, lag_s=lag), timed)
+            self.finish(self.mode, "replay", timed, summary, self.params)
 
     async def sessions(self, tick: Progress) -> None:
         opts = self.opts
@@ -470,7 +474,7 @@ class _ReplayRun:
             )  # fmt: skip
 
         if opts.mode == "rate":
-            step = open_loop_step(self.client, cycle, len(reps), opts.arrival, opts.seed, opts.ramp_s)
+            step = open_loop_step(self.client, cycle, len(reps), opts.arrival, opts.seed, opts.ramp_s, opts.workers)
             steps = opts.sweep_steps or (opts.rate or 1.0,)
             await sweep(step, steps, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s, unit=RATE_UNIT)
         elif opts.mode == "sessions":
@@ -482,7 +486,7 @@ class _ReplayRun:
 
             await sweep(sessions_step, opts.sweep_steps, think_time=opts.think_time, unit="sessions")
         else:
-            await sweep(closed_loop_step(self.client, copies, len(reps)), opts.sweep_steps)
+            await sweep(closed_loop_step(self.client, copies, len(reps), 1, opts.workers), opts.sweep_steps)
 
     def interrupted(self, measured_from: int) -> None:
         """The requests finished so far but in no group yet, as one more group."""
@@ -567,7 +571,7 @@ async def run_sessions(
     if client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
         client.prefixes = PrefixIndex()
     plans = [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
-    timed, where, session_s = await Sessions(at_once).run_sessions(client, plans, tick)
+    timed, where, session_s = await sessions_on(opts.workers, Sessions(at_once), client, plans, tick)
     return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
 
 

@@ -33,6 +33,7 @@ from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop
 from mlxproxy.load.slo import judge
+from mlxproxy.load.workers import ONE_PROCESS, Workers, run_shape, workers_section
 
 __all__ = [
     "DEFAULT_BUDGET_S",
@@ -135,6 +136,7 @@ def _step_group(
         lag_s=timed.lag_s or None,
         send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
     )
+    summary = workers_section(summary, timed)
     return Group(
         f"sweep {n:g}",
         target,
@@ -173,25 +175,31 @@ def open_loop_step(
     arrival: str = "constant",
     seed: int = 0,
     ramp_s: float = 0.0,
+    workers: Workers = ONE_PROCESS,
 ) -> Callable[[float], Awaitable[StepRun]]:
     """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
-    an open loop at the step's rate (after an unmeasured ramp of `ramp_s` seconds up to it)."""
+    an open loop at the step's rate (after an unmeasured ramp of `ramp_s` seconds up to it),
+    from `workers`."""
 
     async def step(rate: float) -> StepRun:
         shape = OpenLoop(rate, arrival, seed, ramp_s)
-        return await shape.run(client, make(n), None, make(shape.ramp_size())), {}
+        return await run_shape(workers, shape, client, make(n), None, make(shape.ramp_size())), {}
 
     return step
 
 
 def closed_loop_step(
-    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], mix_size: int, per_stream: int = 1
+    client: MeasuringClient,
+    make: Callable[[int], list[PreparedRequest]],
+    mix_size: int,
+    per_stream: int = 1,
+    workers: Workers = ONE_PROCESS,
 ) -> Callable[[int], Awaitable[StepRun]]:
     """A sweep step of `concurrency` streams sending whole copies of a mix (`make(k)`: k
-    copies of the mix's `mix_size` requests, in order), `mix_copies` of them."""
+    copies of the mix's `mix_size` requests, in order), `mix_copies` of them, from `workers`."""
 
     async def step(conc: int) -> StepRun:
         copies = mix_copies(conc, mix_size, max(per_stream, MIN_PER_STREAM))
-        return await ClosedLoop(conc).run(client, make(copies)), {}
+        return await run_shape(workers, ClosedLoop(conc), client, make(copies)), {}
 
     return step

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import multiprocessing
 import os
 import socket
@@ -60,13 +61,15 @@ from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Ses
 
 __all__ = [
     "BOTTLENECK_CPU",
-    "ClusterError",
+    "ONE_PROCESS",
+    "WorkersError",
+    "cluster_available",
+    "workers_for",
     "FleetTimed",
     "Segment",
     "SegmentResult",
     "WorkerFigures",
     "Workers",
-    "auto_workers",
     "merge",
     "plan_closed",
     "plan_due",
@@ -85,17 +88,15 @@ CLUSTER_LEAD_S = 1.0
 #: seconds a run waits for a cluster's first worker
 CLUSTER_WAIT_S = 10.0
 
+MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
+
 SegmentKind = Literal["due", "closed", "sessions"]
 Where = dict[str, dict[str, float | int]]
 
 
-class ClusterError(RuntimeError):
-    """The cluster cannot run the segments: the extra is missing, no scheduler, no workers."""
-
-
-def auto_workers() -> int:
-    """`--workers auto`: the cores less one (for the parent and the server), at least 1."""
-    return max(1, (os.cpu_count() or 1) - 1)
+class WorkersError(RuntimeError):
+    """The segments cannot run: the [cluster] extra is missing, no scheduler or no workers
+    answer, a worker failed. Its message is one line for the command line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,10 @@ class Workers:
 
     def describe(self) -> str:
         return f"Dask cluster {self.cluster}" if self.cluster else f"{self.count} local processes"
+
+
+#: the default: everything sent from this process
+ONE_PROCESS = Workers()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +226,25 @@ class FleetTimed(Timed):
     """A `Timed` merged from several workers' segments, with each worker's own figures."""
 
     workers: tuple[WorkerFigures, ...] = ()
+    worker_of: dict[str, int] = field(default_factory=dict)  # record id -> the worker that sent it
     where: Where = field(default_factory=dict)
     session_s: list[float] = field(default_factory=list)
     cluster: str | None = None
+
+
+def cluster_available() -> bool:
+    """Whether the [cluster] extra (Dask's `distributed`) is installed."""
+    return importlib.util.find_spec("distributed") is not None
+
+
+def workers_for(count: int, cluster: str | None) -> Workers:
+    """`--workers` and `--cluster` as a `Workers`; WorkersError when the cluster cannot be used."""
+    if cluster is not None:
+        if not cluster.strip():
+            raise WorkersError("--cluster needs the Dask scheduler's address, e.g. tcp://10.0.0.5:8786")
+        if not cluster_available():
+            raise WorkersError(MISSING_EXTRA)
+    return Workers(count, cluster.strip() if cluster else None)
 
 
 # -- planning (pure) ---------------------------------------------------------------------------
@@ -321,6 +342,7 @@ async def _run_segment(seg: Segment) -> SegmentResult:
 
 def _serve(conn: Connection) -> None:
     """A local worker process: ready once imported, then one segment, its result, exit."""
+    _warm()
     conn.send(("ready", os.getpid()))
     seg = conn.recv()
     try:
@@ -335,9 +357,9 @@ async def _receive(conn: Connection, index: int) -> Any:
     try:
         what, value = await asyncio.to_thread(conn.recv)
     except EOFError:
-        raise RuntimeError(f"load worker {index} exited without a result") from None
+        raise WorkersError(f"load worker {index} exited without a result") from None
     if what == "error":
-        raise RuntimeError(f"load worker {index} failed: {value}")
+        raise WorkersError(f"load worker {index} failed: {value}")
     return value
 
 
@@ -371,7 +393,9 @@ async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], 
 
 
 def _warm() -> int:
-    """Run on every cluster worker first, so importing the package is not in the schedule."""
+    """Run in every worker before the start is chosen, so that importing the package and the
+    event loop's modules is not in the schedule."""
+    run_async(asyncio.sleep(0))
     return os.getpid()
 
 
@@ -381,19 +405,21 @@ def _run_cluster(address: str, plan: Callable[[int], list[Segment]], count: int)
     try:
         from distributed import Client  # the optional [cluster] extra
     except ImportError:
-        raise ClusterError("--cluster needs Dask: pip install 'mlxproxy[cluster]'") from None
+        raise WorkersError(MISSING_EXTRA) from None
     try:
         dc = Client(address, timeout=10, set_as_default=False)
     except (OSError, TimeoutError) as exc:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+        raise WorkersError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
     with dc:
         try:
             dc.wait_for_workers(1, timeout=CLUSTER_WAIT_S)
         except TimeoutError:
-            raise ClusterError(f"the Dask scheduler at {address} has no workers") from None
+            raise WorkersError(f"the Dask scheduler at {address} has no workers") from None
         hosts = sorted(dc.nthreads())
         segments = plan(count if count > 1 else len(hosts))
-        dc.run(_warm)
+        # in each worker's task thread, as the segments will run (`Client.run` would run it on
+        # the worker's own event loop)
+        dc.gather([dc.submit(_warm, workers=[h], allow_other_workers=False, pure=False) for h in hosts])
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
         futures = [
@@ -429,6 +455,7 @@ def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
     for res in sorted(results, key=lambda r: r.index):
         shift = start_mono - res.start_mono
         out.records.extend(r.evolve(t_start_mono=r.t_start_mono + shift) for r in res.records)
+        out.worker_of.update((r.id, res.index) for r in res.records)
         out.lag_s.extend(res.lag_s)
         out.lag_by_id.update(res.lag_by_id)
         out.source_ids.update(res.source_ids)
