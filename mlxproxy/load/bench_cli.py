@@ -156,12 +156,7 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
-    try:
-        opts = dataclasses.replace(opts, workers=workers_for(workers, cluster))
-    except WorkersError as exc:
-        fail(str(exc))
-    if opts.workers.parallel and not (rate or sweep):
-        say("--workers and --cluster apply to --rate and --sweep; these tests send from one process")
+    opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
     try:
@@ -220,6 +215,18 @@ def _options(
         arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo,
         budget_s=sweep_budget,
     )  # fmt: skip
+
+
+def _with_workers(opts: BenchOptions, count: int, cluster: str | None) -> BenchOptions:
+    """`opts` sending its --rate and --sweep tests from `--workers`/`--cluster`; a note when
+    there are no such tests (the others send from one process)."""
+    try:
+        out = dataclasses.replace(opts, workers=workers_for(count, cluster))
+    except WorkersError as exc:
+        fail(str(exc))
+    if out.workers.parallel and not (opts.rate or opts.sweep):
+        say("--workers and --cluster apply to --rate and --sweep; these tests send from one process")
+    return out
 
 
 def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:
