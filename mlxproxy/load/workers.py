@@ -300,9 +300,10 @@ def _due_offsets(
 # -- a worker ----------------------------------------------------------------------------------
 
 
-def run_segment(seg: Segment) -> SegmentResult:
-    """Run one segment on this process's stack event loop (in a worker process or a Dask task)."""
-    return run_async(_run_segment(seg))
+def run_segment(seg: Segment, start_at: float | None = None) -> SegmentResult:
+    """Run one segment on this process's stack event loop (in a worker process or a Dask task),
+    from `start_at` when given (the segment itself was handed over earlier)."""
+    return run_async(_run_segment(seg if start_at is None else dataclasses.replace(seg, start_at=start_at)))
 
 
 async def _sleep_until(t: float) -> None:
@@ -341,12 +342,14 @@ async def _run_segment(seg: Segment) -> SegmentResult:
 
 
 def _serve(conn: Connection) -> None:
-    """A local worker process: ready once imported, then one segment, its result, exit."""
+    """A local worker process: its segment, ready once that and the imports are in, then the
+    shared start, its result, exit."""
     _warm()
-    conn.send(("ready", os.getpid()))
     seg = conn.recv()
+    conn.send(("ready", os.getpid()))
+    start_at = conn.recv()
     try:
-        conn.send(("done", run_segment(seg)))
+        conn.send(("done", run_segment(seg, start_at)))
     except BaseException as exc:  # a worker's failure is one line in the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -365,7 +368,8 @@ async def _receive(conn: Connection, index: int) -> Any:
 
 async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], float]:
     """Each segment in a process of its own (started with `spawn`: no fork of a process that
-    runs an event loop), all started at one instant once all are ready."""
+    runs an event loop), all started at one instant once every segment is in its process (a
+    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule)."""
     ctx = multiprocessing.get_context("spawn")
     procs: list[SpawnProcess] = []
     conns: list[Connection] = []
@@ -377,10 +381,12 @@ async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], 
             theirs.close()
             procs.append(p)
             conns.append(mine)
+        # off the loop: a pipe takes a big segment only as fast as its process reads it
+        await asyncio.gather(*(asyncio.to_thread(c.send, seg) for c, seg in zip(conns, segments)))
         await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
         start_at = time.time() + LOCAL_LEAD_S
-        for c, seg in zip(conns, segments):
-            c.send(dataclasses.replace(seg, start_at=start_at))
+        for c in conns:
+            c.send(start_at)
         results = await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
         return list(results), start_at
     finally:
@@ -417,21 +423,25 @@ def _run_cluster(address: str, plan: Callable[[int], list[Segment]], count: int)
             raise WorkersError(f"the Dask scheduler at {address} has no workers") from None
         hosts = sorted(dc.nthreads())
         segments = plan(count if count > 1 else len(hosts))
+        where = [hosts[i % len(hosts)] for i in range(len(segments))]
         # in each worker's task thread, as the segments will run (`Client.run` would run it on
-        # the worker's own event loop)
+        # the worker's own event loop); each segment sent to its worker (`scatter` returns once
+        # it is there) before the start is chosen
         dc.gather([dc.submit(_warm, workers=[h], allow_other_workers=False, pure=False) for h in hosts])
+        data = [dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
         futures = [
             dc.submit(
                 run_segment,
-                dataclasses.replace(s, start_at=start_at),
-                key=f"mlxproxy-segment-{tag}-{s.index}",
-                workers=[hosts[i % len(hosts)]],
+                seg,
+                start_at,
+                key=f"mlxproxy-segment-{tag}-{i}",
+                workers=[where[i]],
                 allow_other_workers=False,
                 pure=False,
             )
-            for i, s in enumerate(segments)
+            for i, seg in enumerate(data)
         ]
         return list(dc.gather(futures)), start_at
 
