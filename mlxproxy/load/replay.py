@@ -432,7 +432,7 @@ class _ReplayRun:
         opts = self.opts
         runs = max(opts.sessions, len(split_sessions(self.caps)) * opts.repeat)
         timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
-        summary = summarize_records(timed.records).updated({"sessions": sess})
+        summary = workers_section(summarize_records(timed.records), timed).updated({"sessions": sess})
         params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
         self.groups.append(
             _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)

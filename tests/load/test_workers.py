@@ -237,3 +237,31 @@ def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_w
     # the simulator's timing is scripted: the same schedule gives the same figures, within noise
     for key in ("e2e_s", "decode_tps"):
         assert p50(cluster, key) == pytest.approx(p50(local, key), rel=0.35), key
+
+
+def test_workers_and_cluster_options_say_what_is_wrong_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlxproxy.load.workers as workers_mod
+
+    for bad in ("0", "two"):
+        res = cli("replay", "builtin:agent", "--target", "http://127.0.0.1:9", "--workers", bad)
+        assert res.returncode == 2 and "'--workers'" in res.stderr and "or auto" in res.stderr
+    monkeypatch.setattr(workers_mod, "cluster_available", lambda: False)
+    with pytest.raises(workers_mod.WorkersError, match=r"pip install 'mlxproxy\[cluster\]'"):
+        workers_mod.workers_for(1, "tcp://10.0.0.5:8786")
+    assert workers_mod.workers_for(3, None) == Workers(3)
+
+
+def test_replay_sessions_with_two_workers_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    with ServerThread(create_sim("healthy", speed=50.0)) as sim:
+        res = cli(
+            "replay", "builtin:agent", "--target", sim.url, "--sessions", "3", "--repeat", "2", "--think-time", "0",
+            "--workers", "2", "--json", str(out),
+        )  # fmt: skip
+        seq = cli("replay", "builtin:agent", "--target", sim.url, "--mode", "sequential", "--workers", "2")
+    assert res.returncode == 0, res.stderr
+    group = json.loads(out.read_text())["groups"][0]
+    assert group["kind"] == "sessions" and len(group["records"]) == 18  # 3 conversation runs x 6 turns
+    assert [w["requests"] for w in group["summary"]["workers"]["per_worker"]] == [12, 6]  # runs 0, 2 and 1
+    assert sorted({r["session"] for r in group["records"]}) == [0, 1, 2]
+    assert seq.returncode == 0 and "do not apply to sequential: it sends from one process" in seq.stderr
