@@ -23,6 +23,11 @@ machine (it prints the background load it saw):
 
     .venv/bin/python benchmarks/generator.py            # ~2 minutes
     .venv/bin/python benchmarks/generator.py --quick    # smoke, ~20 s
+
+`--workers N` sends every job from N load processes, as `bench`/`replay --workers N` do
+(`mlxproxy/load/workers.py`), and prints each worker's lag p99 and CPU share (issue 31's
+targets, with `--workers 2`: 1.6x the one-process non-streamed rate, and `--streams 512` with
+lag p99 <= 5 ms); `--parts 1,2` and `--skip-harness` leave jobs out.
 """
 
 from __future__ import annotations

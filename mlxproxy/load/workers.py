@@ -556,11 +556,16 @@ def workers_line(figures: Sequence[WorkerFigures], cluster: str | None = None) -
         + f", CPU {w.cpu_share:.0%}"
         for w in figures
     )
-    head = f"{len(figures)} load workers{where} ({each})"
-    slow = [f"worker {w.index} ({w.host}): {'; '.join(w.problems())}" for w in figures if w.problems()]
-    if slow:
-        return head + ": a load worker was the bottleneck, " + "; ".join(slow) + ": add workers or hosts"
-    return head
+    head = f"{len(figures)} load worker{'' if len(figures) == 1 else 's'}{where} ({each})"
+    slow = [w for w in figures if w.problems()]
+    if not slow:
+        return head
+    said = "; ".join(f"worker {w.index} ({w.host}): {'; '.join(w.problems())}" for w in slow)
+    if any(w.cpu_share > BOTTLENECK_CPU for w in slow):
+        hint = "add workers or hosts"
+    else:  # late without using its core: it waited for one
+        hint = "it was late without using its core, so its host had none free: send from more hosts"
+    return f"{head}: a load worker was the bottleneck, {said}: {hint}"
 
 
 def workers_section(summary: Summary, timed: Timed) -> Summary:

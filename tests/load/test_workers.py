@@ -265,3 +265,16 @@ def test_replay_sessions_with_two_workers_from_the_command_line(tmp_path: Path) 
     assert [w["requests"] for w in group["summary"]["workers"]["per_worker"]] == [12, 6]  # runs 0, 2 and 1
     assert sorted({r["session"] for r in group["records"]}) == [0, 1, 2]
     assert seq.returncode == 0 and "do not apply to sequential: it sends from one process" in seq.stderr
+
+
+def test_the_bottleneck_line_says_whether_a_worker_ran_out_of_cpu_or_waited_for_it() -> None:
+    from mlxproxy.load.workers import WorkerFigures, workers_line
+
+    busy = WorkerFigures(0, "a", 1, 100, 0.002, 0.95, 1.0)
+    late = WorkerFigures(1, "b", 2, 100, 0.08, 0.3, 1.0)
+    fine = WorkerFigures(2, "c", 3, 100, 0.002, 0.3, 1.0)
+    assert workers_line([fine]) == "1 load worker (2: 100 req, lag p99 2.0 ms, CPU 30%)"
+    assert workers_line([busy, fine]).endswith("worker 0 (a): CPU 95% of a core: add workers or hosts")
+    assert "worker 1 (b): schedule lag p99 80.0 ms over 25 ms: it was late without using its core" in workers_line(
+        [late, fine], "tcp://x:8786"
+    )
