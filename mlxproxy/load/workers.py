@@ -405,30 +405,34 @@ def _warm() -> int:
     return os.getpid()
 
 
-def _run_cluster(address: str, plan: Callable[[int], list[Segment]], count: int) -> tuple[list[SegmentResult], float]:
+async def _run_cluster(
+    address: str, plan: Callable[[int], list[Segment]], count: int
+) -> tuple[list[SegmentResult], float]:
     """The segments as tasks on a Dask cluster, one per worker (round-robin when more segments
-    than workers). Blocking: run in a thread."""
+    than workers), through Dask's asynchronous client on this event loop: a cancelled run
+    (Ctrl-C) cancels its tasks."""
     try:
         from distributed import Client  # the optional [cluster] extra
     except ImportError:
         raise WorkersError(MISSING_EXTRA) from None
     try:
-        dc = Client(address, timeout=10, set_as_default=False)
+        dc = await Client(address, asynchronous=True, timeout=10, set_as_default=False)
     except (OSError, TimeoutError) as exc:
         raise WorkersError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
-    with dc:
+    futures: list[Any] = []
+    try:
         try:
-            dc.wait_for_workers(1, timeout=CLUSTER_WAIT_S)
+            await dc.wait_for_workers(1, timeout=CLUSTER_WAIT_S)
         except TimeoutError:
             raise WorkersError(f"the Dask scheduler at {address} has no workers") from None
-        hosts = sorted(dc.nthreads())
+        hosts = sorted(await dc.nthreads())
         segments = plan(count if count > 1 else len(hosts))
         where = [hosts[i % len(hosts)] for i in range(len(segments))]
         # in each worker's task thread, as the segments will run (`Client.run` would run it on
         # the worker's own event loop); each segment sent to its worker (`scatter` returns once
         # it is there) before the start is chosen
-        dc.gather([dc.submit(_warm, workers=[h], allow_other_workers=False, pure=False) for h in hosts])
-        data = [dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
+        await dc.gather([dc.submit(_warm, workers=[h], allow_other_workers=False, pure=False) for h in hosts])
+        data = [await dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
         futures = [
@@ -443,12 +447,16 @@ def _run_cluster(address: str, plan: Callable[[int], list[Segment]], count: int)
             )
             for i, seg in enumerate(data)
         ]
-        return list(dc.gather(futures)), start_at
+        return list(await dc.gather(futures)), start_at
+    finally:
+        if futures:
+            await dc.cancel(futures)
+        await dc.close()
 
 
 async def _dispatch(workers: Workers, plan: Callable[[int], list[Segment]]) -> FleetTimed:
     if workers.cluster:
-        results, start_at = await asyncio.to_thread(_run_cluster, workers.cluster, plan, workers.count)
+        results, start_at = await _run_cluster(workers.cluster, plan, workers.count)
     else:
         results, start_at = await _run_local(plan(workers.count))
     fleet = merge(results, time.perf_counter() + (start_at - time.time()))
