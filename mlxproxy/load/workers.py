@@ -39,6 +39,7 @@ import dataclasses
 import importlib.util
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import uuid
@@ -343,7 +344,8 @@ async def _run_segment(seg: Segment) -> SegmentResult:
 
 def _serve(conn: Connection) -> None:
     """A local worker process: its segment, ready once that and the imports are in, then the
-    shared start, its result, exit."""
+    shared start, its result, exit. Ctrl-C is the parent's to handle (it ends the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm()
     seg = conn.recv()
     conn.send(("ready", os.getpid()))
