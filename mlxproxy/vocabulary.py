@@ -67,6 +67,10 @@ MEANINGS: dict[str, str] = {
     "--ramp": "SECONDS: before each --rate test, raise the rate linearly from 0 to R over this long; those "
     "requests are sent but not measured.",
     "--seed": "Seed of everything drawn at random, so the same seed repeats a run exactly.",
+    "--workers": "N or auto: send from N load-generator processes (auto: the cores less one), each a disjoint "
+    "part of the schedule from one shared start; percentiles are computed over all their raw records.",
+    "--cluster": "ADDRESS: send from the workers of the Dask cluster whose scheduler is at ADDRESS "
+    "(tcp://HOST:8786), one part of the schedule each; needs the [cluster] extra.",
     "--slo": "KEY=VALUE,...: latency targets a test must meet, e.g. ttft_p95=3s,tpot_p50=60ms (keys ttft, tpot, "
     "itl, e2e: at most; decode_tps: at least; _pNN the percentile); goodput counts the requests that met "
     "every one.",
@@ -141,6 +145,25 @@ class _IntList(_ParamType):
         if not items or any(i < self.minimum for i in items):
             self.fail(f"{value!r}: give at least one number, each >= {self.minimum}", param, ctx)
         return items
+
+
+class _Workers(_ParamType):
+    """N (>= 1) or auto -> a number of load-generator processes (auto: the cores less one, at least 1)."""
+
+    name = "workers"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "auto":
+            return max(1, (os.cpu_count() or 1) - 1)
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r}: give a number of processes (1 or more) or auto", param, ctx)
+        if n < 1:
+            self.fail(f"{value!r}: give a number of processes (1 or more) or auto", param, ctx)
+        return n
 
 
 class _Parsed(_ParamType):
@@ -334,6 +357,8 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         {"type": click.FloatRange(min=0.0), "default": 600.0, "show_default": True, "metavar": "SECONDS"},
     ),
     "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
+    "--workers": (("--workers",), {"type": _Workers(), "default": 1, "show_default": True, "metavar": "N|auto"}),
+    "--cluster": (("--cluster",), {"default": None, "metavar": "ADDRESS"}),
 }
 
 

@@ -33,9 +33,10 @@ from mlxproxy.load.common import filler_text, requests_text, unreachable_message
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves, closed_loop_step, open_loop_step
+from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
+from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
 
 __all__ = [
     "BenchOptions",
@@ -83,6 +84,7 @@ class BenchOptions:
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
+    workers: Workers = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
 
 @dataclass
@@ -274,10 +276,10 @@ class _BenchRun:
         if self.waves:
             await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
         if opts.sweep:
-            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat)
+            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat, opts.workers)
             await self.sweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s), step, tick)
         if opts.rate_steps:
-            step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests)
+            step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.workers)
             shape = Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)
             params = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
             await self.sweep(shape, step_r, tick, params)
@@ -302,8 +304,9 @@ class _BenchRun:
         opts = self.opts
         shape = OpenLoop(rate, opts.arrival, opts.seed, opts.ramp_s)
         reqs = self.requests(opts.requests, "rate")
-        timed = await shape.run(self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
+        timed = await run_shape(opts.workers, shape, self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
         summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
+        summ = workers_section(summ, timed)
         params = {**self.params, "prompt_tokens": self.bsize, **shape.params(len(reqs))}
         self.res.groups.append(_group(f"{opts.arrival} {rate:g}/s", "rate", self.res.target.name, params, timed, summ))
 

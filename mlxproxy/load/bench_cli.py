@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from mlxproxy.errors import clip
@@ -24,6 +26,7 @@ from mlxproxy.load.common import (
 )
 from mlxproxy.load.progress import say
 from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
+from mlxproxy.load.workers import WorkersError, workers_for
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -83,6 +86,8 @@ from mlxproxy.vocabulary import (
     "--sweep).  [default: ttft_p95=5s,tpot_p95=100ms]",
 )
 @shared_option("--fail-on", "[default: none: exit 1 only when every target failed]")
+@shared_option("--workers", "Here: the --rate test and the --sweep steps; the other tests send from one process.")
+@shared_option("--cluster", "Here: the --rate test and the --sweep steps.")
 @shared_option("--model", "[default: the first of the target's /v1/models]")
 @click.option(
     "--timeout",
@@ -123,6 +128,8 @@ def bench(
     n_requests: int,
     slo: dict[str, float] | None,
     fail_on: tuple[str, ...] | None,
+    workers: int,
+    cluster: str | None,
     model: str | None,
     timeouts: tuple[tuple[str | None, float], ...],
     api_key_env: str | None,
@@ -150,12 +157,15 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
+    opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
     try:
         run_async(bench_targets(tlist, opts, parallel=parallel, out=results, say=say))
     except KeyboardInterrupt:
         interrupted = True
+    except WorkersError as exc:
+        fail(str(exc), 1)
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
     write_outputs(results, json_path, csv_path, md_path, plot_path)
@@ -206,6 +216,18 @@ def _options(
         arrival=arrival, seed=seed, requests=n_requests, sweep=bool(sweep), sweep_steps=concurrency or (), slo=slo,
         budget_s=sweep_budget, refine=sweep != "double",
     )  # fmt: skip
+
+
+def _with_workers(opts: BenchOptions, count: int, cluster: str | None) -> BenchOptions:
+    """`opts` sending its --rate and --sweep tests from `--workers`/`--cluster`; a note when
+    there are no such tests (the others send from one process)."""
+    try:
+        out = dataclasses.replace(opts, workers=workers_for(count, cluster))
+    except WorkersError as exc:
+        fail(str(exc))
+    if out.workers.parallel and not (opts.rate or opts.sweep):
+        say("--workers and --cluster apply to --rate and --sweep; these tests send from one process")
+    return out
 
 
 def judge_results(results: list[TargetResult], slo: dict[str, float] | None, prompt_tokens: int) -> None:

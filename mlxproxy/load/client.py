@@ -22,6 +22,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
 from mlxproxy.load.rawhttp import RawPool
+from mlxproxy.load.results import Summary
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
@@ -74,6 +75,11 @@ class Timed:
     lag_s: list[float] = field(default_factory=list)
     source_ids: dict[str, str | None] = field(default_factory=dict)  # record id -> captured id
     lag_by_id: dict[str, float] = field(default_factory=dict)  # record id -> its schedule lag
+
+    def annotate(self, summary: Summary) -> Summary:
+        """`summary` with what this run adds to it: nothing here (a run merged from several
+        workers adds each worker's figures: `mlxproxy.load.workers.FleetTimed`)."""
+        return summary
 
     def rows(
         self, where: Mapping[str, Mapping[str, object]] | None = None, *, source_ids: bool = True
@@ -149,6 +155,7 @@ class MeasuringClient:
         self.api_key = api_key
         self.tag_replay = tag_replay
         self.keep_text = keep_text
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.in_flight = 0
         self.finished: list[Record] = []
         # prompt fingerprints of the conversations sent (the cache doctor's re-prefill causes); None: not tracked
@@ -291,10 +298,17 @@ class MeasuringClient:
         return out
 
     async def run_recorded(
-        self, reqs: Sequence[PreparedRequest], speed: float = 1.0, progress: Callable[[], None] | None = None
+        self,
+        reqs: Sequence[PreparedRequest],
+        speed: float = 1.0,
+        progress: Callable[[], None] | None = None,
+        *,
+        start: float | None = None,
     ) -> Timed:
         """Each request sent at its recorded offset / speed, against absolute deadlines;
-        the lag of every actual send behind its deadline is kept.
+        the lag of every actual send behind its deadline is kept. The offsets count from the
+        first request's, which is sent now; with `start` (a `perf_counter` instant) they count
+        from that instant instead (the segments of several workers share one start).
 
         One dispatcher sleeps until the next deadline and only then starts that request's
         task: creating every task up front would spend the first moments of a long run
@@ -304,8 +318,8 @@ class MeasuringClient:
         if not reqs:
             return out
         ordered = sorted(reqs, key=lambda r: r.offset_s)
-        first = ordered[0].offset_s
-        t0 = now()
+        first = ordered[0].offset_s if start is None else 0.0
+        t0 = now() if start is None else start
         tasks: list[asyncio.Task[None]] = []
 
         heap = _RunHeap()

@@ -278,6 +278,10 @@ class _Conn(asyncio.Protocol):
         if self.done is not None and not self.done.done():
             self.done.set_result(keep_alive and not self.close_delimited)
 
+    def closing(self) -> bool:
+        """The transport is closed or closing (the server's close not yet seen as connection_lost)."""
+        return self.transport is None or self.transport.is_closing()
+
     # -- request lifecycle -------------------------------------------------------------
 
     def start(self, sink: Sink, method: bytes, data: bytes) -> asyncio.Future[bool]:
@@ -429,7 +433,7 @@ class RawPool:
             limit = now() - POOL_IDLE_S
             while idle:
                 conn = idle.pop()
-                if not conn.closed and not conn.tainted and conn.idle_since > limit:
+                if not conn.closed and not conn.tainted and conn.idle_since > limit and not conn.closing():
                     return conn
                 self._drop(conn)
         return await self._connect()
@@ -472,7 +476,17 @@ class RawPool:
         if self.invalid is not None:
             raise UpstreamUnreachable(f"upstream '{self.name}' has an invalid URL {self.base}: {self.invalid}")
         conn = await self._acquire()
-        done = conn.start(sink, m, data)
+        try:
+            if conn.closed or conn.closing():  # a new connection the server closed at once
+                raise RuntimeError("closed")
+            done = conn.start(sink, m, data)
+        except RuntimeError:  # (uvloop raises it for a write on a closed transport)
+            conn._stop_timer()
+            conn.finish()
+            self._drop(conn)
+            raise UpstreamUnreachable(
+                f"upstream '{self.name}' at {self.base} closed the connection before the request was sent"
+            ) from None
         try:
             reusable = await done
         except BaseException:

@@ -48,11 +48,11 @@ from mlxproxy.load.shapes import (
     TimedShape,
     Turn,
     Waves,
-    closed_loop_step,
-    open_loop_step,
 )
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
+from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
+from mlxproxy.load.workers import run_sessions as sessions_on
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
@@ -83,6 +83,7 @@ class ReplayOptions:
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
+    workers: Workers = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
 
 
 def select(
@@ -428,20 +429,21 @@ class _ReplayRun:
             await self.batch(tick)
         elif isinstance(shape := self.shape(), OpenLoop):
             ramp = [prepare(self.caps[i % len(self.caps)], opts) for i in range(shape.ramp_size())]
-            timed = await shape.run(self.client, self.fresh(), tick, ramp)
+            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick, ramp)
             sent = [r.t_start_mono for r in timed.records]
-            summary = summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent)
+            summary = workers_section(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent), timed)
             self.finish(self.mode, "rate", timed, summary, {**self.params, **shape.params(len(timed.records))})
         else:
-            timed = await shape.run(self.client, self.fresh(), tick)
+            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick)
             lag = timed.lag_s if isinstance(shape, Recorded) else None
-            self.finish(self.mode, "replay", timed, summarize_records(timed.records, lag_s=lag), self.params)
+            summary = workers_section(summarize_records(timed.records, lag_s=lag), timed)
+            self.finish(self.mode, "replay", timed, summary, self.params)
 
     async def sessions(self, tick: Progress) -> None:
         opts = self.opts
         runs = max(opts.sessions, len(split_sessions(self.caps)) * opts.repeat)
         timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
-        summary = summarize_records(timed.records).updated({"sessions": sess})
+        summary = workers_section(summarize_records(timed.records), timed).updated({"sessions": sess})
         params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
         self.groups.append(
             _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
@@ -487,7 +489,7 @@ class _ReplayRun:
         if opts.mode == "rate":
             open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
             shape = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget)
-            step = open_loop_step(self.client, cycle, len(reps))
+            step = open_loop_step(self.client, cycle, len(reps), opts.workers)
             await sweep(shape, step, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s)
         elif opts.mode == "sessions":
             convs = len(split_sessions(mix))
@@ -499,7 +501,10 @@ class _ReplayRun:
 
             await sweep(Sweep(Sessions(1), steps, refine, budget), sessions_step, think_time=opts.think_time)
         else:
-            await sweep(Sweep(ClosedLoop(1), steps, refine, budget), closed_loop_step(self.client, copies, len(reps)))
+            await sweep(
+                Sweep(ClosedLoop(1), steps, refine, budget),
+                closed_loop_step(self.client, copies, len(reps), 1, opts.workers),
+            )
 
     def interrupted(self, measured_from: int) -> None:
         """The requests finished so far but in no group yet, as one more group."""
@@ -584,7 +589,7 @@ async def run_sessions(
     if client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
         client.prefixes = PrefixIndex()
     plans = [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
-    timed, where, session_s = await Sessions(at_once).run_sessions(client, plans, tick)
+    timed, where, session_s = await sessions_on(opts.workers, Sessions(at_once), client, plans, tick)
     return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
 
 

@@ -31,6 +31,7 @@ from mlxproxy.load.replay import (
 from mlxproxy.load.replay_report import print_groups, sweep_svg, write_replay_outputs
 from mlxproxy.load.results import Group
 from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
+from mlxproxy.load.workers import Workers, WorkersError, workers_for
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -153,6 +154,12 @@ _TESTS = {
     help="Show each request's replayed TTFT, cached prompt tokens and decode TPS next to its captured values.",
 )
 @shared_option("--html")
+@shared_option(
+    "--workers",
+    "Here: recorded, --rate, --concurrency and --sessions (each conversation stays on one worker); "
+    "sequential and --batch send from one process.",
+)
+@shared_option("--cluster", "Here: as --workers.")
 def replay(
     capture: str,
     target_spec: str,
@@ -186,6 +193,8 @@ def replay(
     slo: dict[str, float] | None,
     fail_on: tuple[str, ...] | None,
     html_path: str | None,
+    workers: int,
+    cluster: str | None,
 ) -> None:
     """Replay a capture file against a server (or a proxy) and measure every request.
     CAPTURE may be builtin:agent, a small synthetic coding-agent conversation.
@@ -212,6 +221,7 @@ def replay(
         rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
         sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
         refine=sweep != "double",
+        workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
     click.echo(
@@ -224,6 +234,17 @@ def replay(
     outputs = (json_path, csv_path, md_path, html_path)
     _show(groups, nonce, capture, target_url, outputs, plot_path)
     _exit(groups, interrupted, any(outputs), fail_on)
+
+
+def _workers(count: int, cluster: str | None, mode: str) -> Workers:
+    """`--workers`/`--cluster`, with a note where the mode sends from one process anyway."""
+    try:
+        out = workers_for(count, cluster)
+    except WorkersError as exc:
+        fail(str(exc))
+    if out.parallel and mode in ("sequential", "batch"):
+        say(f"--workers and --cluster do not apply to {mode}: it sends from one process")
+    return out
 
 
 def _run(
@@ -253,6 +274,8 @@ def _run(
         )
     except KeyboardInterrupt:
         return groups, True
+    except WorkersError as exc:
+        fail(str(exc), 1)
     return groups, False
 
 

@@ -13,7 +13,7 @@ requests have due times, the schedule lag. A sweep (`Sweep`) runs one shape at g
 - `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
 - `Sweep(inner, steps, refine, budget_s)`: one of `OpenLoop`, `ClosedLoop` or `Sessions` run at
   growing counts (its rate, streams or sessions at once), each step judged against the SLO as
-  it finishes (`mlxproxy.load.sweep.run_sweep`); `open_loop_step` and `closed_loop_step` build
+  it finishes (`mlxproxy.load.sweep.run_sweep`); `mlxproxy.load.workers.open_loop_step` and `closed_loop_step` build
   the step that sends a mix at one count.
 """
 
@@ -27,11 +27,11 @@ from typing import Generic, TypeVar
 
 from mlxproxy.core.record import Record
 from mlxproxy.load.arrivals import arrival_offsets, ramp_offsets, schedule
-from mlxproxy.load.capacity import MIN_PER_STREAM, RATE_UNIT
+from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.results import Group
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, mix_copies, run_sweep
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
 
 __all__ = [
     "ClosedLoop",
@@ -45,8 +45,6 @@ __all__ = [
     "TimedShape",
     "Turn",
     "Waves",
-    "closed_loop_step",
-    "open_loop_step",
 ]
 
 Tick = Callable[[], None] | None
@@ -223,31 +221,6 @@ class Sweep(Generic[SweptShape]):
             at, self.steps, slo, target=target, params=dict(params), out=out, say=say, unit=self.unit,
             progress=progress, budget_s=self.budget_s, refine=self.refine,
         )  # fmt: skip
-
-
-def open_loop_step(
-    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], n: int
-) -> Callable[[OpenLoop], Awaitable[StepRun]]:
-    """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
-    the step's open loop (after its unmeasured ramp, if it has one)."""
-
-    async def step(shape: OpenLoop) -> StepRun:
-        return await shape.run(client, make(n), None, make(shape.ramp_size())), {}
-
-    return step
-
-
-def closed_loop_step(
-    client: MeasuringClient, make: Callable[[int], list[PreparedRequest]], mix_size: int, per_stream: int = 1
-) -> Callable[[ClosedLoop], Awaitable[StepRun]]:
-    """A sweep step of the step's streams sending whole copies of a mix (`make(k)`: k copies
-    of the mix's `mix_size` requests, in order), `mix_copies` of them."""
-
-    async def step(shape: ClosedLoop) -> StepRun:
-        copies = mix_copies(shape.streams, mix_size, max(per_stream, MIN_PER_STREAM))
-        return await shape.run(client, make(copies)), {}
-
-    return step
 
 
 #: the shapes whose `run` gives one `Timed` (a sweep runs `OpenLoop` or `ClosedLoop` at growing counts)

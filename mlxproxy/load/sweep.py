@@ -137,6 +137,7 @@ def _step_group(
         lag_s=timed.lag_s or None,
         send_times=[r.t_start_mono for r in timed.records] if timed.lag_s else None,
     )
+    summary = timed.annotate(summary)
     return Group(
         f"sweep {n:g}",
         target,

@@ -226,6 +226,47 @@ def test_keep_alive_only_after_a_clean_complete_response(parser: str) -> None:
     assert by["/d"] != by["/extra"]  # bytes beyond the response: never reused
 
 
+def test_a_connection_closed_before_the_write_is_never_written_to(parser: str) -> None:
+    """An idle connection whose transport is already closing (the server's close not yet seen)
+    is not reused; a new connection closed before the request could be written is one
+    `UpstreamUnreachable`, not uvloop's RuntimeError out of the run (it ended a load worker at
+    8,000 req/s)."""
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def main() -> tuple[bytes, str]:
+        pool = rawhttp.RawPool(up.url, read_timeout_s=10)
+        try:
+            await pool.request("GET", b"/a", [], b"", Collect())
+            assert len(pool.idle) == 1
+            pool.idle[0].transport.close()  # closing; connection_lost comes on a later turn
+            again = Collect()
+            await pool.request("GET", b"/b", [], b"", again)
+            connect = pool._connect
+
+            async def closed_at_once() -> rawhttp._Conn:
+                conn = await connect()
+                conn.transport.abort()
+                await asyncio.sleep(0.01)  # connection_lost has run: the transport is closed
+                return conn
+
+            pool._connect = closed_at_once  # type: ignore[method-assign]
+            pool.idle.clear()
+            try:
+                await pool.request("GET", b"/c", [], b"", Collect())
+            except UpstreamUnreachable as exc:
+                return again.body, str(exc)
+            return again.body, "sent"
+        finally:
+            await pool.aclose()
+
+    with FakeUpstream(handler) as up:
+        body, error = run_async(main())
+    assert body == b"ok"
+    assert "closed the connection before the request was sent" in error
+
+
 def test_an_invalid_url_is_a_one_line_record_not_an_exception() -> None:
     async def main():
         async with MeasuringClient("http://127.0.0.1:80800") as c:

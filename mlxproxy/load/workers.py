@@ -1,0 +1,636 @@
+"""Several load-generator processes (`--workers N`) and several hosts (`--cluster ADDRESS`).
+
+One Python process gives the measuring client one core; past that its own event loop delays
+sends and stamps (benchmarks/README.md). Here the schedule of one test is split into disjoint
+segments, one per worker process, planned once in this process:
+
+- due times (an open loop, recorded offsets): every due time is computed here, as one process
+  would, and the i-th request in due order goes to worker i mod N, so the union of the
+  workers' due times is exactly the schedule asked for (the unmeasured ramp is split alike);
+- a closed loop of S streams: stream s runs on worker s mod N, with that stream's share of the
+  requests (request i belongs to stream i mod S);
+- conversation runs (`Sessions`): run i takes slot i mod K (K conversations at once) and slot
+  k lives on worker k mod N, so every turn of one conversation is sent by one worker, in order,
+  with its think time, and its prompt-cache checks see the whole conversation;
+- one request at a time (`Sequential`) and released-together waves stay in this process: they
+  are one stream, or must start from one event loop to start together.
+
+Every worker starts its segment at one absolute wall-clock instant chosen here (`start_at`), so
+the segments line up as one schedule. Each returns its raw records (`Record`s, pickled whole:
+`Record.to_dict` drops the monotonic send time), its schedule-lag samples and the CPU seconds of
+its event loop's thread; this process rebases every send time onto its own monotonic clock and
+merges them into one `Timed`, so every percentile is computed over the union of the raw records,
+never averaged. `workers_section` adds each worker's schedule lag p99 and CPU share to the
+group's summary, and names a worker that was the bottleneck (CPU over `BOTTLENECK_CPU` of a
+core, or lag p99 over the generator's own `GENERATOR_LAG_S`).
+
+Local workers are `multiprocessing` processes started with `spawn`, each running its segment on
+the stack's event loop (`mlxproxy.edge.runner.run_async`). Other hosts are the workers of a Dask
+cluster (`dask scheduler` + `dask worker tcp://HOST:8786 --nthreads 1`, the `[cluster]` extra):
+the same segments are submitted as tasks, one per worker, and merged the same way
+(docs/ARCHITECTURE.md says why Dask). Hosts must keep their clocks in sync (NTP): `start_at` is
+wall-clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
+from typing import Any, Literal
+
+from mlxproxy.core.detect import Thresholds
+from mlxproxy.core.prefix import PrefixIndex
+from mlxproxy.core.record import Record
+from mlxproxy.core.stats import percentile
+from mlxproxy.edge.runner import run_async
+from mlxproxy.load.arrivals import GENERATOR_LAG_S, arrival_offsets, ramp_offsets
+from mlxproxy.load.capacity import MIN_PER_STREAM
+from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.progress import say
+from mlxproxy.load.results import Summary
+from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn
+from mlxproxy.load.sweep import StepRun, mix_copies
+
+__all__ = [
+    "BOTTLENECK_CPU",
+    "ONE_PROCESS",
+    "WorkersError",
+    "closed_loop_step",
+    "open_loop_step",
+    "cluster_available",
+    "workers_for",
+    "FleetTimed",
+    "Segment",
+    "SegmentResult",
+    "WorkerFigures",
+    "Workers",
+    "merge",
+    "plan_closed",
+    "plan_due",
+    "plan_sessions",
+    "run_segment",
+    "run_sessions",
+    "run_shape",
+    "workers_section",
+]
+
+#: a worker whose event loop used more than this share of one core was the bottleneck
+BOTTLENECK_CPU = 0.85
+#: seconds between the workers being ready and the shared start (local processes, a cluster)
+LOCAL_LEAD_S = 0.25
+CLUSTER_LEAD_S = 1.0
+#: seconds a run waits for a cluster's first worker
+CLUSTER_WAIT_S = 10.0
+
+MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
+
+SegmentKind = Literal["due", "closed", "sessions"]
+Where = dict[str, dict[str, float | int]]
+
+
+class WorkersError(RuntimeError):
+    """The segments cannot run: the [cluster] extra is missing, no scheduler or no workers
+    answer, a worker failed. Its message is one line for the command line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workers:
+    """How a test's schedule is spread: `count` worker processes on this host, or the workers
+    of the Dask cluster at `cluster` (`count` segments, default: one per cluster worker)."""
+
+    count: int = 1
+    cluster: str | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.count > 1 or self.cluster is not None
+
+    def describe(self) -> str:
+        return f"Dask cluster {self.cluster}" if self.cluster else f"{self.count} local processes"
+
+
+#: the default: everything sent from this process
+ONE_PROCESS = Workers()
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """What a worker needs to build its own measuring client like the parent's."""
+
+    base_url: str
+    name: str
+    thresholds: Thresholds
+    api_key: str | None
+    timeout_s: float
+    connect_timeout_s: float
+    tag_replay: bool
+    keep_text: bool
+    prefixes: bool
+
+    @classmethod
+    def of(cls, c: MeasuringClient) -> ClientSpec:
+        return cls(
+            c.base_url, c.name, c.th, c.api_key, c.timeout_s, c.connect_timeout_s, c.tag_replay, c.keep_text,
+            c.prefixes is not None,
+        )  # fmt: skip
+
+    def client(self) -> MeasuringClient:
+        c = MeasuringClient(
+            self.base_url, name=self.name, thresholds=self.thresholds, api_key=self.api_key,
+            timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s, tag_replay=self.tag_replay,
+            keep_text=self.keep_text,
+        )  # fmt: skip
+        if self.prefixes:
+            c.prefixes = PrefixIndex()
+        return c
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One worker's part of a test. `due`: `requests` (and the unmeasured `ramp`) each sent at
+    its `offset_s` seconds after the start; `closed`: `requests` on `streams` streams; `sessions`:
+    `runs` (numbered `run_ids` in the whole test), `streams` of them at once."""
+
+    index: int
+    client: ClientSpec
+    kind: SegmentKind
+    requests: tuple[PreparedRequest, ...] = ()
+    ramp: tuple[PreparedRequest, ...] = ()
+    streams: int = 1
+    runs: tuple[tuple[Turn, ...], ...] = ()
+    run_ids: tuple[int, ...] = ()
+    start_at: float = 0.0  # wall clock (time.time()) of the schedule's 0, the same in every segment
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentResult:
+    """What a worker sends back: its raw records (send times on its own monotonic clock, whose
+    reading at the shared start is `start_mono`), lag samples, session keys, CPU and wall time."""
+
+    index: int
+    host: str
+    pid: int
+    records: tuple[Record, ...]
+    start_mono: float
+    lag_s: tuple[float, ...]
+    lag_by_id: Mapping[str, float]
+    source_ids: Mapping[str, str | None]
+    where: Mapping[str, Mapping[str, float | int]]
+    session_s: tuple[float, ...]
+    cpu_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFigures:
+    """One worker's own figures: requests, schedule lag p99, CPU seconds of its event loop's
+    thread over its wall time (the share of one core)."""
+
+    index: int
+    host: str
+    pid: int
+    requests: int
+    lag_p99_s: float | None
+    cpu_s: float
+    wall_s: float
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def problems(self) -> list[str]:
+        """Why this worker, not the server, may have been the limit (empty: it was not)."""
+        out = []
+        if self.cpu_share > BOTTLENECK_CPU:
+            out.append(f"CPU {self.cpu_share:.0%} of a core")
+        if self.lag_p99_s is not None and self.lag_p99_s > GENERATOR_LAG_S:
+            out.append(f"schedule lag p99 {self.lag_p99_s * 1000:.1f} ms over {GENERATOR_LAG_S * 1000:.0f} ms")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "host": self.host, "pid": self.pid, "requests": self.requests,
+            "schedule_lag_p99_s": self.lag_p99_s, "cpu_s": round(self.cpu_s, 4), "wall_s": round(self.wall_s, 4),
+            "cpu_share": round(self.cpu_share, 4),
+        }  # fmt: skip
+
+
+@dataclass
+class FleetTimed(Timed):
+    """A `Timed` merged from several workers' segments, with each worker's own figures."""
+
+    workers: tuple[WorkerFigures, ...] = ()
+
+    def annotate(self, summary: Summary) -> Summary:
+        """`summary` with the `workers` section (each worker's lag and CPU)."""
+        return workers_section(summary, self)
+
+    worker_of: dict[str, int] = field(default_factory=dict)  # record id -> the worker that sent it
+    where: Where = field(default_factory=dict)
+    session_s: list[float] = field(default_factory=list)
+    cluster: str | None = None
+
+
+def cluster_available() -> bool:
+    """Whether the [cluster] extra (Dask's `distributed`) is installed."""
+    return importlib.util.find_spec("distributed") is not None
+
+
+def workers_for(count: int, cluster: str | None) -> Workers:
+    """`--workers` and `--cluster` as a `Workers`; WorkersError when the cluster cannot be used."""
+    if cluster is not None:
+        if not cluster.strip():
+            raise WorkersError("--cluster needs the Dask scheduler's address, e.g. tcp://10.0.0.5:8786")
+        if not cluster_available():
+            raise WorkersError(MISSING_EXTRA)
+    return Workers(count, cluster.strip() if cluster else None)
+
+
+# -- planning (pure) ---------------------------------------------------------------------------
+
+
+def plan_due(reqs: Sequence[PreparedRequest], n: int) -> list[list[PreparedRequest]]:
+    """Requests with due times (`offset_s`) dealt round-robin in due order over `n` workers."""
+    ordered = sorted(reqs, key=lambda r: r.offset_s)
+    return [ordered[k::n] for k in range(n)]
+
+
+def plan_closed(reqs: Sequence[PreparedRequest], streams: int, n: int) -> list[tuple[int, list[PreparedRequest]]]:
+    """A closed loop of `streams` split over `n` workers: (its streams, its requests) each;
+    stream s on worker s mod n, request i on stream i mod streams. Workers without a stream
+    are left out."""
+    streams = max(1, streams)
+    out = []
+    for k in range(min(n, streams)):
+        mine = set(range(k, streams, n))
+        out.append((len(mine), [r for i, r in enumerate(reqs) if i % streams in mine]))
+    return out
+
+
+def plan_sessions(
+    runs: Sequence[Sequence[Turn]], at_once: int, n: int
+) -> list[tuple[int, list[Sequence[Turn]], list[int]]]:
+    """Conversation runs over `n` workers: (conversations at once, its runs, their numbers)
+    each; run i in slot i mod at_once, slot k on worker k mod n: a conversation never moves."""
+    at_once = max(1, at_once)
+    out = []
+    for k in range(min(n, at_once)):
+        slots = set(range(k, at_once, n))
+        ids = [i for i in range(len(runs)) if i % at_once in slots]
+        out.append((len(slots), [runs[i] for i in ids], ids))
+    return out
+
+
+def _due_offsets(
+    shape: OpenLoop | Recorded, reqs: Sequence[PreparedRequest], ramp: Sequence[PreparedRequest]
+) -> tuple[list[PreparedRequest], list[PreparedRequest]]:
+    """The measured requests and the ramp's, each with its due time from the start as
+    `offset_s`, exactly as the shape would send them from one process."""
+    if isinstance(shape, Recorded):
+        first = min((r.offset_s for r in reqs), default=0.0)
+        return [dataclasses.replace(r, offset_s=(r.offset_s - first) / shape.speed) for r in reqs], []
+    offsets = arrival_offsets(len(reqs), shape.rate, shape.arrival, shape.seed)
+    ramp_at = ramp_offsets(shape.rate, shape.ramp_s, shape.arrival, shape.seed)
+    after = shape.ramp_s if ramp and ramp_at else 0.0
+    warm = [dataclasses.replace(r, offset_s=o) for r, o in zip(ramp, ramp_at)] if after else []
+    return [dataclasses.replace(r, offset_s=after + o) for r, o in zip(reqs, offsets)], warm
+
+
+# -- a worker ----------------------------------------------------------------------------------
+
+
+def run_segment(seg: Segment, start_at: float | None = None) -> SegmentResult:
+    """Run one segment on this process's stack event loop (in a worker process or a Dask task),
+    from `start_at` when given (the segment itself was handed over earlier)."""
+    return run_async(_run_segment(seg if start_at is None else dataclasses.replace(seg, start_at=start_at)))
+
+
+async def _sleep_until(t: float) -> None:
+    while (delay := t - time.perf_counter()) > 0.001:
+        await asyncio.sleep(delay)
+
+
+async def _run_segment(seg: Segment) -> SegmentResult:
+    start_mono = time.perf_counter() + (seg.start_at - time.time())
+    where: Where = {}
+    session_s: list[float] = []
+    async with seg.client.client() as client:
+        cpu0 = time.thread_time()
+        if seg.kind == "due":
+            measured = client.run_recorded(seg.requests, 1.0, start=start_mono)
+            if seg.ramp:
+                _, timed = await asyncio.gather(client.run_recorded(seg.ramp, 1.0, start=start_mono), measured)
+            else:
+                timed = await measured
+        else:
+            await _sleep_until(start_mono)
+            if seg.kind == "closed":
+                timed = await ClosedLoop(seg.streams).run(client, seg.requests)
+            else:
+                timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs)
+        cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - start_mono
+    for keys in where.values():  # the run's number in the whole test
+        keys["session"] = seg.run_ids[int(keys["session"])]
+    return SegmentResult(
+        seg.index, socket.gethostname(), os.getpid(), tuple(timed.records), start_mono, tuple(timed.lag_s),
+        timed.lag_by_id, timed.source_ids, where, tuple(session_s), cpu_s, wall_s,
+    )  # fmt: skip
+
+
+# -- running the segments ----------------------------------------------------------------------
+
+
+def _serve(conn: Connection) -> None:
+    """A local worker process: its segment, ready once that and the imports are in, then the
+    shared start, its result, exit. Ctrl-C is the parent's to handle (it ends the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _warm()
+    seg = conn.recv()
+    conn.send(("ready", os.getpid()))
+    start_at = conn.recv()
+    try:
+        conn.send(("done", run_segment(seg, start_at)))
+    except BaseException as exc:  # a worker's failure is one line in the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+async def _receive(conn: Connection, index: int) -> Any:
+    try:
+        what, value = await asyncio.to_thread(conn.recv)
+    except EOFError:
+        raise WorkersError(f"load worker {index} exited without a result") from None
+    if what == "error":
+        raise WorkersError(f"load worker {index} failed: {value}")
+    return value
+
+
+async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], float]:
+    """Each segment in a process of its own (started with `spawn`: no fork of a process that
+    runs an event loop), all started at one instant once every segment is in its process (a
+    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[SpawnProcess] = []
+    conns: list[Connection] = []
+    try:
+        for seg in segments:
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(theirs,), name=f"mlxproxy-load-{seg.index}", daemon=True)
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(mine)
+        # off the loop: a pipe takes a big segment only as fast as its process reads it
+        await asyncio.gather(*(asyncio.to_thread(c.send, seg) for c, seg in zip(conns, segments)))
+        await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
+        start_at = time.time() + LOCAL_LEAD_S
+        for c in conns:
+            c.send(start_at)
+        results = await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
+        return list(results), start_at
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+        for c in conns:
+            c.close()
+
+
+def _warm() -> int:
+    """Run in every worker before the start is chosen, so that importing the package and the
+    event loop's modules is not in the schedule."""
+    run_async(asyncio.sleep(0))
+    return os.getpid()
+
+
+async def _run_cluster(
+    address: str, plan: Callable[[int], list[Segment]], count: int
+) -> tuple[list[SegmentResult], float]:
+    """The segments as tasks on a Dask cluster, one per worker (round-robin when more segments
+    than workers), through Dask's asynchronous client on this event loop: a cancelled run
+    (Ctrl-C) cancels its tasks."""
+    try:
+        from distributed import Client  # the optional [cluster] extra
+    except ImportError:
+        raise WorkersError(MISSING_EXTRA) from None
+    try:
+        dc = await Client(address, asynchronous=True, timeout=10, set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        raise WorkersError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
+    futures: list[Any] = []
+    try:
+        try:
+            await dc.wait_for_workers(1, timeout=CLUSTER_WAIT_S)
+        except TimeoutError:
+            raise WorkersError(f"the Dask scheduler at {address} has no workers") from None
+        hosts = sorted(await dc.nthreads())
+        segments = plan(count if count > 1 else len(hosts))
+        where = [hosts[i % len(hosts)] for i in range(len(segments))]
+        # in each worker's task thread, as the segments will run (`Client.run` would run it on
+        # the worker's own event loop); each segment sent to its worker (`scatter` returns once
+        # it is there) before the start is chosen
+        await dc.gather([dc.submit(_warm, workers=[h], allow_other_workers=False, pure=False) for h in hosts])
+        data = [await dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
+        start_at = time.time() + CLUSTER_LEAD_S
+        tag = uuid.uuid4().hex[:8]
+        futures = [
+            dc.submit(
+                run_segment,
+                seg,
+                start_at,
+                key=f"mlxproxy-segment-{tag}-{i}",
+                workers=[where[i]],
+                allow_other_workers=False,
+                pure=False,
+            )
+            for i, seg in enumerate(data)
+        ]
+        return list(await dc.gather(futures)), start_at
+    finally:
+        if futures:
+            await dc.cancel(futures)
+        await dc.close()
+
+
+async def _dispatch(workers: Workers, plan: Callable[[int], list[Segment]]) -> FleetTimed:
+    if workers.cluster:
+        results, start_at = await _run_cluster(workers.cluster, plan, workers.count)
+    else:
+        results, start_at = await _run_local(plan(workers.count))
+    fleet = merge(results, time.perf_counter() + (start_at - time.time()))
+    fleet.cluster = workers.cluster
+    return fleet
+
+
+def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
+    """The workers' raw records as one `Timed`, in send order, every send time moved onto this
+    process's monotonic clock (`start_mono`: its reading at the shared start); lag samples,
+    source ids and session keys are the union of the workers'."""
+    out = FleetTimed()
+    figures = []
+    for res in sorted(results, key=lambda r: r.index):
+        shift = start_mono - res.start_mono
+        out.records.extend(r.evolve(t_start_mono=r.t_start_mono + shift) for r in res.records)
+        out.worker_of.update((r.id, res.index) for r in res.records)
+        out.lag_s.extend(res.lag_s)
+        out.lag_by_id.update(res.lag_by_id)
+        out.source_ids.update(res.source_ids)
+        out.where.update({k: dict(v) for k, v in res.where.items()})
+        out.session_s.extend(res.session_s)
+        p99 = percentile(sorted(res.lag_s), 99) if res.lag_s else None
+        figures.append(WorkerFigures(res.index, res.host, res.pid, len(res.records), p99, res.cpu_s, res.wall_s))
+    out.records.sort(key=lambda r: r.t_start_mono)
+    out.workers = tuple(figures)
+    return out
+
+
+def _finish(client: MeasuringClient, fleet: FleetTimed, tick: Callable[[], None] | None) -> FleetTimed:
+    """The merged records counted as the parent client's (progress, an interrupted run), and
+    one line on the workers (which one was the bottleneck, if any)."""
+    client.finished.extend(fleet.records)
+    if tick:
+        for _ in fleet.records:
+            tick()
+    say(workers_line(fleet.workers, fleet.cluster))
+    return fleet
+
+
+async def run_shape(
+    workers: Workers,
+    shape: TimedShape,
+    client: MeasuringClient,
+    reqs: Sequence[PreparedRequest],
+    tick: Callable[[], None] | None = None,
+    ramp: Sequence[PreparedRequest] = (),
+) -> Timed:
+    """`shape.run` on `workers`: the same requests, due times or streams, split into segments
+    (one request at a time stays in this process: it is one stream)."""
+    if not workers.parallel or isinstance(shape, Sequential):
+        if isinstance(shape, OpenLoop):
+            return await shape.run(client, reqs, tick, ramp)
+        return await shape.run(client, reqs, tick)
+    spec = ClientSpec.of(client)
+    if isinstance(shape, ClosedLoop):
+
+        def plan(n: int) -> list[Segment]:
+            parts = plan_closed(reqs, shape.streams, n)
+            return [Segment(k, spec, "closed", tuple(rs), streams=s) for k, (s, rs) in enumerate(parts)]
+
+    else:
+        measured, warm = _due_offsets(shape, reqs, ramp)
+
+        def plan(n: int) -> list[Segment]:
+            return [
+                Segment(k, spec, "due", tuple(m), tuple(w))
+                for k, (m, w) in enumerate(zip(plan_due(measured, n), plan_due(warm, n)))
+            ]
+
+    return _finish(client, await _dispatch(workers, plan), tick)
+
+
+async def run_sessions(
+    workers: Workers,
+    shape: Sessions,
+    client: MeasuringClient,
+    runs: Sequence[Sequence[Turn]],
+    tick: Callable[[], None] | None = None,
+) -> tuple[Timed, Where, list[float]]:
+    """`shape.run_sessions` on `workers`: each conversation run whole on one worker."""
+    if not workers.parallel:
+        return await shape.run_sessions(client, runs, tick)
+    spec = ClientSpec.of(client)
+
+    def plan(n: int) -> list[Segment]:
+        return [
+            Segment(k, spec, "sessions", streams=s, runs=tuple(tuple(r) for r in rs), run_ids=tuple(ids))
+            for k, (s, rs, ids) in enumerate(plan_sessions(runs, shape.at_once, n))
+        ]
+
+    fleet = _finish(client, await _dispatch(workers, plan), tick)
+    return fleet, fleet.where, fleet.session_s
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def workers_line(figures: Sequence[WorkerFigures], cluster: str | None = None) -> str:
+    """One line: each worker's schedule lag p99 and CPU share; which was the bottleneck."""
+    where = f" on the Dask cluster {cluster}" if cluster else ""
+    each = ", ".join(
+        f"{w.index}: {w.requests} req, lag p99 "
+        + ("-" if w.lag_p99_s is None else f"{w.lag_p99_s * 1000:.1f} ms")
+        + f", CPU {w.cpu_share:.0%}"
+        for w in figures
+    )
+    head = f"{len(figures)} load worker{'' if len(figures) == 1 else 's'}{where} ({each})"
+    slow = [w for w in figures if w.problems()]
+    if not slow:
+        return head
+    said = "; ".join(f"worker {w.index} ({w.host}): {'; '.join(w.problems())}" for w in slow)
+    if any(w.cpu_share > BOTTLENECK_CPU for w in slow):
+        hint = "add workers or hosts"
+    else:  # late without using its core: it waited for one
+        hint = "it was late without using its core, so its host had none free: send from more hosts"
+    return f"{head}: a load worker was the bottleneck, {said}: {hint}"
+
+
+def workers_section(summary: Summary, timed: Timed) -> Summary:
+    """`summary` with the `workers` section when `timed` came from several workers."""
+    if not isinstance(timed, FleetTimed) or not timed.workers:
+        return summary
+    slow = [w for w in timed.workers if w.problems()]
+    return summary.updated(
+        {
+            "workers": {
+                "count": len(timed.workers),
+                "cluster": timed.cluster,
+                "per_worker": [w.to_dict() for w in timed.workers],
+                "bottleneck": workers_line(timed.workers, timed.cluster) if slow else None,
+            }
+        }
+    )
+
+
+def open_loop_step(
+    client: MeasuringClient,
+    make: Callable[[int], list[PreparedRequest]],
+    n: int,
+    workers: Workers = ONE_PROCESS,
+) -> Callable[[OpenLoop], Awaitable[StepRun]]:
+    """A sweep step of the `n` requests `make(n)` returns (the same at every rate), sent in
+    the step's open loop (after its unmeasured ramp, if it has one), from `workers`."""
+
+    async def step(shape: OpenLoop) -> StepRun:
+        return await run_shape(workers, shape, client, make(n), None, make(shape.ramp_size())), {}
+
+    return step
+
+
+def closed_loop_step(
+    client: MeasuringClient,
+    make: Callable[[int], list[PreparedRequest]],
+    mix_size: int,
+    per_stream: int = 1,
+    workers: Workers = ONE_PROCESS,
+) -> Callable[[ClosedLoop], Awaitable[StepRun]]:
+    """A sweep step of the step's streams sending whole copies of a mix (`make(k)`: k copies
+    of the mix's `mix_size` requests, in order), `mix_copies` of them, from `workers`."""
+
+    async def step(shape: ClosedLoop) -> StepRun:
+        copies = mix_copies(shape.streams, mix_size, max(per_stream, MIN_PER_STREAM))
+        return await run_shape(workers, shape, client, make(copies)), {}
+
+    return step
