@@ -236,7 +236,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._stop_timer()
+        self.stop_timer()
         parser, done = self.parser, self.done
         if parser is None or done is None or done.done():
             return
@@ -274,7 +274,7 @@ class _Conn(asyncio.Protocol):
         self.sink.feed(data, self.t)  # type: ignore[union-attr]
 
     def response_complete(self, keep_alive: bool) -> None:
-        self._stop_timer()
+        self.stop_timer()
         if self.done is not None and not self.done.done():
             self.done.set_result(keep_alive and not self.close_delimited)
 
@@ -317,7 +317,7 @@ class _Conn(asyncio.Protocol):
         self.abort()
 
     def _fail(self, reason: str) -> None:
-        self._stop_timer()
+        self.stop_timer()
         done = self.done
         if done is not None and not done.done():
             pool = self.pool
@@ -329,7 +329,7 @@ class _Conn(asyncio.Protocol):
                 )
         self.abort()
 
-    def _stop_timer(self) -> None:
+    def stop_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -481,7 +481,7 @@ class RawPool:
                 raise RuntimeError("closed")
             done = conn.start(sink, m, data)
         except RuntimeError:  # (uvloop raises it for a write on a closed transport)
-            conn._stop_timer()
+            conn.stop_timer()
             conn.finish()
             self._drop(conn)
             raise UpstreamUnreachable(
