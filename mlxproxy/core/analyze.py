@@ -17,7 +17,7 @@ from typing import Any
 from mlxproxy.core.cachecheck import conversation_turn
 from mlxproxy.core.detect import Thresholds, findings, verdict
 from mlxproxy.core.meter import RequestMeter
-from mlxproxy.core.prefix import Match, PrefixIndex, fingerprint
+from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Outcome, Record, checked_record
 
 __all__ = ["finish_checked"]
@@ -41,25 +41,14 @@ def finish_checked(
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
     and remembers this request's prompt fingerprints. `scrub` takes secrets out of the
     record's error text."""
-    info = meter.request
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
-    pp = (
-        fingerprint(info.endpoint, info.prompt_obj, info.model)
-        if prefixes is not None and info.prompt_obj is not None
-        else None
-    )
-    match: Match | None = None
-    upstream_rate: float | None = None
-    if prefixes is not None and pp is not None:
-        match = prefixes.match(pp, info.prompt_obj)
-        upstream_rate = prefixes.prefill_rate() if match is not None else None
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
     fields: dict[str, Any] = {}
-    if prefixes is not None and pp is not None:
+    if prefixes is not None:
         burst = "non_incremental_stream" in evidence
-        fields, more = conversation_turn(m, pp, match, upstream_rate, prefixes, th, t_end, burst)
+        fields, more = conversation_turn(m, meter.request, prefixes, th, t_end, burst)
         for a in more:  # (kinds of their own: the per-request checks never name them)
             if a.kind not in evidence:
                 anomalies += (a.kind,)

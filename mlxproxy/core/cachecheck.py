@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.openai import whole_prompt_tokens
-from mlxproxy.core.prefix import Match, PrefixIndex, PromptPrint
+from mlxproxy.core.openai import RequestInfo, whole_prompt_tokens
+from mlxproxy.core.prefix import Match, PrefixIndex, fingerprint
 from mlxproxy.core.record import OK_OUTCOMES
 
 __all__ = ["conversation_turn", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
@@ -30,25 +30,24 @@ whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it
 
 
 def conversation_turn(
-    r: Measured,
-    pp: PromptPrint,
-    match: Match | None,
-    upstream_rate: float | None,
-    prefixes: PrefixIndex,
-    th: Thresholds,
-    t_end: float,
-    burst: bool,
+    r: Measured, info: RequestInfo, prefixes: PrefixIndex, th: Thresholds, t_end: float, burst: bool
 ) -> tuple[dict[str, Any], list[Anomaly]]:
-    """One request's turn of its conversation, judged and remembered: its record fields (the
-    `check_turn` ones, `conversation_id`, `turn`) and anomalies; a served prompt `pp` becomes
-    its conversation's latest in `prefixes` (`PrefixIndex.add`), with its prefill rate when
-    it shows a cold cache (`cold_rate`) and the seconds it lost. `match`: the conversation
-    `pp` continues (`PrefixIndex.match`), `upstream_rate` the index's `prefill_rate` before
-    this turn; `burst`: the stream came in one burst (`non_incremental_stream`)."""
+    """One request's turn of its conversation, judged and remembered, in one visit to the
+    upstream's prompt index: the prompt is fingerprinted (`prefix.fingerprint`) and looked up
+    (`PrefixIndex.match`, with the index's `prefill_rate` before this turn); a turn that
+    continues a conversation is judged (`check_turn`); a served prompt becomes its
+    conversation's latest (`PrefixIndex.add`), with its prefill rate when it shows a cold cache
+    (`cold_rate`) and the seconds it lost. Returns the record fields (the `check_turn` ones,
+    `conversation_id`, `turn`; none for a request without a prompt) and anomalies. `burst`: the
+    stream came in one burst (`non_incremental_stream`)."""
+    pp = fingerprint(info.endpoint, info.prompt_obj, info.model) if info.prompt_obj is not None else None
+    if pp is None:
+        return {}, []
+    match = prefixes.match(pp, info.prompt_obj)
     fields: dict[str, Any] = {}
     out: list[Anomaly] = []
     if match is not None:
-        fields, out = check_turn(r, match, upstream_rate, th)
+        fields, out = check_turn(r, match, prefixes.prefill_rate(), th)
     if r.outcome in OK_OUTCOMES:
         cold = cold_rate(r, th) if match is None and not burst else None
         cid, turn = prefixes.add(

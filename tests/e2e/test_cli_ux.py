@@ -281,14 +281,16 @@ def test_serve_drops_v1_forwards_and_stops_quietly_on_ctrl_c() -> None:
 
 
 class Counting:
-    """ASGI wrapper counting finished responses (so a test knows a request was measured)."""
+    """ASGI wrapper counting finished generation responses (so a test knows a request was
+    measured). Only POSTs count: replay and bench first reach the target with `GET /v1/models`,
+    which is never a measured request."""
 
     def __init__(self, app: Any) -> None:
         self.app, self.done = app, 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.app(scope, receive, send)
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["method"] == "POST":
             self.done += 1
 
 
