@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from mlxproxy.load.results import Summary
+from mlxproxy.load.results import JSONObject, Summary, json_float
 
 __all__ = [
     "ARRIVALS",
@@ -92,15 +91,16 @@ def sent_rate(send_times: Sequence[float]) -> float | None:
     return (len(ts) - 1) / (ts[-1] - ts[0])
 
 
-def generator_note(label: str, summary: Summary, params: Mapping[str, Any] | None = None) -> str | None:
+def generator_note(label: str, summary: Summary, params: JSONObject | None = None) -> str | None:
     """One line on the load generator's schedule lag; says when the generator, rather than
     the server, was the limit. None when the group had no schedule."""
-    lag = summary.figure("schedule_lag_s")
-    if not lag or not lag.get("count"):
+    lag = summary.stat("schedule_lag_s")
+    if lag is None or not lag.count:
         return None
     params = params or {}
-    rate, scheduled, achieved = params.get("rate"), params.get("scheduled_rate"), summary.figure("sent_rate")
-    p50, p99 = lag["p50"] or 0.0, lag["p99"] or 0.0
+    rate, scheduled = json_float(params.get("rate")), json_float(params.get("scheduled_rate"))
+    achieved = summary.figure("sent_rate")
+    p50, p99 = lag.p50 or 0.0, lag.p99 or 0.0
     limit = max(GENERATOR_LAG_S, GENERATOR_LAG_SHARE / rate) if rate else GENERATOR_LAG_S
     head = f"{label}: schedule lag p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
     if scheduled and achieved:

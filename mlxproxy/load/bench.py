@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text, requests_text, unreachable_message
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
-from mlxproxy.load.results import AnomalyCount, Group, GroupKind, Summary
+from mlxproxy.load.results import AnomalyCount, FailedRequest, Group, GroupKind, JSONObject, JSONValue, Summary, Wave
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
@@ -160,7 +160,7 @@ def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
     return prefix + filler_text(max(1, cal.chars_for(tokens) - len(prefix)))
 
 
-def _group(name: str, kind: GroupKind, target: str, params: dict[str, Any], timed: Timed, summary: Summary) -> Group:
+def _group(name: str, kind: GroupKind, target: str, params: JSONObject, timed: Timed, summary: Summary) -> Group:
     return Group(name, target, name, kind, params, summary, tuple(timed.rows(source_ids=False)))
 
 
@@ -239,7 +239,7 @@ class _BenchRun:
         # a sweep replaces the batch waves unless they were asked for
         self.waves = [] if opts.sweep and not opts.batches else waves
         self.single = Timed()
-        self.params: dict[str, Any] = {
+        self.params: dict[str, JSONValue] = {
             "model": res.model,
             "max_tokens": opts.max_tokens,
             "repeat": opts.repeat,
@@ -281,7 +281,7 @@ class _BenchRun:
         if opts.rate_steps:
             step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.workers)
             shape = Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)
-            params = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
+            params: dict[str, JSONValue] = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
             await self.sweep(shape, step_r, tick, params)
         elif opts.rate:
             await self.rate(opts.rate, tick)
@@ -291,7 +291,7 @@ class _BenchRun:
         shape: Sweep[SweptShape],
         step: Callable[[SweptShape], Awaitable[StepRun]],
         tick: Progress,
-        params: Mapping[str, Any] | None = None,
+        params: JSONObject | None = None,
     ) -> None:
         await shape.run(
             step, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.res.target.name,
@@ -324,7 +324,7 @@ async def _measure_waves(
     opts: BenchOptions,
     bsize: int,
     waves: list[int],
-    params: dict[str, Any],
+    params: JSONObject,
     tick: Callable[[], None],
 ) -> None:
     """The batch tests: `repeat` rounds of one wave of each size, every round bracketed by a
@@ -362,7 +362,7 @@ def _wave_groups(
     baseline: Timed,
     per: dict[int, tuple[Timed, list[list[Record]]]],
     waves: list[int],
-    params: dict[str, Any],
+    params: JSONObject,
     bsize: int,
 ) -> None:
     if baseline.records:
@@ -384,24 +384,23 @@ def _wave_groups(
         if not wave_recs:
             continue
         summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=median_wall)
-        rows: list[dict[str, Any]] = []
+        rows: list[Wave] = []
         for k, wave in enumerate(wave_recs):  # wave k ran between baseline requests k and k + 1
             around = [w for w in walls[k : k + 2] if w]
             base = sum(around) / len(around) if around else median_wall
             agg = aggregate_tps(wave)
-            failed = [r for r in wave if r.outcome in REJECT_OUTCOMES]
             rows.append(
-                {
-                    "aggregate_tps": agg,
-                    "baseline_wall_tps": base,
-                    "overlap": overlap_ratio(wave),
-                    "speedup": agg / base if agg is not None and base else None,
-                    "ok": sum(1 for r in wave if r.outcome in OK_OUTCOMES),
-                    "failed": [{"outcome": r.outcome, "status": r.status} for r in failed],
-                }
+                Wave(
+                    speedup=agg / base if agg is not None and base else None,
+                    overlap=overlap_ratio(wave),
+                    ok=sum(1 for r in wave if r.outcome in OK_OUTCOMES),
+                    failed=tuple(FailedRequest(r.outcome, r.status) for r in wave if r.outcome in REJECT_OUTCOMES),
+                    aggregate_tps=agg,
+                    baseline_wall_tps=base,
+                )
             )
-        speedups = sorted(w["speedup"] for w in rows if w["speedup"] is not None)
-        overlaps = sorted(w["overlap"] for w in rows if w["overlap"] is not None)
+        speedups = sorted(w.speedup for w in rows if w.speedup is not None)
+        overlaps = sorted(w.overlap for w in rows if w.overlap is not None)
         summ = summ.updated(
             {
                 "speedup": percentile(speedups, 50),
@@ -410,7 +409,7 @@ def _wave_groups(
                 "overlap_min": overlaps[0] if overlaps else None,
                 "overlap_max": overlaps[-1] if overlaps else None,
                 "baseline_wall_tps": median_wall,
-                "waves": rows,
+                "waves": [w.to_json() for w in rows],
             }
         )
         name = "double" if n == 2 and i == 0 else f"x{n}"
@@ -419,7 +418,7 @@ def _wave_groups(
         )
 
 
-def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: dict[str, Any], th: Thresholds) -> None:
+def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: JSONObject, th: Thresholds) -> None:
     """The one-at-a-time groups: `single` (every size) first, then `single N` per size."""
     for size in sizes:
         sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
@@ -472,13 +471,13 @@ BATCH_CLASSES = (
 )
 
 
-def wave_class(w: Mapping[str, Any]) -> str:
+def wave_class(w: Wave) -> str:
     """What one wave of the batch test showed (one of BATCH_CLASSES): a request failed while
     another was served; else by overlap first (serial only with low overlap, batching only with
     high), the speedup deciding only between gain and no gain among overlapping streams."""
-    if w.get("failed") and w.get("ok"):
+    if w.failed and w.ok:
         return "rejects concurrent requests"
-    ov, sp = w.get("overlap"), w.get("speedup")
+    ov, sp = w.overlap, w.speedup
     if ov is None:
         return "overlap not measurable"
     if ov <= OVERLAP_SERIAL:
@@ -493,11 +492,11 @@ def batching_verdict(group: Group) -> str | None:
     waves agree on (two thirds of them), with the median speedup and its spread over the waves
     and the overlap; "inconclusive" with the reason when they disagree. Groups written before
     per-wave figures existed are judged as one wave from their summary."""
-    s, n = group.summary, group.params.get("streams") or 2
-    rows = s.waves
-    if rows is None:  # an older result file: one judgment from the medians
-        rows = [{"speedup": s.speedup, "overlap": s.overlap, "ok": s.ok, "failed": []}]
-    rows = [w for w in rows if w.get("ok")]  # a wave with nothing served says nothing about batching
+    s, n = group.summary, group.param("streams") or 2
+    waves = s.waves
+    if waves is None:  # an older result file: one judgment from the medians
+        waves = (Wave(s.speedup, s.overlap, s.ok),)
+    rows = [w for w in waves if w.ok]  # a wave with nothing served says nothing about batching
     if not rows:
         return None
     classes = [wave_class(w) for w in rows]
@@ -514,16 +513,16 @@ def batching_verdict(group: Group) -> str | None:
         figures = "; ".join(x for x in (ov_txt, f"speedup {sp_txt}" if sp_txt else "") if x)
         return f"inconclusive{at}: the {len(rows)} waves disagree ({mix}){'; ' + figures if figures else ''}"
     if top == "rejects concurrent requests":
-        failed = [f for w in rows for f in w.get("failed", [])]
+        failed = [f for w in rows for f in w.failed]
         how = sorted(
             {
                 "HTTP 200 then an error in the stream"
-                if f["outcome"] == "stream_error" and f.get("status") == 200
-                else f"HTTP 200 then {f['outcome']}"
-                if f.get("status") == 200
-                else f"HTTP {f['status']}"
-                if f.get("status")
-                else f["outcome"]
+                if f.outcome == "stream_error" and f.status == 200
+                else f"HTTP 200 then {f.outcome}"
+                if f.status == 200
+                else f"HTTP {f.status}"
+                if f.status
+                else f.outcome
                 for f in failed
             }
         )
@@ -538,7 +537,7 @@ def batching_verdict(group: Group) -> str | None:
         return f"speedup{at} {sp_txt}, overlap not measurable" if sp_txt else top + at
     if sp_txt:
         parts[0] += (": " if top in ("serial", "batches, no gain") else " ") + sp_txt
-    over = [w["speedup"] for w in rows if w.get("speedup") is not None and w["speedup"] > n * IMPOSSIBLE_MARGIN]
+    over = [w.speedup for w in rows if w.speedup is not None and w.speedup > n * IMPOSSIBLE_MARGIN]
     if over:
         parts.append(f"speedup unreliable: {len(over)} of {len(rows)} waves above what {n} streams can give ({n}x)")
     if ov_txt:
@@ -556,7 +555,7 @@ def verdict(res: TargetResult) -> str:
         b = batching_verdict(wave_group)
         if b:
             parts.append(b)
-    records = [Record.from_dict(dict(r)) for g in res.groups if g.kind != "single" for r in g.records]
+    records = [r.record for g in res.groups if g.kind != "single" for r in g.records]
     total = len(records)
     counts: dict[str, int] = {}
     for r in records:
@@ -648,7 +647,7 @@ def smallest_single(res: TargetResult) -> Group | None:
     """The one-at-a-time group at the smallest prompt size: the headline's figures come
     from it, so a server that refuses big prompts cannot look fastest by a median over sizes."""
     sized = [g for g in res.groups if g.kind == "single_size" and g.summary.ok]
-    return min(sized, key=lambda g: g.params["prompt_tokens"]) if sized else None
+    return min(sized, key=lambda g: g.param("prompt_tokens") or 0) if sized else None
 
 
 def first_wave(res: TargetResult) -> Group | None:

@@ -67,14 +67,8 @@ def results_from_doc(doc: ResultFile, prefix: str = "") -> tuple[list[TargetResu
     """A bench result file back into the results `bench` printed (for `report`)."""
     out: dict[str, TargetResult] = {}
     for t in doc.targets:
-        r = TargetResult(
-            Target(prefix + t["name"], t.get("url") or ""),
-            t.get("model"),
-            Calibration(source=t.get("calibration") or ""),
-            [],
-            t.get("error"),
-        )
-        out[t["name"]] = r
+        r = TargetResult(Target(prefix + t.name, t.url), t.model, Calibration(source=t.calibration), [], t.error)
+        out[t.name] = r
     for g in doc.groups:
         r = out.setdefault(g.target, TargetResult(Target(prefix + g.target, "")))
         r.groups.append(g.retargeted(prefix + g.target))
@@ -141,14 +135,16 @@ def _size_cell(g: Group | None) -> str:
 
 
 def _size_section(results: list[TargetResult]) -> Section | None:
-    sizes = sorted({g.params["prompt_tokens"] for g in all_groups(results) if g.kind == "single_size"})
+    sizes = sorted(
+        {n for g in all_groups(results) if g.kind == "single_size" and (n := g.param("prompt_tokens")) is not None}
+    )
     if len(sizes) <= 1:
         return None
     srows = []
     for r in results:
         row = {"target": r.target.name}
         for size in sizes:
-            g = next((g for g in r.groups if g.kind == "single_size" and g.params["prompt_tokens"] == size), None)
+            g = next((g for g in r.groups if g.kind == "single_size" and g.param("prompt_tokens") == size), None)
             row[f"{size} tok"] = _size_cell(g)
         srows.append(row)
     return Section(
@@ -289,12 +285,13 @@ def plot_svg(results: list[TargetResult]) -> str:
         for g in r.groups:
             s = g.summary
             if g.kind == "single_size" and s.ok:
-                size = g.params.get("prompt_tokens_sent") or g.params["prompt_tokens"]
-                pts_t.append((float(size), s.ttft_s.p50))
-                pts_p.append((float(size), s.prefill_tps.p50))
+                size = float(g.param("prompt_tokens_sent") or g.param("prompt_tokens") or 0)
+                pts_t.append((size, s.ttft_s.p50))
+                pts_p.append((size, s.prefill_tps.p50))
             if g.kind == "wave":
-                pts_c.append((float(g.params["streams"]), s.decode_tps.p50))
-                pts_a.append((float(g.params["streams"]), s.speedup))
+                streams = float(g.param("streams") or 0)
+                pts_c.append((streams, s.decode_tps.p50))
+                pts_a.append((streams, s.speedup))
         alone = smallest_single(r)
         if alone and (pts_c or pts_a):
             pts_c.append((1.0, alone.summary.decode_tps.p50))

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlxproxy.load.plot import Chart
-from mlxproxy.load.results import Breach, Goodput, Group, ResultFile, ResultKind
+from mlxproxy.load.results import Breach, Goodput, Group, JSONObject, JSONValue, ResultFile, ResultKind
 from mlxproxy.load.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,
@@ -82,7 +82,7 @@ class Step:
     problem: str = ""
     rate: bool = False
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, JSONValue]:
         """The step as `capacity.steps` holds it (its count under `step` and under `concurrency`
         or `rate`)."""
         return {
@@ -122,8 +122,8 @@ class Capacity:
     knee: float | None = None
     too_small: tuple[float, ...] = ()
 
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {
+    def to_json(self) -> dict[str, JSONValue]:
+        out: dict[str, JSONValue] = {
             "max_rate" if self.unit == RATE_UNIT else "max_concurrency": self.value,
             "slo": dict(self.slo),
             "limited_by": self.limited_by,
@@ -150,7 +150,7 @@ def step_figures(g: Group) -> Step:
 
     anomalies: dict[str, int] = {}
     for r in recs:
-        for k in r.get("anomalies", ()):
+        for k in r.record.anomalies:
             anomalies[k] = anomalies.get(k, 0) + 1
     s = g.summary
     slo = s.slo
@@ -252,8 +252,10 @@ def capacity_of(groups: Sequence[Group]) -> dict[str, Capacity]:
 
 
 def _step_value(g: Group) -> float:
-    p = g.params
-    value: float = p["step"] if "step" in p else p["concurrency"]
+    key = "step" if "step" in g.params else "concurrency"
+    value = g.param(key)
+    if value is None:
+        raise KeyError(key)
     return value
 
 
@@ -384,7 +386,7 @@ def result_file(
     kind: ResultKind,
     groups: Sequence[Group],
     verdicts: Mapping[str, str] | None = None,
-    extra: Mapping[str, object] | None = None,
+    extra: JSONObject | None = None,
 ) -> ResultFile:
     """The result file of this run, written now by this version, with the sweeps' capacity."""
     capacity = {t: c.to_json() for t, c in capacity_of(groups).items()}

@@ -22,7 +22,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
 from mlxproxy.load.rawhttp import RawPool
-from mlxproxy.load.results import Summary
+from mlxproxy.load.results import RunRecord, SessionTurn, Summary
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
@@ -81,23 +81,21 @@ class Timed:
         workers adds each worker's figures: `mlxproxy.load.workers.FleetTimed`)."""
         return summary
 
-    def rows(
-        self, where: Mapping[str, Mapping[str, object]] | None = None, *, source_ids: bool = True
-    ) -> list[dict[str, object]]:
-        """The records as result-file rows: each with its `source_id` (unless `source_ids`
+    def rows(self, where: Mapping[str, SessionTurn] | None = None, *, source_ids: bool = True) -> list[RunRecord]:
+        """The records as a group holds them: each with its `source_id` (unless `source_ids`
         is False), its `schedule_lag_s` when it had a due time (open loop, recorded offsets)
-        and its `where` keys (a session's turn, ...)."""
-        out = []
-        for r in self.records:
-            d = r.to_dict(timeline=True)
-            if source_ids:
-                d["source_id"] = self.source_ids.get(r.id)
-            if r.id in self.lag_by_id:
-                d["schedule_lag_s"] = self.lag_by_id[r.id]
-            if where is not None and r.id in where:
-                d.update(where[r.id])
-            out.append(d)
-        return out
+        and its place in a replayed conversation (`where`)."""
+        where = where or {}
+        return [
+            RunRecord.of(
+                r,
+                source_id=self.source_ids.get(r.id) if source_ids else None,
+                has_source_id=source_ids,
+                schedule_lag_s=self.lag_by_id.get(r.id),
+                where=where.get(r.id),
+            )
+            for r in self.records
+        ]
 
 
 #: a run freezes the cyclic collector's view of what it holds after this many finished records

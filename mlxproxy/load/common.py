@@ -76,11 +76,11 @@ def env_key(api_key_env: str | None) -> str | None:
 def all_failed_reason(groups: Sequence[Group]) -> str | None:
     """When not one request succeeded: the outcomes and the first error, in one line."""
     recs = [r for g in groups for r in g.records]
-    if not recs or any(r["outcome"] in OK_OUTCOMES for r in recs):
+    if not recs or any(r.record.outcome in OK_OUTCOMES for r in recs):
         return None
-    outcomes = Counter(r["outcome"] for r in {r["id"]: r for r in recs}.values())
-    first = next((r for r in recs if r.get("error") or r.get("status")), recs[0])
-    why = first.get("error") or (f"HTTP {first['status']}" if first.get("status") else first["outcome"])
+    outcomes = Counter(r.record.outcome for r in {r.id: r for r in recs}.values())
+    first = next((r.record for r in recs if r.record.error or r.record.status), recs[0].record)
+    why = first.error or (f"HTTP {first.status}" if first.status else first.outcome)
     why = clip(str(why), 200)
     return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from mlxproxy import __version__
+from mlxproxy.core.record import Record
 from mlxproxy.load.capacity import capacity_line, capacity_of, sweep_charts
 from mlxproxy.load.plot import Chart, Series, svg_charts
 from mlxproxy.load.report import SUMMARY_COLUMNS, measured_requests, summary_row
@@ -106,8 +107,8 @@ def _sources(docs: Docs) -> list[str]:
             f"{len(doc.groups)} tests); targets: {escape(', '.join(targets))}</p>"
         )
         for t in doc.targets:
-            if t.get("error"):
-                out.append(f'<p class="bad">{escape(t["name"])}: {escape(str(t["error"]))}</p>')
+            if t.error:
+                out.append(f'<p class="bad">{escape(t.name)}: {escape(t.error)}</p>')
         out.append("</div>")
     out.append("</div></section>")
     return out
@@ -212,12 +213,12 @@ def _timelines(docs: Docs, name: Namer) -> list[str]:
         "was; time from the group's first request</p>"
     ]
     for label, doc in docs:
-        shown: set[Any] = set()
+        shown: set[str] = set()
         for g in doc.groups:
-            recs = [r for r in g.records if r.get("id") not in shown]
+            recs = [r.record for r in g.records if r.id not in shown]
             if not recs:
                 continue
-            shown.update(r.get("id") for r in recs)
+            shown.update(r.id for r in recs)
             title = f"{name(label, g.target)} · {g.name} · {len(recs)} requests"
             out.append(f'<details open class="timeline"><summary>{escape(title)}</summary>{_lanes(recs)}</details>')
     out.append("</section>")
@@ -236,23 +237,25 @@ def _charts(docs: Sequence[tuple[str, ResultFile]], name: Any) -> list[Chart]:
             by_target.setdefault(g.target, []).append(g)
         for target, groups in by_target.items():
             n = name(label, target)
-            sized = [g for g in groups if g.kind == "single_size" and "prompt_tokens" in g.params]
+            sized = [
+                (g, size) for g in groups if g.kind == "single_size" and (size := g.param("prompt_tokens")) is not None
+            ]
             # bench's waves (replay's batch waves have no stream count to draw against)
-            streams = [g for g in groups if g.kind == "wave" and g.params.get("streams")]
+            streams = [(g, float(k)) for g in groups if g.kind == "wave" and (k := g.param("streams"))]
             pts_t, pts_p = [], []
-            for g in sized:
-                size = float(g.params.get("prompt_tokens_sent") or g.params["prompt_tokens"])
-                pts_t.append((size, g.summary.ttft_s.p50))
-                pts_p.append((size, g.summary.prefill_tps.p50))
-            pts_c = [(float(g.params["streams"]), g.summary.decode_tps.p50) for g in streams]
+            for g, size in sized:
+                sent = float(g.param("prompt_tokens_sent") or size)
+                pts_t.append((sent, g.summary.ttft_s.p50))
+                pts_p.append((sent, g.summary.prefill_tps.p50))
+            pts_c = [(k, g.summary.decode_tps.p50) for g, k in streams]
             if sized and streams:  # one stream alone, at the smallest prompt size
-                smallest = min(sized, key=lambda g: g.params["prompt_tokens"])
+                smallest = min(sized, key=lambda gs: gs[1])[0]
                 pts_c.append((1.0, smallest.summary.decode_tps.p50))
-            pts_a = [(float(g.params["streams"]), g.summary.aggregate_tps) for g in streams]
-            alone = [a / s for _, a, s in ((g, g.summary.aggregate_tps, g.summary.speedup) for g in streams) if a and s]
+            pts_a = [(k, g.summary.aggregate_tps) for g, k in streams]
+            alone = [a / s for a, s in ((g.summary.aggregate_tps, g.summary.speedup) for g, _ in streams) if a and s]
             if alone:  # one stream alone: the tok/s each wave's speedup divides by (their median)
                 pts_a.append((1.0, sorted(alone)[len(alone) // 2]))
-            pts_s = [(float(g.params["streams"]), g.summary.speedup) for g in streams]
+            pts_s = [(k, g.summary.speedup) for g, k in streams]
             if streams and any(y is not None for _, y in pts_s):
                 pts_s.append((1.0, 1.0))
             for series, pts in ((ttft, pts_t), (prefill, pts_p), (curve, pts_c), (agg, pts_a), (speedup, pts_s)):
@@ -284,12 +287,12 @@ def _stalls(offs: list[float]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in zip(offs, offs[1:]) if b - a >= limit]
 
 
-def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
-    recs = sorted(records, key=lambda r: r.get("started_at") or 0.0)
+def _lanes(records: Sequence[Record]) -> str:
+    recs = sorted(records, key=lambda r: r.started_at or 0.0)
     more = len(recs) - MAX_LANES
     recs = recs[:MAX_LANES]
-    t0 = min(r.get("started_at") or 0.0 for r in recs)
-    ends = [(r.get("started_at") or 0.0) - t0 + (r.get("duration_s") or 0.0) for r in recs]
+    t0 = min(r.started_at or 0.0 for r in recs)
+    ends = [(r.started_at or 0.0) - t0 + (r.duration_s or 0.0) for r in recs]
     span = max(ends + [1e-3])
     w, left, right, lane = 960, LANE_LABEL_W, 12, 13
     h = 26 + lane * len(recs)
@@ -303,30 +306,30 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
     ]
     for i, r in enumerate(recs):
         y = 4 + i * lane
-        start = (r.get("started_at") or 0.0) - t0
-        end = start + (r.get("duration_s") or 0.0)
-        ok = r.get("outcome") in ("ok", "ok_no_done")
-        color = "#2f6fdb" if ok and not r.get("anomalies") else "#d98a00" if ok else "#c62828"
+        start = (r.started_at or 0.0) - t0
+        end = start + (r.duration_s or 0.0)
+        ok = r.outcome in ("ok", "ok_no_done")
+        color = "#2f6fdb" if ok and not r.anomalies else "#d98a00" if ok else "#c62828"
         pale = {"#2f6fdb": "#b9cdf1", "#d98a00": "#f6d9a6", "#c62828": "#f3b9b9"}[color]
         label = _lane_label(r)
         tip = (
-            f"{r.get('id')} {r.get('model') or '-'} {r.get('outcome')}: TTFT {_num(r.get('ttft_s'), '.3f', ' s')}, "
-            f"e2e {_num(r.get('e2e_s'), '.3f', ' s')}, decode {_num(r.get('decode_tps'), '.1f', ' tok/s')}, "
-            f"tokens reported {r.get('completion_tokens_reported')}, counted {r.get('completion_tokens_counted')}"
-            + (f"; anomalies: {', '.join(r['anomalies'])}" if r.get("anomalies") else "")
+            f"{r.id} {r.model or '-'} {r.outcome}: TTFT {_num(r.ttft_s, '.3f', ' s')}, "
+            f"e2e {_num(r.e2e_s, '.3f', ' s')}, decode {_num(r.decode_tps, '.1f', ' tok/s')}, "
+            f"tokens reported {r.completion_tokens_reported}, counted {r.completion_tokens_counted}"
+            + (f"; anomalies: {', '.join(r.anomalies)}" if r.anomalies else "")
         )
         out.append(
-            f'<g class="req" data-id="{escape(str(r.get("id")))}"><title>{escape(tip)}</title>'
+            f'<g class="req" data-id="{escape(str(r.id))}"><title>{escape(tip)}</title>'
             f'<text x="{left - 6}" y="{y + 9}" text-anchor="end" fill="{"#1d2330" if ok else "#c62828"}">{escape(label)}</text>'
         )
         x1, x2 = sx(start), max(sx(end), sx(start) + 1.5)
         out.append(f'<rect x="{x1:.1f}" y="{y}" width="{x2 - x1:.1f}" height="{lane - 3}" fill="{pale}"/>')
-        ttft = r.get("ttft_s")
+        ttft = r.ttft_s
         if ttft is not None:
             xt = sx(start + ttft)
             if x2 > xt:
                 out.append(f'<rect x="{xt:.1f}" y="{y}" width="{x2 - xt:.1f}" height="{lane - 3}" fill="{color}"/>')
-        offs = r.get("event_offsets_ms") or []
+        offs = [round(o * 1000.0, 3) for o in r.event_offsets_s]  # as the file holds them (Record.to_dict)
         for a, b in _stalls(offs):
             out.append(
                 f'<rect class="stall" x="{sx(start + a / 1000):.1f}" y="{y - 1}" '
@@ -350,11 +353,11 @@ def _lanes(records: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
-def _lane_label(r: Mapping[str, Any]) -> str:
+def _lane_label(r: Record) -> str:
     """A lane's label: id, outcome, TTFT, then as many whole anomaly names as fit and "+N" for
     the rest (the lane's tooltip lists them all); never a name cut in the middle."""
-    label = f"{(r.get('id') or '')[:8]} {r.get('outcome')} {_num(r.get('ttft_s'), '.3f', 's')}"
-    kinds = list(r.get("anomalies") or ())
+    label = f"{(r.id or '')[:8]} {r.outcome} {_num(r.ttft_s, '.3f', 's')}"
+    kinds = list(r.anomalies)
     for i, kind in enumerate(kinds):
         rest = len(kinds) - i - 1
         more = f" +{rest}" if rest else ""

@@ -40,7 +40,7 @@ def nothing_to_replay(path: str, captured: int) -> str:
 
 def interrupted_line(groups: Sequence[Group], files: bool) -> str:
     """Ctrl-C: how many finished requests were printed (and written to the output files)."""
-    n = len({(g.target, r.get("id")) for g in groups for r in g.records})
+    n = len({(g.target, r.id) for g in groups for r in g.records})
     if n == 0:
         return "interrupted before any request finished" + ("; the output files hold none" if files else "")
     return f"interrupted: {requests_text(n, 'finished')} printed" + (" and written" if files else "")

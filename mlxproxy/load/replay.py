@@ -36,7 +36,16 @@ from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Group, GroupKind, Summary
+from mlxproxy.load.results import (
+    CompareRow,
+    Group,
+    GroupKind,
+    JSONObject,
+    JSONValue,
+    RunRecord,
+    SessionTurn,
+    Summary,
+)
 from mlxproxy.load.shapes import (
     ClosedLoop,
     OpenLoop,
@@ -315,13 +324,13 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
     return out
 
 
-def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[str, Any]]:
+def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[CompareRow]:
     """Each replayed request's TTFT and decode TPS next to its captured values."""
-    rows = []
+    rows: list[CompareRow] = []
     for r in timed.records:
         src = timed.source_ids.get(r.id)
         c = caps.get(src) if src else None
-        if c is None:
+        if src is None or c is None:
             continue
         rows.append(
             {
@@ -341,11 +350,11 @@ def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[dict[st
     return rows
 
 
-def served_from_cache(records: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+def served_from_cache(records: Iterable[RunRecord]) -> tuple[int, int]:
     """(requests whose prompt was mostly cached, requests that reported prompt tokens):
     their TTFT measures the prompt cache, not prefill."""
-    reported = [r for r in records if r.get("prompt_tokens")]
-    cached = [r for r in reported if (r.get("cached_tokens") or 0) > MOSTLY_CACHED * r["prompt_tokens"]]
+    reported = [(p, r.record.cached_tokens or 0) for r in records if (p := r.record.prompt_tokens)]
+    cached = [p for p, c in reported if c > MOSTLY_CACHED * p]
     return len(cached), len(reported)
 
 
@@ -353,11 +362,11 @@ def _group(
     name: str,
     kind: GroupKind,
     target: str,
-    params: dict[str, Any],
+    params: JSONObject,
     timed: Timed,
     summary: Summary,
-    compare: list[dict[str, Any]] | None = None,
-    where: Mapping[str, Mapping[str, Any]] | None = None,
+    compare: list[CompareRow] | None = None,
+    where: Mapping[str, SessionTurn] | None = None,
 ) -> Group:
     """A group of `timed`'s records, each with its `source_id` (and its session's `where` keys)."""
     records = timed.rows(where)
@@ -388,7 +397,7 @@ class _ReplayRun:
         self.client, self.caps, self.opts, self.target, self.th = client, caps, opts, target, th
         self.compare, self.groups, self.say = compare, groups, say
         self.by_id = {c.record.id: c for c in caps}
-        self.params: dict[str, Any] = {
+        self.params: dict[str, JSONValue] = {
             "speed": opts.speed,
             "concurrency": opts.concurrency,
             "batch": opts.batch,
@@ -401,7 +410,7 @@ class _ReplayRun:
     def fresh(self) -> list[PreparedRequest]:
         return [prepare(c, self.opts) for _ in range(self.opts.repeat) for c in self.caps]
 
-    def finish(self, mode: str, kind: GroupKind, timed: Timed, summary: Summary, params: dict[str, Any]) -> None:
+    def finish(self, mode: str, kind: GroupKind, timed: Timed, summary: Summary, params: JSONObject) -> None:
         scaling = prefill_scaling(timed.records, self.th)
         if scaling is not None:
             summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)
@@ -478,7 +487,7 @@ class _ReplayRun:
         slo = opts.slo or parse_slo(DEFAULT_SLO)
 
         async def sweep(
-            shape: Sweep[SweptShape], step: Callable[[SweptShape], Awaitable[StepRun]], **params: object
+            shape: Sweep[SweptShape], step: Callable[[SweptShape], Awaitable[StepRun]], **params: JSONValue
         ) -> None:
             await shape.run(
                 step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
@@ -508,7 +517,7 @@ class _ReplayRun:
 
     def interrupted(self, measured_from: int) -> None:
         """The requests finished so far but in no group yet, as one more group."""
-        done = {r["id"] for g in self.groups for r in g.records}
+        done = {r.id for g in self.groups for r in g.records}
         rest = [r for r in self.client.finished[measured_from:] if r.id not in done]
         if rest:
             name = f"{self.mode} interrupted"
@@ -579,7 +588,7 @@ async def run_sessions(
     at_once: int,
     runs: int,
     tick: Callable[[], None] | None = None,
-) -> tuple[Timed, dict[str, dict[str, float | int]], dict[str, Any]]:
+) -> tuple[Timed, dict[str, SessionTurn], JSONObject]:
     """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
     conversations in order, cycled), each its turns in order with the think time between
     a response's end and the next turn (`Sessions`); each run has its own nonce (so it is a
@@ -611,4 +620,4 @@ def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, *
 
 
 def records_of(group: Group) -> list[Record]:
-    return [Record.from_dict(dict(r)) for r in group.records]
+    return [r.record for r in group.records]

@@ -4,8 +4,7 @@ files (used by `replay` and `report`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import click
 
@@ -26,10 +25,10 @@ from mlxproxy.load.report import (
     write_csv,
     write_result,
 )
-from mlxproxy.load.results import Group
+from mlxproxy.load.results import CompareRow, Group
 
 
-def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Any]:
+def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Section]:
     """Everything `replay` prints (and `report` prints again for a replay result)."""
     sections = group_sections(groups, verdicts)
     slo = slo_section(groups)
@@ -58,8 +57,8 @@ def sweep_svg(groups: Sequence[Group]) -> str:
     return svg_charts(sweep_charts(groups))
 
 
-def compare_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    def v(x: Any, fmt: str = ".3f", unit: str = "") -> str:
+def compare_table(rows: Sequence[CompareRow]) -> list[dict[str, str]]:
+    def v(x: float | None, fmt: str = ".3f", unit: str = "") -> str:
         return "-" if x is None else (format(x, fmt) if isinstance(x, float) else str(x)) + unit
 
     return [

@@ -24,7 +24,7 @@ from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.arrivals import generator_note, sent_rate
 from mlxproxy.load.capacity import capacity_line, capacity_of
-from mlxproxy.load.results import Goodput, Group, ResultFile, Summary
+from mlxproxy.load.results import Goodput, Group, ResultFile, RunRecord, Summary, json_float
 from mlxproxy.load.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 
 __all__ = [
@@ -144,13 +144,15 @@ def untrusted_notes(items: Iterable[tuple[str, Summary]]) -> list[str]:
     for label, s in items:
         if not untrusted_mark(s):
             continue
-        uf = s.figure("usage_figures") or {}
+        uf = s.section("usage_figures")
         names = {"stream": "streamed", "tokenizer": "local tokenizer's"}
-        src = " / ".join(names.get(k, k) for k in sorted(uf.get("sources", {}))) or "streamed"
+        sources = uf.get("sources")
+        src = " / ".join(names.get(k, k) for k in sorted(sources if isinstance(sources, Mapping) else {})) or "streamed"
         lines.append(
             f"* {label}: usage not trusted in {s.untrusted_usage} of {s.ok} requests (the stream "
             f"contradicts it); speeds use the {src} count. From the usage they would read wall "
-            f"{_num(uf.get('wall_tps_p50'), '.1f')}, decode {_num(uf.get('decode_tps_p50'), '.1f')} tok/s."
+            f"{_num(json_float(uf.get('wall_tps_p50')), '.1f')}, decode {_num(json_float(uf.get('decode_tps_p50')), '.1f')}"
+            " tok/s."
         )
     return lines
 
@@ -453,16 +455,16 @@ def session_sections(groups: Sequence[Group]) -> list[Section]:
         sess = g.summary.sessions
         if not sess:
             continue
-        by_turn: dict[int, list[Mapping[str, Any]]] = {}
+        by_turn: dict[int, list[RunRecord]] = {}
         for r in g.records:
-            by_turn.setdefault(int(r.get("turn") or 0), []).append(r)
+            by_turn.setdefault(int(r.row_turn or 0), []).append(r)
         rows = []
         for turn, recs in sorted(by_turn.items()):
-            ok = [r for r in recs if r.get("outcome") in OK_OUTCOMES]
-            ttft = sorted(r["ttft_s"] for r in ok if r.get("ttft_s") is not None)
-            cached = sorted(r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None)
-            prompt = sorted(r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None)
-            think = sorted(r["think_s"] for r in recs if r.get("think_s") is not None)
+            ok = [r.record for r in recs if r.record.outcome in OK_OUTCOMES]
+            ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+            cached = sorted(r.cached_tokens for r in ok if r.cached_tokens is not None)
+            prompt = sorted(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
+            think = sorted(r.think_s for r in recs if r.think_s is not None)
             rows.append(
                 {
                     "target": g.target,
@@ -475,17 +477,16 @@ def session_sections(groups: Sequence[Group]) -> list[Section]:
                     "cached tok p50": _num(percentile(cached, 50), ".0f"),
                 }
             )
-        st = sess["session_s"]
+        st = sess.session_s
         out.append(
             Section(
-                f"{g.target} {g.mode}: {sess['count']} sessions ({sess['conversations']} captured"
-                " conversations), by turn:",
+                f"{g.target} {g.mode}: {sess.count} sessions ({sess.conversations} captured conversations), by turn:",
                 rows,
                 None,
                 "turn: the turn's place in its conversation; think: seconds between the previous response's"
                 " end and this turn; cached tok: prompt tokens the server took from its prompt cache"
                 " (- = not reported).",
-                [f"whole session: p50 {_num(st['p50'], '.2f')} s, max {_num(st['max'], '.2f')} s"],
+                [f"whole session: p50 {_num(st.p50, '.2f')} s, max {_num(st.max, '.2f')} s"],
             )
         )
     return out
@@ -555,18 +556,18 @@ def measured_requests(groups: Sequence[Group]) -> int:
     """How many requests `groups` measured, each once: a request that belongs to several groups
     (bench's `single` holds every `single N`) counts once, as in `write_csv`'s rows. Requests
     sent but not measured (bench's two calibration probes per target) are not among them."""
-    return len({(g.target, r.get("id")) for g in groups for r in g.records})
+    return len({(g.target, r.id) for g in groups for r in g.records})
 
 
 def write_csv(path: str | Path, groups: Sequence[Group]) -> None:
     """One row per request. A request that belongs to several groups (bench's `single`
     holds every `single N`) is written once, under its most specific (last) group."""
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, object]] = {}
     for g in groups:
         for r in g.records:
-            row = dict(r)
-            row.update(group=g.name, target=g.target, mode=g.mode, anomalies=";".join(r.get("anomalies", [])))
-            key = f"{g.target}\0{r.get('id')}"
+            row = r.to_dict()  # the row as the result file holds it, less what CSV_FIELDS leave out
+            row.update(group=g.name, target=g.target, mode=g.mode, anomalies=";".join(r.record.anomalies))
+            key = f"{g.target}\0{r.id}"
             if key in rows:
                 rows[key].update(group=g.name, mode=g.mode)
             else:

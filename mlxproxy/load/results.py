@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypeAlias, TypedDict, get_args
 
 from mlxproxy import __version__
+from mlxproxy.core.record import Record
 
 __all__ = [
     "RESULT_VERSION",
@@ -34,7 +35,49 @@ __all__ = [
     "Group",
     "ResultFile",
     "legacy_kind",
+    "JSONValue",
+    "JSONObject",
+    "json_float",
+    "SessionTurn",
+    "RunRecord",
+    "Wave",
+    "FailedRequest",
+    "SessionsFigures",
+    "TargetFacts",
+    "CompareRow",
 ]
+
+#: a JSON value as a result file holds it: the sections this version keeps for writing back
+#: without reading every key of (a group's parameters, a summary's optional sections, a file's
+#: other top-level keys, a row's unknown keys)
+JSONValue: TypeAlias = str | int | float | bool | None | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
+JSONObject: TypeAlias = Mapping[str, JSONValue]
+
+
+def json_float(v: JSONValue) -> float | None:
+    """`v` as a number (an int stays an int), None for anything else (absent, null, text, ...)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v
+
+
+def _json_int(v: JSONValue) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def _json_str(v: JSONValue) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _json_object(v: JSONValue) -> JSONObject:
+    return v if isinstance(v, Mapping) else {}
+
+
+def _json_objects(v: JSONValue) -> list[JSONObject]:
+    if isinstance(v, str) or not isinstance(v, Sequence):
+        return []
+    return [x for x in v if isinstance(x, Mapping)]
+
 
 #: the result file format's version (`mlxproxy_result`); files of a newer one are refused
 RESULT_VERSION = 1
@@ -89,6 +132,20 @@ class Stat:
             d.get("max"),
         )
 
+    @classmethod
+    def from_json(cls, v: JSONValue) -> Stat:
+        """A `Stat` from an optional section's value (its numbers only; anything else reads as absent)."""
+        d = _json_object(v)
+        return cls(
+            _json_int(d.get("count")),
+            json_float(d.get("mean")),
+            json_float(d.get("min")),
+            json_float(d.get("p50")),
+            json_float(d.get("p90")),
+            json_float(d.get("p99")),
+            json_float(d.get("max")),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class AnomalyCount:
@@ -113,7 +170,7 @@ class Breach:
     value: float
     threshold: float
 
-    def to_json(self) -> dict[str, str | float]:
+    def to_json(self) -> dict[str, JSONValue]:
         return {"key": self.key, "value": self.value, "threshold": self.threshold}
 
     @classmethod
@@ -132,7 +189,7 @@ class SloVerdict:
     values: Mapping[str, float | None] = field(default_factory=dict)
     thresholds: Mapping[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, JSONValue]:
         return {
             "met": self.met,
             "breaches": [b.to_json() for b in self.breaches],
@@ -162,7 +219,7 @@ class Goodput:
     share: float | None = None
     rate: float | None = None
 
-    def to_json(self) -> dict[str, int | float | None]:
+    def to_json(self) -> dict[str, JSONValue]:
         return {"good": self.good, "requests": self.requests, "share": self.share, "rate": self.rate}
 
     @classmethod
@@ -177,7 +234,7 @@ class Judgment:
     slo: SloVerdict
     goodput: Goodput
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, JSONValue]:
         """The summary keys it sets in a result file: `{"slo": ..., "goodput": ...}`."""
         return {"slo": self.slo.to_json(), "goodput": self.goodput.to_json()}
 
@@ -220,7 +277,7 @@ class Summary:
     overlap: float | None = None
     anomalies: Mapping[str, AnomalyCount] = field(default_factory=dict)
     untrusted_usage: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"requests": self.requests, "ok": self.ok, "outcomes": dict(self.outcomes)}
@@ -262,7 +319,7 @@ class Summary:
             extra={k: v for k, v in d.items() if k not in _FIXED},
         )
 
-    def updated(self, more: Mapping[str, Any]) -> Summary:
+    def updated(self, more: JSONObject) -> Summary:
         """This summary with `more`'s keys set, as `dict.update` would (new keys last)."""
         return Summary.from_dict({**self.to_dict(), **more})
 
@@ -276,47 +333,271 @@ class Summary:
     def slo(self) -> SloVerdict | None:
         """The SLO verdict of a judged group (`mlxproxy.load.slo.judge`)."""
         d = self.extra.get("slo")
-        return None if d is None else SloVerdict.from_json(d)
+        return None if d is None else SloVerdict.from_json(_json_object(d))
 
     @property
     def goodput(self) -> Goodput | None:
         """The goodput of a judged group."""
         d = self.extra.get("goodput")
-        return None if d is None else Goodput.from_json(d)
+        return None if d is None else Goodput.from_json(_json_object(d))
 
     def judged(self, j: Judgment) -> Summary:
         """This summary with `j`'s verdict and goodput set (`summary.slo`, `summary.goodput`)."""
         return self.updated(j.to_json())
 
     @property
-    def waves(self) -> Sequence[Mapping[str, Any]] | None:
+    def waves(self) -> tuple[Wave, ...] | None:
         """bench's figures of each wave of a wave group (None in files written before them)."""
-        return self.extra.get("waves")
+        v = self.extra.get("waves")
+        return None if v is None else tuple(Wave.from_json(w) for w in _json_objects(v))
 
     @property
-    def sessions(self) -> Mapping[str, Any] | None:
-        """`{"count", "conversations", "session_s"}` of replayed conversations."""
-        return self.extra.get("sessions")
+    def sessions(self) -> SessionsFigures | None:
+        """The figures of replayed conversations (`{"count", "conversations", "session_s"}`)."""
+        v = self.extra.get("sessions")
+        return None if not isinstance(v, Mapping) else SessionsFigures.from_json(v)
 
-    def figure(self, key: str) -> Any:
-        """An optional figure by its key in the file (`speedup_min`, `overlap_max`, `sent_rate`, ...), else None."""
-        return self.extra.get(key)
+    def figure(self, key: str) -> float | None:
+        """An optional number by its key in the file (`speedup_min`, `overlap_max`, `sent_rate`, ...), else None."""
+        return json_float(self.extra.get(key))
+
+    def stat(self, key: str) -> Stat | None:
+        """An optional figure's order statistics by its key (`schedule_lag_s`), else None."""
+        v = self.extra.get(key)
+        return None if not isinstance(v, Mapping) else Stat.from_json(v)
+
+    def section(self, key: str) -> JSONObject:
+        """An optional object by its key (`usage_figures`), empty when absent."""
+        return _json_object(self.extra.get(key))
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRequest:
+    """A request of a wave that failed (`summary.waves[i].failed[j]`): its outcome and HTTP status."""
+
+    outcome: str
+    status: int | None = None
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {"outcome": self.outcome, "status": self.status}
+
+    @classmethod
+    def from_json(cls, d: JSONObject) -> FailedRequest:
+        status = d.get("status")
+        return cls(str(d.get("outcome")), status if isinstance(status, int) and not isinstance(status, bool) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Wave:
+    """bench's figures of one wave of requests released together (`summary.waves[i]`)."""
+
+    speedup: float | None
+    overlap: float | None
+    ok: int
+    failed: tuple[FailedRequest, ...] = ()
+    aggregate_tps: float | None = None
+    baseline_wall_tps: float | None = None
+
+    def to_json(self) -> dict[str, JSONValue]:
+        """The wave as `summary.waves[i]` holds it, in the order bench writes its keys."""
+        return {
+            "aggregate_tps": self.aggregate_tps,
+            "baseline_wall_tps": self.baseline_wall_tps,
+            "overlap": self.overlap,
+            "speedup": self.speedup,
+            "ok": self.ok,
+            "failed": [f.to_json() for f in self.failed],
+        }
+
+    @classmethod
+    def from_json(cls, d: JSONObject) -> Wave:
+        return cls(
+            json_float(d.get("speedup")),
+            json_float(d.get("overlap")),
+            _json_int(d.get("ok")),
+            tuple(FailedRequest.from_json(f) for f in _json_objects(d.get("failed"))),
+            json_float(d.get("aggregate_tps")),
+            json_float(d.get("baseline_wall_tps")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsFigures:
+    """What replayed conversations add to a summary (`summary.sessions`): how many runs, of how
+    many captured conversations, and each run's wall time."""
+
+    count: int
+    conversations: int
+    session_s: Stat
+
+    @classmethod
+    def from_json(cls, d: JSONObject) -> SessionsFigures:
+        return cls(_json_int(d.get("count")), _json_int(d.get("conversations")), Stat.from_json(d.get("session_s")))
+
+
+@dataclass(frozen=True, slots=True)
+class TargetFacts:
+    """bench's facts about one target (`targets[i]` of a bench result file)."""
+
+    name: str
+    url: str = ""
+    model: str | None = None
+    error: str | None = None
+    calibration: str = ""
+
+    @classmethod
+    def from_json(cls, d: JSONObject) -> TargetFacts:
+        return cls(
+            str(d.get("name")),
+            _json_str(d.get("url")) or "",
+            _json_str(d.get("model")),
+            None if d.get("error") is None else str(d.get("error")),
+            _json_str(d.get("calibration")) or "",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTurn:
+    """Where a request of replayed conversations stood: its conversation run (`session`, the
+    run's number in the whole test), its `turn` in it (from 0) and the think time before it."""
+
+    session: int
+    turn: int
+    think_s: float
+
+
+#: the keys `Record.to_dict(timeline=True)` writes
+_RECORD_KEYS = frozenset({f.name for f in fields(Record)} - {"t_start_mono", "event_offsets_s"} | {"event_offsets_ms"})
+#: what a row lacking one of the record's required keys reads as (a hand-made row; its keys are kept
+#: as they were): no endpoint counts as a chat completion, no outcome as a failed request
+_REQUIRED: dict[str, object] = {
+    "id": "",
+    "started_at": 0.0,
+    "upstream": "",
+    "model": None,
+    "endpoint": "chat_completions",
+    "stream": False,
+    "status": None,
+    "outcome": "protocol_error",
+}
+#: the keys the load generator adds to a record's (`turn` replaces the record's own, in place)
+_RUN_KEYS = frozenset({"source_id", "schedule_lag_s", "session", "turn", "think_s"})
+#: row key orders not this version's (earlier files), one tuple each however many rows have it
+_LAYOUTS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One measured request of a run: the core's `Record` and what the load generator adds.
+
+    In a result file it is one row of a group's `records`: the record's keys
+    (`Record.to_dict(timeline=True)`), then `source_id` (replay's rows: the captured record it
+    replays, null for a synthetic request; bench's rows have no such key, `has_source_id`),
+    `schedule_lag_s` (when it had a due time), and a replayed conversation's `session` and
+    `think_s` (its `turn` replaces the record's own prefix-tracking turn, in place).
+    Keys this version does not know are kept in `extra` and written back; a row whose keys
+    were in another order (or lacked some: an earlier version's) keeps its order in `layout`."""
+
+    record: Record
+    source_id: str | None = None
+    has_source_id: bool = False
+    schedule_lag_s: float | None = None
+    session: int | None = None
+    turn: int | None = None
+    think_s: float | None = None
+    extra: JSONObject = field(default_factory=dict)
+    layout: tuple[str, ...] | None = field(default=None, compare=False)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def row_turn(self) -> int | None:
+        """The row's `turn`: a replayed conversation's turn, else the record's own."""
+        return self.record.turn if self.turn is None else self.turn
+
+    @classmethod
+    def of(
+        cls,
+        record: Record,
+        *,
+        source_id: str | None = None,
+        has_source_id: bool = False,
+        schedule_lag_s: float | None = None,
+        where: SessionTurn | None = None,
+    ) -> RunRecord:
+        """A request of this run, with its conversation's place when it had one."""
+        if where is None:
+            return cls(record, source_id, has_source_id, schedule_lag_s)
+        return cls(record, source_id, has_source_id, schedule_lag_s, where.session, where.turn, where.think_s)
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = self.record.to_dict(timeline=True)
+        if self.has_source_id:
+            d["source_id"] = self.source_id
+        if self.schedule_lag_s is not None:
+            d["schedule_lag_s"] = self.schedule_lag_s
+        if self.session is not None:
+            d["session"] = self.session
+        if self.turn is not None:
+            d["turn"] = self.turn
+        if self.think_s is not None:
+            d["think_s"] = self.think_s
+        d.update(self.extra)
+        if self.layout is not None:
+            return {k: d.get(k) for k in self.layout}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunRecord:
+        sessions = "session" in d
+        out = cls(
+            Record.from_dict({**_REQUIRED, **d}),
+            d.get("source_id"),
+            "source_id" in d,
+            d.get("schedule_lag_s"),
+            d.get("session"),
+            d.get("turn") if sessions else None,
+            d.get("think_s"),
+            {k: v for k, v in d.items() if k not in _RECORD_KEYS and k not in _RUN_KEYS},
+        )
+        keys = tuple(d)
+        if tuple(out.to_dict()) != keys:
+            out = replace(out, layout=_LAYOUTS.setdefault(keys, keys))
+        return out
+
+
+class CompareRow(TypedDict, total=False):
+    """One row of `replay --compare` (a group's `compare`): a replayed request's figures next to
+    the captured request's. A dict as the file holds it (files may lack the later keys)."""
+
+    source_id: str
+    model: str | None
+    captured_ttft_s: float | None
+    replayed_ttft_s: float | None
+    captured_cached_tokens: int | None
+    replayed_cached_tokens: int | None
+    replayed_prompt_tokens: int | None
+    captured_decode_tps: float | None
+    replayed_decode_tps: float | None
+    captured_outcome: str
+    replayed_outcome: str
 
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """One test of a run against one target: its requests (as `Record.to_dict(timeline=True)`
-    wrote them, with what the test added: `source_id`, a session's `turn`, ...) and their summary."""
+    """One test of a run against one target: its requests (`RunRecord`s) and their summary."""
 
     name: str
     target: str
     mode: str
     kind: GroupKind
-    params: Mapping[str, Any]
+    params: JSONObject
     summary: Summary
-    records: tuple[Mapping[str, Any], ...] = ()
+    records: tuple[RunRecord, ...] = ()
     #: replay --compare: each replayed request next to its captured figures (None: not asked)
-    compare: tuple[Mapping[str, Any], ...] | None = None
+    compare: tuple[CompareRow, ...] | None = None
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -326,7 +607,7 @@ class Group:
             "kind": self.kind,
             "params": dict(self.params),
             "summary": self.summary.to_dict(),
-            "records": [dict(r) for r in self.records],
+            "records": [r.to_dict() for r in self.records],
         }
         if self.compare is not None:
             out["compare"] = [dict(r) for r in self.compare]
@@ -347,7 +628,7 @@ class Group:
             kind,
             params,
             summary,
-            tuple(d.get("records") or ()),
+            tuple(RunRecord.from_dict(r) for r in d.get("records") or ()),
             None if compare is None else tuple(compare),
         )
 
@@ -357,8 +638,12 @@ class Group:
     def with_summary(self, summary: Summary) -> Group:
         return replace(self, summary=summary)
 
+    def param(self, key: str) -> float | None:
+        """A numeric parameter (`streams`, `prompt_tokens`, `rate`, ...), else None."""
+        return json_float(self.params.get(key))
 
-def legacy_kind(name: str, params: Mapping[str, Any], summary: Summary) -> GroupKind:
+
+def legacy_kind(name: str, params: JSONObject, summary: Summary) -> GroupKind:
     """The kind of a group from a file written before groups carried one (mlxproxy up to
     41d6a63), told from the names and parameters those versions gave each test."""
     if params.get("sweep"):
@@ -390,7 +675,7 @@ class ResultFile:
     verdicts: Mapping[str, str] = field(default_factory=dict)
     version: str = ""
     created_at: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)
     format_version: int = RESULT_VERSION
 
     @classmethod
@@ -399,16 +684,16 @@ class ResultFile:
         kind: ResultKind,
         groups: Iterable[Group],
         verdicts: Mapping[str, str] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        extra: JSONObject | None = None,
     ) -> ResultFile:
         """A file of this run, written now by this version (`schedules.result_file` adds the
         sweeps' capacity)."""
         return cls(kind, tuple(groups), dict(verdicts or {}), __version__, time.time(), dict(extra or {}))
 
     @property
-    def targets(self) -> Sequence[Mapping[str, Any]]:
+    def targets(self) -> tuple[TargetFacts, ...]:
         """bench's per-target facts (`name`, `url`, `model`, `calibration`, `error`); empty for replay."""
-        return self.extra.get("targets") or ()
+        return tuple(TargetFacts.from_json(t) for t in _json_objects(self.extra.get("targets")))
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -4,11 +4,10 @@ where, the seconds it lost), from the records of `replay --mode sessions` groups
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from html import escape
-from typing import Any
 
-from mlxproxy.load.results import ResultFile
+from mlxproxy.load.results import ResultFile, RunRecord
 
 __all__ = ["sessions_html", "MAX_SESSIONS"]
 
@@ -21,20 +20,20 @@ _CACHE_ANOMALIES = (
 )
 
 
-def _cell(v: Any, fmt: str = "") -> str:
+def _cell(v: float | None, fmt: str = "") -> str:
     if v is None:
         return '<td class="num">-</td>'
     return f'<td class="num">{escape(format(v, fmt))}</td>'
 
 
-def _session_of(r: Mapping[str, Any]) -> Any:
-    return r.get("session", r.get("conversation_id"))
+def _session_of(r: RunRecord) -> int | str | None:
+    return r.record.conversation_id if r.session is None else r.session
 
 
-def _turn_of(r: Mapping[str, Any]) -> int:
+def _turn_of(r: RunRecord) -> int:
     """The turn, from 1: replay's own `turn` counts from 0 next to its `session`."""
-    t = int(r.get("turn") or 0)
-    return t + 1 if "session" in r else t
+    t = int(r.row_turn or 0)
+    return t + 1 if r.session is not None else t
 
 
 def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, str], str]) -> str:
@@ -44,16 +43,18 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
         for g in doc.groups:
             if g.kind != "sessions" and not g.summary.sessions:
                 continue
-            by_session: dict[Any, list[Mapping[str, Any]]] = {}
+            by_session: dict[int | str, list[RunRecord]] = {}
             for r in g.records:
-                if _session_of(r) is not None:
-                    by_session.setdefault(_session_of(r), []).append(r)
+                sid = _session_of(r)
+                if sid is not None:
+                    by_session.setdefault(sid, []).append(r)
             if not by_session:
                 continue
             lost: dict[str, float] = {}
             for r in g.records:
-                if r.get("reprefill_cause") and r.get("reprefill_lost_s"):
-                    lost[r["reprefill_cause"]] = lost.get(r["reprefill_cause"], 0.0) + r["reprefill_lost_s"]
+                cause, lost_s = r.record.reprefill_cause, r.record.reprefill_lost_s
+                if cause and lost_s:
+                    lost[cause] = lost.get(cause, 0.0) + lost_s
             total = ", ".join(f"{c} {s:.2f} s" for c, s in sorted(lost.items())) or "none"
             parts.append(
                 f"<h3>{escape(name(label, g.target))} · {escape(g.name)} · {len(by_session)} sessions</h3>"
@@ -62,14 +63,15 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
                 "<th>TTFT s</th><th>lost s</th><th>re-prefill cause</th><th>where</th><th>cache anomalies</th></tr>"
             )
             for sid, turns in list(by_session.items())[:MAX_SESSIONS]:
-                for r in sorted(turns, key=_turn_of):
-                    anomalies = [a for a in r.get("anomalies") or () if a in _CACHE_ANOMALIES]
+                for t in sorted(turns, key=_turn_of):
+                    rec = t.record
+                    anomalies = [a for a in rec.anomalies if a in _CACHE_ANOMALIES]
                     parts.append(
-                        f"<tr><td>{escape(str(sid))}</td>{_cell(_turn_of(r))}{_cell(r.get('prompt_tokens'))}"
-                        f"{_cell(r.get('prefix_reusable_tokens'))}{_cell(r.get('cached_tokens'))}"
-                        f"{_cell(r.get('ttft_s'), '.3f')}{_cell(r.get('reprefill_lost_s'), '.3f')}"
-                        f"<td>{escape(r.get('reprefill_cause') or '')}</td>"
-                        f'<td class="evidence">{escape(r.get("reprefill_at") or "")}</td>'
+                        f"<tr><td>{escape(str(sid))}</td>{_cell(_turn_of(t))}{_cell(rec.prompt_tokens)}"
+                        f"{_cell(rec.prefix_reusable_tokens)}{_cell(rec.cached_tokens)}"
+                        f"{_cell(rec.ttft_s, '.3f')}{_cell(rec.reprefill_lost_s, '.3f')}"
+                        f"<td>{escape(rec.reprefill_cause or '')}</td>"
+                        f'<td class="evidence">{escape(rec.reprefill_at or "")}</td>'
                         f"<td>{escape(', '.join(anomalies))}</td></tr>"
                     )
             parts.append("</table>")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
@@ -30,7 +30,7 @@ from mlxproxy.load.arrivals import arrival_offsets, ramp_offsets, schedule
 from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.progress import Progress
-from mlxproxy.load.results import Group
+from mlxproxy.load.results import Group, JSONObject, SessionTurn
 from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
 
 __all__ = [
@@ -140,12 +140,12 @@ class Sessions:
 
     async def run_sessions(
         self, client: MeasuringClient, runs: Sequence[Sequence[Turn]], tick: Tick = None
-    ) -> tuple[Timed, dict[str, dict[str, float | int]], list[float]]:
+    ) -> tuple[Timed, dict[str, SessionTurn], list[float]]:
         """The records, each record's `session` (its run's index), `turn` and `think_s`, and
         each run's wall time."""
         queue = list(enumerate(runs))[::-1]
         timed = Timed()
-        where: dict[str, dict[str, float | int]] = {}
+        where: dict[str, SessionTurn] = {}
         session_s: list[float] = []
 
         async def worker() -> None:
@@ -158,7 +158,7 @@ class Sessions:
                     r = await client.send(turn.request)
                     timed.records.append(r)
                     timed.source_ids[r.id] = turn.request.source_id
-                    where[r.id] = {"session": si, "turn": ti, "think_s": turn.think_s}
+                    where[r.id] = SessionTurn(si, ti, turn.think_s)
                     if tick:
                         tick()
                 session_s.append(time.perf_counter() - t0)
@@ -207,7 +207,7 @@ class Sweep(Generic[SweptShape]):
         slo: dict[str, float],
         *,
         target: str,
-        params: Mapping[str, object],
+        params: JSONObject,
         out: list[Group],
         say: Callable[[str], None] | None = None,
         progress: Progress | None = None,

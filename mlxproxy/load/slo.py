@@ -15,13 +15,13 @@ its effective latency: TTFT and E2E from when it was due, not from when it was s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
+from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load.results import Breach, Goodput, Group, Judgment, SloVerdict, Summary
+from mlxproxy.load.results import Breach, Goodput, Group, Judgment, RunRecord, SloVerdict, Summary
 
 # the option values' meaning (--slo, --fail-on) is the vocabulary's, shared by the commands
 from mlxproxy.vocabulary import SLO_METRICS, parse_fail_on, parse_slo
@@ -102,11 +102,11 @@ def fmt_apart(v: float, limit: float, unit: str) -> tuple[str, str]:
     return a, b
 
 
-def succeeded(r: Mapping[str, Any]) -> bool:
-    return r.get("outcome") in ("ok", "ok_no_done")
+def succeeded(r: RunRecord) -> bool:
+    return r.record.outcome in OK_OUTCOMES
 
 
-def request_meets(r: Mapping[str, Any], slo: Mapping[str, float]) -> bool:
+def request_meets(r: RunRecord, slo: Mapping[str, float]) -> bool:
     """One request's own figures against every threshold (a failed request never meets it)."""
     if not succeeded(r):
         return False
@@ -128,22 +128,31 @@ def percentile_of(values: list[float], q: float) -> float | None:
 _FROM_START = frozenset({"ttft_s", "e2e_s"})
 
 
-def effective(r: Mapping[str, Any], field: str) -> float | None:
+#: the record's figure of each field an SLO metric names (`SLO_METRICS`)
+_FIGURES: dict[str, Callable[[Record], float | None]] = {
+    "ttft_s": lambda r: r.ttft_s,
+    "tpot_s": lambda r: r.tpot_s,
+    "e2e_s": lambda r: r.e2e_s,
+    "decode_tps": lambda r: r.decode_tps,
+}
+
+
+def effective(r: RunRecord, field: str) -> float | None:
     """A record's figure as the SLO sees it: TTFT and E2E count the time the request waited
     in the load generator past its due time (`schedule_lag_s`, open loops only)."""
-    v = r.get(field)
+    v = _FIGURES[field](r.record)
     if v is None or field not in _FROM_START:
         return v
-    return float(v) + (r.get("schedule_lag_s") or 0.0)
+    return float(v) + (r.schedule_lag_s or 0.0)
 
 
-def judged(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def judged(records: Sequence[RunRecord]) -> list[RunRecord]:
     """The records an SLO judges: generation requests only (not `GET /v1/models`; a row
     without an endpoint counts as one)."""
-    return [r for r in records if r.get("endpoint", "chat_completions") in GENERATION_ENDPOINTS]
+    return [r for r in records if r.record.endpoint in GENERATION_ENDPOINTS]
 
 
-def judge(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> Judgment:
+def judge(records: Sequence[RunRecord], slo: Mapping[str, float]) -> Judgment:
     """The SLO and goodput of one step (records as in result files), over its generation
     requests (`judged`). A step with failed requests or none that succeeded does not meet the SLO."""
     records = judged(records)
@@ -157,8 +166,8 @@ def judge(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> Jud
         if value is not None and ((value < v) if lower else (value > v)):
             breaches.append(Breach(key, value, v))
     good = sum(1 for r in records if request_meets(r, slo))
-    starts = [r["started_at"] for r in records if r.get("started_at") is not None]
-    ends = [r["started_at"] + (r.get("duration_s") or 0.0) for r in records if r.get("started_at") is not None]
+    starts = [r.record.started_at for r in records]
+    ends = [r.record.started_at + (r.record.duration_s or 0.0) for r in records]
     span = (max(ends) - min(starts)) if starts else 0.0
     errors = len(records) - len(ok)
     return Judgment(
@@ -195,7 +204,7 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[Group]) -> list[str]:
     """What broke, one phrase per failed check (empty: every check held). `groups` are
     result groups; the SLO is read from the judged ones (`summary.slo`)."""
     out = []
-    uniq = {(g.target, r["id"]): r for g in groups for r in g.records}.values()
+    uniq = {(g.target, r.id): r for g in groups for r in g.records}.values()
     total = len(uniq)
     for kind in kinds:
         if kind == "slo":
@@ -204,7 +213,7 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[Group]) -> list[str]:
                 if g.summary.slo is not None:
                     by_target.setdefault(g.target, []).append(g)
             for target, gs in by_target.items():
-                steps = sorted((g for g in gs if g.kind == "sweep_step"), key=lambda g: float(g.params.get("step", 0)))
+                steps = sorted((g for g in gs if g.kind == "sweep_step"), key=lambda g: g.param("step") or 0.0)
                 big = [g for g in steps if len(judged(g.records)) >= MIN_STEP_REQUESTS]
                 if steps and not big:
                     out.append(
@@ -223,8 +232,8 @@ def failed_checks(kinds: Sequence[str], groups: Sequence[Group]) -> list[str]:
                 out.append(f"{len(bad)} of {total} requests failed")
         else:
             kinds_ = ANOMALY_KINDS if kind == "anomaly" else (kind,)
-            hit = [r for r in uniq if any(k in kinds_ for k in r.get("anomalies", ()))]
+            hit = [r for r in uniq if any(k in kinds_ for k in r.record.anomalies)]
             if hit:
-                seen = sorted({k for r in hit for k in r.get("anomalies", ()) if k in kinds_})
+                seen = sorted({k for r in hit for k in r.record.anomalies if k in kinds_})
                 out.append(f"{', '.join(seen)} in {len(hit)} of {total} requests")
     return out

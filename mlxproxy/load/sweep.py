@@ -30,7 +30,7 @@ from mlxproxy.load.capacity import (
 from mlxproxy.load.client import Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Group
+from mlxproxy.load.results import Group, JSONObject, SessionTurn
 from mlxproxy.load.slo import judge
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
 DEFAULT_BUDGET_S = 600.0
 
 #: what one step returns: its records and extra keys per record id (a session's turn, ...)
-StepRun = tuple[Timed, Mapping[str, Mapping[str, float | int]]]
+StepRun = tuple[Timed, Mapping[str, SessionTurn]]
 
 
 async def run_sweep(
@@ -54,7 +54,7 @@ async def run_sweep(
     slo: dict[str, float],
     *,
     target: str,
-    params: Mapping[str, object],
+    params: JSONObject,
     out: list[Group],
     say: Callable[[str], None] | None = None,
     unit: str = "streams",
@@ -122,11 +122,11 @@ def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
 
 def _step_group(
     timed: Timed,
-    where: Mapping[str, Mapping[str, float | int]],
+    where: Mapping[str, SessionTurn],
     n: float,
     slo: dict[str, float],
     target: str,
-    params: Mapping[str, object],
+    params: JSONObject,
     unit: str,
 ) -> Group:
     records = timed.rows(where)

@@ -58,7 +58,7 @@ from mlxproxy.load.arrivals import GENERATOR_LAG_S, arrival_offsets, ramp_offset
 from mlxproxy.load.capacity import MIN_PER_STREAM
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.progress import say
-from mlxproxy.load.results import Summary
+from mlxproxy.load.results import SessionTurn, Summary
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn
 from mlxproxy.load.sweep import StepRun, mix_copies
 
@@ -96,7 +96,7 @@ CLUSTER_WAIT_S = 10.0
 MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
 
 SegmentKind = Literal["due", "closed", "sessions"]
-Where = dict[str, dict[str, float | int]]
+Where = dict[str, SessionTurn]
 
 
 class WorkersError(RuntimeError):
@@ -186,7 +186,7 @@ class SegmentResult:
     lag_s: tuple[float, ...]
     lag_by_id: Mapping[str, float]
     source_ids: Mapping[str, str | None]
-    where: Mapping[str, Mapping[str, float | int]]
+    where: Mapping[str, SessionTurn]
     session_s: tuple[float, ...]
     cpu_s: float
     wall_s: float
@@ -340,8 +340,8 @@ async def _run_segment(seg: Segment) -> SegmentResult:
             else:
                 timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs)
         cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - start_mono
-    for keys in where.values():  # the run's number in the whole test
-        keys["session"] = seg.run_ids[int(keys["session"])]
+    # each conversation run's number in the whole test
+    where = {k: dataclasses.replace(w, session=seg.run_ids[w.session]) for k, w in where.items()}
     return SegmentResult(
         seg.index, socket.gethostname(), os.getpid(), tuple(timed.records), start_mono, tuple(timed.lag_s),
         timed.lag_by_id, timed.source_ids, where, tuple(session_s), cpu_s, wall_s,
@@ -488,7 +488,7 @@ def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
         out.lag_s.extend(res.lag_s)
         out.lag_by_id.update(res.lag_by_id)
         out.source_ids.update(res.source_ids)
-        out.where.update({k: dict(v) for k, v in res.where.items()})
+        out.where.update(res.where)
         out.session_s.extend(res.session_s)
         p99 = percentile(sorted(res.lag_s), 99) if res.lag_s else None
         figures.append(WorkerFigures(res.index, res.host, res.pid, len(res.records), p99, res.cpu_s, res.wall_s))

@@ -459,7 +459,7 @@ def _figures(single: Record, wave: list[Record]) -> dict[str, float]:
 
 def _bench_figures(res: TargetResult) -> dict[str, float]:
     groups = {g.name: g for g in res.groups}
-    (single,) = [Record.from_dict(dict(r)) for r in groups["single"].records]
+    (single,) = [r.record for r in groups["single"].records]
     s = groups["double"].summary
     return {"speedup": s.speedup, "overlap": s.overlap, "single_tps": single.wall_tps, "pair_tps": s.aggregate_tps}
 

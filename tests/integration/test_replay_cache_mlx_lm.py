@@ -164,8 +164,10 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
                 assert res.error is None, res.error
                 bg = {g.name: g for g in res.groups}
                 for r in bg["double"].records:
-                    assert (r["cached_tokens"] or 0) <= 0.15 * (r["prompt_tokens"] or 1), r
-                bench_speedups += _wave_speedups(bg["single"].summary.wall_tps.p50, list(bg["double"].records))
+                    assert (r.record.cached_tokens or 0) <= 0.15 * (r.record.prompt_tokens or 1), r
+                bench_speedups += _wave_speedups(
+                    bg["single"].summary.wall_tps.p50, [r.to_dict() for r in bg["double"].records]
+                )
     lo, hi = min(bench_speedups), max(bench_speedups)
     replay_speedup = median(replay_speedups)
     print(

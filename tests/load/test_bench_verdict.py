@@ -25,7 +25,7 @@ from mlxproxy.load.bench import (
 )
 from mlxproxy.load.bench_report import bench_sections, results_from_doc
 from mlxproxy.load.report import read_result, render_sections
-from mlxproxy.load.results import Group
+from mlxproxy.load.results import Group, Wave
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
@@ -80,7 +80,7 @@ def group(rows: list[dict[str, Any]], streams: int = 2) -> Group:
     ],
 )
 def test_wave_class(w: dict[str, Any], expected: str) -> None:
-    assert wave_class(w) == expected
+    assert wave_class(Wave.from_json(w)) == expected
 
 
 # -- agreeing on the waves -------------------------------------------------------------------
@@ -305,18 +305,18 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
     spans = []
     for name in ("baseline", "double", "x3"):
         for r in groups[name].records:
-            spans.append((r["started_at"], r["started_at"] + r["e2e_s"], name))
+            spans.append((r.record.started_at, r.record.started_at + r.record.e2e_s, name))
     spans.sort()
     order = [name for _, _, name in spans]
     assert order == ["baseline"] + ["double"] * 2 + ["x3"] * 3 + ["baseline"] + ["double"] * 2 + ["x3"] * 3 + [
         "baseline"
     ] + ["double"] * 2 + ["x3"] * 3 + ["baseline"], order
-    base = list(groups["baseline"].records)
-    assert all(r["prompt_tokens"] == groups["double"].records[0]["prompt_tokens"] for r in base)
+    base = [r.record for r in groups["baseline"].records]
+    assert all(r.prompt_tokens == groups["double"].records[0].record.prompt_tokens for r in base)
     for k, w in enumerate(groups["double"].summary.waves or ()):
-        walls = [base[k]["wall_tps"], base[k + 1]["wall_tps"]]
-        assert w["baseline_wall_tps"] == pytest.approx(sum(walls) / 2)
-        assert w["speedup"] == pytest.approx(w["aggregate_tps"] / w["baseline_wall_tps"])
+        walls = [base[k].wall_tps, base[k + 1].wall_tps]
+        assert w.baseline_wall_tps == pytest.approx(sum(walls) / 2)
+        assert w.speedup == pytest.approx(w.aggregate_tps / w.baseline_wall_tps)
 
 
 # -- result files written before -------------------------------------------------------------

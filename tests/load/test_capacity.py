@@ -17,7 +17,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.capacity import MIN_STEP_REQUESTS, capacity_line, capacity_of, rise_needed
-from mlxproxy.load.results import Group
+from mlxproxy.load.results import Group, Judgment, RunRecord
 from mlxproxy.load.slo import judge
 from mlxproxy.load.sweep import mix_copies, refine_bounds
 from mlxproxy.sim.app import create_app as create_sim
@@ -229,6 +229,11 @@ def test_a_bare_sweep_before_the_capture_leaves_the_capture_an_argument(tmp_path
 # -- the verdict ------------------------------------------------------------------------------
 
 
+def _judge(rows: list[dict], slo: dict[str, float]) -> Judgment:
+    """`judge` over rows as a result file holds them."""
+    return judge([RunRecord.from_dict(r) for r in rows], slo)
+
+
 def _rec(i: int, ttft: float, outcome: str = "ok", lag: float | None = None) -> dict:
     r = Record(
         id=f"r{i}", started_at=100.0 + i, upstream="t", model="m", endpoint="chat_completions", stream=True, status=200,
@@ -248,7 +253,7 @@ def _step(c: float, ttft: float, agg: float, n: int = 20, outcome: str = "ok", u
             "mode": f"{key} {c:g}",
             "kind": "sweep_step",
             "params": {key: c, "step": c, "sweep": True, "unit": unit},
-            "summary": {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 5.0}).to_json()},
+            "summary": {"aggregate_tps": agg, **_judge(recs, {"ttft_p95": 5.0}).to_json()},
             "records": recs,
         }
     )
@@ -329,8 +334,8 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
     on_time = [_rec(i, 0.5, lag=0.001) for i in range(20)]
     late = [_rec(i, 0.5, lag=3.0) for i in range(20)]
     slo = {"ttft_p95": 2.0, "e2e_p95": 3.0}
-    assert judge(on_time, slo).slo.met
-    j = judge(late, slo)
+    assert _judge(on_time, slo).slo.met
+    j = _judge(late, slo)
     assert not j.slo.met and j.slo.values["ttft_p95"] == pytest.approx(3.5)
     assert j.goodput.good == 0
 
@@ -352,8 +357,9 @@ def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         timed = asyncio.run(go())
     rows = timed.rows()
-    assert len(rows) == 5 and all(isinstance(r["schedule_lag_s"], float) and r["schedule_lag_s"] >= 0 for r in rows)
-    assert sorted(r["schedule_lag_s"] for r in rows) == sorted(timed.lag_s)
+    assert len(rows) == 5 and all(isinstance(r.schedule_lag_s, float) and r.schedule_lag_s >= 0 for r in rows)
+    assert sorted(r.schedule_lag_s for r in rows) == sorted(timed.lag_s)
+    assert all(r.to_dict()["schedule_lag_s"] == r.schedule_lag_s for r in rows)  # the key in the file
 
 
 # -- separate conversations ------------------------------------------------------------------------

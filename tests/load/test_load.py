@@ -13,6 +13,7 @@ import pytest
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.replay import ReplayOptions, run_replay
+from mlxproxy.load.results import RunRecord
 from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.load.sweep import mix_copies
 from mlxproxy.sim.app import create_app as create_sim
@@ -62,12 +63,12 @@ def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
         )
     (g,) = groups
     assert g.summary.ok == n and g.params["arrival"] == "poisson" and g.kind == "rate"
-    sends = sorted(r["started_at"] for r in g.records)
+    sends = sorted(r.record.started_at for r in g.records)
     gaps = [b - a for a, b in zip(sends, sends[1:])]
     d, crit = ks_exponential(gaps, rate)
     assert d < crit, (d, crit)
-    lag = g.summary.figure("schedule_lag_s")
-    assert lag["count"] == n and lag["p50"] < 0.02
+    lag = g.summary.stat("schedule_lag_s")
+    assert lag is not None and lag.count == n and lag.p50 < 0.02
 
 
 def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
@@ -143,6 +144,13 @@ def test_slo_syntax() -> None:
             parse_slo(bad)
 
 
+def _judge(rows: list[dict], slo: dict[str, float]):
+    """`judge` over rows as a result file holds them."""
+    from mlxproxy.load.schedules import judge
+
+    return judge([RunRecord.from_dict(r) for r in rows], slo)
+
+
 def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") -> dict:
     return {
         "id": f"r{i}",
@@ -158,7 +166,7 @@ def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") ->
 
 
 def test_goodput_counts_requests_meeting_every_threshold() -> None:
-    from mlxproxy.load.schedules import judge, step_problem
+    from mlxproxy.load.schedules import step_problem
 
     slo = {"ttft_p95": 1.0, "tpot_p50": 0.05}
     recs = [
@@ -168,15 +176,15 @@ def test_goodput_counts_requests_meeting_every_threshold() -> None:
         _rec(3, 0.4, 0.03),
         _rec(4, None, None, "upstream_timeout"),
     ]
-    j = judge(recs, slo)
+    j = _judge(recs, slo)
     # r0 and r3 meet both; r1 too slow per token, r2 too slow to start, r4 failed; span 100..105 s
     assert j.goodput.to_json() == {"good": 2, "requests": 5, "share": 0.4, "rate": pytest.approx(2 / 5.0)}
     assert not j.slo.met and j.slo.errors == 1
     assert [b.key for b in j.slo.breaches] == ["ttft_p95"]  # tpot p50 of 0.02,0.06,0.02,0.03 is 0.025
     assert "TTFT p95 is" in step_problem(j) and "1 of 5 requests failed" in step_problem(j)
-    fine = judge(recs[:1] + recs[3:4], slo)
+    fine = _judge(recs[:1] + recs[3:4], slo)
     assert fine.slo.met and fine.goodput.share == 1.0
-    lower = judge([_rec(0, 0.1, 0.1), _rec(1, 0.1, 0.01)], {"decode_tps_p50": 20.0})
+    lower = _judge([_rec(0, 0.1, 0.1), _rec(1, 0.1, 0.01)], {"decode_tps_p50": 20.0})
     assert lower.goodput.good == 1  # decode_tps is a lower bound: 10 tok/s misses, 100 meets
 
 
@@ -369,11 +377,11 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
 
 def test_capacity_lines_for_every_ending() -> None:
     from mlxproxy.load.results import Group
-    from mlxproxy.load.schedules import capacity_line, capacity_of, judge
+    from mlxproxy.load.schedules import capacity_line, capacity_of
 
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(20)]
-        summary = {"aggregate_tps": agg, **judge(recs, {"ttft_p95": 1.0}).to_json()}
+        summary = {"aggregate_tps": agg, **_judge(recs, {"ttft_p95": 1.0}).to_json()}
         return Group.from_dict(
             {
                 "target": "t",
@@ -639,13 +647,15 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
                 caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0), progress=False
             )
         )
-    runs: dict[int, list[dict]] = {}
+    runs: dict[int, list[RunRecord]] = {}
     for r in g.records:
-        runs.setdefault(r["session"], []).append(r)
+        assert r.session is not None
+        runs.setdefault(r.session, []).append(r)
     assert len(runs) == 2
-    for recs in runs.values():
-        recs.sort(key=lambda r: r["turn"])
+    for rows in runs.values():
+        rows.sort(key=lambda r: r.turn)
+        recs = [r.record for r in rows]
         # a new run of the conversation: nothing of it cached but the marker's own "[nonce " (~2 tokens)
-        assert (recs[0]["cached_tokens"] or 0) <= 2 < recs[0]["prompt_tokens"] // 100
+        assert (recs[0].cached_tokens or 0) <= 2 < recs[0].prompt_tokens // 100
         for prev, r in zip(recs, recs[1:]):
-            assert r["cached_tokens"] >= prev["prompt_tokens"] - 2, (prev["prompt_tokens"], r["cached_tokens"])
+            assert r.cached_tokens >= prev.prompt_tokens - 2, (prev.prompt_tokens, r.cached_tokens)

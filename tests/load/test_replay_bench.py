@@ -97,7 +97,7 @@ def test_replay_every_mode_against_simulator(capture_file: Path, mode: str) -> N
         groups = run(caps, sim.url, ReplayOptions(mode=mode, concurrency=2, batch=2, speed=4.0), compare=True)
     g = groups[-1]
     assert g.summary.requests == 4 and g.summary.ok == 4
-    assert len(g.records) == 4 and all(r["outcome"] == "ok" for r in g.records)
+    assert len(g.records) == 4 and all(r.record.outcome == "ok" for r in g.records)
     assert g.compare is not None and {row["source_id"] for row in g.compare} == {c.record.id for c in caps}
     if mode == "batch":
         assert groups[0].mode == "single" and g.summary.speedup is not None
@@ -168,9 +168,9 @@ def test_recorded_mode_keeps_the_schedule(tmp_path: Path) -> None:
         )
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         (g,) = run(caps, sim.url, ReplayOptions(mode="recorded", speed=1.0))
-    lag = g.summary.figure("schedule_lag_s")
-    assert lag["count"] == 100 and lag["p99"] < 0.25 * 99 * 0.02, lag
-    starts = sorted(r["started_at"] for r in g.records)
+    lag = g.summary.stat("schedule_lag_s")
+    assert lag is not None and lag.count == 100 and lag.p99 < 0.25 * 99 * 0.02, lag
+    starts = sorted(r.record.started_at for r in g.records)
     assert starts[-1] - starts[0] == pytest.approx(99 * 0.02, rel=0.25)
 
 
@@ -183,13 +183,13 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
         (res,) = asyncio.run(bench_targets([Target("sim", sim.url, 60.0)], opts))
     assert res.error is None
     groups = {g.name: g for g in res.groups}
-    single = list(groups["single"].records)
-    truth_ttft = sorted(r["prompt_tokens"] / profile.prefill_tps for r in single)
-    truth_wall = sorted(32 / (r["prompt_tokens"] / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
+    single = [r.record for r in groups["single"].records]
+    truth_ttft = sorted(r.prompt_tokens / profile.prefill_tps for r in single)
+    truth_wall = sorted(32 / (r.prompt_tokens / profile.prefill_tps + 31 / profile.decode_tps) for r in single)
     s = groups["single"].summary
     assert latency_ok(s.ttft_s.p50, percentile(truth_ttft, 50)), s.ttft_s
     assert rate_ok(s.wall_tps.p50, percentile(truth_wall, 50)), s.wall_tps
-    sizes = sorted({r["prompt_tokens"] for r in groups["single 100"].records})
+    sizes = sorted({r.record.prompt_tokens for r in groups["single 100"].records})
     assert sizes and abs(sizes[0] - 100) <= 5  # calibrated against the server's own usage
     speedup = groups["double"].summary.speedup
     assert speedup == pytest.approx(planned_speedup(profile, 2, sizes[0], 32), abs=0.25)

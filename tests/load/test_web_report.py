@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from browser import Chromium, Page, require_chromium
 from mlxproxy.cli import main
+from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.demo import DEMO_PROFILES
 from mlxproxy.sim.app import create_app as create_sim
@@ -288,7 +289,11 @@ def test_a_lane_label_keeps_whole_anomaly_names() -> None:
 
     kinds = ["unreported_length", "serialized", "stall"]
     for ttft in (0.5, 12.5):
-        label = _lane_label({"id": "0123456789ab", "outcome": "ok", "ttft_s": ttft, "anomalies": kinds})
+        label = _lane_label(
+            Record(
+                "0123456789ab", 0.0, "t", None, "chat_completions", True, 200, "ok", ttft_s=ttft, anomalies=tuple(kinds)
+            )
+        )
         assert len(label) <= LANE_LABEL_CHARS, label
         part = label.split(" ", 3)[3]
         names, _, more = part.partition(" +")

@@ -157,13 +157,13 @@ def test_a_conversation_stays_on_one_worker() -> None:
     assert isinstance(timed, FleetTimed) and len(timed.records) == 18
     by_session: dict[int, list[Record]] = {}
     for r in timed.records:
-        by_session.setdefault(int(where[r.id]["session"]), []).append(r)
+        by_session.setdefault(where[r.id].session, []).append(r)
     assert sorted(by_session) == list(range(6))
     for recs in by_session.values():
         assert len({timed.worker_of[r.id] for r in recs}) == 1
         # its turns went out in order, each after the one before it ended
         ordered = sorted(recs, key=lambda r: r.t_start_mono)
-        assert [where[r.id]["turn"] for r in ordered] == [0, 1, 2]
+        assert [where[r.id].turn for r in ordered] == [0, 1, 2]
         assert all(b.t_start_mono >= a.t_end_mono for a, b in zip(ordered, ordered[1:]))
     assert {timed.worker_of[r.id] for r in timed.records} == {0, 1}
 
