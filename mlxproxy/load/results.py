@@ -466,8 +466,12 @@ class SessionTurn:
     think_s: float
 
 
-#: the keys `Record.to_dict(timeline=True)` writes
-_RECORD_KEYS = frozenset({f.name for f in fields(Record)} - {"t_start_mono", "event_offsets_s"} | {"event_offsets_ms"})
+#: the keys `Record.to_dict(timeline=True)` writes, in its order
+_RECORD_ORDER = (
+    *(f.name for f in fields(Record) if f.name not in ("t_start_mono", "event_offsets_s")),
+    "event_offsets_ms",
+)
+_RECORD_KEYS = frozenset(_RECORD_ORDER)
 #: what a row lacking one of the record's required keys reads as (a hand-made row; its keys are kept
 #: as they were): no endpoint counts as a chat completion, no outcome as a failed request
 _REQUIRED: dict[str, object] = {
@@ -563,9 +567,19 @@ class RunRecord:
             {k: v for k, v in d.items() if k not in _RECORD_KEYS and k not in _RUN_KEYS},
         )
         keys = tuple(d)
-        if tuple(out.to_dict()) != keys:
+        if out._keys() != keys:
             out = replace(out, layout=_LAYOUTS.setdefault(keys, keys))
         return out
+
+    def _keys(self) -> tuple[str, ...]:
+        """The keys `to_dict` writes without a `layout`, in order (what `from_dict` compares a row's with)."""
+        run = (
+            ("source_id",) * self.has_source_id
+            + ("schedule_lag_s",) * (self.schedule_lag_s is not None)
+            + ("session",) * (self.session is not None)
+            + ("think_s",) * (self.think_s is not None)
+        )
+        return _RECORD_ORDER + run + tuple(k for k in self.extra if k not in _RECORD_KEYS and k not in run)
 
 
 class CompareRow(TypedDict, total=False):
