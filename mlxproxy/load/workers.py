@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -92,6 +93,10 @@ LOCAL_LEAD_S = 0.25
 CLUSTER_LEAD_S = 1.0
 #: seconds a run waits for a cluster's first worker
 CLUSTER_WAIT_S = 10.0
+#: seconds between a local worker's progress reports (its figures; never one per request)
+REPORT_EVERY_S = 0.5
+#: seconds a local worker has to send back what it measured after a Ctrl-C, before it is ended
+STOP_WAIT_S = 5.0
 
 MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
 
@@ -321,24 +326,55 @@ async def _sleep_until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def _run_segment(seg: Segment) -> SegmentResult:
+class _Measured:
+    """The records a segment's run has finished so far, as its shape counts them (the ramp's
+    requests are not counted): each tick takes the client's newest record, since every shape
+    counts a request right after `MeasuringClient.send` appended its record, with no await
+    between. What a stopped worker sends back, and what its progress reports count."""
+
+    def __init__(self) -> None:
+        self.client: MeasuringClient | None = None
+        self.records: list[Record] = []
+        self.start_mono = 0.0
+        self.cpu0 = 0.0
+
+    def __call__(self) -> None:
+        if self.client is not None:
+            self.records.append(self.client.finished[-1])
+
+    def figures(self) -> tuple[int, int, int]:
+        """(finished, in flight, tokens received) for the parent's progress line."""
+        c = self.client
+        return (len(self.records), c.in_flight, c.tokens_received()) if c is not None else (0, 0, 0)
+
+    def partial(self, seg: Segment) -> SegmentResult:
+        """The records finished before the stop (the requests in flight are not records)."""
+        return SegmentResult(
+            seg.index, socket.gethostname(), os.getpid(), tuple(self.records), self.start_mono, (), {}, {}, {}, (),
+            time.thread_time() - self.cpu0, time.perf_counter() - self.start_mono,
+        )  # fmt: skip
+
+
+async def _run_segment(seg: Segment, measured: _Measured | None = None) -> SegmentResult:
     start_mono = time.perf_counter() + (seg.start_at - time.time())
     where: Where = {}
     session_s: list[float] = []
+    m = measured if measured is not None else _Measured()
     async with seg.client.client() as client:
         cpu0 = time.thread_time()
+        m.client, m.start_mono, m.cpu0 = client, start_mono, cpu0
         if seg.kind == "due":
-            measured = client.run_recorded(seg.requests, 1.0, start=start_mono)
+            run = client.run_recorded(seg.requests, 1.0, m, start=start_mono)
             if seg.ramp:
-                _, timed = await asyncio.gather(client.run_recorded(seg.ramp, 1.0, start=start_mono), measured)
+                _, timed = await asyncio.gather(client.run_recorded(seg.ramp, 1.0, start=start_mono), run)
             else:
-                timed = await measured
+                timed = await run
         else:
             await _sleep_until(start_mono)
             if seg.kind == "closed":
-                timed = await ClosedLoop(seg.streams).run(client, seg.requests)
+                timed = await ClosedLoop(seg.streams).run(client, seg.requests, m)
             else:
-                timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs)
+                timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs, m)
         cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - start_mono
     for keys in where.values():  # the run's number in the whole test
         keys["session"] = seg.run_ids[int(keys["session"])]
@@ -348,42 +384,145 @@ async def _run_segment(seg: Segment) -> SegmentResult:
     )  # fmt: skip
 
 
+async def _run_stoppable(seg: Segment, conn: Connection) -> tuple[str, SegmentResult]:
+    """A local worker's run of its segment: its figures reported to the parent every
+    `REPORT_EVERY_S`, and a `stop` from the parent (Ctrl-C there), or the parent gone, cancels
+    the run: ("done", the whole result) or ("stopped", the records finished before the stop)."""
+    loop = asyncio.get_running_loop()
+    measured = _Measured()
+    task = asyncio.ensure_future(_run_segment(seg, measured))
+
+    def watch() -> None:  # the pipe's only reader from now on
+        try:
+            conn.recv()  # "stop"
+        except (EOFError, OSError):
+            pass  # the parent is gone: stop too
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the run is over, its loop closed
+            pass
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            conn.send(("count", measured.figures()))
+
+    threading.Thread(target=watch, name="mlxproxy-load-stop", daemon=True).start()
+    reporter = asyncio.ensure_future(report())
+    try:
+        return "done", await task
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise
+        return "stopped", measured.partial(seg)
+    finally:
+        reporter.cancel()
+
+
 # -- running the segments ----------------------------------------------------------------------
 
 
 def _serve(conn: Connection) -> None:
     """A local worker process: its segment, ready once that and the imports are in, then the
-    shared start, its result, exit. Ctrl-C is the parent's to handle (it ends the workers)."""
+    shared start, its result, exit. Ctrl-C is the parent's to handle: it sends `stop`, and the
+    worker sends back what it has measured so far (`_run_stoppable`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm()
     seg = conn.recv()
     conn.send(("ready", os.getpid()))
     start_at = conn.recv()
     try:
-        conn.send(("done", run_segment(seg, start_at)))
+        conn.send(run_async(_run_stoppable(dataclasses.replace(seg, start_at=start_at), conn)))
     except BaseException as exc:  # a worker's failure is one line in the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         conn.close()
 
 
-async def _receive(conn: Connection, index: int) -> Any:
-    try:
-        what, value = await asyncio.to_thread(conn.recv)
-    except EOFError:
-        raise WorkersError(f"load worker {index} exited without a result") from None
-    if what == "error":
-        raise WorkersError(f"load worker {index} failed: {value}")
-    return value
+class _Link:
+    """The parent's end of one local worker's pipe: one thread reads it (a read cancelled in
+    the event loop would go on in its thread and swallow the next message), keeps the latest
+    progress figures and hands every other message to the loop."""
+
+    def __init__(self, conn: Connection, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn, self.index, self.loop = conn, index, loop
+        self.figures = (0, 0, 0)  # finished, in flight, tokens received: the worker's latest report
+        self.messages: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        threading.Thread(target=self._read, name=f"mlxproxy-load-link-{index}", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                what, value = self.conn.recv()
+            except (EOFError, OSError):
+                what, value = "eof", None
+            if what == "count":
+                self.figures = value
+                continue
+            try:
+                self.loop.call_soon_threadsafe(self.messages.put_nowait, (what, value))
+            except RuntimeError:  # the parent's loop is closed
+                return
+            if what != "ready":
+                return
+
+    async def receive(self, *expected: str) -> Any:
+        """The next message's value, one of `expected`; WorkersError for an error or none."""
+        what, value = await self.messages.get()
+        if what == "eof":
+            raise WorkersError(f"load worker {self.index} exited without a result")
+        if what == "error":
+            raise WorkersError(f"load worker {self.index} failed: {value}")
+        if what not in expected:
+            raise WorkersError(f"load worker {self.index} sent {what!r}, not {' or '.join(expected)}")
+        return value
 
 
-async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], float]:
+async def _stop(
+    links: Sequence[_Link], results: Sequence[asyncio.Future[Any]], procs: Sequence[SpawnProcess]
+) -> list[SegmentResult]:
+    """Ctrl-C in a run of local workers: each still running is told to stop and sends back the
+    records it had finished (`results`: each worker's answer, whole or stopped); one that does
+    not answer within `STOP_WAIT_S` is terminated, said in one line."""
+    for link, res in zip(links, results):
+        if not res.done():
+            try:
+                link.conn.send("stop")
+            except OSError:  # it has just exited (its result, or an error, is on the way)
+                pass
+    await asyncio.wait(results, timeout=STOP_WAIT_S)
+    kept: list[SegmentResult] = []
+    for link, res, p in zip(links, results, procs):
+        if not res.done():
+            res.cancel()
+            p.terminate()
+            say(f"load worker {link.index} did not stop within {STOP_WAIT_S:g} s: terminated, its requests are lost")
+        elif res.exception() is not None:
+            say(str(res.exception()))
+        else:
+            kept.append(res.result())
+    return kept
+
+
+async def _run_local(
+    segments: Sequence[Segment], client: MeasuringClient, keep: Callable[[list[SegmentResult], float], None]
+) -> tuple[list[SegmentResult], float]:
     """Each segment in a process of its own (started with `spawn`: no fork of a process that
     runs an event loop), all started at one instant once every segment is in its process (a
-    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule)."""
+    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule).
+    Meanwhile `client.elsewhere` sums the workers' progress reports; when the run is cancelled
+    (Ctrl-C) after the start, the workers stop and `keep` gets the records they had finished
+    (before the start: nothing was sent, the workers are ended)."""
     ctx = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
     procs: list[SpawnProcess] = []
-    conns: list[Connection] = []
+    links: list[_Link] = []
+    results: list[asyncio.Future[Any]] = []
+
+    def figures() -> tuple[int, int, int]:
+        done, flying, tokens = (sum(f) for f in zip(*(k.figures for k in links)))
+        return done, flying, tokens
+
     try:
         for seg in segments:
             mine, theirs = ctx.Pipe()
@@ -391,22 +530,37 @@ async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], 
             p.start()
             theirs.close()
             procs.append(p)
-            conns.append(mine)
+            links.append(_Link(mine, len(links), loop))
         # off the loop: a pipe takes a big segment only as fast as its process reads it
-        await asyncio.gather(*(asyncio.to_thread(c.send, seg) for c, seg in zip(conns, segments)))
-        await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
+        await asyncio.gather(*(asyncio.to_thread(k.conn.send, seg) for k, seg in zip(links, segments)))
+        await asyncio.gather(*(k.receive("ready") for k in links))
         start_at = time.time() + LOCAL_LEAD_S
-        for c in conns:
-            c.send(start_at)
-        results = await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
-        return list(results), start_at
+        for k in links:
+            k.conn.send(start_at)
+        client.elsewhere = figures
+        # each worker's answer a task of its own, so that a Ctrl-C (which cancels only this
+        # wait) loses none already received
+        results = [asyncio.ensure_future(k.receive("done", "stopped")) for k in links]
+        try:
+            await asyncio.wait(results, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            client.elsewhere = None
+            keep(await _stop(links, results, procs), start_at)
+            raise
+        for r in results:
+            if r.done() and (exc := r.exception()) is not None:
+                raise exc  # a worker's failure: one line
+        return [r.result() for r in results], start_at
     finally:
+        client.elsewhere = None
+        for r in results:
+            r.cancel()
         for p in procs:
             if p.is_alive():
                 p.terminate()
             p.join(5)
-        for c in conns:
-            c.close()
+        for k in links:
+            k.conn.close()
 
 
 def _warm() -> int:
@@ -465,14 +619,24 @@ async def _run_cluster(
         await dc.close()
 
 
-async def _dispatch(workers: Workers, plan: Callable[[int], list[Segment]]) -> FleetTimed:
+async def _dispatch(
+    workers: Workers, plan: Callable[[int], list[Segment]], client: MeasuringClient, tick: Callable[[], None] | None
+) -> FleetTimed:
+    """The segments run and merged, their records counted as `client`'s (`_finish`); a run
+    cancelled (Ctrl-C) counts the records its local workers had finished, then ends as cancelled."""
+
+    def keep(partial: list[SegmentResult], start_at: float) -> None:
+        fleet = merge(partial, time.perf_counter() + (start_at - time.time()))
+        client.finished.extend(fleet.records)
+        say(f"Ctrl-C: {len(fleet.records)} finished requests kept from {len(partial)} load workers")
+
     if workers.cluster:
         results, start_at = await _run_cluster(workers.cluster, plan, workers.count)
     else:
-        results, start_at = await _run_local(plan(workers.count))
+        results, start_at = await _run_local(plan(workers.count), client, keep)
     fleet = merge(results, time.perf_counter() + (start_at - time.time()))
     fleet.cluster = workers.cluster
-    return fleet
+    return _finish(client, fleet, tick)
 
 
 def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
@@ -538,7 +702,7 @@ async def run_shape(
                 for k, (m, w) in enumerate(zip(plan_due(measured, n), plan_due(warm, n)))
             ]
 
-    return _finish(client, await _dispatch(workers, plan), tick)
+    return await _dispatch(workers, plan, client, tick)
 
 
 async def run_sessions(
@@ -559,7 +723,7 @@ async def run_sessions(
             for k, (s, rs, ids) in enumerate(plan_sessions(runs, shape.at_once, n))
         ]
 
-    fleet = _finish(client, await _dispatch(workers, plan), tick)
+    fleet = await _dispatch(workers, plan, client, tick)
     return fleet, fleet.where, fleet.session_s
 
 

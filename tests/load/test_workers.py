@@ -5,10 +5,13 @@ processes on loopback gives the figures two local workers give."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,9 +26,12 @@ from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.replay import ReplayOptions, run_sessions
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Turn
 from mlxproxy.load.workers import (
+    ClientSpec,
     FleetTimed,
+    Segment,
     SegmentResult,
     Workers,
+    _run_stoppable,
     merge,
     plan_closed,
     plan_due,
@@ -278,3 +284,63 @@ def test_the_bottleneck_line_says_whether_a_worker_ran_out_of_cpu_or_waited_for_
     assert "worker 1 (b): schedule lag p99 80.0 ms over 25 ms: it was late without using its core" in workers_line(
         [late, fine], "tcp://x:8786"
     )
+
+
+# -- Ctrl-C: the workers stop and send back what they measured -----------------------------------
+
+
+def test_a_stopped_worker_sends_back_the_records_it_finished_and_reports_its_count() -> None:
+    """The worker's side, in this process: progress reports arrive on the pipe while it runs
+    (every REPORT_EVERY_S, never one per request); a `stop` cancels the run and the answer is
+    the records finished so far, each once, no request in flight among them."""
+    reqs = tuple(chat(i) for i in range(200))  # ~0.3 s each on 2 streams: ~30 s if never stopped
+    reports: list[tuple[int, int, int]] = []
+    with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
+        seg = Segment(0, ClientSpec.of(MeasuringClient(sim.url)), "closed", reqs, streams=2, start_at=time.time())
+        mine, theirs = multiprocessing.Pipe()
+
+        def parent() -> None:  # what `_run_local` does: read the reports, stop after a few records
+            while True:
+                what, figures = mine.recv()
+                assert what == "count"
+                reports.append(figures)
+                if figures[0] >= 4:
+                    mine.send("stop")
+                    return
+
+        t = threading.Thread(target=parent)
+        t.start()
+        what, res = run_async(_run_stoppable(seg, theirs))
+        t.join(10)
+    assert what == "stopped" and isinstance(res, SegmentResult)
+    assert reports[-1][0] >= 4 and len(reports) < 60  # periodic, not one per request
+    assert reports[-1][0] <= len(res.records) < len(reqs)
+    assert len({r.id for r in res.records}) == len(res.records)
+    assert all(r.outcome == "ok" for r in res.records)  # whole answers: none was cut by the stop
+    fleet = merge([res], time.perf_counter())  # the partial result merges as a whole one does
+    assert sorted(r.id for r in fleet.records) == sorted(r.id for r in res.records)
+    assert [w.requests for w in fleet.workers] == [len(res.records)]
+
+
+def test_ctrl_c_during_a_run_of_two_workers_keeps_every_record_they_finished() -> None:
+    """The parent's side, with two worker processes: the progress line's count moves while they
+    run (their reports), a cancel stops them, and every record either had finished is counted
+    as the client's, each once, before the cancel goes on; nothing is left in flight."""
+    reqs = [chat(i) for i in range(200)]
+
+    async def go(url: str) -> tuple[int, list[Record], int]:
+        async with MeasuringClient(url) as client:
+            run = asyncio.ensure_future(run_shape(Workers(2), ClosedLoop(2), client, reqs))
+            while client.finished_count < 4 and not run.done():
+                await asyncio.sleep(0.05)  # waiting for the workers' reports, not measuring
+            seen = client.finished_count
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            return seen, list(client.finished), client.in_flight
+
+    with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
+        seen, finished, in_flight = run_async(go(sim.url))
+    assert 4 <= seen <= len(finished) < len(reqs) and in_flight == 0
+    assert len({r.id for r in finished}) == len(finished)
+    assert all(r.outcome == "ok" for r in finished)
