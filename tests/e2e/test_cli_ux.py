@@ -286,12 +286,13 @@ class Counting:
     which is never a measured request."""
 
     def __init__(self, app: Any) -> None:
-        self.app, self.done = app, 0
+        self.app, self.done, self.started = app, 0, 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        post = scope["type"] == "http" and scope["method"] == "POST"
+        self.started += post  # a POST has arrived (its answer may take a while)
         await self.app(scope, receive, send)
-        if scope["type"] == "http" and scope["method"] == "POST":
-            self.done += 1
+        self.done += post
 
 
 #: `python -m mlxproxy` with Ctrl-C delivered as in a terminal. A test run started in the
@@ -627,8 +628,8 @@ def test_ctrl_c_before_any_replay_result_prints_no_empty_table(capture: Path) ->
     app = Counting(create_sim("healthy", speed=1.0, decode_tps=2.0))  # 8 tokens: 4 s a request
     with ServerThread(app) as sim:
         code, stdout, stderr = ctrl_c_after(
-            ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.done >= 1
-        )  # the preflight's GET /v1/models was answered: the first request is about to go out
+            ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.started >= 1
+        )  # the first request has gone out and takes 4 s: nothing is measured yet
     assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
     assert stdout == "", stdout  # no legend under a table that is not there
     assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted before any request finished"
