@@ -30,6 +30,12 @@ cluster (`dask scheduler` + `dask worker tcp://HOST:8786 --nthreads 1`, the `[cl
 the same segments are submitted as tasks, one per worker, and merged the same way
 (docs/ARCHITECTURE.md says why Dask). Hosts must keep their clocks in sync (NTP): `start_at` is
 wall-clock time.
+
+Ctrl-C (the parent's run cancelled): each local worker gets `stop` on its pipe, each Dask task
+sees the run's Dask `Event` set; each cancels its run and sends back the records it had
+finished (a partial `SegmentResult`), merged into the parent client's finished records before
+the cancel goes on; one that does not answer within `STOP_WAIT_S` is ended. Local workers send
+their figures every `REPORT_EVERY_S` for the progress line (`MeasuringClient.elsewhere`).
 """
 
 from __future__ import annotations
@@ -315,10 +321,38 @@ def _due_offsets(
 # -- a worker ----------------------------------------------------------------------------------
 
 
-def run_segment(seg: Segment, start_at: float | None = None) -> SegmentResult:
+def run_segment(seg: Segment, start_at: float | None = None, stop_event: str | None = None) -> SegmentResult:
     """Run one segment on this process's stack event loop (in a worker process or a Dask task),
-    from `start_at` when given (the segment itself was handed over earlier)."""
-    return run_async(_run_segment(seg if start_at is None else dataclasses.replace(seg, start_at=start_at)))
+    from `start_at` when given (the segment itself was handed over earlier). `stop_event`: the
+    name of a Dask `Event` (in a Dask task) whose setting stops the run; the result then holds
+    the records finished before the stop."""
+    seg = seg if start_at is None else dataclasses.replace(seg, start_at=start_at)
+    if stop_event is None:
+        return run_async(_run_segment(seg))
+    from distributed import Event, get_client  # the optional [cluster] extra, there in a Dask task
+
+    # the worker's client, got in the task's own thread (where Dask knows the task's worker)
+    return run_async(_run_until_event(seg, Event(stop_event, client=get_client())))
+
+
+async def _run_until_event(seg: Segment, event: Any) -> SegmentResult:
+    """A Dask task's run of its segment, polling the Dask `Event` `event` every
+    `REPORT_EVERY_S` (the parent sets it on Ctrl-C): once set, the run is cancelled and the
+    result is the records finished so far."""
+    measured = _Measured()
+    task = asyncio.ensure_future(_run_segment(seg, measured))
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=REPORT_EVERY_S)
+            if not task.done() and await asyncio.to_thread(event.is_set):
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    return measured.partial(seg)
+        return task.result()
+    finally:
+        task.cancel()
 
 
 async def _sleep_until(t: float) -> None:
@@ -571,13 +605,18 @@ def _warm() -> int:
 
 
 async def _run_cluster(
-    address: str, plan: Callable[[int], list[Segment]], count: int
+    address: str,
+    plan: Callable[[int], list[Segment]],
+    count: int,
+    keep: Callable[[list[SegmentResult], float], None],
 ) -> tuple[list[SegmentResult], float]:
     """The segments as tasks on a Dask cluster, one per worker (round-robin when more segments
-    than workers), through Dask's asynchronous client on this event loop: a cancelled run
-    (Ctrl-C) cancels its tasks."""
+    than workers), through Dask's asynchronous client on this event loop. A cancelled run
+    (Ctrl-C) after the start sets the run's Dask `Event`: each task stops and returns the
+    records it had finished, which `keep` gets; a task that has not within `STOP_WAIT_S` is
+    cancelled, said in one line."""
     try:
-        from distributed import Client  # the optional [cluster] extra
+        from distributed import Client, Event  # the optional [cluster] extra
     except ImportError:
         raise WorkersError(MISSING_EXTRA) from None
     try:
@@ -600,11 +639,13 @@ async def _run_cluster(
         data = [await dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
+        stop = f"mlxproxy-stop-{tag}"
         futures = [
             dc.submit(
                 run_segment,
                 seg,
                 start_at,
+                stop,
                 key=f"mlxproxy-segment-{tag}-{i}",
                 workers=[where[i]],
                 allow_other_workers=False,
@@ -612,7 +653,27 @@ async def _run_cluster(
             )
             for i, seg in enumerate(data)
         ]
-        return list(await dc.gather(futures)), start_at
+        try:
+            return list(await dc.gather(futures)), start_at
+        except asyncio.CancelledError:
+            event = Event(stop, client=dc)
+            await event.set()
+            answers = [asyncio.ensure_future(dc.gather(f)) for f in futures]
+            await asyncio.wait(answers, timeout=STOP_WAIT_S)
+            kept = []
+            for i, a in enumerate(answers):
+                if not a.done():
+                    a.cancel()
+                    say(
+                        f"load worker {i} ({where[i]}) did not stop within {STOP_WAIT_S:g} s: cancelled, its requests are lost"
+                    )
+                elif a.exception() is not None:
+                    say(f"load worker {i} ({where[i]}) failed: {a.exception()}")
+                else:
+                    kept.append(a.result())
+            await event.clear()  # the scheduler forgets the event
+            keep(kept, start_at)
+            raise
     finally:
         if futures:
             await dc.cancel(futures)
@@ -623,7 +684,7 @@ async def _dispatch(
     workers: Workers, plan: Callable[[int], list[Segment]], client: MeasuringClient, tick: Callable[[], None] | None
 ) -> FleetTimed:
     """The segments run and merged, their records counted as `client`'s (`_finish`); a run
-    cancelled (Ctrl-C) counts the records its local workers had finished, then ends as cancelled."""
+    cancelled (Ctrl-C) counts the records its workers had finished, then ends as cancelled."""
 
     def keep(partial: list[SegmentResult], start_at: float) -> None:
         fleet = merge(partial, time.perf_counter() + (start_at - time.time()))
@@ -631,7 +692,7 @@ async def _dispatch(
         say(f"Ctrl-C: {len(fleet.records)} finished requests kept from {len(partial)} load workers")
 
     if workers.cluster:
-        results, start_at = await _run_cluster(workers.cluster, plan, workers.count)
+        results, start_at = await _run_cluster(workers.cluster, plan, workers.count, keep)
     else:
         results, start_at = await _run_local(plan(workers.count), client, keep)
     fleet = merge(results, time.perf_counter() + (start_at - time.time()))
