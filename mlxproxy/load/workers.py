@@ -439,7 +439,10 @@ async def _run_stoppable(seg: Segment, conn: Connection) -> tuple[str, SegmentRe
     async def report() -> None:
         while True:
             await asyncio.sleep(REPORT_EVERY_S)
-            conn.send(("count", measured.figures()))
+            try:
+                conn.send(("count", measured.figures()))
+            except OSError:  # the parent is gone (the watcher stops the run)
+                return
 
     threading.Thread(target=watch, name="mlxproxy-load-stop", daemon=True).start()
     reporter = asyncio.ensure_future(report())
@@ -527,7 +530,7 @@ async def _stop(
     await asyncio.wait(results, timeout=STOP_WAIT_S)
     kept: list[SegmentResult] = []
     for link, res, p in zip(links, results, procs):
-        if not res.done():
+        if not res.done() or res.cancelled():
             res.cancel()
             p.terminate()
             say(f"load worker {link.index} did not stop within {STOP_WAIT_S:g} s: terminated, its requests are lost")
@@ -657,12 +660,13 @@ async def _run_cluster(
             return list(await dc.gather(futures)), start_at
         except asyncio.CancelledError:
             event = Event(stop, client=dc)
-            await event.set()
+            # bounded: a scheduler that does not answer leaves the tasks to be cancelled below
+            await asyncio.wait([asyncio.ensure_future(event.set())], timeout=STOP_WAIT_S)
             answers = [asyncio.ensure_future(dc.gather(f)) for f in futures]
             await asyncio.wait(answers, timeout=STOP_WAIT_S)
             kept = []
             for i, a in enumerate(answers):
-                if not a.done():
+                if not a.done() or a.cancelled():
                     a.cancel()
                     say(
                         f"load worker {i} ({where[i]}) did not stop within {STOP_WAIT_S:g} s: cancelled, its requests are lost"
@@ -671,7 +675,7 @@ async def _run_cluster(
                     say(f"load worker {i} ({where[i]}) failed: {a.exception()}")
                 else:
                     kept.append(a.result())
-            await event.clear()  # the scheduler forgets the event
+            await asyncio.wait([asyncio.ensure_future(event.clear())], timeout=STOP_WAIT_S)  # the scheduler forgets it
             keep(kept, start_at)
             raise
     finally:
@@ -689,7 +693,8 @@ async def _dispatch(
     def keep(partial: list[SegmentResult], start_at: float) -> None:
         fleet = merge(partial, time.perf_counter() + (start_at - time.time()))
         client.finished.extend(fleet.records)
-        say(f"Ctrl-C: {len(fleet.records)} finished requests kept from {len(partial)} load workers")
+        n, k = len(fleet.records), len(partial)
+        say(f"Ctrl-C: {n} finished request{'' if n == 1 else 's'} kept from {k} load worker{'' if k == 1 else 's'}")
 
     if workers.cluster:
         results, start_at = await _run_cluster(workers.cluster, plan, workers.count, keep)
