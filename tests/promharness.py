@@ -129,6 +129,27 @@ class Prometheus:
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.log()}")
             time.sleep(0.1)  # readiness poll, not a measurement
 
+    def scalar(self, expr: str) -> float | None:
+        """The first sample of an instant query's answer, None when it has none (or failed)."""
+        ans = self.query(expr)
+        if ans.get("status") != "success" or not ans["data"]["result"]:
+            return None
+        return float(ans["data"]["result"][0]["value"][1])
+
+    def wait_for_requests(self, sent: int, timeout_s: float = 20.0) -> None:
+        """Until Prometheus has scraped all `sent` requests and every mlxproxy series has two
+        samples (a rate over the whole run has two points to take)."""
+        self.wait_for(
+            lambda: self.scalar("sum(mlxproxy_requests_total)") == float(sent),
+            timeout_s,
+            f"Prometheus to see all {sent} requests",
+        )
+        self.wait_for(
+            lambda: self.scalar('count(count_over_time({__name__=~"mlxproxy_.+"}[5m]) < 2)') is None,
+            timeout_s,
+            "two samples of every mlxproxy series",
+        )
+
     def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
         """The API's whole answer to an instant query: {"status": ..., "data"|"error": ...}."""
         params: dict[str, Any] = {"query": expr}
@@ -181,6 +202,21 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
         return variables[name]
 
     return GRAFANA_VARIABLE.sub(repl, expr)
+
+
+def whole_run_variables(started: float, at: float) -> dict[str, str]:
+    """Grafana's variables for queries over a whole run that Prometheus began scraping at
+    `started` (time.time()), asked at `at`: the range covers it all, every proxy, upstream
+    and model chosen."""
+    window = f"{math.ceil(at - started) + 5}s"
+    return {
+        "__rate_interval": window,
+        "__range": window,
+        "__interval": "1s",
+        "instance": ".*",
+        "upstream": ".*",
+        "model": ".*",
+    }
 
 
 def variables_used(expr: str) -> set[str]:

@@ -154,8 +154,11 @@ class MeasuringClient:
         self.tag_replay = tag_replay
         self.keep_text = keep_text
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
-        self.in_flight = 0
+        self._sending = 0  # requests this process has in flight
         self.finished: list[Record] = []
+        # while load worker processes send for this client (`mlxproxy.load.workers`): their
+        # finished requests, requests in flight and tokens received so far, for the progress line
+        self.elsewhere: Callable[[], tuple[int, int, int]] | None = None
         # prompt fingerprints of the conversations sent (the cache doctor's re-prefill causes); None: not tracked
         self.prefixes: PrefixIndex | None = None
         self._streaming: set[RequestMeter] = set()  # the meters of the requests in flight
@@ -180,13 +183,18 @@ class MeasuringClient:
         self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None
 
     @property
+    def in_flight(self) -> int:
+        return self._sending + (self.elsewhere()[1] if self.elsewhere else 0)
+
+    @property
     def finished_count(self) -> int:
-        return len(self.finished)
+        return len(self.finished) + (self.elsewhere()[0] if self.elsewhere else 0)
 
     def tokens_received(self) -> int:
         """Output tokens received so far: those of the finished requests and the tokens
         streamed so far by the requests in flight (for the progress line)."""
-        return self._tokens_done + sum(m.generated_events for m in self._streaming)
+        there = self.elsewhere()[2] if self.elsewhere else 0
+        return self._tokens_done + sum(m.generated_events for m in self._streaming) + there
 
     async def aclose(self) -> None:
         await self._pooled.aclose()
@@ -241,7 +249,7 @@ class MeasuringClient:
         connection for it (used for requests released together)."""
         up = self._fresh if fresh_connection else self._pooled
         info, _ = parse_request(req.method, req.path, req.body)
-        self.in_flight += 1
+        self._sending += 1
         t_start = now()
         meter = RequestMeter(
             info,
@@ -249,7 +257,7 @@ class MeasuringClient:
             upstream=self.name,
             t_start=t_start,
             started_at=time.time(),
-            concurrency=self.in_flight,
+            concurrency=self._sending,
             tags=("replay",) if self.tag_replay else (),
             keep_text=self.keep_text,
         )
@@ -272,7 +280,7 @@ class MeasuringClient:
         except UpstreamBodyError as exc:  # the body broke after the response started
             error = str(exc)
         finally:
-            self.in_flight -= 1
+            self._sending -= 1
             self._streaming.discard(meter)
         record = finish_checked(
             meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:], prefixes=self.prefixes

@@ -34,7 +34,8 @@ WINDOW_S = 5.0
 class ClientView(Protocol):
     """What the progress line reads from a measuring client."""
 
-    in_flight: int
+    @property
+    def in_flight(self) -> int: ...
 
     @property
     def finished_count(self) -> int: ...

@@ -30,6 +30,12 @@ cluster (`dask scheduler` + `dask worker tcp://HOST:8786 --nthreads 1`, the `[cl
 the same segments are submitted as tasks, one per worker, and merged the same way
 (docs/ARCHITECTURE.md says why Dask). Hosts must keep their clocks in sync (NTP): `start_at` is
 wall-clock time.
+
+Ctrl-C (the parent's run cancelled): each local worker gets `stop` on its pipe, each Dask task
+sees the run's Dask `Event` set; each cancels its run and sends back the records it had
+finished (a partial `SegmentResult`), merged into the parent client's finished records before
+the cancel goes on; one that does not answer within `STOP_WAIT_S` is ended. Local workers send
+their figures every `REPORT_EVERY_S` for the progress line (`MeasuringClient.elsewhere`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -92,6 +99,10 @@ LOCAL_LEAD_S = 0.25
 CLUSTER_LEAD_S = 1.0
 #: seconds a run waits for a cluster's first worker
 CLUSTER_WAIT_S = 10.0
+#: seconds between a local worker's progress reports (its figures; never one per request)
+REPORT_EVERY_S = 0.5
+#: seconds a local worker has to send back what it measured after a Ctrl-C, before it is ended
+STOP_WAIT_S = 5.0
 
 MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
 
@@ -310,10 +321,38 @@ def _due_offsets(
 # -- a worker ----------------------------------------------------------------------------------
 
 
-def run_segment(seg: Segment, start_at: float | None = None) -> SegmentResult:
+def run_segment(seg: Segment, start_at: float | None = None, stop_event: str | None = None) -> SegmentResult:
     """Run one segment on this process's stack event loop (in a worker process or a Dask task),
-    from `start_at` when given (the segment itself was handed over earlier)."""
-    return run_async(_run_segment(seg if start_at is None else dataclasses.replace(seg, start_at=start_at)))
+    from `start_at` when given (the segment itself was handed over earlier). `stop_event`: the
+    name of a Dask `Event` (in a Dask task) whose setting stops the run; the result then holds
+    the records finished before the stop."""
+    seg = seg if start_at is None else dataclasses.replace(seg, start_at=start_at)
+    if stop_event is None:
+        return run_async(_run_segment(seg))
+    from distributed import Event, get_client  # the optional [cluster] extra, there in a Dask task
+
+    # the worker's client, got in the task's own thread (where Dask knows the task's worker)
+    return run_async(_run_until_event(seg, Event(stop_event, client=get_client())))
+
+
+async def _run_until_event(seg: Segment, event: Any) -> SegmentResult:
+    """A Dask task's run of its segment, polling the Dask `Event` `event` every
+    `REPORT_EVERY_S` (the parent sets it on Ctrl-C): once set, the run is cancelled and the
+    result is the records finished so far."""
+    measured = _Measured()
+    task = asyncio.ensure_future(_run_segment(seg, measured))
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=REPORT_EVERY_S)
+            if not task.done() and await asyncio.to_thread(event.is_set):
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    return measured.partial(seg)
+        return task.result()
+    finally:
+        task.cancel()
 
 
 async def _sleep_until(t: float) -> None:
@@ -321,24 +360,55 @@ async def _sleep_until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def _run_segment(seg: Segment) -> SegmentResult:
+class _Measured:
+    """The records a segment's run has finished so far, as its shape counts them (the ramp's
+    requests are not counted): each tick takes the client's newest record, since every shape
+    counts a request right after `MeasuringClient.send` appended its record, with no await
+    between. What a stopped worker sends back, and what its progress reports count."""
+
+    def __init__(self) -> None:
+        self.client: MeasuringClient | None = None
+        self.records: list[Record] = []
+        self.start_mono = 0.0
+        self.cpu0 = 0.0
+
+    def __call__(self) -> None:
+        if self.client is not None:
+            self.records.append(self.client.finished[-1])
+
+    def figures(self) -> tuple[int, int, int]:
+        """(finished, in flight, tokens received) for the parent's progress line."""
+        c = self.client
+        return (len(self.records), c.in_flight, c.tokens_received()) if c is not None else (0, 0, 0)
+
+    def partial(self, seg: Segment) -> SegmentResult:
+        """The records finished before the stop (the requests in flight are not records)."""
+        return SegmentResult(
+            seg.index, socket.gethostname(), os.getpid(), tuple(self.records), self.start_mono, (), {}, {}, {}, (),
+            time.thread_time() - self.cpu0, time.perf_counter() - self.start_mono,
+        )  # fmt: skip
+
+
+async def _run_segment(seg: Segment, measured: _Measured | None = None) -> SegmentResult:
     start_mono = time.perf_counter() + (seg.start_at - time.time())
     where: Where = {}
     session_s: list[float] = []
+    m = measured if measured is not None else _Measured()
     async with seg.client.client() as client:
         cpu0 = time.thread_time()
+        m.client, m.start_mono, m.cpu0 = client, start_mono, cpu0
         if seg.kind == "due":
-            measured = client.run_recorded(seg.requests, 1.0, start=start_mono)
+            run = client.run_recorded(seg.requests, 1.0, m, start=start_mono)
             if seg.ramp:
-                _, timed = await asyncio.gather(client.run_recorded(seg.ramp, 1.0, start=start_mono), measured)
+                _, timed = await asyncio.gather(client.run_recorded(seg.ramp, 1.0, start=start_mono), run)
             else:
-                timed = await measured
+                timed = await run
         else:
             await _sleep_until(start_mono)
             if seg.kind == "closed":
-                timed = await ClosedLoop(seg.streams).run(client, seg.requests)
+                timed = await ClosedLoop(seg.streams).run(client, seg.requests, m)
             else:
-                timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs)
+                timed, where, session_s = await Sessions(seg.streams).run_sessions(client, seg.runs, m)
         cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - start_mono
     # each conversation run's number in the whole test
     where = {k: dataclasses.replace(w, session=seg.run_ids[w.session]) for k, w in where.items()}
@@ -348,42 +418,148 @@ async def _run_segment(seg: Segment) -> SegmentResult:
     )  # fmt: skip
 
 
+async def _run_stoppable(seg: Segment, conn: Connection) -> tuple[str, SegmentResult]:
+    """A local worker's run of its segment: its figures reported to the parent every
+    `REPORT_EVERY_S`, and a `stop` from the parent (Ctrl-C there), or the parent gone, cancels
+    the run: ("done", the whole result) or ("stopped", the records finished before the stop)."""
+    loop = asyncio.get_running_loop()
+    measured = _Measured()
+    task = asyncio.ensure_future(_run_segment(seg, measured))
+
+    def watch() -> None:  # the pipe's only reader from now on
+        try:
+            conn.recv()  # "stop"
+        except (EOFError, OSError):
+            pass  # the parent is gone: stop too
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the run is over, its loop closed
+            pass
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            try:
+                conn.send(("count", measured.figures()))
+            except OSError:  # the parent is gone (the watcher stops the run)
+                return
+
+    threading.Thread(target=watch, name="mlxproxy-load-stop", daemon=True).start()
+    reporter = asyncio.ensure_future(report())
+    try:
+        return "done", await task
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise
+        return "stopped", measured.partial(seg)
+    finally:
+        reporter.cancel()
+
+
 # -- running the segments ----------------------------------------------------------------------
 
 
 def _serve(conn: Connection) -> None:
     """A local worker process: its segment, ready once that and the imports are in, then the
-    shared start, its result, exit. Ctrl-C is the parent's to handle (it ends the workers)."""
+    shared start, its result, exit. Ctrl-C is the parent's to handle: it sends `stop`, and the
+    worker sends back what it has measured so far (`_run_stoppable`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm()
     seg = conn.recv()
     conn.send(("ready", os.getpid()))
     start_at = conn.recv()
     try:
-        conn.send(("done", run_segment(seg, start_at)))
+        conn.send(run_async(_run_stoppable(dataclasses.replace(seg, start_at=start_at), conn)))
     except BaseException as exc:  # a worker's failure is one line in the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         conn.close()
 
 
-async def _receive(conn: Connection, index: int) -> Any:
-    try:
-        what, value = await asyncio.to_thread(conn.recv)
-    except EOFError:
-        raise WorkersError(f"load worker {index} exited without a result") from None
-    if what == "error":
-        raise WorkersError(f"load worker {index} failed: {value}")
-    return value
+class _Link:
+    """The parent's end of one local worker's pipe: one thread reads it (a read cancelled in
+    the event loop would go on in its thread and swallow the next message), keeps the latest
+    progress figures and hands every other message to the loop."""
+
+    def __init__(self, conn: Connection, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn, self.index, self.loop = conn, index, loop
+        self.figures = (0, 0, 0)  # finished, in flight, tokens received: the worker's latest report
+        self.messages: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        threading.Thread(target=self._read, name=f"mlxproxy-load-link-{index}", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                what, value = self.conn.recv()
+            except (EOFError, OSError):
+                what, value = "eof", None
+            if what == "count":
+                self.figures = value
+                continue
+            try:
+                self.loop.call_soon_threadsafe(self.messages.put_nowait, (what, value))
+            except RuntimeError:  # the parent's loop is closed
+                return
+            if what != "ready":
+                return
+
+    async def receive(self, *expected: str) -> Any:
+        """The next message's value, one of `expected`; WorkersError for an error or none."""
+        what, value = await self.messages.get()
+        if what == "eof":
+            raise WorkersError(f"load worker {self.index} exited without a result")
+        if what == "error":
+            raise WorkersError(f"load worker {self.index} failed: {value}")
+        if what not in expected:
+            raise WorkersError(f"load worker {self.index} sent {what!r}, not {' or '.join(expected)}")
+        return value
 
 
-async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], float]:
+async def _stop(
+    links: Sequence[_Link], results: Sequence[asyncio.Future[Any]], procs: Sequence[SpawnProcess]
+) -> list[SegmentResult]:
+    """Ctrl-C in a run of local workers: each still running is told to stop and sends back the
+    records it had finished (`results`: each worker's answer, whole or stopped); one that does
+    not answer within `STOP_WAIT_S` is terminated, said in one line."""
+    for link, res in zip(links, results):
+        if not res.done():
+            try:
+                link.conn.send("stop")
+            except OSError:  # it has just exited (its result, or an error, is on the way)
+                pass
+    await asyncio.wait(results, timeout=STOP_WAIT_S)
+    kept: list[SegmentResult] = []
+    for link, res, p in zip(links, results, procs):
+        if not res.done() or res.cancelled():
+            res.cancel()
+            p.terminate()
+            say(f"load worker {link.index} did not stop within {STOP_WAIT_S:g} s: terminated, its requests are lost")
+        elif res.exception() is not None:
+            say(str(res.exception()))
+        else:
+            kept.append(res.result())
+    return kept
+
+
+async def _run_local(
+    segments: Sequence[Segment], client: MeasuringClient, keep: Callable[[list[SegmentResult], float], None]
+) -> tuple[list[SegmentResult], float]:
     """Each segment in a process of its own (started with `spawn`: no fork of a process that
     runs an event loop), all started at one instant once every segment is in its process (a
-    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule)."""
+    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule).
+    Meanwhile `client.elsewhere` sums the workers' progress reports; when the run is cancelled
+    (Ctrl-C) after the start, the workers stop and `keep` gets the records they had finished
+    (before the start: nothing was sent, the workers are ended)."""
     ctx = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
     procs: list[SpawnProcess] = []
-    conns: list[Connection] = []
+    links: list[_Link] = []
+    results: list[asyncio.Future[Any]] = []
+
+    def figures() -> tuple[int, int, int]:
+        done, flying, tokens = (sum(f) for f in zip(*(k.figures for k in links)))
+        return done, flying, tokens
+
     try:
         for seg in segments:
             mine, theirs = ctx.Pipe()
@@ -391,22 +567,37 @@ async def _run_local(segments: Sequence[Segment]) -> tuple[list[SegmentResult], 
             p.start()
             theirs.close()
             procs.append(p)
-            conns.append(mine)
+            links.append(_Link(mine, len(links), loop))
         # off the loop: a pipe takes a big segment only as fast as its process reads it
-        await asyncio.gather(*(asyncio.to_thread(c.send, seg) for c, seg in zip(conns, segments)))
-        await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
+        await asyncio.gather(*(asyncio.to_thread(k.conn.send, seg) for k, seg in zip(links, segments)))
+        await asyncio.gather(*(k.receive("ready") for k in links))
         start_at = time.time() + LOCAL_LEAD_S
-        for c in conns:
-            c.send(start_at)
-        results = await asyncio.gather(*(_receive(c, i) for i, c in enumerate(conns)))
-        return list(results), start_at
+        for k in links:
+            k.conn.send(start_at)
+        client.elsewhere = figures
+        # each worker's answer a task of its own, so that a Ctrl-C (which cancels only this
+        # wait) loses none already received
+        results = [asyncio.ensure_future(k.receive("done", "stopped")) for k in links]
+        try:
+            await asyncio.wait(results, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            client.elsewhere = None
+            keep(await _stop(links, results, procs), start_at)
+            raise
+        for r in results:
+            if r.done() and (exc := r.exception()) is not None:
+                raise exc  # a worker's failure: one line
+        return [r.result() for r in results], start_at
     finally:
+        client.elsewhere = None
+        for r in results:
+            r.cancel()
         for p in procs:
             if p.is_alive():
                 p.terminate()
             p.join(5)
-        for c in conns:
-            c.close()
+        for k in links:
+            k.conn.close()
 
 
 def _warm() -> int:
@@ -417,13 +608,18 @@ def _warm() -> int:
 
 
 async def _run_cluster(
-    address: str, plan: Callable[[int], list[Segment]], count: int
+    address: str,
+    plan: Callable[[int], list[Segment]],
+    count: int,
+    keep: Callable[[list[SegmentResult], float], None],
 ) -> tuple[list[SegmentResult], float]:
     """The segments as tasks on a Dask cluster, one per worker (round-robin when more segments
-    than workers), through Dask's asynchronous client on this event loop: a cancelled run
-    (Ctrl-C) cancels its tasks."""
+    than workers), through Dask's asynchronous client on this event loop. A cancelled run
+    (Ctrl-C) after the start sets the run's Dask `Event`: each task stops and returns the
+    records it had finished, which `keep` gets; a task that has not within `STOP_WAIT_S` is
+    cancelled, said in one line."""
     try:
-        from distributed import Client  # the optional [cluster] extra
+        from distributed import Client, Event  # the optional [cluster] extra
     except ImportError:
         raise WorkersError(MISSING_EXTRA) from None
     try:
@@ -446,11 +642,13 @@ async def _run_cluster(
         data = [await dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
+        stop = f"mlxproxy-stop-{tag}"
         futures = [
             dc.submit(
                 run_segment,
                 seg,
                 start_at,
+                stop,
                 key=f"mlxproxy-segment-{tag}-{i}",
                 workers=[where[i]],
                 allow_other_workers=False,
@@ -458,21 +656,53 @@ async def _run_cluster(
             )
             for i, seg in enumerate(data)
         ]
-        return list(await dc.gather(futures)), start_at
+        try:
+            return list(await dc.gather(futures)), start_at
+        except asyncio.CancelledError:
+            event = Event(stop, client=dc)
+            # bounded: a scheduler that does not answer leaves the tasks to be cancelled below
+            await asyncio.wait([asyncio.ensure_future(event.set())], timeout=STOP_WAIT_S)
+            answers = [asyncio.ensure_future(dc.gather(f)) for f in futures]
+            await asyncio.wait(answers, timeout=STOP_WAIT_S)
+            kept = []
+            for i, a in enumerate(answers):
+                if not a.done() or a.cancelled():
+                    a.cancel()
+                    say(
+                        f"load worker {i} ({where[i]}) did not stop within {STOP_WAIT_S:g} s: cancelled, its requests are lost"
+                    )
+                elif a.exception() is not None:
+                    say(f"load worker {i} ({where[i]}) failed: {a.exception()}")
+                else:
+                    kept.append(a.result())
+            await asyncio.wait([asyncio.ensure_future(event.clear())], timeout=STOP_WAIT_S)  # the scheduler forgets it
+            keep(kept, start_at)
+            raise
     finally:
         if futures:
             await dc.cancel(futures)
         await dc.close()
 
 
-async def _dispatch(workers: Workers, plan: Callable[[int], list[Segment]]) -> FleetTimed:
+async def _dispatch(
+    workers: Workers, plan: Callable[[int], list[Segment]], client: MeasuringClient, tick: Callable[[], None] | None
+) -> FleetTimed:
+    """The segments run and merged, their records counted as `client`'s (`_finish`); a run
+    cancelled (Ctrl-C) counts the records its workers had finished, then ends as cancelled."""
+
+    def keep(partial: list[SegmentResult], start_at: float) -> None:
+        fleet = merge(partial, time.perf_counter() + (start_at - time.time()))
+        client.finished.extend(fleet.records)
+        n, k = len(fleet.records), len(partial)
+        say(f"Ctrl-C: {n} finished request{'' if n == 1 else 's'} kept from {k} load worker{'' if k == 1 else 's'}")
+
     if workers.cluster:
-        results, start_at = await _run_cluster(workers.cluster, plan, workers.count)
+        results, start_at = await _run_cluster(workers.cluster, plan, workers.count, keep)
     else:
-        results, start_at = await _run_local(plan(workers.count))
+        results, start_at = await _run_local(plan(workers.count), client, keep)
     fleet = merge(results, time.perf_counter() + (start_at - time.time()))
     fleet.cluster = workers.cluster
-    return fleet
+    return _finish(client, fleet, tick)
 
 
 def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
@@ -538,7 +768,7 @@ async def run_shape(
                 for k, (m, w) in enumerate(zip(plan_due(measured, n), plan_due(warm, n)))
             ]
 
-    return _finish(client, await _dispatch(workers, plan), tick)
+    return await _dispatch(workers, plan, client, tick)
 
 
 async def run_sessions(
@@ -559,7 +789,7 @@ async def run_sessions(
             for k, (s, rs, ids) in enumerate(plan_sessions(runs, shape.at_once, n))
         ]
 
-    fleet = _finish(client, await _dispatch(workers, plan), tick)
+    fleet = await _dispatch(workers, plan, client, tick)
     return fleet, fleet.where, fleet.session_s
 
 

@@ -286,12 +286,13 @@ class Counting:
     which is never a measured request."""
 
     def __init__(self, app: Any) -> None:
-        self.app, self.done = app, 0
+        self.app, self.done, self.started = app, 0, 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        post = scope["type"] == "http" and scope["method"] == "POST"
+        self.started += post  # a POST has arrived (its answer may take a while)
         await self.app(scope, receive, send)
-        if scope["type"] == "http" and scope["method"] == "POST":
-            self.done += 1
+        self.done += post
 
 
 #: `python -m mlxproxy` with Ctrl-C delivered as in a terminal. A test run started in the
@@ -380,6 +381,58 @@ def test_ctrl_c_during_bench_keeps_what_was_measured(tmp_path: Path) -> None:
     assert 2 <= len(singles) < 40 and "interrupted" in doc["targets"][0]["error"] and "Verdicts:" in stdout
     m = re.search(r"interrupted after (\d+) measured (requests?)", doc["targets"][0]["error"])
     assert m and m.group(2) == ("request" if m.group(1) == "1" else "requests"), doc["targets"][0]["error"]
+
+
+def _ctrl_c_when(app: Counting, args: list[str], posts: int) -> tuple[subprocess.Popen[str], str, str, int]:
+    """Run `mlxproxy args`, Ctrl-C it once the server has answered `posts` POSTs: the process,
+    its stdout and stderr, and the POSTs answered when the signal was sent."""
+    proc = subprocess.Popen(
+        [*MLXPROXY_WITH_CTRL_C, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    deadline = time.monotonic() + 60
+    while app.done < posts and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)  # waiting for progress, not measuring
+    seen = app.done
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    return proc, stdout, stderr, seen
+
+
+def test_ctrl_c_during_replay_with_two_workers_keeps_what_they_measured(capture: Path, tmp_path: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))  # 8 tokens: ~0.4 s a request
+    out = tmp_path / "partial.json"
+    with ServerThread(app) as sim:
+        args = ["replay", str(capture), "--target", sim.url, "--concurrency", "2", "--repeat", "50"]
+        proc, stdout, stderr, seen = _ctrl_c_when(app, [*args, "--workers", "2", "--json", str(out)], 6)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and "Aborted!" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith("mlxproxy: interrupted:")
+    assert "kept from 2 load workers" in stderr, stderr[-1500:]
+    doc = orjson.loads(out.read_bytes())
+    recs = [r for g in doc["groups"] for r in g["records"]]
+    # one stream a worker, one request at a time: of the POSTs answered before the signal,
+    # only each stream's last may not have been recorded yet
+    assert seen - 2 <= len(recs) < 100 and "interrupted" in doc["groups"][-1]["mode"] and "ok/req" in stdout
+    assert len({r["id"] for r in recs}) == len(recs)
+
+
+def test_ctrl_c_during_bench_with_two_workers_keeps_what_they_measured(tmp_path: Path) -> None:
+    app = Counting(create_sim("healthy", speed=1.0, decode_tps=20.0))
+    out = tmp_path / "partial.json"
+    with ServerThread(app) as sim:
+        args = ["bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "8"]
+        # 2 probes, 1 single, then the sweep step of 2 streams (20 requests) on 2 workers
+        args += ["--concurrency", "2", "--workers", "2", "--json", str(out)]
+        proc, stdout, stderr, seen = _ctrl_c_when(app, args, 3 + 6)
+    assert proc.returncode == 130, stderr[-1500:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("mlxproxy: interrupted:")
+    assert "kept from 2 load workers" in stderr, stderr[-1500:]
+    doc = orjson.loads(out.read_bytes())
+    singles = [r for g in doc["groups"] if g["name"] == "single" for r in g["records"]]
+    assert len(singles) == 1 and "Verdicts:" in stdout
+    m = re.search(r"interrupted after (\d+) measured requests?", doc["targets"][0]["error"])
+    # the single and the step's records (each stream's last answered POST may not be recorded yet)
+    assert m and 1 + (seen - 3 - 2) <= int(m.group(1)) < 1 + 20, doc["targets"][0]["error"]
 
 
 # -- report renders what was measured --------------------------------------------------------
@@ -575,8 +628,8 @@ def test_ctrl_c_before_any_replay_result_prints_no_empty_table(capture: Path) ->
     app = Counting(create_sim("healthy", speed=1.0, decode_tps=2.0))  # 8 tokens: 4 s a request
     with ServerThread(app) as sim:
         code, stdout, stderr = ctrl_c_after(
-            ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.done >= 1
-        )  # the preflight's GET /v1/models was answered: the first request is about to go out
+            ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.started >= 1
+        )  # the first request has gone out and takes 4 s: nothing is measured yet
     assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
     assert stdout == "", stdout  # no legend under a table that is not there
     assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted before any request finished"

@@ -5,12 +5,18 @@ processes on loopback gives the figures two local workers give."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,9 +29,12 @@ from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.replay import ReplayOptions, run_sessions
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Turn
 from mlxproxy.load.workers import (
+    ClientSpec,
     FleetTimed,
+    Segment,
     SegmentResult,
     Workers,
+    _run_stoppable,
     merge,
     plan_closed,
     plan_due,
@@ -189,7 +198,9 @@ def _dask(*args: str) -> subprocess.Popen[bytes]:
     )
 
 
-def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_workers(tmp_path: Path) -> None:
+@contextmanager
+def _dask_cluster(tmp_path: Path) -> Iterator[str]:
+    """A Dask scheduler and two worker processes (one thread each) on loopback: its address."""
     try:
         from distributed import Client
     except ImportError:
@@ -210,9 +221,7 @@ def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_w
                                "--host", "127.0.0.1"))  # fmt: skip
         with Client(address, timeout=30) as c:
             c.wait_for_workers(2, timeout=60)
-        with ServerThread(create_sim("healthy", speed=20.0)) as sim:
-            local = run_async(_open_loop(sim.url, Workers(2)))
-            cluster = run_async(_open_loop(sim.url, Workers(cluster=address)))
+        yield address
     finally:
         for p in procs[::-1]:
             p.terminate()
@@ -221,6 +230,12 @@ def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_w
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_workers(tmp_path: Path) -> None:
+    with _dask_cluster(tmp_path) as address, ServerThread(create_sim("healthy", speed=20.0)) as sim:
+        local = run_async(_open_loop(sim.url, Workers(2)))
+        cluster = run_async(_open_loop(sim.url, Workers(cluster=address)))
     assert isinstance(cluster, FleetTimed) and cluster.cluster == address
     assert [w.requests for w in cluster.workers] == [w.requests for w in local.workers] == [45, 45]
     assert len({w.pid for w in cluster.workers}) == 2 and os.getpid() not in {w.pid for w in cluster.workers}
@@ -278,3 +293,100 @@ def test_the_bottleneck_line_says_whether_a_worker_ran_out_of_cpu_or_waited_for_
     assert "worker 1 (b): schedule lag p99 80.0 ms over 25 ms: it was late without using its core" in workers_line(
         [late, fine], "tcp://x:8786"
     )
+
+
+# -- Ctrl-C: the workers stop and send back what they measured -----------------------------------
+
+
+def test_a_stopped_worker_sends_back_the_records_it_finished_and_reports_its_count() -> None:
+    """The worker's side, in this process: progress reports arrive on the pipe while it runs
+    (every REPORT_EVERY_S, never one per request); a `stop` cancels the run and the answer is
+    the records finished so far, each once, no request in flight among them."""
+    reqs = tuple(chat(i) for i in range(200))  # ~0.3 s each on 2 streams: ~30 s if never stopped
+    reports: list[tuple[int, int, int]] = []
+    with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
+        seg = Segment(0, ClientSpec.of(MeasuringClient(sim.url)), "closed", reqs, streams=2, start_at=time.time())
+        mine, theirs = multiprocessing.Pipe()
+
+        def parent() -> None:  # what `_run_local` does: read the reports, stop after a few records
+            while True:
+                what, figures = mine.recv()
+                assert what == "count"
+                reports.append(figures)
+                if figures[0] >= 4:
+                    mine.send("stop")
+                    return
+
+        t = threading.Thread(target=parent)
+        t.start()
+        what, res = run_async(_run_stoppable(seg, theirs))
+        t.join(10)
+    assert what == "stopped" and isinstance(res, SegmentResult)
+    assert reports[-1][0] >= 4 and len(reports) < 60  # periodic, not one per request
+    assert reports[-1][0] <= len(res.records) < len(reqs)
+    assert len({r.id for r in res.records}) == len(res.records)
+    assert all(r.outcome == "ok" for r in res.records)  # whole answers: none was cut by the stop
+    fleet = merge([res], time.perf_counter())  # the partial result merges as a whole one does
+    assert sorted(r.id for r in fleet.records) == sorted(r.id for r in res.records)
+    assert [w.requests for w in fleet.workers] == [len(res.records)]
+
+
+def test_ctrl_c_during_a_run_of_two_workers_keeps_every_record_they_finished() -> None:
+    """The parent's side, with two worker processes: the progress line's count moves while they
+    run (their reports), a cancel stops them, and every record either had finished is counted
+    as the client's, each once, before the cancel goes on; nothing is left in flight."""
+    reqs = [chat(i) for i in range(200)]
+
+    async def go(url: str) -> tuple[int, list[Record], int]:
+        async with MeasuringClient(url) as client:
+            run = asyncio.ensure_future(run_shape(Workers(2), ClosedLoop(2), client, reqs))
+            while client.finished_count < 4 and not run.done():
+                await asyncio.sleep(0.05)  # waiting for the workers' reports, not measuring
+            seen = client.finished_count
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            return seen, list(client.finished), client.in_flight
+
+    with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
+        seen, finished, in_flight = run_async(go(sim.url))
+    assert 4 <= seen <= len(finished) < len(reqs) and in_flight == 0
+    assert len({r.id for r in finished}) == len(finished)
+    assert all(r.outcome == "ok" for r in finished)
+
+
+class Answered:
+    """ASGI wrapper counting the generation responses the server has sent (POSTs)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.done = app, 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.done += 1
+
+
+def test_ctrl_c_during_a_cluster_run_keeps_every_record_its_tasks_finished(tmp_path: Path) -> None:
+    """A cancelled cluster run sets its Dask Event; each task stops and returns the records it
+    had finished, counted as the client's, each once, before the cancel goes on."""
+    reqs = [chat(i) for i in range(200)]  # ~0.3 s each on one stream a worker: ~30 s if never stopped
+    app = Answered(create_sim("healthy", speed=1.0, decode_tps=20.0))
+
+    async def go(url: str, address: str) -> tuple[int, list[Record]]:
+        async with MeasuringClient(url) as client:
+            run = asyncio.ensure_future(run_shape(Workers(cluster=address), ClosedLoop(2), client, reqs))
+            while app.done < 6 and not run.done():
+                await asyncio.sleep(0.05)  # waiting for the server's answers, not measuring
+            seen = app.done
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            return seen, list(client.finished)
+
+    with _dask_cluster(tmp_path) as address, ServerThread(app) as sim:
+        seen, finished = run_async(go(sim.url, address))
+    # one stream a worker, one request at a time: of the answers sent before the cancel, only
+    # each stream's last may not have been recorded yet
+    assert seen - 2 <= len(finished) < len(reqs)
+    assert len({r.id for r in finished}) == len(finished) and all(r.outcome == "ok" for r in finished)

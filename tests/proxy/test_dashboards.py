@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
-import math
 import random
 import re
 import subprocess
@@ -405,13 +404,6 @@ async def _load(proxy_url: str) -> int:
     return sent
 
 
-def _scalar(prom: ph.Prometheus, expr: str) -> float | None:
-    ans = prom.query(expr)
-    if ans.get("status") != "success" or not ans["data"]["result"]:
-        return None
-    return float(ans["data"]["result"][0]["value"][1])
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if PROMETHEUS is None or PROMTOOL is None:
@@ -437,34 +429,17 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Any:
         cfg = ph.config_for_test(ph.SHIPPED_PROMETHEUS_YML.read_text(encoding="utf-8"), target)
         prom = stack.enter_context(ph.Prometheus(PROMETHEUS, cfg, workdir))
         prom_started = time.time()
-        prom.wait_for(lambda: _scalar(prom, 'up{job="mlxproxy"}') == 1.0, 20, "a first successful scrape of the proxy")
+        prom.wait_for(lambda: prom.scalar('up{job="mlxproxy"}') == 1.0, 20, "a first successful scrape of the proxy")
 
         sent = asyncio.run(_load(proxy.url))
         load_done = time.monotonic()
 
         # every request finished and scraped, and every series has >= 2 samples for rate()
-        prom.wait_for(
-            lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == float(sent),
-            20,
-            f"Prometheus to see all {sent} requests",
-        )
-        prom.wait_for(
-            lambda: _scalar(prom, 'count(count_over_time({__name__=~"mlxproxy_.+"}[5m]) < 2)') is None,
-            20,
-            "two samples of every mlxproxy series",
-        )
-        window = f"{math.ceil(time.time() - prom_started) + 5}s"
-        variables = {
-            "__rate_interval": window,
-            "__range": window,
-            "__interval": "1s",
-            "instance": ".*",
-            "upstream": ".*",
-            "model": ".*",
-        }
+        prom.wait_for_requests(sent)
+        variables = ph.whole_run_variables(prom_started, time.time())
         metrics_text = httpx.get(proxy.url + "/metrics").text
         print(
-            f"\n[dashboards] {sent} requests in {load_done - t0:.1f} s from start; windows {window}; "
+            f"\n[dashboards] {sent} requests in {load_done - t0:.1f} s from start; windows {variables['__range']}; "
             f"ready to query at {time.monotonic() - t0:.1f} s"
         )
         yield Live(prom, proxy.url, variables, sent, metrics_text)

@@ -94,13 +94,6 @@ async def _load(urls: list[str], first: bool) -> None:
                 await asyncio.gather(*sends[i : i + 4])
 
 
-def _scalar(prom: ph.Prometheus, expr: str) -> float | None:
-    ans = prom.query(expr)
-    if ans.get("status") != "success" or not ans["data"]["result"]:
-        return None
-    return float(ans["data"]["result"][0]["value"][1])
-
-
 def _counted(url: str) -> float:
     text = httpx.get(url + "/metrics", trust_env=False).text
     return sum(v for _, v in _families(text, "mlxproxy_requests_total"))
@@ -144,14 +137,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             prom = stack.enter_context(ph.Prometheus(PROMETHEUS, cfg_text, tmp))
             prom_started = time.time()
             prom.wait_for(
-                lambda: _scalar(prom, 'sum(up{job="mlxproxy"})') == float(len(targets)), 20, "a scrape of every proxy"
+                lambda: prom.scalar('sum(up{job="mlxproxy"})') == float(len(targets)), 20, "a scrape of every proxy"
             )
         # one request per proxy and upstream, scraped, then the rest: every series then grows
         # between two scrapes, so rate() has something to see on both proxies
         asyncio.run(_load(urls, first=True))
         if prom is not None:
             n_first = float(len(PLAN) * len(UPSTREAMS))
-            prom.wait_for(lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == n_first, 20, "the first requests")
+            prom.wait_for(lambda: prom.scalar("sum(mlxproxy_requests_total)") == n_first, 20, "the first requests")
         asyncio.run(_load(urls, first=False))
         # a record is finished just after its last byte went out: wait until each proxy counted all
         for url, plan in zip(urls, PLAN):
@@ -163,26 +156,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         variables: dict[str, str] = {}
         at = time.time()
         if prom is not None:
-            prom.wait_for(
-                lambda: _scalar(prom, "sum(mlxproxy_requests_total)") == float(_sent()),
-                20,
-                f"Prometheus to see all {_sent()} requests",
-            )
-            prom.wait_for(
-                lambda: _scalar(prom, 'count(count_over_time({__name__=~"mlxproxy_.+"}[5m]) < 2)') is None,
-                20,
-                "two samples of every mlxproxy series",
-            )
+            prom.wait_for_requests(_sent())
             at = time.time()
-            window = f"{math.ceil(at - prom_started) + 5}s"
-            variables = {
-                "__rate_interval": window,
-                "__range": window,
-                "__interval": "1s",
-                "instance": ".*",
-                "upstream": ".*",
-                "model": ".*",
-            }
+            variables = ph.whole_run_variables(prom_started, at)
         yield Fleet(proxies, targets, metrics, prom, at, variables)
 
 
