@@ -1,12 +1,15 @@
 """Finish a meter into a checked record: the one path the proxy, replay and bench share.
 
-In order, each step once, the data flowing one way: the meter measures (`RequestMeter.finish`:
-a frozen `Measurement`, with what the wire's figures and error text mean already read); the
-prompt is fingerprinted and looked up among this upstream's conversations (`core.prefix`);
-the per-request checks run on the measurement and give their verdict: the anomalies and
-the trusted output count (`core.detect.findings`, `verdict`); the cache doctor judges the
-turn and the index remembers it (`core.cachecheck.conversation_turn`); and the record is
-built once from the measurement and the verdict (`core.record.checked_record`).
+In order, each step once, the data flowing one way (docs/ARCHITECTURE.md): the meter measures
+(`RequestMeter.finish`: a frozen `Measurement`, with what the wire's figures and error text
+mean already read); the per-request checks run on it and give their verdict: the anomalies
+and the trusted output count (`core.detect.findings`, `verdict`); the prompt is fingerprinted
+and its conversation found among this upstream's (`core.prefix.fingerprint`, `find_turn`: pure
+functions reading the index); the cache doctor judges a continuing turn, measures a first
+turn's cold prefill rate and remembers the turn (`core.cachecheck.check_turn`, `cold_rate`,
+`PrefixIndex.add`: the index is written only there, after the judgement); and the record is
+built once from the measurement, the verdict and the conversation fields
+(`core.record.checked_record`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlxproxy.core.cachecheck import conversation_turn
+from mlxproxy.core.cachecheck import PrefixIndex, check_turn, cold_rate
 from mlxproxy.core.detect import Thresholds, findings, verdict
 from mlxproxy.core.meter import RequestMeter
-from mlxproxy.core.prefix import PrefixIndex
-from mlxproxy.core.record import Outcome, Record, checked_record
+from mlxproxy.core.prefix import find_turn, fingerprint
+from mlxproxy.core.record import OK_OUTCOMES, Outcome, Record, checked_record
 
 __all__ = ["finish_checked"]
 
@@ -46,13 +49,29 @@ def finish_checked(
     v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
     fields: dict[str, Any] = {}
-    if prefixes is not None:
-        burst = "non_incremental_stream" in evidence
-        fields, more = conversation_turn(m, meter.request, prefixes, th, t_end, burst)
-        for a in more:  # (kinds of their own: the per-request checks never name them)
-            if a.kind not in evidence:
-                anomalies += (a.kind,)
-                evidence[a.kind] = a.evidence
+    info = meter.request
+    pp = None
+    if prefixes is not None and info.prompt_obj is not None:
+        pp = fingerprint(info.endpoint, info.prompt_obj, info.model)
+    if prefixes is not None and pp is not None:
+        # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
+        match = find_turn(prefixes.latest, pp, info.prompt_obj)
+        if match is not None:
+            fields, more = check_turn(m, match, prefixes.prefill_rate(), th)
+            for a in more:  # (kinds of their own: the per-request checks never name them)
+                if a.kind not in evidence:
+                    anomalies += (a.kind,)
+                    evidence[a.kind] = a.evidence
+        if m.outcome in OK_OUTCOMES:
+            burst = "non_incremental_stream" in evidence
+            cold = cold_rate(m, th) if match is None and not burst else None
+            lost = fields.get("reprefill_lost_s") or 0.0
+            cid, turn = prefixes.add(pp, match, m.id, m.prompt_tokens, t_end, cold_prefill_tps=cold, lost_s=lost)
+        elif match is not None:
+            cid, turn = match.conversation_id, match.turn
+        else:
+            cid, turn = None, None
+        fields.update(conversation_id=cid, turn=turn)
     return checked_record(
         m,
         completion_tokens=v.completion_tokens,

@@ -1,5 +1,6 @@
 """The cache doctor: why a conversation's turn was prefilled again, and whether the server's
-cache figures are true (pure functions over a finished record and its `Match`).
+cache figures are true (pure functions over a finished record and its `Match`); and the
+conversations an upstream remembers between requests (`PrefixIndex`, the only state here).
 
 `check_turn` judges one turn that continues a conversation (core.prefix): the prefix a cache
 could reuse (never less than what the server says it reused), the re-prefill's cause
@@ -13,58 +14,25 @@ docs/METRICS.md, "Re-prefill causes" and "Cache honesty".
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.openai import RequestInfo, whole_prompt_tokens
-from mlxproxy.core.prefix import Match, PrefixIndex, fingerprint
+from mlxproxy.core.openai import whole_prompt_tokens
+from mlxproxy.core.prefix import Latest, Match, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
-__all__ = ["conversation_turn", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
+__all__ = ["PrefixIndex", "MAX_CONVERSATIONS", "SAME_KEY", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
 
 Timing = Literal["hit", "miss"]
 
+MAX_CONVERSATIONS = 256  # per upstream
+SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
+
 
 whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
-
-
-def conversation_turn(
-    r: Measured, info: RequestInfo, prefixes: PrefixIndex, th: Thresholds, t_end: float, burst: bool
-) -> tuple[dict[str, Any], list[Anomaly]]:
-    """One request's turn of its conversation, judged and remembered, in one visit to the
-    upstream's prompt index: the prompt is fingerprinted (`prefix.fingerprint`) and looked up
-    (`PrefixIndex.match`, with the index's `prefill_rate` before this turn); a turn that
-    continues a conversation is judged (`check_turn`); a served prompt becomes its
-    conversation's latest (`PrefixIndex.add`), with its prefill rate when it shows a cold cache
-    (`cold_rate`) and the seconds it lost. Returns the record fields (the `check_turn` ones,
-    `conversation_id`, `turn`; none for a request without a prompt) and anomalies. `burst`: the
-    stream came in one burst (`non_incremental_stream`)."""
-    pp = fingerprint(info.endpoint, info.prompt_obj, info.model) if info.prompt_obj is not None else None
-    if pp is None:
-        return {}, []
-    match = prefixes.match(pp, info.prompt_obj)
-    fields: dict[str, Any] = {}
-    out: list[Anomaly] = []
-    if match is not None:
-        fields, out = check_turn(r, match, prefixes.prefill_rate(), th)
-    if r.outcome in OK_OUTCOMES:
-        cold = cold_rate(r, th) if match is None and not burst else None
-        cid, turn = prefixes.add(
-            pp,
-            match,
-            r.id,
-            r.prompt_tokens,
-            t_end,
-            cold_prefill_tps=cold,
-            lost_s=fields.get("reprefill_lost_s") or 0.0,
-        )
-    elif match is not None:
-        cid, turn = match.conversation_id, match.turn
-    else:
-        cid, turn = None, None
-    fields.update(conversation_id=cid, turn=turn)
-    return fields, out
 
 
 def cold_rate(r: Measured, th: Thresholds) -> float | None:
@@ -215,3 +183,68 @@ def _evicted(
         f"; no cached_tokens reported, but TTFT matches re-prefilling the whole prompt "
         f"({_fmt(said[1])} s) rather than the new tokens alone ({_fmt(said[2])} s)"
     )
+
+
+class PrefixIndex:
+    """The latest prompt of each recent conversation on one upstream (bounded, no text):
+    `prefix.find_turn` reads it (`latest`) before a turn is judged, `add` writes the turn
+    after, with what the judgement found."""
+
+    def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
+        self.max_conversations = max_conversations
+        # per key (family and first user message), the latest prompts of up to SAME_KEY
+        # conversations, the most recent first; `latest` is the same dict, read-only to others
+        self._by_key: OrderedDict[int, list[Latest]] = OrderedDict()
+        self.latest: Mapping[int, Sequence[Latest]] = self._by_key
+        self._count = 0
+        self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(
+        self,
+        new: PromptPrint,
+        match: Match | None,
+        request_id: str,
+        prompt_tokens: int | None,
+        end_s: float,
+        *,
+        cold_prefill_tps: float | None = None,
+        lost_s: float = 0.0,
+    ) -> tuple[str, int]:
+        """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
+        `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
+        conversation's own until a later cold turn replaces it, and, on a first turn, among
+        this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
+        conversation)."""
+        if match is None and cold_prefill_tps is not None:
+            self.cold_prefill_tps.append(cold_prefill_tps)
+        entries = self._by_key.setdefault(new.key, [])
+        self._by_key.move_to_end(new.key)
+        if match is not None:
+            old = next((e for e in entries if e.conversation_id == match.conversation_id), None)
+            if old is not None:
+                entries.remove(old)
+                self._count -= 1
+            cid, turn = match.conversation_id, match.turn
+            rate = cold_prefill_tps or match.cold_prefill_tps
+            lost = match.lost_s + lost_s
+        else:
+            cid, turn, rate, lost = request_id, 1, cold_prefill_tps, lost_s
+        entries.insert(0, Latest(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost))
+        self._count += 1
+        if len(entries) > SAME_KEY:
+            entries.pop()
+            self._count -= 1
+        while self._count > self.max_conversations:
+            _, dropped = self._by_key.popitem(last=False)
+            self._count -= len(dropped)
+        return cid, turn
+
+    def prefill_rate(self) -> float | None:
+        """The median prefill tok/s of recent first turns (a cold cache), when there are any."""
+        if not self.cold_prefill_tps:
+            return None
+        v = sorted(self.cold_prefill_tps)
+        return v[len(v) // 2]

@@ -9,7 +9,7 @@ differs, block by block: how much of an earlier prompt a new one shares, and whe
 diverge. Fingerprints are Python's `hash()` of strings: stable within one process, which is
 all an in-memory index needs.
 
-Conversation identity (`PrefixIndex.match`): a conversation belongs to one endpoint family
+Conversation identity (`find_turn`): a conversation belongs to one endpoint family
 (chat, Messages, Responses) and starts from one first user message; a new request continues
 it only when its message list (the messages after the leading system ones) strictly extends
 the previous request's, or provably rewrites it (it keeps the previous request's last message
@@ -22,10 +22,10 @@ What changed (`prompt_change`) is named from the fingerprints alone: `model_chan
 while the rest stayed: where, and the line's shape, e.g. `a-a: a=<hex:5>;`, no text),
 `system_changed`, `history_rewritten`. For that the system pieces also keep one fingerprint
 per line, and the tools one fingerprint and the name per tool; the shape of a changed line
-is read from the new request's body while it is still at hand (`PrefixIndex.match`).
+is read from the new request's body while it is still at hand.
 
-`PrefixIndex` keeps, per upstream, the latest prompt of at most `MAX_CONVERSATIONS`
-conversations. Limits (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks
+These are pure functions; the conversations an upstream remembers (the latest prompt of
+each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks
 (`MAX_BLOCKS * BLOCK_CHARS` characters) are fingerprinted per prompt; past that, pieces
 compare whole.
 """
@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
 import orjson
@@ -44,7 +42,6 @@ import orjson
 __all__ = [
     "PromptPrint",
     "fingerprint",
-    "PrefixIndex",
     "Match",
     "Change",
     "Cause",
@@ -55,18 +52,18 @@ __all__ = [
     "line_shape",
     "BLOCK_CHARS",
     "MAX_BLOCKS",
-    "MAX_CONVERSATIONS",
+    "continues",
+    "find_turn",
+    "Latest",
 ]
 
 BLOCK_CHARS = 256
 MAX_BLOCKS = 4096  # 1 MiB of prompt text per request (~250k tokens); 32 KiB of fingerprints at most
-MAX_CONVERSATIONS = 256  # per upstream
 MAX_PIECES = 20_000
 MAX_LINES = 4096  # line fingerprints per system piece
 SHAPE_LINE_CHARS = 400  # a longer changed line has no shape
 VOLATILE_LINES = 2  # a change of at most this many lines, in place...
 VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
-SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -467,112 +464,48 @@ def continues(old: PromptPrint, new: PromptPrint) -> bool:
     return a[-1] in b
 
 
-@dataclass(slots=True)
-class _Entry:
+class Latest(NamedTuple):
+    """A conversation's latest prompt as an upstream's index keeps it (`cachecheck.PrefixIndex`)."""
+
     conversation_id: str
     turn: int
     request_id: str
     prompt: PromptPrint
     prompt_tokens: int | None
     end_s: float
-    cold_prefill_tps: float | None = None
-    lost_s: float = 0.0
+    cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
+    lost_s: float = 0.0  # prefill seconds lost to re-prefills, summed over the conversation
 
 
-class PrefixIndex:
-    """The latest prompt of each recent conversation on one upstream (bounded, no text)."""
-
-    def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
-        self.max_conversations = max_conversations
-        # per key (family and first user message), the latest prompts of up to SAME_KEY
-        # conversations, the most recent first
-        self._by_key: OrderedDict[int, list[_Entry]] = OrderedDict()
-        self._count = 0
-        self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
-
-    def __len__(self) -> int:
-        return self._count
-
-    def _find(self, new: PromptPrint) -> tuple[_Entry, int, bool, str | None] | None:
-        """The conversation `new` continues, and how it compares: of the recent ones with its
-        key that it `continues`, the same model first, then one it extends, then the one it
-        shares most with (a replayed conversation's turn belongs to its own run, not to the
-        latest run's first turn)."""
-        best: tuple[tuple[bool, bool, int], _Entry, int, bool, str | None] | None = None
-        for e in self._by_key.get(new.key, ()):
-            if not continues(e.prompt, new):
-                continue
-            shared, extends, where = compare(e.prompt, new)
-            rank = (e.prompt.model == new.model, extends, shared)
-            if best is None or rank > best[0]:
-                best = (rank, e, shared, extends, where)
-        return None if best is None else best[1:]
-
-    def match(self, new: PromptPrint, body: Any = None) -> Match | None:
-        """The conversation `new` continues and how (None: it starts one). `body`: the request
-        body `new` was made of, still at hand (the shape of a volatile line is read from it)."""
-        found = self._find(new)
-        if found is None:
-            return None
-        e, shared, extends, where = found
-        return Match(
-            e.conversation_id,
-            e.turn + 1,
-            e.request_id,
-            e.prompt_tokens,
-            e.prompt.total_chars,
-            shared,
-            extends,
-            where,
-            e.end_s,
-            prompt_change(e.prompt, new, body),
-            e.cold_prefill_tps,
-            e.lost_s,
-        )
-
-    def add(
-        self,
-        new: PromptPrint,
-        match: Match | None,
-        request_id: str,
-        prompt_tokens: int | None,
-        end_s: float,
-        *,
-        cold_prefill_tps: float | None = None,
-        lost_s: float = 0.0,
-    ) -> tuple[str, int]:
-        """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
-        `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
-        conversation's own until a later cold turn replaces it, and, on a first turn, among
-        this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
-        conversation)."""
-        if match is None and cold_prefill_tps is not None:
-            self.cold_prefill_tps.append(cold_prefill_tps)
-        entries = self._by_key.setdefault(new.key, [])
-        self._by_key.move_to_end(new.key)
-        if match is not None:
-            old = next((e for e in entries if e.conversation_id == match.conversation_id), None)
-            if old is not None:
-                entries.remove(old)
-                self._count -= 1
-            cid, turn = match.conversation_id, match.turn
-            rate = cold_prefill_tps or match.cold_prefill_tps
-            lost = match.lost_s + lost_s
-        else:
-            cid, turn, rate, lost = request_id, 1, cold_prefill_tps, lost_s
-        entries.insert(0, _Entry(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost))
-        self._count += 1
-        if len(entries) > SAME_KEY:
-            entries.pop()
-            self._count -= 1
-        while self._count > self.max_conversations:
-            _, dropped = self._by_key.popitem(last=False)
-            self._count -= len(dropped)
-        return cid, turn
-
-    def prefill_rate(self) -> float | None:
-        """The median prefill tok/s of recent first turns (a cold cache), when there are any."""
-        if not self.cold_prefill_tps:
-            return None
-        v = sorted(self.cold_prefill_tps)
-        return v[len(v) // 2]
+def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: Any = None) -> Match | None:
+    """The conversation `new` continues, and how (None: it starts one), among the `latest`
+    prompts of an upstream's recent conversations (per key, the most recent first). Of those
+    it `continues`, the same model first, then one it extends, then the one it shares most
+    with (a replayed conversation's turn belongs to its own run, not to the latest run's first
+    turn). `body`: the request body `new` was made of, still at hand (the shape of a volatile
+    line is read from it)."""
+    best: tuple[tuple[bool, bool, int], Latest, int, bool, str | None] | None = None
+    for e in latest.get(new.key, ()):
+        if not continues(e.prompt, new):
+            continue
+        shared, extends, where = compare(e.prompt, new)
+        rank = (e.prompt.model == new.model, extends, shared)
+        if best is None or rank > best[0]:
+            best = (rank, e, shared, extends, where)
+    if best is None:
+        return None
+    _, e, shared, extends, where = best
+    return Match(
+        e.conversation_id,
+        e.turn + 1,
+        e.request_id,
+        e.prompt_tokens,
+        e.prompt.total_chars,
+        shared,
+        extends,
+        where,
+        e.end_s,
+        prompt_change(e.prompt, new, body),
+        e.cold_prefill_tps,
+        e.lost_s,
+    )

@@ -25,9 +25,9 @@ from typing import Any
 import orjson
 
 from mlxproxy.capture import CapturedRequest
+from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.detect import MOSTLY_CACHED, Thresholds, prefill_scaling
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, endpoint_of, inject_include_usage
-from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async

@@ -56,8 +56,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from typing import Any, Literal
 
+from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.detect import Thresholds
-from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import run_async

@@ -30,9 +30,9 @@ from mlxproxy.asgi import Message, Receive, Scope, Send
 from mlxproxy.capture import Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import USAGE_INJECTABLE, inject_include_usage, parse_request
-from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.edge.limits import MAX_FIELD_CHARS, HeadLimits, bounded_field, origin_form
 from mlxproxy.errors import UpstreamError, error_body

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
-from mlxproxy.core.prefix import PrefixIndex
 from mlxproxy.core.record import Record
 from mlxproxy.proxy.metrics import ProxyMetrics
 from support import FIXTURES

@@ -15,10 +15,11 @@ import pytest
 
 from mlxproxy.config import build_config
 from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
-from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, PrefixIndex, fingerprint
+from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, fingerprint
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
