@@ -65,6 +65,16 @@ def _busy() -> float:
     return (sum(vals) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def _proc_cpu(pid: int) -> float:
+    """CPU-seconds process `pid` has used so far (/proc/PID/stat: utime + stime)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -219,7 +229,7 @@ def main() -> None:
             f"{workers} load process{'es' if workers > 1 else ''}) vs the overhead harness's client"
         )
         if 1 in parts:
-            nonstream(url, rates, seconds, workers, results)
+            nonstream(url, rates, seconds, workers, results, up.pid)
         if 2 in parts:
             streams_job(url, port, streams, seconds, workers, harness, results)
         if 3 in parts:
@@ -249,22 +259,30 @@ def _workers_text(r: dict[str, Any]) -> str:
     )
 
 
-def nonstream(url: str, rates: list[float], seconds: float, workers: int, results: dict[str, Any]) -> None:
-    if True:  # (indented as it was inside main)
-        print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
+def nonstream(
+    url: str, rates: list[float], seconds: float, workers: int, results: dict[str, Any], upstream_pid: int
+) -> None:
+    """Each rate for `seconds`: what was sent and completed, the schedule lag, the generator's
+    CPU, and where the machine's two cores went: the upstream's CPU per request and the whole
+    machine's busy cores over the step (generator, upstream, kernel and anything else)."""
+    print("\n1. open loop, non-streaming (constant arrivals, as --rate sends them)")
+    print(
+        f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
+        f" {'CPU us/req':>10} {'upstream us/req':>15} {'machine cores':>13}"
+    )
+    for rate in rates:
+        up0, busy0, t0 = _proc_cpu(upstream_pid), _busy(), now()
+        r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8, workers=workers))
+        wall = now() - t0
+        r["upstream_cpu_us_per_request"] = (_proc_cpu(upstream_pid) - up0) / r["requests"] * 1e6
+        r["machine_cores"] = (_busy() - busy0) / wall  # (the workers' start-up included)
+        results["nonstream"].append({"rate": rate, **r})
         print(
-            f"{'rate':>7} {'sent/s':>8} {'done/s':>8} {'ok/req':>11} {'lag p50 ms':>10} {'lag p99 ms':>10} {'cores':>6}"
-            f" {'CPU us/req':>10}"
+            f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
+            f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
+            f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}"
+            f" {_f(r['upstream_cpu_us_per_request'], '.0f'):>15} {_f(r['machine_cores'], '.2f'):>13}" + _workers_text(r)
         )
-        for rate in rates:
-            r = _run(ours(url, rate=rate, n=int(rate * seconds), stream=False, tokens=8, workers=workers))
-            results["nonstream"].append({"rate": rate, **r})
-            print(
-                f"{rate:>7.0f} {_f(r['sent_rps'], '.0f'):>8} {_f(r['done_rps'], '.0f'):>8} "
-                f"{str(r['ok']) + '/' + str(r['requests']):>11} {_f(r['lag_p50_ms'], '.2f'):>10} "
-                f"{_f(r['lag_p99_ms'], '.2f'):>10} {_f(r['client_cores'], '.2f'):>6} {_f(r['cpu_us_per_request'], '.0f'):>10}"
-                + _workers_text(r)
-            )
 
 
 def streams_job(
@@ -355,8 +373,14 @@ def verdicts(results: dict[str, Any], wall: float, busy0: float, streams: int, w
             f"{'es' if workers > 1 else ''}: {_f(results['highest_rate_kept'], '.0f')} req/s"
         )
     at = [x for x in results["nonstream"] if x["rate"] >= 2000]
-    if workers == 1 and at:
-        print(f"target >= 2000 req/s non-streaming with lag p99 <= 5 ms: {'met' if all(map(_kept, at)) else 'NOT met'}")
+    if (
+        workers == 1 and at
+    ):  # judged at the lowest rate tried from 2000 up (a higher rate may fail: that is the ceiling)
+        first = min(at, key=lambda x: x["rate"])
+        print(
+            f"target >= 2000 req/s non-streaming with lag p99 <= 5 ms: {'met' if _kept(first) else 'NOT met'}"
+            f" (at {first['rate']:.0f} req/s)"
+        )
     s = results["streams"].get("mlxproxy")
     if s:
         ok_streams = (s["lag_p99_ms"] or 1e9) <= 5.0 and s["ok"] == s["requests"]
