@@ -25,6 +25,30 @@ T = TypeVar("T")
 STACKS = ("plain", "fast")
 STACK_ENV = "MLXPROXY_STACK"
 
+#: the open-files limit asked for when the hard limit is unlimited (macOS: kern.maxfilesperproc
+#: is usually 10240 or more; its default soft limit is 256)
+OPEN_FILES_WANTED = 10240
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise this process's soft limit on open files to its hard limit (at most
+    `OPEN_FILES_WANTED` where the hard limit is unlimited), as load generators and servers do:
+    every stream in flight holds one or two sockets, and macOS starts processes at 256, so a
+    run of a few hundred concurrent streams would fail in the client, not at the server.
+    Returns (before, after), or None where the platform has no such limit or refuses."""
+    try:
+        import resource
+    except ImportError:  # (Windows)
+        return None
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ValueError, OSError):
+        return None
+
 
 def _importable(name: str) -> bool:
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import ssl as _ssl
 import time
 from types import ModuleType
@@ -433,7 +434,14 @@ class RawPool:
             raise UpstreamTimeout(
                 f"upstream '{self.name}' at {self.base} did not accept a connection within {self.connect_timeout_s:g} s"
             ) from None
-        except (OSError, ValueError, _ssl.SSLError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's doing
+                raise UpstreamUnreachable(
+                    f"the load generator ran out of open files ({len(self.open_conns)} connections open to "
+                    f"'{self.name}'; see `ulimit -n`): this request was never sent"
+                ) from None
+            raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from None
+        except ValueError as exc:
             raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from None
         self.open_conns.add(conn)
         return conn

@@ -7,7 +7,11 @@ own client meters them, on both stacks."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -256,6 +260,62 @@ def test_a_finished_response_leaves_no_cyclic_garbage(parser: str) -> None:
     with FakeUpstream(handler) as up:
         garbage = run_async(main())
     assert garbage < 50  # none per request (the loop's own bookkeeping may leave a few)
+
+
+def test_running_out_of_open_files_is_the_generators_limit_not_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE on connect is this process's limit: the record says so, and does not call the
+    server unreachable."""
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+
+        async def no_fd(*a: object, **k: object) -> None:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(loop, "create_connection", no_fd)
+        pool = rawhttp.RawPool("http://127.0.0.1:9", read_timeout_s=10)
+        try:
+            await pool.request("GET", b"/", [], b"", Collect())
+        except UpstreamUnreachable as exc:
+            return str(exc)
+        finally:
+            await pool.aclose()
+        return ""
+
+    msg = run_async(main())
+    assert msg.startswith("the load generator ran out of open files (0 connections open to 'target'")
+    assert "ulimit -n" in msg and "is unreachable" not in msg
+
+
+def test_the_cli_raises_its_open_files_limit(tmp_path: Path) -> None:
+    """macOS starts processes with 256 open files: every command raises its soft limit to the
+    hard one first (checked in a child started with a soft limit of 256)."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit here is {hard}: nothing to raise it to")
+    code = (
+        "import resource, sys\n"
+        "from mlxproxy.cli import main\n"
+        "import mlxproxy.edge.runner as r\n"
+        "seen = []\n"
+        "real = r.raise_open_files_limit\n"
+        "r.raise_open_files_limit = lambda: seen.append(real())\n"
+        "try:\n"
+        "    main(['report', '--help'])\n"
+        "finally:\n"
+        "    print('LIMITS', seen, resource.getrlimit(resource.RLIMIT_NOFILE)[0], file=sys.stderr)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
+    line = [x for x in p.stderr.splitlines() if x.startswith("LIMITS")][-1]
+    assert line.startswith("LIMITS [(256, ")
+    assert int(line.split()[-1]) > 256
 
 
 def test_a_connection_closed_before_the_write_is_never_written_to(parser: str) -> None:
