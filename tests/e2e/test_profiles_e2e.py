@@ -235,8 +235,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     notes = headline_notes(results)
     assert notes and notes[0].startswith("* phantom-usage single") and "streamed count" in notes[0]
     healthy_single = next(g for g in results[0].groups if g.kind == "single")
-    for d in healthy_single.records:
-        rec = Record.from_dict(d)
+    for row in healthy_single.records:
+        rec = row.record
         assert rec.tokens_source == "usage" and not rec.anomalies
         assert (rec.tpot_s, rec.decode_tps, rec.wall_tps) == rate_figures(
             rec.completion_tokens_reported, rec.ttft_s, rec.e2e_s, wall_window_s(rec.duration_s, rec.tail_after_done_s)
