@@ -693,6 +693,38 @@ def test_sim_on_a_taken_port_says_only_that() -> None:
     )
 
 
+#: error texts as the load generator and the proxy meet them, each longer than some of the limits
+LONG_ERRORS = [
+    "cannot reach http://127.0.0.1:18999: ClientConnectorError: Cannot connect to host 127.0.0.1:18999 "
+    "ssl:default [Connect call failed ('127.0.0.1', 18999)]",
+    "upstream 'gone' at http://127.0.0.1:18999 is unreachable: ConnectionRefusedError: [Errno 111] Connection refused",
+    "HTTP 500:" + " the model runner failed at token 12345 of 67890 after 3.25 s, retry later;" * 6,
+    "ClientConnectorError: Cannot connect to host a-long-host-name.internal.example:18999 ssl:default "
+    "[Name or service not known]",
+]
+
+
+def test_a_long_error_is_cut_after_a_whole_word_never_inside_a_number() -> None:
+    """`clip`, which every one-line error goes through, at every limit from 30 characters: the
+    text kept is the error's start and ends where a word, a number, an address or a port ends
+    (the issue saw `Connection refu` and port 18999 shown as `1899`)."""
+    from mlxproxy.errors import clip
+
+    def in_token(c: str) -> bool:  # a character of a word, a number or a dotted address
+        return c.isalnum() or c in "._-"
+
+    for text in LONG_ERRORS:
+        for limit in range(30, len(text) + 2):
+            out = clip(text, limit)
+            assert len(out) <= limit, (limit, out)
+            if len(text) <= limit:
+                assert out == text
+                continue
+            kept = out.removesuffix("…")
+            assert out.endswith("…") and kept and text.startswith(kept), (limit, out)
+            assert not (in_token(kept[-1]) and in_token(text[len(kept)])), (limit, out, text[len(kept) :][:20])
+
+
 def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Path) -> None:
     """A server that pauses once, with a token or two in the middle of the pause (three long
     gaps in a row), was reported as `cyclic: every ~1 events`."""
