@@ -5,6 +5,7 @@ command's click parameters and the README's table)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import socket
@@ -633,6 +634,51 @@ def test_ctrl_c_before_any_replay_result_prints_no_empty_table(capture: Path) ->
     assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
     assert stdout == "", stdout  # no legend under a table that is not there
     assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted before any request finished"
+
+
+class Held:
+    """ASGI wrapper answering the first `free` POSTs and holding every later one until `released`
+    (so a test can Ctrl-C a run after exactly `free` requests were answered). `started` counts
+    the POSTs that arrived; GETs (`/v1/models`) pass."""
+
+    def __init__(self, app: Any, free: int) -> None:
+        self.app, self.free, self.started, self.released = app, free, 0, False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.started += 1
+            while self.started > self.free and not self.released:
+                await asyncio.sleep(0.05)  # held until the test lets go, not measuring
+        await self.app(scope, receive, send)
+
+
+def test_ctrl_c_after_one_measured_request_says_request_not_requests(capture: Path) -> None:
+    """A run cut after exactly one answered request counts it in the singular: bench's verdict
+    and result file say `interrupted after 1 measured request`, replay's last line
+    `1 finished request printed` (the issue saw "1 measured requests")."""
+    app = Held(create_sim("healthy", speed=20), free=3)  # bench: 2 probe requests, then 1 measured
+    with ServerThread(app) as sim:
+        try:
+            code, stdout, stderr = ctrl_c_after(
+                ["bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "8"],
+                lambda: app.started > 3,  # the one measured request was answered and the next is held
+            )
+        finally:
+            app.released = True
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    out = stdout.splitlines()
+    assert out[out.index("Verdicts:") + 1] == "s  interrupted after 1 measured request", stdout[-1500:]
+    app = Held(create_sim("healthy", speed=20), free=1)  # replay: its first request, then one held
+    with ServerThread(app) as sim:
+        try:
+            code, stdout, stderr = ctrl_c_after(
+                ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.started > 1
+            )
+        finally:
+            app.released = True
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    assert "replaying 2 requests x1 from" in stderr, stderr[-1500:]
+    assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted: 1 finished request printed", stderr[-1500:]
 
 
 def test_ctrl_c_during_demo_names_the_capture_it_wrote(tmp_path: Path) -> None:
