@@ -771,11 +771,22 @@ def test_a_long_error_is_cut_after_a_whole_word_never_inside_a_number() -> None:
             assert not (in_token(kept[-1]) and in_token(text[len(kept)])), (limit, out, text[len(kept) :][:20])
 
 
-def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "pauses, evidence_starts, cyclic",
+    [
+        ((20, 21, 22), "3 gaps over", None),
+        ((20,), "1 gap over", None),
+        ((5, 15, 25, 35), "4 gaps over", "; cyclic: every ~10 events"),  # what cyclic is
+    ],
+    ids=["three-back-to-back-gaps", "one-gap", "four-stalls-every-10"],
+)
+def test_a_stall_is_called_cyclic_only_when_it_recurs(
+    tmp_path: Path, pauses: tuple[int, ...], evidence_starts: str, cyclic: str | None
+) -> None:
     """A server that pauses once, with a token or two in the middle of the pause (three long
-    gaps in a row), was reported as `cyclic: every ~1 events`."""
-    import asyncio
-
+    gaps in a row), was reported as `cyclic: every ~1 events`; a pause of one long gap is
+    `1 gap`, not cyclic; pauses every 10 tokens are. The replay of the one-request capture
+    says `replaying 1 request`."""
     from fakeupstream import Conn, FakeUpstream, Req
 
     def event(text: str) -> bytes:
@@ -788,7 +799,7 @@ def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Pat
             return
         await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
         for i in range(40):
-            if i in (20, 21, 22):  # one pause of three long gaps, a token between each
+            if i in pauses:  # a long gap before each of these tokens
                 await asyncio.sleep(1.2)  # the server's script, not a measurement
             else:
                 await asyncio.sleep(0.01)
@@ -805,9 +816,11 @@ def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Pat
     with FakeUpstream(handler) as up:
         res = cli("replay", str(cap), "--target", up.url, "--mode", "sequential", "--json", str(tmp_path / "r.json"))
     assert res.returncode == 0, res.stderr[-1500:]
+    assert f"replaying 1 request x1 from {cap} " in res.stderr, res.stderr[-1500:]  # not "1 requests"
     (rec,) = [r for g in orjson.loads((tmp_path / "r.json").read_bytes())["groups"] for r in g["records"]]
     evidence = rec["anomaly_evidence"]["stall"]
-    assert evidence.startswith("3 gaps over") and "cyclic" not in evidence, evidence
+    assert evidence.startswith(evidence_starts), evidence
+    assert evidence.endswith(cyclic) if cyclic else "cyclic" not in evidence, evidence
 
 
 def test_a_synthetic_sweep_plot_leaves_out_empty_charts_and_labels_its_axes(tmp_path: Path) -> None:
