@@ -837,3 +837,32 @@ def test_a_synthetic_sweep_plot_leaves_out_empty_charts_and_labels_its_axes(tmp_
     assert "no data" not in text and "Batching" not in text and "released together" not in text
     assert "TTFT by prompt size" in text and "TTFT by concurrency" in text
     assert text.count('text-anchor="middle" font-size="12">400</text>') == 2  # TTFT and prefill by prompt size
+
+
+def test_a_long_target_name_fits_the_plots_legend_whole(tmp_path: Path) -> None:
+    """A legend entry longer than the legend's room is squeezed to fit, never cut off at the
+    chart's right edge (the issue saw `(no data` cut so), measured where it is drawn: in Chromium."""
+    from browser import Chromium, require_chromium
+
+    require_chromium()
+    name = "mlx_lm.server-Qwen3-30B-A3B-Instruct-4bit"  # ~280 px of 12 px text; the legend has 144
+    svg = tmp_path / "plot.svg"
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli(
+            "bench", "--target", f"{name}={sim.url}", "--prompt-tokens", "100,400", "--repeat", "1",
+            "--max-tokens", "8", "--batch", "2", "--plot", str(svg),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    with Chromium() as chromium:
+        page = chromium.page(offline=True)
+        page.goto(svg.as_uri())
+        width, titles, legend = page.eval(
+            "[document.documentElement.width.baseVal.value,"
+            " document.querySelectorAll('text[font-weight=bold]').length,"
+            f" [...document.querySelectorAll('text')].filter(t => t.textContent.startsWith({name[:10]!r}))"
+            "   .map(t => { const b = t.getBBox(); return [t.textContent, b.x, b.x + b.width]; })]"
+        )
+        assert page.errors == [], page.errors
+    assert titles >= 4 and len(legend) == titles, (titles, legend)  # one entry on every chart
+    for text, left, right in legend:
+        assert text == name and left > width / 2 and right <= width, (text, left, right, width)
