@@ -94,7 +94,11 @@ class Chromium:
             time.sleep(0.05)  # readiness poll
         port, path = port_file.read_text().splitlines()[:2]
         self.thread.start()
-        self._run(self._connect(f"ws://127.0.0.1:{port}{path}"))
+        try:
+            self._run(self._connect(f"ws://127.0.0.1:{port}{path}"))
+        except BaseException:  # __exit__ will not run: stop the browser here, not leave it orphaned
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

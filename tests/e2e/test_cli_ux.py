@@ -5,6 +5,7 @@ command's click parameters and the README's table)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import socket
@@ -635,6 +636,51 @@ def test_ctrl_c_before_any_replay_result_prints_no_empty_table(capture: Path) ->
     assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted before any request finished"
 
 
+class Held:
+    """ASGI wrapper answering the first `free` POSTs and holding every later one until `released`
+    (so a test can Ctrl-C a run after exactly `free` requests were answered). `started` counts
+    the POSTs that arrived; GETs (`/v1/models`) pass."""
+
+    def __init__(self, app: Any, free: int) -> None:
+        self.app, self.free, self.started, self.released = app, free, 0, False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.started += 1
+            while self.started > self.free and not self.released:
+                await asyncio.sleep(0.05)  # held until the test lets go, not measuring
+        await self.app(scope, receive, send)
+
+
+def test_ctrl_c_after_one_measured_request_says_request_not_requests(capture: Path) -> None:
+    """A run cut after exactly one answered request counts it in the singular: bench's verdict
+    and result file say `interrupted after 1 measured request`, replay's last line
+    `1 finished request printed` (the issue saw "1 measured requests")."""
+    app = Held(create_sim("healthy", speed=20), free=3)  # bench: 2 probe requests, then 1 measured
+    with ServerThread(app) as sim:
+        try:
+            code, stdout, stderr = ctrl_c_after(
+                ["bench", "--target", f"s={sim.url}", "--prompt-tokens", "50", "--repeat", "1", "--max-tokens", "8"],
+                lambda: app.started > 3,  # the one measured request was answered and the next is held
+            )
+        finally:
+            app.released = True
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    out = stdout.splitlines()
+    assert out[out.index("Verdicts:") + 1] == "s  interrupted after 1 measured request", stdout[-1500:]
+    app = Held(create_sim("healthy", speed=20), free=1)  # replay: its first request, then one held
+    with ServerThread(app) as sim:
+        try:
+            code, stdout, stderr = ctrl_c_after(
+                ["replay", str(capture), "--target", sim.url, "--mode", "sequential"], lambda: app.started > 1
+            )
+        finally:
+            app.released = True
+    assert code == 130 and "Traceback" not in stderr, stderr[-1500:]
+    assert "replaying 2 requests x1 from" in stderr, stderr[-1500:]
+    assert stderr.strip().splitlines()[-1] == "mlxproxy: interrupted: 1 finished request printed", stderr[-1500:]
+
+
 def test_ctrl_c_during_demo_names_the_capture_it_wrote(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     cap = out / "capture.jsonl"
@@ -693,11 +739,54 @@ def test_sim_on_a_taken_port_says_only_that() -> None:
     )
 
 
-def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Path) -> None:
-    """A server that pauses once, with a token or two in the middle of the pause (three long
-    gaps in a row), was reported as `cyclic: every ~1 events`."""
-    import asyncio
+#: error texts as the load generator and the proxy meet them, each longer than some of the limits
+LONG_ERRORS = [
+    "cannot reach http://127.0.0.1:18999: ClientConnectorError: Cannot connect to host 127.0.0.1:18999 "
+    "ssl:default [Connect call failed ('127.0.0.1', 18999)]",
+    "upstream 'gone' at http://127.0.0.1:18999 is unreachable: ConnectionRefusedError: [Errno 111] Connection refused",
+    "HTTP 500:" + " the model runner failed at token 12345 of 67890 after 3.25 s, retry later;" * 6,
+    "ClientConnectorError: Cannot connect to host a-long-host-name.internal.example:18999 ssl:default "
+    "[Name or service not known]",
+]
 
+
+def test_a_long_error_is_cut_after_a_whole_word_never_inside_a_number() -> None:
+    """`clip`, which every one-line error goes through, at every limit from 30 characters: the
+    text kept is the error's start and ends where a word, a number, an address or a port ends
+    (the issue saw `Connection refu` and port 18999 shown as `1899`)."""
+    from mlxproxy.errors import clip
+
+    def in_token(c: str) -> bool:  # a character of a word, a number or a dotted address
+        return c.isalnum() or c in "._-"
+
+    for text in LONG_ERRORS:
+        for limit in range(30, len(text) + 2):
+            out = clip(text, limit)
+            assert len(out) <= limit, (limit, out)
+            if len(text) <= limit:
+                assert out == text
+                continue
+            kept = out.removesuffix("…")
+            assert out.endswith("…") and kept and text.startswith(kept), (limit, out)
+            assert not (in_token(kept[-1]) and in_token(text[len(kept)])), (limit, out, text[len(kept) :][:20])
+
+
+@pytest.mark.parametrize(
+    "pauses, evidence_starts, cyclic",
+    [
+        ((20, 21, 22), "3 gaps over", None),
+        ((20,), "1 gap over", None),
+        ((5, 15, 25, 35), "4 gaps over", "; cyclic: every ~10 events"),  # what cyclic is
+    ],
+    ids=["three-back-to-back-gaps", "one-gap", "four-stalls-every-10"],
+)
+def test_a_stall_is_called_cyclic_only_when_it_recurs(
+    tmp_path: Path, pauses: tuple[int, ...], evidence_starts: str, cyclic: str | None
+) -> None:
+    """A server that pauses once, with a token or two in the middle of the pause (three long
+    gaps in a row), was reported as `cyclic: every ~1 events`; a pause of one long gap is
+    `1 gap`, not cyclic; pauses every 10 tokens are. The replay of the one-request capture
+    says `replaying 1 request`."""
     from fakeupstream import Conn, FakeUpstream, Req
 
     def event(text: str) -> bytes:
@@ -710,7 +799,7 @@ def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Pat
             return
         await conn.head(200, [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")])
         for i in range(40):
-            if i in (20, 21, 22):  # one pause of three long gaps, a token between each
+            if i in pauses:  # a long gap before each of these tokens
                 await asyncio.sleep(1.2)  # the server's script, not a measurement
             else:
                 await asyncio.sleep(0.01)
@@ -727,9 +816,11 @@ def test_one_stall_spanning_back_to_back_gaps_is_not_called_cyclic(tmp_path: Pat
     with FakeUpstream(handler) as up:
         res = cli("replay", str(cap), "--target", up.url, "--mode", "sequential", "--json", str(tmp_path / "r.json"))
     assert res.returncode == 0, res.stderr[-1500:]
+    assert f"replaying 1 request x1 from {cap} " in res.stderr, res.stderr[-1500:]  # not "1 requests"
     (rec,) = [r for g in orjson.loads((tmp_path / "r.json").read_bytes())["groups"] for r in g["records"]]
     evidence = rec["anomaly_evidence"]["stall"]
-    assert evidence.startswith("3 gaps over") and "cyclic" not in evidence, evidence
+    assert evidence.startswith(evidence_starts), evidence
+    assert evidence.endswith(cyclic) if cyclic else "cyclic" not in evidence, evidence
 
 
 def test_a_synthetic_sweep_plot_leaves_out_empty_charts_and_labels_its_axes(tmp_path: Path) -> None:
@@ -746,3 +837,32 @@ def test_a_synthetic_sweep_plot_leaves_out_empty_charts_and_labels_its_axes(tmp_
     assert "no data" not in text and "Batching" not in text and "released together" not in text
     assert "TTFT by prompt size" in text and "TTFT by concurrency" in text
     assert text.count('text-anchor="middle" font-size="12">400</text>') == 2  # TTFT and prefill by prompt size
+
+
+def test_a_long_target_name_fits_the_plots_legend_whole(tmp_path: Path) -> None:
+    """A legend entry longer than the legend's room is squeezed to fit, never cut off at the
+    chart's right edge (the issue saw `(no data` cut so), measured where it is drawn: in Chromium."""
+    from browser import Chromium, require_chromium
+
+    require_chromium()
+    name = "mlx_lm.server-Qwen3-30B-A3B-Instruct-4bit"  # ~280 px of 12 px text; the legend has 144
+    svg = tmp_path / "plot.svg"
+    with ServerThread(create_sim("healthy", speed=20)) as sim:
+        res = cli(
+            "bench", "--target", f"{name}={sim.url}", "--prompt-tokens", "100,400", "--repeat", "1",
+            "--max-tokens", "8", "--batch", "2", "--plot", str(svg),
+        )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-1500:]
+    with Chromium() as chromium:
+        page = chromium.page(offline=True)
+        page.goto(svg.as_uri())
+        width, titles, legend = page.eval(
+            "[document.documentElement.width.baseVal.value,"
+            " document.querySelectorAll('text[font-weight=bold]').length,"
+            f" [...document.querySelectorAll('text')].filter(t => t.textContent.startsWith({name[:10]!r}))"
+            "   .map(t => { const b = t.getBBox(); return [t.textContent, b.x, b.x + b.width]; })]"
+        )
+        assert page.errors == [], page.errors
+    assert titles >= 4 and len(legend) == titles, (titles, legend)  # one entry on every chart
+    for text, left, right in legend:
+        assert text == name and left > width / 2 and right <= width, (text, left, right, width)

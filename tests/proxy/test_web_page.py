@@ -410,6 +410,8 @@ def test_an_unreachable_upstream_is_warned_about_at_start_and_shown_in_healthz_a
             page.wait_for("!document.querySelector('#upstream-health').hidden")
             banner = page.eval("document.querySelector('#upstream-health').textContent")
             assert f"upstream gone at http://127.0.0.1:{dead} is unreachable" in banner and "alive" not in banner
+            status = page.wait_for("(t => t.startsWith('live') && t)(document.querySelector('#status').textContent)")
+            assert status.startswith("live · 1 request kept · "), status  # the one 502, counted in the singular
             print(f"\nscreenshot: {page.screenshot(artifacts / 'live-page-unreachable-upstream.png')}")
             assert_no_errors(page)
         finally:

@@ -59,7 +59,8 @@
       const d = await getJSON("/streams?since=" + state.seq);
       ingest(d);
       state.polls += 1;
-      setStatus("live · " + state.records.size + " requests kept · updated " + clock(state.now), "ok");
+      const kept = state.records.size;
+      setStatus(`live · ${kept} request${kept === 1 ? "" : "s"} kept · updated ${clock(state.now)}`, "ok");
       render();
       schedule(document.hidden ? HIDDEN_POLL_MS : POLL_MS);  // a tab in the background asks rarely
     } catch (err) {
