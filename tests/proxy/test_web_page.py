@@ -163,6 +163,16 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(
         assert page.eval("document.querySelectorAll('#chart-ttft circle').length") == 6
         assert page.eval("document.querySelectorAll('#chart-decode circle').length") == 6
         assert page.eval("document.querySelectorAll('#chart-aggregate polyline').length") == 3  # one per model
+        # ... every point inside the plot: the current 10 s bucket is drawn by now, not past it
+        xs = page.eval(
+            "[...document.querySelectorAll('#chart-aggregate polyline')]"
+            ".flatMap(p => p.getAttribute('points').split(' ').map(q => +q.split(',')[0]))"
+        )
+        right = page.eval(
+            "(() => { const r = document.querySelector('#chart-aggregate rect.box');"
+            " return +r.getAttribute('x') + +r.getAttribute('width'); })()"
+        )
+        assert xs and max(xs) <= right + 0.5, (xs, right)
         assert page.eval("document.querySelectorAll('#lanes g.span').length") == 6
 
         # a click on a finished request opens its timeline: one mark per token event, TTFT marked

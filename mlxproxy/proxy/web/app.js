@@ -329,7 +329,9 @@
   }
 
   function aggregate() {
-    // each record's tokens spread evenly over its decode span (first token to end), summed per model in 10 s buckets
+    // each record's tokens spread evenly over its decode span (first token to end), summed per model in 10 s
+    // buckets; the current bucket is the rate over its elapsed part, drawn at that part's middle (a full
+    // 10 s divisor made the line drop at the end while traffic ran, and its midpoint lay past now)
     const id = "chart-aggregate", B = 10;
     const holder = $(`#${id} .plot`);
     const now = state.now;
@@ -346,18 +348,22 @@
       const buckets = per.get(r.model);
       for (let k = Math.floor(a / B); k * B < b; k++) {
         const overlap = Math.min(b, (k + 1) * B) - Math.max(a, k * B);
-        if (overlap > 0) buckets.set(k, (buckets.get(k) || 0) + rate * overlap / B);
+        if (overlap > 0) buckets.set(k, (buckets.get(k) || 0) + rate * overlap);
       }
     }
     if (!per.size) { holder.textContent = "No data yet."; return; }
     const t0 = Math.max(now - CHART_WINDOW_S, Math.floor(tmin / B) * B);
     let ymax = 0;
-    for (const b of per.values()) for (const v of b.values()) ymax = Math.max(ymax, v);
+    for (const b of per.values()) for (const [k, v] of b) ymax = Math.max(ymax, v / Math.max(1, Math.min(B, now - k * B)));
     const f = frame(holder, 360, 170, t0, now, ymax * 1.1, clock, "");
     for (const [m, b] of per) {
       const ks = [...b.keys()].sort((x, y) => x - y);
       const pts = [];
-      for (let k = ks[0]; k <= ks[ks.length - 1]; k++) pts.push(`${f.sx(k * B + B / 2).toFixed(1)},${f.sy(b.get(k) || 0).toFixed(1)}`);
+      for (let k = ks[0]; k <= ks[ks.length - 1]; k++) {
+        const w = Math.min(B, now - k * B);  // the part of the bucket that has happened
+        if (w < 1) continue;  // (the first second of a bucket: too little to say a rate)
+        pts.push(`${f.sx(k * B + w / 2).toFixed(1)},${f.sy((b.get(k) || 0) / w).toFixed(1)}`);
+      }
       svg("polyline", { points: pts.join(" "), fill: "none", stroke: colorOf(m), "stroke-width": 1.8, class: "series" }, f.root);
     }
     legend(holder, [...per.keys()]);
