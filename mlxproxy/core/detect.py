@@ -18,6 +18,7 @@ from mlxproxy.core.meter import Measurement
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.record import OK_OUTCOMES, Record, TokensSource
 from mlxproxy.core.stats import percentile
+from mlxproxy.core.text import clip
 from mlxproxy.core.tools import TOOL_FINISH
 
 __all__ = [
@@ -277,13 +278,13 @@ def _failure_checks(r: Measured, th: Thresholds, refused: bool, headers_to_first
         elif r.context_limit_tokens is not None:
             ev = f"prompt refused: the limit is {r.context_limit_tokens} tokens"
         else:
-            ev = f"prompt refused as too long: {(r.error or '')[:160]}"
+            ev = f"prompt refused as too long: {clip(r.error or '', 160)}"
         add(Anomaly("context_limit", f"HTTP {r.status}: {ev}"))
     if r.outcome == "stream_error":
         add(
             Anomaly(
                 "stream_error",
-                f"error object inside a {r.status} stream: {(r.error or '')[:160]}"
+                f"error object inside a {r.status} stream: {clip(r.error or '', 160)}"
                 + (f" (followed by finish_reason {r.finish_reason!r})" if r.finish_reason else ""),
             )
         )

@@ -319,10 +319,10 @@ class _Conn(asyncio.Protocol):
         pool = self.pool
         if self.headed:
             err: Exception = UpstreamBodyTimeout(
-                f"upstream '{pool.name}' went silent for longer than the read timeout ({timeout:g} s)"
+                f"{pool.who} went silent for longer than the read timeout ({timeout:g} s)"
             )
         else:
-            err = UpstreamTimeout(f"upstream '{pool.name}' did not answer within the timeout ({timeout:g} s)")
+            err = UpstreamTimeout(f"{pool.who} did not answer within the timeout ({timeout:g} s)")
         self.done.set_exception(err)
         self.abort()
 
@@ -334,9 +334,7 @@ class _Conn(asyncio.Protocol):
             if self.headed:
                 done.set_exception(UpstreamBodyError(f"upstream body ended abnormally: {reason}"))
             else:
-                done.set_exception(
-                    UpstreamUnreachable(f"upstream '{pool.name}' at {pool.base} failed before responding: {reason}")
-                )
+                done.set_exception(UpstreamUnreachable(f"{pool.who} failed before responding: {reason}"))
         self.abort()
 
     def stop_timer(self) -> None:
@@ -398,6 +396,12 @@ class RawPool:
                     "cannot carry (only latin-1)"
                 ) from None
             self.auth_header = b"Basic " + base64.b64encode(user_pass)
+        # how messages name it: a target named after its own address is named once
+        self.who = (
+            f"upstream {self.base}"
+            if name in (netloc, f"{self.host}:{self.port}")
+            else f"upstream '{name}' at {self.base}"
+        )
         self.connect_timeout_s = connect_timeout_s or None
         self.read_timeout_s = read_timeout_s or 0.0
         self.reuse = reuse_connections
@@ -432,7 +436,7 @@ class RawPool:
                 await fut
         except asyncio.TimeoutError:
             raise UpstreamTimeout(
-                f"upstream '{self.name}' at {self.base} did not accept a connection within {self.connect_timeout_s:g} s"
+                f"{self.who} did not accept a connection within {self.connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's doing
@@ -440,9 +444,9 @@ class RawPool:
                     f"the load generator ran out of open files ({len(self.open_conns)} connections open to "
                     f"'{self.name}'; see `ulimit -n`): this request was never sent"
                 ) from None
-            raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from None
+            raise UpstreamUnreachable(f"{self.who} is unreachable: {_reason(exc)}") from None
         except ValueError as exc:
-            raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {_reason(exc)}") from None
+            raise UpstreamUnreachable(f"{self.who} is unreachable: {_reason(exc)}") from None
         self.open_conns.add(conn)
         return conn
 
@@ -503,9 +507,7 @@ class RawPool:
             conn.stop_timer()
             conn.finish()
             self._drop(conn)
-            raise UpstreamUnreachable(
-                f"upstream '{self.name}' at {self.base} closed the connection before the request was sent"
-            ) from None
+            raise UpstreamUnreachable(f"{self.who} closed the connection before the request was sent") from None
         try:
             reusable = await done
         except BaseException:

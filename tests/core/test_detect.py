@@ -309,3 +309,14 @@ def test_dual_reasoning_fixture_is_named() -> None:
     m.response_started(0.01, 200, "text/event-stream")
     m.feed(body, 0.5)
     assert [a.kind for a in check_record(m.finish(0.6), TH)] == ["dual_reasoning_fields"]
+
+
+def test_quoted_error_text_is_cut_after_a_whole_word() -> None:
+    """The server's error text quoted in a `stream_error` evidence is cut after a whole word
+    (or punctuation), never inside a word or a number."""
+    words = "the engine stopped because worker 18999 of pool 42 lost its connection to the scheduler " * 4
+    r = rec(outcome="stream_error", error=words)
+    (ev,) = [a.evidence for a in check_record(r, TH) if a.kind == "stream_error"]
+    quoted = ev.split("stream: ", 1)[1]
+    assert quoted.endswith("…") and len(quoted) <= 160
+    assert words.startswith(quoted[:-1]) and words[len(quoted) - 1] == " ", quoted  # the next character was a space

@@ -287,6 +287,31 @@ def test_running_out_of_open_files_is_the_generators_limit_not_the_servers(monke
     assert "ulimit -n" in msg and "is unreachable" not in msg
 
 
+def test_a_target_named_after_its_address_is_named_once_in_messages() -> None:
+    """An unnamed target is named after its host:port: its messages say the address once
+    (`upstream http://127.0.0.1:P is unreachable`), a named one says both."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main(name: str) -> str:
+        pool = rawhttp.RawPool(f"http://127.0.0.1:{port}", name=name, read_timeout_s=10)
+        try:
+            await pool.request("GET", b"/", [], b"", Collect())
+        except UpstreamUnreachable as exc:
+            return str(exc)
+        finally:
+            await pool.aclose()
+        return ""
+
+    unnamed = run_async(main(f"127.0.0.1:{port}"))
+    assert unnamed.startswith(f"upstream http://127.0.0.1:{port} is unreachable: "), unnamed
+    named = run_async(main("gone"))
+    assert named.startswith(f"upstream 'gone' at http://127.0.0.1:{port} is unreachable: "), named
+
+
 def test_the_cli_raises_its_open_files_limit(tmp_path: Path) -> None:
     """macOS starts processes with 256 open files: every command raises its soft limit to the
     hard one first (checked in a child started with a soft limit of 256)."""
