@@ -278,7 +278,7 @@ def test_ten_turn_agent_on_a_caching_server_with_a_changed_system_prompt() -> No
         else:
             assert not KINDS & set(r.anomalies), (r.turn, r.anomaly_evidence)
             assert r.prefix_diverged_at is None
-            assert 0.95 <= r.cache_hit_ratio <= 1.1, (r.turn, r.cached_tokens, r.prefix_reusable_tokens)
+            assert 0.95 <= r.cache_hit_ratio <= 1.0, (r.turn, r.cached_tokens, r.prefix_reusable_tokens)
     # TTFT follows the uncached tokens: a hit is much faster than the cold first turn
     assert max(r.ttft_s for r in recs[1:] if r.turn != 6) < recs[0].ttft_s
 
