@@ -29,8 +29,8 @@ from mlxproxy.load.sessions_view import sessions_html
 __all__ = ["render_html", "write_html"]
 
 MAX_LANES = 120  # requests drawn per group
-LANE_LABEL_W = 270  # the room left of a lane for its label
-LANE_LABEL_CHARS = 48  # what fits in it at 10 px sans-serif
+LANE_LABEL_W = 296  # the room left of a lane for its label: LANE_LABEL_CHARS at ~6 px (10 px sans-serif)
+LANE_LABEL_CHARS = 48  # a label's most characters (whole anomaly names, then "+N")
 MAX_TICKS = 240  # token marks drawn per request
 
 CSS = """

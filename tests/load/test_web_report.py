@@ -191,6 +191,13 @@ def test_demo_writes_an_html_report_that_opens_offline(tmp_path: Path) -> None:
         text = page.eval("document.querySelector('#anomalies').textContent")
         for kind in ("non_incremental_stream", "context_limit", "stall", "usage_mismatch", "serialized"):
             assert kind in text, kind
+        # every lane's label is drawn whole inside its chart, measured where it is drawn (the
+        # phantom-usage lanes' 47-character labels began up to 10 px left of the chart's edge)
+        cut = page.eval(
+            "[...document.querySelectorAll('#timelines g.req > text')]"
+            ".map(t => [t.textContent, t.getBBox().x]).filter(([_, x]) => x < 0)"
+        )
+        assert cut == [], cut
         print(f"\nscreenshot: {page.screenshot(tmp_path / 'demo-report.png')}")
 
 
