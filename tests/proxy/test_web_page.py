@@ -173,6 +173,14 @@ def test_live_page_shows_streams_timelines_charts_and_anomalies(
             " return +r.getAttribute('x') + +r.getAttribute('width'); })()"
         )
         assert xs and max(xs) <= right + 0.5, (xs, right)
+        # ... and each model is seen: a line, or a dot where it has one bucket so far (a polyline of
+        # one point draws nothing)
+        seen = page.eval(
+            "[...document.querySelectorAll('#chart-aggregate polyline')]"
+            ".filter(p => p.getAttribute('points').split(' ').length > 1).length"
+            " + document.querySelectorAll('#chart-aggregate circle.series-dot').length"
+        )
+        assert seen == 3, seen
         assert page.eval("document.querySelectorAll('#lanes g.span').length") == 6
 
         # a click on a finished request opens its timeline: one mark per token event, TTFT marked

@@ -365,6 +365,10 @@
         pts.push(`${f.sx(k * B + w / 2).toFixed(1)},${f.sy((b.get(k) || 0) / w).toFixed(1)}`);
       }
       svg("polyline", { points: pts.join(" "), fill: "none", stroke: colorOf(m), "stroke-width": 1.8, class: "series" }, f.root);
+      if (pts.length === 1) {  // one bucket so far: a line of one point draws nothing
+        const [x, y] = pts[0].split(",");
+        svg("circle", { cx: x, cy: y, r: 2.6, fill: colorOf(m), class: "series-dot" }, f.root);
+      }
     }
     legend(holder, [...per.keys()]);
   }
