@@ -17,7 +17,6 @@ from __future__ import annotations
 import orjson
 
 from mlxproxy.core.record import Outcome
-from mlxproxy.core.text import clip as clip  # (re-exported: the checks in core clip the evidence they quote with it)
 
 
 def error_body(message: str, code: str, err_type: str = "proxy_error") -> bytes:

@@ -27,7 +27,7 @@ import orjson
 from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.errors import clip
+from mlxproxy.core.text import clip
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text, requests_text, unreachable_message
 from mlxproxy.load.progress import Progress

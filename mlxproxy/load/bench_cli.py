@@ -6,7 +6,7 @@ import dataclasses
 
 import click
 
-from mlxproxy.errors import clip
+from mlxproxy.core.text import clip
 from mlxproxy.load.bench import (
     DEFAULT_SIZES,
     BenchOptions,

@@ -15,9 +15,10 @@ import click
 
 from mlxproxy.config import parse_upstream_url
 from mlxproxy.core.record import OK_OUTCOMES
+from mlxproxy.core.text import clip
 from mlxproxy.edge.runner import run_async as run_on_stack
 from mlxproxy.edge.runner import stack_settings
-from mlxproxy.errors import ConfigError, UpstreamError, clip
+from mlxproxy.errors import ConfigError, UpstreamError
 from mlxproxy.load.results import Group
 from mlxproxy.load.slo import failed_checks
 

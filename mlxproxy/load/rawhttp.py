@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-import ssl as _ssl
+import ssl
 import time
 from types import ModuleType
 from typing import Protocol
@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import h11
 
+from mlxproxy.core.text import clip
 from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import (
     ConfigError,
@@ -33,7 +34,6 @@ from mlxproxy.errors import (
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnreachable,
-    clip,
 )
 
 httptools: ModuleType | None
@@ -408,7 +408,7 @@ class RawPool:
         self.parser_class = _parser_class()
         self.idle: list[_Conn] = []
         self.open_conns: set[_Conn] = set()
-        self._ssl: _ssl.SSLContext | None = None
+        self._ssl: ssl.SSLContext | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     def target(self, path: str) -> bytes:
@@ -426,7 +426,7 @@ class RawPool:
         kwargs: dict[str, object] = {}
         if self.tls:
             if self._ssl is None:
-                self._ssl = _ssl.create_default_context()
+                self._ssl = ssl.create_default_context()
             kwargs = {"ssl": self._ssl, "server_hostname": self.host}
         try:
             fut = loop.create_connection(lambda: conn, self.host, self.port, **kwargs)  # type: ignore[call-overload]
@@ -438,14 +438,12 @@ class RawPool:
             raise UpstreamTimeout(
                 f"{self.who} did not accept a connection within {self.connect_timeout_s:g} s"
             ) from None
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's doing
+        except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's
                 raise UpstreamUnreachable(
                     f"the load generator ran out of open files ({len(self.open_conns)} connections open to "
                     f"'{self.name}'; see `ulimit -n`): this request was never sent"
                 ) from None
-            raise UpstreamUnreachable(f"{self.who} is unreachable: {_reason(exc)}") from None
-        except ValueError as exc:
             raise UpstreamUnreachable(f"{self.who} is unreachable: {_reason(exc)}") from None
         self.open_conns.add(conn)
         return conn

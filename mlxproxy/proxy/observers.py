@@ -13,7 +13,7 @@ from typing import Protocol
 
 from mlxproxy.capture import Exchange
 from mlxproxy.core.record import Record
-from mlxproxy.errors import clip
+from mlxproxy.core.text import clip
 
 __all__ = ["Observer", "Fanout", "RecentRecords", "LogObserver", "format_record_line"]
 

@@ -14,7 +14,7 @@ from contextlib import suppress
 from typing import Protocol, TypeGuard
 from urllib.parse import urlsplit
 
-from mlxproxy.errors import clip
+from mlxproxy.core.text import clip
 
 __all__ = ["Reach", "HasReach", "has_reach", "probe", "refresh", "PROBE_TIMEOUT_S", "PROBE_EVERY_S"]
 

@@ -21,13 +21,13 @@ import aiohttp
 from yarl import URL
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
+from mlxproxy.core.text import clip
 from mlxproxy.errors import (
     ConfigError,
     UpstreamBodyError,
     UpstreamBodyTimeout,
     UpstreamTimeout,
     UpstreamUnreachable,
-    clip,
 )
 from mlxproxy.proxy._compat_aiohttp import connector
 from mlxproxy.proxy.reach import Reach

@@ -754,7 +754,7 @@ def test_a_long_error_is_cut_after_a_whole_word_never_inside_a_number() -> None:
     """`clip`, which every one-line error goes through, at every limit from 30 characters: the
     text kept is the error's start and ends where a word, a number, an address or a port ends
     (the issue saw `Connection refu` and port 18999 shown as `1899`)."""
-    from mlxproxy.errors import clip
+    from mlxproxy.core.text import clip
 
     def in_token(c: str) -> bool:  # a character of a word, a number or a dotted address
         return c.isalnum() or c in "._-"

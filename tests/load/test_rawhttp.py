@@ -262,6 +262,17 @@ def test_a_finished_response_leaves_no_cyclic_garbage(parser: str) -> None:
     assert garbage < 50  # none per request (the loop's own bookkeeping may leave a few)
 
 
+async def _refusal(pool: rawhttp.RawPool) -> str:
+    """The message of the `UpstreamUnreachable` one request through `pool` raises ("" if none)."""
+    try:
+        await pool.request("GET", b"/", [], b"", Collect())
+    except UpstreamUnreachable as exc:
+        return str(exc)
+    finally:
+        await pool.aclose()
+    return ""
+
+
 def test_running_out_of_open_files_is_the_generators_limit_not_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     """EMFILE on connect is this process's limit: the record says so, and does not call the
     server unreachable."""
@@ -273,14 +284,7 @@ def test_running_out_of_open_files_is_the_generators_limit_not_the_servers(monke
             raise OSError(errno.EMFILE, "Too many open files")
 
         monkeypatch.setattr(loop, "create_connection", no_fd)
-        pool = rawhttp.RawPool("http://127.0.0.1:9", read_timeout_s=10)
-        try:
-            await pool.request("GET", b"/", [], b"", Collect())
-        except UpstreamUnreachable as exc:
-            return str(exc)
-        finally:
-            await pool.aclose()
-        return ""
+        return await _refusal(rawhttp.RawPool("http://127.0.0.1:9", read_timeout_s=10))
 
     msg = run_async(main())
     assert msg.startswith("the load generator ran out of open files (0 connections open to 'target'")
@@ -296,19 +300,12 @@ def test_a_target_named_after_its_address_is_named_once_in_messages() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
-    async def main(name: str) -> str:
-        pool = rawhttp.RawPool(f"http://127.0.0.1:{port}", name=name, read_timeout_s=10)
-        try:
-            await pool.request("GET", b"/", [], b"", Collect())
-        except UpstreamUnreachable as exc:
-            return str(exc)
-        finally:
-            await pool.aclose()
-        return ""
+    def refusal(name: str) -> str:
+        return run_async(_refusal(rawhttp.RawPool(f"http://127.0.0.1:{port}", name=name, read_timeout_s=10)))
 
-    unnamed = run_async(main(f"127.0.0.1:{port}"))
+    unnamed = refusal(f"127.0.0.1:{port}")
     assert unnamed.startswith(f"upstream http://127.0.0.1:{port} is unreachable: "), unnamed
-    named = run_async(main("gone"))
+    named = refusal("gone")
     assert named.startswith(f"upstream 'gone' at http://127.0.0.1:{port} is unreachable: "), named
 
 

@@ -352,22 +352,24 @@
       }
     }
     if (!per.size) { holder.textContent = "No data yet."; return; }
-    const t0 = Math.max(now - CHART_WINDOW_S, Math.floor(tmin / B) * B);
-    let ymax = 0;
-    for (const b of per.values()) for (const [k, v] of b) ymax = Math.max(ymax, v / Math.max(1, Math.min(B, now - k * B)));
-    const f = frame(holder, 360, 170, t0, now, ymax * 1.1, clock, "");
+    // per model, [time, rate] of each bucket: the rate over the part that has happened, at its middle
+    const series = new Map();
     for (const [m, b] of per) {
-      const ks = [...b.keys()].sort((x, y) => x - y);
-      const pts = [];
+      const ks = [...b.keys()].sort((x, y) => x - y), pts = [];
       for (let k = ks[0]; k <= ks[ks.length - 1]; k++) {
-        const w = Math.min(B, now - k * B);  // the part of the bucket that has happened
-        if (w < 1) continue;  // (the first second of a bucket: too little to say a rate)
-        pts.push(`${f.sx(k * B + w / 2).toFixed(1)},${f.sy((b.get(k) || 0) / w).toFixed(1)}`);
+        const w = Math.min(B, now - k * B);
+        if (w >= 1) pts.push([k * B + w / 2, (b.get(k) || 0) / w]);  // (a bucket's first second: too little to say a rate)
       }
-      svg("polyline", { points: pts.join(" "), fill: "none", stroke: colorOf(m), "stroke-width": 1.8, class: "series" }, f.root);
-      if (pts.length === 1) {  // one bucket so far: a line of one point draws nothing
-        const [x, y] = pts[0].split(",");
-        svg("circle", { cx: x, cy: y, r: 2.6, fill: colorOf(m), class: "series-dot" }, f.root);
+      series.set(m, pts);
+    }
+    const t0 = Math.max(now - CHART_WINDOW_S, Math.floor(tmin / B) * B);
+    const ymax = Math.max(0, ...[...series.values()].flatMap((pts) => pts.map(([, v]) => v)));
+    const f = frame(holder, 360, 170, t0, now, ymax * 1.1, clock, "");
+    for (const [m, pts] of series) {
+      const xy = pts.map(([t, v]) => [f.sx(t).toFixed(1), f.sy(v).toFixed(1)]);
+      svg("polyline", { points: xy.map((p) => p.join(",")).join(" "), fill: "none", stroke: colorOf(m), "stroke-width": 1.8, class: "series" }, f.root);
+      if (xy.length === 1) {  // one bucket so far: a line of one point draws nothing
+        svg("circle", { cx: xy[0][0], cy: xy[0][1], r: 2.6, fill: colorOf(m), class: "series-dot" }, f.root);
       }
     }
     legend(holder, [...per.keys()]);
