@@ -480,6 +480,20 @@ def record_session(
     return folder
 
 
+def record_with_proxy(
+    client: Client, server: Server, upstream: SessionTap, out_root: Path, *, turns: int
+) -> Path:
+    """One session through a proxy of its own (a fresh prefix index: what mlxproxy says about this
+    session alone), the proxy's upstream being the tap in front of the server."""
+    cfg = {"tokenizer": str(server.model_dir / "tokenizer.json")}
+    with mlxproxy_serve(upstream.url, cfg, capture=True, startup_timeout_s=60) as px:
+        assert px.capture_path is not None
+        port = int(px.url.rsplit(":", 1)[1])
+        return record_session(
+            client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port, upstream=upstream
+        )
+
+
 def _scrub_env(env: dict[str, str]) -> dict[str, str]:
     keep = {}
     base = os.environ
@@ -643,7 +657,7 @@ def _nonce_body(body: dict[str, Any], nonce: str) -> dict[str, Any]:
     return b
 
 
-def calibrate(folder: Path, server: Server) -> None:
+def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
     """Each main request of the session sent again straight to the server, once cold (a nonce at
     the prompt's start) and once warm (the exact body, whose prompt the session just cached):
     the TTFT a miss and a hit cost for this very prompt on this server (``calibration.json``)."""
@@ -652,11 +666,14 @@ def calibrate(folder: Path, server: Server) -> None:
     session = json.loads((folder / "session.json").read_text())
     out = {}
     for ex in session["exchanges"]:
-        if ex["method"] != "POST" or not ex["path"].endswith(("/chat/completions", "/messages", "/responses")):
+        path = ex["path"].split("?", 1)[0]
+        if ex["method"] != "POST" or not path.endswith(("/chat/completions", "/messages", "/responses")):
             continue
         body = json.loads((folder / f"turn{ex['n']}.request.json").read_bytes())
-        cold = _ttft(server.url, ex["path"], _nonce_body(body, f"[{uuid.uuid4().hex}] "))
-        warm = _ttft(server.url, ex["path"], body)
+        cold = _ttft(server.url, path, _nonce_body(body, f"[{uuid.uuid4().hex}] "))
+        if prime:  # a fresh server: the exact prompt sent once before it is measured warm
+            _ttft(server.url, path, body)
+        warm = _ttft(server.url, path, body)
         out[str(ex["n"])] = {"cold": cold, "warm": warm}
     (folder / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
 
@@ -666,10 +683,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", required=True, choices=sorted(SERVER_APIS))
     ap.add_argument("--client", action="append", choices=sorted(CLIENTS))
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("recordings"))
     ap.add_argument("--root", type=Path, default=WORK_ROOT / "_stack")
+    ap.add_argument("--calibrate-only", type=Path, nargs="*", help="recorded session folders to calibrate again")
     args = ap.parse_args(argv)
     from .sessiontruth import write_truth
+
+    if args.calibrate_only:
+        root = args.root / f"{args.server}-calibrate"
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        with start_server(args.server, root) as server:
+            for folder in args.calibrate_only:
+                calibrate(folder, server, prime=True)
+                write_truth(folder, server.model_dir if args.server == "mlx-lm" else None)
+                print(f"calibrated {folder}", flush=True)
+        return 0
 
     root = args.root / args.server
     if root.exists():
@@ -678,34 +708,21 @@ def main(argv: list[str] | None = None) -> int:
     clients = [CLIENTS[c] for c in (args.client or sorted(CLIENTS))]
     clients = [c for c in clients if set(c.apis) & set(SERVER_APIS[args.server])]
     with start_server(args.server, root) as server, session_tap(int(server.url.rsplit(":", 1)[1])) as upstream:
-        cfg = {"tokenizer": str(server.model_dir / "tokenizer.json")}
-        with mlxproxy_serve(upstream.url, cfg, capture=True, startup_timeout_s=60) as px:
-            assert px.capture_path is not None
-            port = int(px.url.rsplit(":", 1)[1])
-            for client in clients:
-                try:
-                    folder = record_session(
-                        client,
-                        server,
-                        args.out,
-                        turns=args.turns,
-                        capture=px.capture_path,
-                        proxy_port=port,
-                        upstream=upstream,
-                    )
-                except RuntimeError as exc:
-                    print(f"{client.name}: skipped: {exc}", flush=True)
-                    continue
-                try:
-                    calibrate(folder, server)
-                except Exception as exc:
-                    print(f"{client.name}: calibration failed: {type(exc).__name__}: {exc}", flush=True)
-                try:
-                    write_truth(folder, server.model_dir)
-                except Exception as exc:  # the recording stays; the truth can be written again
-                    print(f"{client.name}: truth not written: {type(exc).__name__}: {exc}", flush=True)
-                print(f"{client.name}: recorded into {folder}", flush=True)
-            shutil.copy(px.capture_path, args.out / f"_capture_{args.server}.jsonl")
+        for client in clients:
+            try:
+                folder = record_with_proxy(client, server, upstream, args.out, turns=args.turns)
+            except RuntimeError as exc:
+                print(f"{client.name}: skipped: {exc}", flush=True)
+                continue
+            try:
+                calibrate(folder, server)
+            except Exception as exc:
+                print(f"{client.name}: calibration failed: {type(exc).__name__}: {exc}", flush=True)
+            try:
+                write_truth(folder, server.model_dir if server.name == "mlx-lm" else None)
+            except Exception as exc:  # the recording stays; the truth can be written again
+                print(f"{client.name}: truth not written: {type(exc).__name__}: {exc}", flush=True)
+            print(f"{client.name}: recorded into {folder}", flush=True)
     return 0
 
 

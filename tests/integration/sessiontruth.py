@@ -192,9 +192,10 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
             except ValueError:
                 pass
     renderer = Renderer(model_dir) if model_dir is not None and session["server"] == "mlx-lm" else None
-    expected = {}
-    if (folder / "expected.json").exists():
-        expected = {int(k): v for k, v in json.loads((folder / "expected.json").read_text()).items()}
+    if (folder / "expected.json").exists():  # written by hand where the derivation is not enough
+        want = {int(k): v for k, v in json.loads((folder / "expected.json").read_text()).items()}
+    else:
+        want = expected(folder)
     calibration = {}
     if (folder / "calibration.json").exists():
         calibration = json.loads((folder / "calibration.json").read_text())
@@ -269,8 +270,14 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
                     "anomaly_evidence",
                 )
             }
-        if n in expected:
-            entry["expected"] = expected[n]
+        if n in want:
+            entry["expected"] = want[n]
+        cal = calibration.get(str(n))
+        if cal and cal["warm"]["ttft_s"] is not None and timing["t_first_token"] is not None:
+            # what this turn's TTFT lost against a full hit of the same prompt, measured
+            entry["measured_lost_s"] = round(max(0.0, timing["t_first_token"] - cal["warm"]["ttft_s"]), 6)
+            if cal["cold"]["ttft_s"] is not None:
+                entry["cold_minus_warm_s"] = round(cal["cold"]["ttft_s"] - cal["warm"]["ttft_s"], 6)
         out.append(entry)
     truth = {
         "client": session["client"],
@@ -287,3 +294,142 @@ if __name__ == "__main__":
     import sys
 
     write_truth(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+
+
+# --- the expected verdicts, from the request bytes ------------------------------------------
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
+def _text(v: Any) -> str:
+    """A content value as the server's prompt shows it: a string, or the texts of a block list
+    (markers such as ``cache_control`` do not reach the prompt)."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        return "".join(_text(p) for p in v)
+    if isinstance(v, dict):
+        if isinstance(v.get("text"), str):
+            return v["text"]
+        if "content" in v:
+            return _text(v["content"])
+        return json.dumps({k: x for k, x in v.items() if k not in ("cache_control", "id")}, sort_keys=True)
+    return str(v)
+
+
+def rendered(body: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's parts in the server's order (system, tools, messages), each as text."""
+    system = []
+    msgs = []
+    if isinstance(body.get("instructions"), str):
+        system.append(body["instructions"])
+    if body.get("system") is not None:
+        system.append(_text(body["system"]))
+    items = body.get("messages") if isinstance(body.get("messages"), list) else body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    index = []  # each rendered message's index in the body's list
+    for k, m in enumerate(items or []):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role") or m.get("type") or ""
+        if role in ("system", "developer") and not msgs:
+            system.append(_text(m.get("content")))
+            continue
+        extra = ""
+        if m.get("tool_calls"):
+            extra = json.dumps([c.get("function", c) for c in m["tool_calls"]], sort_keys=True)
+        if m.get("type") in ("function_call", "function_call_output"):
+            extra = json.dumps({k: m.get(k) for k in ("name", "arguments", "output")}, sort_keys=True)
+        msgs.append(f"{role}\n{_text(m.get('content'))}{extra}")
+        index.append(k)
+    tools = [json.dumps(t, sort_keys=True) for t in body.get("tools") or []]
+    field = "messages" if isinstance(body.get("messages"), list) else "input"
+    return {
+        "system": "\n".join(system),
+        "tools": tools,
+        "messages": msgs,
+        "index": index,
+        "field": field,
+        "model": body.get("model"),
+    }
+
+
+def _line_diff(old: str, new: str) -> tuple[int, int]:
+    """(first differing line index, lines changed in place) between two texts."""
+    a, b = old.split("\n"), new.split("\n")
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    changed = sum(1 for x, y in zip(a, b) if x != y) + abs(len(a) - len(b))
+    return i, changed
+
+
+def prompt_cause(old: dict[str, Any], new: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Why ``new`` (rendered) does not extend ``old``: (cause, where), or (None, None)."""
+    if old["model"] != new["model"]:
+        return "model_changed", "model"
+    if old["system"] != new["system"]:
+        line, changed = _line_diff(old["system"], new["system"])
+        if changed <= 2 and len(old["system"].split("\n")) >= 4:
+            return "volatile_span", f"system line {line + 1}"
+        return "system_changed", f"system line {line + 1}"
+    if old["tools"] != new["tools"]:
+        return "tools_changed", "tools"
+    a, b = old["messages"], new["messages"]
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            # the previous last message re-sent with more text appended keeps its prefix
+            if i == len(a) - 1 and y.startswith(x):
+                return None, None
+            return "history_rewritten", f"{new['field']}[{new['index'][i]}]"
+    if len(b) < len(a):
+        return "history_rewritten", f"{new['field']}[{new['index'][len(b)] if len(b) < len(new['index']) else len(b)}]"
+    return None, None
+
+
+def _key(body: dict[str, Any]) -> str:
+    return rendered(body)["system"][:200]
+
+
+def expected(folder: Path) -> dict[int, dict[str, Any]]:
+    """Per exchange: side request or turn, conversation and turn number, and the expected cause
+    with its place, derived from the request bytes alone (see FINDINGS.md for each client)."""
+    session = json.loads((folder / "session.json").read_text())
+    bodies: dict[int, dict[str, Any]] = {}
+    for ex in session["exchanges"]:
+        if ex["method"] == "POST" and ex["path"].split("?", 1)[0] in GENERATION_PATHS:
+            b = _json((folder / f"turn{ex['n']}.request.json").read_bytes())
+            if isinstance(b, dict):
+                bodies[ex["n"]] = b
+    # the main conversation: the system prompt of the generation request offering the most tools
+    # (ties: the most frequent); any other system prompt is a side request (a title, a memory
+    # extraction, a quota check)
+    counts: dict[str, int] = {}
+    for b in bodies.values():
+        counts[_key(b)] = counts.get(_key(b), 0) + 1
+    main_key = (
+        max(bodies.values(), key=lambda b: (len(b.get("tools") or []), counts[_key(b)]), default=None)
+        if bodies
+        else None
+    )
+    main = _key(main_key) if main_key is not None else None
+    out: dict[int, dict[str, Any]] = {}
+    prev: dict[str, Any] | None = None
+    turn = 0
+    for ex in session["exchanges"]:
+        n = ex["n"]
+        b = bodies.get(n)
+        if b is None or _key(b) != main:
+            kind = "probe" if ex["method"] in ("HEAD", "GET") else "count_tokens" if "count_tokens" in ex["path"] else None
+            if kind is None and b is not None:
+                sys_ = rendered(b)["system"].lower()
+                kind = "title" if "title" in sys_[:300] else "memory" if "memory" in sys_[:300] else "side"
+            out[n] = {"role": "side", "kind": kind or "other", "conversation": None, "turn": None}
+            continue
+        r = rendered(b)
+        turn += 1
+        cause, at = prompt_cause(prev, r) if prev is not None else (None, None)
+        out[n] = {"role": "turn", "conversation": "A", "turn": turn, "cause": cause, "at": at}
+        prev = r
+    return out
