@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -36,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from .live_servers import live_server, unavailable_reason
-from .peers import CLIENT_CPUS, SERVER_CPUS, cpu_affinity, find_client, loopback_env, mlxproxy_serve
+from .peers import REPO, CLIENT_CPUS, SERVER_CPUS, cpu_affinity, find_client, loopback_env, mlxproxy_serve
 from .rigged import answer_always, build_rigged_model
 from .sessiontap import _TOKEN, Exchange, SessionTap, session_tap
-from .tinymodel import MODEL_NAME, mlx_lm_server
+from .tinymodel import MODEL_NAME, free_port, mlx_lm_server
 
 CLIENT_TIMEOUT_S = 300.0
 #: The folder each client runs in (its project) and keeps its HOME in; a fixed path, so the
@@ -321,7 +322,12 @@ CLIENTS: dict[str, Client] = {
 }
 
 #: Which APIs each server serves (mlx_lm.server: Chat Completions and text completions only).
-SERVER_APIS = {"mlx-lm": ("chat",), "vllm-mlx": ("chat", "messages", "responses")}
+SERVER_APIS = {
+    "mlx-lm": ("chat",),
+    "vllm-mlx": ("chat", "messages", "responses"),
+    # LiteLLM translating Messages and Responses to mlx_lm.server's chat completions
+    "mlx-lm+litellm": ("messages", "responses"),
+}
 
 
 class LogTail:
@@ -364,43 +370,123 @@ class LogTail:
 
 @dataclasses.dataclass
 class Server:
-    name: str
-    url: str
+    name: str  # what the session folders call it: mlx-lm, vllm-mlx, mlx-lm+litellm
+    url: str  # the model server itself
     model: str
     log_path: Path
     version: str
     model_dir: Path
+    #: the tap in front of the model server
+    tap: SessionTap | None = None
+    #: where the proxy forwards to: the tap, or a gateway in front of it (LiteLLM)
+    proxy_target: str = ""
+    #: the tap's exchanges are what the proxy got back (no gateway between)
+    tap_is_upstream: bool = True
 
 
 @contextlib.contextmanager
 def start_server(name: str, root: Path) -> Iterator[Server]:
-    """The rigged model (one fixed short answer, whatever it is asked) on ``name``."""
+    """The rigged model (one fixed short answer, whatever it is asked) on ``name``, with a tap in
+    front of it (and LiteLLM in front of the tap for ``mlx-lm+litellm``)."""
     rig = build_rigged_model(root / "rigged-model")
     answer_always(rig, "<|rig_think|>")
     log = root / f"{name}.log"
-    with cpu_affinity(SERVER_CPUS):
-        if name == "mlx-lm":
-            import mlx_lm
+    with contextlib.ExitStack() as stack:
+        with cpu_affinity(SERVER_CPUS):
+            if name.startswith("mlx-lm"):
+                import mlx_lm
 
-            # many prefill steps: a prompt of a thousand tokens takes long enough to compare a hit with a miss
-            extra = ["--prefill-step-size", PREFILL_STEP]
-            with mlx_lm_server(rig.path, max_tokens=OUTPUT_TOKENS, log_path=log, extra_args=extra) as url:
-                yield Server(name, url, MODEL_NAME, log, f"mlx_lm.server {mlx_lm.__version__}", rig.path)
-            return
-        reason = unavailable_reason(name)
-        if reason:
-            raise RuntimeError(reason)
-        from .live_servers import SERVERS_DIR, SPECS
+                # many prefill steps: a prompt of a thousand tokens takes long enough to compare a hit with a miss
+                extra = ["--prefill-step-size", PREFILL_STEP]
+                url = stack.enter_context(mlx_lm_server(rig.path, max_tokens=OUTPUT_TOKENS, log_path=log, extra_args=extra))
+                version = f"mlx_lm.server {mlx_lm.__version__} (--prefill-step-size {PREFILL_STEP})"
+                server = Server(name, url, MODEL_NAME, log, version, rig.path)
+            else:
+                reason = unavailable_reason(name)
+                if reason:
+                    raise RuntimeError(reason)
+                from .live_servers import SERVERS_DIR, SPECS
 
-        venv = SERVERS_DIR / SPECS[name].venv
+                venv = SERVERS_DIR / SPECS[name].venv
+                version = subprocess.run(
+                    [str(venv / "bin/python"), "-c", "from importlib.metadata import version; print(version('vllm-mlx'))"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout.strip()
+                srv = stack.enter_context(live_server(name, rig.path, log_path=log))
+                server = Server(name, srv.url, srv.model, log, f"vllm-mlx {version}", rig.path)
+        server.tap = stack.enter_context(session_tap(int(server.url.rsplit(":", 1)[1])))
+        server.proxy_target = server.tap.url
+        if name.endswith("+litellm"):
+            gw, version = stack.enter_context(litellm_gateway(server.tap.url, server.model, root))
+            server.proxy_target, server.tap_is_upstream = gw, False
+            server.version += f" behind LiteLLM {version}"
+        yield server
+
+
+LITELLM = REPO / ".ci-tools/litellm-venv/bin/litellm"
+
+
+@contextlib.contextmanager
+def litellm_gateway(target: str, model: str, root: Path) -> Iterator[tuple[str, str]]:
+    """LiteLLM's proxy translating Messages and Responses to ``target``'s chat completions, as the
+    issue's recordings had it (real2's harness: ``hosted_vllm/<model>``, chat completions API)."""
+    if not LITELLM.exists():
+        raise RuntimeError(f"{LITELLM} not found: .ci/install-clients installs LiteLLM's proxy there")
+    cfg = root / "litellm.yaml"
+    cfg.write_text(
+        "model_list:\n"
+        f"  - model_name: {model}\n"
+        "    litellm_params:\n"
+        f"      model: hosted_vllm/{model}\n"
+        f"      api_base: {target}/v1\n"
+        "      api_key: none\n"
+        "      use_chat_completions_api: true\n"
+        "litellm_settings:\n  telemetry: false\n  num_retries: 0\n"
+        "general_settings:\n  master_key: dummy\n"
+    )
+    port = free_port()
+    env = loopback_env(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False", HOME=str(root))
+    log = open(root / "litellm.log", "wb")
+    proc = subprocess.Popen(
+        [str(LITELLM), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health/liveliness", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"LiteLLM did not start: {(root / 'litellm.log').read_text()[-2000:]}")
+            time.sleep(0.5)  # start-up polling, not a measurement
         version = subprocess.run(
-            [str(venv / "bin/python"), "-c", "from importlib.metadata import version; print(version('vllm-mlx'))"],
+            [str(LITELLM.parent / "python"), "-c", "from importlib.metadata import version; print(version('litellm'))"],
             capture_output=True,
             text=True,
             timeout=60,
         ).stdout.strip()
-        with live_server(name, rig.path, log_path=log) as srv:
-            yield Server(name, srv.url, srv.model, log, f"vllm-mlx {version}", rig.path)
+        yield url, version
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
 
 
 def _request_id(response: bytes) -> str | None:
@@ -416,7 +502,6 @@ def record_session(
     turns: int,
     capture: Path,
     proxy_port: int,
-    upstream: SessionTap | None = None,
 ) -> Path:
     binary, searched = find_client(client.binary)
     if binary is None:
@@ -475,23 +560,19 @@ def record_session(
         time.sleep(0.5)  # let the last log lines and capture lines land (not a measurement)
         exchanges = tap.exchanges()
     tail.stop()
-    up = [e for e in upstream.exchanges() if e.t_sent >= t0] if upstream is not None else []
+    up = [e for e in server.tap.exchanges() if e.t_sent >= t0] if server.tap is not None else []
     _write(folder, client, version, server, env, exchanges, invocations, tail, t0, capture, home, up)
     return folder
 
 
-def record_with_proxy(
-    client: Client, server: Server, upstream: SessionTap, out_root: Path, *, turns: int
-) -> Path:
+def record_with_proxy(client: Client, server: Server, out_root: Path, *, turns: int) -> Path:
     """One session through a proxy of its own (a fresh prefix index: what mlxproxy says about this
-    session alone), the proxy's upstream being the tap in front of the server."""
+    session alone) forwarding to ``server.proxy_target``."""
     cfg = {"tokenizer": str(server.model_dir / "tokenizer.json")}
-    with mlxproxy_serve(upstream.url, cfg, capture=True, startup_timeout_s=60) as px:
+    with mlxproxy_serve(server.proxy_target, cfg, capture=True, startup_timeout_s=60) as px:
         assert px.capture_path is not None
         port = int(px.url.rsplit(":", 1)[1])
-        return record_session(
-            client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port, upstream=upstream
-        )
+        return record_session(client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port)
 
 
 def _scrub_env(env: dict[str, str]) -> dict[str, str]:
@@ -524,13 +605,17 @@ def _write(
     for n, ex in enumerate(exchanges, 1):
         # what the proxy sent the server for it: the next upstream request on the same path
         # sent after this one arrived (the proxy forwards in arrival order)
-        up = next((u for u in free if u.path == ex.path and u.t_sent >= ex.t_sent), None)
+        # (behind a gateway: the next chat completion it sent the server; kept as turnN.server.*,
+        # since it is not what the proxy got back)
+        same = server.tap_is_upstream
+        up = next((u for u in free if (u.path == ex.path or not same) and u.t_sent >= ex.t_sent), None)
         if up is not None:
             free.remove(up)
-            (folder / f"turn{n}.upstream.request").write_bytes(up.request)
-            (folder / f"turn{n}.upstream.response").write_bytes(up.response)
+            kind = "upstream" if same else "server"
+            (folder / f"turn{n}.{kind}.request").write_bytes(up.request)
+            (folder / f"turn{n}.{kind}.response").write_bytes(up.response)
             marks = [[off, round(t - ex.t_sent, 6)] for off, t in up.response_marks]
-            (folder / f"turn{n}.upstream.marks.json").write_text(json.dumps(marks) + "\n")
+            (folder / f"turn{n}.{kind}.marks.json").write_text(json.dumps(marks) + "\n")
         head, body = ex.head_and_body()
         (folder / f"turn{n}.headers").write_bytes(head + b"\r\n")
         (folder / f"turn{n}.request.json").write_bytes(body)
@@ -670,6 +755,10 @@ def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
         if ex["method"] != "POST" or not path.endswith(("/chat/completions", "/messages", "/responses")):
             continue
         body = json.loads((folder / f"turn{ex['n']}.request.json").read_bytes())
+        behind = folder / f"turn{ex['n']}.server.request"
+        if behind.exists():  # behind a gateway: what it sent the server, straight to the server
+            path = "/v1/chat/completions"
+            body = json.loads(behind.read_bytes().partition(b"\r\n\r\n")[2])
         cold = _ttft(server.url, path, _nonce_body(body, f"[{uuid.uuid4().hex}] "))
         if prime:  # a fresh server: the exact prompt sent once before it is measured warm
             _ttft(server.url, path, body)
@@ -697,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         with start_server(args.server, root) as server:
             for folder in args.calibrate_only:
                 calibrate(folder, server, prime=True)
-                write_truth(folder, server.model_dir if args.server == "mlx-lm" else None)
+                write_truth(folder, server.model_dir if args.server.startswith("mlx-lm") else None)
                 print(f"calibrated {folder}", flush=True)
         return 0
 
@@ -707,10 +796,10 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True)
     clients = [CLIENTS[c] for c in (args.client or sorted(CLIENTS))]
     clients = [c for c in clients if set(c.apis) & set(SERVER_APIS[args.server])]
-    with start_server(args.server, root) as server, session_tap(int(server.url.rsplit(":", 1)[1])) as upstream:
+    with start_server(args.server, root) as server:
         for client in clients:
             try:
-                folder = record_with_proxy(client, server, upstream, args.out, turns=args.turns)
+                folder = record_with_proxy(client, server, args.out, turns=args.turns)
             except RuntimeError as exc:
                 print(f"{client.name}: skipped: {exc}", flush=True)
                 continue
@@ -719,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 print(f"{client.name}: calibration failed: {type(exc).__name__}: {exc}", flush=True)
             try:
-                write_truth(folder, server.model_dir if server.name == "mlx-lm" else None)
+                write_truth(folder, server.model_dir if server.name.startswith("mlx-lm") else None)
             except Exception as exc:  # the recording stays; the truth can be written again
                 print(f"{client.name}: truth not written: {type(exc).__name__}: {exc}", flush=True)
             print(f"{client.name}: recorded into {folder}", flush=True)

@@ -191,7 +191,7 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
                 log_lines.append((float(t), text))
             except ValueError:
                 pass
-    renderer = Renderer(model_dir) if model_dir is not None and session["server"] == "mlx-lm" else None
+    renderer = Renderer(model_dir) if model_dir is not None and session["server"].startswith("mlx-lm") else None
     if (folder / "expected.json").exists():  # written by hand where the derivation is not enough
         want = {int(k): v for k, v in json.loads((folder / "expected.json").read_text()).items()}
     else:
@@ -219,9 +219,14 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
         }
         rec = records.get(ex["request_id"])
         up_path = folder / f"turn{n}.upstream.response"
+        behind = folder / f"turn{n}.server.response"
         if up_path.exists():  # the server's own bytes, before the proxy
             usage = usage_of(up_path.read_bytes())
             source = "the server's response (tap between proxy and server)"
+        elif behind.exists():  # behind a gateway: the server's own bytes to the gateway
+            usage = usage_of(behind.read_bytes())
+            source = "the server's response to the gateway (tap between gateway and server)"
+            server_req = _json((folder / f"turn{n}.server.request").read_bytes().partition(b"\r\n\r\n")[2])
         else:
             source = "the response to the client"
         server: dict[str, Any] = {"prompt_tokens": prompt_of(usage), "cached_tokens": cached_of(usage)}
@@ -234,8 +239,11 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
                 cached_tokens=rec.get("cached_tokens"),
                 usage_source="server usage the proxy injected and recorded",
             )
-        if renderer is not None and isinstance(body, dict) and "messages" in body:
-            toks = renderer.tokens(body)
+        chat = body
+        if behind.exists():
+            chat = server_req
+        if renderer is not None and isinstance(chat, dict) and "messages" in chat:
+            toks = renderer.tokens(chat)
             best = max((common_prefix(p, toks) for p in prior_tokens), default=0)
             server["rendered_prompt_tokens"] = len(toks)
             server["common_prefix_tokens"] = best
@@ -279,6 +287,7 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
             if cal["cold"]["ttft_s"] is not None:
                 entry["cold_minus_warm_s"] = round(cal["cold"]["ttft_s"] - cal["warm"]["ttft_s"], 6)
         out.append(entry)
+    _add_evidence(out)
     truth = {
         "client": session["client"],
         "client_version": session["client_version"],
@@ -289,11 +298,6 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
     (folder / "truth.json").write_text(json.dumps(truth, indent=2, ensure_ascii=False) + "\n")
     return truth
 
-
-if __name__ == "__main__":
-    import sys
-
-    write_truth(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
 
 
 # --- the expected verdicts, from the request bytes ------------------------------------------
@@ -389,7 +393,13 @@ def prompt_cause(old: dict[str, Any], new: dict[str, Any]) -> tuple[str | None, 
 
 
 def _key(body: dict[str, Any]) -> str:
-    return rendered(body)["system"][:200]
+    """What tells a session's conversation from its side requests: the tools offered and the middle
+    of the system prompt (a per-request line at its start, Claude Code's billing line, does not
+    change it)."""
+    r = rendered(body)
+    names = sorted(str((t.get("function") or t).get("name")) for t in body.get("tools") or [] if isinstance(t, dict))
+    mid = len(r["system"]) // 2
+    return json.dumps([names, r["system"][mid : mid + 200]])
 
 
 def expected(folder: Path) -> dict[int, dict[str, Any]]:
@@ -433,3 +443,242 @@ def expected(folder: Path) -> dict[int, dict[str, Any]]:
         out[n] = {"role": "turn", "conversation": "A", "turn": turn, "cause": cause, "at": at}
         prev = r
     return out
+
+
+_HIT = re.compile(r"System KV cache HIT[^:]*: reusing (\d+)")
+_MISS = re.compile(r"System KV cache MISS[^:]*: will prefill (\d+)")
+#: below this, a measured loss is within the TTFT noise of these runs: not held to 20%
+MIN_LOST_S = 0.1
+
+
+def server_says(entry: dict[str, Any]) -> str | None:
+    """"hit", "partial", "miss" from the server's own evidence, or None where it says nothing."""
+    srv = entry.get("server") or {}
+    log = " ".join(srv.get("log") or [])
+    if _HIT.search(log):
+        return "hit"
+    if _MISS.search(log):
+        return "miss"
+    prompt, cached = srv.get("prompt_tokens"), srv.get("cached_tokens")
+    if isinstance(prompt, int) and isinstance(cached, int) and prompt > 0:
+        return "hit" if cached >= prompt - 2 else "partial" if cached > 0 else "miss"
+    return None
+
+
+def _add_evidence(entries: list[dict[str, Any]]) -> None:
+    """Complete each expected verdict with what the server's evidence requires: the names a record
+    must carry (``cached_tokens_unreported`` where the log shows a hit the usage denies), the names
+    it may carry (``serialized`` for requests that overlapped in time), the seconds a cause lost
+    (measured: this TTFT minus the same prompt's warm TTFT; 0 where the server neutralized it)."""
+    spans = [
+        (e["n"], e["t_sent_session"], e["t_sent_session"] + (e.get("ttft_s") or 0.0))
+        for e in entries
+        if e.get("expected") and e["request"].startswith("POST")
+    ]
+    for e in entries:
+        want = e.get("expected")
+        if not want:
+            continue
+        srv = e.get("server") or {}
+        says = server_says(e)
+        want["server_says"] = says
+        log = " ".join(srv.get("log") or [])
+        must: list[str] = []
+        may: list[str] = []
+        if _HIT.search(log) and not srv.get("cached_tokens") and srv.get("prompt_tokens"):
+            # its log says it reused the prefix; its usage says 0 cached, or says nothing of it (a
+            # turn must say so; a side request, whose earlier twin is no turn, may)
+            (must if want.get("role") == "turn" else may).append("cached_tokens_unreported")
+        want["must_name"] = must
+        overlap = any(
+            other != e["n"] and a < e["t_sent_session"] + (e.get("ttft_s") or 0.0) and e["t_sent_session"] < b
+            for other, a, b in spans
+        )
+        want["may_name"] = may + (["serialized"] if overlap else [])
+        want["lost_s"] = None
+        if want.get("role") == "turn" and want.get("cause"):
+            if says == "hit":
+                want["lost_s"] = 0.0  # neutralized by the server (e.g. vllm-mlx strips the billing line)
+            elif e.get("measured_lost_s") is not None and e["measured_lost_s"] >= MIN_LOST_S:
+                want["lost_s"] = e["measured_lost_s"]
+
+
+def summary_table(folder: Path) -> str:
+    """A Markdown table of the session: per exchange, what was sent, the server's word, the TTFTs,
+    the expected verdict and what mlxproxy said when it was recorded."""
+    truth = json.loads((folder / "truth.json").read_text())
+    rows = [
+        "| # | request | role | server says | prompt / cached (common prefix) | TTFT s (cold / warm same prompt) "
+        "| expected cause (lost s) | mlxproxy when recorded |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in truth["exchanges"]:
+        want = e.get("expected") or {}
+        srv = e.get("server") or {}
+        cal = e.get("calibration") or {}
+        log = " ".join(srv.get("log") or [])
+        m = _HIT.search(log) or _MISS.search(log)
+        says = want.get("server_says") or ""
+        if m:
+            says += f" ({'reusing' if 'HIT' in m.group(0) else 'prefill'} {m.group(1)} system tokens)"
+        tokens = f"{srv.get('prompt_tokens')} / {srv.get('cached_tokens')}"
+        if srv.get("common_prefix_tokens") is not None:
+            tokens += f" ({srv['common_prefix_tokens']})"
+        ttft = f"{e.get('ttft_s')}"
+        if cal:
+            ttft += f" ({cal['cold']['ttft_s']} / {cal['warm']['ttft_s']})"
+        role = want.get("role", "")
+        if role == "turn":
+            role = f"turn {want.get('turn')}"
+        elif role == "side":
+            role = f"side: {want.get('kind')}"
+        cause = want.get("cause") or "none"
+        if want.get("at"):
+            cause += f" at {want['at']}"
+        if want.get("lost_s") is not None:
+            cause += f" ({want['lost_s']})"
+        if want.get("must_name"):
+            cause += "; must name " + ", ".join(want["must_name"])
+        today = e.get("mlxproxy_today") or {}
+        said = f"conv {str(today.get('conversation_id'))[:6]} turn {today.get('turn')}"
+        if today.get("reprefill_cause"):
+            said += f", {today['reprefill_cause']} at {today.get('reprefill_at')}"
+        if today.get("anomalies"):
+            said += ", " + ", ".join(today["anomalies"])
+        rows.append(f"| {e['n']} | {e['request']} | {role} | {says} | {tokens} | {ttft} | {cause} | {said} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_truth(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
+
+
+#: what to notice in each client's requests turn to turn (from diffing their bytes; FINDINGS.md)
+NOTES: dict[str, str] = {
+    "claude-code": (
+        "Claude Code (`claude -p`, then `claude -c -p`) sends `POST /v1/messages?beta=true`, one per turn (no "
+        "count_tokens, no probes: `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1`). `system` is a list of text "
+        "blocks whose first is `x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;`, "
+        "the same on every request here (no per-request values against a base URL it does not take for "
+        "Anthropic's). `messages` holds the first user message (two text blocks: a reminder, the prompt), then "
+        "a `system`-role message (the environment), then the turns. Each request moves its `cache_control` "
+        "breakpoint to the newest message, and re-sends the previous newest one (the environment message, "
+        "then each user message) as a plain string with the same text. As the server renders it (markers "
+        "dropped, a one-text-block list the same as a string) every turn extends the previous one: one "
+        "conversation, no cause. The headers name the client (`User-Agent: claude-cli/2.1.332 (external, "
+        "sdk-cli)`), the session (`X-Claude-Code-Session-Id`, the same on every turn) and the request class "
+        "(`x-claude-code-request-class: main`). On vllm-mlx its system-prefix cache missed on turn 1 and hit "
+        "on every later turn (27,435 tokens reused); vllm-mlx's Messages stream reports no prompt tokens."
+    ),
+    "claude-code-billing": (
+        "The same as claude-code, with `_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL=1`: system line 1 now carries "
+        "per-request values, `x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli; "
+        "cch=<5 hex>; cc_prompt_id=<uuid>; cc_turn_origin=sdk; cc_prompt_index=0; cc_turn_index=N;` "
+        "(`cch` and `cc_prompt_id` change on every request, `cc_turn_index` counts the turns): a volatile span "
+        "at system line 1, everything else as without it. vllm-mlx strips that line before caching "
+        "(`api/prompt_canonicalize.py`) and its log says HIT on turns 2-4: present, neutralized, 0 s lost."
+    ),
+    "claude-code-billing-off": (
+        "The same as claude-code-billing plus `CLAUDE_CODE_ATTRIBUTION_HEADER=0`: the billing block is gone "
+        "from `system` altogether (three blocks, not four): the fix users apply works in 2.1.332. Every turn "
+        "extends the previous one; vllm-mlx hits on turns 2-4."
+    ),
+    "codex": (
+        "Codex (`codex exec`, then `codex exec resume --last`) sends `POST /v1/responses`: `instructions` "
+        "absent, two developer and two user `input` items on turn 1, 9 tools, `prompt_cache_key` = the session "
+        "id, and `client_metadata` with per-turn ids and a timestamp (it changes on every request but never "
+        "reaches the prompt). Each turn's `input` strictly extends the previous one's. The headers carry "
+        "`session-id` (constant) and `x-codex-turn-metadata` (per turn, `history_initialization: cold_resume` "
+        "on resumed turns). vllm-mlx logs HIT on turns 2-4 (15,028 system tokens reused) and reports "
+        "`cached_tokens: 0` in the usage: `cached_tokens_unreported`, never `cache_evicted`."
+    ),
+    "aider": (
+        "Aider (`aider --message ... --restore-chat-history`) sends one chat completion per turn, no tools, no "
+        "`stream_options` (the proxy injects them and keeps the usage off the client's stream). Each turn "
+        "inserts the restored history (previous user prompts with a trailing `  \\n`, and the answers) "
+        "before its fixed pair \"I am not sharing any files that you can edit yet.\" / \"Ok.\", and drops "
+        "the reminder it appended to the previous last user message: the prompt diverges at `messages[5]` on "
+        "turn 2 (`messages[7]` on turn 3, `[9]` on turn 4): `history_rewritten`. mlx_lm.server reuses exactly "
+        "the common token prefix (853 of 1,381 on turn 2) and re-prefills the rest every turn. On vllm-mlx, "
+        "whose cache keeps only the system prefix, the rewrite costs nothing more than its usual suffix prefill."
+    ),
+    "opencode": (
+        "OpenCode (`opencode run`, then `opencode run --continue`) sends a title request first (its own "
+        "system prompt \"You are a title generator...\", no tools: a side request), then one streamed chat "
+        "completion per turn with 10 tools and `stream_options.include_usage`; each turn strictly extends the "
+        "previous one. Headers: `User-Agent: opencode/1.18.33 ...`, `x-session-id` (constant)."
+    ),
+    "qwen-code": (
+        "Qwen Code (`qwen PROMPT`, then `qwen --continue PROMPT`, `--auth-type openai`) sends two requests per "
+        "turn: the turn itself (10 tools) and, after it, a memory-extraction side request (\"You are now "
+        "acting as the managed memory extraction subagent...\", 6 other tools) that re-sends the conversation. "
+        "On each continued turn the date reminder (`<system-reminder>The current date is ...`) moves: it is "
+        "dropped from the previous last user message and appended to the new one, so the turn diverges near "
+        "the end of the previous last user message (`messages[1]` on turn 2): `history_rewritten`, a few "
+        "dozen tokens re-prefilled (mlx_lm.server: cached = the common token prefix). Header: "
+        "`user-agent: QwenCode/0.24.4 (linux; x64)`."
+    ),
+    "llm": (
+        "llm (`llm prompt -m local PROMPT`, then `llm prompt -c PROMPT`) sends a bare streamed chat completion "
+        "(no system prompt, no tools, `stream_options.include_usage`), each turn the whole conversation so "
+        "far: a strict extension every turn. Header: `user-agent: OpenAI/Python 3.63.0` (it does not name "
+        "itself)."
+    ),
+}
+
+
+def write_readme(folder: Path) -> None:
+    """The folder's README.md: software, versions, the exact commands, what to notice, the table."""
+    session = json.loads((folder / "session.json").read_text())
+    cmds = []
+    for inv in session["invocations"]:
+        argv = [re.sub(r"http://127\.0\.0\.1:\d+", "$TAP", a) for a in inv["argv"]]
+        cmds.append("    " + " ".join(json.dumps(a) if (" " in a or not a) else a for a in argv))
+    env = "\n".join(
+        f"    {k}={re.sub(r'http://127[.]0[.]0[.]1:[0-9]+', '$TAP', v)}"
+        for k, v in session["env"].items()
+        if k not in ("NO_PROXY", "no_proxy", "PWD") and not k.startswith("XDG_")
+    )
+    text = f"""# {session["client"]} {session["client_version"]} on {session["server_version"]}
+
+Recorded {session["recorded"]} on {session["platform"]} by `tests/integration/record_sessions.py`
+(`python -m tests.integration.record_sessions --server {session["server"]} --client {session["client"]}`, inside
+`unshare -n` with only loopback up): the client ran {len(session["invocations"])} times in
+`{session["work"]}` with HOME `{session["home"]}`, through a byte tap (`$TAP`) in front of
+`mlxproxy serve` (a fresh one for this session, capture on), which forwarded to a second tap in front
+of the server. The model is the rigged tiny model (`tests/integration/rigged.py`, fixed to one answer:
+`<think>...</think>` then "It is sunny today."), served as `{session["model"]}`.
+
+Commands, in order (`$TAP` is the tap's URL):
+
+{chr(10).join(cmds)}
+
+Environment set for the client (besides a loopback-only proxy setting; keys are dummies):
+
+{env}
+
+## What to notice
+
+{NOTES.get(session["client"], "(see FINDINGS.md)")}
+
+## Files
+
+Per HTTP exchange N, in the order sent: `turnN.headers` (request line and headers), `turnN.request.json`
+(the body, exact bytes), `turnN.response` (status, headers and body as the proxy sent them, chunked
+framing kept), `turnN.response.marks.json` (byte offset and arrival time, seconds after the request,
+of each read), `turnN.timing.json` (`t_sent_session` from the session's start; `t_first_byte`,
+`t_first_token` (the first token-bearing event) and `t_end`, seconds after the request);
+`turnN.upstream.request` / `.response` / `.marks.json`: what the proxy sent the server and got back
+(behind a gateway: `turnN.server.*`, what the gateway sent the server). `records.jsonl`: the proxy's
+capture lines (what mlxproxy said when it was recorded); `server.log`: the server's log lines during
+the session, each with its arrival time; `calibration.json`: each generation request sent again
+straight to the server, cold (a nonce at the prompt's start) and warm (the exact body, cached);
+`truth.json`: per exchange the server's truth, the body's difference from the previous request, the
+expected verdict and what mlxproxy said (`tests/integration/sessiontruth.py` writes it).
+
+## The session
+
+{summary_table(folder)}"""
+    (folder / "README.md").write_text(text)
