@@ -22,6 +22,7 @@ the mark must go.
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -118,3 +119,27 @@ def test_every_session_has_turns_and_truth() -> None:
     for s in SESSIONS.values():
         assert len(s.turns) >= 3, s.name
         assert all(e.truth.get("server") for e in s.turns), s.name
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_the_offline_replay_measures_what_the_proxy_measured(name: str) -> None:
+    """The harness is faithful: fed the recorded upstream bytes at their recorded times, the meter
+    finds the TTFT, prompt, cached and output counts the live proxy wrote when it was recorded
+    (``records.jsonl``; its verdicts may differ: they are what the core then said)."""
+    s = SESSIONS[name]
+    live = {}
+    for line in (s.folder / "records.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        live[d["id"]] = d
+    ids = {e["n"]: e["request_id"] for e in json.loads((s.folder / "session.json").read_text())["exchanges"]}
+    got = records(name)
+    assert got, name
+    for n, rec in got.items():
+        d = live[ids[n]]
+        assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (
+            d["prompt_tokens"],
+            d["cached_tokens"],
+            d["completion_tokens"],
+        ), (name, n)
+        assert rec.ttft_s is not None and d["ttft_s"] is not None
+        assert abs(rec.ttft_s - d["ttft_s"]) < 0.05, (name, n, rec.ttft_s, d["ttft_s"])
