@@ -455,8 +455,10 @@ def expected(folder: Path) -> dict[int, dict[str, Any]]:
 
 _HIT = re.compile(r"System KV cache HIT[^:]*: reusing (\d+)")
 _MISS = re.compile(r"System KV cache MISS[^:]*: will prefill (\d+)")
-#: below this, a measured loss is within the TTFT noise of these runs: not held to 20%
+#: a measured loss is held to 20% only where it stands out of the TTFT noise of these runs: at
+#: least this many seconds, the server having re-prefilled at least this share of the prompt
 MIN_LOST_S = 0.1
+MIN_REPREFILL_SHARE = 0.1
 
 
 #: tokens of the previous prompt a hit may still re-prefill: its generation prompt's tail
@@ -530,7 +532,11 @@ def _add_evidence(entries: list[dict[str, Any]]) -> None:
         if want.get("role") == "turn" and want.get("cause"):
             if says == "hit":
                 want["lost_s"] = 0.0  # neutralized by the server (e.g. vllm-mlx strips the billing line)
-            elif e.get("measured_lost_s") is not None and e["measured_lost_s"] >= MIN_LOST_S:
+            elif (
+                e.get("measured_lost_s") is not None
+                and e["measured_lost_s"] >= MIN_LOST_S
+                and (want.get("reprefilled_tokens") or 0) >= MIN_REPREFILL_SHARE * (srv.get("prompt_tokens") or 0) > 0
+            ):
                 want["lost_s"] = e["measured_lost_s"]
 
 
