@@ -59,6 +59,36 @@ CLIENT_PATHS: dict[str, tuple[Path, ...]] = {
     "llm": (REPO / ".ci-tools/llm-venv/bin/llm",),
 }
 
+#: Aider's flags for a quiet, offline, non-interactive run (no update check, analytics, repo map,
+#: lint, test, shell suggestions or URL detection)
+AIDER_QUIET = (
+    "--yes-always",
+    "--no-git",
+    "--no-check-update",
+    "--no-show-release-notes",
+    "--analytics-disable",
+    "--no-show-model-warnings",
+    "--no-pretty",
+    "--no-fancy-input",
+    "--map-tokens",
+    "0",
+    "--no-auto-lint",
+    "--no-auto-test",
+    "--no-suggest-shell-commands",
+    "--no-detect-urls",
+)
+
+#: Codex's config.toml: a custom provider speaking Responses at ``{url}/v1``
+CODEX_CONFIG = """model = "{model}"
+model_provider = "mlxproxy"
+
+[model_providers.mlxproxy]
+name = "mlxproxy"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "MLXPROXY_TEST_KEY"
+"""
+
 T = TypeVar("T")
 
 

@@ -37,7 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from .live_servers import live_server, unavailable_reason
-from .peers import CLIENT_CPUS, REPO, SERVER_CPUS, cpu_affinity, find_client, loopback_env, mlxproxy_serve
+from .peers import (
+    AIDER_QUIET,
+    CLIENT_CPUS,
+    CODEX_CONFIG,
+    REPO,
+    SERVER_CPUS,
+    cpu_affinity,
+    find_client,
+    loopback_env,
+    mlxproxy_serve,
+)
 from .rigged import answer_always, build_rigged_model
 from .sessiontap import _TOKEN, Exchange, SessionTap, session_tap
 from .tinymodel import MODEL_NAME, free_port, mlx_lm_server
@@ -129,16 +139,6 @@ def _claude_argv(binary: str, ctx: Ctx, i: int, prompt: str) -> list[str]:
 
 # --- Codex (Responses) --------------------------------------------------------------------
 
-CODEX_CONFIG = """model = "{model}"
-model_provider = "mlxproxy"
-
-[model_providers.mlxproxy]
-name = "mlxproxy"
-base_url = "{url}/v1"
-wire_api = "responses"
-env_key = "MLXPROXY_TEST_KEY"
-"""
-
 
 def _codex_setup(ctx: Ctx) -> dict[str, str]:
     codex_home = ctx.home / ".codex"
@@ -183,24 +183,11 @@ def _aider_argv(binary: str, ctx: Ctx, i: int, prompt: str) -> list[str]:
         "--message",
         prompt,
         "--restore-chat-history",
-        "--yes-always",
-        "--no-git",
         "--openai-api-base",
         ctx.url + "/v1",
         "--model",
         f"openai/{ctx.model}",
-        "--no-check-update",
-        "--no-show-release-notes",
-        "--analytics-disable",
-        "--no-show-model-warnings",
-        "--no-pretty",
-        "--no-fancy-input",
-        "--map-tokens",
-        "0",
-        "--no-auto-lint",
-        "--no-auto-test",
-        "--no-suggest-shell-commands",
-        "--no-detect-urls",
+        *AIDER_QUIET,
         "--timeout",
         "120",
     ]

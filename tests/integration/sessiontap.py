@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import TypeVar
 
 #: A token-bearing event in any of the three streaming dialects (chat ``content`` /
 #: ``reasoning_content``, Messages ``text`` / ``thinking`` deltas, Responses ``delta``), a
@@ -216,9 +217,12 @@ class SessionTap:
         return out
 
 
+T = TypeVar("T", bound=SessionTap)
+
+
 @contextlib.contextmanager
-def session_tap(target_port: int) -> Iterator[SessionTap]:
-    t = SessionTap(target_port)
+def session_tap(target_port: int, kind: type[T] = SessionTap) -> Iterator[T]:  # type: ignore[assignment]
+    t = kind(target_port)
     acceptor = threading.Thread(target=t._accept, daemon=True)
     acceptor.start()
     try:

@@ -34,7 +34,7 @@ import pytest
 from mlxproxy.core.record import Record
 
 from .live_servers import LiveServer, RiggedVllm
-from .peers import ProxyProcess, loopback_env, mlxproxy_serve, require_client
+from .peers import CODEX_CONFIG, ProxyProcess, loopback_env, mlxproxy_serve, require_client
 from .rigged import REASONING_ANSWER
 from .tap import Tap, tap
 from .tinymodel import mlx_unavailable_reason
@@ -165,17 +165,6 @@ def test_claude_code_print_mode_through_proxy(stack: Stack, tmp_path: Path) -> N
     for r in records:  # anything else it sent (count_tokens) came back fine
         assert r.status == 200 and r.outcome == "ok", r
     assert raw and all(b"POST /v1/messages" in q.split(b"\r\n", 1)[0] for q in raw if q.startswith(b"POST"))
-
-
-CODEX_CONFIG = """model = "{model}"
-model_provider = "mlxproxy"
-
-[model_providers.mlxproxy]
-name = "mlxproxy"
-base_url = "{url}/v1"
-wire_api = "responses"
-env_key = "MLXPROXY_TEST_KEY"
-"""
 
 
 def test_codex_exec_through_proxy(stack: Stack, tmp_path: Path) -> None:

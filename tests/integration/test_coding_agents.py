@@ -29,7 +29,7 @@ import pytest
 
 from mlxproxy.core.record import Record
 
-from .peers import assert_completed, loopback_env, mlxproxy_serve, require_client
+from .peers import AIDER_QUIET, assert_completed, loopback_env, mlxproxy_serve, require_client
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
@@ -100,24 +100,11 @@ def test_aider_turn_through_proxy_is_captured_and_replays(mlx_server: str, tmp_p
             aider,
             "--message",
             "say hi",
-            "--yes-always",
-            "--no-git",
             "--openai-api-base",
             px.url + "/v1",
             "--model",
             f"openai/{MODEL_NAME}",
-            "--no-check-update",
-            "--no-show-release-notes",
-            "--analytics-disable",
-            "--no-show-model-warnings",
-            "--no-pretty",
-            "--no-fancy-input",
-            "--map-tokens",
-            "0",
-            "--no-auto-lint",
-            "--no-auto-test",
-            "--no-suggest-shell-commands",
-            "--no-detect-urls",
+            *AIDER_QUIET,
             "--timeout",
             "60",
         ]
