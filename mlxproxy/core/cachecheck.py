@@ -1,194 +1,396 @@
 """The cache doctor: why a conversation's turn was prefilled again, and whether the server's
-cache figures are true (pure functions over a finished record and its `Match`); and the
+cache figures are true (pure functions over a finished measurement and its `Match`); and the
 conversations an upstream remembers between requests (`PrefixIndex`, the only state here).
 
-`check_turn` judges one turn that continues a conversation (core.prefix): the prefix a cache
-could reuse (never less than what the server says it reused), the re-prefill's cause
-(`prefix.CAUSES`) and the prefill seconds it lost, the cache-honesty anomalies
-(`cached_tokens_unreported`, `cached_tokens_claimed_cold`), the prefix anomalies
-(`prompt_prefix_changed`, `prefix_cache_miss`) and a `prefill_tps` that counts only the tokens
-the evidence says were prefilled. Timing is judged against the conversation's own prefill
-rate on a cold cache (its first turn), else the upstream's (`timing_says`). Definitions:
-docs/METRICS.md, "Re-prefill causes" and "Cache honesty".
+`check_turn` judges one turn that continues a conversation (core.prefix), one decision per
+function, each with a typed result: the prefix a cache could reuse (`reusable_prefix`, never
+less than what the server says it reused), what the TTFT says (`timing_says`: a hit or a cold
+prefill, against the conversation's own cold prefill rate, else the upstream's, and the
+upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
+`cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the cause
+`cache_evicted`) and what a changed prompt cost (`changed`: its cause, or a change the server
+neutralized, 0 s lost). A cause is named only where the server's cached count or the TTFT
+shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
+"Re-prefill causes" and "Cache honesty".
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
 from mlxproxy.core.openai import whole_prompt_tokens
-from mlxproxy.core.prefix import Latest, Match, PromptPrint
+from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
-__all__ = ["PrefixIndex", "MAX_CONVERSATIONS", "SAME_KEY", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
+__all__ = [
+    "PrefixIndex",
+    "MAX_CONVERSATIONS",
+    "SAME_KEY",
+    "CacheFacts",
+    "Reusable",
+    "Timing",
+    "Reprefill",
+    "TurnVerdict",
+    "check_turn",
+    "cold_rate",
+    "reusable_prefix",
+    "timing_says",
+    "whole_prompt",
+]
 
-Timing = Literal["hit", "miss"]
+Says = Literal["hit", "miss"]
 
 MAX_CONVERSATIONS = 256  # per upstream
-SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
+SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
+NEUTRAL_SHARE = 0.95  # a cached count this share of the previous prompt reused past a change
+PAST_CHANGE_TOKENS = 2 * BLOCK_CHARS // 4  # ...and this far past the change (the estimate's granularity)
+MISS_SHARE = 0.75  # a cold prefill's TTFT is at least this share of the predicted one
+FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost
 
 
 whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
 
 
-def cold_rate(r: Measured, th: Thresholds) -> float | None:
+class CacheFacts(NamedTuple):
+    """What an upstream's earlier turns say about its cache (`PrefixIndex.facts`)."""
+
+    cold_rate: float | None = None  # median prefill tok/s of cold first turns
+    fixed_s: float = 0.0  # a hit's fixed per-request cost: TTFT beyond prefilling the new tokens
+    reports_cache: bool = False  # it has reported a positive cached count: its 0 means a miss
+
+
+class Reusable(NamedTuple):
+    """The prefix of the previous turn's prompt a cache could reuse, in tokens."""
+
+    tokens: int  # never below the server's own cached count
+    source: str  # "usage" (from the previous prompt_tokens), "chars" (characters / 4), "cached"
+    previous: int  # the previous prompt's tokens
+    shared: int  # the prompts' shared prefix as estimated (before the cached floor)
+
+
+class Timing(NamedTuple):
+    """What a TTFT says: a hit (`hit_s`: the fixed cost plus prefilling what the cache did
+    not hold) or a prefill from scratch (`cold_s`); None between the two."""
+
+    says: Says | None
+    ttft_s: float
+    cold_s: float
+    hit_s: float
+    fixed_s: float
+    rate: float
+    rate_of: str
+
+    def text(self) -> str:
+        said = {"hit": "suggests a hit", "miss": "suggests a re-prefill", None: "tells neither"}[self.says]
+        fixed = f", {_fmt(self.fixed_s)} s of it fixed" if self.fixed_s > 0 else ""
+        return (
+            f"TTFT {_fmt(self.ttft_s)} s {said} (cold ≈ {_fmt(self.cold_s)} s for this prompt, a hit ≈ "
+            f"{_fmt(self.hit_s)} s{fixed}; {_fmt(self.rate)} tok/s cold, {self.rate_of})"
+        )
+
+
+class Reprefill(NamedTuple):
+    """Why this turn could not reuse the previous prompt, and what that cost in tokens."""
+
+    cause: Cause
+    at: str | None
+    lost_tokens: int  # 0: a change the server neutralized
+    prefilled: int | None  # the tokens prefilled this turn (lost seconds: TTFT x lost / prefilled)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnVerdict:
+    """The cache doctor's judgement of one continuing turn."""
+
+    reusable: Reusable
+    cache_hit_ratio: float | None
+    reprefill: Reprefill | None = None
+    lost_s: float | None = None
+    evidence: str | None = None  # what the verdict rests on (cached_tokens, TTFT), one line
+    anomalies: tuple[Anomaly, ...] = ()
+    correct_prefill_tps: bool = False  # replace the measured prefill rate with `prefill_tps`
+    prefill_tps: float | None = None
+    hit_excess_s: float | None = None  # a known hit's TTFT beyond its prefill (the fixed-cost fit)
+
+    def fields(self, m: Match) -> dict[str, Any]:
+        """The record's conversation fields (`core.record.checked_record`)."""
+        out: dict[str, Any] = {
+            "prefix_reusable_tokens": self.reusable.tokens,
+            "prefix_tokens_source": self.reusable.source,
+            "prefix_diverged_at": m.diverged_at,
+            "conversation_lost_s": m.lost_s,
+            "cache_evidence": self.evidence,
+        }
+        if self.cache_hit_ratio is not None:
+            out["cache_hit_ratio"] = self.cache_hit_ratio
+        if self.correct_prefill_tps:
+            out["prefill_tps"] = self.prefill_tps
+        rp = self.reprefill
+        if rp is not None:
+            out.update(reprefill_cause=rp.cause, reprefill_at=rp.at, reprefill_lost_s=self.lost_s)
+            out["conversation_lost_s"] = m.lost_s + (self.lost_s or 0.0)
+            if rp.cause == "cache_evicted":
+                out["prefill_wasted_s"] = self.lost_s
+        return out
+
+
+def cold_rate(r: Measured, th: Thresholds, whole: int | None = None) -> float | None:
     """A first turn's prefill rate when it says how fast a cold cache prefills: it reports no
     cached tokens and has at least `prefix_min_tokens` prompt tokens (a stream that came in
-    one burst says nothing: its caller leaves it out)."""
-    if r.cached_tokens or not r.prefill_tps:
+    one burst says nothing: its caller leaves it out). `whole`: the prompt's tokens counted
+    by the proxy, for a server that reports none."""
+    if r.cached_tokens:
         return None
-    return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
+    if r.prefill_tps:
+        return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
+    if r.prompt_tokens is None and whole and whole >= th.prefix_min_tokens and r.ttft_s:
+        return whole / r.ttft_s
+    return None
+
+
+def reusable_prefix(m: Match, cached: int | None) -> Reusable:
+    """The shared prefix in tokens (`Match.tokens`), 0 after a model change (no server shares
+    a cache between models), the server's own cached count its floor."""
+    estimate, source = m.tokens(m.shared_chars)
+    if m.change is not None and m.change.cause == "model_changed":
+        estimate = 0
+    previous = m.tokens(m.previous_chars)[0]
+    if cached is not None and cached > estimate:
+        return Reusable(cached, "cached", previous, estimate)
+    return Reusable(estimate, source, previous, estimate)
 
 
 def timing_says(
-    whole: int | None, reusable: int, ttft: float | None, rate: float | None, th: Thresholds
-) -> tuple[Timing, float, float] | None:
-    """Whether a TTFT looks like a cache hit on `reusable` of `whole` prompt tokens or a cold
-    prefill of them all, at `rate` tok/s (a cold prefill rate): ("hit" or "miss", seconds to
-    prefill all, seconds to prefill only the rest); the midpoint divides them. None when
-    the two differ by less than `cache_timing_min_s` or a figure is missing."""
-    if not rate or not whole or reusable <= 0 or ttft is None or ttft <= 0:
+    whole: int | None,
+    reused: int,
+    ttft: float | None,
+    rate: float | None,
+    th: Thresholds,
+    *,
+    fixed_s: float = 0.0,
+    reused_on_miss: int = 0,
+    rate_of: str = "",
+) -> Timing | None:
+    """Whether a TTFT looks like a hit that reused `reused` of `whole` prompt tokens (the fixed
+    cost plus the rest at `rate` tok/s, a cold rate) or like a prefill of all but
+    `reused_on_miss` of them: a hit up to their midpoint, a re-prefill from the midpoint and at
+    least `MISS_SHARE` of the re-prefill's time, neither between. None when the two differ by
+    less than `cache_timing_min_s` or a figure is missing."""
+    if not rate or not whole or reused <= reused_on_miss or ttft is None or ttft <= 0:
         return None
-    full, hit = whole / rate, max(whole - reusable, 0) / rate
-    if full - hit < th.cache_timing_min_s:
+    cold = (whole - reused_on_miss) / rate + (fixed_s if reused_on_miss else 0.0)
+    hit = min(fixed_s + max(whole - reused, 0) / rate, cold / 2)
+    if cold - hit < th.cache_timing_min_s:
         return None
-    return ("hit" if ttft <= (full + hit) / 2 else "miss"), full, hit
+    mid = (cold + hit) / 2
+    says: Says | None = "hit" if ttft <= mid else "miss" if ttft >= MISS_SHARE * cold else None
+    return Timing(says, ttft, cold, hit, fixed_s, rate, rate_of)
 
 
 def check_turn(
-    r: Measured, m: Match, upstream_rate: float | None, th: Thresholds
-) -> tuple[dict[str, Any], list[Anomaly]]:
-    """Record fields and anomalies of a request that continues a conversation (`m`).
-    `upstream_rate`: this upstream's prefill rate on cold first turns (used when the
-    conversation has none of its own)."""
-    change = m.change
-    estimate, source = m.tokens(m.shared_chars)
-    if change is not None and change.cause == "model_changed":
-        estimate = 0  # no server shares a prompt cache between models
-    prev_tokens = m.tokens(m.previous_chars)[0]
-    cached, ttft = r.cached_tokens, r.ttft_s
-    reusable = estimate
-    if cached is not None and cached > reusable:  # the server's own count is a floor
-        reusable, source = cached, "cached"
-    fields: dict[str, Any] = {
-        "prefix_reusable_tokens": reusable,
-        "prefix_tokens_source": source,
-        "prefix_diverged_at": m.diverged_at,
-        "conversation_lost_s": m.lost_s,
-    }
-    if cached is not None and reusable > 0:
-        fields["cache_hit_ratio"] = round(cached / reusable, 3)
-    out: list[Anomaly] = []
+    r: Measured, m: Match, facts: CacheFacts, th: Thresholds, *, whole: int | None = None
+) -> TurnVerdict:
+    """The judgement of a request that continues a conversation (`m`). `facts`: what this
+    upstream's earlier turns say about its cache; `whole`: the prompt's tokens when the server
+    reported none (counted by the proxy)."""
+    reusable = reusable_prefix(m, r.cached_tokens)
+    cached = r.cached_tokens
+    ratio = round(cached / reusable.tokens, 3) if cached is not None and reusable.tokens > 0 else None
     if r.outcome not in OK_OUTCOMES:
-        return fields, out
-    whole = r.whole_prompt_tokens
-    rate = m.cold_prefill_tps or upstream_rate
-    rate_of = "this conversation's first turn" if m.cold_prefill_tps else "this upstream's first turns"
-    said = timing_says(whole, reusable, ttft, rate, th) if reusable >= th.prefix_min_tokens else None
-    claimed = timing_says(whole, cached or 0, ttft, rate, th) if cached and cached >= th.prefix_min_tokens else None
-    prefilled = r.uncached_prompt_tokens
-
-    lost_tokens, cause, at = 0, None, None
-    reused_from = f"~{reusable} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
-    unreported = (cached is None or cached < th.prefix_miss_ratio * reusable) and said is not None and said[0] == "hit"
-    if unreported and said is not None:
-        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
-        out.append(
-            Anomaly(
-                "cached_tokens_unreported",
-                f"{reused_from} and TTFT {_fmt(ttft or 0)} s matches prefilling only the "
-                f"{(whole or 0) - reusable} new tokens ({_fmt(said[2])} s at {_fmt(rate or 0)} tok/s, {rate_of}) "
-                f"rather than all {whole} ({_fmt(said[1])} s): the cache worked, but usage says {told}",
-            )
-        )
-        fields["prefill_tps"] = None  # the prefilled share is unknown
-    elif (
-        claimed is not None
-        and claimed[0] == "miss"
-        and whole
-        and cached is not None
-        and cached >= MOSTLY_CACHED * whole
-    ):
-        out.append(
-            Anomaly(
-                "cached_tokens_claimed_cold",
-                f"usage claims {cached} of {whole} prompt tokens cached, but TTFT {_fmt(ttft or 0)} s matches a "
-                f"cold prefill of all of them ({_fmt(claimed[1])} s at {_fmt(rate or 0)} tok/s, {rate_of}) "
-                f"rather than of the {whole - cached} uncached ones ({_fmt(claimed[2])} s)",
-            )
-        )
-        prefilled = whole
-        fields["prefill_tps"] = whole / ttft if ttft else None
-    elif cached is None and reusable >= th.prefix_min_tokens and (said is None or said[0] != "miss"):
-        fields["prefill_tps"] = None  # unknown share, and TTFT does not show a cold prefill
-    elif change is None:
-        miss = _evicted(m, reusable, cached, said, th)
-        if miss is not None:
-            out.append(Anomaly("prefix_cache_miss", f"{reused_from}{miss}"))
-            cause, lost_tokens = "cache_evicted", reusable - (cached or 0)
-            prefilled = whole if said is not None else prefilled
-    if change is not None and prev_tokens > reusable:
-        cause, at, lost_tokens = change.cause, change.where, prev_tokens - reusable
-        if not m.extends and lost_tokens >= th.prefix_min_tokens:
-            out.append(
-                Anomaly(
-                    "prompt_prefix_changed",
-                    f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
-                    f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
-                    f"~{lost_tokens} of its {prev_tokens} prompt tokens cannot be reused by any cache "
-                    f"(counted from {source})",
-                )
-            )
-        elif change.cause == "model_changed" and lost_tokens >= th.prefix_min_tokens:
-            out.append(
-                Anomaly(
-                    "prompt_prefix_changed",
-                    f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
-                    f"({change.where}): none of its {prev_tokens} earlier prompt tokens can be reused",
-                )
-            )
-        if cached is None and said is None:
-            prefilled = (whole or 0) - reusable
-    if cause is None:
-        return fields, out
-    lost_s = None
-    if ttft is not None and ttft > 0 and prefilled and lost_tokens > 0:
-        lost_s = min(ttft * lost_tokens / prefilled, ttft)
-    fields.update(reprefill_cause=cause, reprefill_at=at, reprefill_lost_s=lost_s)
-    fields["conversation_lost_s"] = m.lost_s + (lost_s or 0.0)
-    if cause == "cache_evicted":
-        fields["prefill_wasted_s"] = lost_s
-    return fields, out
-
-
-def _evicted(
-    m: Match, reusable: int, cached: int | None, said: tuple[Timing, float, float] | None, th: Thresholds
-) -> str | None:
-    """The evidence that the server prefilled an extended prompt whole (`prefix_cache_miss`,
-    cause `cache_evicted`): its reported `cached_tokens` fall short of `prefix_miss_ratio` of
-    the reusable prefix, or (none reported) its TTFT matches a cold prefill; None otherwise."""
-    if reusable < th.prefix_min_tokens:
-        return None
-    if cached is not None:
-        if cached >= th.prefix_miss_ratio * reusable:
-            return None
-        return f" but the server reported {cached} cached (ratio {cached / reusable:.2f})"
-    if said is None or said[0] != "miss":
-        return None
-    return (
-        f"; no cached_tokens reported, but TTFT matches re-prefilling the whole prompt "
-        f"({_fmt(said[1])} s) rather than the new tokens alone ({_fmt(said[2])} s)"
+        return TurnVerdict(reusable, ratio)
+    if whole is None:
+        whole = r.whole_prompt_tokens
+    rate, rate_of = (
+        (m.cold_prefill_tps, "this conversation's first turn")
+        if m.cold_prefill_tps
+        else (facts.cold_rate, "this upstream's first turns")
     )
+    if m.change is None:
+        return extended(r, m, reusable, ratio, whole, rate, rate_of, facts, th)
+    return changed(r, m, m.change, reusable, ratio, whole, rate, rate_of, facts, th)
+
+
+def _reused_from(m: Match, reusable: Reusable) -> str:
+    return f"~{reusable.tokens} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
+
+
+def _excess(ttft: float | None, whole: int | None, reused: int, rate: float | None) -> float | None:
+    """A known hit's TTFT beyond prefilling its new tokens: the upstream's fixed cost."""
+    if ttft is None or not whole or not rate:
+        return None
+    return max(ttft - max(whole - reused, 0) / rate, 0.0)
+
+
+def extended(
+    r: Measured,
+    m: Match,
+    reusable: Reusable,
+    ratio: float | None,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> TurnVerdict:
+    """A prompt that extends the previous one: did the server reuse it, and say so?"""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    base = TurnVerdict(reusable, ratio)
+    if reusable.tokens < th.prefix_min_tokens:
+        return base
+    said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    says = said.says if said is not None else None
+    short = cached is None or cached < th.prefix_miss_ratio * reusable.tokens  # the count does not show the reuse
+    if short and said is not None and says == "hit":
+        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+        a = Anomaly(
+            "cached_tokens_unreported",
+            f"{_reused_from(m, reusable)} and {said.text()}, prefilling only the {(whole or 0) - reusable.tokens} "
+            f"new tokens rather than all {whole}: the cache worked, but usage says {told}",
+        )
+        return TurnVerdict(
+            reusable,
+            ratio,
+            evidence=said.text(),
+            anomalies=(a,),
+            correct_prefill_tps=True,  # the prefilled share is unknown
+            hit_excess_s=_excess(ttft, whole, reusable.tokens, rate),
+        )
+    claimed = None
+    if cached and cached >= th.prefix_min_tokens and whole and cached >= MOSTLY_CACHED * whole:
+        claimed = timing_says(whole, cached, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    if claimed is not None and claimed.says == "miss" and whole and cached is not None:
+        a = Anomaly(
+            "cached_tokens_claimed_cold",
+            f"usage claims {cached} of {whole} prompt tokens cached, but {claimed.text()}: a cold prefill of all "
+            f"of them rather than of the {whole - cached} uncached ones",
+        )
+        tps = whole / ttft if ttft else None
+        return TurnVerdict(
+            reusable, ratio, evidence=claimed.text(), anomalies=(a,), correct_prefill_tps=True, prefill_tps=tps
+        )
+    if not short:  # the server's count shows the hit
+        hit = _excess(ttft, whole, cached or 0, rate) if said is None or says != "miss" else None
+        return TurnVerdict(
+            reusable, ratio, evidence=f"cached_tokens {cached} of ~{reusable.tokens} reusable", hit_excess_s=hit
+        )
+    # the count falls short (or is missing) and TTFT does not show a hit
+    if says == "miss" and said is not None:
+        told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
+        why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
+        prefilled = whole
+        evidence = said.text()
+    elif cached is not None and facts.reports_cache:
+        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
+        prefilled = r.uncached_prompt_tokens
+        evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
+    else:  # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
+        unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+        told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
+        return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
+    a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
+    lost = reusable.tokens - (cached or 0)
+    rp = Reprefill("cache_evicted", None, lost, prefilled)
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp), evidence, (a,))
+
+
+def changed(
+    r: Measured,
+    m: Match,
+    change: Change,
+    reusable: Reusable,
+    ratio: float | None,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> TurnVerdict:
+    """A prompt that changed part of the previous one: did the server re-prefill past the
+    change (a cause, with its cost), or reuse the previous prompt anyway (the change is
+    neutralized: a server that strips a volatile line before caching, 0 s lost)?"""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    lost = reusable.previous - reusable.tokens
+    where = f"{change.cause} at {change.where}"
+    neutralized: str | None = None
+    evidence = ""
+    prefilled: int | None = None
+    if cached is not None and (cached > 0 or facts.reports_cache):
+        past = cached - reusable.shared >= PAST_CHANGE_TOKENS  # reused clearly past where the prompts differ
+        if past and cached >= NEUTRAL_SHARE * reusable.previous:
+            neutralized = f"cached_tokens {cached} of the previous prompt's {reusable.previous}"
+        else:
+            evidence = f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again"
+            prefilled = r.uncached_prompt_tokens
+    elif lost <= 0:
+        return TurnVerdict(reusable, ratio)
+    else:
+        said = timing_says(
+            whole,
+            reusable.previous,
+            ttft,
+            rate,
+            th,
+            fixed_s=facts.fixed_s,
+            reused_on_miss=reusable.tokens,
+            rate_of=rate_of,
+        )
+        if said is None or said.says is None:
+            unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+            told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+            return TurnVerdict(
+                reusable,
+                ratio,
+                evidence=f"the prompt changed ({where}), but nothing shows a re-prefill: {told}; {unknown}",
+                correct_prefill_tps=cached is None,
+            )
+        if said.says == "hit":
+            neutralized = said.text()
+        else:
+            evidence = said.text()
+            prefilled = (whole or 0) - reusable.tokens
+    if neutralized is not None:
+        return TurnVerdict(
+            reusable,
+            ratio,
+            Reprefill(change.cause, change.where, 0, None),
+            0.0,
+            f"{neutralized}: this server reused the prompt past the change (neutralized, 0 s lost)",
+        )
+    rp = Reprefill(change.cause, change.where, lost, prefilled)
+    found: tuple[Anomaly, ...] = ()
+    if lost >= th.prefix_min_tokens and (not m.extends or change.cause == "model_changed"):
+        if change.cause == "model_changed":
+            text = (
+                f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
+                f"({change.where}): none of its {reusable.previous} earlier prompt tokens can be reused"
+            )
+        else:
+            text = (
+                f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
+                f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
+                f"~{lost} of its {reusable.previous} prompt tokens were prefilled again (counted from "
+                f"{reusable.source}; {evidence})"
+            )
+        found = (Anomaly("prompt_prefix_changed", text),)
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp), evidence, found)
+
+
+def _lost_s(ttft: float | None, rp: Reprefill) -> float | None:
+    """The prefill seconds a re-prefill cost: TTFT x lost tokens / prefilled tokens, at most the TTFT."""
+    if ttft is None or ttft <= 0 or not rp.prefilled or rp.lost_tokens <= 0:
+        return None
+    return min(ttft * rp.lost_tokens / rp.prefilled, ttft)
 
 
 class PrefixIndex:
-    """The latest prompt of each recent conversation on one upstream (bounded, no text):
-    `prefix.find_turn` reads it (`latest`) before a turn is judged, `add` writes the turn
-    after, with what the judgement found."""
+    """The latest prompt of each recent conversation on one upstream (bounded, no text), and
+    what its turns showed about its cache (`facts`): `prefix.find_turn` reads `latest` before a
+    turn is judged, `add` writes the turn after, with what the judgement found."""
 
     def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
         self.max_conversations = max_conversations
@@ -198,6 +400,8 @@ class PrefixIndex:
         self.latest: Mapping[int, Sequence[Latest]] = self._by_key
         self._count = 0
         self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
+        self.hit_excess_s: deque[float] = deque(maxlen=FIXED_SAMPLES)  # known hits' TTFT past their prefill
+        self.reports_cache = False
 
     def __len__(self) -> int:
         return self._count
@@ -212,14 +416,21 @@ class PrefixIndex:
         *,
         cold_prefill_tps: float | None = None,
         lost_s: float = 0.0,
+        cached_tokens: int | None = None,
+        hit_excess_s: float | None = None,
     ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
         `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
         conversation's own until a later cold turn replaces it, and, on a first turn, among
         this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
-        conversation)."""
+        conversation); `cached_tokens`: its reported count (a positive one says this server
+        reports its hits); `hit_excess_s`: a known hit's TTFT beyond its prefill (`facts`)."""
         if match is None and cold_prefill_tps is not None:
             self.cold_prefill_tps.append(cold_prefill_tps)
+        if cached_tokens:
+            self.reports_cache = True
+        if hit_excess_s is not None:
+            self.hit_excess_s.append(hit_excess_s)
         entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
         if match is not None:
@@ -248,3 +459,10 @@ class PrefixIndex:
             return None
         v = sorted(self.cold_prefill_tps)
         return v[len(v) // 2]
+
+    def facts(self) -> CacheFacts:
+        """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
+        fixed cost (the largest TTFT past its prefill among recent known hits) and whether it
+        reports its hits."""
+        fixed = max(self.hit_excess_s) if self.hit_excess_s else 0.0
+        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache)

@@ -100,6 +100,9 @@ class PromptPrint(NamedTuple):
     tools: tuple[tuple[str, int], ...] = ()  # (name, fingerprint) per declared tool, in order
     # per system piece index: its line fingerprints
     lines: tuple[tuple[int, array[int]], ...] = ()
+    # one per message after the leading system ones: its role and stem (`_stem`), to know a
+    # message again after a client appended a reminder to it or dropped one from it
+    stems: tuple[int, ...] = ()
 
     @property
     def total_chars(self) -> int:
@@ -119,6 +122,58 @@ def _message_fields(m: dict[str, Any]) -> Any:
     if len(m) == 2 and "role" in m and "content" in m:  # by far the most common message
         return ("role", "content")
     return sorted(m, key=_field_order)
+
+
+_TEXT_BLOCKS = frozenset({"text", "input_text", "output_text"})
+
+
+def _unmarked(block: dict[str, Any]) -> dict[str, Any]:
+    """A content block without its `cache_control` markers (also in a tool result's content)."""
+    out = {k: v for k, v in block.items() if k != "cache_control"}
+    inner = out.get("content")
+    if isinstance(inner, list):
+        out["content"] = [_unmarked(b) if isinstance(b, dict) else b for b in inner]
+    return out
+
+
+def _content(v: Any) -> str:
+    """A message content (or a Messages `system`) as a chat template sees it: a string as it
+    is; a list of blocks as its text blocks' texts, other blocks as their JSON without
+    `cache_control`, one per line. A one-block list and the same text as a string compare
+    equal, and a marker moved from block to block changes nothing (Claude Code moves its
+    breakpoint to the newest message every turn)."""
+    if type(v) is str:
+        return v
+    if not isinstance(v, list):
+        return _text(v)
+    parts: list[str] = []
+    for b in v:
+        if isinstance(b, dict):
+            t = b.get("text")
+            if type(t) is str and b.get("type", "text") in _TEXT_BLOCKS:
+                parts.append(t)
+                continue
+            parts.append(_text(_unmarked(b)) if "cache_control" in b or "content" in b else _text(b))
+        else:
+            parts.append(_text(b))
+    return "\n".join(parts)
+
+
+def _stem(text: str) -> str:
+    """A message's own words without the reminders a client appends to it or puts before it:
+    its first paragraph that does not open with a tag (`<system-reminder>`, Codex's
+    `<environment_context>`); the whole text when there is none. Aider appends its format
+    reminder to the newest user message and drops it from that message on the next turn."""
+    start = 0
+    n = len(text)
+    while start < n:
+        end = text.find("\n\n", start)
+        end = n if end < 0 else end
+        para = text[start:end].strip()
+        if para and not para.startswith("<"):
+            return para
+        start = end + 2
+    return text
 
 
 _TOKEN = re.compile(r"[A-Za-z0-9]+|\s+|.")
@@ -153,27 +208,24 @@ def _lines(text: str) -> list[str]:
     return text.split("\\n", MAX_LINES - 1) if len(lines) == 1 else lines
 
 
-def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrint | None:
-    """The prompt fingerprints of a chat, Messages or Responses request body, or None."""
+def fingerprint(
+    endpoint: str, obj: Any, model: str | None = None, texts: list[str] | None = None
+) -> PromptPrint | None:
+    """The prompt fingerprints of a chat, Messages or Responses request body, or None. The
+    pieces follow the rendered prompt: the system pieces (`system` / `instructions`, then the
+    leading system and developer messages), `tools`, then the other messages, each content as
+    the server's template sees its text (`_content`). `texts`, when given, receives each
+    piece's text (to count the prompt's tokens where the server reports none)."""
     if not isinstance(obj, dict):
         return None
     pieces: list[tuple[str, str]] = []
     system: list[int] = []  # indices of the system pieces
-    tools = obj.get("tools")
-    tools = tools if isinstance(tools, list) and tools else None
-    tools_set = 0
-    tool_prints: tuple[tuple[str, int], ...] = ()
-    if tools is not None:
-        texts = [_text(t) for t in tools]
-        pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted(texts)))
-        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in texts)))
     if endpoint == "messages" and obj.get("system") is not None:
         system.append(len(pieces))
-        pieces.append(("system", _text(obj["system"])))
+        pieces.append(("system", _content(obj["system"])))
     if endpoint == "responses" and obj.get("instructions") is not None:
         system.append(len(pieces))
-        pieces.append(("instructions", _text(obj["instructions"])))
+        pieces.append(("instructions", _content(obj["instructions"])))
     if endpoint == "responses":
         inp = obj.get("input")
         items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -183,12 +235,25 @@ def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrin
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
-    first = len(pieces)
-    first_user, head, head_pieces, messages = _message_pieces(items, name, pieces)
+    said: list[tuple[str, str]] = []
+    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said)
     if first_user is None:
         return None
-    system += range(first, first + head_pieces)
+    system += range(len(pieces), len(pieces) + head_pieces)
+    pieces += said[:head_pieces]
+    tools = obj.get("tools")
+    tools = tools if isinstance(tools, list) and tools else None
+    tools_set = 0
+    tool_prints: tuple[tuple[str, int], ...] = ()
+    if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
+        texts = [_text(t) for t in tools]
+        pieces.append(("tools", _text(tools)))
+        tools_set = hash("\x00".join(sorted(texts)))
+        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in texts)))
+    pieces += said[head_pieces:]
     key = hash((endpoint, first_user))
+    if texts is not None:
+        texts.extend(text for _, text in pieces)
     hashes, lengths, blocks = _piece_blocks(pieces)
     lines = tuple((i, array("q", [hash(x) for x in _lines(pieces[i][1])])) for i in system)
     return PromptPrint(
@@ -204,6 +269,7 @@ def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrin
         head,
         tool_prints,
         lines,
+        stems,
     )
 
 
@@ -215,35 +281,44 @@ def _message_index(label: str) -> int:
 
 def _message_pieces(
     items: list[Any], name: str, pieces: list[tuple[str, str]]
-) -> tuple[str | None, int, int, tuple[int, ...]]:
-    """Append each message's fields to `pieces` (up to `MAX_PIECES`); the first user message's
-    text, the number of leading system messages and of their pieces, and one fingerprint per
-    later message."""
+) -> tuple[str | None, int, int, tuple[int, ...], tuple[int, ...]]:
+    """Append each message's fields to `pieces` (up to `MAX_PIECES`; a `cache_control` marker
+    never reaches the prompt and is left out); the first user message's text, the number of
+    leading system messages and of their pieces, and one fingerprint and one stem fingerprint
+    (`_stem`) per later message."""
     first_user: str | None = None
     add = pieces.append
     head = head_pieces = 0
     leading = True
     prints: list[int] = []
-    first_piece = len(pieces)
+    stems: list[int] = []
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
             break
         start = len(pieces)
+        content = ""
         if not isinstance(m, dict):
             add((f"{name}[{i}]", _text(m)))
         else:
             for field in _message_fields(m):
+                if field == "cache_control":
+                    continue
                 v = m[field]
-                add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
+                if field == "content":
+                    content = _content(v)
+                    add((f"{name}[{i}].content", content))
+                else:
+                    add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
             if first_user is None and m.get("role") == "user":
-                first_user = _text(m.get("content"))
+                first_user = content
         if leading and isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
             head += 1
-            head_pieces = len(pieces) - first_piece
+            head_pieces = len(pieces)
             continue
         leading = False
         prints.append(hash(tuple(text for _, text in pieces[start:])))
-    return first_user, head, head_pieces, tuple(prints)
+        stems.append(hash((m.get("role") if isinstance(m, dict) else None, _stem(content))))
+    return first_user, head, head_pieces, tuple(prints), tuple(stems)
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -388,13 +463,16 @@ def _piece_text(pp: PromptPrint, body: Any, i: int) -> str | None:
         return None
     if label in ("system", "instructions"):
         v = body.get(label)
+        field = "content"
     else:
         name, _, field = label.partition(".")
         items = body.get(name[: name.index("[")])
         k = _message_index(label)
         m = items[k] if isinstance(items, list) and 0 <= k < len(items) else None
         v = m.get(field) if isinstance(m, dict) else None
-    return None if v is None else _text(v)
+    if v is None:
+        return None
+    return _content(v) if field == "content" else _text(v)
 
 
 def _volatile(old: PromptPrint, new: PromptPrint, i: int, body: Any) -> str | None:
@@ -452,16 +530,24 @@ def prompt_change(old: PromptPrint, new: PromptPrint, body: Any = None) -> Chang
 
 def continues(old: PromptPrint, new: PromptPrint) -> bool:
     """Whether `new` is the next turn of the conversation whose latest prompt is `old`: the
-    same endpoint family; a message list that strictly extends the previous one, or (with
-    the same model) rewrites it while keeping its last message."""
+    same endpoint family, and a message list (the messages after the leading system ones) that
+    strictly extends the previous one; or, with the same model, one that keeps the previous
+    request's newest message (as it was, or without the reminder a client appended to it or
+    with one added: its stem) while earlier ones were edited, dropped or inserted (compaction,
+    truncation, Aider's restored history before its fixed messages, re-rendered tool results);
+    or the same message list under another system prompt or other tools (a regenerate after
+    editing the system prompt). The same prompt sent again whole is a repeat: a conversation
+    of its own."""
     if old.family != new.family:
         return False
     a, b = old.messages, new.messages
     if len(b) > len(a) and b[: len(a)] == a:
         return True
-    if old.model != new.model or not a or a == b:
+    if old.model != new.model or not a:
         return False
-    return a[-1] in b
+    if a == b:
+        return old.hashes != new.hashes or old.chars != new.chars
+    return a[-1] in b or (bool(old.stems) and old.stems[-1] in new.stems)
 
 
 class Latest(NamedTuple):
