@@ -295,7 +295,7 @@ def extended(
     a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
     lost = reusable.tokens - (cached or 0)
     rp = Reprefill("cache_evicted", None, lost, prefilled)
-    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp), evidence, (a,))
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, (a,))
 
 
 def changed(
@@ -377,14 +377,16 @@ def changed(
                 f"{reusable.source}; {evidence})"
             )
         found = (Anomaly("prompt_prefix_changed", text),)
-    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp), evidence, found)
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, found)
 
 
-def _lost_s(ttft: float | None, rp: Reprefill) -> float | None:
-    """The prefill seconds a re-prefill cost: TTFT x lost tokens / prefilled tokens, at most the TTFT."""
+def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:
+    """The prefill seconds a re-prefill cost: the TTFT past the upstream's fixed cost x lost
+    tokens / prefilled tokens, at most that."""
     if ttft is None or ttft <= 0 or not rp.prefilled or rp.lost_tokens <= 0:
         return None
-    return min(ttft * rp.lost_tokens / rp.prefilled, ttft)
+    prefill = max(ttft - fixed_s, 0.0)
+    return min(prefill * rp.lost_tokens / rp.prefilled, prefill)
 
 
 class PrefixIndex:
@@ -462,7 +464,7 @@ class PrefixIndex:
 
     def facts(self) -> CacheFacts:
         """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
-        fixed cost (the largest TTFT past its prefill among recent known hits) and whether it
+        fixed cost (the smallest TTFT past its prefill among recent known hits) and whether it
         reports its hits."""
-        fixed = max(self.hit_excess_s) if self.hit_excess_s else 0.0
+        fixed = min(self.hit_excess_s) if self.hit_excess_s else 0.0
         return CacheFacts(self.prefill_rate(), fixed, self.reports_cache)

@@ -317,7 +317,8 @@ def _message_pieces(
             continue
         leading = False
         prints.append(hash(tuple(text for _, text in pieces[start:])))
-        stems.append(hash((m.get("role") if isinstance(m, dict) else None, _stem(content))))
+        role = m.get("role") if isinstance(m, dict) else None
+        stems.append(hash((role if type(role) is str else None, _stem(content))))
     return first_user, head, head_pieces, tuple(prints), tuple(stems)
 
 
