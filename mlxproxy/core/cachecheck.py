@@ -245,6 +245,10 @@ def extended(
     said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
     says = said.says if said is not None else None
     short = cached is None or cached < th.prefix_miss_ratio * reusable.tokens  # the count does not show the reuse
+    if short and said is not None and says == "hit" and r.prompt_tokens is None:
+        # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
+        hit = _excess(ttft, whole, reusable.tokens, rate)
+        return TurnVerdict(reusable, ratio, evidence=said.text(), correct_prefill_tps=True, hit_excess_s=hit)
     if short and said is not None and says == "hit":
         told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
         a = Anomaly(

@@ -246,10 +246,10 @@ def fingerprint(
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
-        texts = [_text(t) for t in tools]
+        each = [_text(t) for t in tools]
         pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted(texts)))
-        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in texts)))
+        tools_set = hash("\x00".join(sorted(each)))
+        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in each)))
     pieces += said[head_pieces:]
     key = hash((endpoint, first_user))
     if texts is not None:
