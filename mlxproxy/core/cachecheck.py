@@ -192,9 +192,7 @@ def timing_says(
     return Timing(says, ttft, cold, hit, fixed_s, rate, rate_of)
 
 
-def check_turn(
-    r: Measured, m: Match, facts: CacheFacts, th: Thresholds, *, whole: int | None = None
-) -> TurnVerdict:
+def check_turn(r: Measured, m: Match, facts: CacheFacts, th: Thresholds, *, whole: int | None = None) -> TurnVerdict:
     """The judgement of a request that continues a conversation (`m`). `facts`: what this
     upstream's earlier turns say about its cache; `whole`: the prompt's tokens when the server
     reported none (counted by the proxy)."""
@@ -328,7 +326,9 @@ def changed(
         if past and cached >= NEUTRAL_SHARE * reusable.previous:
             neutralized = f"cached_tokens {cached} of the previous prompt's {reusable.previous}"
         else:
-            evidence = f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again"
+            evidence = (
+                f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again"
+            )
             prefilled = r.uncached_prompt_tokens
     elif lost <= 0:
         return TurnVerdict(reusable, ratio)
