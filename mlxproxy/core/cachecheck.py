@@ -49,8 +49,10 @@ MAX_CONVERSATIONS = 256  # per upstream
 SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
 NEUTRAL_SHARE = 0.95  # a cached count this share of the previous prompt reused past a change
 PAST_CHANGE_TOKENS = 2 * BLOCK_CHARS // 4  # ...and this far past the change (the estimate's granularity)
-MISS_SHARE = 0.75  # a cold prefill's TTFT is at least this share of the predicted one
-FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost
+MISS_SHARE = 0.75
+COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold  # a cold prefill's TTFT is at least this share of the predicted one
+FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
+FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
 
 
 whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
@@ -141,10 +143,11 @@ class TurnVerdict:
 
 def cold_rate(r: Measured, th: Thresholds, whole: int | None = None) -> float | None:
     """A first turn's prefill rate when it says how fast a cold cache prefills: it reports no
-    cached tokens and has at least `prefix_min_tokens` prompt tokens (a stream that came in
+    cached tokens (or at most `COLD_CACHED_SHARE` of its prompt: mlx_lm.server reuses a chat
+    template's first tokens across conversations) and has at least `prefix_min_tokens` prompt tokens (a stream that came in
     one burst says nothing: its caller leaves it out). `whole`: the prompt's tokens counted
     by the proxy, for a server that reports none."""
-    if r.cached_tokens:
+    if r.cached_tokens and r.cached_tokens > COLD_CACHED_SHARE * (r.whole_prompt_tokens or 0):
         return None
     if r.prefill_tps:
         return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
@@ -321,6 +324,7 @@ def changed(
     neutralized: str | None = None
     evidence = ""
     prefilled: int | None = None
+    hit_excess: float | None = None
     if cached is not None and (cached > 0 or facts.reports_cache):
         past = cached - reusable.shared >= PAST_CHANGE_TOKENS  # reused clearly past where the prompts differ
         if past and cached >= NEUTRAL_SHARE * reusable.previous:
@@ -330,6 +334,8 @@ def changed(
                 f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again"
             )
             prefilled = r.uncached_prompt_tokens
+            if whole and cached >= MOSTLY_CACHED * whole:  # a known (partial) hit: the fixed-cost fit
+                hit_excess = _excess(ttft, whole, cached, rate)
     elif lost <= 0:
         return TurnVerdict(reusable, ratio)
     else:
@@ -381,7 +387,7 @@ def changed(
                 f"{reusable.source}; {evidence})"
             )
         found = (Anomaly("prompt_prefix_changed", text),)
-    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, found)
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, found, hit_excess_s=hit_excess)
 
 
 def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:
@@ -468,7 +474,8 @@ class PrefixIndex:
 
     def facts(self) -> CacheFacts:
         """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
-        fixed cost (the smallest TTFT past its prefill among recent known hits) and whether it
+        fixed cost (the smallest TTFT past its prefill among its last `FIXED_SAMPLES` known hits,
+        once there are `FIXED_MIN_SAMPLES`) and whether it
         reports its hits."""
-        fixed = min(self.hit_excess_s) if self.hit_excess_s else 0.0
+        fixed = min(self.hit_excess_s) if len(self.hit_excess_s) >= FIXED_MIN_SAMPLES else 0.0
         return CacheFacts(self.prefill_rate(), fixed, self.reports_cache)

@@ -159,21 +159,30 @@ def _content(v: Any) -> str:
     return "\n".join(parts)
 
 
+_TAG = re.compile(r"\s*<([A-Za-z][\w-]{0,63})[^>]{0,200}>")
+
+
 def _stem(text: str) -> str:
-    """A message's own words without the reminders a client appends to it or puts before it:
-    its first paragraph that does not open with a tag (`<system-reminder>`, Codex's
-    `<environment_context>`); the whole text when there is none. Aider appends its format
-    reminder to the newest user message and drops it from that message on the next turn."""
-    start = 0
-    n = len(text)
+    """A message's own words without the reminders a client puts around them: its first
+    paragraph once the tagged blocks it opens with are left out (`<system-reminder>...
+    </system-reminder>`: Claude Code, Qwen Code; Codex's `<environment_context>`), the whole
+    text when nothing else is left. Clients move such reminders from message to message
+    (Qwen Code's current date goes to the newest user message), and Aider appends its format
+    reminder after a blank line and drops it on the next turn."""
+    start, n = 0, len(text)
     while start < n:
-        end = text.find("\n\n", start)
-        end = n if end < 0 else end
-        para = text[start:end].strip()
-        if para and not para.startswith("<"):
-            return para
-        start = end + 2
-    return text
+        tag = _TAG.match(text, start)
+        if tag is None:
+            break
+        close = text.find(f"</{tag.group(1)}>", tag.end())
+        if close < 0:
+            break
+        start = close + len(tag.group(1)) + 3
+    rest = text[start:].strip()
+    if not rest:
+        return text
+    end = rest.find("\n\n")
+    return rest if end < 0 else rest[:end].rstrip()
 
 
 _TOKEN = re.compile(r"[A-Za-z0-9]+|\s+|.")
@@ -251,7 +260,7 @@ def fingerprint(
         tools_set = hash("\x00".join(sorted(each)))
         tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in each)))
     pieces += said[head_pieces:]
-    key = hash((endpoint, first_user))
+    key = hash((endpoint, _stem(first_user)))
     if texts is not None:
         texts.extend(text for _, text in pieces)
     hashes, lengths, blocks = _piece_blocks(pieces)
@@ -529,6 +538,21 @@ def prompt_change(old: PromptPrint, new: PromptPrint, body: Any = None) -> Chang
     return Change("history_rewritten", where)
 
 
+_BLANK = hash("")
+
+
+def _another_agent(old: PromptPrint, new: PromptPrint) -> bool:
+    """Whether `new` is another agent's prompt over the same messages: other tools (not just
+    re-ordered) and a system prompt that keeps less than `VOLATILE_REST` of the previous one's
+    distinct non-blank lines (Qwen Code's memory-extraction subagent resends the main
+    conversation under its own system prompt and tools)."""
+    if old.tools_set == new.tools_set or not old.lines:
+        return False
+    before = {h for _, lines in old.lines for h in lines} - {_BLANK}
+    after = {h for _, lines in new.lines for h in lines}
+    return bool(before) and len(before & after) < VOLATILE_REST * len(before)
+
+
 def continues(old: PromptPrint, new: PromptPrint) -> bool:
     """Whether `new` is the next turn of the conversation whose latest prompt is `old`: the
     same endpoint family, and a message list (the messages after the leading system ones) that
@@ -538,8 +562,9 @@ def continues(old: PromptPrint, new: PromptPrint) -> bool:
     truncation, Aider's restored history before its fixed messages, re-rendered tool results);
     or the same message list under another system prompt or other tools (a regenerate after
     editing the system prompt). The same prompt sent again whole is a repeat: a conversation
-    of its own."""
-    if old.family != new.family:
+    of its own; another agent's prompt over the same messages (`_another_agent`) is not this
+    conversation's."""
+    if old.family != new.family or _another_agent(old, new):
         return False
     a, b = old.messages, new.messages
     if len(b) > len(a) and b[: len(a)] == a:
