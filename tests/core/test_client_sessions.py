@@ -256,3 +256,70 @@ def test_codex_hits_with_zero_cached_are_unreported_never_evicted() -> None:
     # server reports on every hit is no evidence of an eviction
     assert findings(recs[4]) == set() and "tells neither" in recs[4].cache_evidence
     assert not any(r.reprefill_cause == "cache_evicted" or "prefix_cache_miss" in r.anomalies for r in recs)
+
+
+# -- Qwen Code 0.24.4 on mlx_lm.server (recorded: its shape kept, its long texts shortened) -----
+
+QWEN_SYSTEM = "\n".join(f"You are Qwen Code, rule {i}: keep the change small." for i in range(60))
+MEMORY_SYSTEM = "\n".join(f"You are now acting as the managed memory extraction subagent, rule {i}." for i in range(40))
+DATE = "<system-reminder>\nThe current date is: Sunday, December 6, 2026.\n</system-reminder>"
+SKILLS = "<system-reminder>\nThe following skills are available.\n\n- review: review a change\n</system-reminder>"
+
+
+def qwen_turns(prompts: list[str]) -> list[tuple[dict, dict]]:
+    """Each CLI turn: the main request (its date reminder on the newest user message only; the
+    one it was on before is sent without it), then the memory subagent's request: the same
+    messages plus an extraction instruction, under its own system prompt and tools."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("read_file", "edit", "shell")]
+    memory_tools = tools[:1] + [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
+    said: list[dict] = []
+    out = []
+    for k, p in enumerate(prompts, 1):
+        newest = {
+            "role": "user",
+            "content": [{"type": "text", "text": t} for t in ([SKILLS] if k == 1 else []) + [DATE, p]],
+        }
+        main = {
+            "model": "m",
+            "stream": True,
+            "tools": tools,
+            "messages": [{"role": "system", "content": QWEN_SYSTEM}, *said, newest],
+        }
+        memory = {
+            "model": "m",
+            "stream": True,
+            "tools": memory_tools,
+            "messages": [
+                {"role": "system", "content": MEMORY_SYSTEM},
+                *said,
+                newest,
+                {"role": "assistant", "content": f"Done ({k})."},
+                {"role": "user", "content": "Scan the recent conversation and update durable managed memory."},
+            ],
+        }
+        out.append((main, memory))
+        texts = ([SKILLS] if k == 1 else []) + [p]
+        said = said + [
+            {"role": "user", "content": [{"type": "text", "text": t} for t in texts]},
+            {"role": "assistant", "content": f"Done ({k})."},
+        ]
+    return out
+
+
+def test_qwen_code_main_conversation_and_its_memory_subagent_are_two() -> None:
+    index = PrefixIndex()
+    recs = []
+    for k, (main, memory) in enumerate(qwen_turns(["say hi", "and again", "once more"]), 1):
+        recs.append(
+            finish(index, "/v1/chat/completions", main, chat_stream(9000 + 30 * k, 0 if k == 1 else 8800), 0.3, f"m{k}")
+        )
+        recs.append(
+            finish(
+                index, "/v1/chat/completions", memory, chat_stream(7000 + 30 * k, 0 if k == 1 else 6800), 0.3, f"s{k}"
+            )
+        )
+    main, memory = recs[0::2], recs[1::2]
+    assert {r.conversation_id for r in main} == {"m1"} and [r.turn for r in main] == [1, 2, 3]
+    assert {r.conversation_id for r in memory} == {"s1"} and [r.turn for r in memory] == [1, 2, 3]
+    # the date reminder taken off the previous newest message: a small rewrite where it was
+    assert main[1].prefix_diverged_at.startswith("messages[1].content char ")
