@@ -1,33 +1,41 @@
 """Prompt-prefix tracking without keeping prompt text (sans-I/O).
 
-A request's prompt is cut into stable pieces in the order a chat template renders them
-(`tools`, a Messages `system` or Responses `instructions`, then every message field:
-`messages[i].role`, `.content`, `.reasoning_content`, `.tool_calls`, ...). Each piece keeps
-only a 64-bit fingerprint, its length, and one fingerprint per `BLOCK_CHARS` block of its
-serialized text, so two prompts can be compared piece by piece and, in the first piece that
-differs, block by block: how much of an earlier prompt a new one shares, and where they first
-diverge. Fingerprints are Python's `hash()` of strings: stable within one process, which is
-all an in-memory index needs.
+A request's prompt is cut into stable pieces in the order the server renders it: the system
+pieces (a Messages `system`, Responses `instructions`, the leading system and developer
+messages), `tools`, then every other message's fields (`messages[i].role`, `.content`,
+`.reasoning_content`, `.tool_calls`, ...). A content is its text as a template sees it
+(`_content`: text blocks' texts, other blocks' JSON, `cache_control` markers left out, so a
+one-block list equals the same string). Each piece keeps only a 64-bit fingerprint, its length,
+and one fingerprint per `BLOCK_CHARS` block of its text, so two prompts can be compared piece by
+piece and, in the first piece that differs, block by block: how much of an earlier prompt a new
+one shares, and where they first diverge. Fingerprints are Python's `hash()` of strings: stable
+within one process, which is all an in-memory index needs.
 
-Conversation identity (`find_turn`): a conversation belongs to one endpoint family
-(chat, Messages, Responses) and starts from one first user message; a new request continues
-it only when its message list (the messages after the leading system ones) strictly extends
-the previous request's, or provably rewrites it (it keeps the previous request's last message
-but changes or drops an earlier one: compaction, truncation). The same list sent again (a
-repeat, a retry) starts a conversation of its own; so does another model, unless its message
-list strictly extends the previous one (`model_changed`).
+Conversation identity (`find_turn`, `continues`; docs/METRICS.md, "Prompt-prefix tracking"): a
+conversation belongs to one endpoint family (chat, Messages, Responses) and is found by the stem
+of its first user message (`_stem`: its first paragraph past the tagged reminders it opens
+with). A new request continues it when its message list (the messages after the leading system
+ones) strictly extends the previous request's; or, with the same model, keeps the previous
+request's newest message (as it was, or by its stem: a reminder appended or dropped) while
+earlier ones were edited, dropped or inserted (compaction, re-rendered tool results, Aider's
+restored history); or resends the same messages under another system prompt or tools (a
+regenerate). The same prompt sent again whole (a repeat, a retry, bench's identical requests)
+starts a conversation of its own, as does a replay's run (its nonce starts the first user
+message) and another agent's prompt over the same messages (`_another_agent`). Among several,
+the same model, then an extension, then the longest shared prefix wins.
 
 What changed (`prompt_change`) is named from the fingerprints alone: `model_changed`,
 `tools_changed` (which tool), `volatile_span` (a line or two of the system prompt changed
 while the rest stayed: where, and the line's shape, e.g. `a-a: a=<hex:5>;`, no text),
 `system_changed`, `history_rewritten`. For that the system pieces also keep one fingerprint
 per line, and the tools one fingerprint and the name per tool; the shape of a changed line
-is read from the new request's body while it is still at hand.
+is read from the new request's body while it is still at hand. Whether the server paid for
+the change is the cache doctor's question (`core.cachecheck`).
 
 These are pure functions; the conversations an upstream remembers (the latest prompt of
-each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks
-(`MAX_BLOCKS * BLOCK_CHARS` characters) are fingerprinted per prompt; past that, pieces
-compare whole.
+each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits
+(documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks (`MAX_BLOCKS * BLOCK_CHARS`
+characters) are fingerprinted per prompt; past that, pieces compare whole.
 """
 
 from __future__ import annotations
