@@ -251,12 +251,7 @@ def extended(
         hit = _excess(ttft, whole, reusable.tokens, rate)
         return TurnVerdict(reusable, ratio, evidence=said.text(), correct_prefill_tps=True, hit_excess_s=hit)
     if short and said is not None and says == "hit":
-        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
-        a = Anomaly(
-            "cached_tokens_unreported",
-            f"{_reused_from(m, reusable)} and {said.text()}, prefilling only the {(whole or 0) - reusable.tokens} "
-            f"new tokens rather than all {whole}: the cache worked, but usage says {told}",
-        )
+        a = _unreported(r, m, reusable, whole, said)
         return TurnVerdict(
             reusable,
             ratio,
@@ -303,6 +298,39 @@ def extended(
     return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, (a,))
 
 
+def _unreported(r: Measured, m: Match, reusable: Reusable, whole: int | None, said: Timing) -> Anomaly:
+    """`cached_tokens_unreported`: the TTFT shows a hit of the reusable prefix that the usage's
+    count does not."""
+    cached = r.cached_tokens
+    told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+    return Anomaly(
+        "cached_tokens_unreported",
+        f"{_reused_from(m, reusable)} and {said.text()}, prefilling only the {(whole or 0) - reusable.tokens} "
+        f"new tokens rather than all {whole}: the cache worked, but usage says {told}",
+    )
+
+
+def hidden_hit(
+    r: Measured,
+    m: Match,
+    reusable: Reusable,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> Anomaly | None:
+    """A changed prompt's reusable prefix (up to the change) served from the cache while the
+    usage, which reports the prompt, shows no such count: `cached_tokens_unreported`."""
+    cached = r.cached_tokens
+    if r.prompt_tokens is None or reusable.tokens < th.prefix_min_tokens:
+        return None
+    if cached is not None and cached >= th.prefix_miss_ratio * reusable.tokens:
+        return None
+    said = timing_says(whole, reusable.tokens, r.ttft_s, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    return _unreported(r, m, reusable, whole, said) if said is not None and said.says == "hit" else None
+
+
 def changed(
     r: Measured,
     m: Match,
@@ -321,6 +349,8 @@ def changed(
     cached, ttft = r.cached_tokens, r.ttft_s
     lost = reusable.previous - reusable.tokens
     where = f"{change.cause} at {change.where}"
+    hidden = hidden_hit(r, m, reusable, whole, rate, rate_of, facts, th)
+    also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
     neutralized: str | None = None
     evidence = ""
     prefilled: int | None = None
@@ -349,6 +379,18 @@ def changed(
             reused_on_miss=reusable.tokens,
             rate_of=rate_of,
         )
+        if said is None and rate and whole and ttft:  # too little to show in the TTFT: its cost is that little
+            cost = lost / rate
+            return TurnVerdict(
+                reusable,
+                ratio,
+                Reprefill(change.cause, change.where, lost, None),
+                min(cost, ttft),
+                f"the prompt changed ({where}): ~{lost} tokens to prefill again, ~{_fmt(cost)} s at {_fmt(rate)} "
+                f"tok/s cold ({rate_of}), too little for TTFT to tell",
+                also,
+                correct_prefill_tps=cached is None,
+            )
         if said is None or said.says is None:
             unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
             told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
@@ -356,6 +398,7 @@ def changed(
                 reusable,
                 ratio,
                 evidence=f"the prompt changed ({where}), but nothing shows a re-prefill: {told}; {unknown}",
+                anomalies=also,
                 correct_prefill_tps=cached is None,
             )
         if said.says == "hit":
@@ -370,6 +413,8 @@ def changed(
             Reprefill(change.cause, change.where, 0, None),
             0.0,
             f"{neutralized}: this server reused the prompt past the change (neutralized, 0 s lost)",
+            also,
+            correct_prefill_tps=hidden is not None,
         )
     rp = Reprefill(change.cause, change.where, lost, prefilled)
     found: tuple[Anomaly, ...] = ()
@@ -387,7 +432,16 @@ def changed(
                 f"{reusable.source}; {evidence})"
             )
         found = (Anomaly("prompt_prefix_changed", text),)
-    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, found, hit_excess_s=hit_excess)
+    return TurnVerdict(
+        reusable,
+        ratio,
+        rp,
+        _lost_s(ttft, rp, facts.fixed_s),
+        evidence,
+        found + also,
+        correct_prefill_tps=hidden is not None,
+        hit_excess_s=hit_excess,
+    )
 
 
 def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:
