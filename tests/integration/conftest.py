@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from .live_servers import RiggedVllm
 from .peers import CLIENT_CPUS, SERVER_CPUS, cpu_affinity
 from .tinymodel import mlx_unavailable_reason
 
@@ -55,6 +56,26 @@ def mlx_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 )
             )
         yield url
+
+
+@pytest.fixture(scope="session")
+def rigged_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RiggedVllm]:
+    """vllm-mlx serving the rigged model fixed to one answer, shared by the session's agent tests."""
+    _require_mlx()
+    from .live_servers import live_server, unavailable_reason
+    from .rigged import answer_always, build_rigged_model
+
+    reason = unavailable_reason("vllm-mlx")
+    if reason is not None:  # before building the model
+        pytest.skip(reason)
+    rig = build_rigged_model(tmp_path_factory.mktemp("rigged") / "model")
+    answer_always(rig, "<|rig_think|>")
+    log = tmp_path_factory.mktemp("vllm-mlx-log") / "server.log"
+    try:
+        with live_server("vllm-mlx", rig.path, log_path=log) as server:
+            yield RiggedVllm(server, rig.path)
+    except RuntimeError as exc:
+        pytest.skip(f"vllm-mlx did not start: {str(exc)[-1500:]}")
 
 
 @pytest.fixture(autouse=True)

@@ -159,6 +159,17 @@ class LiveServer:
             return "<no log>"
 
 
+@dataclasses.dataclass
+class RiggedVllm:
+    """vllm-mlx serving the rigged model fixed to one answer (``<think>...</think>`` then "It is
+    sunny today."), for the agent CLIs, whose long prompts and own tools a free model would answer
+    at length; one for the test session (conftest's ``rigged_vllm``: test_agent_clis.py,
+    test_agent_sessions.py)."""
+
+    server: LiveServer
+    model_dir: Path
+
+
 def unavailable_reason(name: str) -> str | None:
     """Why server ``name`` cannot run here (no venv from ``.ci/install-servers``), or None."""
     spec = SPECS[name]

@@ -40,18 +40,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Where each client is looked for, in order, before ``PATH``: the executable an environment
 #: variable names (``MLXPROXY_AIDER``, ``MLXPROXY_OPENCODE``, ``MLXPROXY_CLAUDE``,
-#: ``MLXPROXY_CODEX``: a developer's own install), then where ``.ci/install-clients`` puts it.
+#: ``MLXPROXY_CODEX``, ``MLXPROXY_QWEN``, ``MLXPROXY_LLM``: a developer's own install), then where
+#: ``.ci/install-clients`` puts it.
 CLIENT_ENV = {
     "aider": "MLXPROXY_AIDER",
     "opencode": "MLXPROXY_OPENCODE",
     "claude": "MLXPROXY_CLAUDE",
     "codex": "MLXPROXY_CODEX",
+    "qwen": "MLXPROXY_QWEN",
+    "llm": "MLXPROXY_LLM",
 }
 CLIENT_PATHS: dict[str, tuple[Path, ...]] = {
     "aider": (REPO / ".ci-tools/aider-venv/bin/aider",),
     "opencode": (REPO / ".ci-tools/npm/bin/opencode",),
     "claude": (REPO / ".ci-tools/npm/bin/claude",),
     "codex": (REPO / ".ci-tools/npm/bin/codex",),
+    "qwen": (REPO / ".ci-tools/npm/bin/qwen",),
+    "llm": (REPO / ".ci-tools/llm-venv/bin/llm",),
 }
 
 T = TypeVar("T")

@@ -33,9 +33,9 @@ import pytest
 
 from mlxproxy.core.record import Record
 
-from .live_servers import LiveServer, proxied_live_server, unavailable_reason
-from .peers import ProxyProcess, loopback_env, require_client
-from .rigged import REASONING_ANSWER, answer_always
+from .live_servers import LiveServer, RiggedVllm
+from .peers import ProxyProcess, loopback_env, mlxproxy_serve, require_client
+from .rigged import REASONING_ANSWER
 from .tap import Tap, tap
 from .tinymodel import mlx_unavailable_reason
 
@@ -58,17 +58,11 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from .rigged import build_rigged_model
-
-    reason = unavailable_reason(SERVER)
-    if reason is not None:  # before building the model
-        pytest.skip(reason)
-    rig = build_rigged_model(tmp_path_factory.mktemp("rigged") / "model")
-    answer_always(rig, "<|rig_think|>")
-    log = tmp_path_factory.mktemp(f"{SERVER}-log") / "server.log"
-    with proxied_live_server(SERVER, rig.path, log) as (server, proxy):
-        yield Stack(server, proxy)
+def stack(rigged_vllm: RiggedVllm) -> Iterator[Stack]:
+    """The session's rigged vllm-mlx (conftest) with this module's proxy in front."""
+    server = rigged_vllm.server
+    with mlxproxy_serve(server.url, {"tokenizer": str(rigged_vllm.model_dir / "tokenizer.json")}, capture=True) as px:
+        yield Stack(server, px)
 
 
 def _run(cmd: list[str], *, cwd: Path, env: dict[str, str], name: str) -> subprocess.CompletedProcess[str]:

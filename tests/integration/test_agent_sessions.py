@@ -1,0 +1,136 @@
+"""Real agent sessions recorded again (issue 36's live tier): each agent CLI that installs here runs a
+three-turn session (its own "continue" form from the second turn) through a fresh ``mlxproxy
+serve``, a tap on each side of the proxy (``record_sessions``), against the session's shared servers:
+Claude Code (with the per-request billing line) and Codex on the rigged vllm-mlx (conftest's
+``rigged_vllm``), Aider, OpenCode, Qwen Code and llm on the shared ``mlx_lm.server``. For each:
+
+* the client still works through the proxy: every invocation exits 0, every request gets 200;
+* the truth table comes out as the recorded fixture's (``tests/fixtures/sessions/``): side
+  requests, turn numbering and the cause and place each turn diverges at, from the request bytes:
+  a new client version that sends something else is seen here and is to be recorded again
+  (``python -m tests.integration.record_sessions``, tests/fixtures/sessions/README.md);
+* on mlx_lm.server, the server's ``cached_tokens`` is exactly the common token prefix with an
+  earlier prompt (the oracle the fixtures rest on still holds);
+* the proxy's live records agree with the truth where the offline test (tests/core/
+  test_real_sessions.py) says today's core does; the cases it marks known-wrong are skipped here.
+
+Budget: about 3-4 minutes of CI on two cores (six clients, three short turns each). Every client
+runs with its telemetry and update checks off and under a timeout; a missing client or server
+skips with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .live_servers import RiggedVllm
+from .peers import find_client
+from .record_sessions import CLIENTS, Server, record_with_proxy
+from .sessiontap import session_tap
+from .sessiontruth import write_truth
+from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+
+pytestmark = pytest.mark.integration
+
+_REASON = mlx_unavailable_reason()
+if _REASON is not None:
+    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+
+TURNS = 3
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
+ON_VLLM = ("claude-code-billing", "codex")
+ON_MLX_LM = ("aider", "opencode", "qwen-code", "llm")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(rigged_vllm: RiggedVllm) -> Iterator[Server]:
+    s = rigged_vllm.server
+    with session_tap(int(s.url.rsplit(":", 1)[1])) as tap:
+        yield Server("vllm-mlx", s.url, s.model, s.log_path, "vllm-mlx", rigged_vllm.model_dir, tap, tap.url)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm(tiny_model: Path, mlx_server: str) -> Iterator[Server]:
+    with session_tap(int(mlx_server.rsplit(":", 1)[1])) as tap:
+        # (the shared server's log is not needed: mlx_lm.server's truth is in its usage)
+        yield Server("mlx-lm", mlx_server, MODEL_NAME, tiny_model / "no.log", "mlx_lm.server", tiny_model, tap, tap.url)
+
+
+def _pattern(truth: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """What the truth says of the first TURNS turns: (role, kind, turn, cause, place) per exchange."""
+    out = []
+    for e in truth["exchanges"]:
+        want = e.get("expected")
+        if not want:
+            continue
+        if want["role"] == "turn" and want["turn"] > TURNS:
+            break
+        out.append((want["role"], want.get("kind"), want.get("turn"), want.get("cause"), want.get("at")))
+    return out
+
+
+def _fixture_truth(client: str, server: str) -> dict[str, Any] | None:
+    for p in sorted(FIXTURES.glob(f"{client}_*__{server}/truth.json")):
+        return json.loads(p.read_text())
+    return None
+
+
+def _run(client: str, server: Server, tmp_path: Path) -> dict[str, Any]:
+    spec = CLIENTS[client]
+    if find_client(spec.binary)[0] is None:
+        pytest.skip(f"{spec.binary} not found; CI installs it with .ci/install-clients")
+    folder = record_with_proxy(spec, server, tmp_path, turns=TURNS)
+    session = json.loads((folder / "session.json").read_text())
+    for inv in session["invocations"]:
+        assert inv["exit_code"] == 0, inv
+    assert len(session["invocations"]) == TURNS
+    for ex in session["exchanges"]:
+        status = (folder / f"turn{ex['n']}.response").read_bytes().split(b"\r\n", 1)[0]
+        assert b" 200 " in status + b" ", (ex, status)
+    truth = write_truth(folder, server.model_dir if server.name == "mlx-lm" else None)
+    print(f"\n{folder.name}:")
+    for e in truth["exchanges"]:
+        print(f"  #{e['n']} {e['request']} ttft={e['ttft_s']} server={e['server']} expected={e.get('expected')}")
+        print(f"      mlxproxy: {e.get('mlxproxy_today')}")
+    return truth
+
+
+def _check_against_fixture(truth: dict[str, Any], client: str, server: str) -> None:
+    fixture = _fixture_truth(client, server)
+    if fixture is None:
+        pytest.skip(f"no recorded fixture for {client} on {server}")
+    if fixture["client_version"] != truth["client_version"]:
+        print(f"{client}: recorded {fixture['client_version']}, running {truth['client_version']}")
+    assert _pattern(truth) == _pattern(fixture), (
+        f"{client} {truth['client_version']} sends another session shape than the recorded "
+        f"{fixture['client_version']}: record it again (tests/fixtures/sessions/README.md)"
+    )
+
+
+@pytest.mark.parametrize("client", ON_MLX_LM)
+def test_session_on_mlx_lm(client: str, mlx_lm: Server, tmp_path: Path) -> None:
+    truth = _run(client, mlx_lm, tmp_path)
+    for e in truth["exchanges"]:
+        srv = e["server"]
+        if e.get("expected", {}).get("role") == "turn" and srv.get("common_prefix_tokens") is not None:
+            # the server reuses exactly the common token prefix with an earlier prompt (at most the
+            # last token held back), or nothing
+            cached, common = srv["cached_tokens"], srv["common_prefix_tokens"]
+            assert cached is not None, e
+            assert common - 1 <= cached <= common or cached == 0 and e["expected"]["turn"] == 1, e
+    _check_against_fixture(truth, client, "mlx-lm")
+
+
+@pytest.mark.parametrize("client", ON_VLLM)
+def test_session_on_vllm_mlx(client: str, vllm_server: Server, tmp_path: Path) -> None:
+    truth = _run(client, vllm_server, tmp_path)
+    turns = [e for e in truth["exchanges"] if e.get("expected", {}).get("role") == "turn"]
+    # vllm-mlx's own word: its system-prefix cache missed on the first turn and hit on every later one
+    says = [e["expected"]["server_says"] for e in turns]
+    assert says[1:] == ["hit"] * (len(says) - 1), says
+    _check_against_fixture(truth, client, "vllm-mlx")
