@@ -379,15 +379,15 @@ def changed(
             reused_on_miss=reusable.tokens,
             rate_of=rate_of,
         )
-        if said is None and rate and whole and ttft:  # too little to show in the TTFT: its cost is that little
+        if said is None and rate and whole and ttft:  # too little to show in the TTFT: nothing measurable lost
             cost = lost / rate
             return TurnVerdict(
                 reusable,
                 ratio,
-                Reprefill(change.cause, change.where, lost, None),
-                min(cost, ttft),
-                f"the prompt changed ({where}): ~{lost} tokens to prefill again, ~{_fmt(cost)} s at {_fmt(rate)} "
-                f"tok/s cold ({rate_of}), too little for TTFT to tell",
+                Reprefill(change.cause, change.where, 0, None),
+                0.0,
+                f"the prompt changed ({where}): at most ~{lost} tokens to prefill again, ~{_fmt(cost)} s at "
+                f"{_fmt(rate)} tok/s cold ({rate_of}), too little for TTFT to tell (0 s counted)",
                 also,
                 correct_prefill_tps=cached is None,
             )

@@ -33,7 +33,32 @@ PREFIX_ANOMALIES = ("prompt_prefix_changed", "prefix_cache_miss", "cache_evicted
 ASPECTS = ("grouping", "cause", "alarms", "lost")
 
 #: (session, exchange, aspect) -> what today's core does instead (the xfail reason)
-KNOWN_WRONG: dict[tuple[str, int, str], str] = {}
+KNOWN_WRONG: dict[tuple[str, int, str], str] = {
+    **{
+        (
+            "aider_0.86.2__vllm-mlx",
+            n,
+            "alarms",
+        ): "the hidden hit is vllm-mlx's 624 system tokens: under prefix_min_tokens, "
+        "not judged (no cached_tokens_unreported)"
+        for n in (2, 3, 4)
+    },
+    **{
+        (
+            "aider_0.86.2__vllm-mlx",
+            n,
+            "lost",
+        ): "vllm-mlx caches the system prompt only and prefills the history anyway; "
+        "the core models a prefix cache and counts the re-prefilled history as lost (0.07-0.2 s, not 0)"
+        for n in (2, 3, 4)
+    },
+    **{
+        ("qwen-code_0.24.4__vllm-mlx", n, aspect): "the memory-extraction request is a side request only once the "
+        "client is classified (h36ux's core/clients.py): judged here as its own conversation's turn"
+        for n in (4, 6, 8)
+        for aspect in ("cause", "alarms")
+    },
+}
 
 
 @functools.cache
