@@ -739,10 +739,15 @@ def _content_reference(v):
         return text(v)
     parts = []
     for b in v:
-        if isinstance(b, dict) and isinstance(b.get("text"), str) and b.get("type", "text") in (
-            "text",
-            "input_text",
-            "output_text",
+        if (
+            isinstance(b, dict)
+            and isinstance(b.get("text"), str)
+            and b.get("type", "text")
+            in (
+                "text",
+                "input_text",
+                "output_text",
+            )
         ):
             parts.append(b["text"])
         else:
