@@ -106,6 +106,7 @@ def finish_checked(
                 lost_s=lost,
                 cached_tokens=m.cached_tokens,
                 hit_excess_s=judged.hit_excess_s if judged is not None and not burst else None,
+                prompt_source=source or "usage",
             )
         elif match is not None:
             cid, turn = match.conversation_id, match.turn

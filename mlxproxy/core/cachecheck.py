@@ -484,13 +484,15 @@ class PrefixIndex:
         lost_s: float = 0.0,
         cached_tokens: int | None = None,
         hit_excess_s: float | None = None,
+        prompt_source: str = "usage",
     ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
         `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
         conversation's own until a later cold turn replaces it, and, on a first turn, among
         this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
         conversation); `cached_tokens`: its reported count (a positive one says this server
-        reports its hits); `hit_excess_s`: a known hit's TTFT beyond its prefill (`facts`)."""
+        reports its hits); `hit_excess_s`: a known hit's TTFT beyond its prefill (`facts`);
+        `prompt_source`: where `prompt_tokens` came from (`usage`, or the proxy's count)."""
         if match is None and cold_prefill_tps is not None:
             self.cold_prefill_tps.append(cold_prefill_tps)
         if cached_tokens:
@@ -509,7 +511,7 @@ class PrefixIndex:
             lost = match.lost_s + lost_s
         else:
             cid, turn, rate, lost = request_id, 1, cold_prefill_tps, lost_s
-        entries.insert(0, Latest(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost))
+        entries.insert(0, Latest(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost, prompt_source))
         self._count += 1
         if len(entries) > SAME_KEY:
             entries.pop()

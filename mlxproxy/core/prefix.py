@@ -390,15 +390,17 @@ class Match(NamedTuple):
     change: Change | None = None  # what changed, when the new prompt does not extend the previous one
     cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
     lost_s: float = 0.0  # prefill seconds the conversation lost to re-prefills so far
+    previous_source: str = "usage"  # where previous_prompt_tokens came from (the proxy's count: "tokenizer", "chars")
 
     def tokens(self, chars: int) -> tuple[int, str]:
         """`chars` of the previous prompt in tokens, and how that was counted: from its
-        reported `prompt_tokens` (`usage`, scaled by characters when only part is shared),
-        else characters / 4 (`chars`)."""
+        `prompt_tokens` (`usage`, or as the proxy counted them where the server reported none:
+        `tokenizer`, `chars`; scaled by characters when only part is shared), else characters / 4
+        (`chars`)."""
         if self.previous_prompt_tokens is not None and self.previous_chars > 0:
             if chars >= self.previous_chars:
-                return self.previous_prompt_tokens, "usage"
-            return round(self.previous_prompt_tokens * chars / self.previous_chars), "usage"
+                return self.previous_prompt_tokens, self.previous_source
+            return round(self.previous_prompt_tokens * chars / self.previous_chars), self.previous_source
         return chars // 4, "chars"
 
 
@@ -595,6 +597,7 @@ class Latest(NamedTuple):
     end_s: float
     cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
     lost_s: float = 0.0  # prefill seconds lost to re-prefills, summed over the conversation
+    prompt_source: str = "usage"  # where prompt_tokens came from (`Match.previous_source`)
 
 
 def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: Any = None) -> Match | None:
@@ -628,4 +631,5 @@ def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: An
         prompt_change(e.prompt, new, body),
         e.cold_prefill_tps,
         e.lost_s,
+        e.prompt_source,
     )

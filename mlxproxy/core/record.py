@@ -130,7 +130,8 @@ class Record:
     conversation_id: str | None = None
     turn: int | None = None
     prefix_reusable_tokens: int | None = None
-    prefix_tokens_source: str | None = None  # "usage" (from the earlier turn's prompt_tokens) or "chars" (chars / 4)
+    # "usage" (the earlier turn's prompt_tokens), "tokenizer" or "chars" (the proxy's count of it), "cached"
+    prefix_tokens_source: str | None = None
     prefix_diverged_at: str | None = None
     cache_hit_ratio: float | None = None
     prefill_wasted_s: float | None = None  # TTFT lost to a prefix_cache_miss (estimate)

@@ -120,6 +120,7 @@ def test_claude_code_is_one_conversation_and_its_hits_are_no_finding() -> None:
     # no prompt tokens in the stream: counted by the proxy (no tokenizer here: characters / 4)
     assert all(r.prompt_tokens is None and r.prompt_tokens_source == "chars" for r in recs)
     assert recs[0].prompt_tokens_counted > 10_000 and recs[1].prefix_reusable_tokens == recs[0].prompt_tokens_counted
+    assert {r.prefix_tokens_source for r in recs[1:]} == {"chars"}  # an estimate, and said so
     assert all("suggests a hit" in r.cache_evidence for r in recs[1:])
     assert "cold ≈ 1.9" in recs[1].cache_evidence
 
