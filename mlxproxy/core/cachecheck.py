@@ -35,6 +35,9 @@ __all__ = [
     "Reusable",
     "Timing",
     "Reprefill",
+    "Shown",
+    "claimed_cold",
+    "evicted",
     "TurnVerdict",
     "check_turn",
     "cold_rate",
@@ -238,63 +241,83 @@ def extended(
     facts: CacheFacts,
     th: Thresholds,
 ) -> TurnVerdict:
-    """A prompt that extends the previous one: did the server reuse it, and say so?"""
+    """A prompt that extends the previous one: did the server reuse it, and say so? A cached
+    count is the evidence where it shows the hit, or where this server reports its hits (then
+    a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
+    (`cached_tokens_unreported`), a re-prefill (`cache_evicted`), or nothing."""
     cached, ttft = r.cached_tokens, r.ttft_s
-    base = TurnVerdict(reusable, ratio)
     if reusable.tokens < th.prefix_min_tokens:
-        return base
-    said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
-    says = said.says if said is not None else None
-    short = cached is None or cached < th.prefix_miss_ratio * reusable.tokens  # the count does not show the reuse
-    if short and said is not None and says == "hit" and r.prompt_tokens is None:
-        # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
-        hit = _excess(ttft, whole, reusable.tokens, rate)
-        return TurnVerdict(reusable, ratio, evidence=said.text(), correct_prefill_tps=True, hit_excess_s=hit)
-    if short and said is not None and says == "hit":
-        a = _unreported(r, m, reusable, whole, said)
+        return TurnVerdict(reusable, ratio)
+    claimed = claimed_cold(r, whole, rate, rate_of, facts, th)
+    if claimed is not None:
         return TurnVerdict(
             reusable,
             ratio,
-            evidence=said.text(),
-            anomalies=(a,),
-            correct_prefill_tps=True,  # the prefilled share is unknown
-            hit_excess_s=_excess(ttft, whole, reusable.tokens, rate),
+            evidence=claimed.evidence,
+            anomalies=(claimed,),
+            correct_prefill_tps=True,
+            prefill_tps=(whole or 0) / ttft if ttft else None,
         )
-    claimed = None
-    if cached and cached >= th.prefix_min_tokens and whole and cached >= MOSTLY_CACHED * whole:
-        claimed = timing_says(whole, cached, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
-    if claimed is not None and claimed.says == "miss" and whole and cached is not None:
-        a = Anomaly(
-            "cached_tokens_claimed_cold",
-            f"usage claims {cached} of {whole} prompt tokens cached, but {claimed.text()}: a cold prefill of all "
-            f"of them rather than of the {whole - cached} uncached ones",
-        )
-        tps = whole / ttft if ttft else None
-        return TurnVerdict(
-            reusable, ratio, evidence=claimed.text(), anomalies=(a,), correct_prefill_tps=True, prefill_tps=tps
-        )
-    if not short:  # the server's count shows the hit
-        hit = _excess(ttft, whole, cached or 0, rate) if said is None or says != "miss" else None
+    said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    says = said.says if said is not None else None
+    if cached is not None and cached >= th.prefix_miss_ratio * reusable.tokens:  # the count shows the hit
+        hit = _excess(ttft, whole, cached, rate) if says != "miss" else None
         return TurnVerdict(
             reusable, ratio, evidence=f"cached_tokens {cached} of ~{reusable.tokens} reusable", hit_excess_s=hit
         )
-    # the count falls short (or is missing) and TTFT does not show a hit
-    if says == "miss" and said is not None:
+    if _counted(r, facts) and cached is not None:
+        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
+        evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
+        return evicted(m, reusable, ratio, why, evidence, r.uncached_prompt_tokens, r, facts)
+    if said is not None and says == "hit":
+        hit = _excess(ttft, whole, reusable.tokens, rate)
+        # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
+        found = () if r.prompt_tokens is None else (_unreported(r, m, reusable, whole, said),)
+        return TurnVerdict(
+            reusable, ratio, evidence=said.text(), anomalies=found, correct_prefill_tps=True, hit_excess_s=hit
+        )
+    if said is not None and says == "miss":
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
-        prefilled = whole
-        evidence = said.text()
-    elif cached is not None and facts.reports_cache:
-        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
-        prefilled = r.uncached_prompt_tokens
-        evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
-    else:  # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
-        unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
-        told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
-        return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
+        return evicted(m, reusable, ratio, why, said.text(), whole, r, facts)
+    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
+    unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+    told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
+    return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
+
+
+def claimed_cold(
+    r: Measured, whole: int | None, rate: float | None, rate_of: str, facts: CacheFacts, th: Thresholds
+) -> Anomaly | None:
+    """`cached_tokens_claimed_cold`: usage claims most of the prompt cached, the TTFT shows a
+    cold prefill of all of it."""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    if not cached or cached < th.prefix_min_tokens or not whole or cached < MOSTLY_CACHED * whole:
+        return None
+    said = timing_says(whole, cached, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    if said is None or said.says != "miss":
+        return None
+    return Anomaly(
+        "cached_tokens_claimed_cold",
+        f"usage claims {cached} of {whole} prompt tokens cached, but {said.text()}: a cold prefill of all "
+        f"of them rather than of the {whole - cached} uncached ones",
+    )
+
+
+def evicted(
+    m: Match,
+    reusable: Reusable,
+    ratio: float | None,
+    why: str,
+    evidence: str,
+    prefilled: int | None,
+    r: Measured,
+    facts: CacheFacts,
+) -> TurnVerdict:
+    """`cache_evicted` (and `prefix_cache_miss`): the reusable prefix was prefilled again."""
     a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
-    lost = reusable.tokens - (cached or 0)
-    rp = Reprefill("cache_evicted", None, lost, prefilled)
+    rp = Reprefill("cache_evicted", None, reusable.tokens - (r.cached_tokens or 0), prefilled)
+    ttft = r.ttft_s
     return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, (a,))
 
 
@@ -331,6 +354,66 @@ def hidden_hit(
     return _unreported(r, m, reusable, whole, said) if said is not None and said.says == "hit" else None
 
 
+def _counted(r: Measured, facts: CacheFacts) -> bool:
+    """Whether the server's cached count is evidence: a positive one, or a 0 from a server that
+    has reported a hit before (some report 0 on every hit)."""
+    return r.cached_tokens is not None and (r.cached_tokens > 0 or facts.reports_cache)
+
+
+class Shown(NamedTuple):
+    """What the evidence shows a changed prompt cost (`change_shown`)."""
+
+    says: Literal["reprefilled", "neutralized", "too_small", "nothing"]
+    evidence: str
+    prefilled: int | None = None  # the tokens prefilled this turn, where re-prefilled
+    hit_excess_s: float | None = None  # a known (partial) hit's TTFT past its prefill
+
+
+def change_shown(
+    r: Measured,
+    change: Change,
+    reusable: Reusable,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> Shown:
+    """Whether the server re-prefilled a changed prompt past the change: by its cached count
+    (from a server that reports its hits, a 0 too), else by the TTFT against a hit of the whole
+    previous prompt and a prefill from the change on."""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    lost = reusable.previous - reusable.tokens
+    if cached is not None and _counted(r, facts):
+        past = cached - reusable.shared >= PAST_CHANGE_TOKENS  # reused clearly past where the prompts differ
+        if past and cached >= NEUTRAL_SHARE * reusable.previous:
+            return Shown("neutralized", f"cached_tokens {cached} of the previous prompt's {reusable.previous}")
+        hit = _excess(ttft, whole, cached, rate) if whole and cached >= MOSTLY_CACHED * whole else None
+        return Shown(
+            "reprefilled",
+            f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again",
+            r.uncached_prompt_tokens,
+            hit,
+        )
+    said = timing_says(
+        whole, reusable.previous, ttft, rate, th, fixed_s=facts.fixed_s, reused_on_miss=reusable.tokens, rate_of=rate_of
+    )
+    where = f"{change.cause} at {change.where}"
+    if said is None and rate and whole and ttft:
+        return Shown(
+            "too_small",
+            f"the prompt changed ({where}): at most ~{lost} tokens to prefill again, ~{_fmt(lost / rate)} s at "
+            f"{_fmt(rate)} tok/s cold ({rate_of}), too little for TTFT to tell (0 s counted)",
+        )
+    if said is None or said.says is None:
+        unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+        return Shown("nothing", f"the prompt changed ({where}), but nothing shows a re-prefill: {told}; {unknown}")
+    if said.says == "hit":
+        return Shown("neutralized", said.text())
+    return Shown("reprefilled", said.text(), (whole or 0) - reusable.tokens)
+
+
 def changed(
     r: Measured,
     m: Match,
@@ -343,105 +426,61 @@ def changed(
     facts: CacheFacts,
     th: Thresholds,
 ) -> TurnVerdict:
-    """A prompt that changed part of the previous one: did the server re-prefill past the
-    change (a cause, with its cost), or reuse the previous prompt anyway (the change is
-    neutralized: a server that strips a volatile line before caching, 0 s lost)?"""
-    cached, ttft = r.cached_tokens, r.ttft_s
+    """A prompt that changed part of the previous one: a cause with its cost where the server
+    re-prefilled past the change, the cause at 0 s where it reused the previous prompt anyway
+    (neutralized: a server that strips a volatile line before caching) or the cost is too small
+    to show, no cause where nothing tells; and a hidden hit of the prefix up to the change."""
     lost = reusable.previous - reusable.tokens
-    where = f"{change.cause} at {change.where}"
+    if lost <= 0 and not _counted(r, facts):  # nothing of the previous prompt was lost
+        return TurnVerdict(reusable, ratio)
     hidden = hidden_hit(r, m, reusable, whole, rate, rate_of, facts, th)
     also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
-    neutralized: str | None = None
-    evidence = ""
-    prefilled: int | None = None
-    hit_excess: float | None = None
-    if cached is not None and (cached > 0 or facts.reports_cache):
-        past = cached - reusable.shared >= PAST_CHANGE_TOKENS  # reused clearly past where the prompts differ
-        if past and cached >= NEUTRAL_SHARE * reusable.previous:
-            neutralized = f"cached_tokens {cached} of the previous prompt's {reusable.previous}"
-        else:
-            evidence = (
-                f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again"
-            )
-            prefilled = r.uncached_prompt_tokens
-            if whole and cached >= MOSTLY_CACHED * whole:  # a known (partial) hit: the fixed-cost fit
-                hit_excess = _excess(ttft, whole, cached, rate)
-    elif lost <= 0:
-        return TurnVerdict(reusable, ratio)
-    else:
-        said = timing_says(
-            whole,
-            reusable.previous,
-            ttft,
-            rate,
-            th,
-            fixed_s=facts.fixed_s,
-            reused_on_miss=reusable.tokens,
-            rate_of=rate_of,
-        )
-        if said is None and rate and whole and ttft:  # too little to show in the TTFT: nothing measurable lost
-            cost = lost / rate
-            return TurnVerdict(
-                reusable,
-                ratio,
-                Reprefill(change.cause, change.where, 0, None),
-                0.0,
-                f"the prompt changed ({where}): at most ~{lost} tokens to prefill again, ~{_fmt(cost)} s at "
-                f"{_fmt(rate)} tok/s cold ({rate_of}), too little for TTFT to tell (0 s counted)",
-                also,
-                correct_prefill_tps=cached is None,
-            )
-        if said is None or said.says is None:
-            unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
-            told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
-            return TurnVerdict(
-                reusable,
-                ratio,
-                evidence=f"the prompt changed ({where}), but nothing shows a re-prefill: {told}; {unknown}",
-                anomalies=also,
-                correct_prefill_tps=cached is None,
-            )
-        if said.says == "hit":
-            neutralized = said.text()
-        else:
-            evidence = said.text()
-            prefilled = (whole or 0) - reusable.tokens
-    if neutralized is not None:
-        return TurnVerdict(
-            reusable,
-            ratio,
-            Reprefill(change.cause, change.where, 0, None),
-            0.0,
-            f"{neutralized}: this server reused the prompt past the change (neutralized, 0 s lost)",
-            also,
-            correct_prefill_tps=hidden is not None,
-        )
-    rp = Reprefill(change.cause, change.where, lost, prefilled)
-    found: tuple[Anomaly, ...] = ()
-    if lost >= th.prefix_min_tokens and (not m.extends or change.cause == "model_changed"):
-        if change.cause == "model_changed":
-            text = (
-                f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
-                f"({change.where}): none of its {reusable.previous} earlier prompt tokens can be reused"
-            )
-        else:
-            text = (
-                f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
-                f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
-                f"~{lost} of its {reusable.previous} prompt tokens were prefilled again (counted from "
-                f"{reusable.source}; {evidence})"
-            )
-        found = (Anomaly("prompt_prefix_changed", text),)
+    shown = change_shown(r, change, reusable, whole, rate, rate_of, facts, th)
+    unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
+    if shown.says == "nothing":
+        return TurnVerdict(reusable, ratio, evidence=shown.evidence, anomalies=also, correct_prefill_tps=unknown_share)
+    if shown.says != "reprefilled":
+        evidence = shown.evidence
+        if shown.says == "neutralized":
+            evidence += ": this server reused the prompt past the change (neutralized, 0 s lost)"
+        zero = Reprefill(change.cause, change.where, 0, None)
+        return TurnVerdict(reusable, ratio, zero, 0.0, evidence, also, correct_prefill_tps=unknown_share)
+    if lost <= 0:  # the count shows the previous prompt reused
+        return TurnVerdict(reusable, ratio, evidence=shown.evidence)
+    rp = Reprefill(change.cause, change.where, lost, shown.prefilled)
+    found = prefix_changed(m, change, reusable, lost, shown.evidence, th)
     return TurnVerdict(
         reusable,
         ratio,
         rp,
-        _lost_s(ttft, rp, facts.fixed_s),
-        evidence,
-        found + also,
+        _lost_s(r.ttft_s, rp, facts.fixed_s),
+        shown.evidence,
+        (*found, *also),
         correct_prefill_tps=hidden is not None,
-        hit_excess_s=hit_excess,
+        hit_excess_s=shown.hit_excess_s,
     )
+
+
+def prefix_changed(
+    m: Match, change: Change, reusable: Reusable, lost: int, evidence: str, th: Thresholds
+) -> tuple[Anomaly, ...]:
+    """`prompt_prefix_changed` for a re-prefill of at least `prefix_min_tokens` that the
+    prompts caused (not an extension: a rewrite, or another model)."""
+    if lost < th.prefix_min_tokens or (m.extends and change.cause != "model_changed"):
+        return ()
+    if change.cause == "model_changed":
+        text = (
+            f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
+            f"({change.where}): none of its {reusable.previous} earlier prompt tokens can be reused"
+        )
+    else:
+        text = (
+            f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
+            f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
+            f"~{lost} of its {reusable.previous} prompt tokens were prefilled again (counted from "
+            f"{reusable.source}; {evidence})"
+        )
+    return (Anomaly("prompt_prefix_changed", text),)
 
 
 def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:

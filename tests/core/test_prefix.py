@@ -281,10 +281,10 @@ def test_ten_turn_agent_on_a_caching_server_with_a_changed_system_prompt() -> No
 
 
 def test_ten_turn_agent_on_a_server_that_drops_its_cache_every_other_turn() -> None:
-    # speed 10: turn 2's cold prefill shows in its TTFT. Its reported 0 alone is no evidence:
+    # speed 3: turn 2's cold prefill (~0.25 s) shows in its TTFT. Its reported 0 alone is no evidence:
     # the server has not reported a hit yet, and some report 0 on every hit (issue 36: Codex
     # on vllm-mlx); from turn 3's reported hit on, a 0 is a miss by itself
-    with stack(speed=10, cache_drop="every-other") as (url, app, sim), httpx.Client(timeout=30) as c:
+    with stack(speed=3, cache_drop="every-other") as (url, app, sim), httpx.Client(timeout=30) as c:
         recs = agent_turns(url, app, "Refactor the parser.", 10, client=c)
         truths = list(sim.truths)
     dropped = {t for t, truth in zip(range(1, 11), truths) if t > 1 and truth["cached_tokens"] == 0}
