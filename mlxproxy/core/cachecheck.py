@@ -8,8 +8,9 @@ less than what the server says it reused), what the TTFT says (`timing_says`: a 
 prefill, against the conversation's own cold prefill rate, else the upstream's, and the
 upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
 `cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the cause
-`cache_evicted`) and what a changed prompt cost (`changed`: its cause, or a change the server
-neutralized, 0 s lost). A cause is named only where the server's cached count or the TTFT
+`cache_evicted`: `claimed_cold`, `evicted`) and what a changed prompt cost (`changed`:
+`change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
+the usage hides; a change the server neutralized costs 0 s). A cause is named only where the server's cached count or the TTFT
 shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
 "Re-prefill causes" and "Cache honesty".
 """
@@ -36,13 +37,18 @@ __all__ = [
     "Timing",
     "Reprefill",
     "Shown",
-    "claimed_cold",
-    "evicted",
     "TurnVerdict",
     "check_turn",
     "cold_rate",
     "reusable_prefix",
     "timing_says",
+    "extended",
+    "claimed_cold",
+    "evicted",
+    "hidden_hit",
+    "changed",
+    "change_shown",
+    "prefix_changed",
     "whole_prompt",
 ]
 
@@ -52,8 +58,8 @@ MAX_CONVERSATIONS = 256  # per upstream
 SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
 NEUTRAL_SHARE = 0.95  # a cached count this share of the previous prompt reused past a change
 PAST_CHANGE_TOKENS = 2 * BLOCK_CHARS // 4  # ...and this far past the change (the estimate's granularity)
-MISS_SHARE = 0.75
-COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold  # a cold prefill's TTFT is at least this share of the predicted one
+MISS_SHARE = 0.75  # a re-prefill's TTFT is at least this share of the predicted one
+COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold
 FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
 FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
 
