@@ -18,6 +18,7 @@ does: the records are what today's core says about the session.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -43,7 +44,9 @@ class Exchange:
     path: str  # without the query
     body: bytes  # the request body as the client sent it
     upstream_request: bytes | None  # head and body as the proxy sent them
-    upstream_response: bytes | None  # head and body (chunked framing kept) as the server sent them
+    #: head and body (chunked framing kept) as the server sent them; behind a gateway, as the proxy
+    #: relayed the gateway's
+    upstream_response: bytes | None
     upstream_marks: tuple[tuple[int, float], ...]  # (byte offset in upstream_response, seconds after t_sent)
     t_sent: float  # seconds from the session's start
     t_end: float | None  # seconds after t_sent
@@ -85,7 +88,11 @@ def load_session(folder: Path) -> Session:
     for ex in session["exchanges"]:
         n = ex["n"]
         timing = json.loads((folder / f"turn{n}.timing.json").read_text())
-        marks_path = folder / f"turn{n}.upstream.marks.json"
+        # what the proxy got back: the upstream tap's bytes, or behind a gateway (no tap between
+        # the proxy and it) the bytes the proxy relayed to the client
+        up = folder / f"turn{n}.upstream.response"
+        kind = "upstream" if up.exists() else "response"
+        marks_path = folder / (f"turn{n}.upstream.marks.json" if up.exists() else f"turn{n}.response.marks.json")
         marks = tuple((int(o), float(t)) for o, t in json.loads(marks_path.read_text())) if marks_path.exists() else ()
         out.append(
             Exchange(
@@ -94,7 +101,7 @@ def load_session(folder: Path) -> Session:
                 path=ex["path"].split("?", 1)[0],
                 body=(folder / f"turn{n}.request.json").read_bytes(),
                 upstream_request=_read(folder / f"turn{n}.upstream.request"),
-                upstream_response=_read(folder / f"turn{n}.upstream.response"),
+                upstream_response=_read(up if kind == "upstream" else folder / f"turn{n}.response"),
                 upstream_marks=marks,
                 t_sent=float(timing["t_sent_session"]),
                 t_end=timing.get("t_end"),
@@ -180,11 +187,33 @@ def meter_for(session: Session, ex: Exchange) -> tuple[RequestMeter, float]:
     return m, max(end, last)
 
 
+#: the rigged model's tokenizer, which the recording proxy was configured with (``tokenizer:``)
+TOKENIZER = SESSIONS / "rigged-tokenizer.json"
+
+
+@functools.cache
+def rigged_token_counter() -> Callable[[str], int] | None:
+    """Counts tokens as the recording proxy did (``mlxproxy.proxy.tokens``); None without
+    the ``tokenizers`` package (the proxy then had none either)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tok = Tokenizer.from_file(str(TOKENIZER))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    return count
+
+
 def replay(
     session: Session, th: Thresholds | None = None, count_tokens: Callable[[str], int] | None = None
 ) -> dict[int, Record]:
-    """Today's core on the recorded session: each generation request's record, by exchange number."""
+    """Today's core on the recorded session: each generation request's record, by exchange number.
+    ``count_tokens`` defaults to the rigged tokenizer, which the recording proxy had."""
     th = th or Thresholds()
+    count_tokens = count_tokens or rigged_token_counter()
     index = PrefixIndex()
     finished: list[tuple[float, RequestMeter, int]] = []
     for ex in session.exchanges:
@@ -194,7 +223,9 @@ def replay(
     out: dict[int, Record] = {}
     earlier: list[Record] = []
     for end, m, n in sorted(finished, key=lambda f: f[0]):  # the proxy finishes in end order
-        rec = finish_checked(m, end, th, earlier=earlier, prefixes=index, count_tokens=count_tokens)
+        # (the proxy counts with its tokenizer where the body is a stream: `ProxyApp._record`)
+        counter = count_tokens if m.sse else None
+        rec = finish_checked(m, end, th, earlier=earlier, prefixes=index, count_tokens=counter)
         earlier.append(rec)
         out[n] = rec
     return out

@@ -59,21 +59,30 @@ def mlx_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="session")
-def rigged_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RiggedVllm]:
-    """vllm-mlx serving the rigged model fixed to one answer, shared by the session's agent tests."""
+def rigged_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The rigged model fixed to one answer (``<think>...</think>`` then "It is sunny today."),
+    whatever it is asked: for the agent CLIs, whose long prompts and own tools a free model would
+    answer at length (and whose answers would change what they send next)."""
     _require_mlx()
-    from .live_servers import live_server, unavailable_reason
     from .rigged import answer_always, build_rigged_model
 
-    reason = unavailable_reason("vllm-mlx")
-    if reason is not None:  # before building the model
-        pytest.skip(reason)
     rig = build_rigged_model(tmp_path_factory.mktemp("rigged") / "model")
     answer_always(rig, "<|rig_think|>")
+    return rig.path
+
+
+@pytest.fixture(scope="session")
+def rigged_vllm(rigged_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RiggedVllm]:
+    """vllm-mlx serving the rigged model, shared by the session's agent tests."""
+    from .live_servers import live_server, unavailable_reason
+
+    reason = unavailable_reason("vllm-mlx")
+    if reason is not None:
+        pytest.skip(reason)
     log = tmp_path_factory.mktemp("vllm-mlx-log") / "server.log"
     try:
-        with live_server("vllm-mlx", rig.path, log_path=log) as server:
-            yield RiggedVllm(server, rig.path)
+        with live_server("vllm-mlx", rigged_model, log_path=log) as server:
+            yield RiggedVllm(server, rigged_model)
     except RuntimeError as exc:
         pytest.skip(f"vllm-mlx did not start: {str(exc)[-1500:]}")
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .live_servers import live_server, unavailable_reason
-from .peers import REPO, CLIENT_CPUS, SERVER_CPUS, cpu_affinity, find_client, loopback_env, mlxproxy_serve
+from .peers import CLIENT_CPUS, REPO, SERVER_CPUS, cpu_affinity, find_client, loopback_env, mlxproxy_serve
 from .rigged import answer_always, build_rigged_model
 from .sessiontap import _TOKEN, Exchange, SessionTap, session_tap
 from .tinymodel import MODEL_NAME, free_port, mlx_lm_server
@@ -398,7 +398,9 @@ def start_server(name: str, root: Path) -> Iterator[Server]:
 
                 # many prefill steps: a prompt of a thousand tokens takes long enough to compare a hit with a miss
                 extra = ["--prefill-step-size", PREFILL_STEP]
-                url = stack.enter_context(mlx_lm_server(rig.path, max_tokens=OUTPUT_TOKENS, log_path=log, extra_args=extra))
+                url = stack.enter_context(
+                    mlx_lm_server(rig.path, max_tokens=OUTPUT_TOKENS, log_path=log, extra_args=extra)
+                )
                 version = f"mlx_lm.server {mlx_lm.__version__} (--prefill-step-size {PREFILL_STEP})"
                 server = Server(name, url, MODEL_NAME, log, version, rig.path)
             else:
@@ -409,7 +411,11 @@ def start_server(name: str, root: Path) -> Iterator[Server]:
 
                 venv = SERVERS_DIR / SPECS[name].venv
                 version = subprocess.run(
-                    [str(venv / "bin/python"), "-c", "from importlib.metadata import version; print(version('vllm-mlx'))"],
+                    [
+                        str(venv / "bin/python"),
+                        "-c",
+                        "from importlib.metadata import version; print(version('vllm-mlx'))",
+                    ],
                     capture_output=True,
                     text=True,
                     timeout=60,
@@ -631,11 +637,7 @@ def _write(
         marks = [[off, round(t - ex.t_sent, 6)] for off, t in ex.response_marks]
         (folder / f"turn{n}.response.marks.json").write_text(json.dumps(marks) + "\n")
         cli_turn = next(
-            (
-                inv["cli_turn"]
-                for inv in invocations
-                if inv["t_start"] - 0.01 <= ex.t_sent - t0 <= inv["t_end"] + 0.01
-            ),
+            (inv["cli_turn"] for inv in invocations if inv["t_start"] - 0.01 <= ex.t_sent - t0 <= inv["t_end"] + 0.01),
             None,
         )
         rid = _request_id(ex.response)
@@ -742,28 +744,67 @@ def _nonce_body(body: dict[str, Any], nonce: str) -> dict[str, Any]:
     return b
 
 
+#: a prompt below this many body bytes is measured REPEATS times (the median kept); a longer one once
+SMALL_BODY = 40_000
+REPEATS = 3
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _server_body(folder: Path, ex: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    path = ex["path"].split("?", 1)[0]
+    body = json.loads((folder / f"turn{ex['n']}.request.json").read_bytes())
+    behind = folder / f"turn{ex['n']}.server.request"
+    if behind.exists():  # behind a gateway: what it sent the server, straight to the server
+        return "/v1/chat/completions", json.loads(behind.read_bytes().partition(b"\r\n\r\n")[2])
+    return path, body
+
+
 def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
-    """Each main request of the session sent again straight to the server, once cold (a nonce at
-    the prompt's start) and once warm (the exact body, whose prompt the session just cached):
-    the TTFT a miss and a hit cost for this very prompt on this server (``calibration.json``)."""
+    """Each turn of the session sent again straight to the server (``calibration.json``): cold (a
+    nonce at the prompt's start: nothing cached), warm (the exact body again: all cached), and after
+    the previous turn (the previous turn's body, then this one: the cache as the session left it for
+    this turn). ``after_previous - warm`` is what the turn's re-prefill cost, measured under the same
+    conditions within seconds; small prompts are measured REPEATS times and the medians kept."""
     import uuid
 
+    from .sessiontruth import GENERATION_PATHS, expected
+
     session = json.loads((folder / "session.json").read_text())
-    out = {}
+    want = expected(folder)
+    out: dict[str, Any] = {}
+    previous: dict[str, Any] | None = None
     for ex in session["exchanges"]:
-        path = ex["path"].split("?", 1)[0]
-        if ex["method"] != "POST" or not path.endswith(("/chat/completions", "/messages", "/responses")):
+        if ex["method"] != "POST" or ex["path"].split("?", 1)[0] not in GENERATION_PATHS:
             continue
-        body = json.loads((folder / f"turn{ex['n']}.request.json").read_bytes())
-        behind = folder / f"turn{ex['n']}.server.request"
-        if behind.exists():  # behind a gateway: what it sent the server, straight to the server
-            path = "/v1/chat/completions"
-            body = json.loads(behind.read_bytes().partition(b"\r\n\r\n")[2])
-        cold = _ttft(server.url, path, _nonce_body(body, f"[{uuid.uuid4().hex}] "))
-        if prime:  # a fresh server: the exact prompt sent once before it is measured warm
+        path, body = _server_body(folder, ex)
+        reps = REPEATS if len(json.dumps(body)) < SMALL_BODY else 1
+        cold = [_ttft(server.url, path, _nonce_body(body, f"[{uuid.uuid4().hex}] ")) for _ in range(reps)]
+        entry: dict[str, Any] = {"repeats": reps}
+        is_turn = want.get(ex["n"], {}).get("role") == "turn"
+        if is_turn and previous is not None:
+            # the previous turn then this one, both behind one fresh nonce: the server can reuse
+            # exactly what the two share, as in the session, and nothing it cached before; then
+            # this one again, all cached
+            after, again = [], []
+            for _ in range(reps):
+                nonce = f"[{uuid.uuid4().hex}] "
+                _ttft(server.url, previous["path"], _nonce_body(previous["body"], nonce))
+                after.append(_ttft(server.url, path, _nonce_body(body, nonce)))
+                again.append(_ttft(server.url, path, _nonce_body(body, nonce)))
+            entry["after_previous"] = {"ttft_s": _median([a["ttft_s"] for a in after]), "runs": after}
+            entry["warm_same_nonce"] = {"ttft_s": _median([a["ttft_s"] for a in again]), "runs": again}
+        elif prime:  # a fresh server: the exact prompt sent once before it is measured warm
             _ttft(server.url, path, body)
-        warm = _ttft(server.url, path, body)
-        out[str(ex["n"])] = {"cold": cold, "warm": warm}
+        warm = [_ttft(server.url, path, body) for _ in range(reps)]
+        entry["cold"] = {**cold[0], "ttft_s": _median([c["ttft_s"] for c in cold]), "runs": cold}
+        entry["warm"] = {**warm[0], "ttft_s": _median([w["ttft_s"] for w in warm]), "runs": warm}
+        out[str(ex["n"])] = entry
+        if is_turn:
+            previous = {"path": path, "body": body}
     (folder / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
 
 

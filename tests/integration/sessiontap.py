@@ -185,7 +185,10 @@ class SessionTap:
     def exchanges(self) -> list[Exchange]:
         """Every request/response pair seen so far, in the order the requests were sent."""
         with self._lock:
-            conns = [(_Side(bytearray(a.data), list(a.marks)), _Side(bytearray(b.data), list(b.marks))) for a, b in self._conns]
+            conns = [
+                (_Side(bytearray(a.data), list(a.marks)), _Side(bytearray(b.data), list(b.marks)))
+                for a, b in self._conns
+            ]
         out = []
         for req_side, resp_side in conns:
             reqs = _split_requests(bytes(req_side.data))
