@@ -17,13 +17,33 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlxproxy.core.cachecheck import PrefixIndex, check_turn, cold_rate
+from mlxproxy.core.cachecheck import PrefixIndex, TurnVerdict, check_turn, cold_rate
 from mlxproxy.core.detect import Thresholds, findings, verdict
-from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.prefix import find_turn, fingerprint
-from mlxproxy.core.record import OK_OUTCOMES, Outcome, Record, checked_record
+from mlxproxy.core.record import OK_OUTCOMES, Outcome, PromptTokensSource, Record, checked_record
 
-__all__ = ["finish_checked"]
+__all__ = ["finish_checked", "prompt_size"]
+
+CHARS_PER_TOKEN = 4  # a prompt's size without a tokenizer: characters / 4 (docs/METRICS.md)
+
+
+def prompt_size(
+    m: Measurement, texts: list[str], count_tokens: Callable[[str], int] | None
+) -> tuple[int | None, PromptTokensSource | None]:
+    """The prompt's tokens as the cache doctor uses them, and where they came from: the
+    server's usage; where it reported none, the tokenizer's count of the rendered prompt
+    (`texts`, its pieces), else characters / 4. A failing tokenizer falls back to characters."""
+    if m.whole_prompt_tokens is not None:
+        return m.whole_prompt_tokens, "usage"
+    if not texts:
+        return None, None
+    if count_tokens is not None:
+        try:
+            return sum(count_tokens(t) for t in texts), "tokenizer"
+        except Exception:  # a tokenizer problem must not lose the record
+            pass
+    return sum(len(t) for t in texts) // CHARS_PER_TOKEN, "chars"
 
 
 def finish_checked(
@@ -37,13 +57,15 @@ def finish_checked(
     count_tokens: Callable[[str], int] | None = None,
     prefixes: PrefixIndex | None = None,
     scrub: Callable[[str], str] | None = None,
+    side: bool = False,
 ) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
-    and remembers this request's prompt fingerprints. `scrub` takes secrets out of the
-    record's error text."""
+    and remembers this request's prompt fingerprints. `side`: a side request (a title,
+    a token count, a probe: `core.clients`) is neither linked to a conversation nor
+    remembered. `scrub` takes secrets out of the record's error text."""
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
@@ -51,22 +73,41 @@ def finish_checked(
     fields: dict[str, Any] = {}
     info = meter.request
     pp = None
-    if prefixes is not None and info.prompt_obj is not None:
-        pp = fingerprint(info.endpoint, info.prompt_obj, info.model)
+    texts: list[str] = []
+    if prefixes is not None and info.prompt_obj is not None and not side:
+        pp = fingerprint(info.endpoint, info.prompt_obj, info.model, texts if m.prompt_tokens is None else None)
     if prefixes is not None and pp is not None:
         # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
+        whole, source = prompt_size(m, texts, count_tokens)
+        if source is not None and source != "usage":
+            fields.update(prompt_tokens_counted=whole, prompt_tokens_source=source)
+        elif source is not None:
+            fields["prompt_tokens_source"] = source
         match = find_turn(prefixes.latest, pp, info.prompt_obj)
+        judged: TurnVerdict | None = None
         if match is not None:
-            fields, more = check_turn(m, match, prefixes.prefill_rate(), th)
-            for a in more:  # (kinds of their own: the per-request checks never name them)
+            judged = check_turn(m, match, prefixes.facts(), th, whole=whole)
+            fields.update(judged.fields(match))
+            for a in judged.anomalies:  # (kinds of their own: the per-request checks never name them)
                 if a.kind not in evidence:
                     anomalies += (a.kind,)
                     evidence[a.kind] = a.evidence
         if m.outcome in OK_OUTCOMES:
             burst = "non_incremental_stream" in evidence
-            cold = cold_rate(m, th) if match is None and not burst else None
-            lost = fields.get("reprefill_lost_s") or 0.0
-            cid, turn = prefixes.add(pp, match, m.id, m.prompt_tokens, t_end, cold_prefill_tps=cold, lost_s=lost)
+            cold = cold_rate(m, th, whole) if match is None and not burst else None
+            lost = (judged.lost_s if judged is not None else None) or 0.0
+            cid, turn = prefixes.add(
+                pp,
+                match,
+                m.id,
+                whole,
+                t_end,
+                cold_prefill_tps=cold,
+                lost_s=lost,
+                cached_tokens=m.cached_tokens,
+                hit_excess_s=judged.hit_excess_s if judged is not None and not burst else None,
+                prompt_source=source or "usage",
+            )
         elif match is not None:
             cid, turn = match.conversation_id, match.turn
         else:

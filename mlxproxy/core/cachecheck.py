@@ -1,194 +1,507 @@
 """The cache doctor: why a conversation's turn was prefilled again, and whether the server's
-cache figures are true (pure functions over a finished record and its `Match`); and the
+cache figures are true (pure functions over a finished measurement and its `Match`); and the
 conversations an upstream remembers between requests (`PrefixIndex`, the only state here).
 
-`check_turn` judges one turn that continues a conversation (core.prefix): the prefix a cache
-could reuse (never less than what the server says it reused), the re-prefill's cause
-(`prefix.CAUSES`) and the prefill seconds it lost, the cache-honesty anomalies
-(`cached_tokens_unreported`, `cached_tokens_claimed_cold`), the prefix anomalies
-(`prompt_prefix_changed`, `prefix_cache_miss`) and a `prefill_tps` that counts only the tokens
-the evidence says were prefilled. Timing is judged against the conversation's own prefill
-rate on a cold cache (its first turn), else the upstream's (`timing_says`). Definitions:
-docs/METRICS.md, "Re-prefill causes" and "Cache honesty".
+`check_turn` judges one turn that continues a conversation (core.prefix), one decision per
+function, each with a typed result: the prefix a cache could reuse (`reusable_prefix`, never
+less than what the server says it reused), what the TTFT says (`timing_says`: a hit or a cold
+prefill, against the conversation's own cold prefill rate, else the upstream's, and the
+upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
+`cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the cause
+`cache_evicted`: `claimed_cold`, `evicted`) and what a changed prompt cost (`changed`:
+`change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
+the usage hides; a change the server neutralized costs 0 s). A cause is named only where the server's cached count or the TTFT
+shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
+"Re-prefill causes" and "Cache honesty".
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
 from mlxproxy.core.openai import whole_prompt_tokens
-from mlxproxy.core.prefix import Latest, Match, PromptPrint
+from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
-__all__ = ["PrefixIndex", "MAX_CONVERSATIONS", "SAME_KEY", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
+__all__ = [
+    "PrefixIndex",
+    "MAX_CONVERSATIONS",
+    "SAME_KEY",
+    "CacheFacts",
+    "Reusable",
+    "Timing",
+    "Reprefill",
+    "Shown",
+    "TurnVerdict",
+    "check_turn",
+    "cold_rate",
+    "reusable_prefix",
+    "timing_says",
+    "extended",
+    "claimed_cold",
+    "evicted",
+    "hidden_hit",
+    "changed",
+    "change_shown",
+    "prefix_changed",
+    "whole_prompt",
+]
 
-Timing = Literal["hit", "miss"]
+Says = Literal["hit", "miss"]
 
 MAX_CONVERSATIONS = 256  # per upstream
-SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
+SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
+NEUTRAL_SHARE = 0.95  # a cached count this share of the previous prompt reused past a change
+PAST_CHANGE_TOKENS = 2 * BLOCK_CHARS // 4  # ...and this far past the change (the estimate's granularity)
+MISS_SHARE = 0.75  # a re-prefill's TTFT is at least this share of the predicted one
+COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold
+FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
+FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
 
 
 whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
 
 
-def cold_rate(r: Measured, th: Thresholds) -> float | None:
+class CacheFacts(NamedTuple):
+    """What an upstream's earlier turns say about its cache (`PrefixIndex.facts`)."""
+
+    cold_rate: float | None = None  # median prefill tok/s of cold first turns
+    fixed_s: float = 0.0  # a hit's fixed per-request cost: TTFT beyond prefilling the new tokens
+    reports_cache: bool = False  # it has reported a positive cached count: its 0 means a miss
+
+
+class Reusable(NamedTuple):
+    """The prefix of the previous turn's prompt a cache could reuse, in tokens."""
+
+    tokens: int  # never below the server's own cached count
+    source: str  # "usage" (from the previous prompt_tokens), "chars" (characters / 4), "cached"
+    previous: int  # the previous prompt's tokens
+    shared: int  # the prompts' shared prefix as estimated (before the cached floor)
+
+
+class Timing(NamedTuple):
+    """What a TTFT says: a hit (`hit_s`: the fixed cost plus prefilling what the cache did
+    not hold) or a prefill from scratch (`cold_s`); None between the two."""
+
+    says: Says | None
+    ttft_s: float
+    cold_s: float
+    hit_s: float
+    fixed_s: float
+    rate: float
+    rate_of: str
+
+    def text(self) -> str:
+        said = {"hit": "suggests a hit", "miss": "suggests a re-prefill", None: "tells neither"}[self.says]
+        fixed = f", {_fmt(self.fixed_s)} s of it fixed" if self.fixed_s > 0 else ""
+        return (
+            f"TTFT {_fmt(self.ttft_s)} s {said} (cold ≈ {_fmt(self.cold_s)} s for this prompt, a hit ≈ "
+            f"{_fmt(self.hit_s)} s{fixed}; {_fmt(self.rate)} tok/s cold, {self.rate_of})"
+        )
+
+
+class Reprefill(NamedTuple):
+    """Why this turn could not reuse the previous prompt, and what that cost in tokens."""
+
+    cause: Cause
+    at: str | None
+    lost_tokens: int  # 0: a change the server neutralized
+    prefilled: int | None  # the tokens prefilled this turn (lost seconds: TTFT x lost / prefilled)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnVerdict:
+    """The cache doctor's judgement of one continuing turn."""
+
+    reusable: Reusable
+    cache_hit_ratio: float | None
+    reprefill: Reprefill | None = None
+    lost_s: float | None = None
+    evidence: str | None = None  # what the verdict rests on (cached_tokens, TTFT), one line
+    anomalies: tuple[Anomaly, ...] = ()
+    correct_prefill_tps: bool = False  # replace the measured prefill rate with `prefill_tps`
+    prefill_tps: float | None = None
+    hit_excess_s: float | None = None  # a known hit's TTFT beyond its prefill (the fixed-cost fit)
+
+    def fields(self, m: Match) -> dict[str, Any]:
+        """The record's conversation fields (`core.record.checked_record`)."""
+        out: dict[str, Any] = {
+            "prefix_reusable_tokens": self.reusable.tokens,
+            "prefix_tokens_source": self.reusable.source,
+            "prefix_diverged_at": m.diverged_at,
+            "conversation_lost_s": m.lost_s,
+            "cache_evidence": self.evidence,
+        }
+        if self.cache_hit_ratio is not None:
+            out["cache_hit_ratio"] = self.cache_hit_ratio
+        if self.correct_prefill_tps:
+            out["prefill_tps"] = self.prefill_tps
+        rp = self.reprefill
+        if rp is not None:
+            out.update(reprefill_cause=rp.cause, reprefill_at=rp.at, reprefill_lost_s=self.lost_s)
+            out["conversation_lost_s"] = m.lost_s + (self.lost_s or 0.0)
+            if rp.cause == "cache_evicted":
+                out["prefill_wasted_s"] = self.lost_s
+        return out
+
+
+def cold_rate(r: Measured, th: Thresholds, whole: int | None = None) -> float | None:
     """A first turn's prefill rate when it says how fast a cold cache prefills: it reports no
-    cached tokens and has at least `prefix_min_tokens` prompt tokens (a stream that came in
-    one burst says nothing: its caller leaves it out)."""
-    if r.cached_tokens or not r.prefill_tps:
+    cached tokens (or at most `COLD_CACHED_SHARE` of its prompt: mlx_lm.server reuses a chat
+    template's first tokens across conversations) and has at least `prefix_min_tokens` prompt tokens (a stream that came in
+    one burst says nothing: its caller leaves it out). `whole`: the prompt's tokens counted
+    by the proxy, for a server that reports none."""
+    if r.cached_tokens and r.cached_tokens > COLD_CACHED_SHARE * (r.whole_prompt_tokens or 0):
         return None
-    return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
+    if r.prefill_tps:
+        return r.prefill_tps if (r.prompt_tokens or 0) >= th.prefix_min_tokens else None
+    if r.prompt_tokens is None and whole and whole >= th.prefix_min_tokens and r.ttft_s:
+        return whole / r.ttft_s
+    return None
+
+
+def reusable_prefix(m: Match, cached: int | None) -> Reusable:
+    """The shared prefix in tokens (`Match.tokens`), 0 after a model change (no server shares
+    a cache between models), the server's own cached count its floor."""
+    estimate, source = m.tokens(m.shared_chars)
+    if m.change is not None and m.change.cause == "model_changed":
+        estimate = 0
+    previous = m.tokens(m.previous_chars)[0]
+    if cached is not None and cached > estimate:
+        return Reusable(cached, "cached", previous, estimate)
+    return Reusable(estimate, source, previous, estimate)
 
 
 def timing_says(
-    whole: int | None, reusable: int, ttft: float | None, rate: float | None, th: Thresholds
-) -> tuple[Timing, float, float] | None:
-    """Whether a TTFT looks like a cache hit on `reusable` of `whole` prompt tokens or a cold
-    prefill of them all, at `rate` tok/s (a cold prefill rate): ("hit" or "miss", seconds to
-    prefill all, seconds to prefill only the rest); the midpoint divides them. None when
-    the two differ by less than `cache_timing_min_s` or a figure is missing."""
-    if not rate or not whole or reusable <= 0 or ttft is None or ttft <= 0:
+    whole: int | None,
+    reused: int,
+    ttft: float | None,
+    rate: float | None,
+    th: Thresholds,
+    *,
+    fixed_s: float = 0.0,
+    reused_on_miss: int = 0,
+    rate_of: str = "",
+) -> Timing | None:
+    """Whether a TTFT looks like a hit that reused `reused` of `whole` prompt tokens (the fixed
+    cost plus the rest at `rate` tok/s, a cold rate) or like a prefill of all but
+    `reused_on_miss` of them: a hit up to their midpoint, a re-prefill from the midpoint and at
+    least `MISS_SHARE` of the re-prefill's time, neither between. None when the two differ by
+    less than `cache_timing_min_s` or a figure is missing."""
+    if not rate or not whole or reused <= reused_on_miss or ttft is None or ttft <= 0:
         return None
-    full, hit = whole / rate, max(whole - reusable, 0) / rate
-    if full - hit < th.cache_timing_min_s:
+    cold = (whole - reused_on_miss) / rate + (fixed_s if reused_on_miss else 0.0)
+    hit = min(fixed_s + max(whole - reused, 0) / rate, cold / 2)
+    if cold - hit < th.cache_timing_min_s:
         return None
-    return ("hit" if ttft <= (full + hit) / 2 else "miss"), full, hit
+    mid = (cold + hit) / 2
+    says: Says | None = "hit" if ttft <= mid else "miss" if ttft >= MISS_SHARE * cold else None
+    return Timing(says, ttft, cold, hit, fixed_s, rate, rate_of)
 
 
-def check_turn(
-    r: Measured, m: Match, upstream_rate: float | None, th: Thresholds
-) -> tuple[dict[str, Any], list[Anomaly]]:
-    """Record fields and anomalies of a request that continues a conversation (`m`).
-    `upstream_rate`: this upstream's prefill rate on cold first turns (used when the
-    conversation has none of its own)."""
-    change = m.change
-    estimate, source = m.tokens(m.shared_chars)
-    if change is not None and change.cause == "model_changed":
-        estimate = 0  # no server shares a prompt cache between models
-    prev_tokens = m.tokens(m.previous_chars)[0]
-    cached, ttft = r.cached_tokens, r.ttft_s
-    reusable = estimate
-    if cached is not None and cached > reusable:  # the server's own count is a floor
-        reusable, source = cached, "cached"
-    fields: dict[str, Any] = {
-        "prefix_reusable_tokens": reusable,
-        "prefix_tokens_source": source,
-        "prefix_diverged_at": m.diverged_at,
-        "conversation_lost_s": m.lost_s,
-    }
-    if cached is not None and reusable > 0:
-        fields["cache_hit_ratio"] = round(cached / reusable, 3)
-    out: list[Anomaly] = []
+def check_turn(r: Measured, m: Match, facts: CacheFacts, th: Thresholds, *, whole: int | None = None) -> TurnVerdict:
+    """The judgement of a request that continues a conversation (`m`). `facts`: what this
+    upstream's earlier turns say about its cache; `whole`: the prompt's tokens when the server
+    reported none (counted by the proxy)."""
+    reusable = reusable_prefix(m, r.cached_tokens)
+    cached = r.cached_tokens
+    ratio = round(cached / reusable.tokens, 3) if cached is not None and reusable.tokens > 0 else None
     if r.outcome not in OK_OUTCOMES:
-        return fields, out
-    whole = r.whole_prompt_tokens
-    rate = m.cold_prefill_tps or upstream_rate
-    rate_of = "this conversation's first turn" if m.cold_prefill_tps else "this upstream's first turns"
-    said = timing_says(whole, reusable, ttft, rate, th) if reusable >= th.prefix_min_tokens else None
-    claimed = timing_says(whole, cached or 0, ttft, rate, th) if cached and cached >= th.prefix_min_tokens else None
-    prefilled = r.uncached_prompt_tokens
-
-    lost_tokens, cause, at = 0, None, None
-    reused_from = f"~{reusable} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
-    unreported = (cached is None or cached < th.prefix_miss_ratio * reusable) and said is not None and said[0] == "hit"
-    if unreported and said is not None:
-        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
-        out.append(
-            Anomaly(
-                "cached_tokens_unreported",
-                f"{reused_from} and TTFT {_fmt(ttft or 0)} s matches prefilling only the "
-                f"{(whole or 0) - reusable} new tokens ({_fmt(said[2])} s at {_fmt(rate or 0)} tok/s, {rate_of}) "
-                f"rather than all {whole} ({_fmt(said[1])} s): the cache worked, but usage says {told}",
-            )
-        )
-        fields["prefill_tps"] = None  # the prefilled share is unknown
-    elif (
-        claimed is not None
-        and claimed[0] == "miss"
-        and whole
-        and cached is not None
-        and cached >= MOSTLY_CACHED * whole
-    ):
-        out.append(
-            Anomaly(
-                "cached_tokens_claimed_cold",
-                f"usage claims {cached} of {whole} prompt tokens cached, but TTFT {_fmt(ttft or 0)} s matches a "
-                f"cold prefill of all of them ({_fmt(claimed[1])} s at {_fmt(rate or 0)} tok/s, {rate_of}) "
-                f"rather than of the {whole - cached} uncached ones ({_fmt(claimed[2])} s)",
-            )
-        )
-        prefilled = whole
-        fields["prefill_tps"] = whole / ttft if ttft else None
-    elif cached is None and reusable >= th.prefix_min_tokens and (said is None or said[0] != "miss"):
-        fields["prefill_tps"] = None  # unknown share, and TTFT does not show a cold prefill
-    elif change is None:
-        miss = _evicted(m, reusable, cached, said, th)
-        if miss is not None:
-            out.append(Anomaly("prefix_cache_miss", f"{reused_from}{miss}"))
-            cause, lost_tokens = "cache_evicted", reusable - (cached or 0)
-            prefilled = whole if said is not None else prefilled
-    if change is not None and prev_tokens > reusable:
-        cause, at, lost_tokens = change.cause, change.where, prev_tokens - reusable
-        if not m.extends and lost_tokens >= th.prefix_min_tokens:
-            out.append(
-                Anomaly(
-                    "prompt_prefix_changed",
-                    f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
-                    f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
-                    f"~{lost_tokens} of its {prev_tokens} prompt tokens cannot be reused by any cache "
-                    f"(counted from {source})",
-                )
-            )
-        elif change.cause == "model_changed" and lost_tokens >= th.prefix_min_tokens:
-            out.append(
-                Anomaly(
-                    "prompt_prefix_changed",
-                    f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
-                    f"({change.where}): none of its {prev_tokens} earlier prompt tokens can be reused",
-                )
-            )
-        if cached is None and said is None:
-            prefilled = (whole or 0) - reusable
-    if cause is None:
-        return fields, out
-    lost_s = None
-    if ttft is not None and ttft > 0 and prefilled and lost_tokens > 0:
-        lost_s = min(ttft * lost_tokens / prefilled, ttft)
-    fields.update(reprefill_cause=cause, reprefill_at=at, reprefill_lost_s=lost_s)
-    fields["conversation_lost_s"] = m.lost_s + (lost_s or 0.0)
-    if cause == "cache_evicted":
-        fields["prefill_wasted_s"] = lost_s
-    return fields, out
+        return TurnVerdict(reusable, ratio)
+    if whole is None:
+        whole = r.whole_prompt_tokens
+    rate, rate_of = (
+        (m.cold_prefill_tps, "this conversation's first turn")
+        if m.cold_prefill_tps
+        else (facts.cold_rate, "this upstream's first turns")
+    )
+    if m.change is None:
+        return extended(r, m, reusable, ratio, whole, rate, rate_of, facts, th)
+    return changed(r, m, m.change, reusable, ratio, whole, rate, rate_of, facts, th)
 
 
-def _evicted(
-    m: Match, reusable: int, cached: int | None, said: tuple[Timing, float, float] | None, th: Thresholds
-) -> str | None:
-    """The evidence that the server prefilled an extended prompt whole (`prefix_cache_miss`,
-    cause `cache_evicted`): its reported `cached_tokens` fall short of `prefix_miss_ratio` of
-    the reusable prefix, or (none reported) its TTFT matches a cold prefill; None otherwise."""
-    if reusable < th.prefix_min_tokens:
+def _reused_from(m: Match, reusable: Reusable) -> str:
+    return f"~{reusable.tokens} prompt tokens were reusable from request {m.previous_id} (turn {m.turn - 1})"
+
+
+def _excess(ttft: float | None, whole: int | None, reused: int, rate: float | None) -> float | None:
+    """A known hit's TTFT beyond prefilling its new tokens: the upstream's fixed cost."""
+    if ttft is None or not whole or not rate:
         return None
-    if cached is not None:
-        if cached >= th.prefix_miss_ratio * reusable:
-            return None
-        return f" but the server reported {cached} cached (ratio {cached / reusable:.2f})"
-    if said is None or said[0] != "miss":
+    return max(ttft - max(whole - reused, 0) / rate, 0.0)
+
+
+def extended(
+    r: Measured,
+    m: Match,
+    reusable: Reusable,
+    ratio: float | None,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> TurnVerdict:
+    """A prompt that extends the previous one: did the server reuse it, and say so? A cached
+    count is the evidence where it shows the hit, or where this server reports its hits (then
+    a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
+    (`cached_tokens_unreported`), a re-prefill (`cache_evicted`), or nothing."""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    if reusable.tokens < th.prefix_min_tokens:
+        return TurnVerdict(reusable, ratio)
+    claimed = claimed_cold(r, whole, rate, rate_of, facts, th)
+    if claimed is not None:
+        return TurnVerdict(
+            reusable,
+            ratio,
+            evidence=claimed.evidence,
+            anomalies=(claimed,),
+            correct_prefill_tps=True,
+            prefill_tps=(whole or 0) / ttft if ttft else None,
+        )
+    said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    says = said.says if said is not None else None
+    if cached is not None and cached >= th.prefix_miss_ratio * reusable.tokens:  # the count shows the hit
+        hit = _excess(ttft, whole, cached, rate) if says != "miss" else None
+        return TurnVerdict(
+            reusable, ratio, evidence=f"cached_tokens {cached} of ~{reusable.tokens} reusable", hit_excess_s=hit
+        )
+    if _counted(r, facts) and cached is not None:
+        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
+        evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
+        return evicted(m, reusable, ratio, why, evidence, r.uncached_prompt_tokens, r, facts)
+    if said is not None and says == "hit":
+        hit = _excess(ttft, whole, reusable.tokens, rate)
+        # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
+        found = () if r.prompt_tokens is None else (_unreported(r, m, reusable, whole, said),)
+        return TurnVerdict(
+            reusable, ratio, evidence=said.text(), anomalies=found, correct_prefill_tps=True, hit_excess_s=hit
+        )
+    if said is not None and says == "miss":
+        told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
+        why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
+        return evicted(m, reusable, ratio, why, said.text(), whole, r, facts)
+    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
+    unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+    told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
+    return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
+
+
+def claimed_cold(
+    r: Measured, whole: int | None, rate: float | None, rate_of: str, facts: CacheFacts, th: Thresholds
+) -> Anomaly | None:
+    """`cached_tokens_claimed_cold`: usage claims most of the prompt cached, the TTFT shows a
+    cold prefill of all of it."""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    if not cached or cached < th.prefix_min_tokens or not whole or cached < MOSTLY_CACHED * whole:
         return None
-    return (
-        f"; no cached_tokens reported, but TTFT matches re-prefilling the whole prompt "
-        f"({_fmt(said[1])} s) rather than the new tokens alone ({_fmt(said[2])} s)"
+    said = timing_says(whole, cached, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    if said is None or said.says != "miss":
+        return None
+    return Anomaly(
+        "cached_tokens_claimed_cold",
+        f"usage claims {cached} of {whole} prompt tokens cached, but {said.text()}: a cold prefill of all "
+        f"of them rather than of the {whole - cached} uncached ones",
     )
 
 
+def evicted(
+    m: Match,
+    reusable: Reusable,
+    ratio: float | None,
+    why: str,
+    evidence: str,
+    prefilled: int | None,
+    r: Measured,
+    facts: CacheFacts,
+) -> TurnVerdict:
+    """`cache_evicted` (and `prefix_cache_miss`): the reusable prefix was prefilled again."""
+    a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
+    rp = Reprefill("cache_evicted", None, reusable.tokens - (r.cached_tokens or 0), prefilled)
+    ttft = r.ttft_s
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, (a,))
+
+
+def _unreported(r: Measured, m: Match, reusable: Reusable, whole: int | None, said: Timing) -> Anomaly:
+    """`cached_tokens_unreported`: the TTFT shows a hit of the reusable prefix that the usage's
+    count does not."""
+    cached = r.cached_tokens
+    told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+    return Anomaly(
+        "cached_tokens_unreported",
+        f"{_reused_from(m, reusable)} and {said.text()}, prefilling only the {(whole or 0) - reusable.tokens} "
+        f"new tokens rather than all {whole}: the cache worked, but usage says {told}",
+    )
+
+
+def hidden_hit(
+    r: Measured,
+    m: Match,
+    reusable: Reusable,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> Anomaly | None:
+    """A changed prompt's reusable prefix (up to the change) served from the cache while the
+    usage, which reports the prompt, shows no such count: `cached_tokens_unreported`."""
+    cached = r.cached_tokens
+    if r.prompt_tokens is None or reusable.tokens < th.prefix_min_tokens:
+        return None
+    if cached is not None and cached >= th.prefix_miss_ratio * reusable.tokens:
+        return None
+    said = timing_says(whole, reusable.tokens, r.ttft_s, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
+    return _unreported(r, m, reusable, whole, said) if said is not None and said.says == "hit" else None
+
+
+def _counted(r: Measured, facts: CacheFacts) -> bool:
+    """Whether the server's cached count is evidence: a positive one, or a 0 from a server that
+    has reported a hit before (some report 0 on every hit)."""
+    return r.cached_tokens is not None and (r.cached_tokens > 0 or facts.reports_cache)
+
+
+class Shown(NamedTuple):
+    """What the evidence shows a changed prompt cost (`change_shown`)."""
+
+    says: Literal["reprefilled", "neutralized", "too_small", "nothing"]
+    evidence: str
+    prefilled: int | None = None  # the tokens prefilled this turn, where re-prefilled
+    hit_excess_s: float | None = None  # a known (partial) hit's TTFT past its prefill
+
+
+def change_shown(
+    r: Measured,
+    change: Change,
+    reusable: Reusable,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> Shown:
+    """Whether the server re-prefilled a changed prompt past the change: by its cached count
+    (from a server that reports its hits, a 0 too), else by the TTFT against a hit of the whole
+    previous prompt and a prefill from the change on."""
+    cached, ttft = r.cached_tokens, r.ttft_s
+    lost = reusable.previous - reusable.tokens
+    if cached is not None and _counted(r, facts):
+        past = cached - reusable.shared >= PAST_CHANGE_TOKENS  # reused clearly past where the prompts differ
+        if past and cached >= NEUTRAL_SHARE * reusable.previous:
+            return Shown("neutralized", f"cached_tokens {cached} of the previous prompt's {reusable.previous}")
+        hit = _excess(ttft, whole, cached, rate) if whole and cached >= MOSTLY_CACHED * whole else None
+        return Shown(
+            "reprefilled",
+            f"cached_tokens {cached}: ~{lost} of the previous prompt's {reusable.previous} tokens prefilled again",
+            r.uncached_prompt_tokens,
+            hit,
+        )
+    said = timing_says(
+        whole, reusable.previous, ttft, rate, th, fixed_s=facts.fixed_s, reused_on_miss=reusable.tokens, rate_of=rate_of
+    )
+    where = f"{change.cause} at {change.where}"
+    if said is None and rate and whole and ttft:
+        return Shown(
+            "too_small",
+            f"the prompt changed ({where}): at most ~{lost} tokens to prefill again, ~{_fmt(lost / rate)} s at "
+            f"{_fmt(rate)} tok/s cold ({rate_of}), too little for TTFT to tell (0 s counted)",
+        )
+    if said is None or said.says is None:
+        unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+        return Shown("nothing", f"the prompt changed ({where}), but nothing shows a re-prefill: {told}; {unknown}")
+    if said.says == "hit":
+        return Shown("neutralized", said.text())
+    return Shown("reprefilled", said.text(), (whole or 0) - reusable.tokens)
+
+
+def changed(
+    r: Measured,
+    m: Match,
+    change: Change,
+    reusable: Reusable,
+    ratio: float | None,
+    whole: int | None,
+    rate: float | None,
+    rate_of: str,
+    facts: CacheFacts,
+    th: Thresholds,
+) -> TurnVerdict:
+    """A prompt that changed part of the previous one: a cause with its cost where the server
+    re-prefilled past the change, the cause at 0 s where it reused the previous prompt anyway
+    (neutralized: a server that strips a volatile line before caching) or the cost is too small
+    to show, no cause where nothing tells; and a hidden hit of the prefix up to the change."""
+    lost = reusable.previous - reusable.tokens
+    if lost <= 0 and not _counted(r, facts):  # nothing of the previous prompt was lost
+        return TurnVerdict(reusable, ratio)
+    hidden = hidden_hit(r, m, reusable, whole, rate, rate_of, facts, th)
+    also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
+    shown = change_shown(r, change, reusable, whole, rate, rate_of, facts, th)
+    unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
+    if shown.says == "nothing":
+        return TurnVerdict(reusable, ratio, evidence=shown.evidence, anomalies=also, correct_prefill_tps=unknown_share)
+    if shown.says != "reprefilled":
+        evidence = shown.evidence
+        if shown.says == "neutralized":
+            evidence += ": this server reused the prompt past the change (neutralized, 0 s lost)"
+        zero = Reprefill(change.cause, change.where, 0, None)
+        return TurnVerdict(reusable, ratio, zero, 0.0, evidence, also, correct_prefill_tps=unknown_share)
+    if lost <= 0:  # the count shows the previous prompt reused
+        return TurnVerdict(reusable, ratio, evidence=shown.evidence)
+    rp = Reprefill(change.cause, change.where, lost, shown.prefilled)
+    found = prefix_changed(m, change, reusable, lost, shown.evidence, th)
+    return TurnVerdict(
+        reusable,
+        ratio,
+        rp,
+        _lost_s(r.ttft_s, rp, facts.fixed_s),
+        shown.evidence,
+        (*found, *also),
+        correct_prefill_tps=hidden is not None,
+        hit_excess_s=shown.hit_excess_s,
+    )
+
+
+def prefix_changed(
+    m: Match, change: Change, reusable: Reusable, lost: int, evidence: str, th: Thresholds
+) -> tuple[Anomaly, ...]:
+    """`prompt_prefix_changed` for a re-prefill of at least `prefix_min_tokens` that the
+    prompts caused (not an extension: a rewrite, or another model)."""
+    if lost < th.prefix_min_tokens or (m.extends and change.cause != "model_changed"):
+        return ()
+    if change.cause == "model_changed":
+        text = (
+            f"continues conversation {m.conversation_id} (turn {m.turn}) with another model "
+            f"({change.where}): none of its {reusable.previous} earlier prompt tokens can be reused"
+        )
+    else:
+        text = (
+            f"continues conversation {m.conversation_id} (turn {m.turn}) but differs from its "
+            f"previous request {m.previous_id} at {m.diverged_at} ({change.cause}: {change.where}): "
+            f"~{lost} of its {reusable.previous} prompt tokens were prefilled again (counted from "
+            f"{reusable.source}; {evidence})"
+        )
+    return (Anomaly("prompt_prefix_changed", text),)
+
+
+def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:
+    """The prefill seconds a re-prefill cost: the TTFT past the upstream's fixed cost x lost
+    tokens / prefilled tokens, at most that."""
+    if ttft is None or ttft <= 0 or not rp.prefilled or rp.lost_tokens <= 0:
+        return None
+    prefill = max(ttft - fixed_s, 0.0)
+    return min(prefill * rp.lost_tokens / rp.prefilled, prefill)
+
+
 class PrefixIndex:
-    """The latest prompt of each recent conversation on one upstream (bounded, no text):
-    `prefix.find_turn` reads it (`latest`) before a turn is judged, `add` writes the turn
-    after, with what the judgement found."""
+    """The latest prompt of each recent conversation on one upstream (bounded, no text), and
+    what its turns showed about its cache (`facts`): `prefix.find_turn` reads `latest` before a
+    turn is judged, `add` writes the turn after, with what the judgement found."""
 
     def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
         self.max_conversations = max_conversations
@@ -198,6 +511,8 @@ class PrefixIndex:
         self.latest: Mapping[int, Sequence[Latest]] = self._by_key
         self._count = 0
         self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
+        self.hit_excess_s: deque[float] = deque(maxlen=FIXED_SAMPLES)  # known hits' TTFT past their prefill
+        self.reports_cache = False
 
     def __len__(self) -> int:
         return self._count
@@ -212,14 +527,23 @@ class PrefixIndex:
         *,
         cold_prefill_tps: float | None = None,
         lost_s: float = 0.0,
+        cached_tokens: int | None = None,
+        hit_excess_s: float | None = None,
+        prompt_source: str = "usage",
     ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
         `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
         conversation's own until a later cold turn replaces it, and, on a first turn, among
         this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
-        conversation)."""
+        conversation); `cached_tokens`: its reported count (a positive one says this server
+        reports its hits); `hit_excess_s`: a known hit's TTFT beyond its prefill (`facts`);
+        `prompt_source`: where `prompt_tokens` came from (`usage`, or the proxy's count)."""
         if match is None and cold_prefill_tps is not None:
             self.cold_prefill_tps.append(cold_prefill_tps)
+        if cached_tokens:
+            self.reports_cache = True
+        if hit_excess_s is not None:
+            self.hit_excess_s.append(hit_excess_s)
         entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
         if match is not None:
@@ -232,7 +556,7 @@ class PrefixIndex:
             lost = match.lost_s + lost_s
         else:
             cid, turn, rate, lost = request_id, 1, cold_prefill_tps, lost_s
-        entries.insert(0, Latest(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost))
+        entries.insert(0, Latest(cid, turn, request_id, new, prompt_tokens, end_s, rate, lost, prompt_source))
         self._count += 1
         if len(entries) > SAME_KEY:
             entries.pop()
@@ -248,3 +572,11 @@ class PrefixIndex:
             return None
         v = sorted(self.cold_prefill_tps)
         return v[len(v) // 2]
+
+    def facts(self) -> CacheFacts:
+        """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
+        fixed cost (the smallest TTFT past its prefill among its last `FIXED_SAMPLES` known hits,
+        once there are `FIXED_MIN_SAMPLES`) and whether it
+        reports its hits."""
+        fixed = min(self.hit_excess_s) if len(self.hit_excess_s) >= FIXED_MIN_SAMPLES else 0.0
+        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache)

@@ -619,35 +619,24 @@ class RequestMeter:
                 return "protocol_error"
         return "ok"
 
-    def _measurement(
-        self,
-        t_end: float,
-        body_obj: Any,
-        stream_error: str | None,
-        outcome: Outcome | None,
-        error: str | None,
-        count_tokens: Callable[[str], int] | None,
-    ) -> Measurement:
-        """The measurement, from the meter's own state first, then what the error body and
-        usage mean (`core.openai`)."""
-        st = self._status
-        classified = outcome is None  # (not the shell's: "http_error" may turn out a "context_limit" below)
-        if outcome is None:
-            outcome = self._classify(body_obj)
-        snippet = _text_snippet(self._body) if st is not None and st >= 400 else None
-        request = self._request
-        tools = request.tools
+    def _generated(self, count_tokens: Callable[[str], int] | None) -> _Generated:
+        """What was generated: the texts, a tokenizer's recount, the text's sizes for the usage
+        check and why each structured tool call is unusable."""
         content = "".join(self._content_parts)
         reasoning = "".join(self._reasoning_parts)
         calls = self._tool_calls
-        sse = self._decoder is not None
         # what any recount must include: reasoning, content, the tool calls' names and arguments
-        text = reasoning + content + "".join(c["name"] + c["arguments"] for c in calls.values()) if sse else None
+        text = (
+            reasoning + content + "".join(c["name"] + c["arguments"] for c in calls.values())
+            if self._decoder is not None
+            else None
+        )
         tokenizer = _count(count_tokens, text) if self._generated_events else None
         chars, nonascii_chars, nonascii_bytes = _text_sizes(text)
         if chars is not None and self._tool_args_over:  # arguments past the bound were streamed too
             chars += sum(self._tool_args_over.values())
         problems: tuple[str, ...] = ()
+        tools = self._request.tools
         if tools is not None and calls:
             over = self._tool_args_over
             found = (
@@ -655,6 +644,10 @@ class RequestMeter:
                 for idx, slot in sorted(calls.items())
             )
             problems = tuple(p for p in found if p is not None)
+        return _Generated(content, reasoning, tokenizer, chars, nonascii_chars, nonascii_bytes, problems)
+
+    def _usage_figures(self) -> _Usage:
+        """The usage's counts, and its other keys kept as the server's claims."""
         usage = self._usage or {}
         ptd = usage.get("prompt_tokens_details")
         cached = _int(ptd.get("cached_tokens")) if isinstance(ptd, dict) else None
@@ -666,19 +659,29 @@ class RequestMeter:
         extra = {k: v for k, v in usage.items() if k not in _STD_USAGE_KEYS}
         if extra:
             claims["usage"] = extra
-        t0 = self._t_start
-        ttft = None if self._t_first_token is None else self._t_first_token - t0
-        duration = t_end - t0
-        # wall tok/s stops at [DONE] (or the API's terminal event): a body kept open after it is
-        # not the client's wait (SDKs stop reading there); the tail is reported on its own
-        tail = None if self._t_done is None else max(duration - (self._t_done - t0), 0.0)
-        # what the wire's numbers and error texts mean
-        uncached = uncached_tokens(prompt, cached)
+        return _Usage(
+            prompt,
+            cached,
+            _int(usage.get("completion_tokens")),
+            _int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None,
+            claims,
+            uncached_tokens(prompt, cached),
+        )
+
+    def _failure_figures(
+        self, body_obj: Any, stream_error: str | None, outcome: Outcome | None, error: str | None
+    ) -> _Failure:
+        """The outcome, the error text and whether (and by how much) the prompt was refused as
+        too long (`core.openai.parse_context_limit`)."""
+        st = self._status
+        classified = outcome is None  # (not the shell's: "http_error" may turn out a "context_limit" below)
+        if outcome is None:
+            outcome = self._classify(body_obj)
         err = error
         ctx: tuple[bool, int | None, int | None] = (False, None, None)
         parsed: str | None = None  # the text `ctx` was read from
         if st is not None and st >= 400:
-            err = err or error_message(body_obj) or snippet
+            err = err or error_message(body_obj) or _text_snippet(self._body)
             if st in (400, 413, 422):
                 ctx, parsed = parse_context_limit(err), err
             if ctx[0] and classified:
@@ -695,7 +698,34 @@ class RequestMeter:
             outcome == "stream_error"
             and (ctx[0] if parsed is not None and parsed == err else parse_context_limit(err)[0])
         )
+        return _Failure(outcome, err, refused, ctx[1], ctx[2])
+
+    def _measurement(
+        self,
+        t_end: float,
+        body_obj: Any,
+        stream_error: str | None,
+        outcome: Outcome | None,
+        error: str | None,
+        count_tokens: Callable[[str], int] | None,
+    ) -> Measurement:
+        """The measurement: the meter's own times and counts, with what was generated
+        (`_generated`), what the usage says (`_usage_figures`) and how the request ended
+        (`_failure_figures`), each decided once."""
+        request = self._request
+        gen = self._generated(count_tokens)
+        use = self._usage_figures()
+        end = self._failure_figures(body_obj, stream_error, outcome, error)
+        calls = self._tool_calls
+        sse = self._decoder is not None
+        t0 = self._t_start
+        ttft = None if self._t_first_token is None else self._t_first_token - t0
+        duration = t_end - t0
+        # wall tok/s stops at [DONE] (or the API's terminal event): a body kept open after it is
+        # not the client's wait (SDKs stop reading there); the tail is reported on its own
+        tail = None if self._t_done is None else max(duration - (self._t_done - t0), 0.0)
         headers = self._t_headers
+        uncached, prompt, cached = use.uncached, use.prompt, use.cached
         return Measurement(
             id=self._request_id,
             started_at=self._started_at,
@@ -704,7 +734,7 @@ class RequestMeter:
             endpoint=request.endpoint,
             stream=request.stream,
             status=self._status,
-            outcome=outcome,
+            outcome=end.outcome,
             method=request.method,
             path=request.path,
             ttfb_s=None if self._t_first_byte is None else self._t_first_byte - t0,
@@ -718,11 +748,11 @@ class RequestMeter:
             prefill_tps=uncached / ttft if uncached and ttft is not None and ttft > 0 else None,
             prompt_tokens=prompt,
             cached_tokens=cached,
-            completion_tokens_reported=_int(usage.get("completion_tokens")),
-            reasoning_tokens_reported=_int(ctd.get("reasoning_tokens")) if isinstance(ctd, dict) else None,
+            completion_tokens_reported=use.completion,
+            reasoning_tokens_reported=use.reasoning,
             completion_tokens_counted=self._generated_events if sse else None,
             reasoning_tokens_counted=self._reasoning_events if sse else None,
-            completion_tokens_tokenizer=tokenizer,
+            completion_tokens_tokenizer=gen.tokenizer,
             usage_reports=self._usage_reports,
             usage_requested=request.usage_requested,
             usage_injected=self._usage_injected,
@@ -733,12 +763,12 @@ class RequestMeter:
             finish_reason=self._finish_reason,
             finish_reasons_seen=self._finish_reasons_seen,
             tool_calls=len(calls),
-            tool_calls_valid=None if tools is None else len(calls) - len(problems),
-            error=err,
-            context_prompt_tokens=ctx[1],
-            context_limit_tokens=ctx[2],
+            tool_calls_valid=None if request.tools is None else len(calls) - len(gen.problems),
+            error=end.error,
+            context_prompt_tokens=end.context_prompt_tokens,
+            context_limit_tokens=end.context_limit_tokens,
             prefill_progress=self._prefill_progress,
-            server_claims=claims,
+            server_claims=use.claims,
             concurrency=self._concurrency,
             tags=self._tags,
             bytes_out=self._bytes_out,
@@ -746,21 +776,54 @@ class RequestMeter:
             t_start_mono=t0,
             dual_reasoning_events=self._dual_reasoning_events,
             duplicate_content=self._duplicate_content,
-            response_text=content if self._keep_text else None,
-            reasoning_text=reasoning if self._keep_text else None,
-            generated_chars=chars,
-            nonascii_chars=nonascii_chars,
-            nonascii_bytes=nonascii_bytes,
-            content_text=content,
-            tool_problems=problems,
-            tool_markup=find_markup(content, tools) if tools is not None and not calls else None,
+            response_text=gen.content if self._keep_text else None,
+            reasoning_text=gen.reasoning if self._keep_text else None,
+            generated_chars=gen.chars,
+            nonascii_chars=gen.nonascii_chars,
+            nonascii_bytes=gen.nonascii_bytes,
+            content_text=gen.content,
+            tool_problems=gen.problems,
+            tool_markup=find_markup(gen.content, request.tools) if request.tools is not None and not calls else None,
             silent_after_headers_s=None
             if headers is None
             else (self._t_first_byte if self._t_first_byte is not None else t_end) - headers,
-            context_refused=refused,
+            context_refused=end.refused,
             uncached_prompt_tokens=uncached,
             whole_prompt_tokens=None if prompt is None else max(prompt, (uncached or 0) + (cached or 0)),
         )
+
+
+class _Generated(NamedTuple):
+    """What a response generated (`RequestMeter._generated`)."""
+
+    content: str
+    reasoning: str
+    tokenizer: int | None  # a tokenizer's count of the generated text
+    chars: int | None  # characters streamed (None: not a stream)
+    nonascii_chars: int
+    nonascii_bytes: int
+    problems: tuple[str, ...]  # why each structured tool call is unusable
+
+
+class _Usage(NamedTuple):
+    """What a response's usage reports (`RequestMeter._usage_figures`)."""
+
+    prompt: int | None
+    cached: int | None
+    completion: int | None
+    reasoning: int | None
+    claims: dict[str, Any]  # the server's claims, its other usage keys among them
+    uncached: int | None  # the prompt tokens the server prefilled (`openai.uncached_tokens`)
+
+
+class _Failure(NamedTuple):
+    """How a request ended (`RequestMeter._failure_figures`)."""
+
+    outcome: Outcome
+    error: str | None
+    refused: bool  # the prompt was refused as too long
+    context_prompt_tokens: int | None
+    context_limit_tokens: int | None
 
 
 def _count(count_tokens: Callable[[str], int] | None, text: str | None) -> int | None:

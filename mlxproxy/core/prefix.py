@@ -1,33 +1,41 @@
 """Prompt-prefix tracking without keeping prompt text (sans-I/O).
 
-A request's prompt is cut into stable pieces in the order a chat template renders them
-(`tools`, a Messages `system` or Responses `instructions`, then every message field:
-`messages[i].role`, `.content`, `.reasoning_content`, `.tool_calls`, ...). Each piece keeps
-only a 64-bit fingerprint, its length, and one fingerprint per `BLOCK_CHARS` block of its
-serialized text, so two prompts can be compared piece by piece and, in the first piece that
-differs, block by block: how much of an earlier prompt a new one shares, and where they first
-diverge. Fingerprints are Python's `hash()` of strings: stable within one process, which is
-all an in-memory index needs.
+A request's prompt is cut into stable pieces in the order the server renders it: the system
+pieces (a Messages `system`, Responses `instructions`, the leading system and developer
+messages), `tools`, then every other message's fields (`messages[i].role`, `.content`,
+`.reasoning_content`, `.tool_calls`, ...). A content is its text as a template sees it
+(`_content`: text blocks' texts, other blocks' JSON, `cache_control` markers left out, so a
+one-block list equals the same string). Each piece keeps only a 64-bit fingerprint, its length,
+and one fingerprint per `BLOCK_CHARS` block of its text, so two prompts can be compared piece by
+piece and, in the first piece that differs, block by block: how much of an earlier prompt a new
+one shares, and where they first diverge. Fingerprints are Python's `hash()` of strings: stable
+within one process, which is all an in-memory index needs.
 
-Conversation identity (`find_turn`): a conversation belongs to one endpoint family
-(chat, Messages, Responses) and starts from one first user message; a new request continues
-it only when its message list (the messages after the leading system ones) strictly extends
-the previous request's, or provably rewrites it (it keeps the previous request's last message
-but changes or drops an earlier one: compaction, truncation). The same list sent again (a
-repeat, a retry) starts a conversation of its own; so does another model, unless its message
-list strictly extends the previous one (`model_changed`).
+Conversation identity (`find_turn`, `continues`; docs/METRICS.md, "Prompt-prefix tracking"): a
+conversation belongs to one endpoint family (chat, Messages, Responses) and is found by the stem
+of its first user message (`_stem`: its first paragraph past the tagged reminders it opens
+with). A new request continues it when its message list (the messages after the leading system
+ones) strictly extends the previous request's; or, with the same model, keeps the previous
+request's newest message (as it was, or by its stem: a reminder appended or dropped) while
+earlier ones were edited, dropped or inserted (compaction, re-rendered tool results, Aider's
+restored history); or resends the same messages under another system prompt or tools (a
+regenerate). The same prompt sent again whole (a repeat, a retry, bench's identical requests)
+starts a conversation of its own, as does a replay's run (its nonce starts the first user
+message) and another agent's prompt over the same messages (`_another_agent`). Among several,
+the same model, then an extension, then the longest shared prefix wins.
 
 What changed (`prompt_change`) is named from the fingerprints alone: `model_changed`,
 `tools_changed` (which tool), `volatile_span` (a line or two of the system prompt changed
 while the rest stayed: where, and the line's shape, e.g. `a-a: a=<hex:5>;`, no text),
 `system_changed`, `history_rewritten`. For that the system pieces also keep one fingerprint
 per line, and the tools one fingerprint and the name per tool; the shape of a changed line
-is read from the new request's body while it is still at hand.
+is read from the new request's body while it is still at hand. Whether the server paid for
+the change is the cache doctor's question (`core.cachecheck`).
 
 These are pure functions; the conversations an upstream remembers (the latest prompt of
-each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks
-(`MAX_BLOCKS * BLOCK_CHARS` characters) are fingerprinted per prompt; past that, pieces
-compare whole.
+each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits
+(documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks (`MAX_BLOCKS * BLOCK_CHARS`
+characters) are fingerprinted per prompt; past that, pieces compare whole.
 """
 
 from __future__ import annotations
@@ -100,6 +108,9 @@ class PromptPrint(NamedTuple):
     tools: tuple[tuple[str, int], ...] = ()  # (name, fingerprint) per declared tool, in order
     # per system piece index: its line fingerprints
     lines: tuple[tuple[int, array[int]], ...] = ()
+    # one per message after the leading system ones: its role and stem (`_stem`), to know a
+    # message again after a client appended a reminder to it or dropped one from it
+    stems: tuple[int, ...] = ()
 
     @property
     def total_chars(self) -> int:
@@ -119,6 +130,67 @@ def _message_fields(m: dict[str, Any]) -> Any:
     if len(m) == 2 and "role" in m and "content" in m:  # by far the most common message
         return ("role", "content")
     return sorted(m, key=_field_order)
+
+
+_TEXT_BLOCKS = frozenset({"text", "input_text", "output_text"})
+
+
+def _unmarked(block: dict[str, Any]) -> dict[str, Any]:
+    """A content block without its `cache_control` markers (also in a tool result's content)."""
+    out = {k: v for k, v in block.items() if k != "cache_control"}
+    inner = out.get("content")
+    if isinstance(inner, list):
+        out["content"] = [_unmarked(b) if isinstance(b, dict) else b for b in inner]
+    return out
+
+
+def _content(v: Any) -> str:
+    """A message content (or a Messages `system`) as a chat template sees it: a string as it
+    is; a list of blocks as its text blocks' texts, other blocks as their JSON without
+    `cache_control`, one per line. A one-block list and the same text as a string compare
+    equal, and a marker moved from block to block changes nothing (Claude Code moves its
+    breakpoint to the newest message every turn)."""
+    if type(v) is str:
+        return v
+    if not isinstance(v, list):
+        return _text(v)
+    parts: list[str] = []
+    for b in v:
+        if isinstance(b, dict):
+            t = b.get("text")
+            if type(t) is str and b.get("type", "text") in _TEXT_BLOCKS:
+                parts.append(t)
+                continue
+            parts.append(_text(_unmarked(b)) if "cache_control" in b or "content" in b else _text(b))
+        else:
+            parts.append(_text(b))
+    return "\n".join(parts)
+
+
+_TAG = re.compile(r"\s*<([A-Za-z][\w-]{0,63})[^>]{0,200}>")
+
+
+def _stem(text: str) -> str:
+    """A message's own words without the reminders a client puts around them: its first
+    paragraph once the tagged blocks it opens with are left out (`<system-reminder>...
+    </system-reminder>`: Claude Code, Qwen Code; Codex's `<environment_context>`), the whole
+    text when nothing else is left. Clients move such reminders from message to message
+    (Qwen Code's current date goes to the newest user message), and Aider appends its format
+    reminder after a blank line and drops it on the next turn."""
+    start, n = 0, len(text)
+    while start < n:
+        tag = _TAG.match(text, start)
+        if tag is None:
+            break
+        close = text.find(f"</{tag.group(1)}>", tag.end())
+        if close < 0:
+            break
+        start = close + len(tag.group(1)) + 3
+    rest = text[start:].strip()
+    if not rest:
+        return text
+    end = rest.find("\n\n")
+    return rest if end < 0 else rest[:end].rstrip()
 
 
 _TOKEN = re.compile(r"[A-Za-z0-9]+|\s+|.")
@@ -153,27 +225,24 @@ def _lines(text: str) -> list[str]:
     return text.split("\\n", MAX_LINES - 1) if len(lines) == 1 else lines
 
 
-def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrint | None:
-    """The prompt fingerprints of a chat, Messages or Responses request body, or None."""
+def fingerprint(
+    endpoint: str, obj: Any, model: str | None = None, texts: list[str] | None = None
+) -> PromptPrint | None:
+    """The prompt fingerprints of a chat, Messages or Responses request body, or None. The
+    pieces follow the rendered prompt: the system pieces (`system` / `instructions`, then the
+    leading system and developer messages), `tools`, then the other messages, each content as
+    the server's template sees its text (`_content`). `texts`, when given, receives each
+    piece's text (to count the prompt's tokens where the server reports none)."""
     if not isinstance(obj, dict):
         return None
     pieces: list[tuple[str, str]] = []
     system: list[int] = []  # indices of the system pieces
-    tools = obj.get("tools")
-    tools = tools if isinstance(tools, list) and tools else None
-    tools_set = 0
-    tool_prints: tuple[tuple[str, int], ...] = ()
-    if tools is not None:
-        texts = [_text(t) for t in tools]
-        pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted(texts)))
-        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in texts)))
     if endpoint == "messages" and obj.get("system") is not None:
         system.append(len(pieces))
-        pieces.append(("system", _text(obj["system"])))
+        pieces.append(("system", _content(obj["system"])))
     if endpoint == "responses" and obj.get("instructions") is not None:
         system.append(len(pieces))
-        pieces.append(("instructions", _text(obj["instructions"])))
+        pieces.append(("instructions", _content(obj["instructions"])))
     if endpoint == "responses":
         inp = obj.get("input")
         items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -183,12 +252,25 @@ def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrin
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
-    first = len(pieces)
-    first_user, head, head_pieces, messages = _message_pieces(items, name, pieces)
+    said: list[tuple[str, str]] = []
+    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said)
     if first_user is None:
         return None
-    system += range(first, first + head_pieces)
-    key = hash((endpoint, first_user))
+    system += range(len(pieces), len(pieces) + head_pieces)
+    pieces += said[:head_pieces]
+    tools = obj.get("tools")
+    tools = tools if isinstance(tools, list) and tools else None
+    tools_set = 0
+    tool_prints: tuple[tuple[str, int], ...] = ()
+    if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
+        each = [_text(t) for t in tools]
+        pieces.append(("tools", _text(tools)))
+        tools_set = hash("\x00".join(sorted(each)))
+        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in each)))
+    pieces += said[head_pieces:]
+    key = hash((endpoint, _stem(first_user)))
+    if texts is not None:
+        texts.extend(text for _, text in pieces)
     hashes, lengths, blocks = _piece_blocks(pieces)
     lines = tuple((i, array("q", [hash(x) for x in _lines(pieces[i][1])])) for i in system)
     return PromptPrint(
@@ -204,6 +286,7 @@ def fingerprint(endpoint: str, obj: Any, model: str | None = None) -> PromptPrin
         head,
         tool_prints,
         lines,
+        stems,
     )
 
 
@@ -215,35 +298,45 @@ def _message_index(label: str) -> int:
 
 def _message_pieces(
     items: list[Any], name: str, pieces: list[tuple[str, str]]
-) -> tuple[str | None, int, int, tuple[int, ...]]:
-    """Append each message's fields to `pieces` (up to `MAX_PIECES`); the first user message's
-    text, the number of leading system messages and of their pieces, and one fingerprint per
-    later message."""
+) -> tuple[str | None, int, int, tuple[int, ...], tuple[int, ...]]:
+    """Append each message's fields to `pieces` (up to `MAX_PIECES`; a `cache_control` marker
+    never reaches the prompt and is left out); the first user message's text, the number of
+    leading system messages and of their pieces, and one fingerprint and one stem fingerprint
+    (`_stem`) per later message."""
     first_user: str | None = None
     add = pieces.append
     head = head_pieces = 0
     leading = True
     prints: list[int] = []
-    first_piece = len(pieces)
+    stems: list[int] = []
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
             break
         start = len(pieces)
+        content = ""
         if not isinstance(m, dict):
             add((f"{name}[{i}]", _text(m)))
         else:
             for field in _message_fields(m):
+                if field == "cache_control":
+                    continue
                 v = m[field]
-                add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
+                if field == "content":
+                    content = _content(v)
+                    add((f"{name}[{i}].content", content))
+                else:
+                    add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
             if first_user is None and m.get("role") == "user":
-                first_user = _text(m.get("content"))
+                first_user = content
         if leading and isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
             head += 1
-            head_pieces = len(pieces) - first_piece
+            head_pieces = len(pieces)
             continue
         leading = False
         prints.append(hash(tuple(text for _, text in pieces[start:])))
-    return first_user, head, head_pieces, tuple(prints)
+        role = m.get("role") if isinstance(m, dict) else None
+        stems.append(hash((role if type(role) is str else None, _stem(content))))
+    return first_user, head, head_pieces, tuple(prints), tuple(stems)
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -297,15 +390,17 @@ class Match(NamedTuple):
     change: Change | None = None  # what changed, when the new prompt does not extend the previous one
     cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
     lost_s: float = 0.0  # prefill seconds the conversation lost to re-prefills so far
+    previous_source: str = "usage"  # where previous_prompt_tokens came from (the proxy's count: "tokenizer", "chars")
 
     def tokens(self, chars: int) -> tuple[int, str]:
         """`chars` of the previous prompt in tokens, and how that was counted: from its
-        reported `prompt_tokens` (`usage`, scaled by characters when only part is shared),
-        else characters / 4 (`chars`)."""
+        `prompt_tokens` (`usage`, or as the proxy counted them where the server reported none:
+        `tokenizer`, `chars`; scaled by characters when only part is shared), else characters / 4
+        (`chars`)."""
         if self.previous_prompt_tokens is not None and self.previous_chars > 0:
             if chars >= self.previous_chars:
-                return self.previous_prompt_tokens, "usage"
-            return round(self.previous_prompt_tokens * chars / self.previous_chars), "usage"
+                return self.previous_prompt_tokens, self.previous_source
+            return round(self.previous_prompt_tokens * chars / self.previous_chars), self.previous_source
         return chars // 4, "chars"
 
 
@@ -388,13 +483,16 @@ def _piece_text(pp: PromptPrint, body: Any, i: int) -> str | None:
         return None
     if label in ("system", "instructions"):
         v = body.get(label)
+        field = "content"
     else:
         name, _, field = label.partition(".")
         items = body.get(name[: name.index("[")])
         k = _message_index(label)
         m = items[k] if isinstance(items, list) and 0 <= k < len(items) else None
         v = m.get(field) if isinstance(m, dict) else None
-    return None if v is None else _text(v)
+    if v is None:
+        return None
+    return _content(v) if field == "content" else _text(v)
 
 
 def _volatile(old: PromptPrint, new: PromptPrint, i: int, body: Any) -> str | None:
@@ -450,18 +548,42 @@ def prompt_change(old: PromptPrint, new: PromptPrint, body: Any = None) -> Chang
     return Change("history_rewritten", where)
 
 
+_BLANK = hash("")
+
+
+def _another_agent(old: PromptPrint, new: PromptPrint) -> bool:
+    """Whether `new` is another agent's prompt over the same messages: other tools (not just
+    re-ordered) and a system prompt that keeps less than `VOLATILE_REST` of the previous one's
+    distinct non-blank lines (Qwen Code's memory-extraction subagent resends the main
+    conversation under its own system prompt and tools)."""
+    if old.tools_set == new.tools_set or not old.lines:
+        return False
+    before = {h for _, lines in old.lines for h in lines} - {_BLANK}
+    after = {h for _, lines in new.lines for h in lines}
+    return bool(before) and len(before & after) < VOLATILE_REST * len(before)
+
+
 def continues(old: PromptPrint, new: PromptPrint) -> bool:
     """Whether `new` is the next turn of the conversation whose latest prompt is `old`: the
-    same endpoint family; a message list that strictly extends the previous one, or (with
-    the same model) rewrites it while keeping its last message."""
-    if old.family != new.family:
+    same endpoint family, and a message list (the messages after the leading system ones) that
+    strictly extends the previous one; or, with the same model, one that keeps the previous
+    request's newest message (as it was, or without the reminder a client appended to it or
+    with one added: its stem) while earlier ones were edited, dropped or inserted (compaction,
+    truncation, Aider's restored history before its fixed messages, re-rendered tool results);
+    or the same message list under another system prompt or other tools (a regenerate after
+    editing the system prompt). The same prompt sent again whole is a repeat: a conversation
+    of its own; another agent's prompt over the same messages (`_another_agent`) is not this
+    conversation's."""
+    if old.family != new.family or _another_agent(old, new):
         return False
     a, b = old.messages, new.messages
     if len(b) > len(a) and b[: len(a)] == a:
         return True
-    if old.model != new.model or not a or a == b:
+    if old.model != new.model or not a:
         return False
-    return a[-1] in b
+    if a == b:
+        return old.hashes != new.hashes or old.chars != new.chars
+    return a[-1] in b or (bool(old.stems) and old.stems[-1] in new.stems)
 
 
 class Latest(NamedTuple):
@@ -475,6 +597,7 @@ class Latest(NamedTuple):
     end_s: float
     cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
     lost_s: float = 0.0  # prefill seconds lost to re-prefills, summed over the conversation
+    prompt_source: str = "usage"  # where prompt_tokens came from (`Match.previous_source`)
 
 
 def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: Any = None) -> Match | None:
@@ -508,4 +631,5 @@ def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: An
         prompt_change(e.prompt, new, body),
         e.cold_prefill_tps,
         e.lost_s,
+        e.prompt_source,
     )

@@ -25,6 +25,8 @@ __all__ = [
     "OK_OUTCOMES",
     "TokensSource",
     "TOKENS_SOURCES",
+    "PromptTokensSource",
+    "PROMPT_TOKENS_SOURCES",
     "rate_figures",
     "uncached_tokens",
     "wall_window_s",
@@ -47,6 +49,9 @@ OK_OUTCOMES: frozenset[Outcome] = frozenset({"ok", "ok_no_done"})
 # Where a record's trusted `completion_tokens` came from (docs/METRICS.md, "Trusted token count").
 TokensSource = Literal["usage", "tokenizer", "stream"]
 TOKENS_SOURCES: tuple[TokensSource, ...] = get_args(TokensSource)
+# Where the prompt size the cache doctor used came from (docs/METRICS.md, "Prompt-prefix tracking").
+PromptTokensSource = Literal["usage", "tokenizer", "chars"]
+PROMPT_TOKENS_SOURCES: tuple[PromptTokensSource, ...] = get_args(PromptTokensSource)
 
 
 def rate_figures(
@@ -125,7 +130,8 @@ class Record:
     conversation_id: str | None = None
     turn: int | None = None
     prefix_reusable_tokens: int | None = None
-    prefix_tokens_source: str | None = None  # "usage" (from the earlier turn's prompt_tokens) or "chars" (chars / 4)
+    # "usage" (the earlier turn's prompt_tokens), "tokenizer" or "chars" (the proxy's count of it), "cached"
+    prefix_tokens_source: str | None = None
     prefix_diverged_at: str | None = None
     cache_hit_ratio: float | None = None
     prefill_wasted_s: float | None = None  # TTFT lost to a prefix_cache_miss (estimate)
@@ -134,6 +140,11 @@ class Record:
     reprefill_at: str | None = None  # where, e.g. "system line 1: a-a: a=<hex:5>;" or "tools: grep changed"
     reprefill_lost_s: float | None = None  # prefill seconds the re-prefill cost (estimate)
     conversation_lost_s: float | None = None  # the conversation's re-prefill seconds so far, this turn included
+    cache_evidence: str | None = None  # what the cache verdict rests on: the server's cached count or the TTFT
+    # the prompt's size where the server reported none (vllm-mlx's Messages stream): counted by
+    # the proxy, with a tokenizer ("tokenizer") or as characters / 4 ("chars"); "usage" when reported
+    prompt_tokens_counted: int | None = None
+    prompt_tokens_source: PromptTokensSource | None = None
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -261,6 +272,9 @@ CHECKED_FIELDS = (
     "reprefill_at",
     "reprefill_lost_s",
     "conversation_lost_s",
+    "cache_evidence",
+    "prompt_tokens_counted",
+    "prompt_tokens_source",
     "anomalies",
     "anomaly_evidence",
     "stall_count",

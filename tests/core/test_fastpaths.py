@@ -721,9 +721,44 @@ def test_checked_record_is_the_record_init() -> None:
 # -- prompt fingerprints: the fast paths give what the plain rule gives -------------------
 
 
+def _content_reference(v):
+    """A content as its template sees it, written plainly: text blocks' texts, other blocks as
+    JSON without cache_control (also inside a tool result's content), one per line."""
+    import orjson
+
+    def text(x):
+        return x if isinstance(x, str) else orjson.dumps(x, option=orjson.OPT_SORT_KEYS).decode()
+
+    def unmarked(b):
+        out = {k: x for k, x in b.items() if k != "cache_control"}
+        if isinstance(out.get("content"), list):
+            out["content"] = [unmarked(c) if isinstance(c, dict) else c for c in out["content"]]
+        return out
+
+    if isinstance(v, str) or not isinstance(v, list):
+        return text(v)
+    parts = []
+    for b in v:
+        if (
+            isinstance(b, dict)
+            and isinstance(b.get("text"), str)
+            and b.get("type", "text")
+            in (
+                "text",
+                "input_text",
+                "output_text",
+            )
+        ):
+            parts.append(b["text"])
+        else:
+            parts.append(text(unmarked(b)) if isinstance(b, dict) else text(b))
+    return "\n".join(parts)
+
+
 def _fingerprint_reference(endpoint, obj):
-    """The plain rule, written without shortcuts: pieces in rendering order, a hash per piece
-    and per BLOCK_CHARS block, within the MAX_BLOCKS budget."""
+    """The plain rule, written without shortcuts: pieces in rendering order (the system pieces,
+    the leading system messages, tools, the other messages; cache_control left out), a hash
+    per piece and per BLOCK_CHARS block, within the MAX_BLOCKS budget."""
     from array import array
 
     from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, _text
@@ -731,13 +766,10 @@ def _fingerprint_reference(endpoint, obj):
     if not isinstance(obj, dict):
         return None
     pieces = []
-    tools = obj.get("tools")
-    if isinstance(tools, list) and tools:
-        pieces.append(("tools", _text(tools)))
     if endpoint == "messages" and obj.get("system") is not None:
-        pieces.append(("system", _text(obj["system"])))
+        pieces.append(("system", _content_reference(obj["system"])))
     if endpoint == "responses" and obj.get("instructions") is not None:
-        pieces.append(("instructions", _text(obj["instructions"])))
+        pieces.append(("instructions", _content_reference(obj["instructions"])))
     items = obj.get("input") if endpoint == "responses" else obj.get("messages")
     if endpoint == "responses" and isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -745,16 +777,30 @@ def _fingerprint_reference(endpoint, obj):
     if not isinstance(items, list) or not items:
         return None
     first_user = None
+    said, head, leading = [], 0, True
     for i, m in enumerate(items):
         if not isinstance(m, dict):
-            pieces.append((f"{name}[{i}]", _text(m)))
+            said.append((f"{name}[{i}]", _text(m)))
+            leading = False
             continue
         for field in sorted(m, key=lambda k: (k != "role", k != "content", k)):
-            pieces.append((f"{name}[{i}].{field}", _text(m[field])))
+            if field == "cache_control":
+                continue
+            value = _content_reference(m[field]) if field == "content" else _text(m[field])
+            said.append((f"{name}[{i}].{field}", value))
         if first_user is None and m.get("role") == "user":
-            first_user = _text(m.get("content"))
+            first_user = _content_reference(m.get("content"))
+        if leading and m.get("role") in ("system", "developer"):
+            head = len(said)
+        else:
+            leading = False
     if first_user is None:
         return None
+    pieces += said[:head]
+    tools = obj.get("tools")
+    if isinstance(tools, list) and tools:
+        pieces.append(("tools", _text(tools)))
+    pieces += said[head:]
     budget, blocks = MAX_BLOCKS, []
     for _, text in pieces:
         n = (len(text) + BLOCK_CHARS - 1) // BLOCK_CHARS

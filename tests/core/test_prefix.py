@@ -65,16 +65,13 @@ def test_recorded_three_turn_conversations(prefix: str, prompts: tuple, cached: 
     index = PrefixIndex()
     t1 = replay_turn(index, f"{prefix}_turn1", "t1")
     t2 = replay_turn(index, f"{prefix}_turn2", "t2")
-    # the recorded turn 3 resends turn 2's messages with another system prompt: not a new turn
-    # (nothing extends the message list), so a conversation of its own, like a replay's repeat
+    # the recorded turn 3 resends turn 2's messages under another system prompt: a regenerate
+    # after editing the system prompt, turn 3 of the conversation (issue 36)
+    t3 = replay_turn(index, f"{prefix}_turn3_new_system", "t3")
+    # turn 3 sent again whole (a retry, a repeat): a conversation of its own
     again = replay_turn(index, f"{prefix}_turn3_new_system", "again")
     assert (again.conversation_id, again.turn, again.reprefill_cause) == ("again", 1, None)
     assert not KINDS & set(again.anomalies)
-    # the same change with one more message (as an agent's next turn) continues turn 2
-    index = PrefixIndex()
-    t1 = replay_turn(index, f"{prefix}_turn1", "t1")
-    t2 = replay_turn(index, f"{prefix}_turn2", "t2")
-    t3 = replay_turn(index, f"{prefix}_turn3_new_system", "t3", extra=[{"role": "user", "content": "And now?"}])
     assert (t1.prompt_tokens, t2.prompt_tokens, t3.prompt_tokens) == prompts
     assert (t1.cached_tokens, t2.cached_tokens, t3.cached_tokens) == cached
     # turn 1 starts the conversation: no prefix figures, no judgement
@@ -284,7 +281,10 @@ def test_ten_turn_agent_on_a_caching_server_with_a_changed_system_prompt() -> No
 
 
 def test_ten_turn_agent_on_a_server_that_drops_its_cache_every_other_turn() -> None:
-    with stack(cache_drop="every-other") as (url, app, sim), httpx.Client(timeout=30) as c:
+    # speed 3: turn 2's cold prefill (~0.25 s) shows in its TTFT. Its reported 0 alone is no evidence:
+    # the server has not reported a hit yet, and some report 0 on every hit (issue 36: Codex
+    # on vllm-mlx); from turn 3's reported hit on, a 0 is a miss by itself
+    with stack(speed=3, cache_drop="every-other") as (url, app, sim), httpx.Client(timeout=30) as c:
         recs = agent_turns(url, app, "Refactor the parser.", 10, client=c)
         truths = list(sim.truths)
     dropped = {t for t, truth in zip(range(1, 11), truths) if t > 1 and truth["cached_tokens"] == 0}

@@ -35,134 +35,35 @@ ASPECTS = ("grouping", "cause", "alarms", "lost")
 
 #: (session, exchange, aspect) -> what today's core does instead (the xfail reason)
 KNOWN_WRONG: dict[tuple[str, int, str], str] = {
-    ("aider_0.86.2__mlx-lm", 2, "cause"): "says None at None, not history_rewritten at messages[5]",
-    ("aider_0.86.2__mlx-lm", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("aider_0.86.2__mlx-lm", 2, "lost"): "lost None s, measured 0.210308 s",
-    ("aider_0.86.2__mlx-lm", 3, "cause"): "says None at None, not history_rewritten at messages[7]",
-    ("aider_0.86.2__mlx-lm", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("aider_0.86.2__mlx-lm", 3, "lost"): "lost None s, measured 0.216453 s",
-    ("aider_0.86.2__mlx-lm", 4, "cause"): "says None at None, not history_rewritten at messages[9]",
-    ("aider_0.86.2__mlx-lm", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("aider_0.86.2__mlx-lm", 4, "lost"): "lost None s, measured 0.207883 s",
-    ("aider_0.86.2__vllm-mlx", 2, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("aider_0.86.2__vllm-mlx", 2, "cause"): "says None at None, not history_rewritten at messages[5]",
-    ("aider_0.86.2__vllm-mlx", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("aider_0.86.2__vllm-mlx", 2, "lost"): "lost None s, measured 0.0 s",
-    ("aider_0.86.2__vllm-mlx", 3, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("aider_0.86.2__vllm-mlx", 3, "cause"): "says None at None, not history_rewritten at messages[7]",
-    ("aider_0.86.2__vllm-mlx", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("aider_0.86.2__vllm-mlx", 3, "lost"): "lost None s, measured 0.0 s",
-    ("aider_0.86.2__vllm-mlx", 4, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("aider_0.86.2__vllm-mlx", 4, "cause"): "says None at None, not history_rewritten at messages[9]",
-    ("aider_0.86.2__vllm-mlx", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("aider_0.86.2__vllm-mlx", 4, "lost"): "lost None s, measured 0.0 s",
-    ("claude-code-billing-off_2.1.332__vllm-mlx", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("claude-code-billing-off_2.1.332__vllm-mlx", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("claude-code-billing-off_2.1.332__vllm-mlx", 4, "grouping"): "turn 4 is turn 1 of another conversation",
     (
-        "claude-code-billing_2.1.332__mlx-lm+litellm",
-        2,
-        "cause",
-    ): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 2, "lost"): "lost None s, measured 5.267736 s",
-    (
-        "claude-code-billing_2.1.332__mlx-lm+litellm",
-        3,
-        "cause",
-    ): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 3, "lost"): "lost None s, measured 1.758749 s",
-    (
-        "claude-code-billing_2.1.332__mlx-lm+litellm",
+        "aider_0.86.2__mlx-lm",
         4,
-        "cause",
-    ): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__mlx-lm+litellm", 4, "lost"): "lost None s, measured 1.922144 s",
-    ("claude-code-billing_2.1.332__vllm-mlx", 2, "cause"): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__vllm-mlx", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__vllm-mlx", 2, "lost"): "lost None s, measured 0.0 s",
-    ("claude-code-billing_2.1.332__vllm-mlx", 3, "cause"): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__vllm-mlx", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__vllm-mlx", 3, "lost"): "lost None s, measured 0.0 s",
-    ("claude-code-billing_2.1.332__vllm-mlx", 4, "cause"): "says None at None, not volatile_span at system line 1",
-    ("claude-code-billing_2.1.332__vllm-mlx", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("claude-code-billing_2.1.332__vllm-mlx", 4, "lost"): "lost None s, measured 0.0 s",
-    ("claude-code_2.1.332__mlx-lm+litellm", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("claude-code_2.1.332__mlx-lm+litellm", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("claude-code_2.1.332__mlx-lm+litellm", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("claude-code_2.1.332__vllm-mlx", 2, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("claude-code_2.1.332__vllm-mlx", 3, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("claude-code_2.1.332__vllm-mlx", 4, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__mlx-lm", 2, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__mlx-lm",
-        2,
-        "cause",
-    ): "side request judged as a turn: tools_changed at tools: run_shell_command added",
-    ("qwen-code_0.24.4__mlx-lm", 2, "grouping"): "a side request (memory) joins the conversation as turn 2",
-    ("qwen-code_0.24.4__mlx-lm", 3, "cause"): "says None at None, not history_rewritten at messages[1]",
-    ("qwen-code_0.24.4__mlx-lm", 3, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__mlx-lm", 4, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__mlx-lm",
-        4,
-        "cause",
-    ): "side request judged as a turn: tools_changed at tools: run_shell_command added",
-    ("qwen-code_0.24.4__mlx-lm", 5, "cause"): "says None at None, not history_rewritten at messages[3]",
-    ("qwen-code_0.24.4__mlx-lm", 5, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__mlx-lm", 6, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__mlx-lm",
-        6,
-        "cause",
-    ): "side request judged as a turn: history_rewritten at messages[3].content char 0",
-    ("qwen-code_0.24.4__mlx-lm", 7, "cause"): "says None at None, not history_rewritten at messages[5]",
-    ("qwen-code_0.24.4__mlx-lm", 7, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__mlx-lm", 8, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__mlx-lm",
-        8,
-        "cause",
-    ): "side request judged as a turn: history_rewritten at messages[5].content char 0",
-    ("qwen-code_0.24.4__vllm-mlx", 2, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__vllm-mlx",
-        2,
-        "cause",
-    ): "side request judged as a turn: tools_changed at tools: run_shell_command added",
-    ("qwen-code_0.24.4__vllm-mlx", 2, "grouping"): "a side request (memory) joins the conversation as turn 2",
-    ("qwen-code_0.24.4__vllm-mlx", 3, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("qwen-code_0.24.4__vllm-mlx", 3, "cause"): "says None at None, not history_rewritten at messages[1]",
-    ("qwen-code_0.24.4__vllm-mlx", 3, "grouping"): "turn 2 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__vllm-mlx", 3, "lost"): "lost None s, measured 0.0 s",
-    ("qwen-code_0.24.4__vllm-mlx", 4, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__vllm-mlx",
-        4,
-        "cause",
-    ): "side request judged as a turn: tools_changed at tools: run_shell_command added",
-    ("qwen-code_0.24.4__vllm-mlx", 5, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("qwen-code_0.24.4__vllm-mlx", 5, "cause"): "says None at None, not history_rewritten at messages[3]",
-    ("qwen-code_0.24.4__vllm-mlx", 5, "grouping"): "turn 3 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__vllm-mlx", 5, "lost"): "lost None s, measured 0.0 s",
-    ("qwen-code_0.24.4__vllm-mlx", 6, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__vllm-mlx",
-        6,
-        "cause",
-    ): "side request judged as a turn: history_rewritten at messages[3].content char 0",
-    ("qwen-code_0.24.4__vllm-mlx", 7, "alarms"): "anomalies [] (must name ['cached_tokens_unreported'])",
-    ("qwen-code_0.24.4__vllm-mlx", 7, "cause"): "says None at None, not history_rewritten at messages[5]",
-    ("qwen-code_0.24.4__vllm-mlx", 7, "grouping"): "turn 4 is turn 1 of another conversation",
-    ("qwen-code_0.24.4__vllm-mlx", 7, "lost"): "lost None s, measured 0.0 s",
-    ("qwen-code_0.24.4__vllm-mlx", 8, "alarms"): "anomalies ['prompt_prefix_changed'] (must name [])",
-    (
-        "qwen-code_0.24.4__vllm-mlx",
-        8,
-        "cause",
-    ): "side request judged as a turn: history_rewritten at messages[5].content char 0",
+        "lost",
+    ): "lost 0.29 s (TTFT 0.305 s x 503 of 528 prefilled tokens; no fixed cost fitted: "
+    "no turn of this session hits whole); measured 0.21 s against a warm TTFT of 0.097 s, 2.6x the session's others",
+    **{
+        ("aider_0.86.2__vllm-mlx", n, "alarms"): "the hidden hit is vllm-mlx's 624 system tokens, under "
+        "prefix_min_tokens: not judged, no cached_tokens_unreported"
+        for n in (2, 3, 4)
+    },
+    **{
+        ("aider_0.86.2__vllm-mlx", n, "lost"): "vllm-mlx caches the system prompt only and prefills the history "
+        "anyway; the core models a prefix cache and counts the re-prefilled history as lost (0.07-0.2 s, not 0)"
+        for n in (2, 3, 4)
+    },
+    **{
+        ("claude-code-billing_2.1.332__mlx-lm+litellm", n, "lost"): "lost = TTFT x ~9,750 of ~9,760 prefilled "
+        "tokens (no fixed cost fitted: no turn of this session hits whole): 7.2, 4.0, 5.3 s against 5.3, 1.8, "
+        "1.9 s measured from warm TTFTs of 1.9-4.3 s"
+        for n in (2, 3, 4)
+    },
+    **{
+        (name, n, aspect): "the memory-extraction request is a side request only once the client is classified "
+        "(h36ux's core/clients.py); here its own conversation's turn (rightly apart from the main one)"
+        for name in ("qwen-code_0.24.4__mlx-lm", "qwen-code_0.24.4__vllm-mlx")
+        for n in (4, 6, 8)
+        for aspect in ("cause", "alarms")
+    },
 }
 
 
