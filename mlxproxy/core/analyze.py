@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlxproxy.core.cachecheck import PrefixIndex, check_turn, cold_rate
+from mlxproxy.core.clients import NO_CLIENT, ClientInfo
 from mlxproxy.core.detect import Thresholds, findings, verdict
+from mlxproxy.core.fixes import fix_for
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.prefix import find_turn, fingerprint
 from mlxproxy.core.record import OK_OUTCOMES, Outcome, Record, checked_record
@@ -37,21 +39,24 @@ def finish_checked(
     count_tokens: Callable[[str], int] | None = None,
     prefixes: PrefixIndex | None = None,
     scrub: Callable[[str], str] | None = None,
+    client: ClientInfo = NO_CLIENT,
 ) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
     and remembers this request's prompt fingerprints. `scrub` takes secrets out of the
-    record's error text."""
+    record's error text. `client` (`core.clients.classify`) names the client on the record;
+    a side request (a title, a token count, a probe, ...) is neither linked to a conversation
+    nor remembered in `prefixes`: it gets no conversation fields and takes no turn number."""
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"client": client.name, "side_request": client.side}
     info = meter.request
     pp = None
-    if prefixes is not None and info.prompt_obj is not None:
+    if prefixes is not None and info.prompt_obj is not None and client.side is None:
         pp = fingerprint(info.endpoint, info.prompt_obj, info.model)
     if prefixes is not None and pp is not None:
         # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
@@ -72,6 +77,8 @@ def finish_checked(
         else:
             cid, turn = None, None
         fields.update(conversation_id=cid, turn=turn)
+        if fields.get("reprefill_cause") is not None:
+            fields["reprefill_fix"] = fix_for(fields["reprefill_cause"], client.name)
     return checked_record(
         m,
         completion_tokens=v.completion_tokens,

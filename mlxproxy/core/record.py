@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from mlxproxy.core.clients import SideRequest
 from mlxproxy.core.openai import Endpoint, uncached_tokens, whole_prompt_tokens
 from mlxproxy.core.prefix import Cause
 
@@ -134,6 +135,10 @@ class Record:
     reprefill_at: str | None = None  # where, e.g. "system line 1: a-a: a=<hex:5>;" or "tools: grep changed"
     reprefill_lost_s: float | None = None  # prefill seconds the re-prefill cost (estimate)
     conversation_lost_s: float | None = None  # the conversation's re-prefill seconds so far, this turn included
+    reprefill_fix: str | None = None  # the fix users apply for reprefill_cause, one line (core.fixes)
+    # who sent it (core.clients): the client named from its headers, and the kind of side request
+    client: str | None = None
+    side_request: SideRequest | None = None  # e.g. "title": kept out of conversations
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -261,6 +266,9 @@ CHECKED_FIELDS = (
     "reprefill_at",
     "reprefill_lost_s",
     "conversation_lost_s",
+    "reprefill_fix",
+    "client",
+    "side_request",
     "anomalies",
     "anomaly_evidence",
     "stall_count",

@@ -1,0 +1,105 @@
+"""Client naming and side requests (core/clients.py) on the real requests of each CLI."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from support import FIXTURES
+
+from mlxproxy.core.clients import SIDE_REQUESTS, ClientInfo, classify, client_name
+
+
+def _request(name: str) -> tuple[list[tuple[bytes, bytes]], str, str, dict[str, object] | None]:
+    """A recorded request's headers (lower-cased names, as ASGI gives them), method, path
+    (without its query, as the proxy sees it) and parsed body."""
+    head, _, body = (FIXTURES / "clients" / f"{name}.req").read_bytes().partition(b"\r\n\r\n")
+    first, *lines = head.split(b"\r\n")
+    method, target, _ = first.decode().split(" ")
+    headers = [(k.strip().lower(), v.strip()) for k, _, v in (line.partition(b":") for line in lines)]
+    obj = orjson.loads(body) if body.strip() else None
+    return headers, method, target.split("?", 1)[0], obj
+
+
+@pytest.mark.parametrize(
+    ("name", "client", "side"),
+    [
+        ("claude_code_2.1.332_messages", "Claude Code 2.1.332", None),
+        ("codex_0.171.0_responses", "Codex 0.171.0", None),
+        ("opencode_1.18.33_main_with_tools", "OpenCode 1.18.33", None),
+        ("opencode_1.18.33_title", "OpenCode 1.18.33", "title"),
+        ("aider_0.86.2_chat", "Aider", None),
+        ("openai_python_sdk_stream", "OpenAI Python SDK 3.57.0", None),
+    ],
+)
+def test_real_requests_named(name: str, client: str, side: str | None) -> None:
+    """Each CLI's real request bytes name it; OpenCode's title request is a side request; Aider,
+    which sends the OpenAI SDK's headers unchanged, is named from its fixed prompts."""
+    headers, method, path, obj = _request(name)
+    assert classify(headers, method, path, obj) == ClientInfo(client, side)  # type: ignore[arg-type]
+
+
+def test_claude_code_side_requests() -> None:
+    """Claude Code's count_tokens, its `HEAD /api/hello` probe and its one-token quota check
+    are side requests, with the same client name as its turns."""
+    headers, _, _, obj = _request("claude_code_2.1.332_messages")
+    assert classify(headers, "POST", "/v1/messages/count_tokens", obj) == ("Claude Code 2.1.332", "count_tokens")
+    assert classify(headers, "HEAD", "/api/hello", None) == ("Claude Code 2.1.332", "probe")
+    quota = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "quota"}]}
+    assert classify(headers, "POST", "/v1/messages", quota) == ("Claude Code 2.1.332", "quota")
+    # a one-token request that is not the quota check stays a turn
+    hi = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    assert classify(headers, "POST", "/v1/messages", hi).side is None
+
+
+def test_aider_side_requests() -> None:
+    headers, _, path, _ = _request("aider_0.86.2_chat")
+    summary = {
+        "messages": [
+            {"role": "system", "content": "*Briefly* summarize this partial conversation about programming.\n..."},
+            {"role": "user", "content": "# USER\nhi"},
+        ]
+    }
+    commit = {
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are an expert software engineer that generates concise, "
+                "one-line Git commit messages based on the provided diffs.",
+            },
+            {"role": "user", "content": "diff --git a/x b/x"},
+        ]
+    }
+    assert classify(headers, "POST", path, summary) == ("Aider", "summary")
+    assert classify(headers, "POST", path, commit) == ("Aider", "commit_message")
+
+
+@pytest.mark.parametrize(
+    ("ua", "name"),
+    [
+        ("claude-cli/2.1.332 (external, sdk-cli)", "Claude Code 2.1.332"),
+        ("codex_exec/0.171.0 (Debian 12.0.0; x86_64) xterm (codex_exec; 0.171.0)", "Codex 0.171.0"),
+        ("codex_cli_rs/0.50.0 (Mac OS 15.1.0; arm64)", "Codex 0.50.0"),
+        ("opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14", "OpenCode 1.18.33"),
+        ("OpenAI/Python 2.20.0", "OpenAI Python SDK 2.20.0"),
+        ("OpenAI/JS 5.1.0", "OpenAI JS SDK 5.1.0"),
+        ("Anthropic/Python 0.70.0", "Anthropic Python SDK 0.70.0"),
+        ("curl/8.5.0", "curl 8.5.0"),
+        ("python-requests/2.32.3", "python-requests 2.32.3"),
+        ("SomeAgent", "SomeAgent"),
+        ("", None),
+        ("   ", None),
+    ],
+)
+def test_user_agents(ua: str, name: str | None) -> None:
+    assert client_name(ua) == name
+
+
+def test_no_headers_no_body() -> None:
+    """No User-Agent: no name; a body that is not an object, or odd shapes, never raise."""
+    assert classify([], "POST", "/v1/chat/completions", None) == ClientInfo()
+    assert classify([(b"user-agent", b"x/1")], "POST", "/v1/chat/completions", {"messages": 3}) == ("x 1", None)
+    odd = {"messages": [1, None, {"role": "user", "content": [{"type": "image"}]}], "input": 5, "system": {}}
+    assert classify([], "POST", "/v1/messages", odd) == ClientInfo()
+    assert classify([], "GET", "/v1/models", None).side == "probe"
+    assert classify([], "POST", "/v1/responses", {"input": "Generate a title"}).side is None
+    assert set(SIDE_REQUESTS) >= {"title", "count_tokens", "probe", "quota"}
