@@ -53,7 +53,7 @@ def finish_checked(
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
-    fields: dict[str, Any] = {"client": client.name, "side_request": client.side}
+    fields: dict[str, Any] = {}
     info = meter.request
     pp = None
     if prefixes is not None and info.prompt_obj is not None and client.side is None:
@@ -79,6 +79,7 @@ def finish_checked(
         fields.update(conversation_id=cid, turn=turn)
         if fields.get("reprefill_cause") is not None:
             fields["reprefill_fix"] = fix_for(fields["reprefill_cause"], client.name)
+    fields.update(client=client.name, side_request=client.side)
     return checked_record(
         m,
         completion_tokens=v.completion_tokens,

@@ -103,3 +103,36 @@ def test_no_headers_no_body() -> None:
     assert classify([], "GET", "/v1/models", None).side == "probe"
     assert classify([], "POST", "/v1/responses", {"input": "Generate a title"}).side is None
     assert set(SIDE_REQUESTS) >= {"title", "count_tokens", "probe", "quota"}
+
+
+def test_a_side_request_takes_no_turn() -> None:
+    """Through the shared finishing path: OpenCode's title request between two turns of its
+    conversation is named and marked, gets no conversation fields, and the next turn is turn 2
+    of the conversation (the title request neither linked nor remembered)."""
+    from mlxproxy.core.analyze import finish_checked
+    from mlxproxy.core.cachecheck import PrefixIndex
+    from mlxproxy.core.detect import Thresholds
+    from mlxproxy.core.meter import RequestMeter
+    from mlxproxy.core.openai import parse_request
+
+    index = PrefixIndex()
+    main_headers, method, path, main = _request("opencode_1.18.33_main_with_tools")
+    title_headers, _, _, title = _request("opencode_1.18.33_title")
+    assert main is not None and title is not None
+    later = {**main, "messages": [*main["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go on"}]}  # type: ignore[list-item]
+
+    def finish(rid: str, headers: list[tuple[bytes, bytes]], body: dict[str, object]):  # type: ignore[no-untyped-def]
+        info, _ = parse_request(method, path, orjson.dumps(body))
+        m = RequestMeter(info, request_id=rid, upstream="u", t_start=0.0, started_at=0.0)
+        m.response_started(0.01, 200, "text/event-stream")
+        m.feed(b'data: {"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n', 0.2)
+        return finish_checked(m, 0.3, Thresholds(), prefixes=index, client=classify(headers, method, path, info.prompt_obj))
+
+    first = finish("a", main_headers, main)
+    side = finish("t", title_headers, title)
+    second = finish("b", main_headers, later)
+    assert (first.client, first.side_request, first.conversation_id, first.turn) == ("OpenCode 1.18.33", None, "a", 1)
+    assert (side.client, side.side_request, side.conversation_id, side.turn) == ("OpenCode 1.18.33", "title", None, None)
+    assert (second.conversation_id, second.turn) == ("a", 2)
+    assert len(index) == 1
+    assert second.to_dict()["client"] == "OpenCode 1.18.33" and side.to_dict()["side_request"] == "title"

@@ -1,0 +1,117 @@
+"""`replay --sessions N --fix` (load/fixreplay.py): the fix transforms on request bodies, and
+a captured session with a per-turn volatile system line replayed as captured and with the fix
+against the simulator's prompt cache: the fixed run's later turns reuse the cache, and the
+seconds saved are printed per turn and per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from click.testing import CliRunner
+
+from mlxproxy.capture import capture_line
+from mlxproxy.cli import main
+from mlxproxy.core.record import Record
+from mlxproxy.edge.runner import ServerThread
+from mlxproxy.load.fixreplay import fix_conversation
+from mlxproxy.sim.app import create_app as create_sim
+
+CLAUDE_UA = "claude-cli/2.1.332 (external, sdk-cli)"
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_fix_pins_the_system_prompt_and_orders_the_tools() -> None:
+    turns = [
+        {
+            "system": [{"type": "text", "text": f"billing: cch={k:05x};"}, {"type": "text", "text": "You are..."}],
+            "messages": [{"role": "user", "content": "hi"}] * (k + 1),
+            "tools": [_tool("a"), _tool("b"), _tool("c")] if k != 1 else [_tool("c"), _tool("d"), _tool("a")],
+        }
+        for k in range(3)
+    ]
+    fixed, applied = fix_conversation(turns)
+    assert fixed[0] == turns[0]
+    assert all(f["system"] == turns[0]["system"] for f in fixed)
+    assert [t["function"]["name"] for t in fixed[1]["tools"]] == ["a", "c", "d"]  # turn 1's order, new ones after
+    assert [f["messages"] for f in fixed] == [t["messages"] for t in turns]  # nothing else changes
+    assert applied == {"system prompt pinned to turn 1's": 2, "tools in turn 1's order": 1}
+    # leading system messages of a chat request, a Responses `instructions`
+    chat = [{"messages": [{"role": "system", "content": f"id {k}\nrules"}, {"role": "user", "content": "x"}]} for k in (1, 2)]
+    out, applied = fix_conversation(chat)
+    assert out[1]["messages"][0]["content"] == "id 1\nrules" and applied["system prompt pinned to turn 1's"] == 1
+    resp = [{"instructions": f"now {k}", "input": "x"} for k in (1, 2)]
+    assert fix_conversation(resp)[0][1]["instructions"] == "now 1"
+    # a conversation whose system prompt moved (added on turn 2) is left alone
+    moved = [{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "system", "content": "s"}]}]
+    assert fix_conversation(moved)[0] == moved
+
+
+def _capture(path: Path, model: str, turns: int = 4, words: int = 60) -> None:
+    """A Claude-Code-like session: a per-turn hex value on system line 1, a growing history."""
+    lines = []
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Fix the parser: " + " ".join(f"w{j} fox" for j in range(words))}]
+    for t in range(turns):
+        system = f"x-billing-header: cc_version=2.1.37; cch={t * 7919 % 65536:05x};\nYou are a careful coding agent.\n"
+        system += " ".join(f"rule{j} keep" for j in range(words * 2))
+        body = {
+            "model": model,
+            "stream": True,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, *msgs],
+        }
+        rec = Record(
+            id=f"cap{t}", started_at=1.0 + 5 * t, upstream="u", model=model, endpoint="chat_completions", stream=True,
+            status=200, outcome="ok", method="POST", path="/v1/chat/completions", duration_s=1.0, t_start_mono=5.0 * t,
+        )  # fmt: skip
+        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
+        d["request"] = body
+        d["request_headers"] = [["user-agent", CLAUDE_UA]]
+        lines.append(orjson.dumps(d))
+        msgs += [
+            {"role": "assistant", "content": f"step {t} done " + " ".join(f"o{j}" for j in range(words // 2))},
+            {"role": "user", "content": f"now step {t + 1}: " + " ".join(f"u{j} q" for j in range(words // 2))},
+        ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_fix_replay_against_a_caching_server(tmp_path: Path) -> None:
+    cap, out = tmp_path / "cap.jsonl", tmp_path / "out.json"
+    _capture(cap, "default_model")
+    with ServerThread(create_sim("healthy", speed=4.0, prompt_cache=True, prefill_tps=300.0)) as sim:
+        args = ["replay", str(cap), "--target", f"sim={sim.url}", "--sessions", "1", "--fix", "--think-time", "0"]
+        res = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    groups = orjson.loads(out.read_bytes())["groups"]
+    assert [g["name"] for g in groups] == ["sessions 1", "sessions 1, fix applied"]
+    captured, fixed = groups
+    # as captured: every later turn re-prefilled, named with Claude Code's own fix
+    later = [r for r in captured["records"] if r["turn"] >= 1]
+    assert {r["reprefill_cause"] for r in later} == {"volatile_span"}
+    assert all(r["client"] == "Claude Code 2.1.332" for r in captured["records"])
+    assert all("CLAUDE_CODE_ATTRIBUTION_HEADER=0" in r["reprefill_fix"] for r in later)
+    # with the fix: no cause, later turns served from the cache
+    assert not any(r["reprefill_cause"] for r in fixed["records"])
+    fix = fixed["summary"]["fix"]
+    assert fix["applied"] == {"system prompt pinned to turn 1's": 3, "tools in turn 1's order": 0}
+    (session,) = fix["sessions"]
+    assert [t["turn"] for t in session["turns"]] == [1, 2, 3, 4]
+    assert all(t["saved_s"] > 0 for t in session["turns"][1:])
+    assert session["later_turns_speedup"] >= 2.0
+    assert abs(session["saved_s"] - sum(t["saved_s"] for t in session["turns"])) < 1e-3
+    # printed: per turn and per session
+    assert "fix replay: system prompt pinned to turn 1's on 3 turns" in res.output
+    assert f"session 1: {session['saved_s']:.3f} s saved; turns >= 2 " in res.output
+    assert "volatile_span: set CLAUDE_CODE_ATTRIBUTION_HEADER=0" in res.output
+
+
+def test_fix_needs_sessions(tmp_path: Path) -> None:
+    cap = tmp_path / "cap.jsonl"
+    _capture(cap, "m", turns=1)
+    res = CliRunner().invoke(main, ["replay", str(cap), "--target", "http://127.0.0.1:9", "--fix"])
+    assert res.exit_code != 0 and "--fix replays conversations: use it with --sessions N" in res.output
