@@ -11,15 +11,11 @@ from typing import Any
 import orjson
 from click.testing import CliRunner
 
-from mlxproxy.capture import capture_line
 from mlxproxy.cli import main
-from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.fixreplay import fix_conversation
 from mlxproxy.sim.app import create_app as create_sim
-
-CLAUDE_UA = "claude-cli/2.1.332 (external, sdk-cli)"
-
+from support import CLAUDE_UA, volatile_session_capture
 
 def _tool(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -51,38 +47,9 @@ def test_fix_pins_the_system_prompt_and_orders_the_tools() -> None:
     assert fix_conversation(moved)[0] == moved
 
 
-def _capture(path: Path, model: str, turns: int = 4, words: int = 60) -> None:
-    """A Claude-Code-like session: a per-turn hex value on system line 1, a growing history."""
-    lines = []
-    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Fix the parser: " + " ".join(f"w{j} fox" for j in range(words))}]
-    for t in range(turns):
-        system = f"x-billing-header: cc_version=2.1.37; cch={t * 7919 % 65536:05x};\nYou are a careful coding agent.\n"
-        system += " ".join(f"rule{j} keep" for j in range(words * 2))
-        body = {
-            "model": model,
-            "stream": True,
-            "max_tokens": 8,
-            "temperature": 0,
-            "messages": [{"role": "system", "content": system}, *msgs],
-        }
-        rec = Record(
-            id=f"cap{t}", started_at=1.0 + 5 * t, upstream="u", model=model, endpoint="chat_completions", stream=True,
-            status=200, outcome="ok", method="POST", path="/v1/chat/completions", duration_s=1.0, t_start_mono=5.0 * t,
-        )  # fmt: skip
-        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
-        d["request"] = body
-        d["request_headers"] = [["user-agent", CLAUDE_UA]]
-        lines.append(orjson.dumps(d))
-        msgs += [
-            {"role": "assistant", "content": f"step {t} done " + " ".join(f"o{j}" for j in range(words // 2))},
-            {"role": "user", "content": f"now step {t + 1}: " + " ".join(f"u{j} q" for j in range(words // 2))},
-        ]
-    path.write_bytes(b"\n".join(lines) + b"\n")
-
-
 def test_fix_replay_against_a_caching_server(tmp_path: Path) -> None:
     cap, out = tmp_path / "cap.jsonl", tmp_path / "out.json"
-    _capture(cap, "default_model")
+    volatile_session_capture(cap, "default_model")
     with ServerThread(create_sim("healthy", speed=4.0, prompt_cache=True, prefill_tps=300.0)) as sim:
         args = ["replay", str(cap), "--target", f"sim={sim.url}", "--sessions", "1", "--fix", "--think-time", "0"]
         res = CliRunner().invoke(main, [*args, "--json", str(out)])
@@ -112,6 +79,6 @@ def test_fix_replay_against_a_caching_server(tmp_path: Path) -> None:
 
 def test_fix_needs_sessions(tmp_path: Path) -> None:
     cap = tmp_path / "cap.jsonl"
-    _capture(cap, "m", turns=1)
+    volatile_session_capture(cap, "m", turns=1)
     res = CliRunner().invoke(main, ["replay", str(cap), "--target", "http://127.0.0.1:9", "--fix"])
     assert res.exit_code != 0 and "--fix replays conversations: use it with --sessions N" in res.output
