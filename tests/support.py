@@ -320,10 +320,13 @@ def engine_closed_loop(profile, conc: int, n_total: int, prompt_tokens: int, n_t
 CLAUDE_UA = "claude-cli/2.1.332 (external, sdk-cli)"  # Claude Code's User-Agent (tests/fixtures/clients/)
 
 
-def volatile_session_capture(path: Path, model: str, turns: int = 4, words: int = 60, max_tokens: int = 8) -> None:
+def volatile_session_capture(
+    path: Path, model: str, turns: int = 4, words: int = 60, max_tokens: int = 8, quota: bool = False
+) -> None:
     """Write a capture of one Claude-Code-like session (its User-Agent): a system prompt of
     ~`words` * 3 tokens with a per-turn hex value on line 1 (the billing line's shape), and a
-    history that grows by an answer and a question each turn (`replay --fix`'s tests)."""
+    history that grows by an answer and a question each turn (`replay --fix`'s tests); `quota`:
+    Claude Code's one-token quota check after the first turn, a side request."""
     from mlxproxy.capture import capture_line
 
     lines = []
@@ -348,6 +351,10 @@ def volatile_session_capture(path: Path, model: str, turns: int = 4, words: int 
         d["request"] = body
         d["request_headers"] = [["user-agent", CLAUDE_UA]]
         lines.append(orjson.dumps(d))
+        if quota and t == 0:
+            q = {**d, "id": "quota", "offset_s": 1.5}
+            q["request"] = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "quota"}]}
+            lines.append(orjson.dumps(q))
         msgs += [
             {"role": "assistant", "content": f"step {t} done " + " ".join(f"o{j}" for j in range(words // 2))},
             {"role": "user", "content": f"now step {t + 1}: " + " ".join(f"u{j} q" for j in range(words // 2))},

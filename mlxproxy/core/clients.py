@@ -84,6 +84,7 @@ _TITLE_MARKS = (
     "Generate a concise, sentence-case title",  # Claude Code
     "Please write a 5-10 word title",  # Claude Code (earlier versions)
 )
+_QUOTA = re.compile(r"(?:\[nonce [0-9a-f]+\] )?quota")  # (a replay's nonce before it allowed)
 _HEAD_CHARS = 400  # how much of the first system text and first user text the marks are looked for in
 _PROBE_METHODS = frozenset({"HEAD", "OPTIONS"})
 _GENERATION_TAILS = ("/chat/completions", "/completions", "/messages", "/responses", "/embeddings")
@@ -165,7 +166,7 @@ def _side_of_body(body: dict[str, Any], system: str, user: str, items: list[Any]
         body.get("max_tokens") == 1
         and len(items) == 1
         and isinstance(items[0], dict)
-        and user.strip().lower() == "quota"
+        and _QUOTA.fullmatch(user.strip().lower()) is not None
     ):
         return "quota"  # Claude Code's quota check
     return None

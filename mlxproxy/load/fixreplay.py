@@ -128,12 +128,17 @@ def fixed_captures(
 
 
 def _by_turn(group: Group) -> dict[tuple[int, int], RunRecord]:
-    return {(r.session, r.turn): r for r in group.records if r.session is not None and r.turn is not None}
+    return {
+        (r.session, r.turn): r
+        for r in group.records
+        if r.session is not None and r.turn is not None and r.record.side_request is None
+    }
 
 
 def fix_savings(captured: Group, fixed: Group) -> JSONObject:
-    """Per session and turn, TTFT as captured and with the fix, and the seconds saved; per
-    session the seconds saved in all and how much faster turns >= 2 reached their first token."""
+    """Per session (numbered as the groups number them) and turn (from 1), TTFT as captured and
+    with the fix, and the seconds saved; per session the seconds saved in all and how much faster
+    turns >= 2 reached their first token. Side requests are left out."""
     a, b = _by_turn(captured), _by_turn(fixed)
     sessions: dict[int, list[JSONObject]] = {}
     for key in sorted(a.keys() & b.keys()):
@@ -149,7 +154,7 @@ def fix_savings(captured: Group, fixed: Group) -> JSONObject:
         fix = sum(float(t["ttft_fixed_s"] or 0.0) for t in later)  # type: ignore[arg-type]
         out.append(
             {
-                "session": sid + 1,
+                "session": sid,
                 "turns": list(turns),
                 "saved_s": round(sum(float(t["saved_s"] or 0.0) for t in turns), 4),  # type: ignore[arg-type]
                 "later_turns_speedup": round(cap / fix, 2) if later and fix > 0 else None,

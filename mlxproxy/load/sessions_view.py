@@ -36,6 +36,77 @@ def _turn_of(r: RunRecord) -> int:
     return t + 1 if r.session is not None else t
 
 
+def _session_head(sid: int | str, turns: Sequence[RunRecord]) -> str:
+    """A session's heading row: its client, turns, the seconds it lost and the fix, in one line."""
+    recs = [t.record for t in turns]
+    client = next((r.client for r in reversed(recs) if r.client), None)
+    lost: dict[str, float] = {}
+    fix: dict[str, str] = {}
+    for r in recs:
+        if r.reprefill_cause is not None:
+            lost[r.reprefill_cause] = lost.get(r.reprefill_cause, 0.0) + (r.reprefill_lost_s or 0.0)
+            if r.reprefill_fix:
+                fix.setdefault(r.reprefill_cause, r.reprefill_fix)
+    text = f"session {sid}" + (f" · {client}" if client else "") + f" · {len(recs)} turns"
+    if lost:
+        cause = max(lost, key=lambda c: lost[c])
+        text += f" · {sum(lost.values()):.2f} s lost to {cause}"
+        line = f"Fix: {fix[cause]}" if cause in fix else ""
+        return (
+            f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}.</b> <span class="fix">{escape(line)}</span></td></tr>'
+        )
+    return f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}</b> · 0 s lost</td></tr>'
+
+
+def _side_html(side: Sequence[RunRecord]) -> str:
+    if not side:
+        return ""
+    rows = "".join(
+        f"<tr><td>{escape(r.record.client or '-')}</td><td>{escape(r.record.side_request or '')}</td>"
+        f"<td>{escape(r.record.method)} {escape(r.record.path)}</td><td>{escape(r.record.outcome)}</td>"
+        f"{_cell(r.record.ttft_s, '.3f')}</tr>"
+        for r in side[:MAX_SESSIONS]
+    )
+    return (
+        f'<p class="muted">side requests ({len(side)}): kept out of the sessions and their turns</p>'
+        "<table><tr><th>client</th><th>kind</th><th>request</th><th>outcome</th><th>TTFT s</th></tr>"
+        + rows
+        + "</table>"
+    )
+
+
+def _fix_html(fix: object) -> str:
+    """A fix replay's figures (`replay --fix`, load/fixreplay.py): per turn TTFT as captured
+    and with the fix, the seconds saved; per session in all."""
+    if not isinstance(fix, dict) or not isinstance(fix.get("sessions"), list):
+        return ""
+    applied = fix.get("applied") if isinstance(fix.get("applied"), dict) else {}
+    changed = ", ".join(f"{k} on {v} turns" for k, v in applied.items() if v) or "nothing"  # type: ignore[union-attr]
+    rows: list[str] = []
+    for s in fix["sessions"]:
+        if not isinstance(s, dict):
+            continue
+        for t in s.get("turns") or []:
+            rows.append(
+                f"<tr><td>{escape(str(s.get('session')))}</td>{_cell(t.get('turn'))}"
+                f"{_cell(t.get('ttft_captured_s'), '.3f')}{_cell(t.get('ttft_fixed_s'), '.3f')}"
+                f"{_cell(t.get('saved_s'), '.3f')}</tr>"
+            )
+        speed = s.get("later_turns_speedup")
+        rows.append(
+            f'<tr class="conv" style="background:#f3f5f9"><td colspan="5"><b>session {escape(str(s.get("session")))}: '
+            f"{float(s.get('saved_s') or 0.0):.3f} s saved</b>"
+            + (f" · turns &ge; 2 {float(speed):g}x faster to first token" if speed else "")
+            + "</td></tr>"
+        )
+    return (
+        f'<p class="muted">the fix, replayed: {escape(changed)}; {float(fix.get("saved_s") or 0.0):.3f} s saved in all</p>'
+        "<table><tr><th>session</th><th>turn</th><th>TTFT as captured s</th><th>TTFT with fix s</th><th>saved s</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
 def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, str], str]) -> str:
     """The section, or "" when no group replayed sessions."""
     parts: list[str] = []
@@ -44,9 +115,12 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
             if g.kind != "sessions" and not g.summary.sessions:
                 continue
             by_session: dict[int | str, list[RunRecord]] = {}
+            side: list[RunRecord] = []
             for r in g.records:
                 sid = _session_of(r)
-                if sid is not None:
+                if r.record.side_request is not None:
+                    side.append(r)  # a title, a token count, a probe: in no conversation
+                elif sid is not None:
                     by_session.setdefault(sid, []).append(r)
             if not by_session:
                 continue
@@ -63,6 +137,7 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
                 "<th>TTFT s</th><th>lost s</th><th>re-prefill cause</th><th>where</th><th>cache anomalies</th></tr>"
             )
             for sid, turns in list(by_session.items())[:MAX_SESSIONS]:
+                parts.append(_session_head(sid, turns))
                 for t in sorted(turns, key=_turn_of):
                     rec = t.record
                     anomalies = [a for a in rec.anomalies if a in _CACHE_ANOMALIES]
@@ -75,6 +150,8 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
                         f"<td>{escape(', '.join(anomalies))}</td></tr>"
                     )
             parts.append("</table>")
+            parts.append(_side_html(side))
+            parts.append(_fix_html(g.summary.extra.get("fix")))
             if len(by_session) > MAX_SESSIONS:
                 parts.append(f'<p class="muted">the first {MAX_SESSIONS} of {len(by_session)} sessions</p>')
     if not parts:

@@ -66,5 +66,5 @@ def test_fix_replay_turns_later_turns_into_cache_hits(mlx_server: str, tmp_path:
     assert session["later_turns_speedup"] >= 2.0
     for t in session["turns"]:
         assert f"{t['turn']:>4}  {t['ttft_captured_s']:>16.3f}  {t['ttft_fixed_s']:>13.3f}  {t['saved_s']:>7.3f}" in res.stdout
-    assert f"session 1: {session['saved_s']:.3f} s saved; turns >= 2 {session['later_turns_speedup']:g}x faster" in res.stdout
+    assert f"session 0: {session['saved_s']:.3f} s saved; turns >= 2 {session['later_turns_speedup']:g}x faster" in res.stdout
     assert "volatile_span: set CLAUDE_CODE_ATTRIBUTION_HEADER=0" in res.stdout
