@@ -1,6 +1,8 @@
 """The HTML report's replayed sessions view: each replayed conversation's turns with the
 cache doctor's figures (prompt, reusable and cached tokens, TTFT, the re-prefill cause and
-where, the seconds it lost), from the records of `replay --mode sessions` groups."""
+where, the seconds it lost), from the records of `replay --mode sessions` groups; per session
+its client, the seconds lost and the fix in one line; the side requests apart; and what a fix
+replay (`replay --fix`) saved."""
 
 from __future__ import annotations
 
@@ -159,5 +161,8 @@ def sessions_html(docs: Sequence[tuple[str, ResultFile]], name: Callable[[str, s
     return (
         '<section id="sessions"><h2>Replayed sessions</h2><p class="muted">each replayed conversation\'s turns: the '
         "prompt, what a prompt cache could reuse of the previous turn's, what the server said it reused, TTFT, and "
-        'why a turn was prefilled again (docs/METRICS.md, "Re-prefill causes")</p>' + "".join(parts) + "</section>"
+        'why a turn was prefilled again (docs/METRICS.md, "Re-prefill causes"); per session the client that sent '
+        "it, the seconds lost and the fix; side requests (titles, token counts, probes) apart</p>"
+        + "".join(parts)
+        + "</section>"
     )
