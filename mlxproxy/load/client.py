@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlxproxy.core.analyze import finish_checked
-from mlxproxy.core.clients import classify
 from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.clients import classify
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request

@@ -15,11 +15,11 @@ changed by a body rewrite: their fix is printed (`core.fixes`), not replayed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlxproxy.capture import CapturedRequest
-from mlxproxy.load.results import Group, JSONObject, RunRecord
+from mlxproxy.load.results import Group, JSONObject, JSONValue, RunRecord
 
 __all__ = ["FIX_SUFFIX", "fix_conversation", "fixed_captures", "fix_savings", "fix_lines", "fix_report"]
 
@@ -140,44 +140,44 @@ def fix_savings(captured: Group, fixed: Group) -> JSONObject:
     with the fix, and the seconds saved; per session the seconds saved in all and how much faster
     turns >= 2 reached their first token. Side requests are left out."""
     a, b = _by_turn(captured), _by_turn(fixed)
-    sessions: dict[int, list[JSONObject]] = {}
+    turns: dict[int, list[tuple[int, float | None, float | None]]] = {}
     for key in sorted(a.keys() & b.keys()):
-        x, y = a[key].record.ttft_s, b[key].record.ttft_s
-        saved = None if x is None or y is None else round(x - y, 4)
-        sessions.setdefault(key[0], []).append(
-            {"turn": key[1] + 1, "ttft_captured_s": x, "ttft_fixed_s": y, "saved_s": saved}
-        )
-    out: list[JSONObject] = []
-    for sid, turns in sessions.items():
-        later = [t for t in turns if int(t["turn"]) >= 2]  # type: ignore[call-overload]
-        cap = sum(float(t["ttft_captured_s"] or 0.0) for t in later)  # type: ignore[arg-type]
-        fix = sum(float(t["ttft_fixed_s"] or 0.0) for t in later)  # type: ignore[arg-type]
-        out.append(
+        turns.setdefault(key[0], []).append((key[1] + 1, a[key].record.ttft_s, b[key].record.ttft_s))
+    sessions: list[JSONValue] = []
+    total = 0.0
+    for sid, rows in turns.items():
+        saved = [None if x is None or y is None else round(x - y, 4) for _, x, y in rows]
+        later = [(x or 0.0, y or 0.0) for turn, x, y in rows if turn >= 2]
+        cap, fix = sum(x for x, _ in later), sum(y for _, y in later)
+        session_saved = round(sum(v or 0.0 for v in saved), 4)
+        total += session_saved
+        sessions.append(
             {
                 "session": sid,
-                "turns": list(turns),
-                "saved_s": round(sum(float(t["saved_s"] or 0.0) for t in turns), 4),  # type: ignore[arg-type]
+                "turns": [
+                    {"turn": turn, "ttft_captured_s": x, "ttft_fixed_s": y, "saved_s": v}
+                    for (turn, x, y), v in zip(rows, saved)
+                ],
+                "saved_s": session_saved,
                 "later_turns_speedup": round(cap / fix, 2) if later and fix > 0 else None,
             }
         )
-    return {"sessions": list(out), "saved_s": round(sum(float(s["saved_s"]) for s in out), 4)}  # type: ignore[arg-type]
+    return {"sessions": sessions, "saved_s": round(total, 4)}
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def fix_lines(savings: JSONObject, applied: dict[str, int], fixes: Sequence[tuple[str, str]]) -> list[str]:
+def fix_lines(savings: Mapping[str, Any], applied: dict[str, int], fixes: Sequence[tuple[str, str]]) -> list[str]:
     """The console report of a fix replay: what the fix changed, per turn the TTFT as captured
     and with the fix, the seconds saved per turn and per session; then the fixes (cause, line)
     a body rewrite cannot replay."""
     changed = ", ".join(f"{k} on {v} turn{'s' if v != 1 else ''}" for k, v in applied.items() if v) or "nothing"
     lines = [f"fix replay: {changed}"]
-    for s in savings["sessions"]:  # type: ignore[union-attr]
-        assert isinstance(s, dict)
+    for s in savings["sessions"]:
         lines.append(f"session {s['session']}:  turn  TTFT as captured  TTFT with fix  saved s")
-        for t in s["turns"]:  # type: ignore[union-attr]
-            assert isinstance(t, dict)
+        for t in s["turns"]:
             lines.append(
                 f"{'':12}{t['turn']:>4}  {_fmt(t['ttft_captured_s']):>16}  {_fmt(t['ttft_fixed_s']):>13}"
                 f"  {_fmt(t['saved_s']):>7}"
@@ -197,13 +197,13 @@ def fix_report(groups: Sequence[Group]) -> list[str]:
     out: list[str] = []
     for prev, g in zip(groups, groups[1:]):
         fix = g.summary.extra.get("fix")
-        if not g.name.endswith(FIX_SUFFIX) or not isinstance(fix, dict):
+        if not g.name.endswith(FIX_SUFFIX) or not isinstance(fix, Mapping):
             continue
         seen: dict[str, str] = {}
         for r in prev.records:
             if r.record.reprefill_cause is not None and r.record.reprefill_fix:
                 seen.setdefault(r.record.reprefill_cause, r.record.reprefill_fix)
         applied = fix.get("applied")
-        counts = {str(k): int(v) for k, v in applied.items()} if isinstance(applied, dict) else {}  # type: ignore[call-overload]
+        counts = {k: v for k, v in applied.items() if isinstance(v, int)} if isinstance(applied, Mapping) else {}
         out += fix_lines(fix, counts, sorted(seen.items()))
     return out

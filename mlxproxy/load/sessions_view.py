@@ -54,9 +54,7 @@ def _session_head(sid: int | str, turns: Sequence[RunRecord]) -> str:
         cause = max(lost, key=lambda c: lost[c])
         text += f" · {sum(lost.values()):.2f} s lost to {cause}"
         line = f"Fix: {fix[cause]}" if cause in fix else ""
-        return (
-            f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}.</b> <span class="fix">{escape(line)}</span></td></tr>'
-        )
+        return f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}.</b> <span class="fix">{escape(line)}</span></td></tr>'
     return f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}</b> · 0 s lost</td></tr>'
 
 

@@ -9,7 +9,15 @@ from collections.abc import Iterable
 from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import Record
 
-__all__ = ["sessions", "side_requests", "lost_by_cause", "conversation_fix", "TURN_KEYS", "SIDE_KEYS", "CACHE_ANOMALIES"]
+__all__ = [
+    "sessions",
+    "side_requests",
+    "lost_by_cause",
+    "conversation_fix",
+    "TURN_KEYS",
+    "SIDE_KEYS",
+    "CACHE_ANOMALIES",
+]
 
 #: what each turn of a conversation shows
 TURN_KEYS = (

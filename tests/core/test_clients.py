@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from support import FIXTURES
 
 from mlxproxy.core.clients import SIDE_REQUESTS, ClientInfo, classify, client_name
+from support import FIXTURES
 
 
 def _request(name: str) -> tuple[list[tuple[bytes, bytes]], str, str, dict[str, object] | None]:
@@ -119,20 +119,30 @@ def test_a_side_request_takes_no_turn() -> None:
     main_headers, method, path, main = _request("opencode_1.18.33_main_with_tools")
     title_headers, _, _, title = _request("opencode_1.18.33_title")
     assert main is not None and title is not None
-    later = {**main, "messages": [*main["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go on"}]}  # type: ignore[list-item]
+    later = {
+        **main,
+        "messages": [*main["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "go on"}],
+    }  # type: ignore[list-item]
 
     def finish(rid: str, headers: list[tuple[bytes, bytes]], body: dict[str, object]):  # type: ignore[no-untyped-def]
         info, _ = parse_request(method, path, orjson.dumps(body))
         m = RequestMeter(info, request_id=rid, upstream="u", t_start=0.0, started_at=0.0)
         m.response_started(0.01, 200, "text/event-stream")
         m.feed(b'data: {"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n', 0.2)
-        return finish_checked(m, 0.3, Thresholds(), prefixes=index, client=classify(headers, method, path, info.prompt_obj))
+        return finish_checked(
+            m, 0.3, Thresholds(), prefixes=index, client=classify(headers, method, path, info.prompt_obj)
+        )
 
     first = finish("a", main_headers, main)
     side = finish("t", title_headers, title)
     second = finish("b", main_headers, later)
     assert (first.client, first.side_request, first.conversation_id, first.turn) == ("OpenCode 1.18.33", None, "a", 1)
-    assert (side.client, side.side_request, side.conversation_id, side.turn) == ("OpenCode 1.18.33", "title", None, None)
+    assert (side.client, side.side_request, side.conversation_id, side.turn) == (
+        "OpenCode 1.18.33",
+        "title",
+        None,
+        None,
+    )
     assert (second.conversation_id, second.turn) == ("a", 2)
     assert len(index) == 1
     assert second.to_dict()["client"] == "OpenCode 1.18.33" and side.to_dict()["side_request"] == "title"

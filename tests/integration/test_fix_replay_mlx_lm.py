@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from support import volatile_session_capture
 
 from .peers import REPO, loopback_env
@@ -46,8 +47,13 @@ def test_fix_replay_turns_later_turns_into_cache_hits(mlx_server: str, tmp_path:
     print(res.stdout[res.stdout.index("fix replay:") :])
     captured, fixed = orjson.loads(out.read_bytes())["groups"]
     assert fixed["name"] == "sessions 1, fix applied"
-    rows = [(r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_s"], r["reprefill_cause"]) for r in captured["records"]]
-    rows += [(r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_s"], r["reprefill_cause"]) for r in fixed["records"]]
+    rows = [
+        (r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_s"], r["reprefill_cause"])
+        for r in captured["records"]
+    ]
+    rows += [
+        (r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_s"], r["reprefill_cause"]) for r in fixed["records"]
+    ]
     record_property("turns", rows)
     assert captured["records"][0]["prompt_tokens"] > 600
     # as captured: the later turns re-prefill, named with Claude Code's setting
@@ -65,6 +71,12 @@ def test_fix_replay_turns_later_turns_into_cache_hits(mlx_server: str, tmp_path:
     assert all(t["ttft_captured_s"] >= 2 * t["ttft_fixed_s"] for t in later), later
     assert session["later_turns_speedup"] >= 2.0
     for t in session["turns"]:
-        assert f"{t['turn']:>4}  {t['ttft_captured_s']:>16.3f}  {t['ttft_fixed_s']:>13.3f}  {t['saved_s']:>7.3f}" in res.stdout
-    assert f"session 0: {session['saved_s']:.3f} s saved; turns >= 2 {session['later_turns_speedup']:g}x faster" in res.stdout
+        assert (
+            f"{t['turn']:>4}  {t['ttft_captured_s']:>16.3f}  {t['ttft_fixed_s']:>13.3f}  {t['saved_s']:>7.3f}"
+            in res.stdout
+        )
+    assert (
+        f"session 0: {session['saved_s']:.3f} s saved; turns >= 2 {session['later_turns_speedup']:g}x faster"
+        in res.stdout
+    )
     assert "volatile_span: set CLAUDE_CODE_ATTRIBUTION_HEADER=0" in res.stdout

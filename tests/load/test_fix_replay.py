@@ -16,9 +16,10 @@ from mlxproxy.cli import main
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.fixreplay import fix_conversation
 from mlxproxy.sim.app import create_app as create_sim
-from support import CLAUDE_UA, volatile_session_capture
+from support import volatile_session_capture
 
 CLAUDE_UA_NAME = "Claude Code 2.1.332"
+
 
 def _tool(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -40,7 +41,10 @@ def test_fix_pins_the_system_prompt_and_orders_the_tools() -> None:
     assert [f["messages"] for f in fixed] == [t["messages"] for t in turns]  # nothing else changes
     assert applied == {"system prompt pinned to turn 1's": 2, "tools in turn 1's order": 1}
     # leading system messages of a chat request, a Responses `instructions`
-    chat = [{"messages": [{"role": "system", "content": f"id {k}\nrules"}, {"role": "user", "content": "x"}]} for k in (1, 2)]
+    chat = [
+        {"messages": [{"role": "system", "content": f"id {k}\nrules"}, {"role": "user", "content": "x"}]}
+        for k in (1, 2)
+    ]
     out, applied = fix_conversation(chat)
     assert out[1]["messages"][0]["content"] == "id 1\nrules" and applied["system prompt pinned to turn 1's"] == 1
     resp = [{"instructions": f"now {k}", "input": "x"} for k in (1, 2)]
@@ -124,4 +128,6 @@ def test_fix_replay_html_report_in_browser(tmp_path: Path) -> None:
     assert "side requests (1): kept out of the sessions and their turns" in text and "quota" in text
     assert [s["session"] for s in fix["sessions"]] == [0]  # the side request is no session of the fix's
     assert f"session 0: {fix['sessions'][0]['saved_s']:.3f} s saved · turns ≥ 2" in text
-    assert f"the fix, replayed: system prompt pinned to turn 1's on 3 turns; {fix['saved_s']:.3f} s saved in all" in text
+    assert (
+        f"the fix, replayed: system prompt pinned to turn 1's on 3 turns; {fix['saved_s']:.3f} s saved in all" in text
+    )

@@ -53,7 +53,9 @@ def test_conversations_panel_matches_sessions(chromium: Chromium, tmp_path: Path
             head, _, body = read_fixture("clients/opencode_1.18.33_title.req").partition(b"\r\n\r\n")
             ua = next(v for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if k.lower() == b"user-agent")
             title = {**orjson.loads(body), "model": "default_model", "max_tokens": 8}
-            assert httpx.post(px.url + "/v1/chat/completions", json=title, headers={"user-agent": ua.decode()}).is_success
+            assert httpx.post(
+                px.url + "/v1/chat/completions", json=title, headers={"user-agent": ua.decode()}
+            ).is_success
             httpx.head(px.url + "/api/hello", headers={"user-agent": CLAUDE_UA})
             assert wait_for(lambda: len(app.recent.records) == 10)
             answer = httpx.get(px.url + "/sessions").json()
@@ -81,7 +83,10 @@ def test_conversations_panel_matches_sessions(chromium: Chromium, tmp_path: Path
     assert volatile["client"] == "Claude Code 2.1.332" and clean["client"].startswith("python-httpx ")
     assert volatile["fix_cause"] == "volatile_span" and "CLAUDE_CODE_ATTRIBUTION_HEADER=0" in volatile["fix"]
     assert clean["fix"] is None
-    assert [(s["side_request"], s["client"]) for s in side] == [("probe", "Claude Code 2.1.332"), ("title", "OpenCode 1.18.33")]
+    assert [(s["side_request"], s["client"]) for s in side] == [
+        ("probe", "Claude Code 2.1.332"),
+        ("title", "OpenCode 1.18.33"),
+    ]
     # the panel: the client in the heading, one line with the seconds lost and the fix, side requests apart
     assert "4 turnsClaude Code 2.1.332 · m @ default" in heads[0] and "4 turnspython-httpx " in heads[1]
     assert fixes == [f"{volatile['lost_s']:.2f} s lost to volatile_span. Fix: {volatile['fix']}"]
