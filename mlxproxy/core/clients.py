@@ -4,14 +4,18 @@ the parsed body in, a `ClientInfo` out).
 The client is named from its request headers (`User-Agent` and the like), e.g. Claude Code's
 `claude-cli/2.1.332 (external, sdk-cli)` -> "Claude Code 2.1.332", Codex's
 `codex_exec/0.171.0 (...)` -> "Codex 0.171.0", `opencode/1.18.33 ai-sdk/...` ->
-"OpenCode 1.18.33", an SDK's `OpenAI/Python 2.20.0` -> "OpenAI Python SDK 2.20.0". Aider sends
-the OpenAI SDK's headers unchanged: it is named from its fixed prompts ("Aider"). Any other
+"OpenCode 1.18.33", `QwenCode/0.24.4 (linux; x64)` -> "Qwen Code 0.24.4", an SDK's
+`OpenAI/Python 2.20.0` -> "OpenAI Python SDK 2.20.0". Aider sends the OpenAI SDK's headers
+unchanged: it is named from its fixed prompts ("Aider"); LLM (`llm` 0.36) sends them too and
+nothing in its body names it: it shows as the SDK. Any other
 `product/version` User-Agent is shown as "product version"; none: `None`.
 
 A side request is one an agent sends beside the conversation: a title (OpenCode's title
 generator), a token count (`/v1/messages/count_tokens`), a probe (`HEAD` or `GET` outside the
 generation endpoints, e.g. Claude Code's `HEAD /api/hello`), a quota check (Claude Code's
-one-token "quota" request), Aider's chat summary and commit message. Side requests are kept
+one-token "quota" request), Aider's chat summary and commit message, Qwen Code's memory
+extraction subagent (the conversation's history sent again under its own system prompt: linked,
+it would pass for a turn of the conversation). Side requests are kept
 out of conversation linking and turn numbering (`core.analyze.finish_checked`). The rules and
 the names: docs/METRICS.md ("Clients and side requests").
 """
@@ -25,7 +29,7 @@ from typing import Any, Literal, NamedTuple, get_args
 __all__ = ["ClientInfo", "SideRequest", "SIDE_REQUESTS", "classify", "client_name", "NO_CLIENT"]
 
 #: what kind of side request a request is (docs/METRICS.md, "Clients and side requests")
-SideRequest = Literal["title", "count_tokens", "probe", "quota", "summary", "commit_message"]
+SideRequest = Literal["title", "count_tokens", "probe", "quota", "summary", "commit_message", "memory"]
 SIDE_REQUESTS: tuple[SideRequest, ...] = get_args(SideRequest)
 
 
@@ -56,6 +60,7 @@ _PRODUCTS = {
     "crush": "Crush",
     "goose": "Goose",
     "qwen-code": "Qwen Code",
+    "qwencode": "Qwen Code",
     "gemini-cli": "Gemini CLI",
     "llm": "LLM",
     "continue": "Continue",
@@ -85,6 +90,8 @@ _TITLE_MARKS = (
     "Please write a 5-10 word title",  # Claude Code (earlier versions)
 )
 _QUOTA = re.compile(r"(?:\[nonce [0-9a-f]+\] )?quota")  # (a replay's nonce before it allowed)
+# Qwen Code's memory extraction subagent: the conversation's history under another system prompt
+_MEMORY_MARKS = ("You are now acting as the managed memory extraction subagent",)
 _HEAD_CHARS = 400  # how much of the first system text and first user text the marks are looked for in
 _PROBE_METHODS = frozenset({"HEAD", "OPTIONS"})
 _GENERATION_TAILS = ("/chat/completions", "/completions", "/messages", "/responses", "/embeddings")
@@ -160,6 +167,8 @@ def _side_of_body(body: dict[str, Any], system: str, user: str, items: list[Any]
         return "title"
     if _AIDER_SUMMARY in system or _AIDER_SUMMARY in user:
         return "summary"
+    if any(mark in system for mark in _MEMORY_MARKS):
+        return "memory"
     if _AIDER_COMMIT in system:
         return "commit_message"
     if (

@@ -29,11 +29,15 @@ def _request(name: str) -> tuple[list[tuple[bytes, bytes]], str, str, dict[str, 
         ("opencode_1.18.33_title", "OpenCode 1.18.33", "title"),
         ("aider_0.86.2_chat", "Aider", None),
         ("openai_python_sdk_stream", "OpenAI Python SDK 3.57.0", None),
+        ("qwen-code_0.24.4_chat", "Qwen Code 0.24.4", None),
+        ("qwen-code_0.24.4_memory", "Qwen Code 0.24.4", "memory"),
+        ("llm_0.36_chat", "OpenAI Python SDK 3.63.0", None),  # LLM: the SDK's headers, nothing of its own
     ],
 )
 def test_real_requests_named(name: str, client: str, side: str | None) -> None:
-    """Each CLI's real request bytes name it; OpenCode's title request is a side request; Aider,
-    which sends the OpenAI SDK's headers unchanged, is named from its fixed prompts."""
+    """Each CLI's real request bytes name it; OpenCode's title request and Qwen Code's memory
+    extraction subagent are side requests; Aider, which sends the OpenAI SDK's headers unchanged,
+    is named from its fixed prompts."""
     headers, method, path, obj = _request(name)
     assert classify(headers, method, path, obj) == ClientInfo(client, side)  # type: ignore[arg-type]
 
@@ -146,3 +150,36 @@ def test_a_side_request_takes_no_turn() -> None:
     assert (second.conversation_id, second.turn) == ("a", 2)
     assert len(index) == 1
     assert second.to_dict()["client"] == "OpenCode 1.18.33" and side.to_dict()["side_request"] == "title"
+
+
+def test_qwen_code_memory_subagent_is_no_turn() -> None:
+    """Qwen Code 0.24.4 sends, after each turn, its memory extraction subagent: the turn's
+    history again under another system prompt and tools (real bytes, recorded on mlx_lm.server).
+    Linked, it passed for turn 2 of the conversation with a bogus `tools_changed`; marked
+    `memory`, it stays out, and the index keeps the conversation's own latest prompt."""
+    from mlxproxy.core.analyze import finish_checked
+    from mlxproxy.core.cachecheck import PrefixIndex
+    from mlxproxy.core.clients import NO_CLIENT
+    from mlxproxy.core.detect import Thresholds
+    from mlxproxy.core.meter import RequestMeter
+    from mlxproxy.core.openai import parse_request
+
+    def run(classified: bool) -> list[tuple[str | None, str | None, int | None, str | None]]:
+        index = PrefixIndex()
+        out = []
+        for k, name in enumerate(("qwen-code_0.24.4_chat", "qwen-code_0.24.4_memory")):
+            headers, method, path, body = _request(name)
+            info, _ = parse_request(method, path, orjson.dumps(body))
+            m = RequestMeter(info, request_id=f"r{k}", upstream="u", t_start=10.0 * k, started_at=0.0)
+            m.response_started(10.0 * k + 0.01, 200, "text/event-stream")
+            m.feed(
+                b'data: {"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n',
+                10.0 * k + 0.2,
+            )
+            client = classify(headers, method, path, info.prompt_obj) if classified else NO_CLIENT
+            r = finish_checked(m, 10.0 * k + 0.3, Thresholds(), prefixes=index, client=client)
+            out.append((r.side_request, r.conversation_id, r.turn, r.reprefill_cause))
+        return out
+
+    assert run(classified=False) == [(None, "r0", 1, None), (None, "r0", 2, "tools_changed")]
+    assert run(classified=True) == [(None, "r0", 1, None), ("memory", None, None, None)]
