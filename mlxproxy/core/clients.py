@@ -92,7 +92,16 @@ _TITLE_MARKS = (
 _QUOTA = re.compile(r"(?:\[nonce [0-9a-f]+\] )?quota")  # (a replay's nonce before it allowed)
 # Qwen Code's memory extraction subagent: the conversation's history under another system prompt
 _MEMORY_MARKS = ("You are now acting as the managed memory extraction subagent",)
-_HEAD_CHARS = 400  # how much of the first system text and first user text the marks are looked for in
+_HEAD_CHARS = 400
+# the system prompts that make a request a side request (looked for in its first _HEAD_CHARS)
+_MARK_KINDS: dict[str, SideRequest] = {
+    **dict.fromkeys(_TITLE_MARKS, "title"),
+    _AIDER_SUMMARY: "summary",
+    _AIDER_COMMIT: "commit_message",
+    **dict.fromkeys(_MEMORY_MARKS, "memory"),
+}
+_MARK_CHARS = 160  # the marks begin a system prompt (Aider's commit mark: within its first line)
+_UA_NAMES = (b"user-agent", "user-agent")
 _PROBE_METHODS = frozenset({"HEAD", "OPTIONS"})
 _GENERATION_TAILS = ("/chat/completions", "/completions", "/messages", "/responses", "/embeddings")
 
@@ -141,48 +150,36 @@ def _text(v: Any) -> str:
     return ""
 
 
-def _prompt_heads(body: dict[str, Any]) -> tuple[str, str, list[Any]]:
-    """(the start of the system text, the start of the first user text, the message list)."""
+def _system_head(body: dict[str, Any]) -> tuple[str, list[Any]]:
+    """(the start of the system text, the message list): a Messages `system`, a Responses
+    `instructions`, or the first system/developer message."""
     system = _text(body.get("system")) or _text(body.get("instructions"))
     items = body.get("messages")
     if not isinstance(items, list):
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [{"role": "user", "content": inp}] if isinstance(inp, str) else []
-    user = ""
-    for m in items:
-        if not isinstance(m, dict):
-            continue
-        role = m.get("role")
-        if role in ("system", "developer") and not system:
-            system = _text(m.get("content"))
-        elif role == "user" and not user:
-            user = _text(m.get("content"))
-        if system and user:
-            break
-    return system, user, items
+    if not system:
+        for m in items[:4]:
+            if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+                system = _text(m.get("content"))
+                break
+    return system, items
 
 
-def _side_of_body(body: dict[str, Any], system: str, user: str, items: list[Any]) -> SideRequest | None:
-    if any(mark in system for mark in _TITLE_MARKS):
-        return "title"
-    if _AIDER_SUMMARY in system or _AIDER_SUMMARY in user:
-        return "summary"
-    if any(mark in system for mark in _MEMORY_MARKS):
-        return "memory"
-    if _AIDER_COMMIT in system:
-        return "commit_message"
-    if (
-        body.get("max_tokens") == 1
-        and len(items) == 1
-        and isinstance(items[0], dict)
-        and _QUOTA.fullmatch(user.strip().lower()) is not None
-    ):
-        return "quota"  # Claude Code's quota check
+def _side_of_body(body: dict[str, Any], system: str, items: list[Any]) -> SideRequest | None:
+    head = system[:_MARK_CHARS]
+    for mark, kind in _MARK_KINDS.items():
+        if mark in head:
+            return kind
+    if body.get("max_tokens") == 1 and len(items) == 1 and isinstance(items[0], dict):
+        user = _text(items[0].get("content"))
+        if _QUOTA.fullmatch(user.strip().lower()) is not None:
+            return "quota"  # Claude Code's quota check
     return None
 
 
 def _is_aider(system: str, items: list[Any]) -> bool:
-    if system.startswith(_AIDER_MARKS[0]) or _AIDER_SUMMARY in system or _AIDER_COMMIT in system:
+    if system.startswith(_AIDER_MARKS[0]):
         return True
     for m in items[:12]:
         if isinstance(m, dict) and m.get("role") == "user":
@@ -200,8 +197,7 @@ def classify(
     `body`: the parsed JSON body (None: none, or not a JSON object). Never raises."""
     ua = ""
     for k, v in headers:
-        name = k.decode("latin-1") if isinstance(k, bytes) else k
-        if len(name) == 10 and name.lower() == "user-agent":
+        if len(k) == 10 and k.lower() in _UA_NAMES:
             ua = v.decode("latin-1") if isinstance(v, bytes) else v
             break
     client = client_name(ua) if ua else None
@@ -212,8 +208,12 @@ def classify(
     elif method.upper() in _PROBE_METHODS or (method.upper() == "GET" and not p.endswith(_GENERATION_TAILS)):
         side = "probe"
     elif isinstance(body, dict):
-        system, user, items = _prompt_heads(body)
-        side = _side_of_body(body, system, user, items)
-        if client is not None and client.startswith("OpenAI Python SDK") and _is_aider(system, items):
+        system, items = _system_head(body)
+        side = _side_of_body(body, system, items)
+        if (
+            client is not None
+            and client.startswith("OpenAI Python SDK")
+            and (side in ("summary", "commit_message") or _is_aider(system, items))
+        ):
             client = "Aider"
     return ClientInfo(client, side)

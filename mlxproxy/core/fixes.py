@@ -9,9 +9,12 @@ docs/METRICS.md, "Re-prefill causes".
 
 from __future__ import annotations
 
-from mlxproxy.core.prefix import Cause
+from collections.abc import Iterable
 
-__all__ = ["FIXES", "CLIENT_FIXES", "fix_for"]
+from mlxproxy.core.prefix import Cause
+from mlxproxy.core.record import Record
+
+__all__ = ["FIXES", "CLIENT_FIXES", "fix_for", "worst_cause"]
 
 #: per cause, what the user changes so the next turns reuse the cache
 FIXES: dict[Cause, str] = {
@@ -43,3 +46,20 @@ def fix_for(cause: Cause | None, client: str | None = None) -> str | None:
             if c == cause and (client == who or client.startswith(who + " ")):
                 return line
     return FIXES.get(cause)
+
+
+def worst_cause(turns: Iterable[Record]) -> tuple[Cause | None, float, str | None]:
+    """Of a conversation's turns: the cause that lost the most prefill seconds, the seconds
+    all causes lost, and the fix the turns carry for that cause (`reprefill_fix`);
+    (None, 0.0, None) when no turn names a cause."""
+    lost: dict[Cause, float] = {}
+    fix: dict[Cause, str] = {}
+    for r in turns:
+        if r.reprefill_cause is not None:
+            lost[r.reprefill_cause] = lost.get(r.reprefill_cause, 0.0) + (r.reprefill_lost_s or 0.0)
+            if r.reprefill_fix:
+                fix.setdefault(r.reprefill_cause, r.reprefill_fix)
+    if not lost:
+        return None, 0.0, None
+    cause = max(lost, key=lambda c: lost[c])
+    return cause, sum(lost.values()), fix.get(cause)

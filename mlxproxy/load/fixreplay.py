@@ -173,8 +173,13 @@ def fix_lines(savings: Mapping[str, Any], applied: dict[str, int], fixes: Sequen
     """The console report of a fix replay: what the fix changed, per turn the TTFT as captured
     and with the fix, the seconds saved per turn and per session; then the fixes (cause, line)
     a body rewrite cannot replay."""
-    changed = ", ".join(f"{k} on {v} turn{'s' if v != 1 else ''}" for k, v in applied.items() if v) or "nothing"
-    lines = [f"fix replay: {changed}"]
+    changed = ", ".join(f"{k} on {v} turn{'s' if v != 1 else ''}" for k, v in applied.items() if v)
+    lines = [
+        f"fix replay: {changed}"
+        if changed
+        else "fix replay: the bodies needed no change (no system prompt or tools order to pin); "
+        "what the captured run lost is fixed outside them, below"
+    ]
     for s in savings["sessions"]:
         lines.append(f"session {s['session']}:  turn  TTFT as captured  TTFT with fix  saved s")
         for t in s["turns"]:

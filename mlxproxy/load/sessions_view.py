@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 
+from mlxproxy.core.fixes import worst_cause
 from mlxproxy.load.results import ResultFile, RunRecord
 
 __all__ = ["sessions_html", "MAX_SESSIONS"]
@@ -20,6 +21,9 @@ _CACHE_ANOMALIES = (
     "cached_tokens_unreported",
     "cached_tokens_claimed_cold",
 )
+
+
+_HEAD_ROW = '<tr class="conv" style="background:#f3f5f9">'  # a session's heading row (inline: the CSS is shared)
 
 
 def _cell(v: float | None, fmt: str = "") -> str:
@@ -42,20 +46,13 @@ def _session_head(sid: int | str, turns: Sequence[RunRecord]) -> str:
     """A session's heading row: its client, turns, the seconds it lost and the fix, in one line."""
     recs = [t.record for t in turns]
     client = next((r.client for r in reversed(recs) if r.client), None)
-    lost: dict[str, float] = {}
-    fix: dict[str, str] = {}
-    for r in recs:
-        if r.reprefill_cause is not None:
-            lost[r.reprefill_cause] = lost.get(r.reprefill_cause, 0.0) + (r.reprefill_lost_s or 0.0)
-            if r.reprefill_fix:
-                fix.setdefault(r.reprefill_cause, r.reprefill_fix)
+    cause, lost, fix = worst_cause(recs)
     text = f"session {sid}" + (f" · {client}" if client else "") + f" · {len(recs)} turns"
-    if lost:
-        cause = max(lost, key=lambda c: lost[c])
-        text += f" · {sum(lost.values()):.2f} s lost to {cause}"
-        line = f"Fix: {fix[cause]}" if cause in fix else ""
-        return f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}.</b> <span class="fix">{escape(line)}</span></td></tr>'
-    return f'<tr class="conv" style="background:#f3f5f9"><td colspan="10"><b>{escape(text)}</b> · 0 s lost</td></tr>'
+    if cause is not None:
+        text += f" · {lost:.2f} s lost to {cause}"
+        line = f"Fix: {fix}" if fix else ""
+        return f'{_HEAD_ROW}<td colspan="10"><b>{escape(text)}.</b> <span class="fix">{escape(line)}</span></td></tr>'
+    return f'{_HEAD_ROW}<td colspan="10"><b>{escape(text)}</b> · 0 s lost</td></tr>'
 
 
 def _side_html(side: Sequence[RunRecord]) -> str:
@@ -94,7 +91,7 @@ def _fix_html(fix: object) -> str:
             )
         speed = s.get("later_turns_speedup")
         rows.append(
-            f'<tr class="conv" style="background:#f3f5f9"><td colspan="5"><b>session {escape(str(s.get("session")))}: '
+            f'{_HEAD_ROW}<td colspan="5"><b>session {escape(str(s.get("session")))}: '
             f"{float(s.get('saved_s') or 0.0):.3f} s saved</b>"
             + (f" · turns &ge; 2 {float(speed):g}x faster to first token" if speed else "")
             + "</td></tr>"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from mlxproxy.core.fixes import worst_cause
 from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import Record
 
@@ -13,7 +14,6 @@ __all__ = [
     "sessions",
     "side_requests",
     "lost_by_cause",
-    "conversation_fix",
     "TURN_KEYS",
     "SIDE_KEYS",
     "CACHE_ANOMALIES",
@@ -57,22 +57,6 @@ def lost_by_cause(records: Iterable[Record]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def conversation_fix(turns: Iterable[Record]) -> tuple[str | None, str | None]:
-    """(the cause that lost the conversation the most seconds, its fix in one line): the
-    fix the records carry (`reprefill_fix`, from `core.fixes`), or (None, None)."""
-    lost: dict[str, float] = {}
-    fix: dict[str, str] = {}
-    for r in turns:
-        if r.reprefill_cause is not None:
-            lost[r.reprefill_cause] = lost.get(r.reprefill_cause, 0.0) + (r.reprefill_lost_s or 0.0)
-            if r.reprefill_fix:
-                fix.setdefault(r.reprefill_cause, r.reprefill_fix)
-    if not lost:
-        return None, None
-    cause = max(lost, key=lambda c: lost[c])
-    return cause, fix.get(cause)
-
-
 def side_requests(records: Iterable[Record], limit: int = 50) -> list[dict[str, object]]:
     """The `limit` most recent side requests among `records` (titles, token counts, probes,
     quota checks: `core.clients`), newest first; they belong to no conversation."""
@@ -97,7 +81,7 @@ def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, objec
         turns.sort(key=lambda r: (r.turn or 0, r.started_at))
         last = turns[-1]
         causes = {k: v for k, v in lost_by_cause(turns).items() if v > 0}
-        cause, fix = conversation_fix(turns)
+        cause, _, fix = worst_cause(turns)
         out.append(
             {
                 "conversation_id": cid,
