@@ -39,6 +39,7 @@ def finish_checked(
     count_tokens: Callable[[str], int] | None = None,
     prefixes: PrefixIndex | None = None,
     scrub: Callable[[str], str] | None = None,
+    side: bool = False,
     client: ClientInfo = NO_CLIENT,
 ) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
@@ -46,9 +47,12 @@ def finish_checked(
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
     and remembers this request's prompt fingerprints. `scrub` takes secrets out of the
-    record's error text. `client` (`core.clients.classify`) names the client on the record;
-    a side request (a title, a token count, a probe, ...) is neither linked to a conversation
-    nor remembered in `prefixes`: it gets no conversation fields and takes no turn number."""
+    record's error text. `side`: a side request (a title, a token count, a probe:
+    `core.clients`) is neither linked to a conversation nor remembered; it gets no
+    conversation fields and takes no turn number. `client` (`core.clients.classify`) names
+    the client and the side request on the record (a side request whatever `side` says), and
+    the fix of a cause (`core.fixes`) is the client's own where it has one."""
+    side = side or client.side is not None
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
@@ -56,7 +60,7 @@ def finish_checked(
     fields: dict[str, Any] = {}
     info = meter.request
     pp = None
-    if prefixes is not None and info.prompt_obj is not None and client.side is None:
+    if prefixes is not None and info.prompt_obj is not None and not side:
         pp = fingerprint(info.endpoint, info.prompt_obj, info.model)
     if prefixes is not None and pp is not None:
         # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
