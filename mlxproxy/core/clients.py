@@ -102,6 +102,7 @@ _MARK_KINDS: dict[str, SideRequest] = {
 }
 _MARK_CHARS = 160  # the marks begin a system prompt (Aider's commit mark: within its first line)
 _UA_NAMES = (b"user-agent", "user-agent")
+_SYSTEM_ROLES = ("system", "developer")
 _PROBE_METHODS = frozenset({"HEAD", "OPTIONS"})
 _GENERATION_TAILS = ("/chat/completions", "/completions", "/messages", "/responses", "/embeddings")
 
@@ -153,24 +154,27 @@ def _text(v: Any) -> str:
 def _system_head(body: dict[str, Any]) -> tuple[str, list[Any]]:
     """(the start of the system text, the message list): a Messages `system`, a Responses
     `instructions`, or the first system/developer message."""
-    system = _text(body.get("system")) or _text(body.get("instructions"))
+    v = body.get("system")
+    if v is None:
+        v = body.get("instructions")
+    system = _text(v) if v is not None else ""
     items = body.get("messages")
-    if not isinstance(items, list):
+    if type(items) is not list:
         inp = body.get("input")
         items = inp if isinstance(inp, list) else [{"role": "user", "content": inp}] if isinstance(inp, str) else []
-    if not system:
-        for m in items[:4]:
-            if isinstance(m, dict) and m.get("role") in ("system", "developer"):
-                system = _text(m.get("content"))
-                break
+    if not system and items:
+        m = items[0]
+        if type(m) is dict and m.get("role") in _SYSTEM_ROLES:
+            system = _text(m.get("content"))
     return system, items
 
 
 def _side_of_body(body: dict[str, Any], system: str, items: list[Any]) -> SideRequest | None:
-    head = system[:_MARK_CHARS]
-    for mark, kind in _MARK_KINDS.items():
-        if mark in head:
-            return kind
+    if system:
+        head = system[:_MARK_CHARS]
+        for mark, kind in _MARK_KINDS.items():
+            if mark in head:
+                return kind
     if body.get("max_tokens") == 1 and len(items) == 1 and isinstance(items[0], dict):
         user = _text(items[0].get("content"))
         if _QUOTA.fullmatch(user.strip().lower()) is not None:
@@ -201,13 +205,15 @@ def classify(
             ua = v.decode("latin-1") if isinstance(v, bytes) else v
             break
     client = client_name(ua) if ua else None
-    p = path.split("?", 1)[0].rstrip("/")
+    p = path.split("?", 1)[0].rstrip("/") if "?" in path or path.endswith("/") else path
     side: SideRequest | None = None
+    if method != "POST":
+        m = method.upper()
+        if m in _PROBE_METHODS or (m == "GET" and not p.endswith(_GENERATION_TAILS)):
+            side = "probe"
     if p.endswith("/count_tokens"):
         side = "count_tokens"
-    elif method.upper() in _PROBE_METHODS or (method.upper() == "GET" and not p.endswith(_GENERATION_TAILS)):
-        side = "probe"
-    elif isinstance(body, dict):
+    elif side is None and type(body) is dict:
         system, items = _system_head(body)
         side = _side_of_body(body, system, items)
         if (
