@@ -315,3 +315,48 @@ def engine_closed_loop(profile, conc: int, n_total: int, prompt_tokens: int, n_t
                 if len(started) < n_total:
                     issue(ev.t_s)
     return out
+
+
+CLAUDE_UA = "claude-cli/2.1.332 (external, sdk-cli)"  # Claude Code's User-Agent (tests/fixtures/clients/)
+
+
+def volatile_session_capture(
+    path: Path, model: str, turns: int = 4, words: int = 60, max_tokens: int = 8, quota: bool = False
+) -> None:
+    """Write a capture of one Claude-Code-like session (its User-Agent): a system prompt of
+    ~`words` * 3 tokens with a per-turn hex value on line 1 (the billing line's shape), and a
+    history that grows by an answer and a question each turn (`replay --fix`'s tests); `quota`:
+    Claude Code's one-token quota check after the first turn, a side request."""
+    from mlxproxy.capture import capture_line
+
+    lines = []
+    msgs: list[dict[str, object]] = [
+        {"role": "user", "content": "Fix the parser: " + " ".join(f"w{j} fox" for j in range(words))}
+    ]
+    for t in range(turns):
+        system = f"x-billing-header: cc_version=2.1.37; cch={t * 7919 % 65536:05x};\nYou are a careful coding agent.\n"
+        system += " ".join(f"rule{j} keep" for j in range(words * 2))
+        body = {
+            "model": model,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, *msgs],
+        }
+        rec = Record(
+            id=f"cap{t}", started_at=1.0 + 5 * t, upstream="u", model=model, endpoint="chat_completions", stream=True,
+            status=200, outcome="ok", method="POST", path="/v1/chat/completions", duration_s=1.0, t_start_mono=5.0 * t,
+        )  # fmt: skip
+        d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
+        d["request"] = body
+        d["request_headers"] = [["user-agent", CLAUDE_UA]]
+        lines.append(orjson.dumps(d))
+        if quota and t == 0:
+            q = {**d, "id": "quota", "offset_s": 1.5}
+            q["request"] = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "quota"}]}
+            lines.append(orjson.dumps(q))
+        msgs += [
+            {"role": "assistant", "content": f"step {t} done " + " ".join(f"o{j}" for j in range(words // 2))},
+            {"role": "user", "content": f"now step {t + 1}: " + " ".join(f"u{j} q" for j in range(words // 2))},
+        ]
+    path.write_bytes(b"\n".join(lines) + b"\n")

@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlxproxy.core.cachecheck import PrefixIndex, TurnVerdict, check_turn, cold_rate
+from mlxproxy.core.clients import NO_CLIENT, ClientInfo
 from mlxproxy.core.detect import Thresholds, findings, verdict
+from mlxproxy.core.fixes import fix_for
 from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.prefix import find_turn, fingerprint
 from mlxproxy.core.record import OK_OUTCOMES, Outcome, PromptTokensSource, Record, checked_record
@@ -58,14 +60,19 @@ def finish_checked(
     prefixes: PrefixIndex | None = None,
     scrub: Callable[[str], str] | None = None,
     side: bool = False,
+    client: ClientInfo = NO_CLIENT,
 ) -> Record:
     """`meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
-    and remembers this request's prompt fingerprints. `side`: a side request (a title,
-    a token count, a probe: `core.clients`) is neither linked to a conversation nor
-    remembered. `scrub` takes secrets out of the record's error text."""
+    and remembers this request's prompt fingerprints. `scrub` takes secrets out of the
+    record's error text. `side`: a side request (a title, a token count, a probe:
+    `core.clients`) is neither linked to a conversation nor remembered; it gets no
+    conversation fields and takes no turn number. `client` (`core.clients.classify`) names
+    the client and the side request on the record (a side request whatever `side` says), and
+    the fix of a cause (`core.fixes`) is the client's own where it has one."""
+    side = side or client.side is not None
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
@@ -113,6 +120,9 @@ def finish_checked(
         else:
             cid, turn = None, None
         fields.update(conversation_id=cid, turn=turn)
+        if fields.get("reprefill_cause") is not None:
+            fields["reprefill_fix"] = fix_for(fields["reprefill_cause"], client.name)
+    fields.update(client=client.name, side_request=client.side)
     return checked_record(
         m,
         completion_tokens=v.completion_tokens,

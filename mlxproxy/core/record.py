@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from mlxproxy.core.clients import SideRequest
 from mlxproxy.core.openai import Endpoint, uncached_tokens, whole_prompt_tokens
 from mlxproxy.core.prefix import Cause
 
@@ -145,6 +146,10 @@ class Record:
     # the proxy, with a tokenizer ("tokenizer") or as characters / 4 ("chars"); "usage" when reported
     prompt_tokens_counted: int | None = None
     prompt_tokens_source: PromptTokensSource | None = None
+    reprefill_fix: str | None = None  # the fix users apply for reprefill_cause, one line (core.fixes)
+    # who sent it (core.clients): the client named from its headers, and the kind of side request
+    client: str | None = None
+    side_request: SideRequest | None = None  # e.g. "title": kept out of conversations
     anomalies: tuple[str, ...] = ()
     anomaly_evidence: dict[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -275,6 +280,9 @@ CHECKED_FIELDS = (
     "cache_evidence",
     "prompt_tokens_counted",
     "prompt_tokens_source",
+    "reprefill_fix",
+    "client",
+    "side_request",
     "anomalies",
     "anomaly_evidence",
     "stall_count",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.clients import classify
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
@@ -283,8 +284,9 @@ class MeasuringClient:
             self._sending -= 1
             self._streaming.discard(meter)
         record = finish_checked(
-            meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:], prefixes=self.prefixes
-        )
+            meter, now(), self.th, outcome=outcome, error=error, earlier=self.finished[-64:], prefixes=self.prefixes,
+            client=classify(req.headers, req.method, req.path, info.prompt_obj),
+        )  # fmt: skip
         self.finished.append(record)
         self._tokens_done += record.n_out or meter.generated_events
         return record

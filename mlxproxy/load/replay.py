@@ -34,6 +34,7 @@ from mlxproxy.edge.runner import run_async
 from mlxproxy.headers import REDACTED
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.common import filler_text
+from mlxproxy.load.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import (
@@ -93,6 +94,7 @@ class ReplayOptions:
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Workers = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
+    fix: bool = False  # sessions mode: each conversation again with the fix applied (load/fixreplay.py)
 
 
 def select(
@@ -454,9 +456,15 @@ class _ReplayRun:
         timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
         summary = workers_section(summarize_records(timed.records), timed).updated({"sessions": sess})
         params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
-        self.groups.append(
-            _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
-        )
+        captured = _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
+        self.groups.append(captured)
+        if opts.fix:  # the same conversations again, the fix applied (their own nonces: a cold cache)
+            fixed, applied = fixed_captures(split_sessions(self.caps))
+            timed, where, sess = await run_sessions(self.client, fixed, opts, opts.sessions, runs, tick)
+            group = _group(captured.name + FIX_SUFFIX, "sessions", self.target, {**params, "fix": True}, timed,
+                           workers_section(summarize_records(timed.records), timed), None, where)  # fmt: skip
+            fix = {"applied": dict(applied), **fix_savings(captured, group)}
+            self.groups.append(group.with_summary(group.summary.updated({"sessions": sess, "fix": fix})))
 
     async def batch(self, tick: Progress) -> None:
         single = await Sequential().run(self.client, self.fresh(), tick)

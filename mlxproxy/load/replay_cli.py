@@ -16,6 +16,7 @@ from mlxproxy.load.common import (
     requests_text,
     run_async,
 )
+from mlxproxy.load.fixreplay import fix_report
 from mlxproxy.load.inputs import interrupted_line, nothing_to_replay, result_file_hint
 from mlxproxy.load.preflight import require_reachable
 from mlxproxy.load.progress import say
@@ -115,6 +116,12 @@ _TESTS = {
     metavar="SECONDS",
     help="Seconds between a response's end and the conversation's next turn.  [default: as captured]",
 )
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="With --sessions: run each conversation as captured and again with the fix applied (the system prompt "
+    "pinned to its first turn's, the tools in one order) and print the seconds saved per turn and per session.",
+)
 @shared_option("--repeat", default=1)
 @click.option(
     "--warmup",
@@ -176,6 +183,7 @@ def replay(
     seed: int,
     sessions: tuple[int, ...] | None,
     think_time: float | None,
+    fix: bool,
     repeat: int,
     warmup: int,
     filters: tuple[str, ...],
@@ -206,6 +214,8 @@ def replay(
     name, target_url = parse_target(target_spec)
     name = target_name or name
     mode, swept = _shape(mode, speed, concurrency, sweep is not None, batch, rate, sessions, think_time, ramp_s)
+    if fix and (mode != "sessions" or swept):
+        fail("--fix replays conversations: use it with --sessions N (one value, no --sweep)")
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
@@ -220,7 +230,7 @@ def replay(
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
         rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
         sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double",
+        refine=sweep != "double", fix=fix,
         workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
@@ -384,6 +394,8 @@ def _show(
     """The console tables, the prompt-cache warning and the output files."""
     if any(g.records for g in groups):  # a Ctrl-C before the first result: no empty table, no legend
         print_groups(groups)
+    for line in fix_report(groups):
+        click.echo(line)
     cached, reported = served_from_cache(r for g in groups for r in g.records)
     if cached:
         _warn(

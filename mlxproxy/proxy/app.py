@@ -31,6 +31,7 @@ from mlxproxy.capture import Exchange
 from mlxproxy.config import Config, proxy_api_key
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.clients import classify
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import USAGE_INJECTABLE, inject_include_usage, parse_request
 from mlxproxy.core.record import Record
@@ -364,6 +365,8 @@ class ProxyApp:
         meter = flow.meter
         count_tokens = self.tokens.for_model(meter.request.model) if meter.sse else None
         try:
+            info = meter.request
+            client = classify(flow.client_headers, info.method, info.path, info.prompt_obj)
             return finish_checked(
                 meter,
                 t_end,
@@ -374,6 +377,7 @@ class ProxyApp:
                 prefixes=self.prefixes.get(flow.upstream.name),
                 count_tokens=count_tokens,
                 scrub=lambda text: self._scrub(text, flow.client_headers),
+                client=client,
             )
         except Exception as exc:  # metering must never take the request down: a bare record says why
             log.exception("metering failed for %s", meter.request_id)

@@ -12,7 +12,8 @@ listed (the page polls it that way), `?id=ID` (repeatable) lists only those reco
 `?timeline=1` adds each listed record's `event_offsets_ms` (the page asks for one record's when
 it is opened: a timeline costs ~1 µs per token event to encode). Its `reprefill_lost_s` sums
 the recent records' prefill seconds lost per re-prefill cause. `/sessions` groups the recent
-records by conversation (`proxy/sessions.py`; `?limit=N`, default 50).
+records by conversation (`proxy/sessions.py`; `?limit=N`, default 50), each with its client and
+the fix for what it lost, and lists the side requests (titles, token counts, probes) apart.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mlxproxy.core.meter import Snapshot
 from mlxproxy.core.record import Record
 from mlxproxy.errors import error_body
 from mlxproxy.proxy.reach import has_reach, refresh
-from mlxproxy.proxy.sessions import lost_by_cause, sessions
+from mlxproxy.proxy.sessions import lost_by_cause, sessions, side_requests
 
 __all__ = ["OWN_PATHS", "PAGE_PATHS", "DATA_PATHS", "own_routes", "live_view"]
 
@@ -202,7 +203,14 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         arg = request.query_params.get("limit", "50")
         if not arg.isdigit() or int(arg) < 1:
             raise HTTPException(400, f"query parameter 'limit' must be a whole number >= 1, got {arg[:40]!r}")
-        return _json({"now": time.time(), "sessions": sessions(list(proxy.recent.records), int(arg))})
+        records = list(proxy.recent.records)
+        return _json(
+            {
+                "now": time.time(),
+                "sessions": sessions(records, int(arg)),
+                "side_requests": side_requests(records, int(arg)),
+            }
+        )
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from mlxproxy.core.fixes import worst_cause
 from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import Record
 
-__all__ = ["sessions", "lost_by_cause", "TURN_KEYS", "CACHE_ANOMALIES"]
+__all__ = [
+    "sessions",
+    "side_requests",
+    "lost_by_cause",
+    "TURN_KEYS",
+    "SIDE_KEYS",
+    "CACHE_ANOMALIES",
+]
 
 #: what each turn of a conversation shows
 TURN_KEYS = (
@@ -26,7 +34,10 @@ TURN_KEYS = (
     "reprefill_cause",
     "reprefill_at",
     "reprefill_lost_s",
+    "reprefill_fix",
 )
+#: what each side request shows (they belong to no conversation)
+SIDE_KEYS = ("id", "started_at", "client", "side_request", "model", "upstream", "method", "path", "outcome", "ttft_s")
 #: the anomalies a turn's row names (the cache doctor's)
 CACHE_ANOMALIES = frozenset(
     {"prefix_cache_miss", "prompt_prefix_changed", "cached_tokens_unreported", "cached_tokens_claimed_cold"}
@@ -46,11 +57,20 @@ def lost_by_cause(records: Iterable[Record]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items()}
 
 
+def side_requests(records: Iterable[Record], limit: int = 50) -> list[dict[str, object]]:
+    """The `limit` most recent side requests among `records` (titles, token counts, probes,
+    quota checks: `core.clients`), newest first; they belong to no conversation."""
+    side = [r for r in records if r.side_request is not None]
+    side.sort(key=lambda r: r.started_at, reverse=True)
+    return [{k: _round(getattr(r, k)) for k in SIDE_KEYS} for r in side[:limit]]
+
+
 def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, object]]:
     """The `limit` most recently active conversations among `records`, newest first, each with
     its turns in order (those still among `records`), the prefill seconds it lost in all
     (`lost_s`, from its latest turn's `conversation_lost_s`, so turns no longer held count
-    too) and per cause over the turns held (`lost_by_cause`)."""
+    too) and per cause over the turns held (`lost_by_cause`), the client that sent it, and the
+    fix for the cause that lost the most (`fix_cause`, `fix`)."""
     groups: dict[str, list[Record]] = {}
     for r in records:
         if r.conversation_id is not None:
@@ -61,9 +81,11 @@ def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, objec
         turns.sort(key=lambda r: (r.turn or 0, r.started_at))
         last = turns[-1]
         causes = {k: v for k, v in lost_by_cause(turns).items() if v > 0}
+        cause, _, fix = worst_cause(turns)
         out.append(
             {
                 "conversation_id": cid,
+                "client": next((r.client for r in reversed(turns) if r.client), None),
                 "upstream": last.upstream,
                 "model": last.model,
                 "endpoint": last.endpoint,
@@ -72,6 +94,8 @@ def sessions(records: Iterable[Record], limit: int = 50) -> list[dict[str, objec
                 "lost_s": round(max((r.conversation_lost_s or 0.0) for r in turns), 4),
                 "lost_by_cause": causes,
                 "misses": sum(r.reprefill_cause is not None for r in turns),
+                "fix_cause": cause,
+                "fix": fix,
                 "turn_list": [
                     {
                         **{k: _round(getattr(r, k)) for k in TURN_KEYS},

@@ -19,7 +19,7 @@ from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import create_app
 from mlxproxy.sim.agent import Agent, AgentKnobs
 from mlxproxy.sim.app import create_app as create_sim
-from support import wait_for
+from support import CLAUDE_UA, read_fixture, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def chromium() -> Iterator[Chromium]:
         yield c
 
 
-def run_agent(url: str, agent: Agent, turns: int) -> None:
-    with httpx.Client(timeout=30) as c:
+def run_agent(url: str, agent: Agent, turns: int, user_agent: str | None = None) -> None:
+    with httpx.Client(timeout=30, headers={"user-agent": user_agent} if user_agent else None) as c:
         for t in range(1, turns + 1):
             with c.stream("POST", url + "/v1/chat/completions", json=agent.request(t)) as r:
                 assert r.status_code == 200
@@ -42,27 +42,58 @@ def run_agent(url: str, agent: Agent, turns: int) -> None:
 
 def test_conversations_panel_matches_sessions(chromium: Chromium, tmp_path: Path) -> None:
     artifacts = Path(os.environ.get("MLXPROXY_TEST_ARTIFACTS") or tmp_path)
+    # (also: the client of each conversation, its seconds lost and fix, and the side requests apart: issue 36)
     artifacts.mkdir(parents=True, exist_ok=True)
     with ServerThread(create_sim("healthy", speed=5.0, prompt_cache=True)) as sim:
         app = create_app(build_config(None, upstream_url=sim.url, log_requests=False))
         with ServerThread(app) as px:
             run_agent(px.url, Agent("Fix the flaky test."), 4)
-            run_agent(px.url, Agent("Port the parser.", knobs=AgentKnobs(volatile_header=True)), 4)
-            assert wait_for(lambda: len(app.recent.records) == 8)
-            sessions = httpx.get(px.url + "/sessions").json()["sessions"]
+            run_agent(px.url, Agent("Port the parser.", knobs=AgentKnobs(volatile_header=True)), 4, CLAUDE_UA)
+            # side requests: OpenCode's title request (its real bytes) and Claude Code's probe
+            head, _, body = read_fixture("clients/opencode_1.18.33_title.req").partition(b"\r\n\r\n")
+            ua = next(v for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if k.lower() == b"user-agent")
+            title = {**orjson.loads(body), "model": "default_model", "max_tokens": 8}
+            assert httpx.post(
+                px.url + "/v1/chat/completions", json=title, headers={"user-agent": ua.decode()}
+            ).is_success
+            httpx.head(px.url + "/api/hello", headers={"user-agent": CLAUDE_UA})
+            assert wait_for(lambda: len(app.recent.records) == 10)
+            answer = httpx.get(px.url + "/sessions").json()
+            sessions, side = answer["sessions"], answer["side_requests"]
             page = chromium.page()
             page.goto(px.url + "/")
             page.wait_for("document.querySelectorAll('#conversations tr.turn').length === 8")
+            page.wait_for("document.querySelectorAll('#side tbody tr').length === 2")
             assert page.eval("document.querySelector('#conversation-count').textContent") == "2"
             heads = page.eval("[...document.querySelectorAll('#conversations tr.conv')].map(tr => tr.textContent)")
             rows = page.eval(
                 "[...document.querySelectorAll('#conversations tr.turn')].map(tr => [tr.dataset.id,"
                 " [...tr.querySelectorAll('td')].map(td => td.textContent)])"
             )
+            fixes = page.eval("[...document.querySelectorAll('#conversations tr.fix')].map(tr => tr.textContent)")
+            sides = page.eval(
+                "[...document.querySelectorAll('#side tbody tr')].map(tr => [...tr.querySelectorAll('td')]"
+                ".map(td => td.textContent))"
+            )
+            page.eval("document.querySelector('#conversations').scrollIntoView()")
             shot = page.screenshot(artifacts / "live-page-conversations.png")
             print(f"\nscreenshot: {shot}")
-    assert [s["turns"] for s in sessions] == [4, 4]
+    assert [s["turns"] for s in sessions] == [4, 4]  # the side requests took no turn and made no conversation
     volatile, clean = sessions  # most recent first
+    assert volatile["client"] == "Claude Code 2.1.332" and clean["client"].startswith("python-httpx ")
+    assert volatile["fix_cause"] == "volatile_span" and "CLAUDE_CODE_ATTRIBUTION_HEADER=0" in volatile["fix"]
+    assert clean["fix"] is None
+    assert [(s["side_request"], s["client"]) for s in side] == [
+        ("probe", "Claude Code 2.1.332"),
+        ("title", "OpenCode 1.18.33"),
+    ]
+    # the panel: the client in the heading, one line with the seconds lost and the fix, side requests apart
+    assert "4 turnsClaude Code 2.1.332 · m @ default" in heads[0] and "4 turnspython-httpx " in heads[1]
+    assert fixes == [f"{volatile['lost_s']:.2f} s lost to volatile_span. Fix: {volatile['fix']}"]
+    assert [c[1:4] for c in sides] == [
+        ["Claude Code 2.1.332", "probe", "HEAD /api/hello"],
+        ["OpenCode 1.18.33", "title", "POST /v1/chat/completions"],
+    ]
     assert volatile["lost_by_cause"].keys() == {"volatile_span"} and volatile["lost_s"] > 0.1
     assert clean["lost_s"] == 0 and clean["misses"] == 0
     # the panel: the most recent conversation first, its lost seconds and cause in its heading

@@ -423,16 +423,29 @@
       const last = turns[turns.length - 1];
       const lost = Math.max(...turns.map((r) => r.conversation_lost_s || 0));
       const causes = [...new Set(turns.map((r) => r.reprefill_cause).filter(Boolean))];
+      const client = [...turns].reverse().map((r) => r.client).find(Boolean);
       const head = document.createElement("tr");
       head.className = "conv";
       td(head, `${cid} · ${last.turn} turn${last.turn === 1 ? "" : "s"}`, "mono");
-      td(head, `${last.model || "–"} @ ${last.upstream}`);
+      td(head, `${client ? client + " · " : ""}${last.model || "–"} @ ${last.upstream}`);
       td(head, last.prompt_tokens ?? "–", "num");
       td(head, "", "num"); td(head, "", "num"); td(head, "", "num");
       td(head, fmt(lost, 2), lost > 0 ? "num warn" : "num");
       td(head, causes.join(", "), causes.length ? "warn" : "");
       td(head, ""); td(head, "");
       body.appendChild(head);
+      const fix = conversationFix(turns);
+      if (fix) {  // the seconds lost and the fix users apply, in one line (the records' reprefill_fix)
+        const tr = document.createElement("tr");
+        tr.className = "fix";
+        const c = td(tr, "", "fix");
+        c.colSpan = 10;
+        const b = document.createElement("b");
+        b.textContent = `${fmt(lost, 2)} s lost to ${fix.cause}. Fix: `;
+        c.appendChild(b);
+        c.appendChild(document.createTextNode(fix.line));
+        body.appendChild(tr);
+      }
       for (const r of turns) {
         const tr = document.createElement("tr");
         tr.dataset.id = r.id;
@@ -454,6 +467,42 @@
     }
     $("#conversation-count").textContent = String(groups.size);
     $("#conversations .empty").hidden = groups.size > 0;
+  }
+
+  // the cause that lost the conversation the most seconds and its fix (as /sessions' `fix`)
+  function conversationFix(turns) {
+    const lost = new Map(), line = new Map();
+    for (const r of turns) {
+      if (!r.reprefill_cause) continue;
+      lost.set(r.reprefill_cause, (lost.get(r.reprefill_cause) || 0) + (r.reprefill_lost_s || 0));
+      if (r.reprefill_fix && !line.has(r.reprefill_cause)) line.set(r.reprefill_cause, r.reprefill_fix);
+    }
+    let best = null;
+    for (const [cause, s] of lost) if (best === null || s > lost.get(best)) best = cause;
+    return best && line.has(best) ? { cause: best, line: line.get(best) } : null;
+  }
+
+  // -- side requests (titles, token counts, probes, quota checks: in no conversation) --------
+  const MAX_SIDE = 20;
+  function renderSide() {
+    const side = [...state.records.values()].filter((r) => r.side_request).sort((a, b) => b.started_at - a.started_at);
+    const body = $("#side tbody");
+    body.textContent = "";
+    for (const r of side.slice(0, MAX_SIDE)) {
+      const tr = document.createElement("tr");
+      tr.dataset.id = r.id;
+      td(tr, clock(r.started_at), "mono");
+      td(tr, r.client || "–");
+      td(tr, r.side_request, "side");
+      td(tr, `${r.method} ${r.path}`, "mono");
+      td(tr, `${r.model || "–"} @ ${r.upstream}`);
+      td(tr, OK.has(r.outcome) ? "ok" : r.outcome, OK.has(r.outcome) ? "" : "bad");
+      td(tr, fmt(r.ttft_s, 3), "num");
+      tr.addEventListener("click", () => select(r.id));
+      body.appendChild(tr);
+    }
+    $("#side-count").textContent = String(side.length);
+    $("#side .empty").hidden = side.length > 0;
   }
 
   // -- recent requests ----------------------------------------------------------------------
@@ -634,6 +683,7 @@
       aggregate();
       renderAnomalies();
       renderConversations();
+      renderSide();
       renderRecent();
       renderDetail();
     }
