@@ -40,7 +40,14 @@ COMPLETION_PATHS = {
     "/chat/completions": "chat",
     "/v1/completions": "completions",
     "/completions": "completions",
+    "/api/v0/chat/completions": "chat",
+    "/api/v0/completions": "completions",
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
+    "/v1/messages": "messages",
+    "/api/v1/chat": "lmstudio_chat",
 }
+_BASE_ENDPOINTS = frozenset({"chat", "completions"})
 _DISCONNECTED = object()
 TRUTH_HISTORY = 1000
 MAX_LAG_WALL_S = 0.02  # overdue by more than this: pause the simulated clock instead of bursting
@@ -173,7 +180,10 @@ class SimApp:
         raw = await _read_body(receive)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         bare = self._bare_style()
-        if endpoint == "completions" and not self._style_cls.supports_completions:
+        native = getattr(self._style_cls, "native_endpoints", frozenset())
+        if (endpoint == "completions" and not self._style_cls.supports_completions) or (
+            endpoint not in _BASE_ENDPOINTS and endpoint not in native
+        ):
             await _play_simple(send, json_start(*bare.not_found()))
             return
         try:
@@ -228,6 +238,8 @@ class SimApp:
         prefill = req.prompt_tokens - (0 if self.profile.cache_report == "claimed-cold" else cached)
         if plan.tool_name:
             renderer.style.tool_name = plan.tool_name
+        if self.profile.speed_claims:
+            renderer.style.speed_claims = self.profile.speed_claims  # type: ignore[attr-defined]
         truth: dict[str, Any] = {
             "request": req_id,
             "response_id": ctx.response_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mlxproxy.sim.wire import Style, WireContext
 from mlxproxy.sim.wire_servers import MlxLmStyle, MlxOmniServerStyle, MlxOpenAIServerStyle, MlxVlmStyle
+from mlxproxy.sim.wire_native import LmStudioStyle, OllamaStyle
 from mlxproxy.sim.wire_vllm import OmlxStyle, RapidMlxStyle, VllmMlxStyle
 
 STYLES: dict[str, type[Style]] = {
@@ -21,6 +22,8 @@ STYLES: dict[str, type[Style]] = {
         RapidMlxStyle,
         OmlxStyle,
         MlxVlmStyle,
+        OllamaStyle,
+        LmStudioStyle,
     )
 }
 
