@@ -33,6 +33,7 @@ class _Native(Style):
 
     native_endpoints: frozenset[str] = frozenset()
     speed_claims = ""  # set from the profile by the app
+    wall_per_sim_s = 1.0  # the app's 1 / speed: the servers' own durations are wall-clock time
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
@@ -76,12 +77,13 @@ class OllamaStyle(_Native):
 
     def _metrics(self, reason: str, u: UsageReport) -> dict[str, Any]:
         ns = 1_000_000_000
-        ttft = u.ttft_s or 0.0
-        decode = u.decode_s or 0.0
+        k = self.wall_per_sim_s
+        ttft = (u.ttft_s or 0.0) * k
+        decode = (u.decode_s or 0.0) * k
         n = u.completion_tokens
         eval_s = decode * n / (n - 1) if n > 1 else decode
         out: dict[str, Any] = {"done_reason": reason if reason != "tool_calls" else "stop"}
-        out["total_duration"] = int((u.total_s or 0.0) * ns)
+        out["total_duration"] = int((u.total_s or 0.0) * k * ns)
         out["load_duration"] = 250_000
         out["prompt_eval_count"] = self._prompt_claim(u)
         if u.cached_tokens:
@@ -157,9 +159,10 @@ class OllamaStyle(_Native):
 
     def _timings(self, u: UsageReport) -> dict[str, Any]:
         prompt_n = self._prompt_claim(u)
-        prompt_ms = (u.ttft_s or 0.0) * 1000
+        k = self.wall_per_sim_s
+        prompt_ms = (u.ttft_s or 0.0) * k * 1000
         n = u.completion_tokens
-        predicted_ms = (u.decode_s or 0.0) * 1000 * (n / (n - 1) if n > 1 else 1)
+        predicted_ms = (u.decode_s or 0.0) * k * 1000 * (n / (n - 1) if n > 1 else 1)
         return {
             "cache_n": u.cached_tokens,
             "prompt_n": prompt_n,
@@ -279,10 +282,10 @@ class LmStudioStyle(_Native):
 
     def _stats(self, reason: str, u: UsageReport) -> dict[str, Any]:
         n = u.completion_tokens
-        decode = u.decode_s or 0.0
+        decode = (u.decode_s or 0.0) * self.wall_per_sim_s
         return {
             "tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
-            "time_to_first_token": round(u.ttft_s or 0.0, 3),
+            "time_to_first_token": round((u.ttft_s or 0.0) * self.wall_per_sim_s, 3),
             "generation_time": round(decode, 3),
             "stop_reason": {"stop": "eosFound", "length": "maxPredictedTokensReached"}.get(reason, reason),
         }
@@ -317,7 +320,7 @@ class LmStudioStyle(_Native):
             output.append({"type": "reasoning", "content": reasoning})
         output.append({"type": "message", "content": content})
         n = u.completion_tokens
-        decode = u.decode_s or 0.0
+        decode = (u.decode_s or 0.0) * self.wall_per_sim_s
         return {
             "model_instance_id": self.ctx.model,
             "output": output,
@@ -326,7 +329,7 @@ class LmStudioStyle(_Native):
                 "total_output_tokens": n,
                 "reasoning_output_tokens": u.reasoning_tokens,
                 "tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
-                "time_to_first_token_seconds": round(u.ttft_s or 0.0, 3),
+                "time_to_first_token_seconds": round((u.ttft_s or 0.0) * self.wall_per_sim_s, 3),
             },
             "response_id": "resp_" + self.ctx.response_id[-24:],
         }
