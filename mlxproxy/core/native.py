@@ -2,7 +2,7 @@
 
 Each decoded line or event becomes an `ApiEvent`, as Anthropic Messages and OpenAI Responses
 events do (`core.apis`), so the meter, the checks and the cache doctor treat all of them
-alike (docs/WIRE.md, "Ollama and LM Studio"):
+alike ([WIRE.md](WIRE.md#ollama-and-lm-studio)):
 
 - **Ollama** `/api/chat` and `/api/generate` (`api/types.go`: `ChatResponse`,
   `GenerateResponse`, `Metrics`): one JSON object per NDJSON line; `message.content` /

@@ -1,4 +1,4 @@
-"""Ollama's and LM Studio's wire formats, native and compatible (docs/WIRE.md, "Ollama and LM Studio").
+"""Ollama's and LM Studio's wire formats, native and compatible ([WIRE.md](WIRE.md#ollama-and-lm-studio)).
 
 `OllamaStyle` writes `/api/chat` and `/api/generate` as NDJSON lines (`api/types.go`,
 `server/routes.go`), its OpenAI-compatible chunks (`openai/openai.go`: `fp_ollama`, reasoning
