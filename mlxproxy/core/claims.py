@@ -31,7 +31,7 @@ class SpeedClaim(NamedTuple):
     phase: str  # "prefill" or "decode"
     label: str  # how the server states it, for the evidence
     rate_tps: float  # the claimed tokens per second
-    count: int | None  # the tokens the claim counts, when it says
+    tokens: int | None  # the tokens the claim counts, when it says
     duration_s: float | None  # the time it divides by, when it says
     load_s: float  # model load time inside the time to first token, as the server reports it
 
@@ -96,13 +96,13 @@ def audit(
             if ttft_s is None or not uncached_tokens:
                 continue
             window = ttft_s - c.load_s
-            secs = c.duration_s if c.duration_s is not None else (c.count or uncached_tokens) / c.rate_tps
+            secs = c.duration_s if c.duration_s is not None else (c.tokens or uncached_tokens) / c.rate_tps
             secs = min(secs, window) if window > 0 else secs
             if secs <= 0:
                 continue
             measured = uncached_tokens / secs
             if max(measured, c.rate_tps) / min(measured, c.rate_tps) > ratio:
-                counted = f"{c.count} tokens" if c.count is not None else "its tokens"
+                counted = f"{c.tokens} tokens" if c.tokens is not None else "its tokens"
                 found.append(
                     f"claimed prefill {c.rate_tps:.0f} tok/s ({c.label}, {counted}), measured {measured:.0f} tok/s: "
                     f"{uncached_tokens} prompt tokens were prefilled (the rest cached) in {secs:.3f} s "
@@ -112,7 +112,7 @@ def audit(
             if len(event_offsets_s) < 2:
                 continue
             span = event_offsets_s[-1] - event_offsets_s[0]
-            n = c.count if c.count is not None else output_tokens
+            n = c.tokens if c.tokens is not None else output_tokens
             if n is None:
                 n = len(event_offsets_s)
             if n < min_tokens or span < min_s:

@@ -141,6 +141,8 @@ class SimApp:
                 self.profile.model_name, int(time.time()), self.profile.max_context_tokens
             )
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
+        elif method == "GET" and (native := self._native_get(path)) is not None:
+            await _play_simple(send, json_start(200, [(b"content-type", b"application/json; charset=utf-8")], native))
         elif method == "GET" and path == "/health":
             await _play_simple(
                 send, json_start(200, [(b"content-type", b"application/json")], self._bare_style().health_body())
@@ -171,6 +173,12 @@ class SimApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _native_get(self, path: str) -> bytes | None:
+        """A server's own GET route (Ollama's `/api/tags`, ...), if its style has one for `path`."""
+        style = self._bare_style()
+        get = getattr(style, "native_get", None)
+        return None if get is None else get(path, self.profile.model_name)
+
     def _bare_style(self) -> Style:
         return self._style_cls(WireContext("", self.profile.model_name, 0))
 
@@ -180,7 +188,7 @@ class SimApp:
         raw = await _read_body(receive)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         bare = self._bare_style()
-        native = getattr(self._style_cls, "native_endpoints", frozenset())
+        native: frozenset[str] = getattr(self._style_cls, "native_endpoints", frozenset())
         if (endpoint == "completions" and not self._style_cls.supports_completions) or (
             endpoint not in _BASE_ENDPOINTS and endpoint not in native
         ):

@@ -275,6 +275,19 @@ class OllamaStyle(_Native):
         entry = {"id": model, "object": "model", "created": created, "owned_by": "library"}
         return self.dumps({"object": "list", "data": [entry]})
 
+    def native_get(self, path: str, model: str) -> bytes | None:
+        """Ollama's own GET routes that answer without the model (`/api/tags`, `/api/ps`,
+        `/api/version`); None for any other path."""
+        if path == "/api/tags":
+            entry = {"name": model, "model": model, "modified_at": _CREATED_AT, "size": 5_200_000_000,
+                     "digest": "0" * 64, "details": {"format": "gguf", "family": "qwen3"}}  # fmt: skip
+            return self.dumps({"models": [entry]})
+        if path == "/api/ps":
+            return self.dumps({"models": []})
+        if path == "/api/version":
+            return self.dumps({"version": "0.35.1"})
+        return None
+
 
 class LmStudioStyle(_Native):
     name = "lm-studio"

@@ -54,6 +54,13 @@ def stack() -> Iterator[tuple[str, ProxyApp]]:
         yield px.url, app
 
 
+@pytest.fixture
+def clients() -> Iterator[contextlib.ExitStack]:
+    """Every client a test opens is closed at its end (no socket left to the collector)."""
+    with contextlib.ExitStack() as es:
+        yield es
+
+
 def last(app: ProxyApp, since: int, n: int = 1) -> list[Record]:
     assert wait_for(lambda: not app.in_flight and app.recent.total >= since + n)
     assert app.recent.total == since + n
@@ -66,11 +73,11 @@ def ok(r: Record, endpoint: str, *, stream: bool) -> None:
     assert r.anomalies == (), r.anomaly_evidence
 
 
-def test_the_ollama_client_through_the_proxy(stack: tuple[str, ProxyApp]) -> None:
+def test_the_ollama_client_through_the_proxy(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     """On the `ollama` profile with honest speed figures (its cache makes the default one claim
     phantom prefill rates: the trap test below)."""
     url, app = stack
-    c = ollama.Client(host=url)
+    c = clients.enter_context(ollama.Client(host=url))
     n0 = app.recent.total
     parts = list(c.chat(model="honest", messages=MSGS, stream=True))  # the client asks; the server streams by default
     (r,) = last(app, n0)
@@ -107,16 +114,16 @@ def test_the_ollama_client_through_the_proxy(stack: tuple[str, ProxyApp]) -> Non
     ok(r, "ollama_chat", stream=True)
     assert any(p.message.tool_calls for p in streamed) and r.tool_calls == 1 and r.tool_calls_valid == 1
 
-    # the page (/streams) lists them like any other request
-    rows = httpx.get(url + "/streams").json()
-    endpoints = {row.get("endpoint") for row in rows.get("recent", rows.get("records", []))} if isinstance(rows, dict) else set()
-    assert {"ollama_chat", "ollama_generate"} <= endpoints, rows if not endpoints else endpoints
+    # the live page's feed (/streams) lists them like any other request, with their figures
+    recent = httpx.get(url + "/streams").json()["recent"]
+    native = [row for row in recent if row["endpoint"] in ("ollama_chat", "ollama_generate")]
+    assert len(native) >= 5 and all(row["outcome"] == "ok" and row["ttft_s"] is not None for row in native if row["stream"])
 
 
-def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp]) -> None:
+def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     url, app = stack
     n0 = app.recent.total
-    oa = openai.OpenAI(base_url=url + "/v1", api_key="ollama")
+    oa = clients.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="ollama"))
     chunks = list(oa.chat.completions.create(model="honest", messages=MSGS, stream=True, max_tokens=20))
     (r,) = last(app, n0)
     ok(r, "chat_completions", stream=True)
@@ -124,7 +131,7 @@ def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp]) -> Non
     assert chunks and not any(c.usage for c in chunks)  # the usage the proxy asked for never reaches the client
 
     n0 = app.recent.total
-    an = anthropic.Anthropic(base_url=url, api_key="ollama")
+    an = clients.enter_context(anthropic.Anthropic(base_url=url, api_key="ollama"))
     with an.messages.stream(model="honest", max_tokens=20, messages=MSGS) as s:
         final = s.get_final_message()
     (r,) = last(app, n0)
@@ -132,7 +139,7 @@ def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp]) -> Non
     assert r.completion_tokens_reported == final.usage.output_tokens == 20 and r.finish_reason == "max_tokens"
 
 
-def test_lm_studio_native_and_v0(stack: tuple[str, ProxyApp]) -> None:
+def test_lm_studio_native_and_v0(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     url, app = stack
     n0 = app.recent.total
     resp = httpx.post(url + "/api/v1/chat", json={"model": "qwen/qwen3-8b", "input": "Why?", "stream": True}, timeout=30)
@@ -148,11 +155,11 @@ def test_lm_studio_native_and_v0(stack: tuple[str, ProxyApp]) -> None:
     assert r.max_tokens is None
 
 
-def test_the_ollama_rate_trap_is_named_on_a_cached_turn(stack: tuple[str, ProxyApp]) -> None:
+def test_the_ollama_rate_trap_is_named_on_a_cached_turn(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     url, app = stack
     system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 120}
     turn1 = [system, {"role": "user", "content": "Why is the sky blue?"}]
-    c = ollama.Client(host=url)
+    c = clients.enter_context(ollama.Client(host=url))
     n0 = app.recent.total
     a1 = c.chat(model="qwen3:8b", messages=turn1, stream=True, options={"num_predict": 10})
     text = "".join(p.message.content for p in a1)
@@ -163,9 +170,9 @@ def test_the_ollama_rate_trap_is_named_on_a_cached_turn(stack: tuple[str, ProxyA
     assert "claimed prefill" in r2.anomaly_evidence["speed_claim_mismatch"]
 
 
-def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp]) -> None:
+def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     url, app = stack
-    c = ollama.Client(host=url)
+    c = clients.enter_context(ollama.Client(host=url))
     lines = [f"Rule {i}: answer in plain words and keep it short." for i in range(100)]
 
     def system(first: str) -> dict[str, str]:
@@ -185,3 +192,49 @@ def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp
     # the changed first line of the system prompt: named, with the seconds it cost
     assert three.reprefill_cause in ("volatile_span", "system_changed"), three.reprefill_cause
     assert three.reprefill_lost_s is not None and three.reprefill_lost_s > 0
+
+
+def test_ollamas_other_routes_pass_through_unmetered(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
+    url, app = stack
+    n0 = app.recent.total
+    listed = clients.enter_context(ollama.Client(host=url)).list()
+    (r,) = last(app, n0)
+    assert [m.model for m in listed.models] == ["qwen3:8b"]
+    assert r.endpoint == "other" and r.path == "/api/tags" and r.outcome == "ok" and r.anomalies == ()
+    assert r.ttft_s is None and r.completion_tokens is None and r.prompt_tokens is None
+
+
+def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: contextlib.ExitStack) -> None:
+    """Ollama-native requests captured through the proxy replay against the profile; bench sends
+    its tests through /api/chat; the HTML report shows those records like any other."""
+    import asyncio
+
+    from mlxproxy.capture import read_capture
+    from mlxproxy.load.bench import BenchOptions, Target, bench_targets
+    from mlxproxy.load.bench_report import write_bench_html
+    from mlxproxy.load.replay import ReplayOptions, run
+    from support import proxy
+
+    cap = tmp_path / "capture.jsonl"
+    with ServerThread(create_sim("ollama", speed=20, speed_claims="")) as sim:
+        with proxy(sim.url, capture=str(cap)) as (url, app):
+            c = clients.enter_context(ollama.Client(host=url))
+            list(c.chat(model="qwen3:8b", messages=MSGS, stream=True, options={"num_predict": 8}))
+            c.generate(model="qwen3:8b", prompt="Why?", stream=False, options={"num_predict": 8})
+            assert wait_for(lambda: app.capture is not None and app.capture.written == 2)
+        caps = read_capture(cap)
+        (g,) = run(caps, sim.url, ReplayOptions(), compare=True)
+        recs = [rr.record for rr in g.records]
+        assert [(r.endpoint, r.stream, r.outcome) for r in recs] == [("ollama_chat", True, "ok"), ("ollama_generate", False, "ok")]
+        assert all(r.completion_tokens_reported == 8 and r.anomalies == () for r in recs)
+        opts = BenchOptions(prompt_tokens=(64,), max_tokens=16, repeat=2, api="ollama")
+        (res,) = asyncio.run(bench_targets([Target("ollama", sim.url, 60.0)], opts))
+    assert res.error is None
+    rows = [rr.record for grp in res.groups for rr in grp.records]
+    assert rows and all(r.endpoint == "ollama_chat" and r.outcome == "ok" for r in rows)
+    assert all(r.anomalies == () for r in rows), [r.anomaly_evidence for r in rows if r.anomalies]
+    html = tmp_path / "bench.html"
+    write_bench_html([res], str(html))
+    page = html.read_text()  # each request a lane of the timeline, with its TTFT, as for any API
+    drawn = [r for r in rows if f'data-id="{r.id}"' in page]
+    assert drawn and all(f"{r.id} {r.model} ok: TTFT" in page for r in drawn)
