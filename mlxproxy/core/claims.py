@@ -50,7 +50,10 @@ def speed_claims(claims: dict[str, Any]) -> list[SpeedClaim]:
     ol = claims.get("ollama")
     if isinstance(ol, dict):
         load = (_num(ol.get("load_duration")) or 0.0) / 1e9
-        for phase, ck, dk in (("prefill", "prompt_eval_count", "prompt_eval_duration"), ("decode", "eval_count", "eval_duration")):
+        for phase, ck, dk in (
+            ("prefill", "prompt_eval_count", "prompt_eval_duration"),
+            ("decode", "eval_count", "eval_duration"),
+        ):
             n, d = _num(ol.get(ck)), _num(ol.get(dk))
             secs = None if d is None else d / 1e9
             r = _rate(n, secs)

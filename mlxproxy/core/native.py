@@ -91,7 +91,9 @@ def _ollama_calls(tcs: Any) -> tuple[tuple[int, str | None, str, str], ...]:
         fn = tc.get("function")
         fn = fn if isinstance(fn, dict) else {}
         idx = _int(fn.get("index"))
-        out.append((pos if idx is None else idx, _str(tc.get("id")), _str(fn.get("name")) or "", _args(fn.get("arguments"))))
+        out.append(
+            (pos if idx is None else idx, _str(tc.get("id")), _str(fn.get("name")) or "", _args(fn.get("arguments")))
+        )
     return tuple(out)
 
 

@@ -125,7 +125,9 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
         max_tokens = None  # a negative limit means "no limit" (LM Studio's -1, Ollama's num_predict -1)
     # Ollama's native API streams unless told otherwise; every other one only when asked
-    stream = obj.get("stream") is not False if endpoint in ("ollama_chat", "ollama_generate") else obj.get("stream") is True
+    stream = (
+        obj.get("stream") is not False if endpoint in ("ollama_chat", "ollama_generate") else obj.get("stream") is True
+    )
     so = obj.get("stream_options")
     usage_requested = isinstance(so, dict) and bool(so.get("include_usage"))
     return (

@@ -99,7 +99,12 @@ class OllamaStyle(_Native):
             parsed: Any = json.loads(args)
         except ValueError:
             parsed = args
-        return [{"id": "call_" + self.ctx.response_id[-8:], "function": {"index": 0, "name": self.tool_name, "arguments": parsed}}]
+        return [
+            {
+                "id": "call_" + self.ctx.response_id[-8:],
+                "function": {"index": 0, "name": self.tool_name, "arguments": parsed},
+            }
+        ]
 
     # -- stream --------------------------------------------------------------------------------
 
@@ -152,7 +157,11 @@ class OllamaStyle(_Native):
                 "content_block_start",
                 self.dumps({"type": "content_block_start", "index": self._block, "content_block": block}),
             )
-        delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else {"type": "text_delta", "text": text}
+        delta = (
+            {"type": "thinking_delta", "thinking": text}
+            if kind == "reasoning"
+            else {"type": "text_delta", "text": text}
+        )
         return out + named(
             "content_block_delta", self.dumps({"type": "content_block_delta", "index": self._block, "delta": delta})
         )
@@ -193,7 +202,12 @@ class OllamaStyle(_Native):
             return out + named("message_delta", self.dumps(delta)) + named("message_stop", b'{"type":"message_stop"}')
         out = b""
         if calls:
-            call = {"index": 0, "id": calls[0]["id"], "type": "function", "function": {"name": self.tool_name, "arguments": "".join(self._args)}}
+            call = {
+                "index": 0,
+                "id": calls[0]["id"],
+                "type": "function",
+                "function": {"name": self.tool_name, "arguments": "".join(self._args)},
+            }
             out += self._chunk([self._choice({"role": "assistant", "tool_calls": [call]}, "", None)])
         out += self._chunk([self._choice({}, "", reason)])
         if self.ctx.include_usage:
@@ -207,10 +221,18 @@ class OllamaStyle(_Native):
         block = {"type": "tool_use", "id": call["id"], "name": self.tool_name, "input": {}}
         args = "".join(self._args)
         return (
-            named("content_block_start", self.dumps({"type": "content_block_start", "index": i, "content_block": block}))
+            named(
+                "content_block_start", self.dumps({"type": "content_block_start", "index": i, "content_block": block})
+            )
             + named(
                 "content_block_delta",
-                self.dumps({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": args}}),
+                self.dumps(
+                    {
+                        "type": "content_block_delta",
+                        "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": args},
+                    }
+                ),
             )
             + named("content_block_stop", self.dumps({"type": "content_block_stop", "index": i}))
         )
@@ -247,7 +269,14 @@ class OllamaStyle(_Native):
             if reasoning:
                 blocks.append({"type": "thinking", "thinking": reasoning})
             if calls:
-                blocks.append({"type": "tool_use", "id": calls[0]["id"], "name": self.tool_name, "input": calls[0]["function"]["arguments"]})
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": calls[0]["id"],
+                        "name": self.tool_name,
+                        "input": calls[0]["function"]["arguments"],
+                    }
+                )
             else:
                 blocks.append({"type": "text", "text": content})
             stop = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}.get(reason, reason)

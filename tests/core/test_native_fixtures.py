@@ -7,13 +7,13 @@ import json
 from typing import Any
 
 import pytest
-from support import FIXTURES, splits
 
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
+from support import FIXTURES, splits
 
 NATIVE = FIXTURES / "native"
 CASES: dict[str, dict[str, Any]] = json.loads((NATIVE / "cases.json").read_text())
@@ -67,7 +67,15 @@ def test_every_recording_cites_its_source_and_is_in_the_readme() -> None:
         ("ollama_openai_stream_timings", "Longer path through air, so red.", "", 8, 3100, 3000, "stop"),
         ("ollama_messages_stream", SKY, "", 9, 26, None, "end_turn"),
         ("lmstudio_v0_chat_stream", "Greetings, I'm a helpful AI, here to assist,\n", "", None, None, None, "stop"),
-        ("lmstudio_v1_chat_stream", "Rayleigh scattering makes the sky blue.", "Need to answer briefly.", 12, 74, None, "end"),
+        (
+            "lmstudio_v1_chat_stream",
+            "Rayleigh scattering makes the sky blue.",
+            "Need to answer briefly.",
+            12,
+            74,
+            None,
+            "end",
+        ),
         ("lmstudio_responses_stream", SKY, "", 9, 18, 0, "completed"),
     ],
 )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from support import splits
 
 from mlxproxy.core.ndjson import NDJSONDecoder
 from mlxproxy.core.sse import SSEEvent, SSEProtocolError
+from support import splits
 
 BODY = (
     b'{"model":"m","message":{"role":"assistant","content":"H\xc3\xa9"},"done":false}\n'

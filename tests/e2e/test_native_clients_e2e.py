@@ -9,13 +9,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from support import wait_for
 
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.sim.app import create_app as create_sim
+from support import wait_for
 
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
@@ -102,14 +102,18 @@ def test_the_ollama_client_through_the_proxy(stack: tuple[str, ProxyApp], client
     assert r.completion_tokens_counted == 12
 
     n0 = app.recent.total
-    called = c.chat(model="honest", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, stream=False)
+    called = c.chat(
+        model="honest", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, stream=False
+    )
     (r,) = last(app, n0)
     ok(r, "ollama_chat", stream=False)
     assert called.message.tool_calls and called.message.tool_calls[0].function.name == "get_weather"
     assert r.tool_calls == 1 and r.tool_calls_valid == 1
 
     n0 = app.recent.total
-    streamed = list(c.chat(model="honest", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=True))
+    streamed = list(
+        c.chat(model="honest", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=True)
+    )
     (r,) = last(app, n0)
     ok(r, "ollama_chat", stream=True)
     assert any(p.message.tool_calls for p in streamed) and r.tool_calls == 1 and r.tool_calls_valid == 1
@@ -117,7 +121,9 @@ def test_the_ollama_client_through_the_proxy(stack: tuple[str, ProxyApp], client
     # the live page's feed (/streams) lists them like any other request, with their figures
     recent = httpx.get(url + "/streams").json()["recent"]
     native = [row for row in recent if row["endpoint"] in ("ollama_chat", "ollama_generate")]
-    assert len(native) >= 5 and all(row["outcome"] == "ok" and row["ttft_s"] is not None for row in native if row["stream"])
+    assert len(native) >= 5 and all(
+        row["outcome"] == "ok" and row["ttft_s"] is not None for row in native if row["stream"]
+    )
 
 
 def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
@@ -142,7 +148,9 @@ def test_the_sdks_on_ollamas_compatible_apis(stack: tuple[str, ProxyApp], client
 def test_lm_studio_native_and_v0(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
     url, app = stack
     n0 = app.recent.total
-    resp = httpx.post(url + "/api/v1/chat", json={"model": "qwen/qwen3-8b", "input": "Why?", "stream": True}, timeout=30)
+    resp = httpx.post(
+        url + "/api/v1/chat", json={"model": "qwen/qwen3-8b", "input": "Why?", "stream": True}, timeout=30
+    )
     assert resp.status_code == 200 and "event: chat.end" in resp.text
     (r,) = last(app, n0)
     ok(r, "lmstudio_chat", stream=True)
@@ -155,7 +163,9 @@ def test_lm_studio_native_and_v0(stack: tuple[str, ProxyApp], clients: contextli
     assert r.max_tokens is None
 
 
-def test_the_ollama_rate_trap_is_named_on_a_cached_turn(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
+def test_the_ollama_rate_trap_is_named_on_a_cached_turn(
+    stack: tuple[str, ProxyApp], clients: contextlib.ExitStack
+) -> None:
     url, app = stack
     system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 120}
     turn1 = [system, {"role": "user", "content": "Why is the sky blue?"}]
@@ -163,14 +173,23 @@ def test_the_ollama_rate_trap_is_named_on_a_cached_turn(stack: tuple[str, ProxyA
     n0 = app.recent.total
     a1 = c.chat(model="qwen3:8b", messages=turn1, stream=True, options={"num_predict": 10})
     text = "".join(p.message.content for p in a1)
-    list(c.chat(model="qwen3:8b", messages=[*turn1, {"role": "assistant", "content": text}, {"role": "user", "content": "And red sunsets?"}], options={"num_predict": 10}, stream=True))
+    list(
+        c.chat(
+            model="qwen3:8b",
+            messages=[*turn1, {"role": "assistant", "content": text}, {"role": "user", "content": "And red sunsets?"}],
+            options={"num_predict": 10},
+            stream=True,
+        )
+    )
     r1, r2 = last(app, n0, 2)
     assert r1.anomalies == () and r2.cached_tokens and r2.turn == 2
     assert r2.anomalies == ("speed_claim_mismatch",), r2.anomaly_evidence
     assert "claimed prefill" in r2.anomaly_evidence["speed_claim_mismatch"]
 
 
-def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
+def test_the_cache_doctor_on_an_ollama_native_session(
+    stack: tuple[str, ProxyApp], clients: contextlib.ExitStack
+) -> None:
     url, app = stack
     c = clients.enter_context(ollama.Client(host=url))
     lines = [f"Rule {i}: answer in plain words and keep it short." for i in range(100)]
@@ -183,7 +202,10 @@ def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp
     recs = []
     for turn, first in enumerate(["Session a1b2c3", "Session a1b2c3", "Session 9f8e7d"], start=1):
         parts = list(c.chat(model="honest", messages=[system(first), *msgs], options={"num_predict": 8}, stream=True))
-        msgs += [{"role": "assistant", "content": "".join(p.message.content for p in parts)}, {"role": "user", "content": f"Turn {turn + 1}?"}]
+        msgs += [
+            {"role": "assistant", "content": "".join(p.message.content for p in parts)},
+            {"role": "user", "content": f"Turn {turn + 1}?"},
+        ]
     recs = last(app, n0, 3)
     one, two, three = recs
     assert one.turn == 1 and two.turn == 2 and three.turn == 3
@@ -194,7 +216,9 @@ def test_the_cache_doctor_on_an_ollama_native_session(stack: tuple[str, ProxyApp
     assert three.reprefill_lost_s is not None and three.reprefill_lost_s > 0
 
 
-def test_ollamas_other_routes_pass_through_unmetered(stack: tuple[str, ProxyApp], clients: contextlib.ExitStack) -> None:
+def test_ollamas_other_routes_pass_through_unmetered(
+    stack: tuple[str, ProxyApp], clients: contextlib.ExitStack
+) -> None:
     url, app = stack
     n0 = app.recent.total
     listed = clients.enter_context(ollama.Client(host=url)).list()
@@ -225,7 +249,10 @@ def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: con
         caps = read_capture(cap)
         (g,) = run(caps, sim.url, ReplayOptions(), compare=True)
         recs = [rr.record for rr in g.records]
-        assert [(r.endpoint, r.stream, r.outcome) for r in recs] == [("ollama_chat", True, "ok"), ("ollama_generate", False, "ok")]
+        assert [(r.endpoint, r.stream, r.outcome) for r in recs] == [
+            ("ollama_chat", True, "ok"),
+            ("ollama_generate", False, "ok"),
+        ]
         assert all(r.completion_tokens_reported == 8 and r.anomalies == () for r in recs)
         opts = BenchOptions(prompt_tokens=(64,), max_tokens=16, repeat=2, api="ollama")
         (res,) = asyncio.run(bench_targets([Target("ollama", sim.url, 60.0)], opts))
