@@ -298,6 +298,7 @@ class SimApp:
         self, renderer: Renderer, queue: asyncio.Queue[Any], send: Send, receive: Receive, truth: dict[str, Any]
     ) -> None:
         offset = _Offset()
+        token_walls: list[float] = []  # wall time of the first and the latest token written
         idle_s = self.profile.keepalive_idle_s
         last_write_s = renderer.admitted_s
         while not renderer.done:
@@ -316,9 +317,13 @@ class SimApp:
             _note_truth(truth, ev)
             if offset.wall_s > 0:
                 await asyncio.sleep(max(self.wall_at(ev.t_s) + offset.wall_s - time.perf_counter(), 0.0))
+            if isinstance(ev, Finish) and token_walls:  # the server's own decode time, on the wall clock
+                renderer.style.decode_wall_s = token_walls[-1] - token_walls[0]  # type: ignore[attr-defined]
             writes = renderer.on_event(ev)
             if any(isinstance(w, bytes) and w for w in writes):
                 last_write_s = ev.t_s
+                if isinstance(ev, Token):  # kept: the first and the latest
+                    token_walls[1:] = [time.perf_counter()]
             if await self._play(writes, send, receive, renderer, offset):
                 truth["outcome"] = "fault"
                 return

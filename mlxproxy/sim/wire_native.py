@@ -17,7 +17,9 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.sim.wire import DONE, JSON_HEADERS, SSE_HEADERS, Style, UsageReport, sse
+from mlxproxy.sim.wire import DONE, SSE_HEADERS, Style, UsageReport, WireContext, sse
+
+__all__ = ["OllamaStyle", "LmStudioStyle", "NDJSON_HEADERS"]
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson")]
 _CREATED_AT = "2026-12-06T14:00:00.000000000Z"
@@ -34,10 +36,40 @@ class _Native(Style):
     native_endpoints: frozenset[str] = frozenset()
     speed_claims = ""  # set from the profile by the app
     wall_per_sim_s = 1.0  # the app's 1 / speed: the servers' own durations are wall-clock time
+    # wall seconds from the first to the last token written, when the app saw them (a real server
+    # times its decode on the wall clock: a starved process's pauses are in it)
+    decode_wall_s: float | None = None
 
-    def __init__(self, ctx: Any) -> None:
+    def _decode_s(self, u: UsageReport) -> float:
+        return self.decode_wall_s if self.decode_wall_s is not None else (u.decode_s or 0.0) * self.wall_per_sim_s
+
+    def __init__(self, ctx: WireContext) -> None:
         super().__init__(ctx)
         self._args: list[str] = []
+        self._role_sent = False
+
+    def fingerprint(self) -> str:
+        """`system_fingerprint` of its OpenAI-compatible chunks."""
+        return self.ctx.model
+
+    def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
+        # no `"usage": null` on every chunk (Ollama's `Usage *Usage` is omitempty; LM Studio's
+        # recorded chunks have none) and a fingerprint string
+        chat = self.ctx.endpoint == "chat"
+        obj: dict[str, Any] = {
+            "id": self.ctx.response_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+        }
+        if chat:
+            obj["system_fingerprint"] = self.fingerprint()
+        obj["choices"] = choices
+        obj.update(extra)
+        return sse(self.dumps(obj))
+
+    def open_stream(self) -> bytes:
+        return b""  # no role-only chunk: the role rides on the first token's delta
 
     def _prompt_claim(self, u: UsageReport) -> int:
         """The prompt count the server's speed figures divide (the knob `speed_claims`)."""
@@ -52,6 +84,14 @@ class OllamaStyle(_Native):
 
     def _native(self) -> bool:
         return self.ctx.endpoint in ("ollama_chat", "ollama_generate")
+
+    def fingerprint(self) -> str:
+        return "fp_ollama"
+
+    def _choice(self, delta: dict[str, Any] | None, text: str | None, finish: str | None) -> dict[str, Any]:
+        if self.ctx.endpoint == "chat":  # `ChunkChoice`: logprobs omitted when empty
+            return {"index": 0, "delta": delta or {}, "finish_reason": finish}
+        return {"text": text or "", "index": 0, "finish_reason": finish}
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
         return list(NDJSON_HEADERS) if self._native() else list(SSE_HEADERS)
@@ -70,6 +110,8 @@ class OllamaStyle(_Native):
             if thinking:
                 obj["thinking"] = thinking
         obj["done"] = bool(final)
+        if final and self.ctx.endpoint == "ollama_generate":  # `GenerateResponse`: the context after done_reason
+            final = {"done_reason": final.pop("done_reason"), "context": [151644, 872, 198], **final}
         obj.update(final)
         if calls and self.ctx.endpoint == "ollama_generate":
             obj["tool_calls"] = calls
@@ -79,7 +121,7 @@ class OllamaStyle(_Native):
         ns = 1_000_000_000
         k = self.wall_per_sim_s
         ttft = (u.ttft_s or 0.0) * k
-        decode = (u.decode_s or 0.0) * k
+        decode = self._decode_s(u)
         n = u.completion_tokens
         eval_s = decode * n / (n - 1) if n > 1 else decode
         out: dict[str, Any] = {"done_reason": reason if reason != "tool_calls" else "stop"}
@@ -124,13 +166,15 @@ class OllamaStyle(_Native):
                 },
             }
             return named("message_start", self.dumps(start))
-        return super().open_stream()
+        return b""
 
     def delta(self, kind: str, text: str) -> dict[str, Any]:
-        if kind == "reasoning":
-            return {"role": "assistant", "content": "", "reasoning": text}
-        d = super().delta(kind, text)
-        return {"role": "assistant", **d} if "content" in d else d
+        # `toChunk`: the role only on the first chunk; `content` kept even when "" (an `any`)
+        d = {"content": "", "reasoning": text} if kind == "reasoning" else super().delta(kind, text)
+        if not self._role_sent:
+            self._role_sent = True
+            return {"role": "assistant", **d}
+        return d
 
     def piece(self, kind: str, text: str, rate_tps: float | None = None) -> bytes:
         if kind == "tool":  # Ollama parses the call whole and sends it at once
@@ -171,7 +215,7 @@ class OllamaStyle(_Native):
         k = self.wall_per_sim_s
         prompt_ms = (u.ttft_s or 0.0) * k * 1000
         n = u.completion_tokens
-        predicted_ms = (u.decode_s or 0.0) * k * 1000 * (n / (n - 1) if n > 1 else 1)
+        predicted_ms = self._decode_s(u) * 1000 * (n / (n - 1) if n > 1 else 1)
         return {
             "cache_n": u.cached_tokens,
             "prompt_n": prompt_n,
@@ -324,7 +368,7 @@ class LmStudioStyle(_Native):
 
     def _stats(self, reason: str, u: UsageReport) -> dict[str, Any]:
         n = u.completion_tokens
-        decode = (u.decode_s or 0.0) * self.wall_per_sim_s
+        decode = self._decode_s(u)
         return {
             "tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
             "time_to_first_token": round((u.ttft_s or 0.0) * self.wall_per_sim_s, 3),
@@ -334,8 +378,9 @@ class LmStudioStyle(_Native):
 
     def open_stream(self) -> bytes:
         if self.ctx.endpoint == "lmstudio_chat":
-            return named("chat.start", self.dumps({"type": "chat.start", "model_instance_id": self.ctx.model}))
-        return super().open_stream()
+            start = named("chat.start", self.dumps({"type": "chat.start", "model_instance_id": self.ctx.model}))
+            return start + self._ev("prompt_processing.start")
+        return b""
 
     _kind = ""
 
@@ -349,6 +394,8 @@ class LmStudioStyle(_Native):
         if kind != self._kind:
             if self._kind:
                 out += self._ev(f"{self._kind}.end")
+            else:
+                out += self._ev("prompt_processing.end")
             self._kind = "reasoning" if kind == "reasoning" else "message"
             out += self._ev(f"{self._kind}.start")
         return out + named(f"{self._kind}.delta", self.dumps({"type": f"{self._kind}.delta", "content": text}))
@@ -362,7 +409,7 @@ class LmStudioStyle(_Native):
             output.append({"type": "reasoning", "content": reasoning})
         output.append({"type": "message", "content": content})
         n = u.completion_tokens
-        decode = (u.decode_s or 0.0) * self.wall_per_sim_s
+        decode = self._decode_s(u)
         return {
             "model_instance_id": self.ctx.model,
             "output": output,
@@ -393,6 +440,3 @@ class LmStudioStyle(_Native):
         obj = orjson.loads(body)
         obj["stats"] = self._stats(reason, usage)
         return self.dumps(obj)
-
-
-__all__ = ["OllamaStyle", "LmStudioStyle", "JSON_HEADERS"]
