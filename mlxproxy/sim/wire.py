@@ -61,14 +61,14 @@ class WireContext:
 
 @dataclass(frozen=True)
 class UsageReport:
-    """Usage numbers and the server's timing claims (simulated seconds) for one answer."""
+    """Usage numbers and the server's timing claims (wall seconds) for one answer."""
 
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
     reasoning_chars: int = 0
     total_chars: int = 0
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # the timing claims, in wall seconds
     decode_s: float | None = None
     total_s: float | None = None
     n_visible: int = 0

@@ -35,13 +35,12 @@ class _Native(Style):
 
     native_endpoints: frozenset[str] = frozenset()
     speed_claims = ""  # set from the profile by the app
-    wall_per_sim_s = 1.0  # the app's 1 / speed: the servers' own durations are wall-clock time
     # wall seconds from the first to the last token written, when the app saw them (a real server
     # times its decode on the wall clock: a starved process's pauses are in it)
     decode_wall_s: float | None = None
 
     def _decode_s(self, u: UsageReport) -> float:
-        return self.decode_wall_s if self.decode_wall_s is not None else (u.decode_s or 0.0) * self.wall_per_sim_s
+        return self.decode_wall_s if self.decode_wall_s is not None else (u.decode_s or 0.0)
 
     def __init__(self, ctx: WireContext) -> None:
         super().__init__(ctx)
@@ -119,13 +118,12 @@ class OllamaStyle(_Native):
 
     def _metrics(self, reason: str, u: UsageReport) -> dict[str, Any]:
         ns = 1_000_000_000
-        k = self.wall_per_sim_s
-        ttft = (u.ttft_s or 0.0) * k
+        ttft = u.ttft_s or 0.0
         decode = self._decode_s(u)
         n = u.completion_tokens
         eval_s = decode * n / (n - 1) if n > 1 else decode
         out: dict[str, Any] = {"done_reason": reason if reason != "tool_calls" else "stop"}
-        out["total_duration"] = int((u.total_s or 0.0) * k * ns)
+        out["total_duration"] = int((u.total_s or 0.0) * ns)
         out["load_duration"] = 250_000
         out["prompt_eval_count"] = self._prompt_claim(u)
         if u.cached_tokens:
@@ -212,8 +210,7 @@ class OllamaStyle(_Native):
 
     def _timings(self, u: UsageReport) -> dict[str, Any]:
         prompt_n = self._prompt_claim(u)
-        k = self.wall_per_sim_s
-        prompt_ms = (u.ttft_s or 0.0) * k * 1000
+        prompt_ms = (u.ttft_s or 0.0) * 1000
         n = u.completion_tokens
         predicted_ms = self._decode_s(u) * 1000 * (n / (n - 1) if n > 1 else 1)
         return {
@@ -371,7 +368,7 @@ class LmStudioStyle(_Native):
         decode = self._decode_s(u)
         return {
             "tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
-            "time_to_first_token": round((u.ttft_s or 0.0) * self.wall_per_sim_s, 3),
+            "time_to_first_token": round(u.ttft_s or 0.0, 3),
             "generation_time": round(decode, 3),
             "stop_reason": {"stop": "eosFound", "length": "maxPredictedTokensReached"}.get(reason, reason),
         }
@@ -418,7 +415,7 @@ class LmStudioStyle(_Native):
                 "total_output_tokens": n,
                 "reasoning_output_tokens": u.reasoning_tokens,
                 "tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
-                "time_to_first_token_seconds": round((u.ttft_s or 0.0) * self.wall_per_sim_s, 3),
+                "time_to_first_token_seconds": round(u.ttft_s or 0.0, 3),
             },
             "response_id": "resp_" + self.ctx.response_id[-24:],
         }
