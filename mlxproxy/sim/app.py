@@ -318,7 +318,7 @@ class SimApp:
             if offset.wall_s > 0:
                 await asyncio.sleep(max(self.wall_at(ev.t_s) + offset.wall_s - time.perf_counter(), 0.0))
             if isinstance(ev, Finish) and token_walls:  # the server's own decode time, on the wall clock
-                renderer.style.decode_wall_s = token_walls[-1] - token_walls[0]  # type: ignore[attr-defined]
+                renderer.decode_wall_s = token_walls[-1] - token_walls[0]
             writes = renderer.on_event(ev)
             if any(isinstance(w, bytes) and w for w in writes):
                 last_write_s = ev.t_s

@@ -35,12 +35,9 @@ class _Native(Style):
 
     native_endpoints: frozenset[str] = frozenset()
     speed_claims = ""  # set from the profile by the app
-    # wall seconds from the first to the last token written, when the app saw them (a real server
-    # times its decode on the wall clock: a starved process's pauses are in it)
-    decode_wall_s: float | None = None
 
     def _decode_s(self, u: UsageReport) -> float:
-        return self.decode_wall_s if self.decode_wall_s is not None else (u.decode_s or 0.0)
+        return u.decode_s or 0.0
 
     def __init__(self, ctx: WireContext) -> None:
         super().__init__(ctx)
