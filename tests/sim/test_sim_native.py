@@ -8,7 +8,6 @@ import json
 
 import orjson
 import pytest
-from support import FIXTURES
 
 from mlxproxy.sim.engine import Arrival, plan
 from mlxproxy.sim.faults import Faults
@@ -17,6 +16,7 @@ from mlxproxy.sim.render import Renderer, Start
 from mlxproxy.sim.request import parse_request, plan_output
 from mlxproxy.sim.styles import style_class
 from mlxproxy.sim.wire import WireContext
+from support import FIXTURES
 
 NATIVE = FIXTURES / "native"
 
