@@ -34,6 +34,9 @@ class _Native(Style):
     """What the two servers share: tool calls gathered and sent whole at the end."""
 
     native_endpoints: frozenset[str] = frozenset()
+    # no `"usage": null` on every chunk (Ollama's `Usage *Usage` is omitempty; LM Studio's
+    # recorded chunks have none)
+    null_usage = False
     speed_claims = ""  # set from the profile by the app
 
     def _decode_s(self, u: UsageReport) -> float:
@@ -44,25 +47,8 @@ class _Native(Style):
         self._args: list[str] = []
         self._role_sent = False
 
-    def fingerprint(self) -> str:
-        """`system_fingerprint` of its OpenAI-compatible chunks."""
+    def chunk_fingerprint(self) -> str:
         return self.ctx.model
-
-    def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
-        # no `"usage": null` on every chunk (Ollama's `Usage *Usage` is omitempty; LM Studio's
-        # recorded chunks have none) and a fingerprint string
-        chat = self.ctx.endpoint == "chat"
-        obj: dict[str, Any] = {
-            "id": self.ctx.response_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": self.ctx.created,
-            "model": self.ctx.model,
-        }
-        if chat:
-            obj["system_fingerprint"] = self.fingerprint()
-        obj["choices"] = choices
-        obj.update(extra)
-        return sse(self.dumps(obj))
 
     def open_stream(self) -> bytes:
         return b""  # no role-only chunk: the role rides on the first token's delta
@@ -81,7 +67,7 @@ class OllamaStyle(_Native):
     def _native(self) -> bool:
         return self.ctx.endpoint in ("ollama_chat", "ollama_generate")
 
-    def fingerprint(self) -> str:
+    def chunk_fingerprint(self) -> str:
         return "fp_ollama"
 
     def _choice(self, delta: dict[str, Any] | None, text: str | None, finish: str | None) -> dict[str, Any]:
