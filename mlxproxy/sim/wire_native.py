@@ -262,12 +262,9 @@ class OllamaStyle(_Native):
         )
 
     def usage_obj(self, usage: UsageReport) -> dict[str, Any]:
-        return {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        }
+        out = super().usage_obj(usage)
+        del out["completion_tokens_details"]  # (its `Usage` has no reasoning count)
+        return out
 
     def stream_error(self, message: str, reason: str, usage: UsageReport) -> tuple[bytes, str]:
         if self._native():
