@@ -4,18 +4,23 @@ the cache doctor on an Ollama-native conversation. Every record is checked as th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.config import build_config
+from mlxproxy.core.meter import RequestMeter
+from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.sim.app import create_app as create_sim
-from support import wait_for
+from support import FIXTURES, last_record, proxy, wait_for
 
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
@@ -237,7 +242,6 @@ def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: con
     from mlxproxy.load.bench import BenchOptions, Target, bench_targets
     from mlxproxy.load.bench_report import write_bench_html
     from mlxproxy.load.replay import ReplayOptions, run
-    from support import proxy
 
     cap = tmp_path / "capture.jsonl"
     with ServerThread(create_sim("ollama", speed=20, speed_claims="")) as sim:
@@ -265,3 +269,55 @@ def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: con
     page = html.read_text()  # each request a lane of the timeline, with its TTFT, as for any API
     drawn = [r for r in rows if f'data-id="{r.id}"' in page]
     assert drawn and all(f"{r.id} {r.model} ok: TTFT" in page for r in drawn)
+
+
+NATIVE = FIXTURES / "native"
+CASES = json.loads((NATIVE / "cases.json").read_text())
+TRAPS = {"ollama_chat_cached_turn2", "ollama_openai_stream_timings"}
+
+
+def _paced(case: dict, body: bytes):
+    """An upstream that sends the recording's reads at their recorded offsets (chunked)."""
+
+    async def handler(req: Req, conn: Conn) -> None:
+        t0 = conn.loop.time()
+        await conn.head(case["status"], [("content-type", case["content_type"]), ("transfer-encoding", "chunked")])
+        prev = 0
+        for t, end in case["reads"]:
+            await asyncio.sleep(max(t0 + t - conn.loop.time(), 0.0))
+            await conn.chunk(body[prev:end])
+            prev = end
+        await conn.end_chunked()
+
+    return handler
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_recording_through_the_proxy_byte_for_byte(name: str) -> None:
+    """Each recording of tests/fixtures/native/, paced as recorded, reaches the client unchanged,
+    and the proxy's record says what the meter says of it: outcome, counts, finish, and nothing
+    flagged but the two rate traps."""
+    case = CASES[name]
+    body = (NATIVE / case["body"]).read_bytes()
+    req_body = (NATIVE / case["request"]).read_bytes()
+    # recorded answers to the request as sent: the proxy must not ask for a usage report they lack
+    with FakeUpstream(_paced(case, body)) as up, proxy(up.url, inject_usage=False) as (url, app):
+        got = httpx.post(url + case["path"], content=req_body, headers={"content-type": "application/json"}, timeout=30)
+        assert got.status_code == 200 and got.content == body
+        r = last_record(app, got.headers["x-mlxproxy-request-id"])
+    info, _ = parse_request("POST", case["path"], req_body)
+    m = RequestMeter(info, request_id="offline", upstream="u", t_start=0.0, started_at=0.0)
+    m.response_started(0.0, case["status"], case["content_type"])
+    m.feed(body, 0.1)
+    ref = m.finish(0.2)
+    assert r.endpoint == ref.endpoint != "other" and r.outcome == ref.outcome == "ok"
+    assert (r.completion_tokens_reported, r.prompt_tokens, r.cached_tokens, r.finish_reason, r.tool_calls) == (
+        ref.completion_tokens_reported,
+        ref.prompt_tokens,
+        ref.cached_tokens,
+        ref.finish_reason,
+        ref.tool_calls,
+    )
+    assert r.bytes_out == len(body)
+    assert r.ttft_s is None or r.ttft_s >= case["reads"][0][0] * 0.9
+    assert set(r.anomalies) == ({"speed_claim_mismatch"} if name in TRAPS else set()), r.anomaly_evidence
