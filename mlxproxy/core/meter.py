@@ -311,7 +311,8 @@ class RequestMeter:
         self._t_upstream_sent = t
 
     def response_started(self, t: float, status: int, content_type: str | None) -> None:
-        """Status line and headers arrived. An `text/event-stream` body is parsed as SSE."""
+        """Status line and headers arrived. A `text/event-stream` body is parsed as SSE, an
+        `application/x-ndjson` one of a dialect API (Ollama's) as JSON lines (`core.ndjson`)."""
         self._t_headers = t
         self._status = status
         ct = content_type.lower() if content_type and status < 400 else ""
