@@ -151,21 +151,10 @@ def test_claude_code_sessions_and_replay_runs_stay_apart() -> None:
     assert {r.conversation_id for r in b} == {"[nonce 3d4e5f] say hi0"}
     assert [r.turn for r in a + b] == [1, 2, 3, 1, 2, 3]
     # the same request again (a retry, bench's identical requests) is a conversation of its own
-    again = finish(
-        index,
-        "/v1/messages",
-        claude_turns(1, billing=False)[0],
-        events("anthropic_messages_vllm_mlx_text.sse"),
-        1.9,
-        "x",
-    )
-    twice = finish(
-        index,
-        "/v1/messages",
-        claude_turns(1, billing=False)[0],
-        events("anthropic_messages_vllm_mlx_text.sse"),
-        1.9,
-        "y",
+    first = claude_turns(1, billing=False)[0]
+    again, twice = (
+        finish(index, "/v1/messages", first, events("anthropic_messages_vllm_mlx_text.sse"), 1.9, rid)
+        for rid in ("x", "y")
     )
     assert (again.turn, twice.turn, twice.conversation_id) == (1, 1, "y")
 
