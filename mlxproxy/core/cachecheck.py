@@ -37,6 +37,7 @@ __all__ = [
     "Timing",
     "Reprefill",
     "Shown",
+    "Turn",
     "TurnVerdict",
     "check_turn",
     "cold_rate",
@@ -112,6 +113,20 @@ class Reprefill(NamedTuple):
     at: str | None
     lost_tokens: int  # 0: a change the server neutralized
     prefilled: int | None  # the tokens prefilled this turn (lost seconds: TTFT x lost / prefilled)
+
+
+class Turn(NamedTuple):
+    """What every decision about one continuing turn reads (`check_turn` builds it once)."""
+
+    r: Measured
+    m: Match
+    reusable: Reusable
+    ratio: float | None  # cache_hit_ratio
+    whole: int | None  # the prompt's tokens, reported or counted by the proxy
+    rate: float | None  # the cold prefill rate the TTFT is judged by...
+    rate_of: str  # ...and whose it is
+    facts: CacheFacts
+    th: Thresholds
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +235,8 @@ def check_turn(r: Measured, m: Match, facts: CacheFacts, th: Thresholds, *, whol
         if m.cold_prefill_tps
         else (facts.cold_rate, "this upstream's first turns")
     )
-    if m.change is None:
-        return extended(r, m, reusable, ratio, whole, rate, rate_of, facts, th)
-    return changed(r, m, m.change, reusable, ratio, whole, rate, rate_of, facts, th)
+    t = Turn(r, m, reusable, ratio, whole, rate, rate_of, facts, th)
+    return extended(t) if m.change is None else changed(t, m.change)
 
 
 def _reused_from(m: Match, reusable: Reusable) -> str:
@@ -236,25 +250,16 @@ def _excess(ttft: float | None, whole: int | None, reused: int, rate: float | No
     return max(ttft - max(whole - reused, 0) / rate, 0.0)
 
 
-def extended(
-    r: Measured,
-    m: Match,
-    reusable: Reusable,
-    ratio: float | None,
-    whole: int | None,
-    rate: float | None,
-    rate_of: str,
-    facts: CacheFacts,
-    th: Thresholds,
-) -> TurnVerdict:
+def extended(t: Turn) -> TurnVerdict:
     """A prompt that extends the previous one: did the server reuse it, and say so? A cached
     count is the evidence where it shows the hit, or where this server reports its hits (then
     a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
     (`cached_tokens_unreported`), a re-prefill (`cache_evicted`), or nothing."""
+    r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
     if reusable.tokens < th.prefix_min_tokens:
         return TurnVerdict(reusable, ratio)
-    claimed = claimed_cold(r, whole, rate, rate_of, facts, th)
+    claimed = claimed_cold(t)
     if claimed is not None:
         return TurnVerdict(
             reusable,
@@ -274,7 +279,7 @@ def extended(
     if _counted(r, facts) and cached is not None:
         why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
         evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
-        return evicted(m, reusable, ratio, why, evidence, r.uncached_prompt_tokens, r, facts)
+        return evicted(t, why, evidence, r.uncached_prompt_tokens)
     if said is not None and says == "hit":
         hit = _excess(ttft, whole, reusable.tokens, rate)
         # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
@@ -285,18 +290,17 @@ def extended(
     if said is not None and says == "miss":
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
-        return evicted(m, reusable, ratio, why, said.text(), whole, r, facts)
+        return evicted(t, why, said.text(), whole)
     # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
     unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
     told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
     return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
 
 
-def claimed_cold(
-    r: Measured, whole: int | None, rate: float | None, rate_of: str, facts: CacheFacts, th: Thresholds
-) -> Anomaly | None:
+def claimed_cold(t: Turn) -> Anomaly | None:
     """`cached_tokens_claimed_cold`: usage claims most of the prompt cached, the TTFT shows a
     cold prefill of all of it."""
+    r, whole, rate, rate_of, facts, th = t.r, t.whole, t.rate, t.rate_of, t.facts, t.th
     cached, ttft = r.cached_tokens, r.ttft_s
     if not cached or cached < th.prefix_min_tokens or not whole or cached < MOSTLY_CACHED * whole:
         return None
@@ -310,17 +314,9 @@ def claimed_cold(
     )
 
 
-def evicted(
-    m: Match,
-    reusable: Reusable,
-    ratio: float | None,
-    why: str,
-    evidence: str,
-    prefilled: int | None,
-    r: Measured,
-    facts: CacheFacts,
-) -> TurnVerdict:
+def evicted(t: Turn, why: str, evidence: str, prefilled: int | None) -> TurnVerdict:
     """`cache_evicted` (and `prefix_cache_miss`): the reusable prefix was prefilled again."""
+    r, m, reusable, ratio, facts = t.r, t.m, t.reusable, t.ratio, t.facts
     a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
     rp = Reprefill("cache_evicted", None, reusable.tokens - (r.cached_tokens or 0), prefilled)
     ttft = r.ttft_s
@@ -339,18 +335,10 @@ def _unreported(r: Measured, m: Match, reusable: Reusable, whole: int | None, sa
     )
 
 
-def hidden_hit(
-    r: Measured,
-    m: Match,
-    reusable: Reusable,
-    whole: int | None,
-    rate: float | None,
-    rate_of: str,
-    facts: CacheFacts,
-    th: Thresholds,
-) -> Anomaly | None:
+def hidden_hit(t: Turn) -> Anomaly | None:
     """A changed prompt's reusable prefix (up to the change) served from the cache while the
     usage, which reports the prompt, shows no such count: `cached_tokens_unreported`."""
+    r, m, reusable, whole, rate, rate_of, facts, th = t.r, t.m, t.reusable, t.whole, t.rate, t.rate_of, t.facts, t.th
     cached = r.cached_tokens
     if r.prompt_tokens is None or reusable.tokens < th.prefix_min_tokens:
         return None
@@ -375,19 +363,11 @@ class Shown(NamedTuple):
     hit_excess_s: float | None = None  # a known (partial) hit's TTFT past its prefill
 
 
-def change_shown(
-    r: Measured,
-    change: Change,
-    reusable: Reusable,
-    whole: int | None,
-    rate: float | None,
-    rate_of: str,
-    facts: CacheFacts,
-    th: Thresholds,
-) -> Shown:
+def change_shown(t: Turn, change: Change) -> Shown:
     """Whether the server re-prefilled a changed prompt past the change: by its cached count
     (from a server that reports its hits, a 0 too), else by the TTFT against a hit of the whole
     previous prompt and a prefill from the change on."""
+    r, reusable, whole, rate, rate_of, facts, th = t.r, t.reusable, t.whole, t.rate, t.rate_of, t.facts, t.th
     cached, ttft = r.cached_tokens, r.ttft_s
     lost = reusable.previous - reusable.tokens
     if cached is not None and _counted(r, facts):
@@ -420,28 +400,18 @@ def change_shown(
     return Shown("reprefilled", said.text(), (whole or 0) - reusable.tokens)
 
 
-def changed(
-    r: Measured,
-    m: Match,
-    change: Change,
-    reusable: Reusable,
-    ratio: float | None,
-    whole: int | None,
-    rate: float | None,
-    rate_of: str,
-    facts: CacheFacts,
-    th: Thresholds,
-) -> TurnVerdict:
+def changed(t: Turn, change: Change) -> TurnVerdict:
     """A prompt that changed part of the previous one: a cause with its cost where the server
     re-prefilled past the change, the cause at 0 s where it reused the previous prompt anyway
     (neutralized: a server that strips a volatile line before caching) or the cost is too small
     to show, no cause where nothing tells; and a hidden hit of the prefix up to the change."""
+    r, m, reusable, ratio, facts, th = t.r, t.m, t.reusable, t.ratio, t.facts, t.th
     lost = reusable.previous - reusable.tokens
     if lost <= 0 and not _counted(r, facts):  # nothing of the previous prompt was lost
         return TurnVerdict(reusable, ratio)
-    hidden = hidden_hit(r, m, reusable, whole, rate, rate_of, facts, th)
+    hidden = hidden_hit(t)
     also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
-    shown = change_shown(r, change, reusable, whole, rate, rate_of, facts, th)
+    shown = change_shown(t, change)
     unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
     if shown.says == "nothing":
         return TurnVerdict(reusable, ratio, evidence=shown.evidence, anomalies=also, correct_prefill_tps=unknown_share)

@@ -93,7 +93,7 @@ class PromptPrint(NamedTuple):
     """The fingerprints of one prompt (no text). (Tuples, as `Match`: one of each per request,
     and a frozen dataclass's per-field `__init__` cost more than the fingerprinting itself.)"""
 
-    key: int  # the conversation key: endpoint family and first user message
+    key: int  # the conversation key: endpoint family and the first user message's stem (`_stem`)
     labels: tuple[str, ...]
     hashes: array[int]  # one per piece
     chars: array[int]  # characters per piece

@@ -151,21 +151,10 @@ def test_claude_code_sessions_and_replay_runs_stay_apart() -> None:
     assert {r.conversation_id for r in b} == {"[nonce 3d4e5f] say hi0"}
     assert [r.turn for r in a + b] == [1, 2, 3, 1, 2, 3]
     # the same request again (a retry, bench's identical requests) is a conversation of its own
-    again = finish(
-        index,
-        "/v1/messages",
-        claude_turns(1, billing=False)[0],
-        events("anthropic_messages_vllm_mlx_text.sse"),
-        1.9,
-        "x",
-    )
-    twice = finish(
-        index,
-        "/v1/messages",
-        claude_turns(1, billing=False)[0],
-        events("anthropic_messages_vllm_mlx_text.sse"),
-        1.9,
-        "y",
+    first = claude_turns(1, billing=False)[0]
+    again, twice = (
+        finish(index, "/v1/messages", first, events("anthropic_messages_vllm_mlx_text.sse"), 1.9, rid)
+        for rid in ("x", "y")
     )
     assert (again.turn, twice.turn, twice.conversation_id) == (1, 1, "y")
 
@@ -324,3 +313,48 @@ def test_qwen_code_main_conversation_and_its_memory_subagent_are_two() -> None:
     assert {r.conversation_id for r in memory} == {"s1"} and [r.turn for r in memory] == [1, 2, 3]
     # the date reminder taken off the previous newest message: a small rewrite where it was
     assert main[1].prefix_diverged_at.startswith("messages[1].content char ")
+
+
+# -- the recorded sessions (tests/fixtures/sessions) as a proxy sees them, many at once -------
+
+
+def test_two_hundred_healthy_recorded_requests_raise_nothing() -> None:
+    """The recorded sessions whose truth names no cause and no anomaly, each run 7 times in a
+    row and interleaved turn by turn with the other sessions on the same server, through one
+    index per server (as one proxy sees them): every run is one conversation of its own, its
+    turns numbered as recorded, side requests apart, and no cause or cache finding anywhere."""
+    from sessions import load_sessions, meter_for, rigged_token_counter
+
+    def healthy(s) -> bool:
+        want = [ex.expected for ex in s.exchanges if ex.generation and ex.expected]
+        return bool(want) and all(not e.get("cause") and not e.get("must_name") for e in want)
+
+    groups: dict[str, list] = {}
+    for s in load_sessions():
+        if healthy(s):
+            groups.setdefault(s.name.split("__")[1], []).append(s)
+    count = rigged_token_counter()
+    seen = 0
+    for group in groups.values():
+        index = PrefixIndex()
+        for run in range(7):
+            runs = [[ex for ex in s.exchanges if ex.generation and ex.upstream_response is not None] for s in group]
+            got: dict[tuple[str, int], Record] = {}
+            for step in range(max(len(r) for r in runs)):
+                for s, exchanges in zip(group, runs):
+                    if step < len(exchanges):
+                        ex = exchanges[step]
+                        m, end = meter_for(s, ex)
+                        rec = finish_checked(m, end, TH, prefixes=index, count_tokens=count if m.sse else None)
+                        got[(s.name, ex.n)] = rec
+                        seen += 1
+            for s, exchanges in zip(group, runs):
+                turns = [(ex.expected, got[(s.name, ex.n)]) for ex in exchanges]
+                main = {r.conversation_id for e, r in turns if e.get("role") == "turn"}
+                assert len(main) == 1, (s.name, run, [(r.conversation_id, r.turn) for _, r in turns])
+                assert [r.turn for e, r in turns if e.get("role") == "turn"] == [
+                    e["turn"] for e, _ in turns if e.get("role") == "turn"
+                ], s.name
+                assert all(r.conversation_id not in main for e, r in turns if e.get("role") == "side"), s.name
+                assert not [(s.name, r.turn, findings(r), r.cache_evidence) for _, r in turns if findings(r)]
+    assert seen >= 200 and len(groups) >= 2, (seen, list(groups))
