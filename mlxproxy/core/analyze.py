@@ -72,7 +72,7 @@ def finish_checked(
     conversation fields and takes no turn number. `client` (`core.clients.classify`) names
     the client and the side request on the record (a side request whatever `side` says), and
     the fix of a cause (`core.fixes`) is the client's own where it has one."""
-    side = side or client.side is not None
+    side = side or client is not NO_CLIENT and client.side is not None
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
@@ -120,9 +120,9 @@ def finish_checked(
         else:
             cid, turn = None, None
         fields.update(conversation_id=cid, turn=turn)
-        if fields.get("reprefill_cause") is not None:
-            fields["reprefill_fix"] = fix_for(fields["reprefill_cause"], client.name)
-    fields.update(client=client.name, side_request=client.side)
+        cause = fields.get("reprefill_cause")
+        if cause is not None:
+            fields["reprefill_fix"] = fix_for(cause, client.name)
     return checked_record(
         m,
         completion_tokens=v.completion_tokens,
@@ -133,4 +133,5 @@ def finish_checked(
         stall_total_s=v.stall_total_s,
         conversation=fields,
         error=scrub(m.error) if scrub is not None and m.error is not None else None,
+        client=client,
     )

@@ -101,7 +101,6 @@ _MARK_KINDS: dict[str, SideRequest] = {
     **dict.fromkeys(_MEMORY_MARKS, "memory"),
 }
 _MARK_CHARS = 160  # the marks begin a system prompt (Aider's commit mark: within its first line)
-_UA_NAMES = (b"user-agent", "user-agent")
 _SYSTEM_ROLES = ("system", "developer")
 _PROBE_METHODS = frozenset({"HEAD", "OPTIONS"})
 _GENERATION_TAILS = ("/chat/completions", "/completions", "/messages", "/responses", "/embeddings")
@@ -119,6 +118,7 @@ def client_name(user_agent: str) -> str | None:
 
 
 _MISSING = object()
+_TURNS: dict[str, ClientInfo] = {}  # client name -> ClientInfo(name): a turn's answer, made once
 
 
 def _name_of(ua: str) -> str | None:
@@ -153,20 +153,22 @@ def _text(v: Any) -> str:
 
 def _system_head(body: dict[str, Any]) -> tuple[str, list[Any]]:
     """(the start of the system text, the message list): a Messages `system`, a Responses
-    `instructions`, or the first system/developer message."""
-    v = body.get("system")
-    if v is None:
-        v = body.get("instructions")
-    system = _text(v) if v is not None else ""
+    `instructions`, or a leading system/developer message."""
     items = body.get("messages")
-    if type(items) is not list:
-        inp = body.get("input")
-        items = inp if isinstance(inp, list) else [{"role": "user", "content": inp}] if isinstance(inp, str) else []
-    if not system and items:
-        m = items[0]
+    if type(items) is list:  # chat (its system prompt a message) or Messages (a `system`)
+        v = body.get("system")
+        if v is not None:
+            return _text(v), items
+        m = items[0] if items else None
         if type(m) is dict and m.get("role") in _SYSTEM_ROLES:
-            system = _text(m.get("content"))
-    return system, items
+            return _text(m.get("content")), items
+        return "", items
+    inp = body.get("input")
+    items = inp if isinstance(inp, list) else [{"role": "user", "content": inp}] if isinstance(inp, str) else []
+    v = body.get("instructions")
+    if v is None and items and type(items[0]) is dict and items[0].get("role") in _SYSTEM_ROLES:
+        v = items[0].get("content")
+    return (_text(v) if v is not None else ""), items
 
 
 def _side_of_body(body: dict[str, Any], system: str, items: list[Any]) -> SideRequest | None:
@@ -200,8 +202,8 @@ def classify(
     as sent (names in any case, bytes or text); `path` without or with its query string;
     `body`: the parsed JSON body (None: none, or not a JSON object). Never raises."""
     ua = ""
-    for k, v in headers:
-        if len(k) == 10 and k.lower() in _UA_NAMES:
+    for k, v in headers:  # (ASGI's names are lower-case bytes; a replay's are text in any case)
+        if k == b"user-agent" or (type(k) is str and len(k) == 10 and k.lower() == "user-agent"):
             ua = v.decode("latin-1") if isinstance(v, bytes) else v
             break
     client = client_name(ua) if ua else None
@@ -222,4 +224,16 @@ def classify(
             and (side in ("summary", "commit_message") or _is_aider(system, items))
         ):
             client = "Aider"
+    if side is None:
+        return NO_CLIENT if client is None else _unnamed_side(client)
     return ClientInfo(client, side)
+
+
+def _unnamed_side(client: str) -> ClientInfo:
+    """`ClientInfo(client)`, one per client name (most requests are a client's turns)."""
+    info = _TURNS.get(client)
+    if info is None:
+        info = ClientInfo(client)
+        if len(_TURNS) < _MAX_CACHED:
+            _TURNS[client] = info
+    return info

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from mlxproxy.core.clients import SideRequest
+from mlxproxy.core.clients import NO_CLIENT, ClientInfo, SideRequest
 from mlxproxy.core.openai import Endpoint, uncached_tokens, whole_prompt_tokens
 from mlxproxy.core.prefix import Cause
 
@@ -312,6 +312,7 @@ def checked_record(
     stall_total_s: float,
     conversation: dict[str, Any] | None = None,
     error: str | None = None,
+    client: ClientInfo = NO_CLIENT,
 ) -> Record:
     """The one `Record` of a finished request, built once: `measured` (a `Measurement`: its
     first fields are `MEASURED_FIELDS`, in order) completed with the checks' verdict, the speeds
@@ -330,6 +331,9 @@ def checked_record(
             _setattr(new, name, value)
     if error is not None:
         _setattr(new, "error", error)
+    if client is not NO_CLIENT:  # who sent it (core.clients): the checked defaults say None
+        _setattr(new, "client", client.name)
+        _setattr(new, "side_request", client.side)
     tpot, decode, wall = rate_figures(
         completion_tokens, new.ttft_s, new.e2e_s, wall_window_s(new.duration_s, new.tail_after_done_s)
     )

@@ -183,3 +183,24 @@ def test_qwen_code_memory_subagent_is_no_turn() -> None:
 
     assert run(classified=False) == [(None, "r0", 1, None), (None, "r0", 2, "tools_changed")]
     assert run(classified=True) == [(None, "r0", 1, None), ("memory", None, None, None)]
+
+
+def test_system_prompt_places() -> None:
+    """The marks are looked for where each API keeps its system prompt: a Messages `system`
+    (text or blocks), a Responses `instructions` or leading developer item, a chat system message."""
+    title = "You are a title generator. You output ONLY a thread title."
+    for body in (
+        {"system": [{"type": "text", "text": title}], "messages": [{"role": "user", "content": "x"}]},
+        {"system": title, "messages": [{"role": "user", "content": "x"}]},
+        {"instructions": title, "input": "x"},
+        {"input": [{"role": "developer", "content": title}, {"role": "user", "content": "x"}]},
+        {"messages": [{"role": "system", "content": [{"type": "text", "text": title}]}]},
+    ):
+        assert classify([], "POST", "/v1/x", body).side == "title", body
+    # a system message that is not the first does not count (Claude Code sends one after the user's)
+    assert (
+        classify(
+            [], "POST", "/v1/x", {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": title}]}
+        ).side
+        is None
+    )
