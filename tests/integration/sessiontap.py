@@ -153,6 +153,7 @@ class SessionTap:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self._conns: list[tuple[_Side, _Side]] = []
+        self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
@@ -167,8 +168,30 @@ class SessionTap:
             sides = (_Side(), _Side())
             with self._lock:
                 self._conns.append(sides)
-            for src, dst, keep in ((client, upstream, sides[0]), (upstream, client, sides[1])):
-                threading.Thread(target=self._pipe, args=(src, dst, keep), daemon=True).start()
+                self._sockets += [client, upstream]
+            pipes = [
+                threading.Thread(target=self._pipe, args=(src, dst, keep), daemon=True)
+                for src, dst, keep in ((client, upstream, sides[0]), (upstream, client, sides[1]))
+            ]
+            for p in pipes:
+                p.start()
+            threading.Thread(target=self._close_after, args=(pipes, client, upstream), daemon=True).start()
+
+    @staticmethod
+    def _close_after(pipes: list[threading.Thread], *socks: socket.socket) -> None:
+        for p in pipes:
+            p.join()
+        for sock in socks:
+            sock.close()
+
+    def close(self) -> None:
+        """Stop listening and close every connection still open."""
+        self._server.close()
+        with self._lock:
+            socks = list(self._sockets)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, keep: _Side) -> None:
         try:
@@ -228,5 +251,5 @@ def session_tap(target_port: int, kind: type[T] = SessionTap) -> Iterator[T]:  #
     try:
         yield t
     finally:
-        t._server.close()
+        t.close()
         acceptor.join(timeout=5)

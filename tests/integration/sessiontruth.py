@@ -666,6 +666,23 @@ NOTES: dict[str, str] = {
 }
 
 
+#: what the server adds to it
+SERVER_NOTES: dict[str, str] = {
+    "mlx-lm+litellm": (
+        "Here the client talks to LiteLLM's proxy (1.108.7, `hosted_vllm/default_model`, chat completions "
+        "API, as `shared/fixtures/real2/harness/litellm_config.yaml` had it), which translates to chat "
+        "completions for mlx_lm.server (which serves neither Messages nor Responses): `turnN.server.*` is "
+        "what LiteLLM sent the server and got back. mlx_lm.server strips nothing: what the client changes "
+        "in the prompt is re-prefilled from there on (its `cached_tokens` = the common token prefix of the "
+        "translated prompts; the rig's chat template renders the tools before the system prompt)."
+    ),
+    "vllm-mlx": (
+        "vllm-mlx 0.6.0 caches the system prefix (tools and system prompt as rendered) and logs "
+        "`System KV cache HIT/MISS` per request; the messages after it are prefilled every time."
+    ),
+}
+
+
 def write_readme(folder: Path) -> None:
     """The folder's README.md: software, versions, the exact commands, what to notice, the table."""
     session = json.loads((folder / "session.json").read_text())
@@ -699,6 +716,8 @@ Environment set for the client (besides a loopback-only proxy setting; keys are 
 ## What to notice
 
 {NOTES.get(session["client"], "(see FINDINGS.md)")}
+
+{SERVER_NOTES.get(session["server"], "")}
 
 ## Files
 
