@@ -701,8 +701,8 @@ Recorded {session["recorded"]} on {session["platform"]} by `tests/integration/re
 (`python -m tests.integration.record_sessions --server {session["server"]} --client {session["client"]}`, inside
 `unshare -n` with only loopback up): the client ran {len(session["invocations"])} times in
 `{session["work"]}` with HOME `{session["home"]}`, through a byte tap (`$TAP`) in front of
-`mlxproxy serve` (a fresh one for this session, capture on), which forwarded to a second tap in front
-of the server. The model is the rigged tiny model (`tests/integration/rigged.py`, fixed to one answer:
+`mlxproxy serve` ({session.get("proxy", "a fresh one for this session")}, capture on), which forwarded to
+a second tap in front of the server. The model is the rigged tiny model (`tests/integration/rigged.py`, fixed to one answer:
 `<think>...</think>` then "It is sunny today."), served as `{session["model"]}`.
 
 Commands, in order (`$TAP` is the tap's URL):
