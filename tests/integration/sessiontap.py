@@ -102,6 +102,26 @@ def _chunked_end(data: bytes, start: int) -> int | None:
             return None
 
 
+def body_pieces(raw: bytes) -> Iterator[tuple[bytes, int]]:
+    """The body of a raw HTTP message, chunked framing removed, piece by piece, each with the
+    offset in ``raw`` it starts at (to find when it arrived)."""
+    head, _, _ = raw.partition(b"\r\n\r\n")
+    start = len(head) + 4
+    if not re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
+        yield raw[start:], start
+        return
+    i = start
+    while i < len(raw):
+        eol = raw.find(b"\r\n", i)
+        if eol < 0:
+            return
+        size = int(raw[i:eol].split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        yield raw[eol + 2 : eol + 2 + size], eol + 2
+        i = eol + 2 + size + 2
+
+
 def _split_requests(data: bytes) -> list[tuple[int, int]]:
     out = []
     i = 0

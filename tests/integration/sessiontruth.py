@@ -26,24 +26,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .sessiontap import body_pieces
+
 
 def dechunk(raw: bytes) -> tuple[bytes, bytes]:
     """(head, body) of a raw HTTP response, the chunked framing removed."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
-        out = bytearray()
-        i = 0
-        while i < len(body):
-            eol = body.find(b"\r\n", i)
-            if eol < 0:
-                break
-            size = int(body[i:eol].split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:
-                break
-            out += body[eol + 2 : eol + 2 + size]
-            i = eol + 2 + size + 2
-        body = bytes(out)
-    return head, body
+    return raw.partition(b"\r\n\r\n")[0], b"".join(piece for piece, _ in body_pieces(raw))
 
 
 def events(body: bytes) -> list[Any]:
