@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from integration.sessiontap import body_pieces
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.detect import Thresholds
@@ -123,26 +124,6 @@ def load_sessions(root: Path = SESSIONS) -> list[Session]:
     return [load_session(p.parent) for p in sorted(root.glob("*/truth.json"))]
 
 
-def _pieces(raw: bytes) -> Iterator[tuple[bytes, int]]:
-    """The body's bytes of a raw HTTP response, de-chunked, each piece with the raw offset it
-    started at (to find its arrival time)."""
-    head, _, _ = raw.partition(b"\r\n\r\n")
-    start = len(head) + 4
-    if not re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
-        yield raw[start:], start
-        return
-    i = start
-    while i < len(raw):
-        eol = raw.find(b"\r\n", i)
-        if eol < 0:
-            return
-        size = int(raw[i:eol].split(b";", 1)[0].strip() or b"0", 16)
-        if size == 0:
-            return
-        yield raw[eol + 2 : eol + 2 + size], eol + 2
-        i = eol + 2 + size + 2
-
-
 def _time_at(marks: tuple[tuple[int, float], ...], offset: int) -> float:
     t = marks[0][1] if marks else 0.0
     for off, when in marks:
@@ -179,7 +160,7 @@ def meter_for(session: Session, ex: Exchange) -> tuple[RequestMeter, float]:
     marks = ex.upstream_marks
     m.response_started(t0 + _time_at(marks, 0), status, ctype.group(1).decode() if ctype else None)
     last = t0 + _time_at(marks, 0)
-    for piece, at in _pieces(raw):
+    for piece, at in body_pieces(raw):
         for part, t in _split(piece, at, marks):
             last = t0 + t
             m.feed(part, last)

@@ -126,6 +126,19 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def xdg_env(home: Path) -> dict[str, str]:
+    """The XDG base directories under ``home`` (clients that keep config and state there: OpenCode)."""
+    return {
+        k: str(home / sub)
+        for k, sub in (
+            ("XDG_CONFIG_HOME", ".config"),
+            ("XDG_DATA_HOME", ".local/share"),
+            ("XDG_CACHE_HOME", ".cache"),
+            ("XDG_STATE_HOME", ".local/state"),
+        )
+    }
+
+
 def split_cpus() -> tuple[set[int] | None, set[int] | None]:
     """(CPUs for the model server, CPUs for everything else), or (None, None) where
     affinity cannot be set or there is a single CPU.

@@ -47,6 +47,7 @@ from .peers import (
     find_client,
     loopback_env,
     mlxproxy_serve,
+    xdg_env,
 )
 from .rigged import answer_always, build_rigged_model
 from .sessiontap import _TOKEN, Exchange, SessionTap, session_tap
@@ -98,18 +99,6 @@ def _version_of(args: list[str], pattern: str = r"(\d+\.\d+\.\d+)") -> Callable[
         return m.group(1) if m else "unknown"
 
     return get
-
-
-def _xdg(home: Path) -> dict[str, str]:
-    return {
-        k: str(home / sub)
-        for k, sub in (
-            ("XDG_CONFIG_HOME", ".config"),
-            ("XDG_DATA_HOME", ".local/share"),
-            ("XDG_CACHE_HOME", ".cache"),
-            ("XDG_STATE_HOME", ".local/state"),
-        )
-    }
 
 
 # --- Claude Code (Messages) ---------------------------------------------------------------
@@ -213,7 +202,7 @@ def _opencode_setup(ctx: Ctx) -> dict[str, str]:
     }
     (ctx.work / "opencode.json").write_text(json.dumps(cfg, indent=2))
     return {
-        **_xdg(ctx.home),
+        **xdg_env(ctx.home),
         "OPENCODE_DISABLE_MODELS_FETCH": "1",
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
         "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",

@@ -102,6 +102,26 @@ def _chunked_end(data: bytes, start: int) -> int | None:
             return None
 
 
+def body_pieces(raw: bytes) -> Iterator[tuple[bytes, int]]:
+    """The body of a raw HTTP message, chunked framing removed, piece by piece, each with the
+    offset in ``raw`` it starts at (to find when it arrived)."""
+    head, _, _ = raw.partition(b"\r\n\r\n")
+    start = len(head) + 4
+    if not re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
+        yield raw[start:], start
+        return
+    i = start
+    while i < len(raw):
+        eol = raw.find(b"\r\n", i)
+        if eol < 0:
+            return
+        size = int(raw[i:eol].split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        yield raw[eol + 2 : eol + 2 + size], eol + 2
+        i = eol + 2 + size + 2
+
+
 def _split_requests(data: bytes) -> list[tuple[int, int]]:
     out = []
     i = 0
@@ -153,6 +173,7 @@ class SessionTap:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self._conns: list[tuple[_Side, _Side]] = []
+        self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
@@ -167,8 +188,30 @@ class SessionTap:
             sides = (_Side(), _Side())
             with self._lock:
                 self._conns.append(sides)
-            for src, dst, keep in ((client, upstream, sides[0]), (upstream, client, sides[1])):
-                threading.Thread(target=self._pipe, args=(src, dst, keep), daemon=True).start()
+                self._sockets += [client, upstream]
+            pipes = [
+                threading.Thread(target=self._pipe, args=(src, dst, keep), daemon=True)
+                for src, dst, keep in ((client, upstream, sides[0]), (upstream, client, sides[1]))
+            ]
+            for p in pipes:
+                p.start()
+            threading.Thread(target=self._close_after, args=(pipes, client, upstream), daemon=True).start()
+
+    @staticmethod
+    def _close_after(pipes: list[threading.Thread], *socks: socket.socket) -> None:
+        for p in pipes:
+            p.join()
+        for sock in socks:
+            sock.close()
+
+    def close(self) -> None:
+        """Stop listening and close every connection still open."""
+        self._server.close()
+        with self._lock:
+            socks = list(self._sockets)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, keep: _Side) -> None:
         try:
@@ -228,5 +271,5 @@ def session_tap(target_port: int, kind: type[T] = SessionTap) -> Iterator[T]:  #
     try:
         yield t
     finally:
-        t._server.close()
+        t.close()
         acceptor.join(timeout=5)

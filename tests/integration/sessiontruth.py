@@ -26,24 +26,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .sessiontap import body_pieces
+
 
 def dechunk(raw: bytes) -> tuple[bytes, bytes]:
     """(head, body) of a raw HTTP response, the chunked framing removed."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
-        out = bytearray()
-        i = 0
-        while i < len(body):
-            eol = body.find(b"\r\n", i)
-            if eol < 0:
-                break
-            size = int(body[i:eol].split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:
-                break
-            out += body[eol + 2 : eol + 2 + size]
-            i = eol + 2 + size + 2
-        body = bytes(out)
-    return head, body
+    return raw.partition(b"\r\n\r\n")[0], b"".join(piece for piece, _ in body_pieces(raw))
 
 
 def events(body: bytes) -> list[Any]:
@@ -666,6 +654,23 @@ NOTES: dict[str, str] = {
 }
 
 
+#: what the server adds to it
+SERVER_NOTES: dict[str, str] = {
+    "mlx-lm+litellm": (
+        "Here the client talks to LiteLLM's proxy (1.108.7, `hosted_vllm/default_model`, chat completions "
+        "API, as `shared/fixtures/real2/harness/litellm_config.yaml` had it), which translates to chat "
+        "completions for mlx_lm.server (which serves neither Messages nor Responses): `turnN.server.*` is "
+        "what LiteLLM sent the server and got back. mlx_lm.server strips nothing: what the client changes "
+        "in the prompt is re-prefilled from there on (its `cached_tokens` = the common token prefix of the "
+        "translated prompts; the rig's chat template renders the tools before the system prompt)."
+    ),
+    "vllm-mlx": (
+        "vllm-mlx 0.6.0 caches the system prefix (tools and system prompt as rendered) and logs "
+        "`System KV cache HIT/MISS` per request; the messages after it are prefilled every time."
+    ),
+}
+
+
 def write_readme(folder: Path) -> None:
     """The folder's README.md: software, versions, the exact commands, what to notice, the table."""
     session = json.loads((folder / "session.json").read_text())
@@ -684,8 +689,8 @@ Recorded {session["recorded"]} on {session["platform"]} by `tests/integration/re
 (`python -m tests.integration.record_sessions --server {session["server"]} --client {session["client"]}`, inside
 `unshare -n` with only loopback up): the client ran {len(session["invocations"])} times in
 `{session["work"]}` with HOME `{session["home"]}`, through a byte tap (`$TAP`) in front of
-`mlxproxy serve` (a fresh one for this session, capture on), which forwarded to a second tap in front
-of the server. The model is the rigged tiny model (`tests/integration/rigged.py`, fixed to one answer:
+`mlxproxy serve` ({session.get("proxy", "a fresh one for this session")}, capture on), which forwarded to
+a second tap in front of the server. The model is the rigged tiny model (`tests/integration/rigged.py`, fixed to one answer:
 `<think>...</think>` then "It is sunny today."), served as `{session["model"]}`.
 
 Commands, in order (`$TAP` is the tap's URL):
@@ -699,6 +704,8 @@ Environment set for the client (besides a loopback-only proxy setting; keys are 
 ## What to notice
 
 {NOTES.get(session["client"], "(see FINDINGS.md)")}
+
+{SERVER_NOTES.get(session["server"], "")}
 
 ## Files
 

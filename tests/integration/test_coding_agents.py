@@ -29,7 +29,7 @@ import pytest
 
 from mlxproxy.core.record import Record
 
-from .peers import AIDER_QUIET, assert_completed, loopback_env, mlxproxy_serve, require_client
+from .peers import AIDER_QUIET, assert_completed, loopback_env, mlxproxy_serve, require_client, xdg_env
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
@@ -203,18 +203,9 @@ def test_opencode_run_through_proxy_is_measured(mlx_server: str, tmp_path: Path)
     home = tmp_path / "home"
     project = tmp_path / "project"
     project.mkdir()
-    xdg = {
-        k: str(home / sub)
-        for k, sub in (
-            ("XDG_CONFIG_HOME", ".config"),
-            ("XDG_DATA_HOME", ".local/share"),
-            ("XDG_CACHE_HOME", ".cache"),
-            ("XDG_STATE_HOME", ".local/state"),
-        )
-    }
     env = loopback_env(
         HOME=str(home),
-        **xdg,
+        **xdg_env(home),
         OPENCODE_DISABLE_MODELS_FETCH="1",
         OPENCODE_DISABLE_AUTOUPDATE="1",
         OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
