@@ -28,6 +28,7 @@ from typing import Any
 from integration.sessiontap import body_pieces
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.clients import classify
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
@@ -143,6 +144,13 @@ def _split(piece: bytes, at: int, marks: tuple[tuple[int, float], ...]) -> Itera
         lo = c
 
 
+def request_headers(ex: Exchange) -> list[tuple[str, str]]:
+    """The request's headers as the proxy forwarded them (its User-Agent is the client's)."""
+    head = (ex.upstream_request or b"").partition(b"\r\n\r\n")[0].decode("latin-1")
+    pairs = (line.partition(":") for line in head.split("\r\n")[1:])
+    return [(k.strip(), v.strip()) for k, sep, v in pairs if sep]
+
+
 def meter_for(session: Session, ex: Exchange) -> tuple[RequestMeter, float]:
     """A meter fed with the exchange's upstream response at its recorded times; and its end time."""
     assert ex.upstream_response is not None, f"{session.name} #{ex.n}: no upstream bytes"
@@ -196,17 +204,20 @@ def replay(
     th = th or Thresholds()
     count_tokens = count_tokens or rigged_token_counter()
     index = PrefixIndex()
-    finished: list[tuple[float, RequestMeter, int]] = []
+    finished: list[tuple[float, RequestMeter, Exchange]] = []
     for ex in session.exchanges:
         if ex.generation and ex.upstream_response is not None:
             m, end = meter_for(session, ex)
-            finished.append((end, m, ex.n))
+            finished.append((end, m, ex))
     out: dict[int, Record] = {}
     earlier: list[Record] = []
-    for end, m, n in sorted(finished, key=lambda f: f[0]):  # the proxy finishes in end order
+    for end, m, ex in sorted(finished, key=lambda f: f[0]):  # the proxy finishes in end order
         # (the proxy counts with its tokenizer where the body is a stream: `ProxyApp._record`)
         counter = count_tokens if m.sse else None
-        rec = finish_checked(m, end, th, earlier=earlier, prefixes=index, count_tokens=counter)
+        # who sent it, as the proxy classifies it (`ProxyApp._record`): from the headers it forwarded
+        client = classify(request_headers(ex), ex.method, ex.path, m.request.prompt_obj)
+        n = ex.n
+        rec = finish_checked(m, end, th, earlier=earlier, prefixes=index, count_tokens=counter, client=client)
         earlier.append(rec)
         out[n] = rec
     return out

@@ -155,8 +155,9 @@ def test_a_side_request_takes_no_turn() -> None:
 def test_qwen_code_memory_subagent_is_no_turn() -> None:
     """Qwen Code 0.24.4 sends, after each turn, its memory extraction subagent: the turn's
     history again under another system prompt and tools (real bytes, recorded on mlx_lm.server).
-    Linked, it passed for turn 2 of the conversation with a bogus `tools_changed`; marked
-    `memory`, it stays out, and the index keeps the conversation's own latest prompt."""
+    Main's core linked it as turn 2 of the conversation with a bogus `tools_changed`; the
+    conversation rule now keeps another agent's prompt apart (a one-turn conversation of its
+    own), and marked `memory` it is no conversation at all: no id, no turn."""
     from mlxproxy.core.analyze import finish_checked
     from mlxproxy.core.cachecheck import PrefixIndex
     from mlxproxy.core.clients import NO_CLIENT
@@ -181,7 +182,7 @@ def test_qwen_code_memory_subagent_is_no_turn() -> None:
             out.append((r.side_request, r.conversation_id, r.turn, r.reprefill_cause))
         return out
 
-    assert run(classified=False) == [(None, "r0", 1, None), (None, "r0", 2, "tools_changed")]
+    assert run(classified=False) == [(None, "r0", 1, None), (None, "r1", 1, None)]
     assert run(classified=True) == [(None, "r0", 1, None), ("memory", None, None, None)]
 
 

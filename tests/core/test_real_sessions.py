@@ -57,13 +57,6 @@ KNOWN_WRONG: dict[tuple[str, int, str], str] = {
         "1.9 s measured from warm TTFTs of 1.9-4.3 s"
         for n in (2, 3, 4)
     },
-    **{
-        (name, n, aspect): "the memory-extraction request is a side request only once the client is classified "
-        "(h36ux's core/clients.py); here its own conversation's turn (rightly apart from the main one)"
-        for name in ("qwen-code_0.24.4__mlx-lm", "qwen-code_0.24.4__vllm-mlx")
-        for n in (4, 6, 8)
-        for aspect in ("cause", "alarms")
-    },
 }
 
 
