@@ -1,10 +1,10 @@
 """The names `mlxproxy.load.schedules` used to hold, kept for code that imports them from
-here: arrival schedules are in `mlxproxy.load.arrivals`, SLOs, goodput and `--fail-on` in
-`mlxproxy.load.slo`, sweeps' capacity and its verdict in `mlxproxy.load.capacity`."""
+here: arrival schedules are in `mlxproxy.load.data.arrivals`, SLOs, goodput and `--fail-on` in
+`mlxproxy.load.judge.slo`, sweeps' capacity and its verdict in `mlxproxy.load.judge.capacity`."""
 
 from __future__ import annotations
 
-from mlxproxy.load.arrivals import (
+from mlxproxy.load.data.arrivals import (
     ARRIVALS,
     GENERATOR_LAG_S,
     arrival_offsets,
@@ -13,7 +13,7 @@ from mlxproxy.load.arrivals import (
     schedule,
     sent_rate,
 )
-from mlxproxy.load.capacity import (
+from mlxproxy.load.judge.capacity import (
     MAX_AUTO_CONCURRENCY,
     MIN_PER_STREAM,
     MIN_STEP_REQUESTS,
@@ -26,7 +26,7 @@ from mlxproxy.load.capacity import (
     stop_reason,
     sweep_charts,
 )
-from mlxproxy.load.slo import (
+from mlxproxy.load.judge.slo import (
     DEFAULT_SLO,
     SLO_METRICS,
     failed_checks,

@@ -13,9 +13,9 @@ import pytest
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.client import MeasuringClient, PreparedRequest
-from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Summary
+from mlxproxy.load.data.results import Summary
+from mlxproxy.load.output.report import summarize_records
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.sim.app import create_app as create_sim
 from support import wait_for
@@ -214,7 +214,7 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     healthy server, marked and footnoted, with the usage verdict beside it; the healthy
     row is unmarked and unchanged (its speeds are its usage's)."""
     from mlxproxy.core.record import rate_figures, wall_window_s
-    from mlxproxy.load.bench import BenchOptions, headline, headline_notes, verdict
+    from mlxproxy.load.commands.bench import BenchOptions, headline, headline_notes, verdict
 
     url, _, _ = stack
     opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
@@ -244,7 +244,7 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
 
 
 def _bench_each(url: str, opts):
-    from mlxproxy.load.bench import BenchOptions, Target, bench_targets
+    from mlxproxy.load.commands.bench import BenchOptions, Target, bench_targets
 
     async def go():
         out = []

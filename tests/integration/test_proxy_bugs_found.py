@@ -100,7 +100,7 @@ def test_requests_released_together_start_alike() -> None:
     on a new connection."""
     import asyncio
 
-    from mlxproxy.load.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
     ports: dict[bytes, int] = {}
     body = b'{"object":"list","data":[]}'

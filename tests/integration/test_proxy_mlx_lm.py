@@ -32,8 +32,8 @@ import pytest
 
 from mlxproxy.core.detect import Thresholds, overlap_ratio
 from mlxproxy.core.record import Record
-from mlxproxy.load.bench import BenchOptions, Target, TargetResult, bench_targets
-from mlxproxy.load.report import aggregate_tps
+from mlxproxy.load.commands.bench import BenchOptions, Target, TargetResult, bench_targets
+from mlxproxy.load.output.report import aggregate_tps
 
 from .conftest import PREFILL_STEP
 from .peers import assert_completed, median, mlxproxy_serve, nonce_prompt
@@ -469,9 +469,9 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
     the proxy's own records show it with the figures ``mlxproxy bench`` reports."""
     import asyncio
 
-    from mlxproxy.load.bench import chat_body
-    from mlxproxy.load.client import MeasuringClient, PreparedRequest
-    from mlxproxy.load.common import filler_text
+    from mlxproxy.load.commands.bench import chat_body
+    from mlxproxy.load.commands.common import filler_text
+    from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
     def req() -> PreparedRequest:  # like bench's: nonce + filler, ~100 prompt tokens, temperature 0
         text = f"[nonce {uuid.uuid4().hex[:12]}] " + filler_text(4 * BATCH_PROMPT_TOKENS - 60)

@@ -1,4 +1,4 @@
-"""The measuring client of `replay` and `bench` (mlxproxy.load.client) against a scripted upstream:
+"""The measuring client of `replay` and `bench` (mlxproxy.load.run.client) against a scripted upstream:
 bytes sent and received as they are, one timestamp per event, the headers it never re-sends,
 keep-alive and fresh connections, timeouts and failures as one-line outcomes, and a schedule
 that starts each request's task only when it is due."""
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import orjson
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
-from mlxproxy.load.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 from support import REPO, read_fixture
 
 SSE = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -300,7 +300,7 @@ def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
 def test_a_run_keeps_its_records_out_of_full_collections_and_unfreezes_at_its_end() -> None:
     import gc
 
-    from mlxproxy.load.client import FREEZE_EVERY, _RunHeap
+    from mlxproxy.load.run.client import FREEZE_EVERY, _RunHeap
 
     assert gc.get_freeze_count() == 0
     heap = _RunHeap()

@@ -24,11 +24,9 @@ import pytest
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread, run_async
-from mlxproxy.load.arrivals import arrival_offsets
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.replay import ReplayOptions, run_sessions
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Turn
-from mlxproxy.load.workers import (
+from mlxproxy.load.commands.replay import ReplayOptions, run_sessions
+from mlxproxy.load.data.arrivals import arrival_offsets
+from mlxproxy.load.fleet.workers import (
     ClientSpec,
     FleetTimed,
     Segment,
@@ -41,6 +39,8 @@ from mlxproxy.load.workers import (
     plan_sessions,
     run_shape,
 )
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.shapes import ClosedLoop, OpenLoop, Turn
 from mlxproxy.sim.app import create_app as create_sim
 from support import captured_chat, cli
 
@@ -255,7 +255,7 @@ def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_w
 
 
 def test_workers_and_cluster_options_say_what_is_wrong_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mlxproxy.load.workers as workers_mod
+    import mlxproxy.load.fleet.workers as workers_mod
 
     for bad in ("0", "two"):
         res = cli("replay", "builtin:agent", "--target", "http://127.0.0.1:9", "--workers", bad)
@@ -283,7 +283,7 @@ def test_replay_sessions_with_two_workers_from_the_command_line(tmp_path: Path) 
 
 
 def test_the_bottleneck_line_says_whether_a_worker_ran_out_of_cpu_or_waited_for_it() -> None:
-    from mlxproxy.load.workers import WorkerFigures, workers_line
+    from mlxproxy.load.fleet.workers import WorkerFigures, workers_line
 
     busy = WorkerFigures(0, "a", 1, 100, 0.002, 0.95, 1.0)
     late = WorkerFigures(1, "b", 2, 100, 0.08, 0.3, 1.0)

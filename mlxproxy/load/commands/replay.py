@@ -32,11 +32,8 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
 from mlxproxy.headers import REDACTED
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.common import filler_text
-from mlxproxy.load.progress import Progress
-from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import (
+from mlxproxy.load.commands.common import filler_text
+from mlxproxy.load.data.results import (
     CompareRow,
     Group,
     GroupKind,
@@ -46,7 +43,20 @@ from mlxproxy.load.results import (
     SessionTurn,
     Summary,
 )
-from mlxproxy.load.shapes import (
+from mlxproxy.load.fleet.workers import (
+    ONE_PROCESS,
+    Workers,
+    closed_loop_step,
+    open_loop_step,
+    run_shape,
+    workers_section,
+)
+from mlxproxy.load.fleet.workers import run_sessions as sessions_on
+from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.output.report import summarize_records
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.shapes import (
     ClosedLoop,
     OpenLoop,
     Recorded,
@@ -58,10 +68,7 @@ from mlxproxy.load.shapes import (
     Turn,
     Waves,
 )
-from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
-from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
-from mlxproxy.load.workers import run_sessions as sessions_on
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun
 
 __all__ = ["ReplayOptions", "prepare", "run_replay", "select"]
 
@@ -554,7 +561,7 @@ async def run_replay(
     out: list[Group] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[Group]:
-    """Run one replay; return the result groups (see `mlxproxy.load.report`). Groups are
+    """Run one replay; return the result groups (see `mlxproxy.load.output.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()

@@ -19,8 +19,8 @@ from mlxproxy.core.text import clip
 from mlxproxy.edge.runner import run_async as run_on_stack
 from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import ConfigError, UpstreamError
-from mlxproxy.load.results import Group
-from mlxproxy.load.slo import failed_checks
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.judge.slo import failed_checks
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
 

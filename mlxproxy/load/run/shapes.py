@@ -1,7 +1,7 @@
 """Load shapes: how the requests of one test are sent, one small frozen class per shape.
 
 `replay` and `bench` build requests and pick a shape; the shape sends them through the
-measuring client (`mlxproxy.load.client`), which keeps each request's record and, where
+measuring client (`mlxproxy.load.run.client`), which keeps each request's record and, where
 requests have due times, the schedule lag. A sweep (`Sweep`) runs one shape at growing counts.
 
 - `Sequential`: one request at a time.
@@ -13,7 +13,7 @@ requests have due times, the schedule lag. A sweep (`Sweep`) runs one shape at g
 - `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
 - `Sweep(inner, steps, refine, budget_s)`: one of `OpenLoop`, `ClosedLoop` or `Sessions` run at
   growing counts (its rate, streams or sessions at once), each step judged against the SLO as
-  it finishes (`mlxproxy.load.sweep.run_sweep`); `mlxproxy.load.workers.open_loop_step` and `closed_loop_step` build
+  it finishes (`mlxproxy.load.run.sweep.run_sweep`); `mlxproxy.load.fleet.workers.open_loop_step` and `closed_loop_step` build
   the step that sends a mix at one count.
 """
 
@@ -26,12 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from mlxproxy.core.record import Record
-from mlxproxy.load.arrivals import arrival_offsets, ramp_offsets, schedule
-from mlxproxy.load.capacity import RATE_UNIT
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.progress import Progress
-from mlxproxy.load.results import Group, JSONObject, SessionTurn
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
+from mlxproxy.load.data.arrivals import arrival_offsets, ramp_offsets, schedule
+from mlxproxy.load.data.results import Group, JSONObject, SessionTurn
+from mlxproxy.load.judge.capacity import RATE_UNIT
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
 
 __all__ = [
     "ClosedLoop",

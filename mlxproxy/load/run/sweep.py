@@ -1,5 +1,5 @@
 """Sweeps: steps of growing load run one after another, each step's group judged against the
-SLO as it finishes (`--sweep`); `mlxproxy.load.shapes.Sweep` is the load shape that runs one.
+SLO as it finishes (`--sweep`); `mlxproxy.load.run.shapes.Sweep` is the load shape that runs one.
 
 Every step sends the same mix (the same requests or conversations, scaled by the step's
 count), so steps differ only in load. Given steps run as given; without them the sweep
@@ -15,7 +15,8 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from mlxproxy.load.capacity import (
+from mlxproxy.load.data.results import Group, JSONObject, SessionTurn
+from mlxproxy.load.judge.capacity import (
     MAX_AUTO_CONCURRENCY,
     MIN_PER_STREAM,
     MIN_STEP_REQUESTS,
@@ -27,11 +28,10 @@ from mlxproxy.load.capacity import (
     step_label,
     stop_reason,
 )
-from mlxproxy.load.client import Timed
-from mlxproxy.load.progress import Progress
-from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Group, JSONObject, SessionTurn
-from mlxproxy.load.slo import judge
+from mlxproxy.load.judge.slo import judge
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.output.report import summarize_records
+from mlxproxy.load.run.client import Timed
 
 __all__ = [
     "DEFAULT_BUDGET_S",
@@ -63,7 +63,7 @@ async def run_sweep(
     refine: bool = True,
 ) -> None:
     """Run `step(n)` at each of `steps` (empty: doubling from 1, then, with `refine`, refining
-    within `budget_s` seconds; `mlxproxy.load.shapes.Sweep` runs a shape this way). Each step's
+    within `budget_s` seconds; `mlxproxy.load.run.shapes.Sweep` runs a shape this way). Each step's
     group is appended to `out` as it finishes; `say` gets one line per step; `progress` shows
     each step as a phase. `unit`: what the steps count (streams, sessions, req/s)."""
     auto = not steps

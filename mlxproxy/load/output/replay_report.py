@@ -8,13 +8,14 @@ from collections.abc import Sequence
 
 import click
 
-from mlxproxy.load.capacity import result_file, sweep_charts
-from mlxproxy.load.common import (
+from mlxproxy.load.commands.common import (
     fail,
 )
-from mlxproxy.load.htmlreport import write_html
-from mlxproxy.load.plot import svg_charts
-from mlxproxy.load.report import (
+from mlxproxy.load.data.plot import svg_charts
+from mlxproxy.load.data.results import CompareRow, Group
+from mlxproxy.load.judge.capacity import result_file, sweep_charts
+from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.report import (
     Section,
     group_sections,
     markdown_sections,
@@ -25,7 +26,6 @@ from mlxproxy.load.report import (
     write_csv,
     write_result,
 )
-from mlxproxy.load.results import CompareRow, Group
 
 
 def replay_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = None) -> list[Section]:

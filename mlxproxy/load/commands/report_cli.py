@@ -8,17 +8,17 @@ import click
 import orjson
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load.bench import TargetResult
-from mlxproxy.load.bench_report import bench_sections, plot_svg, results_from_doc
-from mlxproxy.load.capacity import capacity_of
-from mlxproxy.load.common import (
+from mlxproxy.load.commands.bench import TargetResult
+from mlxproxy.load.commands.common import (
     check_writable,
     fail,
 )
-from mlxproxy.load.htmlreport import write_html
-from mlxproxy.load.replay_report import replay_sections, sweep_svg
-from mlxproxy.load.report import markdown_sections, read_result, render_sections, write_csv
-from mlxproxy.load.results import Group
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.judge.capacity import capacity_of
+from mlxproxy.load.output.bench_report import bench_sections, plot_svg, results_from_doc
+from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.replay_report import replay_sections, sweep_svg
+from mlxproxy.load.output.report import markdown_sections, read_result, render_sections, write_csv
 from mlxproxy.vocabulary import (
     shared_option,
 )

@@ -1,7 +1,7 @@
 """Capacity: what a sweep's judged steps answer, and the one-line verdict.
 
 A sweep runs steps of growing load with the same mix of requests (closed-loop streams, agent
-sessions or open-loop rates), each step judged against the SLO (`mlxproxy.load.slo`). The
+sessions or open-loop rates), each step judged against the SLO (`mlxproxy.load.judge.slo`). The
 capacity is the largest step that holds the SLO, below the first step that breaks it, and
 never past the knee: the step after which aggregate tok/s stopped rising (a server whose
 throughput is flat while its latency rises is queueing the extra load, whatever the SLO's
@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mlxproxy.load.plot import Chart
-from mlxproxy.load.results import Breach, Goodput, Group, JSONObject, JSONValue, ResultFile, ResultKind
-from mlxproxy.load.slo import (
+from mlxproxy.load.data.plot import Chart
+from mlxproxy.load.data.results import Breach, Goodput, Group, JSONObject, JSONValue, ResultFile, ResultKind
+from mlxproxy.load.judge.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,
     effective,

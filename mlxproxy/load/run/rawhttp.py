@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the load generator (`mlxproxy.load.client.MeasuringClient`).
+"""A lean HTTP/1.1 client for the load generator (`mlxproxy.load.run.client.MeasuringClient`).
 
 Raw asyncio: one `asyncio.Protocol` per connection and a small keep-alive pool. Each socket
 read is stamped once, on arrival, and its body bytes go straight to the request's `Sink`

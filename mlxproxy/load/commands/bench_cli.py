@@ -7,15 +7,14 @@ import dataclasses
 import click
 
 from mlxproxy.core.text import clip
-from mlxproxy.load.bench import (
+from mlxproxy.load.commands.bench import (
     DEFAULT_SIZES,
     BenchOptions,
     Target,
     TargetResult,
     bench_targets,
 )
-from mlxproxy.load.bench_report import all_groups, print_bench, write_bench_html, write_outputs
-from mlxproxy.load.common import (
+from mlxproxy.load.commands.common import (
     all_failed_reason,
     check_fail_on,
     check_writable,
@@ -24,9 +23,10 @@ from mlxproxy.load.common import (
     parse_target,
     run_async,
 )
-from mlxproxy.load.progress import say
-from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
-from mlxproxy.load.workers import WorkersError, workers_for
+from mlxproxy.load.fleet.workers import WorkersError, workers_for
+from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
+from mlxproxy.load.output.bench_report import all_groups, print_bench, write_bench_html, write_outputs
+from mlxproxy.load.output.progress import say
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,

@@ -21,8 +21,8 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
-from mlxproxy.load.rawhttp import RawPool
-from mlxproxy.load.results import RunRecord, SessionTurn, Summary
+from mlxproxy.load.data.results import RunRecord, SessionTurn, Summary
+from mlxproxy.load.run.rawhttp import RawPool
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
@@ -78,7 +78,7 @@ class Timed:
 
     def annotate(self, summary: Summary) -> Summary:
         """`summary` with what this run adds to it: nothing here (a run merged from several
-        workers adds each worker's figures: `mlxproxy.load.workers.FleetTimed`)."""
+        workers adds each worker's figures: `mlxproxy.load.fleet.workers.FleetTimed`)."""
         return summary
 
     def rows(self, where: Mapping[str, SessionTurn] | None = None, *, source_ids: bool = True) -> list[RunRecord]:
@@ -156,14 +156,14 @@ class MeasuringClient:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._sending = 0  # requests this process has in flight
         self.finished: list[Record] = []
-        # while load worker processes send for this client (`mlxproxy.load.workers`): their
+        # while load worker processes send for this client (`mlxproxy.load.fleet.workers`): their
         # finished requests, requests in flight and tokens received so far, for the progress line
         self.elsewhere: Callable[[], tuple[int, int, int]] | None = None
         # prompt fingerprints of the conversations sent (the cache doctor's re-prefill causes); None: not tracked
         self.prefixes: PrefixIndex | None = None
         self._streaming: set[RequestMeter] = set()  # the meters of the requests in flight
         self._tokens_done = 0  # output tokens of the finished requests
-        # A lean raw-asyncio HTTP/1.1 client (mlxproxy.load.rawhttp): each socket read goes
+        # A lean raw-asyncio HTTP/1.1 client (mlxproxy.load.run.rawhttp): each socket read goes
         # straight from the connection's protocol to the request's meter, stamped once on
         # arrival, so the client is not what limits a run (benchmarks/README.md, "Is the
         # load generator ever the bottleneck?"). `timeout_s` bounds every wait for bytes,

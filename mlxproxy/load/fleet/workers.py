@@ -61,13 +61,13 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.arrivals import GENERATOR_LAG_S, arrival_offsets, ramp_offsets
-from mlxproxy.load.capacity import MIN_PER_STREAM
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.progress import say
-from mlxproxy.load.results import SessionTurn, Summary
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn
-from mlxproxy.load.sweep import StepRun, mix_copies
+from mlxproxy.load.data.arrivals import GENERATOR_LAG_S, arrival_offsets, ramp_offsets
+from mlxproxy.load.data.results import SessionTurn, Summary
+from mlxproxy.load.judge.capacity import MIN_PER_STREAM
+from mlxproxy.load.output.progress import say
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.shapes import ClosedLoop, OpenLoop, Recorded, Sequential, Sessions, TimedShape, Turn
+from mlxproxy.load.run.sweep import StepRun, mix_copies
 
 __all__ = [
     "BOTTLENECK_CPU",

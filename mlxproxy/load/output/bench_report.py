@@ -10,8 +10,7 @@ from typing import Any
 
 import click
 
-from mlxproxy.load.arrivals import generator_note
-from mlxproxy.load.bench import (
+from mlxproxy.load.commands.bench import (
     Calibration,
     Target,
     TargetResult,
@@ -20,10 +19,12 @@ from mlxproxy.load.bench import (
     smallest_single,
     verdict,
 )
-from mlxproxy.load.capacity import result_file, sweep_charts
-from mlxproxy.load.htmlreport import write_html
-from mlxproxy.load.plot import Chart, svg_charts
-from mlxproxy.load.report import (
+from mlxproxy.load.data.arrivals import generator_note
+from mlxproxy.load.data.plot import Chart, svg_charts
+from mlxproxy.load.data.results import Group, ResultFile
+from mlxproxy.load.judge.capacity import result_file, sweep_charts
+from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.report import (
     LEGEND,
     SUMMARY_COLUMNS,
     Section,
@@ -38,7 +39,6 @@ from mlxproxy.load.report import (
     write_csv,
     write_result,
 )
-from mlxproxy.load.results import Group, ResultFile
 
 
 def all_groups(results: Sequence[TargetResult]) -> list[Group]:

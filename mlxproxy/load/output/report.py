@@ -1,6 +1,6 @@
 """Summaries, tables and result files for `replay`, `bench` and `report`.
 
-A result file is JSON (its types: `mlxproxy.load.results`): `{"mlxproxy_result": 1, "kind",
+A result file is JSON (its types: `mlxproxy.load.data.results`): `{"mlxproxy_result": 1, "kind",
 "version", "created_at", "groups": [{"name", "target", "mode", "kind", "params", "summary",
 "records": [...]}], "verdicts": {target: text}}`, with every per-request record (timeline
 included), so `mlxproxy report` can render it again and others can recompute anything from it.
@@ -22,10 +22,10 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load.arrivals import generator_note, sent_rate
-from mlxproxy.load.capacity import capacity_line, capacity_of
-from mlxproxy.load.results import Goodput, Group, ResultFile, RunRecord, Summary, json_float
-from mlxproxy.load.slo import SLO_METRICS, fmt_value, slo_text, step_problem
+from mlxproxy.load.data.arrivals import generator_note, sent_rate
+from mlxproxy.load.data.results import Goodput, Group, ResultFile, RunRecord, Summary, json_float
+from mlxproxy.load.judge.capacity import capacity_line, capacity_of
+from mlxproxy.load.judge.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 
 __all__ = [
     "aggregate_tps",

@@ -14,18 +14,18 @@ from prometheus_client import generate_latest
 from mlxproxy.config import build_config
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.edge.runner import ServerThread, bind_socket
-from mlxproxy.load.bench import (
+from mlxproxy.load.commands.bench import (
     BenchOptions,
     Target,
     TargetResult,
     bench_one,
 )
-from mlxproxy.load.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
-from mlxproxy.load.common import (
+from mlxproxy.load.commands.common import (
     fail,
     run_async,
 )
-from mlxproxy.load.report import measured_requests
+from mlxproxy.load.output.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
+from mlxproxy.load.output.report import measured_requests
 from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import click
 
 from mlxproxy.capture import CapturedRequest, read_capture
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load.common import (
+from mlxproxy.load.commands.common import (
     all_failed_reason,
     check_fail_on,
     check_writable,
@@ -16,10 +16,9 @@ from mlxproxy.load.common import (
     requests_text,
     run_async,
 )
-from mlxproxy.load.inputs import interrupted_line, nothing_to_replay, result_file_hint
-from mlxproxy.load.preflight import require_reachable
-from mlxproxy.load.progress import say
-from mlxproxy.load.replay import (
+from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
+from mlxproxy.load.commands.preflight import require_reachable
+from mlxproxy.load.commands.replay import (
     BUILTIN_AGENT,
     ReplayOptions,
     generation_mix,
@@ -28,10 +27,11 @@ from mlxproxy.load.replay import (
     served_from_cache,
     synthetic_agent_session,
 )
-from mlxproxy.load.replay_report import print_groups, sweep_svg, write_replay_outputs
-from mlxproxy.load.results import Group
-from mlxproxy.load.slo import DEFAULT_SLO, judge, parse_slo
-from mlxproxy.load.workers import Workers, WorkersError, workers_for
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
+from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
+from mlxproxy.load.output.progress import say
+from mlxproxy.load.output.replay_report import print_groups, sweep_svg, write_replay_outputs
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,

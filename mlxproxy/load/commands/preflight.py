@@ -4,9 +4,9 @@ once instead of a whole schedule of failed requests."""
 
 from __future__ import annotations
 
-from mlxproxy.load.bench import discover_model
-from mlxproxy.load.client import MeasuringClient
-from mlxproxy.load.common import fail, run_async, unreachable_message
+from mlxproxy.load.commands.bench import discover_model
+from mlxproxy.load.commands.common import fail, run_async, unreachable_message
+from mlxproxy.load.run.client import MeasuringClient
 
 
 async def reach(url: str, *, name: str, api_key: str | None, timeout_s: float) -> str | None:

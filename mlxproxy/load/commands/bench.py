@@ -28,15 +28,31 @@ from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.text import clip
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.common import filler_text, requests_text, unreachable_message
-from mlxproxy.load.progress import Progress
-from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
-from mlxproxy.load.results import AnomalyCount, FailedRequest, Group, GroupKind, JSONObject, JSONValue, Summary, Wave
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
-from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
-from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
+from mlxproxy.load.commands.common import filler_text, requests_text, unreachable_message
+from mlxproxy.load.data.results import (
+    AnomalyCount,
+    FailedRequest,
+    Group,
+    GroupKind,
+    JSONObject,
+    JSONValue,
+    Summary,
+    Wave,
+)
+from mlxproxy.load.fleet.workers import (
+    ONE_PROCESS,
+    Workers,
+    closed_loop_step,
+    open_loop_step,
+    run_shape,
+    workers_section,
+)
+from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.output.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun
 
 __all__ = [
     "BenchOptions",

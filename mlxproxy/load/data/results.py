@@ -256,7 +256,7 @@ _FIXED = (
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """A group's headline figures (`mlxproxy.load.report.summarize_records`). The sections only
+    """A group's headline figures (`mlxproxy.load.output.report.summarize_records`). The sections only
     some groups have (bench's per-wave figures, an SLO judgment, replayed sessions, ...) are
     in `extra`, in the order they were added, read through the properties below."""
 
@@ -331,7 +331,7 @@ class Summary:
 
     @property
     def slo(self) -> SloVerdict | None:
-        """The SLO verdict of a judged group (`mlxproxy.load.slo.judge`)."""
+        """The SLO verdict of a judged group (`mlxproxy.load.judge.slo.judge`)."""
         d = self.extra.get("slo")
         return None if d is None else SloVerdict.from_json(_json_object(d))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 
-from mlxproxy.load.results import ResultFile, RunRecord
+from mlxproxy.load.data.results import ResultFile, RunRecord
 
 __all__ = ["sessions_html", "MAX_SESSIONS"]
 

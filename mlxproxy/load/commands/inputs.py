@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxproxy.load.common import requests_text
-from mlxproxy.load.results import Group
+from mlxproxy.load.commands.common import requests_text
+from mlxproxy.load.data.results import Group
 
 #: the key that opens every result file (`results.ResultFile.to_dict`)
 _RESULT_KEY = b'"mlxproxy_result"'

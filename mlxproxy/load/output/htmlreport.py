@@ -20,11 +20,11 @@ from typing import Any
 
 from mlxproxy import __version__
 from mlxproxy.core.record import Record
-from mlxproxy.load.capacity import capacity_line, capacity_of, sweep_charts
-from mlxproxy.load.plot import Chart, Series, svg_charts
-from mlxproxy.load.report import SUMMARY_COLUMNS, measured_requests, summary_row
-from mlxproxy.load.results import Group, ResultFile
-from mlxproxy.load.sessions_view import sessions_html
+from mlxproxy.load.data.plot import Chart, Series, svg_charts
+from mlxproxy.load.data.results import Group, ResultFile
+from mlxproxy.load.judge.capacity import capacity_line, capacity_of, sweep_charts
+from mlxproxy.load.output.report import SUMMARY_COLUMNS, measured_requests, summary_row
+from mlxproxy.load.output.sessions_view import sessions_html
 
 __all__ = ["render_html", "write_html"]
 
