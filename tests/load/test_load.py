@@ -13,9 +13,9 @@ import pytest
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.data.arrivals import arrival_offsets, generator_note, schedule
 from mlxproxy.load.data.results import RunRecord
 from mlxproxy.load.run.sweep import mix_copies
-from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
 from mlxproxy.sim.app import create_app as create_sim
 from support import captured_chat, cli, engine_closed_loop, write_capture
 from support import captured_chats as _caps
@@ -121,7 +121,7 @@ def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
 
 
 def test_slo_syntax() -> None:
-    from mlxproxy.load.schedules import DEFAULT_SLO, parse_slo, slo_text
+    from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo, slo_text
 
     assert parse_slo("ttft_p95=3s,tpot_p50=60ms") == {"ttft_p95": 3.0, "tpot_p50": pytest.approx(0.06)}
     assert parse_slo("e2e_p99=2.5, decode_tps_p50=20tok/s, itl_p90=80ms") == {
@@ -146,7 +146,7 @@ def test_slo_syntax() -> None:
 
 def _judge(rows: list[dict], slo: dict[str, float]):
     """`judge` over rows as a result file holds them."""
-    from mlxproxy.load.schedules import judge
+    from mlxproxy.load.judge.slo import judge
 
     return judge([RunRecord.from_dict(r) for r in rows], slo)
 
@@ -166,7 +166,7 @@ def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") ->
 
 
 def test_goodput_counts_requests_meeting_every_threshold() -> None:
-    from mlxproxy.load.schedules import step_problem
+    from mlxproxy.load.judge.slo import step_problem
 
     slo = {"ttft_p95": 1.0, "tpot_p50": 0.05}
     recs = [
@@ -377,7 +377,7 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
 
 def test_capacity_lines_for_every_ending() -> None:
     from mlxproxy.load.data.results import Group
-    from mlxproxy.load.schedules import capacity_line, capacity_of
+    from mlxproxy.load.judge.capacity import capacity_line, capacity_of
 
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(20)]
@@ -604,7 +604,7 @@ def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: P
 
 
 def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
-    from mlxproxy.load.schedules import ramp_offsets
+    from mlxproxy.load.data.arrivals import ramp_offsets
 
     ramp = ramp_offsets(20.0, 2.0)  # 20/s reached after 2 s: 20 requests, due at sqrt(i / 5)
     assert len(ramp) == 20 and ramp[-1] < 2.0 and ramp[5] == pytest.approx(1.0)
