@@ -146,9 +146,10 @@ async def ours(
     the same schedule split over that many processes, as `--workers N` sends it."""
     sys.path.insert(0, REPO)
     from mlxproxy.load.data.arrivals import sent_rate
-    from mlxproxy.load.fleet.workers import Workers, run_shape
+    from mlxproxy.load.fleet.workers import Workers
     from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
-    from mlxproxy.load.run.shapes import ClosedLoop, OpenLoop
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop
 
     reqs = [
         PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
@@ -157,7 +158,7 @@ async def ours(
     async with MeasuringClient(url, timeout_s=60.0) as client:
         cpu0, t0 = _cpu(), now()
         shape = OpenLoop(rate, "constant") if rate else ClosedLoop(concurrency)
-        timed = await run_shape(Workers(workers), shape, client, reqs)
+        timed = await send(shape, Load(reqs), client, fleet=Workers(workers))
         elapsed, cpu = now() - t0, _cpu() - cpu0
     per = list(getattr(timed, "workers", ()))
     if per:  # the workers' own CPU and time (the parent only waits; starting the processes is not sending)

@@ -345,14 +345,16 @@ def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
 
     from mlxproxy.load.commands.replay import ReplayOptions, prepare
     from mlxproxy.load.run.client import MeasuringClient
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import Due, Load
 
     chats = [captured_chat(f"c{i}", [{"role": "user", "content": "hi"}]) for i in range(5)]
 
     async def go():
         async with MeasuringClient(sim.url) as client:
-            return await client.run_open_loop(
-                [prepare(c, ReplayOptions()) for c in chats], [0.0, 0.01, 0.02, 0.03, 0.04]
-            )
+            reqs = [prepare(c, ReplayOptions()) for c in chats]
+            due = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, [0.0, 0.01, 0.02, 0.03, 0.04])]
+            return await send(Due(), Load(due), client)
 
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         timed = asyncio.run(go())

@@ -39,19 +39,12 @@ from mlxproxy.load.data.results import (
     Summary,
     Wave,
 )
-from mlxproxy.load.fleet.workers import (
-    ONE_PROCESS,
-    Workers,
-    closed_loop_step,
-    open_loop_step,
-    run_shape,
-    workers_section,
-)
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import aggregate_tps, mark_speeds, range_text, summarize_records, untrusted_notes
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.run.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
+from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
+from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
 from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun
 
 __all__ = [
@@ -85,8 +78,7 @@ class BenchOptions:
     repeat: int = 5
     batch: int = 2
     batch_prompt_tokens: int | None = None  # default: the smallest size
-    concurrency: tuple[int, ...] = ()  # more wave sizes (kept for callers of the old spelling)
-    batches: tuple[int, ...] = ()  # wave sizes released together; default (batch, *concurrency)
+    batches: tuple[int, ...] = ()  # wave sizes released together; default (batch,)
     model: str | None = None
     nonce: bool = True
     rate: float | None = None  # an open-loop test at this many requests/s (after the others)
@@ -100,7 +92,7 @@ class BenchOptions:
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
-    workers: Workers = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
+    workers: Fleet = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
 
 @dataclass
@@ -137,8 +129,9 @@ def chat_body(model: str, text: str, max_tokens: int, stream: bool = True) -> by
     return orjson.dumps(obj)
 
 
-def _req(body: bytes, label: str) -> PreparedRequest:
-    return PreparedRequest("POST", "/v1/chat/completions", body, (("content-type", "application/json"),), label=label)
+def _req(body: bytes, label: str, source_id: str | None = None) -> PreparedRequest:
+    headers = (("content-type", "application/json"),)
+    return PreparedRequest("POST", "/v1/chat/completions", body, headers, source_id=source_id, label=label)
 
 
 async def discover_model(client: MeasuringClient) -> str:
@@ -203,8 +196,11 @@ async def bench_one(
         try:
             await run.run(tick)
         except asyncio.CancelledError:
-            if not res.groups:
-                _single_groups(res, run.single, run.sizes, run.params, th)
+            if not res.groups:  # cancelled one at a time: the requests finished so far, in order
+                single = Timed()
+                for req, r in zip(run.single_reqs, client.finished[len(probes) :]):
+                    single.add(r, req.source_id)
+                _single_groups(res, single, run.sizes, run.params, th)
             res.error = f"interrupted after {requests_text(len(client.finished) - len(probes), 'measured')}"
             raise
         finally:
@@ -251,9 +247,20 @@ class _BenchRun:
         self.bsize = opts.batch_prompt_tokens or min(self.sizes)
         if self.bsize not in self.sizes:
             self.sizes.append(self.bsize)
-        waves = [n for n in dict.fromkeys(opts.batches or (opts.batch, *opts.concurrency)) if n >= 2]
+        waves = [n for n in dict.fromkeys(opts.batches or (opts.batch,)) if n >= 2]
         # a sweep replaces the batch waves unless they were asked for
         self.waves = [] if opts.sweep and not opts.batches else waves
+        # one at a time at each size, sizes interleaved so slow drift does not bias one size;
+        # every prompt has its own nonce (no prompt cache serves a repeat)
+        self.single_reqs = [
+            _req(
+                chat_body(self.model, _prompt(res.calibration, size, opts.nonce), opts.max_tokens),
+                f"single:{size}",
+                f"{size}",
+            )
+            for _ in range(opts.repeat)
+            for size in self.sizes
+        ]
         self.single = Timed()
         self.params: dict[str, JSONValue] = {
             "model": res.model,
@@ -281,13 +288,7 @@ class _BenchRun:
 
     async def run(self, tick: Progress) -> None:
         opts = self.opts
-        for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
-            for size in self.sizes:
-                body = chat_body(self.model, _prompt(self.res.calibration, size, opts.nonce), opts.max_tokens)
-                r = await self.client.send(_req(body, f"single:{size}"))
-                self.single.records.append(r)
-                self.single.source_ids[r.id] = f"{size}"
-                tick()
+        self.single = await send(Sequential(), Load(self.single_reqs), self.client, tick=tick)
         _single_groups(self.res, self.single, self.sizes, self.params, self.th)
         if self.waves:
             await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
@@ -320,9 +321,10 @@ class _BenchRun:
         opts = self.opts
         shape = OpenLoop(rate, opts.arrival, opts.seed, opts.ramp_s)
         reqs = self.requests(opts.requests, "rate")
-        timed = await run_shape(opts.workers, shape, self.client, reqs, tick, self.requests(shape.ramp_size(), "ramp"))
+        load = Load(reqs, self.requests(shape.ramp_size(), "ramp"))
+        timed = await send(shape, load, self.client, fleet=opts.workers, tick=tick)
         summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
-        summ = workers_section(summ, timed)
+        summ = timed.annotate(summ)
         params = {**self.params, "prompt_tokens": self.bsize, **shape.params(len(reqs))}
         self.res.groups.append(_group(f"{opts.arrival} {rate:g}/s", "rate", self.res.target.name, params, timed, summ))
 
@@ -354,16 +356,16 @@ async def _measure_waves(
         return chat_body(res.model or "", _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens)
 
     async def alone() -> None:
-        r = await client.send(_req(body(), "baseline"))
-        baseline.records.append(r)
-        baseline.source_ids[r.id] = "baseline"
-        tick()
+        timed = await send(Sequential(), Load([_req(body(), "baseline", "baseline")]), client, tick=tick)
+        baseline.records.extend(timed.records)
+        baseline.source_ids.update(timed.source_ids)
 
     try:
         await alone()
         for _ in range(opts.repeat):
             for n in waves:
-                timed, wave_recs = await Waves(n).run_waves(client, [_req(body(), f"x{n}") for _ in range(n)], tick)
+                timed = await send(Waves(n), Load([_req(body(), f"x{n}") for _ in range(n)]), client, tick=tick)
+                wave_recs = timed.waves
                 acc, recs = per[n]
                 acc.records.extend(timed.records)
                 acc.source_ids.update(timed.source_ids)

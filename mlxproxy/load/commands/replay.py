@@ -43,28 +43,21 @@ from mlxproxy.load.data.results import (
     SessionTurn,
     Summary,
 )
-from mlxproxy.load.fleet.workers import (
-    ONE_PROCESS,
-    Workers,
-    closed_loop_step,
-    open_loop_step,
-    run_shape,
-    workers_section,
-)
-from mlxproxy.load.fleet.workers import run_sessions as sessions_on
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send, sessions_step
 from mlxproxy.load.run.shapes import (
     ClosedLoop,
+    Load,
     OpenLoop,
     Recorded,
     Sequential,
     Sessions,
+    Shape,
     Sweep,
     SweptShape,
-    TimedShape,
     Turn,
     Waves,
 )
@@ -99,7 +92,7 @@ class ReplayOptions:
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
-    workers: Workers = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
+    workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
 
 
 def select(
@@ -424,7 +417,7 @@ class _ReplayRun:
         rows = compare_rows(self.by_id, timed) if self.compare else None
         self.groups.append(_group(mode, kind, self.target, params, timed, summary, rows))
 
-    def shape(self) -> TimedShape:
+    def shape(self) -> Shape:
         """The load shape of a single test (not a sweep, sessions or batch)."""
         opts = self.opts
         if opts.mode == "recorded":
@@ -443,35 +436,35 @@ class _ReplayRun:
             await self.sessions(tick)
         elif opts.mode == "batch":
             await self.batch(tick)
-        elif isinstance(shape := self.shape(), OpenLoop):
+        elif opts.mode == "rate":
+            shape = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
             ramp = [prepare(self.caps[i % len(self.caps)], opts) for i in range(shape.ramp_size())]
-            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick, ramp)
+            timed = await send(shape, Load(self.fresh(), ramp), self.client, fleet=opts.workers, tick=tick)
             sent = [r.t_start_mono for r in timed.records]
-            summary = workers_section(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent), timed)
+            summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
             self.finish(self.mode, "rate", timed, summary, {**self.params, **shape.params(len(timed.records))})
         else:
-            timed = await run_shape(opts.workers, shape, self.client, self.fresh(), tick)
-            lag = timed.lag_s if isinstance(shape, Recorded) else None
-            summary = workers_section(summarize_records(timed.records, lag_s=lag), timed)
+            timed = await send(self.shape(), Load(self.fresh()), self.client, fleet=opts.workers, tick=tick)
+            summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
             self.finish(self.mode, "replay", timed, summary, self.params)
 
     async def sessions(self, tick: Progress) -> None:
         opts = self.opts
         runs = max(opts.sessions, len(split_sessions(self.caps)) * opts.repeat)
         timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
-        summary = workers_section(summarize_records(timed.records), timed).updated({"sessions": sess})
+        summary = timed.annotate(summarize_records(timed.records)).updated({"sessions": sess})
         params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
         self.groups.append(
             _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
         )
 
     async def batch(self, tick: Progress) -> None:
-        single = await Sequential().run(self.client, self.fresh(), tick)
+        single = await send(Sequential(), Load(self.fresh()), self.client, tick=tick)
         s_single = summarize_records(single.records)
         self.groups.append(_group("single", "single", self.target, self.params, single, s_single))
         for size in self.opts.batches or (self.opts.batch,):
-            timed, waves = await Waves(size).run_waves(self.client, self.fresh(), tick)
-            summary = summarize_records(timed.records, waves=waves, single_wall_tps=s_single.wall_tps.p50)
+            timed = await send(Waves(size), Load(self.fresh()), self.client, tick=tick)
+            summary = summarize_records(timed.records, waves=timed.waves, single_wall_tps=s_single.wall_tps.p50)
             self.finish(f"batch {size}", "wave", timed, summary, {**self.params, "batch": size})
 
     async def sweep(self, tick: Progress) -> None:
@@ -509,13 +502,10 @@ class _ReplayRun:
             await sweep(shape, step, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s)
         elif opts.mode == "sessions":
             convs = len(split_sessions(mix))
-
-            async def sessions_step(shape: Sessions) -> StepRun:
-                k = shape.at_once
-                timed, where, _ = await run_sessions(self.client, mix, opts, k, k * convs * opts.repeat)
-                return timed, where
-
-            await sweep(Sweep(Sessions(1), steps, refine, budget), sessions_step, think_time=opts.think_time)
+            step_s = sessions_step(
+                self.client, lambda k: session_runs(self.client, mix, opts, k * convs * opts.repeat), opts.workers
+            )
+            await sweep(Sweep(Sessions(1), steps, refine, budget), step_s, think_time=opts.think_time)
         else:
             await sweep(
                 Sweep(ClosedLoop(1), steps, refine, budget),
@@ -572,7 +562,7 @@ async def run_replay(
         target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
     ) as client:
         if opts.warmup:
-            await Sequential().run(client, [prepare(c, opts) for c in caps[: opts.warmup]])
+            await send(Sequential(), Load([prepare(c, opts) for c in caps[: opts.warmup]]), client)
         measured_from = len(client.finished)
         run = _ReplayRun(client, caps, opts, target_name, th, compare, groups, say)
         total = None if opts.sweep else n * (1 + len(opts.batches or (opts.batch,)) if opts.mode == "batch" else 1)
@@ -601,12 +591,22 @@ async def run_sessions(
     a response's end and the next turn (`Sessions`); each run has its own nonce (so it is a
     conversation of its own, never the continuation of another run). Returns the records,
     each record's `session`, `turn` and `think_s`, and the `sessions` summary."""
+    plans = session_runs(client, caps, opts, runs)
+    timed = await send(Sessions(at_once), Load(runs=plans), client, fleet=opts.workers, tick=tick)
+    conversations = len(split_sessions(caps))
+    return timed, timed.where, {"count": runs, "conversations": conversations, "session_s": summarize(timed.session_s)}
+
+
+def session_runs(
+    client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, runs: int
+) -> list[list[Turn]]:
+    """`runs` conversation runs (the capture's conversations in order, cycled), each with a
+    nonce of its own; the client keeps the prompts' fingerprints (each turn's re-prefill cause,
+    the report's sessions view)."""
     convs = split_sessions(caps)
-    if client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
+    if client.prefixes is None:
         client.prefixes = PrefixIndex()
-    plans = [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
-    timed, where, session_s = await sessions_on(opts.workers, Sessions(at_once), client, plans, tick)
-    return timed, where, {"count": runs, "conversations": len(convs), "session_s": summarize(session_s)}
+    return [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
 
 
 def _session_run(conv: Sequence[CapturedRequest], opts: ReplayOptions) -> list[Turn]:

@@ -1,16 +1,13 @@
-"""The measuring client shared by `replay` and `bench`: sends requests, meters each
-response with the same core as the proxy, and schedules them in the four ways the
-reports use (one at a time, recorded offsets, closed loop, released-together waves).
+"""The measuring client shared by `replay` and `bench`: sends requests and meters each
+response with the same core as the proxy. How requests are scheduled is the load shapes'
+(`mlxproxy.load.run.shapes`); what a run returns is a `Timed`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import gc
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from mlxproxy.core.analyze import finish_checked
@@ -27,7 +24,6 @@ from mlxproxy.load.run.rawhttp import RawPool
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
 
 now = time.perf_counter
-_TIMER_RESOLUTION_S = 0.001
 
 
 def _wire(text: str) -> bytes:
@@ -69,12 +65,22 @@ class _Collect:
 
 @dataclass
 class Timed:
-    """The records of one run plus the load generator's own schedule lag."""
+    """The records of one run plus the load generator's own schedule lag, and what a shape
+    adds: each record's place in a conversation run (`where`) and each run's wall time, the
+    records of each wave released together."""
 
     records: list[Record] = field(default_factory=list)
     lag_s: list[float] = field(default_factory=list)
     source_ids: dict[str, str | None] = field(default_factory=dict)  # record id -> captured id
     lag_by_id: dict[str, float] = field(default_factory=dict)  # record id -> its schedule lag
+    where: dict[str, SessionTurn] = field(default_factory=dict)  # record id -> session, turn, think time
+    session_s: list[float] = field(default_factory=list)  # each conversation run's wall time
+    waves: list[list[Record]] = field(default_factory=list)  # each wave's records (released together)
+
+    def add(self, r: Record, source_id: str | None) -> None:
+        """One finished request, with the captured request it replays (None: synthetic)."""
+        self.records.append(r)
+        self.source_ids[r.id] = source_id
 
     def annotate(self, summary: Summary) -> Summary:
         """`summary` with what this run adds to it: nothing here (a run merged from several
@@ -85,7 +91,7 @@ class Timed:
         """The records as a group holds them: each with its `source_id` (unless `source_ids`
         is False), its `schedule_lag_s` when it had a due time (open loop, recorded offsets)
         and its place in a replayed conversation (`where`)."""
-        where = where or {}
+        where = self.where if where is None else where
         return [
             RunRecord.of(
                 r,
@@ -96,36 +102,6 @@ class Timed:
             )
             for r in self.records
         ]
-
-
-#: a run freezes the cyclic collector's view of what it holds after this many finished records
-FREEZE_EVERY = 256
-
-
-class _RunHeap:
-    """Keeps a long run's finished records out of the cyclic collector's full passes.
-
-    A run holds every record until it ends, and each full collection walks all of them: at
-    2,000 req/s for 10 s those walks paused the event loop for tens of ms (schedule lag p99
-    45-50 ms; 2.4 ms with the collector off; benchmarks/README.md). Every `FREEZE_EVERY`
-    records `gc.freeze()` moves what is alive to the permanent generation (a constant-time
-    splice), which later passes skip; reference counting still frees everything as usual, and
-    the end of the run unfreezes, so cyclic garbage made meanwhile is collected then."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.frozen = False
-
-    def record_done(self) -> None:
-        self.records += 1
-        if self.records % FREEZE_EVERY == 0:
-            gc.freeze()
-            self.frozen = True
-
-    def release(self) -> None:
-        if self.frozen:
-            gc.unfreeze()
-            self.frozen = False
 
 
 class MeasuringClient:
@@ -288,149 +264,3 @@ class MeasuringClient:
         self.finished.append(record)
         self._tokens_done += record.n_out or meter.generated_events
         return record
-
-    # -- schedules ---------------------------------------------------------------------
-
-    async def run_sequential(
-        self, reqs: Sequence[PreparedRequest], progress: Callable[[], None] | None = None
-    ) -> Timed:
-        out = Timed()
-        for req in reqs:
-            r = await self.send(req)
-            out.records.append(r)
-            out.source_ids[r.id] = req.source_id
-            if progress:
-                progress()
-        return out
-
-    async def run_recorded(
-        self,
-        reqs: Sequence[PreparedRequest],
-        speed: float = 1.0,
-        progress: Callable[[], None] | None = None,
-        *,
-        start: float | None = None,
-    ) -> Timed:
-        """Each request sent at its recorded offset / speed, against absolute deadlines;
-        the lag of every actual send behind its deadline is kept. The offsets count from the
-        first request's, which is sent now; with `start` (a `perf_counter` instant) they count
-        from that instant instead (the segments of several workers share one start).
-
-        One dispatcher sleeps until the next deadline and only then starts that request's
-        task: creating every task up front would spend the first moments of a long run
-        starting thousands of sleeping tasks, late for the first deadlines. The lag is taken
-        inside the started task, just before it sends, so the loop's own delay is in it."""
-        out = Timed()
-        if not reqs:
-            return out
-        ordered = sorted(reqs, key=lambda r: r.offset_s)
-        first = ordered[0].offset_s if start is None else 0.0
-        t0 = now() if start is None else start
-        tasks: list[asyncio.Task[None]] = []
-
-        heap = _RunHeap()
-
-        async def one(req: PreparedRequest, deadline: float) -> None:
-            lag = max(0.0, now() - deadline)
-            out.lag_s.append(lag)
-            r = await self.send(req)
-            out.lag_by_id[r.id] = lag
-            out.records.append(r)
-            out.source_ids[r.id] = req.source_id
-            heap.record_done()
-            if progress:
-                progress()
-
-        try:
-            for req in ordered:
-                deadline = t0 + (req.offset_s - first) / speed
-                # uvloop's timers have 1 ms resolution and wake up to ~1 ms early: sleep again
-                # only for what a timer can resolve (sleeping for less spins the loop)
-                while (delay := deadline - now()) > _TIMER_RESOLUTION_S:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(one(req, deadline)))
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # cancelled (Ctrl-C, a timeout around the run): no orphans
-                task.cancel()
-            heap.release()
-        return out
-
-    async def run_open_loop(
-        self,
-        reqs: Sequence[PreparedRequest],
-        offsets: Sequence[float],
-        progress: Callable[[], None] | None = None,
-        ramp: tuple[Sequence[PreparedRequest], Sequence[float], float] | None = None,
-    ) -> Timed:
-        """Open loop: request i is sent at `offsets[i]` seconds from now, whatever the server
-        does (see `mlxproxy.load.arrival_offsets`); the schedule lag of every send is kept.
-        `ramp` = (requests, offsets, seconds): those are sent first, on their own schedule
-        (`mlxproxy.load.ramp_offsets`), and the measured requests start `seconds` later; the
-        ramp's requests are sent but not returned (not measured)."""
-        timed = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, offsets)]
-        if ramp is None or not ramp[0]:
-            return await self.run_recorded(timed, 1.0, progress)
-        ramp_reqs = [dataclasses.replace(r, offset_s=o) for r, o in zip(ramp[0], ramp[1])]
-
-        async def main() -> Timed:
-            await asyncio.sleep(ramp[2])
-            return await self.run_recorded(timed, 1.0, progress)
-
-        _, out = await asyncio.gather(self.run_recorded(ramp_reqs, 1.0), main())
-        return out
-
-    async def run_closed_loop(
-        self, reqs: Sequence[PreparedRequest], concurrency: int, progress: Callable[[], None] | None = None
-    ) -> Timed:
-        """`concurrency` workers, each sending the next request as soon as its last one ended."""
-        out = Timed()
-        queue = list(reqs)[::-1]
-
-        async def worker() -> None:
-            while queue:
-                req = queue.pop()
-                r = await self.send(req)
-                out.records.append(r)
-                out.source_ids[r.id] = req.source_id
-                if progress:
-                    progress()
-
-        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
-        return out
-
-    async def run_waves(
-        self, reqs: Sequence[PreparedRequest], size: int, progress: Callable[[], None] | None = None
-    ) -> tuple[Timed, list[list[Record]]]:
-        """Waves of `size` requests released together: every task is started and waiting
-        on one gate before the gate opens (the double-batch method). Returns all
-        records and the records of each wave."""
-        out = Timed()
-        waves: list[list[Record]] = []
-        items = list(reqs)
-        for i in range(0, len(items), size):
-            wave = items[i : i + size]
-            gate = asyncio.Event()
-            ready = 0
-            all_ready = asyncio.Event()
-
-            # awaited within this iteration (gather below), so the loop variables are this wave's
-            async def one(req: PreparedRequest) -> Record:
-                nonlocal ready
-                ready += 1
-                if ready == len(wave):  # noqa: B023
-                    all_ready.set()  # noqa: B023
-                await gate.wait()  # noqa: B023
-                return await self.send(req, fresh_connection=True)
-
-            tasks = [asyncio.ensure_future(one(r)) for r in wave]
-            await all_ready.wait()
-            gate.set()
-            recs = list(await asyncio.gather(*tasks))
-            for req, r in zip(wave, recs):
-                out.source_ids[r.id] = req.source_id
-                if progress:
-                    progress()
-            out.records.extend(recs)
-            waves.append(recs)
-        return out, waves
