@@ -10,6 +10,7 @@ the runner (`mlxproxy.load.run.runner.send`) sends any of them, here or on a fle
 - `ClosedLoop(streams)`: `streams` workers, each sending its next request when its last ends.
 - `Waves(size)`: requests released together, `size` at a time (the double-batch method).
 - `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
+- `Burst(size, every_s)`: `size` requests due together every `every_s` seconds.
 - `Due`: each request at its own due time from one start (what `Recorded` and `OpenLoop`
   send, and their part on one worker).
 - `Sweep(inner, steps, refine, budget_s)`: one of `OpenLoop`, `ClosedLoop` or `Sessions` run at
@@ -39,6 +40,7 @@ from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
 from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
 
 __all__ = [
+    "Burst",
     "ClosedLoop",
     "Due",
     "Load",
@@ -375,6 +377,26 @@ class Sessions(Shape):
         """Slot k of the conversations at once on worker k mod n: a conversation never moves."""
         parts = plan_sessions(load.runs, self.at_once, n)
         return [(Sessions(s), Load(runs=rs, run_ids=ids)) for s, rs, ids in parts]
+
+
+@dataclass(frozen=True, slots=True)
+class Burst(Shape):
+    """Bursts: `size` requests due together every `every_s` seconds, whatever the server does
+    (a step from nothing to `size` at once, again and again); each burst's lag is kept."""
+
+    size: int
+    every_s: float
+    splits: ClassVar[bool] = True
+
+    def due(self, load: Load) -> Load:
+        size = max(1, self.size)
+        return Load([dataclasses.replace(r, offset_s=(i // size) * self.every_s) for i, r in enumerate(load.requests)])
+
+    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
+        return await Due().send(client, self.due(load), tick, start)
+
+    def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
+        return Due().split(self.due(load), n)
 
 
 #: the shapes a `Sweep` runs at growing counts
