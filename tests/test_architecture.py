@@ -283,6 +283,47 @@ def test_no_circle_between_rooms() -> None:
     assert find_cycle(edges) is None, find_cycle(edges)
 
 
+#: load testing's own floors, bottom first (docs/ARCHITECTURE.md, "Load testing"): the result
+#: file's types and charts; judging a run; showing and writing results; sending from this
+#: process (the shapes and the one runner); the fleet of processes and hosts; the commands.
+LOAD_FLOORS: dict[str, int] = {"data": 0, "judge": 1, "output": 2, "run": 3, "fleet": 4, "commands": 5}
+
+
+def load_room(name: str) -> str:
+    return name.split(".")[2] if name.count(".") >= 2 else "__init__"
+
+
+def test_load_testing_is_subpackages_whose_imports_run_down_their_floors() -> None:
+    modules = {module_name(p): p for p in sorted((PACKAGE / "load").rglob("*.py"))}
+    rooms = {load_room(m) for m in modules if m != "mlxproxy.load"}
+    assert sorted(rooms - set(LOAD_FLOORS)) == [], "give each subpackage of load/ its floor in LOAD_FLOORS"
+    at_top = [m for m, p in modules.items() if p.parent == PACKAGE / "load" and p.name != "__init__.py"]
+    assert at_top == [], "every module of load/ lives in one of its subpackages"
+    bad, edges = [], {room: set() for room in LOAD_FLOORS}
+    for m, path in modules.items():
+        for target, name, line in imports_of(m, path):
+            full = f"{target}.{name}" if name and f"{target}.{name}" in modules else target
+            if full not in modules or full == "mlxproxy.load" or m == "mlxproxy.load":
+                continue
+            src, dst = load_room(m), load_room(full)
+            if src != dst:
+                edges[src].add(dst)
+                if LOAD_FLOORS[dst] >= LOAD_FLOORS[src]:
+                    bad.append(f"{m}:{line} imports {full}")
+    assert edges["commands"] and edges["run"]  # the graph was read
+    assert sorted(bad) == []
+    assert find_cycle(edges) is None
+
+
+def test_no_load_module_is_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in sorted((PACKAGE / "load").rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert long == {}
+
+
 #: the one module per third-party library whose private internals the package uses
 COMPAT = {
     "aiohttp": "mlxproxy/proxy/_compat_aiohttp.py",

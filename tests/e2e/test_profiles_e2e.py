@@ -216,7 +216,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     healthy server, marked and footnoted, with the usage verdict beside it; the healthy
     row is unmarked and unchanged (its speeds are its usage's)."""
     from mlxproxy.core.record import rate_figures, wall_window_s
-    from mlxproxy.load.commands.bench import BenchOptions, headline, headline_notes, verdict
+    from mlxproxy.load.commands.bench import BenchOptions
+    from mlxproxy.load.output.bench_verdict import headline, headline_notes, verdict
 
     url, _, _ = stack
     opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
@@ -246,7 +247,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
 
 
 def _bench_each(url: str, opts):
-    from mlxproxy.load.commands.bench import BenchOptions, Target, bench_targets
+    from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+    from mlxproxy.load.data.targets import Target
 
     async def go():
         out = []

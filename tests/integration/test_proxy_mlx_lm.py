@@ -32,7 +32,8 @@ import pytest
 
 from mlxproxy.core.detect import Thresholds, overlap_ratio
 from mlxproxy.core.record import Record
-from mlxproxy.load.commands.bench import BenchOptions, Target, TargetResult, bench_targets
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.report import aggregate_tps
 
 from .conftest import PREFILL_STEP

@@ -14,18 +14,12 @@ from click.testing import CliRunner
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.commands.bench import (
-    ANOMALY_SHARE,
-    BATCH_CLASSES,
-    Target,
-    TargetResult,
-    batching_verdict,
-    verdict,
-    wave_class,
-)
 from mlxproxy.load.data.results import Group, Wave
+from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import bench_sections, results_from_doc
-from mlxproxy.load.output.report import read_result, render_sections
+from mlxproxy.load.output.bench_verdict import ANOMALY_SHARE, BATCH_CLASSES, batching_verdict, verdict, wave_class
+from mlxproxy.load.output.files import read_result
+from mlxproxy.load.output.report import render_sections
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile

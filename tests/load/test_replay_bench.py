@@ -16,8 +16,10 @@ from mlxproxy.capture import read_capture
 from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.commands.bench import BenchOptions, Target, bench_targets, verdict
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
 from mlxproxy.load.commands.replay import ReplayOptions, prepare, run
+from mlxproxy.load.data.targets import Target
+from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
@@ -275,9 +277,9 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     assert "usage over-reports 4.0x" in lines["phantom-usage"]
     # its speeds are the stream's (~50 tok/s like the others), marked, never the usage's 4x
     d = tmp_path / "d"
-    from mlxproxy.load.commands.bench import headline
     from mlxproxy.load.output.bench_report import results_from_doc
-    from mlxproxy.load.output.report import read_result
+    from mlxproxy.load.output.bench_verdict import headline
+    from mlxproxy.load.output.files import read_result
 
     rows = {r.target.name: headline(r) for r in results_from_doc(read_result(d / "bench.json"), "")[0]}
     ph, ok = rows["phantom-usage"], rows["mlx-lm"]

@@ -7,13 +7,8 @@ import dataclasses
 import click
 
 from mlxproxy.core.text import clip
-from mlxproxy.load.commands.bench import (
-    DEFAULT_SIZES,
-    BenchOptions,
-    Target,
-    TargetResult,
-    bench_targets,
-)
+from mlxproxy.errors import MlxproxyError
+from mlxproxy.load.commands.bench import DEFAULT_SIZES, BenchOptions, bench_targets
 from mlxproxy.load.commands.common import (
     all_failed_reason,
     check_fail_on,
@@ -23,6 +18,7 @@ from mlxproxy.load.commands.common import (
     parse_target,
     run_async,
 )
+from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.fleet.workers import WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.load.output.bench_report import all_groups, print_bench, write_bench_html, write_outputs
@@ -168,13 +164,12 @@ def bench(
         fail(str(exc), 1)
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
-    write_outputs(results, json_path, csv_path, md_path, plot_path)
-    if html_path:
-        try:
+    try:
+        write_outputs(results, json_path, csv_path, md_path, plot_path)
+        if html_path:
             write_bench_html(results, html_path)
-        except OSError as exc:
-            fail(f"cannot write {html_path}: {exc.strerror or exc}")
-        click.echo(f"wrote {html_path}", err=True)
+    except MlxproxyError as exc:
+        fail(str(exc))
     if interrupted:
         fail(
             "interrupted: what was measured so far is printed"

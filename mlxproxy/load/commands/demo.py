@@ -14,18 +14,14 @@ from prometheus_client import generate_latest
 from mlxproxy.config import build_config
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.edge.runner import ServerThread, bind_socket
-from mlxproxy.load.commands.bench import (
-    BenchOptions,
-    Target,
-    TargetResult,
-    bench_one,
-)
+from mlxproxy.load.commands.bench import BenchOptions, bench_one
 from mlxproxy.load.commands.common import (
     fail,
     run_async,
 )
+from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
-from mlxproxy.load.output.report import measured_requests
+from mlxproxy.load.output.files import measured_requests
 from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:
@@ -197,7 +193,7 @@ def _write_all(results: list[TargetResult], out: Path, app: ProxyApp) -> None:
     write_outputs(
         results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
     )
-    write_bench_html(results, str(out / "bench.html"))
+    write_bench_html(results, str(out / "bench.html"), quiet=True)
     (out / "metrics.prom").write_bytes(generate_latest(app.registry))
     if app.capture is not None:
         app.capture.flush()

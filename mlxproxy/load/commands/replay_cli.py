@@ -30,6 +30,7 @@ from mlxproxy.load.commands.replay import (
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
+from mlxproxy.load.output.files import write_text
 from mlxproxy.load.output.progress import say
 from mlxproxy.load.output.replay_report import print_groups, sweep_svg, write_replay_outputs
 from mlxproxy.vocabulary import (
@@ -391,11 +392,12 @@ def _show(
             "(cached_tokens > half the prompt): their TTFT measures the cache, not prefill"
             + ("; drop --no-nonce to measure prefill" if not nonce else "")
         )
-    write_replay_outputs(groups, capture, target_url, *outputs)
-    if plot_path:
-        with open(plot_path, "w", encoding="utf-8") as fh:
-            fh.write(sweep_svg(groups))
-        click.echo(f"wrote {plot_path}", err=True)
+    try:
+        write_replay_outputs(groups, capture, target_url, *outputs)
+        if plot_path:
+            write_text(plot_path, sweep_svg(groups))
+    except MlxproxyError as exc:
+        fail(str(exc))
 
 
 def judge_groups(groups: list[Group], slo: dict[str, float] | None) -> None:

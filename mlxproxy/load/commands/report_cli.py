@@ -8,17 +8,18 @@ import click
 import orjson
 
 from mlxproxy.errors import MlxproxyError
-from mlxproxy.load.commands.bench import TargetResult
 from mlxproxy.load.commands.common import (
     check_writable,
     fail,
 )
 from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.targets import TargetResult
 from mlxproxy.load.judge.capacity import capacity_of
 from mlxproxy.load.output.bench_report import bench_sections, plot_svg, results_from_doc
-from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.files import read_result, write_csv, write_text
+from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.replay_report import replay_sections, sweep_svg
-from mlxproxy.load.output.report import markdown_sections, read_result, render_sections, write_csv
+from mlxproxy.load.output.report import markdown_sections, render_sections
 from mlxproxy.vocabulary import (
     shared_option,
 )
@@ -95,20 +96,14 @@ def report(
     if replay_groups:
         sections += replay_sections(replay_groups, replay_verdicts)
     click.echo(render_sections(sections))
-    if csv_path:
-        write_csv(csv_path, [g for r in bench_results for g in r.groups] + replay_groups)
-        click.echo(f"wrote {csv_path}", err=True)
-    if md_path:
-        with open(md_path, "w", encoding="utf-8") as fh:
-            fh.write(markdown_sections(sections))
-        click.echo(f"wrote {md_path}", err=True)
-    if plot_path:
-        with open(plot_path, "w", encoding="utf-8") as fh:
-            fh.write(plot_svg(bench_results) if bench_results else sweep_svg(replay_groups))
-        click.echo(f"wrote {plot_path}", err=True)
-    if html_path:
-        try:
-            write_html(html_path, list(zip(labels, docs)))
-        except OSError as exc:
-            fail(f"cannot write {html_path}: {exc.strerror or exc}")
-        click.echo(f"wrote {html_path}", err=True)
+    try:
+        if csv_path:
+            write_csv(csv_path, [g for r in bench_results for g in r.groups] + replay_groups)
+        if md_path:
+            write_text(md_path, markdown_sections(sections))
+        if plot_path:
+            write_text(plot_path, plot_svg(bench_results) if bench_results else sweep_svg(replay_groups))
+        if html_path:
+            write_text(html_path, render_html(list(zip(labels, docs))))
+    except MlxproxyError as exc:
+        fail(str(exc))

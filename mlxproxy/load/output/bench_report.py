@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import click
 
-from mlxproxy.load.commands.bench import (
-    Calibration,
-    Target,
-    TargetResult,
-    headline,
-    headline_notes,
-    smallest_single,
-    verdict,
-)
 from mlxproxy.load.data.arrivals import generator_note
 from mlxproxy.load.data.plot import Chart, svg_charts
 from mlxproxy.load.data.results import Group, ResultFile
+from mlxproxy.load.data.targets import Calibration, Target, TargetResult
 from mlxproxy.load.judge.capacity import result_file, sweep_charts
-from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.bench_verdict import headline, headline_notes, smallest_single, verdict
+from mlxproxy.load.output.files import write_csv, write_result, write_text
+from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.report import (
     LEGEND,
     SUMMARY_COLUMNS,
@@ -36,8 +29,6 @@ from mlxproxy.load.output.report import (
     speedup_text,
     summary_row,
     sweep_sections,
-    write_csv,
-    write_result,
 )
 
 
@@ -259,20 +250,16 @@ def write_outputs(
     groups = doc.groups
     if json_path and write_json:
         write_result(json_path, doc)
-        click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
-        click.echo(f"wrote {csv_path}", err=True)
     if md_path:
-        Path(md_path).write_text(markdown_sections(bench_sections(results, verdicts)), encoding="utf-8")
-        click.echo(f"wrote {md_path}", err=True)
+        write_text(md_path, markdown_sections(bench_sections(results, verdicts)))
     if plot_path:
-        Path(plot_path).write_text(plot_svg(results), encoding="utf-8")
-        click.echo(f"wrote {plot_path}", err=True)
+        write_text(plot_path, plot_svg(results))
 
 
-def write_bench_html(results: list[TargetResult], path: str) -> None:
-    write_html(path, [("bench", results_doc(results))])
+def write_bench_html(results: list[TargetResult], path: str, *, quiet: bool = False) -> None:
+    write_text(path, render_html([("bench", results_doc(results))]), quiet=quiet)
 
 
 def plot_svg(results: list[TargetResult]) -> str:

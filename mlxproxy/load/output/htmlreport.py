@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from html import escape
-from pathlib import Path
 from typing import Any
 
 from mlxproxy import __version__
@@ -23,10 +22,11 @@ from mlxproxy.core.record import Record
 from mlxproxy.load.data.plot import Chart, Series, svg_charts
 from mlxproxy.load.data.results import Group, ResultFile
 from mlxproxy.load.judge.capacity import capacity_line, capacity_of, sweep_charts
-from mlxproxy.load.output.report import SUMMARY_COLUMNS, measured_requests, summary_row
+from mlxproxy.load.output.files import measured_requests
+from mlxproxy.load.output.report import SUMMARY_COLUMNS, summary_row
 from mlxproxy.load.output.sessions_view import sessions_html
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["render_html"]
 
 MAX_LANES = 120  # requests drawn per group
 LANE_LABEL_W = 296  # the room left of a lane for its label: LANE_LABEL_CHARS at ~6 px (10 px sans-serif)
@@ -45,10 +45,6 @@ th{color:#6b7280;font-weight:600}td.num{text-align:right;font-variant-numeric:ta
 .cols{display:grid;grid-template-columns:repeat(auto-fit,minmax(320px,1fr));gap:12px}
 details{margin:6px 0}summary{cursor:pointer;font-weight:600}.lanes{display:block;max-width:100%}
 """
-
-
-def write_html(path: str | Path, docs: Sequence[tuple[str, ResultFile]]) -> None:
-    Path(path).write_text(render_html(docs), encoding="utf-8")
 
 
 def _when(epoch: float | None) -> str:

@@ -8,13 +8,11 @@ from collections.abc import Sequence
 
 import click
 
-from mlxproxy.load.commands.common import (
-    fail,
-)
 from mlxproxy.load.data.plot import svg_charts
 from mlxproxy.load.data.results import CompareRow, Group
 from mlxproxy.load.judge.capacity import result_file, sweep_charts
-from mlxproxy.load.output.htmlreport import write_html
+from mlxproxy.load.output.files import write_csv, write_result, write_text
+from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.report import (
     Section,
     group_sections,
@@ -23,8 +21,6 @@ from mlxproxy.load.output.report import (
     session_sections,
     slo_section,
     sweep_sections,
-    write_csv,
-    write_result,
 )
 
 
@@ -90,17 +86,9 @@ def write_replay_outputs(
     doc = result_file("replay", groups, extra={"capture": capture, "target": target_url})
     if json_path:
         write_result(json_path, doc)
-        click.echo(f"wrote {json_path} (render again with: mlxproxy report {json_path})", err=True)
     if csv_path:
         write_csv(csv_path, groups)
-        click.echo(f"wrote {csv_path}", err=True)
     if md_path:
-        with open(md_path, "w", encoding="utf-8") as f:
-            f.write(markdown_sections(replay_sections(groups)))
-        click.echo(f"wrote {md_path}", err=True)
+        write_text(md_path, markdown_sections(replay_sections(groups)))
     if html_path:
-        try:
-            write_html(html_path, [(os.path.basename(capture), doc)])
-        except OSError as exc:
-            fail(f"cannot write {html_path}: {exc.strerror or exc}")
-        click.echo(f"wrote {html_path}", err=True)
+        write_text(html_path, render_html([(os.path.basename(capture), doc)]))

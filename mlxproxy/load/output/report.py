@@ -8,22 +8,17 @@ included), so `mlxproxy report` can render it again and others can recompute any
 
 from __future__ import annotations
 
-import csv
 import math
 import textwrap
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
-
-import orjson
 
 from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
-from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.data.arrivals import generator_note, sent_rate
-from mlxproxy.load.data.results import Goodput, Group, ResultFile, RunRecord, Summary, json_float
+from mlxproxy.load.data.results import Goodput, Group, RunRecord, Summary, json_float
 from mlxproxy.load.judge.capacity import capacity_line, capacity_of
 from mlxproxy.load.judge.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 
@@ -31,9 +26,6 @@ __all__ = [
     "aggregate_tps",
     "summarize_records",
     "render_table",
-    "write_result",
-    "read_result",
-    "write_csv",
     "summary_row",
     "SUMMARY_COLUMNS",
     "mark_speeds",
@@ -490,89 +482,3 @@ def session_sections(groups: Sequence[Group]) -> list[Section]:
             )
         )
     return out
-
-
-def write_result(path: str | Path, result: ResultFile) -> None:
-    """The result file: `result.to_dict()` as indented JSON."""
-    Path(path).write_bytes(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
-
-
-def read_result(path: str | Path) -> ResultFile:
-    """A result file written by this version or an earlier one (one-line error otherwise)."""
-    p = Path(path)
-    try:
-        doc = orjson.loads(p.read_bytes())
-    except OSError as exc:
-        raise MlxproxyError(f"cannot read result file {str(p)!r}: {exc.strerror or exc}") from exc
-    except orjson.JSONDecodeError as exc:
-        raise MlxproxyError(f"{p} is not a JSON result file ({exc})") from exc
-    if not isinstance(doc, dict) or "mlxproxy_result" not in doc:
-        raise MlxproxyError(f"{p} is not an mlxproxy result file (written by replay/bench --json)")
-    try:
-        return ResultFile.from_dict(doc)
-    except ValueError as exc:
-        raise MlxproxyError(f"{p} {exc}") from exc
-
-
-CSV_FIELDS = (
-    "group",
-    "target",
-    "mode",
-    "id",
-    "source_id",
-    "model",
-    "endpoint",
-    "stream",
-    "status",
-    "outcome",
-    "ttfb_s",
-    "ttft_s",
-    "ttfc_s",
-    "e2e_s",
-    "tpot_s",
-    "decode_tps",
-    "wall_tps",
-    "prefill_tps",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "tokens_source",
-    "completion_tokens_reported",
-    "completion_tokens_counted",
-    "completion_tokens_tokenizer",
-    "reasoning_tokens_counted",
-    "usage_reports",
-    "finish_reason",
-    "concurrency",
-    "anomalies",
-    "error",
-    "session",
-    "turn",
-    "think_s",
-)
-
-
-def measured_requests(groups: Sequence[Group]) -> int:
-    """How many requests `groups` measured, each once: a request that belongs to several groups
-    (bench's `single` holds every `single N`) counts once, as in `write_csv`'s rows. Requests
-    sent but not measured (bench's two calibration probes per target) are not among them."""
-    return len({(g.target, r.id) for g in groups for r in g.records})
-
-
-def write_csv(path: str | Path, groups: Sequence[Group]) -> None:
-    """One row per request. A request that belongs to several groups (bench's `single`
-    holds every `single N`) is written once, under its most specific (last) group."""
-    rows: dict[str, dict[str, object]] = {}
-    for g in groups:
-        for r in g.records:
-            row = r.to_dict()  # the row as the result file holds it, less what CSV_FIELDS leave out
-            row.update(group=g.name, target=g.target, mode=g.mode, anomalies=";".join(r.record.anomalies))
-            key = f"{g.target}\0{r.id}"
-            if key in rows:
-                rows[key].update(group=g.name, mode=g.mode)
-            else:
-                rows[key] = row
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows.values())
