@@ -13,7 +13,7 @@ import pytest
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.data.results import Summary
+from mlxproxy.load.data.summary import Summary
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 from mlxproxy.load.run.runner import send

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.data.results import Group, Wave
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.summary import Wave
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import bench_sections, results_from_doc
 from mlxproxy.load.output.bench_verdict import ANOMALY_SHARE, BATCH_CLASSES, batching_verdict, verdict, wave_class

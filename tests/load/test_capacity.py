@@ -16,7 +16,8 @@ from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.data.results import Group, Judgment, RunRecord
+from mlxproxy.load.data.results import Group, RunRecord
+from mlxproxy.load.data.summary import Judgment
 from mlxproxy.load.judge.capacity import MIN_STEP_REQUESTS, capacity_line, capacity_of, rise_needed
 from mlxproxy.load.judge.slo import judge
 from mlxproxy.load.run.sweep import mix_copies, refine_bounds
@@ -343,7 +344,7 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
 def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
     import asyncio
 
-    from mlxproxy.load.commands.replay import ReplayOptions, prepare
+    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
     from mlxproxy.load.run.client import MeasuringClient
     from mlxproxy.load.run.runner import send
     from mlxproxy.load.run.shapes import Due, Load
@@ -371,7 +372,7 @@ def test_each_session_run_is_its_own_conversation_to_the_prefix_tracker() -> Non
     """The nonce marks the first user message too (a conversation's key), so two runs of the
     bundled agent session are two conversations, and one run's turns are one."""
     from mlxproxy.core.prefix import fingerprint
-    from mlxproxy.load.commands.replay import ReplayOptions, prepare, synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare, synthetic_agent_session
 
     turns = synthetic_agent_session(turns=3)
     opts = ReplayOptions()

@@ -12,7 +12,8 @@ import pytest
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.commands.replay import run_replay
+from mlxproxy.load.commands.replay_requests import ReplayOptions
 from mlxproxy.load.data.arrivals import arrival_offsets, generator_note, schedule
 from mlxproxy.load.data.results import RunRecord
 from mlxproxy.load.run.sweep import mix_copies
@@ -91,7 +92,7 @@ def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
 
 
 def test_the_generator_says_when_it_was_the_limit() -> None:
-    from mlxproxy.load.data.results import Summary
+    from mlxproxy.load.data.summary import Summary
 
     lag = lambda p99: {"count": 10, "p50": p99 / 2, "p99": p99}  # noqa: E731
     summ = lambda p99, sent: Summary.from_dict({"schedule_lag_s": lag(p99), "sent_rate": sent})  # noqa: E731
@@ -216,7 +217,7 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
 
 
 def test_a_breach_never_reads_as_equal_to_its_limit() -> None:
-    from mlxproxy.load.data.results import Breach
+    from mlxproxy.load.data.summary import Breach
     from mlxproxy.load.judge.slo import breach_text
 
     def text(key: str, value: float, limit: float) -> str:
@@ -433,7 +434,7 @@ def _conversation_caps() -> list[CapturedRequest]:
 
 
 def test_a_capture_splits_into_conversations_and_a_session_shares_one_nonce() -> None:
-    from mlxproxy.load.commands.replay import captured_think_s, prepare, split_sessions
+    from mlxproxy.load.commands.replay_requests import captured_think_s, prepare, split_sessions
 
     caps = _conversation_caps()
     sessions = split_sessions(caps)
@@ -572,7 +573,7 @@ def test_replay_sweeps_rates_too(tmp_path: Path) -> None:
 
 
 def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: Path) -> None:
-    from mlxproxy.load.commands.replay import split_sessions, synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import split_sessions, synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     (conv,) = split_sessions(caps)  # one conversation of four turns
@@ -638,7 +639,7 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
 def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
     """On a simulator with a prompt cache, each replayed conversation starts cold (its own nonce)
     and every later turn reuses the cache of the turn before it, as an agent's turns do."""
-    from mlxproxy.load.commands.replay import synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:

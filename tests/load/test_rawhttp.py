@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.edge.runner import run_async
 from mlxproxy.errors import UpstreamBodyError, UpstreamUnreachable
-from mlxproxy.load.run import rawhttp
+from mlxproxy.load.run import httpparse, rawhttp
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
-PARSERS = ["h11"] + (["httptools"] if rawhttp.httptools is not None else [])
+PARSERS = ["h11"] + (["httptools"] if httpparse.httptools is not None else [])
 _CLASSES = {"h11": rawhttp._H11Parser, "httptools": rawhttp._HttptoolsParser}
 
 

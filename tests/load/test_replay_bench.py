@@ -17,7 +17,8 @@ from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.commands.bench import BenchOptions, bench_targets
-from mlxproxy.load.commands.replay import ReplayOptions, prepare, run
+from mlxproxy.load.commands.replay import run
+from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim

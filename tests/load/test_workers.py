@@ -24,7 +24,8 @@ import pytest
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread, run_async
-from mlxproxy.load.commands.replay import ReplayOptions, run_sessions
+from mlxproxy.load.commands.replay import run_sessions
+from mlxproxy.load.commands.replay_requests import ReplayOptions
 from mlxproxy.load.data.arrivals import arrival_offsets
 from mlxproxy.load.fleet.local import _run_stoppable
 from mlxproxy.load.fleet.merge import FleetTimed, merge

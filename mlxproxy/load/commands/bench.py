@@ -28,15 +28,8 @@ from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.core.text import clip
 from mlxproxy.load.commands.common import filler_text, requests_text, unreachable_message
-from mlxproxy.load.data.results import (
-    FailedRequest,
-    Group,
-    GroupKind,
-    JSONObject,
-    JSONValue,
-    Summary,
-    Wave,
-)
+from mlxproxy.load.data.results import Group, GroupKind
+from mlxproxy.load.data.summary import FailedRequest, JSONObject, JSONValue, Summary, Wave
 from mlxproxy.load.data.targets import Calibration, Target, TargetResult
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress

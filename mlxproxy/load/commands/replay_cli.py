@@ -18,13 +18,12 @@ from mlxproxy.load.commands.common import (
 )
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
 from mlxproxy.load.commands.preflight import require_reachable
-from mlxproxy.load.commands.replay import (
+from mlxproxy.load.commands.replay import run_replay, served_from_cache
+from mlxproxy.load.commands.replay_requests import (
     BUILTIN_AGENT,
     ReplayOptions,
     generation_mix,
-    run_replay,
     select,
-    served_from_cache,
     synthetic_agent_session,
 )
 from mlxproxy.load.data.results import Group

@@ -21,7 +21,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from mlxproxy.load.data.results import JSONObject, Summary, json_float
+from mlxproxy.load.data.summary import JSONObject, Summary, json_float
 
 __all__ = [
     "ARRIVALS",

@@ -11,7 +11,7 @@ from typing import Any
 
 from mlxproxy.core.stats import percentile
 from mlxproxy.load.data.arrivals import GENERATOR_LAG_S
-from mlxproxy.load.data.results import Summary
+from mlxproxy.load.data.summary import Summary
 from mlxproxy.load.fleet.segment import SegmentResult
 from mlxproxy.load.run.client import Timed
 

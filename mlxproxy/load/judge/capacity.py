@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlxproxy.load.data.plot import Chart
-from mlxproxy.load.data.results import Breach, Goodput, Group, JSONObject, JSONValue, ResultFile, ResultKind
+from mlxproxy.load.data.results import Group, ResultFile, ResultKind
+from mlxproxy.load.data.summary import Breach, Goodput, JSONObject, JSONValue
 from mlxproxy.load.judge.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,

@@ -21,7 +21,8 @@ from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.core.stats import percentile
-from mlxproxy.load.data.results import Breach, Goodput, Group, Judgment, RunRecord, SloVerdict, Summary
+from mlxproxy.load.data.results import Group, RunRecord
+from mlxproxy.load.data.summary import Breach, Goodput, Judgment, SloVerdict, Summary
 
 # the option values' meaning (--slo, --fail-on) is the vocabulary's, shared by the commands
 from mlxproxy.vocabulary import SLO_METRICS, parse_fail_on, parse_slo

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from mlxproxy.core.record import OK_OUTCOMES
 from mlxproxy.core.stats import percentile
-from mlxproxy.load.data.results import AnomalyCount, Group, Wave
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.summary import AnomalyCount, Wave
 from mlxproxy.load.data.targets import TargetResult
 from mlxproxy.load.output.report import mark_speeds, range_text, untrusted_notes
 

@@ -18,7 +18,8 @@ from mlxproxy.core.detect import overlap_ratio, prefill_judgeable
 from mlxproxy.core.record import OK_OUTCOMES, Record, rate_figures, wall_window_s
 from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.load.data.arrivals import generator_note, sent_rate
-from mlxproxy.load.data.results import Goodput, Group, RunRecord, Summary, json_float
+from mlxproxy.load.data.results import Group, RunRecord
+from mlxproxy.load.data.summary import Goodput, Summary, json_float
 from mlxproxy.load.judge.capacity import capacity_line, capacity_of
 from mlxproxy.load.judge.slo import SLO_METRICS, fmt_value, slo_text, step_problem
 

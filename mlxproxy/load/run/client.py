@@ -18,7 +18,8 @@ from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamError
 from mlxproxy.headers import NOT_RESENT, REPLAY_HEADER
-from mlxproxy.load.data.results import RunRecord, SessionTurn, Summary
+from mlxproxy.load.data.results import RunRecord, SessionTurn
+from mlxproxy.load.data.summary import Summary
 from mlxproxy.load.run.rawhttp import RawPool
 
 __all__ = ["PreparedRequest", "MeasuringClient", "Timed"]

@@ -32,7 +32,8 @@ from typing import ClassVar, Generic, TypeVar
 
 from mlxproxy.core.record import Record
 from mlxproxy.load.data.arrivals import arrival_offsets, ramp_offsets, schedule
-from mlxproxy.load.data.results import Group, JSONObject, SessionTurn
+from mlxproxy.load.data.results import Group, SessionTurn
+from mlxproxy.load.data.summary import JSONObject
 from mlxproxy.load.judge.capacity import RATE_UNIT
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed

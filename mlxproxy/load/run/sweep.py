@@ -15,7 +15,8 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from mlxproxy.load.data.results import Group, JSONObject, SessionTurn
+from mlxproxy.load.data.results import Group, SessionTurn
+from mlxproxy.load.data.summary import JSONObject
 from mlxproxy.load.judge.capacity import (
     MAX_AUTO_CONCURRENCY,
     MIN_PER_STREAM,
