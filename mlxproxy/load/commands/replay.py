@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.cachecheck import PrefixIndex
@@ -134,7 +135,7 @@ class _ReplayRun:
             "nonce": opts.nonce,
             "model": opts.model,
         }
-        self.mode = _mode_name(opts)
+        self.mode = chosen_test(opts).name
 
     def fresh(self) -> list[PreparedRequest]:
         return [prepare(c, self.opts) for _ in range(self.opts.repeat) for c in self.caps]
@@ -146,100 +147,27 @@ class _ReplayRun:
         rows = compare_rows(self.by_id, timed) if self.compare else None
         self.groups.append(_group(mode, kind, self.target, params, timed, summary, rows))
 
-    def shape(self) -> Shape:
-        """The load shape of a single test (not a sweep, sessions or batch)."""
-        opts = self.opts
-        if opts.mode == "recorded":
-            return Recorded(opts.speed)
-        if opts.mode == "rate":
-            return OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
-        if opts.mode == "concurrency":
-            return ClosedLoop(opts.concurrency)
-        return Sequential()
+    async def sweep(
+        self,
+        shape: Sweep[SweptShape],
+        step: Callable[[SweptShape], Awaitable[StepRun]],
+        tick: Progress,
+        **params: JSONValue,
+    ) -> None:
+        """`shape`'s steps, each sending through `step`, judged against the SLO as they finish."""
+        await shape.run(
+            step, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.target, params={**self.params, **params},
+            out=self.groups, say=self.say, progress=tick,
+        )  # fmt: skip
 
-    async def run(self, tick: Progress) -> None:
-        opts = self.opts
-        if opts.sweep:
-            await self.sweep(tick)
-        elif opts.mode == "sessions":
-            await self.sessions(tick)
-        elif opts.mode == "batch":
-            await self.batch(tick)
-        elif opts.mode == "rate":
-            shape = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
-            ramp = [prepare(self.caps[i % len(self.caps)], opts) for i in range(shape.ramp_size())]
-            timed = await send(shape, Load(self.fresh(), ramp), self.client, fleet=opts.workers, tick=tick)
-            sent = [r.t_start_mono for r in timed.records]
-            summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
-            self.finish(self.mode, "rate", timed, summary, {**self.params, **shape.params(len(timed.records))})
-        else:
-            timed = await send(self.shape(), Load(self.fresh()), self.client, fleet=opts.workers, tick=tick)
-            summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
-            self.finish(self.mode, "replay", timed, summary, self.params)
-
-    async def sessions(self, tick: Progress) -> None:
-        opts = self.opts
-        runs = max(opts.sessions, len(split_sessions(self.caps)) * opts.repeat)
-        timed, where, sess = await run_sessions(self.client, self.caps, opts, opts.sessions, runs, tick)
-        summary = timed.annotate(summarize_records(timed.records)).updated({"sessions": sess})
-        params = {**self.params, "sessions": opts.sessions, "think_time": opts.think_time}
-        self.groups.append(
-            _group(f"sessions {opts.sessions}", "sessions", self.target, params, timed, summary, None, where)
-        )
-
-    async def batch(self, tick: Progress) -> None:
-        single = await send(Sequential(), Load(self.fresh()), self.client, tick=tick)
-        s_single = summarize_records(single.records)
-        self.groups.append(_group("single", "single", self.target, self.params, single, s_single))
-        for size in self.opts.batches or (self.opts.batch,):
-            timed = await send(Waves(size), Load(self.fresh()), self.client, tick=tick)
-            summary = summarize_records(timed.records, waves=timed.waves, single_wall_tps=s_single.wall_tps.p50)
-            self.finish(f"batch {size}", "wave", timed, summary, {**self.params, "batch": size})
-
-    async def sweep(self, tick: Progress) -> None:
-        """A sweep of the capture's generation requests (the same mix at every step): rates
-        (open loop), conversations (whole, every turn) or closed-loop streams."""
-        opts = self.opts
+    def mix(self) -> list[CapturedRequest]:
+        """What a sweep sends at every step: the capture's generation requests, `--repeat` times."""
         mix = generation_mix(self.caps)
         if not mix:
             raise ValueError(
                 "a sweep needs generation requests (chat, completions, messages, responses); none selected"
             )
-        reps = [c for _ in range(opts.repeat) for c in mix]
-
-        def copies(k: int) -> list[PreparedRequest]:
-            return [prepare(reps[i % len(reps)], opts) for i in range(k * len(reps))]
-
-        def cycle(k: int) -> list[PreparedRequest]:
-            return [prepare(reps[i % len(reps)], opts) for i in range(k)]
-
-        slo = opts.slo or parse_slo(DEFAULT_SLO)
-
-        async def sweep(
-            shape: Sweep[SweptShape], step: Callable[[SweptShape], Awaitable[StepRun]], **params: JSONValue
-        ) -> None:
-            await shape.run(
-                step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
-                progress=tick,
-            )  # fmt: skip
-
-        steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
-        if opts.mode == "rate":
-            open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-            shape = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget)
-            step = open_loop_step(self.client, cycle, len(reps), opts.workers)
-            await sweep(shape, step, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s)
-        elif opts.mode == "sessions":
-            convs = len(split_sessions(mix))
-            step_s = sessions_step(
-                self.client, lambda k: session_runs(self.client, mix, opts, k * convs * opts.repeat), opts.workers
-            )
-            await sweep(Sweep(Sessions(1), steps, refine, budget), step_s, think_time=opts.think_time)
-        else:
-            await sweep(
-                Sweep(ClosedLoop(1), steps, refine, budget),
-                closed_loop_step(self.client, copies, len(reps), 1, opts.workers),
-            )
+        return [c for _ in range(self.opts.repeat) for c in mix]
 
     def interrupted(self, measured_from: int) -> None:
         """The requests finished so far but in no group yet, as one more group."""
@@ -250,6 +178,173 @@ class _ReplayRun:
             self.groups.append(
                 _group(name, "interrupted", self.target, self.params, Timed(rest), summarize_records(rest))
             )
+
+
+class ReplayTest(Protocol):
+    """One kind of replay test: its name (the group's mode), how many requests the progress
+    line counts on (None: not known in advance) and how it runs (`ReplayRun` holds the client,
+    the requests and the groups)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def total(self, n: int) -> int | None: ...
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None: ...
+
+
+@dataclass(frozen=True)
+class OneShape:
+    """The capture sent once in one shape: recorded offsets, one at a time or a closed loop."""
+
+    name: str
+    shape: Shape
+
+    def total(self, n: int) -> int | None:
+        return n
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        timed = await send(self.shape, Load(r.fresh()), r.client, fleet=r.opts.workers, tick=tick)
+        summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
+        r.finish(self.name, "replay", timed, summary, r.params)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The capture in an open loop, after its unmeasured ramp."""
+
+    name: str
+    shape: OpenLoop
+
+    def total(self, n: int) -> int | None:
+        return n
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        ramp = [prepare(r.caps[i % len(r.caps)], r.opts) for i in range(self.shape.ramp_size())]
+        timed = await send(self.shape, Load(r.fresh(), ramp), r.client, fleet=r.opts.workers, tick=tick)
+        sent = [x.t_start_mono for x in timed.records]
+        summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
+        r.finish(self.name, "rate", timed, summary, {**r.params, **self.shape.params(len(timed.records))})
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The capture one at a time (`single`), then in waves of each size released together."""
+
+    sizes: tuple[int, ...]
+    name: str = "batch"
+
+    def total(self, n: int) -> int | None:
+        return n * (1 + len(self.sizes))
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        single = await send(Sequential(), Load(r.fresh()), r.client, tick=tick)
+        s_single = summarize_records(single.records)
+        r.groups.append(_group("single", "single", r.target, r.params, single, s_single))
+        for size in self.sizes:
+            timed = await send(Waves(size), Load(r.fresh()), r.client, tick=tick)
+            summary = summarize_records(timed.records, waves=timed.waves, single_wall_tps=s_single.wall_tps.p50)
+            r.finish(f"batch {size}", "wave", timed, summary, {**r.params, "batch": size})
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """The capture's conversations, `at_once` at a time, each whole with its think time."""
+
+    name: str
+    at_once: int
+
+    def total(self, n: int) -> int | None:
+        return n
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        opts = r.opts
+        runs = max(self.at_once, len(split_sessions(r.caps)) * opts.repeat)
+        timed, where, sess = await run_sessions(r.client, r.caps, opts, self.at_once, runs, tick)
+        summary = timed.annotate(summarize_records(timed.records)).updated({"sessions": sess})
+        params = {**r.params, "sessions": self.at_once, "think_time": opts.think_time}
+        r.groups.append(_group(f"sessions {self.at_once}", "sessions", r.target, params, timed, summary, None, where))
+
+
+@dataclass(frozen=True)
+class RateSweep:
+    """Open-loop rates at growing counts, each step the same mix cycled."""
+
+    name: str
+    sweep: Sweep[OpenLoop]
+
+    def total(self, n: int) -> int | None:
+        return None
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        reps, opts, inner = r.mix(), r.opts, self.sweep.inner
+
+        def cycle(k: int) -> list[PreparedRequest]:
+            return [prepare(reps[i % len(reps)], opts) for i in range(k)]
+
+        step = open_loop_step(r.client, cycle, len(reps), opts.workers)
+        await r.sweep(self.sweep, step, tick, arrival=inner.arrival, seed=inner.seed, ramp_s=inner.ramp_s)
+
+
+@dataclass(frozen=True)
+class SessionsSweep:
+    """Conversations at once at growing counts, every conversation whole at every step."""
+
+    name: str
+    sweep: Sweep[Sessions]
+
+    def total(self, n: int) -> int | None:
+        return None
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        reps, opts = r.mix(), r.opts
+        convs = len(split_sessions(generation_mix(r.caps)))
+        step = sessions_step(
+            r.client, lambda k: session_runs(r.client, reps, opts, k * convs * opts.repeat), opts.workers
+        )
+        await r.sweep(self.sweep, step, tick, think_time=opts.think_time)
+
+
+@dataclass(frozen=True)
+class StreamsSweep:
+    """Closed-loop streams at growing counts, each stream sending whole copies of the mix."""
+
+    name: str
+    sweep: Sweep[ClosedLoop]
+
+    def total(self, n: int) -> int | None:
+        return None
+
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        reps, opts = r.mix(), r.opts
+
+        def copies(k: int) -> list[PreparedRequest]:
+            return [prepare(reps[i % len(reps)], opts) for i in range(k * len(reps))]
+
+        await r.sweep(self.sweep, closed_loop_step(r.client, copies, len(reps), 1, opts.workers), tick)
+
+
+def chosen_test(opts: ReplayOptions) -> ReplayTest:
+    """The test the options ask for, typed by its shape: the one place a replay mode is read
+    (ValueError for an unknown one, before anything is sent)."""
+    name = _mode_name(opts)
+    steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
+    if opts.sweep and opts.mode == "rate":
+        open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
+        return RateSweep(name, Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget))
+    if opts.sweep and opts.mode == "sessions":
+        return SessionsSweep(name, Sweep(Sessions(1), steps, refine, budget))
+    if opts.sweep:
+        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget))
+    tests: dict[str, Callable[[], ReplayTest]] = {
+        "recorded": lambda: OneShape(name, Recorded(opts.speed)),
+        "sequential": lambda: OneShape(name, Sequential()),
+        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency)),
+        "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)),
+        "batch": lambda: Batch(opts.batches or (opts.batch,)),
+        "sessions": lambda: Conversations(name, opts.sessions),
+    }
+    return tests[opts.mode]()
 
 
 def _mode_name(opts: ReplayOptions) -> str:
@@ -285,7 +380,7 @@ async def run_replay(
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     th = thresholds or Thresholds()
     groups: list[Group] = out if out is not None else []
-    _mode_name(opts)  # an unknown mode fails before anything is sent
+    test = chosen_test(opts)  # an unknown mode fails before anything is sent
     n = len(caps) * opts.repeat
     async with MeasuringClient(
         target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
@@ -294,11 +389,10 @@ async def run_replay(
             await send(Sequential(), Load([prepare(c, opts) for c in caps[: opts.warmup]]), client)
         measured_from = len(client.finished)
         run = _ReplayRun(client, caps, opts, target_name, th, compare, groups, say)
-        total = None if opts.sweep else n * (1 + len(opts.batches or (opts.batch,)) if opts.mode == "batch" else 1)
-        tick = Progress(f"replay {target_name}", total, progress, client)
+        tick = Progress(f"replay {target_name}", test.total(n), progress, client)
         tick.start()
         try:
-            await run.run(tick)
+            await test.run(run, tick)
         except asyncio.CancelledError:
             run.interrupted(measured_from)
             raise
