@@ -297,10 +297,11 @@ class SessionsSweep:
         return None
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        reps, opts = r.mix(), r.opts
-        convs = len(split_sessions(generation_mix(r.caps)))
+        r.mix()  # (a sweep needs generation requests)
+        mix, opts = generation_mix(r.caps), r.opts
+        convs = len(split_sessions(mix))
         step = sessions_step(
-            r.client, lambda k: session_runs(r.client, reps, opts, k * convs * opts.repeat), opts.workers
+            r.client, lambda k: session_runs(r.client, mix, opts, k * convs * opts.repeat), opts.workers
         )
         await r.sweep(self.sweep, step, tick, think_time=opts.think_time)
 
