@@ -61,9 +61,11 @@ class Metric:
     buckets: tuple[float, ...] = ()
 
     def create(self, registry: CollectorRegistry) -> Any:
+        """The family on `registry` (a histogram with its buckets)."""
+        make: Any = self.kind
         if self.buckets:
-            return self.kind(self.name, self.help, self.labels, buckets=self.buckets, registry=registry)
-        return self.kind(self.name, self.help, self.labels, registry=registry)
+            return make(self.name, self.help, self.labels, buckets=self.buckets, registry=registry)
+        return make(self.name, self.help, self.labels, registry=registry)
 
 
 C, G, H, B = Counter, Gauge, Histogram, BatchHistogram

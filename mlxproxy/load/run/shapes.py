@@ -425,7 +425,7 @@ class Sweep(Generic[SweptShape]):
 
     def at(self, n: float) -> SweptShape:
         """The inner shape at the count `n`."""
-        return self.inner.at(n)  # type: ignore[return-value]
+        return self.inner.at(n)
 
     async def run(
         self,
