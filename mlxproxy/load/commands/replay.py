@@ -1,16 +1,7 @@
-"""`mlxproxy replay`: send a capture again against any target and measure it.
-
-Documented rewrites of the captured request body (nothing else changes):
-  - streaming chat and text completions get `stream_options.include_usage: true` (so usage
-    can be checked; Anthropic Messages and OpenAI Responses streams always carry usage);
-  - `--model NAME` replaces `model`;
-  - the nonce (on by default; `--no-nonce` turns it off) prefixes the first message (or
-    the prompt, or a Responses `input`) with `[nonce <hex>] `, a new one for every request sent (the baseline and
-    the waves of `--batch`, every repeat), so no prompt cache can serve the request;
-  - a privacy capture (`capture_prompts: false`) has only message lengths: each message is
-    sent as filler text of its recorded length.
-Captured headers are sent again except redacted ones and hop-by-hop ones; `--api-key-env`
-supplies the target's key.
+"""`mlxproxy replay`: send a capture again against any target and measure it: the tests it
+runs (one small class per kind of test, typed by its shape, chosen once from the options:
+`chosen_test`), their groups and the conversations' runs. What is sent, and the documented
+rewrites of the captured requests: `mlxproxy.load.commands.replay_requests`.
 """
 
 from __future__ import annotations
@@ -19,7 +10,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.cachecheck import PrefixIndex
@@ -180,28 +171,33 @@ class _ReplayRun:
             )
 
 
-class ReplayTest(Protocol):
+class ReplayTest:
     """One kind of replay test: its name (the group's mode), how many requests the progress
-    line counts on (None: not known in advance) and how it runs (`ReplayRun` holds the client,
+    line counts on (None: not known in advance) and how it runs (`_ReplayRun` holds the client,
     the requests and the groups)."""
 
-    @property
-    def name(self) -> str: ...
+    name: str
 
-    def total(self, n: int) -> int | None: ...
+    def total(self, n: int) -> int | None:
+        return n
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None: ...
+    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+        raise NotImplementedError
+
+
+class SweepTest(ReplayTest):
+    """A sweep: how many requests it sends is known only as it goes."""
+
+    def total(self, n: int) -> int | None:
+        return None
 
 
 @dataclass(frozen=True)
-class OneShape:
+class OneShape(ReplayTest):
     """The capture sent once in one shape: recorded offsets, one at a time or a closed loop."""
 
     name: str
     shape: Shape
-
-    def total(self, n: int) -> int | None:
-        return n
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         timed = await send(self.shape, Load(r.fresh()), r.client, fleet=r.opts.workers, tick=tick)
@@ -210,14 +206,11 @@ class OneShape:
 
 
 @dataclass(frozen=True)
-class Rate:
+class Rate(ReplayTest):
     """The capture in an open loop, after its unmeasured ramp."""
 
     name: str
     shape: OpenLoop
-
-    def total(self, n: int) -> int | None:
-        return n
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         ramp = [prepare(r.caps[i % len(r.caps)], r.opts) for i in range(self.shape.ramp_size())]
@@ -228,7 +221,7 @@ class Rate:
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(ReplayTest):
     """The capture one at a time (`single`), then in waves of each size released together."""
 
     sizes: tuple[int, ...]
@@ -248,14 +241,11 @@ class Batch:
 
 
 @dataclass(frozen=True)
-class Conversations:
+class Conversations(ReplayTest):
     """The capture's conversations, `at_once` at a time, each whole with its think time."""
 
     name: str
     at_once: int
-
-    def total(self, n: int) -> int | None:
-        return n
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         opts = r.opts
@@ -267,14 +257,11 @@ class Conversations:
 
 
 @dataclass(frozen=True)
-class RateSweep:
+class RateSweep(SweepTest):
     """Open-loop rates at growing counts, each step the same mix cycled."""
 
     name: str
     sweep: Sweep[OpenLoop]
-
-    def total(self, n: int) -> int | None:
-        return None
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         reps, opts, inner = r.mix(), r.opts, self.sweep.inner
@@ -287,14 +274,11 @@ class RateSweep:
 
 
 @dataclass(frozen=True)
-class SessionsSweep:
+class SessionsSweep(SweepTest):
     """Conversations at once at growing counts, every conversation whole at every step."""
 
     name: str
     sweep: Sweep[Sessions]
-
-    def total(self, n: int) -> int | None:
-        return None
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         r.mix()  # (a sweep needs generation requests)
@@ -307,14 +291,11 @@ class SessionsSweep:
 
 
 @dataclass(frozen=True)
-class StreamsSweep:
+class StreamsSweep(SweepTest):
     """Closed-loop streams at growing counts, each stream sending whole copies of the mix."""
 
     name: str
     sweep: Sweep[ClosedLoop]
-
-    def total(self, n: int) -> int | None:
-        return None
 
     async def run(self, r: _ReplayRun, tick: Progress) -> None:
         reps, opts = r.mix(), r.opts

@@ -44,6 +44,7 @@ __all__ = [
     "Burst",
     "ClosedLoop",
     "Due",
+    "DueTimes",
     "Load",
     "OpenLoop",
     "Recorded",
@@ -195,6 +196,23 @@ class Due(Shape):
         return [(self, Load(m, w)) for m, w in zip(plan_due(load.requests, n), plan_due(load.ramp, n))]
 
 
+class DueTimes(Shape):
+    """A shape that gives every request a due time (`due`: each one's `offset_s` from the start),
+    sent and split as `Due` sends and splits them."""
+
+    __slots__ = ()
+    splits: ClassVar[bool] = True
+
+    def due(self, load: Load) -> Load:
+        raise NotImplementedError
+
+    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
+        return await Due().send(client, self.due(load), tick, start)
+
+    def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
+        return Due().split(self.due(load), n)
+
+
 @dataclass(frozen=True, slots=True)
 class Sequential(Shape):
     """One request at a time."""
@@ -210,26 +228,19 @@ class Sequential(Shape):
 
 
 @dataclass(frozen=True, slots=True)
-class Recorded(Shape):
+class Recorded(DueTimes):
     """Each request at its recorded offset / `speed`, against absolute deadlines (the offsets
     count from the first request's, which is sent at once)."""
 
     speed: float = 1.0
-    splits: ClassVar[bool] = True
 
     def due(self, load: Load) -> Load:
         first = min((r.offset_s for r in load.requests), default=0.0)
         return Load([dataclasses.replace(r, offset_s=(r.offset_s - first) / self.speed) for r in load.requests])
 
-    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
-        return await Due().send(client, self.due(load), tick, start)
-
-    def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
-        return Due().split(self.due(load), n)
-
 
 @dataclass(frozen=True, slots=True)
-class OpenLoop(Shape):
+class OpenLoop(DueTimes):
     """`rate` requests/s on a constant or seeded Poisson schedule, whatever the server does,
     after an unmeasured ramp of `ramp_s` seconds up to the rate (`load.ramp`: one request per
     due time of the ramp)."""
@@ -238,7 +249,6 @@ class OpenLoop(Shape):
     arrival: str = "constant"
     seed: int = 0
     ramp_s: float = 0.0
-    splits: ClassVar[bool] = True
     unit: ClassVar[str] = RATE_UNIT
 
     def at(self, n: float) -> OpenLoop:
@@ -259,12 +269,6 @@ class OpenLoop(Shape):
         after = self.ramp_s if load.ramp and ramp_at else 0.0
         warm = [dataclasses.replace(r, offset_s=o) for r, o in zip(load.ramp, ramp_at)] if after else []
         return Load([dataclasses.replace(r, offset_s=after + o) for r, o in zip(load.requests, offsets)], warm)
-
-    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
-        return await Due().send(client, self.due(load), tick, start)
-
-    def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
-        return Due().split(self.due(load), n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,23 +385,16 @@ class Sessions(Shape):
 
 
 @dataclass(frozen=True, slots=True)
-class Burst(Shape):
+class Burst(DueTimes):
     """Bursts: `size` requests due together every `every_s` seconds, whatever the server does
     (a step from nothing to `size` at once, again and again); each burst's lag is kept."""
 
     size: int
     every_s: float
-    splits: ClassVar[bool] = True
 
     def due(self, load: Load) -> Load:
         size = max(1, self.size)
         return Load([dataclasses.replace(r, offset_s=(i // size) * self.every_s) for i, r in enumerate(load.requests)])
-
-    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
-        return await Due().send(client, self.due(load), tick, start)
-
-    def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
-        return Due().split(self.due(load), n)
 
 
 #: the shapes a `Sweep` runs at growing counts
