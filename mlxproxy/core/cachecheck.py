@@ -20,19 +20,15 @@ from typing import Any, Literal
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.openai import whole_prompt_tokens
 from mlxproxy.core.prefix import Latest, Match, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
-__all__ = ["PrefixIndex", "MAX_CONVERSATIONS", "SAME_KEY", "check_turn", "cold_rate", "timing_says", "whole_prompt"]
+__all__ = ["PrefixIndex", "MAX_CONVERSATIONS", "SAME_KEY", "check_turn", "cold_rate", "timing_says"]
 
 Timing = Literal["hit", "miss"]
 
 MAX_CONVERSATIONS = 256  # per upstream
 SAME_KEY = 4  # conversations kept per first user message (parallel agents with one task)
-
-
-whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
 
 
 def cold_rate(r: Measured, th: Thresholds) -> float | None:
