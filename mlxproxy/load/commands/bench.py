@@ -23,17 +23,16 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.core.detect import Thresholds, overlap_ratio, prefill_scaling
+from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import OK_OUTCOMES, Record
-from mlxproxy.core.stats import percentile
 from mlxproxy.core.text import clip
+from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.common import filler_text, requests_text, unreachable_message
-from mlxproxy.load.data.results import Group, GroupKind
-from mlxproxy.load.data.summary import FailedRequest, JSONObject, JSONValue, Summary, Wave
+from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Calibration, Target, TargetResult
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
-from mlxproxy.load.output.report import aggregate_tps, summarize_records
+from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
@@ -121,10 +120,6 @@ def _prompt(cal: Calibration, tokens: int, nonce: bool) -> str:
     return prefix + filler_text(max(1, cal.chars_for(tokens) - len(prefix)))
 
 
-def _group(name: str, kind: GroupKind, target: str, params: JSONObject, timed: Timed, summary: Summary) -> Group:
-    return Group(name, target, name, kind, params, summary, tuple(timed.rows(source_ids=False)))
-
-
 async def bench_one(
     target: Target,
     opts: BenchOptions,
@@ -152,7 +147,7 @@ async def bench_one(
                 single = Timed()
                 for req, r in zip(run.single_reqs, client.finished[len(probes) :]):
                     single.add(r, req.source_id)
-                _single_groups(res, single, run.sizes, run.params, th)
+                single_groups(res, single, run.sizes, run.params, th)
             res.error = f"interrupted after {requests_text(len(client.finished) - len(probes), 'measured')}"
             raise
         finally:
@@ -202,6 +197,7 @@ class _BenchRun:
         waves = [n for n in dict.fromkeys(opts.batches or (opts.batch,)) if n >= 2]
         # a sweep replaces the batch waves unless they were asked for
         self.waves = [] if opts.sweep and not opts.batches else waves
+        self.tests = bench_tests(opts, self.waves)
         # one at a time at each size, sizes interleaved so slow drift does not bias one size;
         # every prompt has its own nonce (no prompt cache serves a repeat)
         self.single_reqs = [
@@ -223,13 +219,7 @@ class _BenchRun:
 
     def total(self) -> int:
         """Requests the progress line counts on (a sweep's are not known in advance)."""
-        opts = self.opts
-        return (
-            len(self.sizes) * opts.repeat
-            + sum(n * opts.repeat for n in self.waves)
-            + (opts.repeat + 1 if self.waves else 0)
-            + (opts.requests if opts.rate and not opts.rate_steps else 0)
-        )
+        return sum(test.total(self) for test in self.tests)
 
     def requests(self, n: int, label: str) -> list[PreparedRequest]:
         """`n` requests at the batch prompt size, each with its own nonce."""
@@ -239,21 +229,8 @@ class _BenchRun:
         ]
 
     async def run(self, tick: Progress) -> None:
-        opts = self.opts
-        self.single = await send(Sequential(), Load(self.single_reqs), self.client, tick=tick)
-        _single_groups(self.res, self.single, self.sizes, self.params, self.th)
-        if self.waves:
-            await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
-        if opts.sweep:
-            step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat, opts.workers)
-            await self.sweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s), step, tick)
-        if opts.rate_steps:
-            step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.workers)
-            shape = Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)
-            params: dict[str, JSONValue] = {"arrival": opts.arrival, "seed": opts.seed, "ramp_s": opts.ramp_s}
-            await self.sweep(shape, step_r, tick, params)
-        elif opts.rate:
-            await self.rate(opts.rate, tick)
+        for test in self.tests:
+            await test.run(self, tick)
 
     async def sweep(
         self,
@@ -268,24 +245,101 @@ class _BenchRun:
             say=self.say, progress=tick,
         )  # fmt: skip
 
-    async def rate(self, rate: float, tick: Progress) -> None:
-        """One open-loop test of `--requests` requests at `rate` (after an unmeasured ramp)."""
-        opts = self.opts
-        shape = OpenLoop(rate, opts.arrival, opts.seed, opts.ramp_s)
-        reqs = self.requests(opts.requests, "rate")
-        load = Load(reqs, self.requests(shape.ramp_size(), "ramp"))
-        timed = await send(shape, load, self.client, fleet=opts.workers, tick=tick)
+
+class BenchTest:
+    """One of bench's tests, typed by its shape (`bench_tests` chooses them from the options):
+    how many requests the progress line counts on and how it runs against one target."""
+
+    def total(self, b: _BenchRun) -> int:
+        return 0  # (a sweep's are not known in advance)
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        raise NotImplementedError
+
+
+class Singles(BenchTest):
+    """One request at a time at each prompt size, sizes interleaved (`single`, `single N`)."""
+
+    def total(self, b: _BenchRun) -> int:
+        return len(b.single_reqs)
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        b.single = await send(Sequential(), Load(b.single_reqs), b.client, tick=tick)
+        single_groups(b.res, b.single, b.sizes, b.params, b.th)
+
+
+@dataclass(frozen=True)
+class WaveRounds(BenchTest):
+    """Rounds of one wave of each size released together, each round between two requests alone."""
+
+    sizes: tuple[int, ...]
+
+    def total(self, b: _BenchRun) -> int:
+        return sum(n * b.opts.repeat for n in self.sizes) + b.opts.repeat + 1
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        await _measure_waves(b.client, b.res, b.opts, b.bsize, list(self.sizes), b.params, tick)
+
+
+@dataclass(frozen=True)
+class StreamsSweep(BenchTest):
+    """Closed-loop streams at growing counts, at the batch prompt size."""
+
+    sweep: Sweep[ClosedLoop]
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        step = closed_loop_step(b.client, lambda n: b.requests(n, "sweep"), 1, b.opts.repeat, b.opts.workers)
+        await b.sweep(self.sweep, step, tick)
+
+
+@dataclass(frozen=True)
+class RateSweep(BenchTest):
+    """Open-loop rates at growing counts, `--requests` at each."""
+
+    sweep: Sweep[OpenLoop]
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        opts, inner = b.opts, self.sweep.inner
+        step = open_loop_step(b.client, lambda n: b.requests(n, "rate"), opts.requests, opts.workers)
+        params: dict[str, JSONValue] = {"arrival": inner.arrival, "seed": inner.seed, "ramp_s": inner.ramp_s}
+        await b.sweep(self.sweep, step, tick, params)
+
+
+@dataclass(frozen=True)
+class Rate(BenchTest):
+    """One open-loop test of `--requests` requests (after an unmeasured ramp)."""
+
+    shape: OpenLoop
+
+    def total(self, b: _BenchRun) -> int:
+        return b.opts.requests
+
+    async def run(self, b: _BenchRun, tick: Progress) -> None:
+        shape = self.shape
+        reqs = b.requests(b.opts.requests, "rate")
+        timed = await send(
+            shape, Load(reqs, b.requests(shape.ramp_size(), "ramp")), b.client, fleet=b.opts.workers, tick=tick
+        )
         summ = summarize_records(timed.records, lag_s=timed.lag_s, send_times=[r.t_start_mono for r in timed.records])
         summ = timed.annotate(summ)
-        params = {**self.params, "prompt_tokens": self.bsize, **shape.params(len(reqs))}
-        self.res.groups.append(_group(f"{opts.arrival} {rate:g}/s", "rate", self.res.target.name, params, timed, summ))
+        params = {**b.params, "prompt_tokens": b.bsize, **shape.params(len(reqs))}
+        name = f"{shape.arrival} {shape.rate:g}/s"
+        b.res.groups.append(bench_group(name, "rate", b.res.target.name, params, timed, summ))
 
 
-#: a request of a wave that failed this way, while another of the wave was served, means the
-#: server refused to serve them together (context_limit is about the prompt, not concurrency)
-REJECT_OUTCOMES = frozenset(
-    {"http_error", "stream_error", "truncated", "protocol_error", "upstream_unreachable", "upstream_timeout"}
-)
+def bench_tests(opts: BenchOptions, waves: Sequence[int]) -> list[BenchTest]:
+    """The tests the options ask for, in the order they run, each typed by its shape: the one
+    place bench's test options are read."""
+    tests: list[BenchTest] = [Singles()]
+    if waves:
+        tests.append(WaveRounds(tuple(waves)))
+    if opts.sweep:
+        tests.append(StreamsSweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s)))
+    if opts.rate_steps:
+        tests.append(RateSweep(Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)))
+    elif opts.rate:
+        tests.append(Rate(OpenLoop(opts.rate, opts.arrival, opts.seed, opts.ramp_s)))
+    return tests
 
 
 async def _measure_waves(
@@ -324,97 +378,7 @@ async def _measure_waves(
                 recs.extend(wave_recs)
             await alone()
     finally:
-        _wave_groups(res, baseline, per, waves, params, bsize)
-
-
-def _wave_groups(
-    res: TargetResult,
-    baseline: Timed,
-    per: dict[int, tuple[Timed, list[list[Record]]]],
-    waves: list[int],
-    params: JSONObject,
-    bsize: int,
-) -> None:
-    if baseline.records:
-        res.groups.append(
-            _group(
-                "baseline",
-                "baseline",
-                res.target.name,
-                {**params, "prompt_tokens": bsize},
-                baseline,
-                summarize_records(baseline.records),
-            )
-        )
-    walls = [r.wall_tps if r.outcome in OK_OUTCOMES else None for r in baseline.records]
-    ok_walls = sorted(w for w in walls if w)
-    median_wall = percentile(ok_walls, 50)
-    for i, n in enumerate(waves):
-        timed, wave_recs = per[n]
-        if not wave_recs:
-            continue
-        summ = summarize_records(timed.records, waves=wave_recs, single_wall_tps=median_wall)
-        rows: list[Wave] = []
-        for k, wave in enumerate(wave_recs):  # wave k ran between baseline requests k and k + 1
-            around = [w for w in walls[k : k + 2] if w]
-            base = sum(around) / len(around) if around else median_wall
-            agg = aggregate_tps(wave)
-            rows.append(
-                Wave(
-                    speedup=agg / base if agg is not None and base else None,
-                    overlap=overlap_ratio(wave),
-                    ok=sum(1 for r in wave if r.outcome in OK_OUTCOMES),
-                    failed=tuple(FailedRequest(r.outcome, r.status) for r in wave if r.outcome in REJECT_OUTCOMES),
-                    aggregate_tps=agg,
-                    baseline_wall_tps=base,
-                )
-            )
-        speedups = sorted(w.speedup for w in rows if w.speedup is not None)
-        overlaps = sorted(w.overlap for w in rows if w.overlap is not None)
-        summ = summ.updated(
-            {
-                "speedup": percentile(speedups, 50),
-                "speedup_min": speedups[0] if speedups else None,
-                "speedup_max": speedups[-1] if speedups else None,
-                "overlap_min": overlaps[0] if overlaps else None,
-                "overlap_max": overlaps[-1] if overlaps else None,
-                "baseline_wall_tps": median_wall,
-                "waves": [w.to_json() for w in rows],
-            }
-        )
-        name = "double" if n == 2 and i == 0 else f"x{n}"
-        res.groups.append(
-            _group(name, "wave", res.target.name, {**params, "prompt_tokens": bsize, "streams": n}, timed, summ)
-        )
-
-
-def _single_groups(res: TargetResult, single: Timed, sizes: list[int], params: JSONObject, th: Thresholds) -> None:
-    """The one-at-a-time groups: `single` (every size) first, then `single N` per size."""
-    for size in sizes:
-        sub = Timed([r for r in single.records if single.source_ids[r.id] == f"{size}"])
-        if sub.records:
-            res.groups.append(
-                _group(
-                    f"single {size}",
-                    "single_size",
-                    res.target.name,
-                    {**params, "prompt_tokens": size, "prompt_tokens_sent": _sent(sub.records)},
-                    sub,
-                    summarize_records(sub.records),
-                )
-            )
-    if single.records:
-        all_single = summarize_records(single.records)
-        scaling = prefill_scaling(single.records, th)
-        if scaling is not None:
-            all_single = all_single.with_anomaly(scaling.kind, 1, scaling.evidence)
-        res.groups.insert(0, _group("single", "single", res.target.name, params, single, all_single))
-
-
-def _sent(records: Sequence[Record]) -> int | None:
-    vals = sorted(v for r in records if (v := r.prompt_tokens or r.context_prompt_tokens))
-    p50 = percentile(vals, 50)
-    return int(p50) if p50 is not None else None
+        wave_groups(res, baseline, per, waves, params, bsize)
 
 
 async def bench_targets(
