@@ -111,9 +111,9 @@ def workers_line(figures: Sequence[WorkerFigures], cluster: str | None = None) -
     return f"{head}: a load worker was the bottleneck, {said}: {hint}"
 
 
-def workers_section(summary: Summary, timed: Timed) -> Summary:
-    """`summary` with the `workers` section when `timed` came from several workers."""
-    if not isinstance(timed, FleetTimed) or not timed.workers:
+def workers_section(summary: Summary, timed: FleetTimed) -> Summary:
+    """`summary` with the `workers` section (each worker's lag and CPU), when any worker answered."""
+    if not timed.workers:
         return summary
     slow = [w for w in timed.workers if w.problems()]
     return summary.updated(
