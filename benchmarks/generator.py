@@ -1,6 +1,6 @@
 """Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
 
-`mlxproxy replay`/`bench` measure servers with `mlxproxy.load.client.MeasuringClient` (the
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.load.run.client.MeasuringClient` (the
 proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
 the CLI runs it on: `mlxproxy.edge.runner.run_async`, uvloop where installed, asyncio with
 MLXPROXY_STACK=plain). This script drives it against
@@ -25,7 +25,7 @@ machine (it prints the background load it saw):
     .venv/bin/python benchmarks/generator.py --quick    # smoke, ~20 s
 
 `--workers N` sends every job from N load processes, as `bench`/`replay --workers N` do
-(`mlxproxy/load/workers.py`), and prints each worker's lag p99 and CPU share (issue 31's
+(`mlxproxy/load/fleet/workers.py`), and prints each worker's lag p99 and CPU share (issue 31's
 targets, with `--workers 2`: 1.6x the one-process non-streamed rate, and `--streams 512` with
 lag p99 <= 5 ms); `--parts 1,2` and `--skip-harness` leave jobs out.
 """
@@ -145,10 +145,11 @@ async def ours(
     `concurrency` streams; every response metered and checked as in a real run. `workers` > 1:
     the same schedule split over that many processes, as `--workers N` sends it."""
     sys.path.insert(0, REPO)
-    from mlxproxy.load.arrivals import sent_rate
-    from mlxproxy.load.client import MeasuringClient, PreparedRequest
-    from mlxproxy.load.shapes import ClosedLoop, OpenLoop
-    from mlxproxy.load.workers import Workers, run_shape
+    from mlxproxy.load.data.arrivals import sent_rate
+    from mlxproxy.load.fleet.workers import Workers
+    from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop
 
     reqs = [
         PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
@@ -157,7 +158,7 @@ async def ours(
     async with MeasuringClient(url, timeout_s=60.0) as client:
         cpu0, t0 = _cpu(), now()
         shape = OpenLoop(rate, "constant") if rate else ClosedLoop(concurrency)
-        timed = await run_shape(Workers(workers), shape, client, reqs)
+        timed = await send(shape, Load(reqs), client, fleet=Workers(workers))
         elapsed, cpu = now() - t0, _cpu() - cpu0
     per = list(getattr(timed, "workers", ()))
     if per:  # the workers' own CPU and time (the parent only waits; starting the processes is not sending)

@@ -70,10 +70,10 @@ def main() -> None:
 
 
 def _register() -> None:
-    from mlxproxy.load.bench_cli import bench
-    from mlxproxy.load.demo import demo
-    from mlxproxy.load.replay_cli import replay
-    from mlxproxy.load.report_cli import report
+    from mlxproxy.load.commands.bench_cli import bench
+    from mlxproxy.load.commands.demo import demo
+    from mlxproxy.load.commands.replay_cli import replay
+    from mlxproxy.load.commands.report_cli import report
     from mlxproxy.proxy.cli import serve
 
     main.add_command(demo)

@@ -181,7 +181,7 @@ class _Parsed(_ParamType):
             self.fail(str(exc), param, ctx)
 
 
-# -- the values of --slo and --fail-on (load/schedules.py judges with them) -------------------
+# -- the values of --slo and --fail-on (load/judge/slo.py judges with them) -------------------
 
 #: metric -> (record key, unit, True when the threshold is a lower bound, label)
 SLO_METRICS: dict[str, tuple[str, str, bool, str]] = {

@@ -79,7 +79,7 @@ def module_name(path: Path) -> str:
 
 
 def modules_of(subpackage: str) -> dict[str, Path]:
-    return {module_name(p): p for p in sorted((PACKAGE / subpackage).glob("*.py"))}
+    return {module_name(p): p for p in sorted((PACKAGE / subpackage).rglob("*.py"))}
 
 
 def imports_of(name: str, path: Path) -> list[tuple[str, str | None, int]]:
@@ -196,7 +196,7 @@ def test_no_import_cycle(subpackage: str) -> None:
 
 def test_no_import_cycle_in_the_whole_package() -> None:
     edges = internal_edges({module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))})
-    assert "mlxproxy.load.bench_cli" in edges["mlxproxy.cli"]  # the graph spans the subpackages
+    assert "mlxproxy.load.commands.bench_cli" in edges["mlxproxy.cli"]  # the graph spans the subpackages
     assert find_cycle(edges) is None, find_cycle(edges)
 
 
@@ -204,7 +204,7 @@ def test_the_layers_import_only_downwards() -> None:
     """proxy and sim know nothing of load testing; load testing reaches the proxy and the
     simulator only in the demo, which runs them together."""
     modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-    assert "mlxproxy.load.client" in modules and "mlxproxy.proxy.app" in modules
+    assert "mlxproxy.load.run.client" in modules and "mlxproxy.proxy.app" in modules
 
     def layer(name: str) -> str:
         parts = name.split(".")
@@ -219,7 +219,7 @@ def test_the_layers_import_only_downwards() -> None:
             src, dst = layer(m), layer(full)
             if src in ("proxy", "sim") and dst == "load":
                 bad.append(f"{m}:{line} imports {full}")
-            if src == "load" and dst in ("proxy", "sim") and m != "mlxproxy.load.demo":
+            if src == "load" and dst in ("proxy", "sim") and m != "mlxproxy.load.commands.demo":
                 bad.append(f"{m}:{line} imports {full}")
     assert bad == []
 
@@ -281,6 +281,47 @@ def test_no_circle_between_rooms() -> None:
     edges = {src: {dst for dst, _ in out} for src, out in room_edges().items()}
     edges = {room: edges.get(room, set()) for room in FLOORS}
     assert find_cycle(edges) is None, find_cycle(edges)
+
+
+#: load testing's own floors, bottom first (docs/ARCHITECTURE.md, "Load testing"): the result
+#: file's types and charts; judging a run; showing and writing results; sending from this
+#: process (the shapes and the one runner); the fleet of processes and hosts; the commands.
+LOAD_FLOORS: dict[str, int] = {"data": 0, "judge": 1, "output": 2, "run": 3, "fleet": 4, "commands": 5}
+
+
+def load_room(name: str) -> str:
+    return name.split(".")[2] if name.count(".") >= 2 else "__init__"
+
+
+def test_load_testing_is_subpackages_whose_imports_run_down_their_floors() -> None:
+    modules = {module_name(p): p for p in sorted((PACKAGE / "load").rglob("*.py"))}
+    rooms = {load_room(m) for m in modules if m != "mlxproxy.load"}
+    assert sorted(rooms - set(LOAD_FLOORS)) == [], "give each subpackage of load/ its floor in LOAD_FLOORS"
+    at_top = [m for m, p in modules.items() if p.parent == PACKAGE / "load" and p.name != "__init__.py"]
+    assert at_top == [], "every module of load/ lives in one of its subpackages"
+    bad, edges = [], {room: set() for room in LOAD_FLOORS}
+    for m, path in modules.items():
+        for target, name, line in imports_of(m, path):
+            full = f"{target}.{name}" if name and f"{target}.{name}" in modules else target
+            if full not in modules or full == "mlxproxy.load" or m == "mlxproxy.load":
+                continue
+            src, dst = load_room(m), load_room(full)
+            if src != dst:
+                edges[src].add(dst)
+                if LOAD_FLOORS[dst] >= LOAD_FLOORS[src]:
+                    bad.append(f"{m}:{line} imports {full}")
+    assert edges["commands"] and edges["run"]  # the graph was read
+    assert sorted(bad) == []
+    assert find_cycle(edges) is None
+
+
+def test_no_load_module_is_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in sorted((PACKAGE / "load").rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert long == {}
 
 
 #: the one module per third-party library whose private internals the package uses

@@ -24,7 +24,6 @@ from typing import Any, Literal, NamedTuple
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.openai import whole_prompt_tokens
 from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
@@ -50,7 +49,6 @@ __all__ = [
     "changed",
     "change_shown",
     "prefix_changed",
-    "whole_prompt",
 ]
 
 Says = Literal["hit", "miss"]
@@ -63,9 +61,6 @@ MISS_SHARE = 0.75  # a re-prefill's TTFT is at least this share of the predicted
 COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold
 FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
 FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
-
-
-whole_prompt = whole_prompt_tokens  # (its name here before `core.openai` had it)
 
 
 class CacheFacts(NamedTuple):

@@ -1,7 +1,8 @@
-"""Load testing: everything that sends requests and summarises them.
+"""Load testing: everything that sends requests and summarises them, by concern, bottom first
+(each subpackage imports only from those before it; docs/ARCHITECTURE.md):
 
-`client` (the measuring client, over `rawhttp`), `schedules` (arrival schedules, SLOs, sweeps),
-`replay` and `bench` (what they send and how they group it), `results` (the result file's types),
-`report`, `plot` and `htmlreport` (how results are shown), `common` (what the parts share), and
-the commands `replay_cli` (`replay`, `report`) and `bench_cli` (`bench`, `demo`).
+`data` (the result file's types, charts, arrival schedules), `judge` (SLOs, goodput, capacity),
+`output` (summaries, tables, files, HTML, the progress line), `run` (the measuring client, the
+load shapes and the one runner), `fleet` (several processes or hosts), and `commands` (`replay`,
+`bench`, `report`, `demo`: they build requests and a shape, and show what came back).
 """

@@ -7,6 +7,7 @@ model label falls back to `other` past `max_model_labels` distinct names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,7 +19,7 @@ from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import OK_OUTCOMES, Record
 from mlxproxy.proxy.histograms import BatchHistogram, observe_all
 
-__all__ = ["ProxyMetrics", "concurrency_bucket", "observe_all"]
+__all__ = ["METRICS", "Metric", "ProxyMetrics", "concurrency_bucket", "observe_all"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60)
@@ -43,8 +44,92 @@ def concurrency_bucket(n: int) -> str:
     return "17+"
 
 
+UP_MODEL = ("upstream", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One metric family, declared once: its key on `ProxyMetrics.families`, its type, name
+    (the exposition adds `_total` to counters), help text, unit, labels and buckets."""
+
+    key: str
+    kind: type[Counter] | type[Gauge] | type[Histogram] | type[BatchHistogram]
+    name: str
+    help: str
+    unit: str = ""
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    def create(self, registry: CollectorRegistry) -> Any:
+        """The family on `registry` (a histogram with its buckets)."""
+        make: Any = self.kind
+        if self.buckets:
+            return make(self.name, self.help, self.labels, buckets=self.buckets, registry=registry)
+        return make(self.name, self.help, self.labels, registry=registry)
+
+
+C, G, H, B = Counter, Gauge, Histogram, BatchHistogram
+#: every metric the proxy exports (docs/METRICS.md lists the same; tests/proxy/test_metrics_table.py
+#: keeps the two in step). B: fed a batch of values per record (`BatchHistogram`, the same exposition)
+METRICS: tuple[Metric, ...] = (
+    Metric("requests", C, "mlxproxy_requests", "Finished requests by outcome.", "requests",
+           (*UP_MODEL, "endpoint", "stream", "code", "outcome")),
+    Metric("in_flight", G, "mlxproxy_requests_in_flight", "Requests in flight.", "requests", UP_MODEL),
+    Metric("duration", H, "mlxproxy_request_duration_seconds",
+           "Whole request: client request in to response body fully sent.", "seconds",
+           (*UP_MODEL, "endpoint", "stream"), LATENCY_BUCKETS),
+    Metric("ttfb", H, "mlxproxy_time_to_first_byte_seconds",
+           "Time to the first response body byte (may be a keep-alive comment).", "seconds",
+           (*UP_MODEL, "endpoint"), LATENCY_BUCKETS),
+    Metric("ttft", H, "mlxproxy_time_to_first_token_seconds",
+           "Time to the first generated token (reasoning included).", "seconds", (*UP_MODEL, "endpoint"),
+           LATENCY_BUCKETS),
+    Metric("ttfc", H, "mlxproxy_time_to_first_content_seconds", "Time to the first answer or tool-call token.",
+           "seconds", (*UP_MODEL, "endpoint"), LATENCY_BUCKETS),
+    Metric("itl", B, "mlxproxy_inter_token_latency_seconds", "Gaps between consecutive generated events.",
+           "seconds", UP_MODEL, GAP_BUCKETS),
+    Metric("tpot", H, "mlxproxy_time_per_output_token_seconds",
+           "Per request: (last token - first token) / (tokens - 1).", "seconds", UP_MODEL, GAP_BUCKETS),
+    Metric("tps", H, "mlxproxy_output_tokens_per_second",
+           "Per request output tokens/s; kind=wall|decode; concurrency at start.", "tokens/s",
+           (*UP_MODEL, "kind", "concurrency"), TPS_BUCKETS),
+    Metric("prefill", H, "mlxproxy_prefill_tokens_per_second", "(prompt - cached tokens) / TTFT.", "tokens/s",
+           UP_MODEL, PREFILL_BUCKETS),
+    Metric("prompt_len", H, "mlxproxy_prompt_length_tokens", "Prompt tokens per request (reported by the server).",
+           "tokens", UP_MODEL, LENGTH_BUCKETS),
+    Metric("gen_len", H, "mlxproxy_generation_length_tokens", "Output tokens per request (reported, else counted).",
+           "tokens", UP_MODEL, LENGTH_BUCKETS),
+    Metric("tokens", C, "mlxproxy_tokens", "Tokens by type and by who counted them.", "tokens",
+           (*UP_MODEL, "type", "source")),
+    Metric("usage_reports", C, "mlxproxy_usage_reports", "Streams/responses with and without a usage report.",
+           "responses", (*UP_MODEL, "present")),
+    Metric("anomalies", C, "mlxproxy_anomalies", "Truth-check anomalies by kind.", "requests", (*UP_MODEL, "kind")),
+    Metric("tool_calls", C, "mlxproxy_tool_calls", "Structured tool calls on requests that offered tools, by outcome.",
+           "calls", (*UP_MODEL, "outcome")),
+    Metric("prompt_cache", C, "mlxproxy_prompt_tokens",
+           "Prompt tokens the server served from its cache (reused) or prefilled (recomputed), when it reports "
+           "cached_tokens.", "tokens", (*UP_MODEL, "cache")),
+    Metric("prefill_wasted", C, "mlxproxy_prefill_wasted_seconds", "TTFT lost to prefix_cache_miss (estimate).",
+           "seconds", UP_MODEL),
+    Metric("reprefill_lost", C, "mlxproxy_reprefill_lost_seconds",
+           "Prefill seconds conversations lost to re-prefills, by cause (reprefill_lost_s; estimate).", "seconds",
+           (*UP_MODEL, "cause")),
+    Metric("overhead", B, "mlxproxy_proxy_overhead_seconds", "Time the proxy itself adds, by phase.", "seconds",
+           ("phase",), OVERHEAD_BUCKETS),
+    Metric("observer_errors", C, "mlxproxy_observer_errors",
+           "Observers that raised on a record (forwarding was not affected).", "errors", ("observer",)),
+    Metric("capture_dropped", C, "mlxproxy_capture_dropped",
+           "Records not written to the capture because its queue was full.", "records"),
+    Metric("capture_errors", C, "mlxproxy_capture_errors",
+           "Capture lines that could not be written (disk full, read-only path).", "lines"),
+    Metric("build_info", G, "mlxproxy_build_info", "Always 1; the version label says which build.", "",
+           ("version",)),
+)  # fmt: skip
+
+
 class ProxyMetrics:
-    """The proxy's metric families and the observer that fills them from records."""
+    """The proxy's metric families (`METRICS`, by key in `families`) and the observer that fills
+    them from records."""
 
     name = "metrics"
 
@@ -53,154 +138,14 @@ class ProxyMetrics:
         self.max_model_labels = max_model_labels
         self._models: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
-        up_model = ["upstream", "model"]
-        self.requests = Counter(
-            "mlxproxy_requests",
-            "Finished requests by outcome.",
-            ["upstream", "model", "endpoint", "stream", "code", "outcome"],
-            registry=registry,
-        )
-        self.in_flight = Gauge("mlxproxy_requests_in_flight", "Requests in flight.", up_model, registry=registry)
-        self.duration = Histogram(
-            "mlxproxy_request_duration_seconds",
-            "Whole request: client request in to response body fully sent.",
-            ["upstream", "model", "endpoint", "stream"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.ttfb = Histogram(
-            "mlxproxy_time_to_first_byte_seconds",
-            "Time to the first response body byte (may be a keep-alive comment).",
-            ["upstream", "model", "endpoint"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "mlxproxy_time_to_first_token_seconds",
-            "Time to the first generated token (reasoning included).",
-            ["upstream", "model", "endpoint"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.ttfc = Histogram(
-            "mlxproxy_time_to_first_content_seconds",
-            "Time to the first answer or tool-call token.",
-            ["upstream", "model", "endpoint"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        # (the two histograms fed a batch per record: BatchHistogram, the same exposition)
-        self.itl = BatchHistogram(
-            "mlxproxy_inter_token_latency_seconds",
-            "Gaps between consecutive generated events.",
-            up_model,
-            buckets=GAP_BUCKETS,
-            registry=registry,
-        )
-        self.tpot = Histogram(
-            "mlxproxy_time_per_output_token_seconds",
-            "Per request: (last token - first token) / (tokens - 1).",
-            up_model,
-            buckets=GAP_BUCKETS,
-            registry=registry,
-        )
-        self.tps = Histogram(
-            "mlxproxy_output_tokens_per_second",
-            "Per request output tokens/s; kind=wall|decode; concurrency at start.",
-            ["upstream", "model", "kind", "concurrency"],
-            buckets=TPS_BUCKETS,
-            registry=registry,
-        )
-        self.prefill = Histogram(
-            "mlxproxy_prefill_tokens_per_second",
-            "(prompt - cached tokens) / TTFT.",
-            up_model,
-            buckets=PREFILL_BUCKETS,
-            registry=registry,
-        )
-        self.prompt_len = Histogram(
-            "mlxproxy_prompt_length_tokens",
-            "Prompt tokens per request (reported by the server).",
-            up_model,
-            buckets=LENGTH_BUCKETS,
-            registry=registry,
-        )
-        self.gen_len = Histogram(
-            "mlxproxy_generation_length_tokens",
-            "Output tokens per request (reported, else counted).",
-            up_model,
-            buckets=LENGTH_BUCKETS,
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "mlxproxy_tokens",
-            "Tokens by type and by who counted them.",
-            ["upstream", "model", "type", "source"],
-            registry=registry,
-        )
-        self.usage_reports = Counter(
-            "mlxproxy_usage_reports",
-            "Streams/responses with and without a usage report.",
-            ["upstream", "model", "present"],
-            registry=registry,
-        )
-        self.anomalies = Counter(
-            "mlxproxy_anomalies", "Truth-check anomalies by kind.", ["upstream", "model", "kind"], registry=registry
-        )
-        self.tool_calls = Counter(
-            "mlxproxy_tool_calls",
-            "Structured tool calls on requests that offered tools, by outcome.",
-            ["upstream", "model", "outcome"],
-            registry=registry,
-        )
-        self.prompt_cache = Counter(
-            "mlxproxy_prompt_tokens",
-            "Prompt tokens the server served from its cache (reused) "
-            "or prefilled (recomputed), when it reports cached_tokens.",
-            ["upstream", "model", "cache"],
-            registry=registry,
-        )
-        self.prefill_wasted = Counter(
-            "mlxproxy_prefill_wasted_seconds",
-            "TTFT lost to prefix_cache_miss (estimate).",
-            ["upstream", "model"],
-            registry=registry,
-        )
-        self.reprefill_lost = Counter(
-            "mlxproxy_reprefill_lost_seconds",
-            "Prefill seconds conversations lost to re-prefills, by cause (reprefill_lost_s; estimate).",
-            ["upstream", "model", "cause"],
-            registry=registry,
-        )
-        self.overhead = BatchHistogram(
-            "mlxproxy_proxy_overhead_seconds",
-            "Time the proxy itself adds, by phase.",
-            ["phase"],
-            buckets=OVERHEAD_BUCKETS,
-            registry=registry,
-        )
-        self.observer_errors = Counter(
-            "mlxproxy_observer_errors",
-            "Observers that raised on a record (forwarding was not affected).",
-            ["observer"],
-            registry=registry,
-        )
-        self.capture_dropped = Counter(
-            "mlxproxy_capture_dropped",
-            "Records not written to the capture because its queue was full.",
-            registry=registry,
-        )
-        self.capture_errors = Counter(
-            "mlxproxy_capture_errors",
-            "Capture lines that could not be written (disk full, read-only path).",
-            registry=registry,
-        )
-        self.build_info = Gauge(
-            "mlxproxy_build_info", "Always 1; the version label says which build.", ["version"], registry=registry
-        )
-        self.build_info.labels(__version__).set(1)
-        self._overhead_request = self.overhead.labels("request")
-        self._overhead_chunk = self.overhead.labels("chunk")
+        self.families: dict[str, Any] = {m.key: m.create(registry) for m in METRICS}
+        f = self.families
+        self.observer_errors, self.capture_dropped, self.capture_errors = (
+            f["observer_errors"], f["capture_dropped"], f["capture_errors"],
+        )  # fmt: skip
+        f["build_info"].labels(__version__).set(1)
+        self._overhead_request = f["overhead"].labels("request")
+        self._overhead_chunk = f["overhead"].labels("chunk")
 
     def model_label(self, model: str | None) -> str:
         """A bounded label value for a request's model name."""
@@ -221,20 +166,21 @@ class ProxyMetrics:
         return child
 
     def request_started(self, upstream: str, model: str) -> None:
-        child = self._children.get((id(self.in_flight), upstream, model))
+        f = self.families
+        child = self._children.get((id(f["in_flight"]), upstream, model))
         if child is None:  # a new upstream/model pair: start its anomaly counters at 0, so that
             for kind in ANOMALY_KINDS:  # rate()/increase() see the first anomaly of each kind
-                self._child(self.anomalies, upstream, model, kind)
+                self._child(f["anomalies"], upstream, model, kind)
             for cache in ("reused", "recomputed"):
-                self._child(self.prompt_cache, upstream, model, cache)
-            self._child(self.prefill_wasted, upstream, model)
+                self._child(f["prompt_cache"], upstream, model, cache)
+            self._child(f["prefill_wasted"], upstream, model)
             for cause in CAUSES:
-                self._child(self.reprefill_lost, upstream, model, cause)
-            child = self._child(self.in_flight, upstream, model)
+                self._child(f["reprefill_lost"], upstream, model, cause)
+            child = self._child(f["in_flight"], upstream, model)
         child.inc()
 
     def request_ended(self, upstream: str, model: str) -> None:
-        self._child(self.in_flight, upstream, model).dec()
+        self._child(self.families["in_flight"], upstream, model).dec()
 
     def observe_overhead(self, request_s: float | None, chunk_s: list[float]) -> None:
         if request_s is not None:
@@ -245,59 +191,61 @@ class ProxyMetrics:
         pass
 
     def on_record(self, r: Record, exchange: object = None) -> None:
+        f = self.families
         up, model = r.upstream, self.model_label(r.model)
         ep, stream = r.endpoint, "true" if r.stream else "false"
         c = self._child
-        c(self.requests, up, model, ep, stream, str(r.status) if r.status is not None else "none", r.outcome).inc()
+        c(f["requests"], up, model, ep, stream, str(r.status) if r.status is not None else "none", r.outcome).inc()
         if r.duration_s is not None:
-            c(self.duration, up, model, ep, stream).observe(r.duration_s)
+            c(f["duration"], up, model, ep, stream).observe(r.duration_s)
         for kind in r.anomalies:
-            c(self.anomalies, up, model, kind).inc()
+            c(f["anomalies"], up, model, kind).inc()
         if r.prompt_tokens is not None and r.cached_tokens is not None:
             reused = min(r.cached_tokens, r.prompt_tokens)
-            c(self.prompt_cache, up, model, "reused").inc(reused)
-            c(self.prompt_cache, up, model, "recomputed").inc(r.prompt_tokens - reused)
+            c(f["prompt_cache"], up, model, "reused").inc(reused)
+            c(f["prompt_cache"], up, model, "recomputed").inc(r.prompt_tokens - reused)
         if r.prefill_wasted_s:
-            c(self.prefill_wasted, up, model).inc(r.prefill_wasted_s)
+            c(f["prefill_wasted"], up, model).inc(r.prefill_wasted_s)
         if r.reprefill_cause is not None and r.reprefill_lost_s:
-            c(self.reprefill_lost, up, model, r.reprefill_cause).inc(r.reprefill_lost_s)
+            c(f["reprefill_lost"], up, model, r.reprefill_cause).inc(r.reprefill_lost_s)
         if r.tool_calls_valid is not None and r.tool_calls:
             if r.tool_calls_valid:
-                c(self.tool_calls, up, model, "valid").inc(r.tool_calls_valid)
+                c(f["tool_calls"], up, model, "valid").inc(r.tool_calls_valid)
             if r.tool_calls > r.tool_calls_valid:
-                c(self.tool_calls, up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
+                c(f["tool_calls"], up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
         if r.endpoint not in GENERATION_ENDPOINTS:
             return
         ok = r.outcome in OK_OUTCOMES
         if r.ttfb_s is not None:
-            c(self.ttfb, up, model, ep).observe(r.ttfb_s)
+            c(f["ttfb"], up, model, ep).observe(r.ttfb_s)
         if r.status is not None and r.status < 400:
             present = "true" if r.usage_reports else "false"
-            c(self.usage_reports, up, model, present).inc()
+            c(f["usage_reports"], up, model, present).inc()
         self._tokens(r, up, model)
         if not ok:  # failed requests never enter latency statistics
             return
         if r.ttft_s is not None:
-            c(self.ttft, up, model, ep).observe(r.ttft_s)
+            c(f["ttft"], up, model, ep).observe(r.ttft_s)
         if r.ttfc_s is not None:
-            c(self.ttfc, up, model, ep).observe(r.ttfc_s)
+            c(f["ttfc"], up, model, ep).observe(r.ttfc_s)
         if r.event_offsets_s:
-            observe_all(c(self.itl, up, model), r.event_gaps_s())
+            observe_all(c(f["itl"], up, model), r.event_gaps_s())
         if r.tpot_s is not None:
-            c(self.tpot, up, model).observe(r.tpot_s)
+            c(f["tpot"], up, model).observe(r.tpot_s)
         conc = concurrency_bucket(r.concurrency)
         if r.wall_tps is not None:
-            c(self.tps, up, model, "wall", conc).observe(r.wall_tps)
+            c(f["tps"], up, model, "wall", conc).observe(r.wall_tps)
         if r.decode_tps is not None:
-            c(self.tps, up, model, "decode", conc).observe(r.decode_tps)
+            c(f["tps"], up, model, "decode", conc).observe(r.decode_tps)
         if r.prefill_tps is not None and r.prefill_tps > 0:  # a rate is never negative (records of older versions)
-            c(self.prefill, up, model).observe(r.prefill_tps)
+            c(f["prefill"], up, model).observe(r.prefill_tps)
         if r.prompt_tokens is not None:
-            c(self.prompt_len, up, model).observe(r.prompt_tokens)
+            c(f["prompt_len"], up, model).observe(r.prompt_tokens)
         if r.n_out is not None:
-            c(self.gen_len, up, model).observe(r.n_out)
+            c(f["gen_len"], up, model).observe(r.n_out)
 
     def _tokens(self, r: Record, up: str, model: str) -> None:
+        f = self.families
         c = self._child
         for typ, source, value in (
             ("prompt", "reported", r.prompt_tokens),
@@ -308,4 +256,4 @@ class ProxyMetrics:
             ("reasoning", "counted", r.reasoning_tokens_counted),
         ):
             if value:
-                c(self.tokens, up, model, typ, source).inc(value)
+                c(f["tokens"], up, model, typ, source).inc(value)

@@ -30,7 +30,15 @@ def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, .
         raise click.UsageError(str(exc)) from None
 
 
-@click.command("sim")
+#: the command's help: its profiles are the registry's (`mlxproxy.sim.profiles.PROFILES`)
+SIM_HELP = f"""Serve a simulated MLX server: OpenAI-compatible, deterministic timing, a real server's wire format.
+
+Profiles: {", ".join(PROFILES)} (see docs/SIMULATOR.md). The effective knobs are printed first as one
+JSON line, so a test knows the truth it should measure; GET /sim/profile returns them too.
+"""
+
+
+@click.command("sim", help=SIM_HELP)
 @click.option(
     "--profile",
     "profile_name",
@@ -89,12 +97,6 @@ def sim(
     sets: tuple[str, ...],
     dry_run: bool,
 ) -> None:
-    """Serve a simulated MLX server: OpenAI-compatible, deterministic timing, a real server's wire format.
-
-    Profiles: healthy, mlx-lm, mlx-openai-server (1.8), mlx-openai-server@1.6, mlx-omni-server,
-    vllm-mlx, rapid-mlx, omlx, mlx-vlm, phantom-usage (see docs/SIMULATOR.md). The effective knobs are printed first as one
-    JSON line, so a test knows the truth it should measure; GET /sim/profile returns them too.
-    """
     if max_tokens is None:
         max_tokens = old_max_tokens
     options = {

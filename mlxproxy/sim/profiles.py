@@ -6,6 +6,11 @@ rest. Profiles are frozen; `get_profile(name, **overrides)` returns a validated 
 some knobs replaced, and raises `ValueError` (one sentence saying which knob and why) for an
 unknown profile, an unknown knob or a bad value.
 
+`PROFILES` is the one registry of named profiles: `sim --profile`'s choices and its help are made
+from it, and docs/SIMULATOR.md's profile table is checked against it (tests/sim/
+test_profile_registry.py). Adding a profile is one `Profile(...)` there (and, for a new wire
+format, one style class registered in `mlxproxy.sim.styles.STYLES`).
+
 Timing truths (all in simulated seconds; wall time = simulated time / speed):
 
 - prefill of P prompt tokens: `prefill_s(P) = P / prefill_tps`, and past
@@ -30,19 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxproxy.sim.cache import parse_cache_drop
+from mlxproxy.sim.styles import STYLES
 
-WIRE_STYLES = (
-    "openai",
-    "mlx-lm",
-    "mlx-openai-server",
-    "mlx-omni-server",
-    "vllm-mlx",
-    "rapid-mlx",
-    "omlx",
-    "mlx-vlm",
-    "ollama",
-    "lm-studio",
-)
+#: the wire styles a profile can name: the styles' own registry (`mlxproxy.sim.styles.STYLES`)
+WIRE_STYLES = tuple(STYLES)
 
 DEFAULT_MODEL = "mlx-community/Qwen3.5-35B-A3B-4bit"
 

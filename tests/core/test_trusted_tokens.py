@@ -15,7 +15,7 @@ from mlxproxy.core.detect import Thresholds, check_record
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record, rate_figures, wall_window_s
-from mlxproxy.load.report import summarize_records, summary_row, untrusted_notes
+from mlxproxy.load.output.report import summarize_records, summary_row, untrusted_notes
 from support import read_fixture
 
 TH = Thresholds()

@@ -244,9 +244,11 @@ def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: con
     import asyncio
 
     from mlxproxy.capture import read_capture
-    from mlxproxy.load.bench import BenchOptions, Target, bench_targets
-    from mlxproxy.load.bench_report import write_bench_html
-    from mlxproxy.load.replay import ReplayOptions, run
+    from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+    from mlxproxy.load.commands.replay import run
+    from mlxproxy.load.commands.replay_requests import ReplayOptions
+    from mlxproxy.load.data.targets import Target
+    from mlxproxy.load.output.bench_report import write_bench_html
 
     cap = tmp_path / "capture.jsonl"
     with ServerThread(create_sim("ollama", speed=20, speed_claims="")) as sim:

@@ -13,9 +13,11 @@ import pytest
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.client import MeasuringClient, PreparedRequest
-from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Summary
+from mlxproxy.load.data.summary import Summary
+from mlxproxy.load.output.report import summarize_records
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.run.runner import send
+from mlxproxy.load.run.shapes import ClosedLoop, Load, Sequential, Waves
 from mlxproxy.proxy.app import ProxyApp, create_app
 from mlxproxy.sim.app import create_app as create_sim
 from support import wait_for
@@ -82,10 +84,10 @@ def proxy_records(app: ProxyApp, n: int, since: int) -> list[Record]:
 
 async def single_and_pair(url: str, model: str, n_pairs: int = 2) -> tuple[Summary, Summary]:
     async with MeasuringClient(url, tag_replay=False) as c:
-        single = await c.run_sequential([req(model) for _ in range(n_pairs)])
+        single = await send(Sequential(), Load([req(model) for _ in range(n_pairs)]), c)
         s1 = summarize_records(single.records)
-        timed, waves = await c.run_waves([req(model) for _ in range(2 * n_pairs)], 2)
-        return s1, summarize_records(timed.records, waves=waves, single_wall_tps=s1.wall_tps.p50)
+        timed = await send(Waves(2), Load([req(model) for _ in range(2 * n_pairs)]), c)
+        return s1, summarize_records(timed.records, waves=timed.waves, single_wall_tps=s1.wall_tps.p50)
 
 
 def proxy_kinds(app: ProxyApp, n: int, since: int) -> set[str]:
@@ -126,7 +128,7 @@ def test_rapid_mlx_streams_one_token_per_event(stack) -> None:
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
-            return (await c.run_sequential([req("rapid-mlx") for _ in range(2)])).records
+            return (await send(Sequential(), Load([req("rapid-mlx") for _ in range(2)]), c)).records
 
     asyncio.run(go())
     for r in proxy_records(app, 2, since):
@@ -140,7 +142,7 @@ def test_omlx_context_limit_above_32768(stack) -> None:
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
-            return (await c.run_sequential([req("omlx", 40000), req("omlx", 1000)])).records
+            return (await send(Sequential(), Load([req("omlx", 40000), req("omlx", 1000)]), c)).records
 
     long, short = asyncio.run(go())
     assert (long.status, long.outcome) == (400, "context_limit")
@@ -174,7 +176,7 @@ def test_vllm_mlx_thinking_ttft_and_true_decode(stack) -> None:
 
     async def go() -> list[Record]:
         async with MeasuringClient(url, tag_replay=False) as c:
-            return (await c.run_sequential([req("vllm-mlx", max_tokens=64) for _ in range(3)])).records
+            return (await send(Sequential(), Load([req("vllm-mlx", max_tokens=64) for _ in range(3)]), c)).records
 
     asyncio.run(go())
     for r in proxy_records(app, 3, since):
@@ -214,7 +216,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
     healthy server, marked and footnoted, with the usage verdict beside it; the healthy
     row is unmarked and unchanged (its speeds are its usage's)."""
     from mlxproxy.core.record import rate_figures, wall_window_s
-    from mlxproxy.load.bench import BenchOptions, headline, headline_notes, verdict
+    from mlxproxy.load.commands.bench import BenchOptions
+    from mlxproxy.load.output.bench_verdict import headline, headline_notes, verdict
 
     url, _, _ = stack
     opts = BenchOptions(prompt_tokens=(100,), max_tokens=48, repeat=2, batch=2)
@@ -244,7 +247,8 @@ def test_phantom_usage_headline_shows_the_true_speed_beside_the_verdict(stack) -
 
 
 def _bench_each(url: str, opts):
-    from mlxproxy.load.bench import BenchOptions, Target, bench_targets
+    from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+    from mlxproxy.load.data.targets import Target
 
     async def go():
         out = []
@@ -278,7 +282,7 @@ def test_healthy_measured_matches_configured_truth(stack) -> None:
 
     async def go() -> None:
         async with MeasuringClient(url, tag_replay=False) as c:
-            await c.run_sequential([req("healthy", 1000, max_tokens=48) for _ in range(20)])
+            await send(Sequential(), Load([req("healthy", 1000, max_tokens=48) for _ in range(20)]), c)
 
     asyncio.run(go())
     recs = proxy_records(app, 20, since)
@@ -299,7 +303,7 @@ def test_no_false_positives_on_healthy_server(stack, concurrency: int) -> None:
 
             async def go() -> None:
                 async with MeasuringClient(px.url, tag_replay=False) as c:
-                    await c.run_closed_loop([req("m", max_tokens=24) for _ in range(200)], concurrency)
+                    await send(ClosedLoop(concurrency), Load([req("m", max_tokens=24) for _ in range(200)]), c)
 
             asyncio.run(go())
             recs = proxy_records(app2, 200, 0)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mlxproxy.load.bench import BATCH_CLASSES, OVERLAP_BATCHING, OVERLAP_SERIAL
+from mlxproxy.load.output.bench_verdict import BATCH_CLASSES, OVERLAP_BATCHING, OVERLAP_SERIAL
 
 from .live_servers import live_server, unavailable_reason
 from .tinymodel import mlx_lm_server

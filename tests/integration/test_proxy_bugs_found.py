@@ -88,7 +88,7 @@ def test_sdk_closing_right_after_done_is_not_a_client_disconnect() -> None:
 
 
 def test_requests_released_together_start_alike() -> None:
-    """``bench``'s double test (MeasuringClient.run_waves) after its single-request phase:
+    """``bench``'s double test (the Waves shape) after its single-request phase:
     one request of the wave goes out on the keep-alive connection the single request left
     in the pool, the other has to open a new connection first. Against a keep-alive
     target -- the proxy, or any HTTP/1.1 server -- that skews their arrival by ~2-5 ms on
@@ -100,7 +100,9 @@ def test_requests_released_together_start_alike() -> None:
     on a new connection."""
     import asyncio
 
-    from mlxproxy.load.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import Load, Waves
 
     ports: dict[bytes, int] = {}
     body = b'{"object":"list","data":[]}'
@@ -116,7 +118,7 @@ def test_requests_released_together_start_alike() -> None:
     async def bench_like(url: str) -> None:
         async with MeasuringClient(url, timeout_s=10) as c:
             await c.send(post(b'"single"'))
-            await c.run_waves([post(b'"a"'), post(b'"b"')], 2)
+            await send(Waves(2), Load([post(b'"a"'), post(b'"b"')]), c)
 
     with FakeUpstream(keep_alive) as up:
         asyncio.run(bench_like(up.url))

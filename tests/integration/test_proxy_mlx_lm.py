@@ -32,8 +32,9 @@ import pytest
 
 from mlxproxy.core.detect import Thresholds, overlap_ratio
 from mlxproxy.core.record import Record
-from mlxproxy.load.bench import BenchOptions, Target, TargetResult, bench_targets
-from mlxproxy.load.report import aggregate_tps
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+from mlxproxy.load.data.targets import Target, TargetResult
+from mlxproxy.load.output.report import aggregate_tps
 
 from .conftest import PREFILL_STEP
 from .peers import assert_completed, median, mlxproxy_serve, nonce_prompt
@@ -411,7 +412,7 @@ def test_prefill_progress_comments_pass_through_and_show_in_streams(mlx_server: 
 #: here) or at the next budget (overlap ~0.4-0.5, speedup ~1.2x), never after the first
 #: has finished (overlap 0, "serialized").
 #:
-#: The proxy side is sent by bench's own client (MeasuringClient.run_waves) with a fresh
+#: The proxy side is sent by bench's own client (the Waves shape) with a fresh
 #: connection pool per wave, so both requests of a wave open new connections, as they do
 #: against mlx_lm.server directly (HTTP/1.0). Run through the proxy, ``mlxproxy bench``
 #: itself sends one request of each wave on the keep-alive connection left by its single
@@ -469,9 +470,11 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
     the proxy's own records show it with the figures ``mlxproxy bench`` reports."""
     import asyncio
 
-    from mlxproxy.load.bench import chat_body
-    from mlxproxy.load.client import MeasuringClient, PreparedRequest
-    from mlxproxy.load.common import filler_text
+    from mlxproxy.load.commands.bench import chat_body
+    from mlxproxy.load.commands.common import filler_text
+    from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import Load, Waves
 
     def req() -> PreparedRequest:  # like bench's: nonce + filler, ~100 prompt tokens, temperature 0
         text = f"[nonce {uuid.uuid4().hex[:12]}] " + filler_text(4 * BATCH_PROMPT_TOKENS - 60)
@@ -486,7 +489,7 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
         async with MeasuringClient(url, timeout_s=120) as c:
             single = await c.send(req())
         async with MeasuringClient(url, timeout_s=120) as c:  # fresh pool: both open a connection
-            _, (wave,) = await c.run_waves([req(), req()], 2)
+            (wave,) = (await send(Waves(2), Load([req(), req()]), c)).waves
         return single, wave
 
     opts = BenchOptions(

@@ -30,8 +30,9 @@ import pytest
 
 from mlxproxy.capture import capture_line
 from mlxproxy.core.record import Record
-from mlxproxy.load.bench import BenchOptions, Target, bench_targets
-from mlxproxy.load.report import aggregate_tps
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+from mlxproxy.load.data.targets import Target
+from mlxproxy.load.output.report import aggregate_tps
 
 from .peers import REPO, loopback_env, median
 from .tinymodel import MODEL_NAME, mlx_unavailable_reason

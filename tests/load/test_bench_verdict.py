@@ -14,18 +14,13 @@ from click.testing import CliRunner
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.bench import (
-    ANOMALY_SHARE,
-    BATCH_CLASSES,
-    Target,
-    TargetResult,
-    batching_verdict,
-    verdict,
-    wave_class,
-)
-from mlxproxy.load.bench_report import bench_sections, results_from_doc
-from mlxproxy.load.report import read_result, render_sections
-from mlxproxy.load.results import Group, Wave
+from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.summary import Wave
+from mlxproxy.load.data.targets import Target, TargetResult
+from mlxproxy.load.output.bench_report import bench_sections, results_from_doc
+from mlxproxy.load.output.bench_verdict import ANOMALY_SHARE, BATCH_CLASSES, batching_verdict, verdict, wave_class
+from mlxproxy.load.output.files import read_result
+from mlxproxy.load.output.report import render_sections
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
@@ -289,7 +284,7 @@ def test_the_baseline_is_measured_next_to_the_waves(tmp_path: Path) -> None:
     judged against the lone requests k and k + 1 right around it."""
     import asyncio
 
-    from mlxproxy.load.bench import BenchOptions, bench_targets
+    from mlxproxy.load.commands.bench import BenchOptions, bench_targets
 
     with ServerThread(create_sim("healthy", speed=4.0, prefill_tps=20000.0, batch_penalty=0.02)) as sim:
         opts = BenchOptions(prompt_tokens=(100, 400), max_tokens=16, repeat=3, batches=(2, 3))

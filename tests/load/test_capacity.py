@@ -16,10 +16,11 @@ from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.capacity import MIN_STEP_REQUESTS, capacity_line, capacity_of, rise_needed
-from mlxproxy.load.results import Group, Judgment, RunRecord
-from mlxproxy.load.slo import judge
-from mlxproxy.load.sweep import mix_copies, refine_bounds
+from mlxproxy.load.data.results import Group, RunRecord
+from mlxproxy.load.data.summary import Judgment
+from mlxproxy.load.judge.capacity import MIN_STEP_REQUESTS, capacity_line, capacity_of, rise_needed
+from mlxproxy.load.judge.slo import judge
+from mlxproxy.load.run.sweep import mix_copies, refine_bounds
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.profiles import get_profile
 from support import captured_chat, cli, engine_closed_loop, proxy, wait_for, write_capture
@@ -343,16 +344,18 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
 def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
     import asyncio
 
-    from mlxproxy.load.client import MeasuringClient
-    from mlxproxy.load.replay import ReplayOptions, prepare
+    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
+    from mlxproxy.load.run.client import MeasuringClient
+    from mlxproxy.load.run.runner import send
+    from mlxproxy.load.run.shapes import Due, Load
 
     chats = [captured_chat(f"c{i}", [{"role": "user", "content": "hi"}]) for i in range(5)]
 
     async def go():
         async with MeasuringClient(sim.url) as client:
-            return await client.run_open_loop(
-                [prepare(c, ReplayOptions()) for c in chats], [0.0, 0.01, 0.02, 0.03, 0.04]
-            )
+            reqs = [prepare(c, ReplayOptions()) for c in chats]
+            due = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, [0.0, 0.01, 0.02, 0.03, 0.04])]
+            return await send(Due(), Load(due), client)
 
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         timed = asyncio.run(go())
@@ -369,7 +372,7 @@ def test_each_session_run_is_its_own_conversation_to_the_prefix_tracker() -> Non
     """The nonce marks the first user message too (a conversation's key), so two runs of the
     bundled agent session are two conversations, and one run's turns are one."""
     from mlxproxy.core.prefix import fingerprint
-    from mlxproxy.load.replay import ReplayOptions, prepare, synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare, synthetic_agent_session
 
     turns = synthetic_agent_session(turns=3)
     opts = ReplayOptions()
@@ -404,7 +407,7 @@ def test_replayed_agent_sessions_raise_no_prefix_anomaly_through_the_proxy(tmp_p
 
 
 def test_fail_on_slo_judges_the_lightest_step_big_enough_to_judge() -> None:
-    from mlxproxy.load.slo import failed_checks
+    from mlxproxy.load.judge.slo import failed_checks
 
     assert failed_checks(("slo",), [_step(1, 9.0, 10, n=5), _step(2, 1.0, 20)]) == []  # step 1: too small
     assert failed_checks(("slo",), [_step(1, 1.0, 10, n=5), _step(2, 1.0, 20, n=10)]) == [

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mlxproxy.cli import main
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.fixreplay import fix_conversation
+from mlxproxy.load.commands.fixreplay import fix_conversation
 from mlxproxy.sim.app import create_app as create_sim
 from support import volatile_session_capture
 

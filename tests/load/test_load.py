@@ -12,10 +12,11 @@ import pytest
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.replay import ReplayOptions, run_replay
-from mlxproxy.load.results import RunRecord
-from mlxproxy.load.schedules import arrival_offsets, generator_note, schedule
-from mlxproxy.load.sweep import mix_copies
+from mlxproxy.load.commands.replay import run_replay
+from mlxproxy.load.commands.replay_requests import ReplayOptions
+from mlxproxy.load.data.arrivals import arrival_offsets, generator_note, schedule
+from mlxproxy.load.data.results import RunRecord
+from mlxproxy.load.run.sweep import mix_copies
 from mlxproxy.sim.app import create_app as create_sim
 from support import captured_chat, cli, engine_closed_loop, write_capture
 from support import captured_chats as _caps
@@ -91,7 +92,7 @@ def test_constant_rate_reports_its_schedule_lag(tmp_path: Path) -> None:
 
 
 def test_the_generator_says_when_it_was_the_limit() -> None:
-    from mlxproxy.load.results import Summary
+    from mlxproxy.load.data.summary import Summary
 
     lag = lambda p99: {"count": 10, "p50": p99 / 2, "p99": p99}  # noqa: E731
     summ = lambda p99, sent: Summary.from_dict({"schedule_lag_s": lag(p99), "sent_rate": sent})  # noqa: E731
@@ -121,7 +122,7 @@ def test_rate_conflicts_with_the_other_tests(tmp_path: Path) -> None:
 
 
 def test_slo_syntax() -> None:
-    from mlxproxy.load.schedules import DEFAULT_SLO, parse_slo, slo_text
+    from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo, slo_text
 
     assert parse_slo("ttft_p95=3s,tpot_p50=60ms") == {"ttft_p95": 3.0, "tpot_p50": pytest.approx(0.06)}
     assert parse_slo("e2e_p99=2.5, decode_tps_p50=20tok/s, itl_p90=80ms") == {
@@ -146,7 +147,7 @@ def test_slo_syntax() -> None:
 
 def _judge(rows: list[dict], slo: dict[str, float]):
     """`judge` over rows as a result file holds them."""
-    from mlxproxy.load.schedules import judge
+    from mlxproxy.load.judge.slo import judge
 
     return judge([RunRecord.from_dict(r) for r in rows], slo)
 
@@ -166,7 +167,7 @@ def _rec(i: int, ttft: float | None, tpot: float | None, outcome: str = "ok") ->
 
 
 def test_goodput_counts_requests_meeting_every_threshold() -> None:
-    from mlxproxy.load.schedules import step_problem
+    from mlxproxy.load.judge.slo import step_problem
 
     slo = {"ttft_p95": 1.0, "tpot_p50": 0.05}
     recs = [
@@ -216,8 +217,8 @@ def test_fail_on_exits_1_on_phantom_usage_and_0_on_a_healthy_server() -> None:
 
 
 def test_a_breach_never_reads_as_equal_to_its_limit() -> None:
-    from mlxproxy.load.results import Breach
-    from mlxproxy.load.slo import breach_text
+    from mlxproxy.load.data.summary import Breach
+    from mlxproxy.load.judge.slo import breach_text
 
     def text(key: str, value: float, limit: float) -> str:
         return breach_text(Breach(key, value, limit))
@@ -376,8 +377,8 @@ def test_a_serial_server_has_a_capacity_of_one(tmp_path: Path) -> None:
 
 
 def test_capacity_lines_for_every_ending() -> None:
-    from mlxproxy.load.results import Group
-    from mlxproxy.load.schedules import capacity_line, capacity_of
+    from mlxproxy.load.data.results import Group
+    from mlxproxy.load.judge.capacity import capacity_line, capacity_of
 
     def group(c: int, ttft: float, tpot: float = 0.02, agg: float = 100.0, outcome: str = "ok") -> Group:
         recs = [_rec(i, ttft, tpot, outcome) for i in range(20)]
@@ -433,7 +434,7 @@ def _conversation_caps() -> list[CapturedRequest]:
 
 
 def test_a_capture_splits_into_conversations_and_a_session_shares_one_nonce() -> None:
-    from mlxproxy.load.replay import captured_think_s, prepare, split_sessions
+    from mlxproxy.load.commands.replay_requests import captured_think_s, prepare, split_sessions
 
     caps = _conversation_caps()
     sessions = split_sessions(caps)
@@ -572,7 +573,7 @@ def test_replay_sweeps_rates_too(tmp_path: Path) -> None:
 
 
 def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: Path) -> None:
-    from mlxproxy.load.replay import split_sessions, synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import split_sessions, synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     (conv,) = split_sessions(caps)  # one conversation of four turns
@@ -604,7 +605,7 @@ def test_the_bundled_agent_session_grows_with_tool_turns_and_replays(tmp_path: P
 
 
 def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
-    from mlxproxy.load.schedules import ramp_offsets
+    from mlxproxy.load.data.arrivals import ramp_offsets
 
     ramp = ramp_offsets(20.0, 2.0)  # 20/s reached after 2 s: 20 requests, due at sqrt(i / 5)
     assert len(ramp) == 20 and ramp[-1] < 2.0 and ramp[5] == pytest.approx(1.0)
@@ -638,7 +639,7 @@ def test_a_ramp_rises_linearly_and_is_not_measured(tmp_path: Path) -> None:
 def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
     """On a simulator with a prompt cache, each replayed conversation starts cold (its own nonce)
     and every later turn reuses the cache of the turn before it, as an agent's turns do."""
-    from mlxproxy.load.replay import synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import synthetic_agent_session
 
     caps = synthetic_agent_session(turns=4)
     with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:

@@ -1,4 +1,4 @@
-"""The measuring client of `replay` and `bench` (mlxproxy.load.client) against a scripted upstream:
+"""The measuring client of `replay` and `bench` (mlxproxy.load.run.client) against a scripted upstream:
 bytes sent and received as they are, one timestamp per event, the headers it never re-sends,
 keep-alive and fresh connections, timeouts and failures as one-line outcomes, and a schedule
 that starts each request's task only when it is due."""
@@ -6,6 +6,7 @@ that starts each request's task only when it is due."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -13,7 +14,9 @@ from typing import Any, TypeVar
 import orjson
 
 from fakeupstream import Conn, FakeUpstream, Req, sse_response
-from mlxproxy.load.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.run.runner import send
+from mlxproxy.load.run.shapes import Due, Load, Waves
 from support import REPO, read_fixture
 
 SSE = read_fixture("wire/01_openai_reference_include_usage.sse")
@@ -125,7 +128,8 @@ def test_keep_alive_reuses_one_connection_and_fresh_requests_do_not() -> None:
         async with MeasuringClient(up.url) as c:
             for _ in range(4):
                 assert (await c.send(PreparedRequest("POST", "/v1/chat/completions?seq", _body()))).outcome == "ok"
-            timed, waves = await c.run_waves([PreparedRequest("POST", "/v1/chat/completions?wave", _body())] * 4, 2)
+            timed = await send(Waves(2), Load([PreparedRequest("POST", "/v1/chat/completions?wave", _body())] * 4), c)
+            waves = timed.waves
             assert [len(w) for w in waves] == [2, 2] and all(r.outcome == "ok" for r in timed.records)
 
     with FakeUpstream(handler) as up:
@@ -216,7 +220,7 @@ def test_open_loop_starts_each_task_when_it_is_due() -> None:
 
             c.send = spy  # type: ignore[method-assign]
             reqs = [PreparedRequest("POST", CHAT, _body(False))] * 200
-            timed = await c.run_open_loop(reqs, [i * 0.002 for i in range(200)])
+            timed = await send(Due(), Load([dataclasses.replace(r, offset_s=i * 0.002) for i, r in enumerate(reqs)]), c)
             assert len(timed.records) == len(timed.lag_s) == 200 and all(lag >= 0 for lag in timed.lag_s)
 
     async def handler(req: Req, conn: Conn) -> None:
@@ -300,7 +304,7 @@ def test_an_unknown_stack_is_one_line_before_anything_is_sent() -> None:
 def test_a_run_keeps_its_records_out_of_full_collections_and_unfreezes_at_its_end() -> None:
     import gc
 
-    from mlxproxy.load.client import FREEZE_EVERY, _RunHeap
+    from mlxproxy.load.run.shapes import FREEZE_EVERY, _RunHeap
 
     assert gc.get_freeze_count() == 0
     heap = _RunHeap()

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.bench import BenchOptions, Target, bench_targets
-from mlxproxy.load.bench_report import plot_svg
-from mlxproxy.load.plot import COLORS, HEIGHT
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+from mlxproxy.load.data.plot import COLORS, HEIGHT
+from mlxproxy.load.data.targets import Target
+from mlxproxy.load.output.bench_report import plot_svg
 from mlxproxy.sim.app import create_app as create_sim
 
 SERVERS = {

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load import progress as prog
-from mlxproxy.load.progress import PLAIN_EVERY_S, Progress, say, status_line
+from mlxproxy.load.output import progress as prog
+from mlxproxy.load.output.progress import PLAIN_EVERY_S, Progress, say, status_line
 from mlxproxy.sim.app import create_app as create_sim
 from support import ENV, REPO, captured_chats, write_capture
 

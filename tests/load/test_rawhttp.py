@@ -1,4 +1,4 @@
-"""The load generator's raw HTTP/1.1 transport (mlxproxy.load.rawhttp), with each parser it can
+"""The load generator's raw HTTP/1.1 transport (mlxproxy.load.run.rawhttp), with each parser it can
 use (httptools, and h11 where httptools is missing): bodies byte-exact whatever the framing
 and however the bytes are split, broken framings as body errors, keep-alive reuse only
 after a clean, complete response, and the simulator's wire styles metered as the proxy's
@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from fakeupstream import Conn, FakeUpstream, Req
 from mlxproxy.edge.runner import run_async
 from mlxproxy.errors import UpstreamBodyError, UpstreamUnreachable
-from mlxproxy.load import rawhttp
-from mlxproxy.load.client import MeasuringClient, PreparedRequest
+from mlxproxy.load.run import httpparse, rawhttp
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
-PARSERS = ["h11"] + (["httptools"] if rawhttp.httptools is not None else [])
+PARSERS = ["h11"] + (["httptools"] if httpparse.httptools is not None else [])
 _CLASSES = {"h11": rawhttp._H11Parser, "httptools": rawhttp._HttptoolsParser}
 
 

@@ -16,8 +16,11 @@ from mlxproxy.capture import read_capture
 from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.bench import BenchOptions, Target, bench_targets, verdict
-from mlxproxy.load.replay import ReplayOptions, prepare, run
+from mlxproxy.load.commands.bench import BenchOptions, bench_targets
+from mlxproxy.load.commands.replay import run
+from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
+from mlxproxy.load.data.targets import Target
+from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.engine import planned_speedup
 from mlxproxy.sim.profiles import get_profile
@@ -195,7 +198,7 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
     assert speedup == pytest.approx(planned_speedup(profile, 2, sizes[0], 32), abs=0.25)
     assert verdict(res).startswith("continuous batching")
     # JSON, CSV, markdown and plot outputs; report renders the JSON again
-    from mlxproxy.load.bench_report import write_outputs
+    from mlxproxy.load.output.bench_report import write_outputs
 
     paths = [tmp_path / n for n in ("r.json", "r.csv", "r.md", "r.svg")]
     write_outputs([res], *map(str, paths))
@@ -275,9 +278,9 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
     assert "usage over-reports 4.0x" in lines["phantom-usage"]
     # its speeds are the stream's (~50 tok/s like the others), marked, never the usage's 4x
     d = tmp_path / "d"
-    from mlxproxy.load.bench import headline
-    from mlxproxy.load.bench_report import results_from_doc
-    from mlxproxy.load.report import read_result
+    from mlxproxy.load.output.bench_report import results_from_doc
+    from mlxproxy.load.output.bench_verdict import headline
+    from mlxproxy.load.output.files import read_result
 
     rows = {r.target.name: headline(r) for r in results_from_doc(read_result(d / "bench.json"), "")[0]}
     ph, ok = rows["phantom-usage"], rows["mlx-lm"]

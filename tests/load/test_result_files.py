@@ -80,7 +80,7 @@ def test_a_file_written_again_is_the_same_bytes(tmp_path: Path) -> None:
     written again, differs from what it was only by each group's new `kind` key."""
     import orjson
 
-    from mlxproxy.load.report import read_result, write_result
+    from mlxproxy.load.output.files import read_result, write_result
 
     for name, path in FILES.items():
         first, second = tmp_path / f"{name}.1.json", tmp_path / f"{name}.2.json"
@@ -93,7 +93,7 @@ def test_a_file_written_again_is_the_same_bytes(tmp_path: Path) -> None:
 
 
 def test_earlier_files_get_the_kind_their_tests_had() -> None:
-    from mlxproxy.load.report import read_result
+    from mlxproxy.load.output.files import read_result
 
     kinds = {name: [(g.name, g.kind) for g in read_result(path).groups] for name, path in FILES.items()}
     assert kinds["bench"][:6] == [

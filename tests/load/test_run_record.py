@@ -6,8 +6,8 @@ from __future__ import annotations
 import orjson
 
 from mlxproxy.core.record import Record
-from mlxproxy.load.client import Timed
-from mlxproxy.load.results import Group, RunRecord, SessionTurn
+from mlxproxy.load.data.results import Group, RunRecord, SessionTurn
+from mlxproxy.load.run.client import Timed
 
 
 def _record(i: int = 0, turn: int | None = None) -> Record:

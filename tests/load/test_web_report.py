@@ -21,7 +21,7 @@ from browser import Chromium, Page, require_chromium
 from mlxproxy.cli import main
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.demo import DEMO_PROFILES
+from mlxproxy.load.commands.demo import DEMO_PROFILES
 from mlxproxy.sim.app import create_app as create_sim
 
 EVIL = "evil<script>alert(1)</script>"
@@ -292,7 +292,7 @@ def test_html_report_curves_have_whole_stream_ticks_and_lanes_whole_anomaly_name
 
 
 def test_a_lane_label_keeps_whole_anomaly_names() -> None:
-    from mlxproxy.load.htmlreport import LANE_LABEL_CHARS, _lane_label
+    from mlxproxy.load.output.htmlreport import LANE_LABEL_CHARS, _lane_label
 
     kinds = ["unreported_length", "serialized", "stall"]
     for ttft in (0.5, 12.5):

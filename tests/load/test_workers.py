@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,23 +24,17 @@ import pytest
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread, run_async
-from mlxproxy.load.arrivals import arrival_offsets
-from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.replay import ReplayOptions, run_sessions
-from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Turn
-from mlxproxy.load.workers import (
-    ClientSpec,
-    FleetTimed,
-    Segment,
-    SegmentResult,
-    Workers,
-    _run_stoppable,
-    merge,
-    plan_closed,
-    plan_due,
-    plan_sessions,
-    run_shape,
-)
+from mlxproxy.load.commands.replay import run_sessions
+from mlxproxy.load.commands.replay_requests import ReplayOptions
+from mlxproxy.load.data.arrivals import arrival_offsets
+from mlxproxy.load.fleet.local import _run_stoppable
+from mlxproxy.load.fleet.merge import FleetTimed, merge
+from mlxproxy.load.fleet.segment import ClientSpec, Segment, SegmentResult
+from mlxproxy.load.fleet.workers import Workers
+from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
+from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
+from mlxproxy.load.run.runner import send
+from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Shape, Turn
 from mlxproxy.sim.app import create_app as create_sim
 from support import captured_chat, cli
 
@@ -55,6 +49,10 @@ def chat(i: int) -> PreparedRequest:
 async def _open_loop(url: str, workers: Workers) -> Timed:
     async with MeasuringClient(url) as client:
         return await run_shape(workers, OpenLoop(RATE, "poisson", SEED), client, [chat(i) for i in range(N)])
+
+
+async def run_shape(workers: Workers, shape: Shape, client: MeasuringClient, reqs: Sequence[PreparedRequest]) -> Timed:
+    return await send(shape, Load(reqs), client, fleet=workers)
 
 
 def due_times(timed: Timed) -> list[float]:
@@ -255,7 +253,7 @@ def test_a_dask_cluster_of_two_worker_processes_gives_the_figures_of_two_local_w
 
 
 def test_workers_and_cluster_options_say_what_is_wrong_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mlxproxy.load.workers as workers_mod
+    import mlxproxy.load.fleet.workers as workers_mod
 
     for bad in ("0", "two"):
         res = cli("replay", "builtin:agent", "--target", "http://127.0.0.1:9", "--workers", bad)
@@ -283,7 +281,7 @@ def test_replay_sessions_with_two_workers_from_the_command_line(tmp_path: Path) 
 
 
 def test_the_bottleneck_line_says_whether_a_worker_ran_out_of_cpu_or_waited_for_it() -> None:
-    from mlxproxy.load.workers import WorkerFigures, workers_line
+    from mlxproxy.load.fleet.merge import WorkerFigures, workers_line
 
     busy = WorkerFigures(0, "a", 1, 100, 0.002, 0.95, 1.0)
     late = WorkerFigures(1, "b", 2, 100, 0.08, 0.3, 1.0)
@@ -305,7 +303,7 @@ def test_a_stopped_worker_sends_back_the_records_it_finished_and_reports_its_cou
     reqs = tuple(chat(i) for i in range(200))  # ~0.3 s each on 2 streams: ~30 s if never stopped
     reports: list[tuple[int, int, int]] = []
     with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
-        seg = Segment(0, ClientSpec.of(MeasuringClient(sim.url)), "closed", reqs, streams=2, start_at=time.time())
+        seg = Segment(0, ClientSpec.of(MeasuringClient(sim.url)), ClosedLoop(2), Load(reqs), start_at=time.time())
         mine, theirs = multiprocessing.Pipe()
 
         def parent() -> None:  # what `_run_local` does: read the reports, stop after a few records

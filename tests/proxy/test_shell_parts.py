@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-import mlxproxy.load.client as loadgen
+import mlxproxy.load.run.client as loadgen
 from mlxproxy import headers as H
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import inject_include_usage, parse_request

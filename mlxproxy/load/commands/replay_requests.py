@@ -1,0 +1,309 @@
+"""What `mlxproxy replay` sends: the captured requests selected and prepared again, the
+capture's conversations, and the built-in agent session (`builtin:agent`).
+
+Documented rewrites of the captured request body (nothing else changes):
+  - streaming chat and text completions get `stream_options.include_usage: true` (so usage
+    can be checked; Anthropic Messages and OpenAI Responses streams always carry usage);
+  - `--model NAME` replaces `model`;
+  - the nonce (on by default; `--no-nonce` turns it off) prefixes the first message (or
+    the prompt, or a Responses `input`) with `[nonce <hex>] `, a new one for every request sent (the baseline and
+    the waves of `--batch`, every repeat), so no prompt cache can serve the request;
+  - a privacy capture (`capture_prompts: false`) has only message lengths: each message is
+    sent as filler text of its recorded length.
+Captured headers are sent again except redacted ones and hop-by-hop ones; `--api-key-env`
+supplies the target's key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from mlxproxy.capture import CapturedRequest
+from mlxproxy.core.openai import GENERATION_ENDPOINTS, endpoint_of, inject_include_usage
+from mlxproxy.core.record import Record
+from mlxproxy.headers import REDACTED
+from mlxproxy.load.commands.common import filler_text
+from mlxproxy.load.run.client import PreparedRequest
+from mlxproxy.load.run.runner import ONE_PROCESS, Fleet
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S
+
+__all__ = [
+    "ReplayOptions",
+    "select",
+    "prepare",
+    "split_sessions",
+    "captured_think_s",
+    "BUILTIN_AGENT",
+    "synthetic_agent_session",
+    "generation_mix",
+]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate
+    speed: float = 1.0
+    concurrency: int = 1
+    batch: int = 2
+    repeat: int = 1
+    warmup: int = 0
+    nonce: bool = True
+    batches: tuple[int, ...] = ()  # batch mode: wave sizes, one group each (default: (batch,))
+    model: str | None = None
+    limit: int | None = None
+    filters: tuple[tuple[str, str], ...] = ()
+    rate: float | None = None  # rate mode: requests/s (open loop)
+    arrival: str = "constant"  # rate mode: constant | poisson
+    seed: int = 0  # rate mode: the Poisson schedule's seed
+    ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
+    sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
+    sweep_steps: tuple[float, ...] = ()
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
+    sessions: int = 1  # sessions mode: conversations run at once
+    think_time: float | None = (
+        None  # sessions mode: seconds between a response's end and the next turn (None: captured)
+    )
+    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
+    workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
+    fix: bool = False  # sessions mode: each conversation again with the fix applied (commands/fixreplay.py)
+
+
+def select(
+    caps: Sequence[CapturedRequest], filters: Sequence[tuple[str, str]], limit: int | None
+) -> list[CapturedRequest]:
+    """Captured requests matching every `key=glob` filter (keys: model, endpoint, path, outcome)."""
+    out = []
+    for c in caps:
+        values = {
+            "model": c.record.model or "",
+            "endpoint": c.record.endpoint,
+            "path": c.path,
+            "outcome": c.record.outcome,
+        }
+        if all(fnmatch.fnmatchcase(values.get(k, ""), pat) for k, pat in filters):
+            out.append(c)
+    return out[:limit] if limit is not None else out
+
+
+def _marked(m: dict[str, Any], nonce: str) -> dict[str, Any]:
+    """A message (or Responses input item) whose text begins with `nonce`."""
+    m = dict(m)
+    c = m.get("content")
+    if isinstance(c, str):
+        m["content"] = nonce + c
+    elif isinstance(c, list) and c and isinstance(c[0], dict) and isinstance(c[0].get("text"), str):
+        m["content"] = [{**c[0], "text": nonce + c[0]["text"]}, *c[1:]]
+    return m
+
+
+def _marked_list(items: list[Any], nonce: str) -> list[Any]:
+    out = [_marked(items[0], nonce), *items[1:]]
+    user = next((i for i, m in enumerate(out) if isinstance(m, dict) and m.get("role") == "user"), None)
+    if user:
+        out[user] = _marked(out[user], nonce)
+    return out
+
+
+def _with_nonce(obj: dict[str, Any], nonce: str) -> None:
+    """`nonce` at the start of the prompt (so no cache holds any of it) and, where the first
+    message is not the user's (a system prompt), at the start of the first user message too:
+    a conversation is known by its first user message, so two runs of the same captured
+    conversation stay two conversations (never one that seems to restart its prompt)."""
+    msgs = obj.get("messages")
+    if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict):
+        obj["messages"] = _marked_list(msgs, nonce)
+    elif isinstance(obj.get("prompt"), str):
+        obj["prompt"] = nonce + obj["prompt"]
+    elif isinstance(obj.get("input"), str):  # OpenAI Responses
+        obj["input"] = nonce + obj["input"]
+    elif isinstance(obj.get("input"), list) and obj["input"] and isinstance(obj["input"][0], dict):
+        obj["input"] = _marked_list(obj["input"], nonce)
+
+
+def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
+    """A privacy capture's message lengths turned back into filler text of that length."""
+    msgs = obj.get("messages")
+    if isinstance(msgs, list) and any(isinstance(m, dict) and "content_chars" in m for m in msgs):
+        new = []
+        for m in msgs:
+            if isinstance(m, dict) and "content_chars" in m:
+                n = int(m["content_chars"])
+                m = {k: v for k, v in m.items() if k != "content_chars"}
+                m["content"] = filler_text(n)
+            new.append(m)
+        obj = {**obj, "messages": new}
+    for key in ("prompt", "system", "instructions", "input"):  # Messages `system`, Responses `instructions`/`input`
+        if f"{key}_chars" in obj and key not in obj:
+            n = int(obj[f"{key}_chars"])
+            obj = {k: v for k, v in obj.items() if k != f"{key}_chars"}
+            obj[key] = filler_text(n)
+    inp = obj.get("input")
+    if isinstance(inp, list) and any(isinstance(it, dict) and "content_chars" in it for it in inp):
+        items = []
+        for it in inp:
+            if isinstance(it, dict) and "content_chars" in it:
+                n = int(it["content_chars"])
+                it = {k: v for k, v in it.items() if k != "content_chars"}
+                if it.get("type") == "function_call_output":
+                    it["output"] = filler_text(n)
+                elif it.get("type") == "function_call":
+                    it["arguments"] = "{}"
+                else:
+                    it["content"] = filler_text(n)
+            items.append(it)
+        obj = {**obj, "input": items}
+    return obj
+
+
+def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -> PreparedRequest:
+    """The request to send for one captured request, with only the documented rewrites.
+    `nonce`: this marker instead of a new one (the turns of one replayed session share one,
+    so each turn can reuse the prompt cache of the turns before it, as in real use)."""
+    headers = tuple(
+        (k, v) for k, v in (c.raw.get("request_headers") or []) if v != REDACTED
+    )  # hop-by-hop: loadgen drops
+    if c.request is None:
+        return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
+    obj = _unprivate(c.request)
+    if opts.model is not None:
+        obj = {**obj, "model": opts.model}
+    if opts.nonce:
+        obj = dict(obj)
+        _with_nonce(obj, nonce or f"[nonce {os.urandom(6).hex()}] ")
+    body = orjson.dumps(obj)
+    if obj.get("stream") is True and endpoint_of(c.path) in ("chat_completions", "completions"):
+        # Messages and Responses streams always report usage (and reject stream_options)
+        so = obj.get("stream_options")
+        if not (isinstance(so, dict) and so.get("include_usage")):
+            body = inject_include_usage(body, obj)
+    return PreparedRequest(c.method, c.path, body, headers, c.offset_s, c.record.id, label=c.record.id)
+
+
+def _first_user(obj: dict[str, Any]) -> bytes | None:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list):
+        return None
+    first = next((m for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first is None:
+        return None
+    return orjson.dumps({k: first.get(k) for k in ("content", "content_chars")}, option=orjson.OPT_SORT_KEYS)
+
+
+def split_sessions(caps: Sequence[CapturedRequest]) -> list[list[CapturedRequest]]:
+    """A capture split into conversations, in the order they began: the requests whose
+    first user message is the same, while their message lists keep growing (a list that
+    does not grow starts a new conversation: the same task begun again). A request without
+    a message list is a conversation of its own."""
+    sessions: list[list[CapturedRequest]] = []
+    open_by_key: dict[bytes, int] = {}
+    for c in sorted(caps, key=lambda c: c.offset_s):
+        key = _first_user(c.request) if c.request is not None else None
+        n = len(c.request["messages"]) if key is not None and c.request is not None else 0
+        i = open_by_key.get(key) if key is not None else None
+        if i is not None and n > len(sessions[i][-1].request["messages"]):  # type: ignore[index]
+            sessions[i].append(c)
+            continue
+        sessions.append([c])
+        if key is not None:
+            open_by_key[key] = len(sessions) - 1
+    return sessions
+
+
+def captured_think_s(prev: CapturedRequest, c: CapturedRequest) -> float:
+    """Seconds between the end of `prev`'s response and the start of `c`, as captured."""
+    return max(0.0, c.offset_s - (prev.offset_s + (prev.record.duration_s or 0.0)))
+
+
+BUILTIN_AGENT = "builtin:agent"
+
+
+def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: int = 256) -> list[CapturedRequest]:
+    """A small made-up coding-agent conversation, for `replay builtin:agent` when there is no
+    capture: a ~1,500-token system prompt with tool definitions, a task, then turns that each
+    add the assistant's tool call and the tool's result (~800 tokens of file or test output),
+    so the prompt grows as an agent's does; `think_s` between a response's end and the next
+    turn stands for the tool running. Each turn is recorded as lasting 4 s. Deterministic."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": desc,
+                "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]},
+            },
+        }
+        for name, desc in (
+            ("read_file", "Read a file of the repository."),
+            ("run_tests", "Run the test suite."),
+            ("edit_file", "Replace a range of lines in a file."),
+        )
+    ]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent working in a Python repository. " + filler_text(6000)},
+        {"role": "user", "content": "The test tests/test_parser.py::test_nested fails; find out why and fix it."},
+    ]
+    out: list[CapturedRequest] = []
+    offset = 0.0
+    for i in range(turns):
+        body = {
+            "model": "default_model",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [dict(m) for m in messages],
+            "tools": tools,
+        }
+        rec = Record(
+            id=f"agent-turn-{i + 1}",
+            started_at=offset,
+            upstream="synthetic",
+            model="default_model",
+            endpoint="chat_completions",
+            stream=True,
+            status=200,
+            outcome="ok",
+            method="POST",
+            path="/v1/chat/completions",
+            duration_s=4.0,
+        )
+        out.append(
+            CapturedRequest(
+                record=rec,
+                method="POST",
+                path="/v1/chat/completions",
+                offset_s=offset,
+                request=body,
+                request_bytes=None,
+                raw={},
+            )
+        )
+        tool = ("read_file", "run_tests", "edit_file")[i % 3]
+        call_id = f"call_{i + 1}"
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": tool, "arguments": f'{{"arg": "step {i + 1}"}}'},
+                    }
+                ],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": filler_text(3200)})
+        offset += 4.0 + think_s
+    return out
+
+
+def generation_mix(caps: Sequence[CapturedRequest]) -> list[CapturedRequest]:
+    """What a sweep sends: the generation requests of the capture (not `GET /v1/models`)."""
+    return [c for c in caps if c.request is not None and endpoint_of(c.path) in GENERATION_ENDPOINTS]

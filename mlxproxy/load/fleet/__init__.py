@@ -1,0 +1,1 @@
+"""Sending one test's load from several processes or hosts (`--workers`, `--cluster`)."""

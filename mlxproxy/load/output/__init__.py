@@ -1,0 +1,1 @@
+"""Showing and writing results: summaries, console tables, CSV, Markdown, HTML, charts and the progress line."""
