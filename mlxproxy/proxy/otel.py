@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.metrics import Meter, MeterProvider
+from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -201,170 +201,145 @@ class OtelObserver:
                 shutdown()  # flushes what is queued (bounded by the exporters' timeouts)
 
 
-class _CurrentInstruments:
-    """The client inference metrics of semantic-conventions-genai v0.1.0
-    (docs/gen-ai/client-inference.md, docs/gen-ai/gen-ai-token-metrics.md). The per-chunk times
-    only with `per_chunk`: one histogram point per streamed chunk costs about 12 µs of the event
-    loop's CPU each (6 ms for a 500-token answer), where all the rest costs about 0.1 ms a request."""
+@dataclass(frozen=True)
+class _Metric:
+    """One instrument of a name set: a histogram when it has `buckets`, else a counter."""
+
+    semconv: str  # "current" or "old"
+    key: str  # the observer's own name for it
+    name: str
+    unit: str
+    description: str
+    buckets: tuple[float, ...] | None = None
+
+
+_TOKENS = "{token}"
+
+#: every instrument of both name sets. current: semantic-conventions-genai v0.1.0
+#: (docs/gen-ai/client-inference.md, gen-ai-token-metrics.md, client-embeddings.md); old:
+#: semantic-conventions v1.41.0 (docs/gen-ai/gen-ai-metrics.md) and mlxproxy's counters beside it
+METRICS = (
+    _Metric("current", "duration", "gen_ai.client.inference.duration", "s",
+            "GenAI client inference operation duration.", DURATION_BUCKETS),
+    _Metric("current", "first_chunk", "gen_ai.client.inference.time_to_first_chunk", "s",
+            "Time to receive the first chunk, from the request to the first chunk of the response stream.",
+            DURATION_BUCKETS),
+    _Metric("current", "per_chunk", "gen_ai.client.inference.time_per_output_chunk", "s",
+            "Time per output chunk, recorded for each chunk after the first: from the previous chunk to this one.",
+            DURATION_BUCKETS),
+    _Metric("current", "input_tokens", "gen_ai.client.inference.usage.input_tokens", _TOKENS,
+            "The number of input (prompt) tokens used, including cached tokens."),
+    _Metric("current", "output_tokens", "gen_ai.client.inference.usage.output_tokens", _TOKENS,
+            "The number of output (completion) tokens used, including reasoning tokens."),
+    _Metric("current", "cache_read", "gen_ai.client.inference.usage.cache_read.input_tokens", _TOKENS,
+            "The number of input tokens served from a provider-managed cache."),
+    _Metric("current", "reasoning", "gen_ai.client.inference.usage.reasoning.output_tokens", _TOKENS,
+            "The number of output tokens used for reasoning."),
+    _Metric("current", "op_input", "gen_ai.client.inference.operation.input_tokens", _TOKENS,
+            "The number of input (prompt) tokens used per inference operation.", TOKEN_BUCKETS),
+    _Metric("current", "op_output", "gen_ai.client.inference.operation.output_tokens", _TOKENS,
+            "The number of output (completion) tokens used per inference operation.", TOKEN_BUCKETS),
+    _Metric("current", "embeddings_duration", "gen_ai.client.embeddings.duration", "s",
+            "GenAI client embeddings operation duration.", DURATION_BUCKETS),
+    _Metric("current", "embeddings_input", "gen_ai.client.embeddings.operation.input_tokens", _TOKENS,
+            "The number of input tokens used per embeddings operation.", TOKEN_BUCKETS),
+    _Metric("old", "duration", "gen_ai.client.operation.duration", "s",
+            "GenAI operation duration.", DURATION_BUCKETS),
+    _Metric("old", "ttft", "gen_ai.server.time_to_first_token", "s",
+            "Time to generate first token for successful responses.", TTFT_BUCKETS),
+    _Metric("old", "tpot", "gen_ai.server.time_per_output_token", "s",
+            "Time per output token generated after the first token for successful responses.", TPOT_BUCKETS),
+    _Metric("old", "tokens", "gen_ai.client.token.usage", _TOKENS,
+            "Number of input and output tokens used.", TOKEN_BUCKETS),
+    _Metric("old", "cache_read", "mlxproxy.usage.cache_read.input_tokens", _TOKENS,
+            "Input tokens the server reported served from its prompt cache (usage cached_tokens)."),
+    _Metric("old", "reasoning", "mlxproxy.usage.reasoning.output_tokens", _TOKENS,
+            "Output tokens spent reasoning (reported by the server, else counted in the stream)."),
+)  # fmt: skip
+
+
+class _Instruments:
+    """The instruments of one name set, created on `meter`, by their `_Metric.key`."""
+
+    def __init__(self, meter: Meter, semconv: str, skip: Iterable[str] = ()) -> None:
+        self.h: dict[str, Histogram] = {}
+        self.c: dict[str, Counter] = {}
+        for m in METRICS:
+            if m.semconv != semconv or m.key in skip:
+                continue
+            if m.buckets is None:
+                self.c[m.key] = meter.create_counter(m.name, unit=m.unit, description=m.description)
+            else:
+                self.h[m.key] = meter.create_histogram(
+                    m.name, unit=m.unit, description=m.description, explicit_bucket_boundaries_advisory=m.buckets
+                )
+
+
+class _CurrentInstruments(_Instruments):
+    """The client inference metrics of semantic-conventions-genai v0.1.0. The per-chunk times only
+    with `per_chunk`: one histogram point per streamed chunk costs about 12 µs of the event loop's
+    CPU each (6 ms for a 500-token answer), where all the rest costs about 0.1 ms a request."""
 
     def __init__(self, meter: Meter, per_chunk: bool) -> None:
-        self.duration = meter.create_histogram(
-            "gen_ai.client.inference.duration",
-            unit="s",
-            description="GenAI client inference operation duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.first_chunk = meter.create_histogram(
-            "gen_ai.client.inference.time_to_first_chunk",
-            unit="s",
-            description="Time to receive the first chunk, from the request to the first chunk of the response stream.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.per_chunk = (
-            meter.create_histogram(
-                "gen_ai.client.inference.time_per_output_chunk",
-                unit="s",
-                description="Time per output chunk, recorded for each chunk after the first: "
-                "from the previous chunk to this one.",
-                explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-            )
-            if per_chunk
-            else None
-        )
-        self.input_tokens = meter.create_counter(
-            "gen_ai.client.inference.usage.input_tokens",
-            unit="{token}",
-            description="The number of input (prompt) tokens used, including cached tokens.",
-        )
-        self.output_tokens = meter.create_counter(
-            "gen_ai.client.inference.usage.output_tokens",
-            unit="{token}",
-            description="The number of output (completion) tokens used, including reasoning tokens.",
-        )
-        self.cache_read = meter.create_counter(
-            "gen_ai.client.inference.usage.cache_read.input_tokens",
-            unit="{token}",
-            description="The number of input tokens served from a provider-managed cache.",
-        )
-        self.reasoning = meter.create_counter(
-            "gen_ai.client.inference.usage.reasoning.output_tokens",
-            unit="{token}",
-            description="The number of output tokens used for reasoning.",
-        )
-        self.op_input = meter.create_histogram(
-            "gen_ai.client.inference.operation.input_tokens",
-            unit="{token}",
-            description="The number of input (prompt) tokens used per inference operation.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
-        )
-        self.op_output = meter.create_histogram(
-            "gen_ai.client.inference.operation.output_tokens",
-            unit="{token}",
-            description="The number of output (completion) tokens used per inference operation.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
-        )
-        # embeddings are no inference: docs/gen-ai/client-embeddings.md
-        self.embeddings_duration = meter.create_histogram(
-            "gen_ai.client.embeddings.duration",
-            unit="s",
-            description="GenAI client embeddings operation duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.embeddings_input = meter.create_histogram(
-            "gen_ai.client.embeddings.operation.input_tokens",
-            unit="{token}",
-            description="The number of input tokens used per embeddings operation.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
-        )
+        super().__init__(meter, "current", () if per_chunk else ("per_chunk",))
 
     def record(self, r: Record, common: dict[str, AttributeValue], with_error: dict[str, AttributeValue]) -> None:
-        if common["gen_ai.operation.name"] == "embeddings":
+        h, c = self.h, self.c
+        if common["gen_ai.operation.name"] == "embeddings":  # no inference: client-embeddings.md
             if r.duration_s is not None:
-                self.embeddings_duration.record(r.duration_s, with_error)
-            self.embeddings_input.record(r.prompt_tokens or 0, with_error)
+                h["embeddings_duration"].record(r.duration_s, with_error)
+            h["embeddings_input"].record(r.prompt_tokens or 0, with_error)
             return
         if r.duration_s is not None:
-            self.duration.record(r.duration_s, with_error)
+            h["duration"].record(r.duration_s, with_error)
         if r.stream and r.ttft_s is not None:  # "reported for streaming calls and not otherwise"
-            self.first_chunk.record(r.ttft_s, common)
-            if self.per_chunk is not None:
-                per_chunk = self.per_chunk.record
+            h["first_chunk"].record(r.ttft_s, common)
+            per_chunk = h.get("per_chunk")
+            if per_chunk is not None:
                 for gap in r.event_gaps_s():
-                    per_chunk(gap, common)
+                    per_chunk.record(gap, common)
         # recorded for every inference operation, failed ones included: 0 when no count arrived,
         # under modality `unknown`
         n_in = r.prompt_tokens or 0
         n_out = r.n_out or 0
-        self.input_tokens.add(n_in, {**common, "gen_ai.token.modality": INPUT_MODALITY})
-        self.output_tokens.add(n_out, {**common, "gen_ai.token.modality": OUTPUT_MODALITY if n_out else "unknown"})
-        self.op_input.record(n_in, with_error)
-        self.op_output.record(n_out, with_error)
+        c["input_tokens"].add(n_in, {**common, "gen_ai.token.modality": INPUT_MODALITY})
+        c["output_tokens"].add(n_out, {**common, "gen_ai.token.modality": OUTPUT_MODALITY if n_out else "unknown"})
+        h["op_input"].record(n_in, with_error)
+        h["op_output"].record(n_out, with_error)
         if r.cached_tokens is not None:
-            self.cache_read.add(r.cached_tokens, {**common, "gen_ai.token.modality": INPUT_MODALITY})
+            c["cache_read"].add(r.cached_tokens, {**common, "gen_ai.token.modality": INPUT_MODALITY})
         reasoning = _reasoning_tokens(r)
         if reasoning is not None:
-            self.reasoning.add(reasoning, {**common, "gen_ai.token.modality": OUTPUT_MODALITY})
+            c["reasoning"].add(reasoning, {**common, "gen_ai.token.modality": OUTPUT_MODALITY})
 
 
-class _OldInstruments:
-    """The metrics of semantic-conventions v1.41.0 (docs/gen-ai/gen-ai-metrics.md), as mlxproxy
-    exported them before the GenAI conventions renamed them: `serve --otel-semconv old`."""
+class _OldInstruments(_Instruments):
+    """The metrics of semantic-conventions v1.41.0, as mlxproxy exported them before the GenAI
+    conventions renamed them: `serve --otel-semconv old`."""
 
     def __init__(self, meter: Meter) -> None:
-        self.duration = meter.create_histogram(
-            "gen_ai.client.operation.duration",
-            unit="s",
-            description="GenAI operation duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Time to generate first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
-        )
-        self.tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="Time per output token generated after the first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
-        )
-        self.tokens = meter.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Number of input and output tokens used.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
-        )
-        self.cache_read = meter.create_counter(
-            "mlxproxy.usage.cache_read.input_tokens",
-            unit="{token}",
-            description="Input tokens the server reported served from its prompt cache (usage cached_tokens).",
-        )
-        self.reasoning = meter.create_counter(
-            "mlxproxy.usage.reasoning.output_tokens",
-            unit="{token}",
-            description="Output tokens spent reasoning (reported by the server, else counted in the stream).",
-        )
+        super().__init__(meter, "old")
 
     def record(
         self, r: Record, common: dict[str, AttributeValue], with_error: dict[str, AttributeValue], err: str | None
     ) -> None:
+        h, c = self.h, self.c
         if r.duration_s is not None:
-            self.duration.record(r.duration_s, with_error)
+            h["duration"].record(r.duration_s, with_error)
         if err is None:  # the server metrics are "for successful responses"
             if r.ttft_s is not None:
-                self.ttft.record(r.ttft_s, common)
+                h["ttft"].record(r.ttft_s, common)
             if r.tpot_s is not None:
-                self.tpot.record(r.tpot_s, common)
+                h["tpot"].record(r.tpot_s, common)
         if r.prompt_tokens is not None:
-            self.tokens.record(r.prompt_tokens, {**common, "gen_ai.token.type": "input"})
+            h["tokens"].record(r.prompt_tokens, {**common, "gen_ai.token.type": "input"})
         if r.n_out is not None:
-            self.tokens.record(r.n_out, {**common, "gen_ai.token.type": "output"})
+            h["tokens"].record(r.n_out, {**common, "gen_ai.token.type": "output"})
         if r.cached_tokens:
-            self.cache_read.add(r.cached_tokens, common)
+            c["cache_read"].add(r.cached_tokens, common)
         reasoning = _reasoning_tokens(r)
         if reasoning:
-            self.reasoning.add(reasoning, common)
+            c["reasoning"].add(reasoning, common)
 
 
 def _reasoning_tokens(record: Record) -> int | None:
