@@ -28,7 +28,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 # and the model: every panel follows the three variables, and sums over what is selected.
 INST = 'instance=~"$instance"'
 SEL = f'{INST}, upstream=~"$upstream", model=~"$model"'
-GEN_ENDPOINTS = 'endpoint=~"chat_completions|completions|messages|responses"'
+GEN_ENDPOINTS = 'endpoint=~"chat_completions|completions|messages|responses|ollama_chat|ollama_generate|lmstudio_chat"'
 OK_OUTCOMES = "ok|ok_no_done"
 ERR = f'outcome!~"{OK_OUTCOMES}"'
 RI = "$__rate_interval"

@@ -66,7 +66,10 @@ def finish_checked(
             burst = "non_incremental_stream" in evidence
             cold = cold_rate(m, th) if match is None and not burst else None
             lost = fields.get("reprefill_lost_s") or 0.0
-            cid, turn = prefixes.add(pp, match, m.id, m.prompt_tokens, t_end, cold_prefill_tps=cold, lost_s=lost)
+            # the whole prompt: a server whose prompt_tokens leaves the cached ones out (mlx-openai-server,
+            # Ollama before 0.33.3) would otherwise make the next turn's reusable prefix that small
+            whole = m.whole_prompt_tokens
+            cid, turn = prefixes.add(pp, match, m.id, whole, t_end, cold_prefill_tps=cold, lost_s=lost)
         elif match is not None:
             cid, turn = match.conversation_id, match.turn
         else:

@@ -50,10 +50,14 @@ class ApiEvent:
     usage_final: bool = False  # this usage is a report (message_delta, the response's final state)
     error: str | None = None
     terminal: bool = False
+    # whole tool calls this event carries, each (index, id, name, JSON arguments): the native
+    # APIs send a call in one piece (Ollama's `tool_calls`, LM Studio's `tool_call.arguments`)
+    calls: tuple[tuple[int, str | None, str, str], ...] = ()
+    claims: dict[str, Any] | None = None  # the server's own figures about itself (rule 13): kept apart
 
     @property
     def generated(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_args)
+        return bool(self.content or self.reasoning or self.tool_args or self.calls)
 
 
 def messages_event(obj: Any) -> ApiEvent:

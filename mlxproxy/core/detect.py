@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
+from mlxproxy.core.claims import audit
 from mlxproxy.core.meter import Measurement
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.record import OK_OUTCOMES, Record, TokensSource
@@ -74,6 +75,7 @@ AnomalyKind = Literal[
     "reasoning_only",
     "cached_tokens_unreported",
     "cached_tokens_claimed_cold",
+    "speed_claim_mismatch",
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 
@@ -109,6 +111,9 @@ class Thresholds:
     prefix_min_tokens: int = 1024  # a reusable prefix (or a thrown-away one) this long is judged
     prefix_miss_ratio: float = 0.5  # cached_tokens below this fraction of the reusable prefix: prefix_cache_miss
     cache_timing_min_s: float = 0.05  # a hit must save this much prefill for TTFT to judge the cache
+    speed_claim_ratio: float = 2.0  # a server's own tok/s this many times off its recomputation: speed_claim_mismatch
+    speed_claim_min_s: float = 0.05  # a decode claim is judged over at least this much streaming...
+    speed_claim_min_tokens: int = 8  # ...and at least this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +267,19 @@ def _record_checks(
         _burst_check(r, th, out)
         _stall_check(r, th, out, stall_stats(r, th) if stalls is None else stalls)
     _length_check(r, th, out, chars, cut_call)
+    if r.server_claims:
+        for evidence in audit(
+            r.server_claims,
+            ttft_s=r.ttft_s,
+            event_offsets_s=r.event_offsets_s,
+            uncached_tokens=r.uncached_prompt_tokens,
+            output_tokens=r.completion_tokens_reported,
+            ratio=th.speed_claim_ratio,
+            min_s=th.speed_claim_min_s,
+            min_tokens=th.speed_claim_min_tokens,
+        ):
+            out.append(Anomaly("speed_claim_mismatch", evidence))
+            break  # one of each kind (the first disagreeing figure)
     return out
 
 

@@ -24,16 +24,9 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from mlxproxy.core.apis import (
-    STREAM_APIS,
-    ApiEvent,
-    messages_body,
-    messages_event,
-    messages_usage,
-    responses_body,
-    responses_event,
-    responses_usage,
-)
+from mlxproxy.core.apis import ApiEvent
+from mlxproxy.core.native import DIALECT_APIS, dialect_body, dialect_event, dialect_usage
+from mlxproxy.core.ndjson import NDJSONDecoder
 from mlxproxy.core.openai import (
     GENERATION_ENDPOINTS,
     Endpoint,
@@ -55,6 +48,7 @@ _PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses
 _STD_USAGE_KEYS = frozenset(
     {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
 )
+_CLAIM_KEYS = ("timings", "metrics", "stats")  # keep in step with core.openai's chunk claims
 MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
 
 
@@ -196,7 +190,7 @@ class RequestMeter:
         self._t_done: float | None = None
         self._status: int | None = None
         self._sse = False
-        self._decoder: SSEDecoder | None = None
+        self._decoder: SSEDecoder | NDJSONDecoder | None = None
         self._bytes_out = 0
         self._body = bytearray()
         self._body_overflow = False
@@ -223,8 +217,9 @@ class RequestMeter:
         self._reasoning_parts: list[str] = []
         self._tool_calls: dict[int, dict[str, str]] = {}
         self._tool_args_over: dict[int, int] = {}
-        # Anthropic Messages / OpenAI Responses: their events follow core.apis, not the chat rules
-        self._api = request.endpoint if request.endpoint in STREAM_APIS else None
+        # Anthropic Messages, OpenAI Responses, Ollama and LM Studio's native APIs: their events
+        # follow a dialect (core.apis, core.native), not the chat rules
+        self._api = request.endpoint if request.endpoint in DIALECT_APIS else None
         self._api_raw_usage: dict[str, Any] = {}
         self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
 
@@ -316,12 +311,17 @@ class RequestMeter:
         self._t_upstream_sent = t
 
     def response_started(self, t: float, status: int, content_type: str | None) -> None:
-        """Status line and headers arrived. An `text/event-stream` body is parsed as SSE."""
+        """Status line and headers arrived. A `text/event-stream` body is parsed as SSE, an
+        `application/x-ndjson` one of a dialect API (Ollama's) as JSON lines (`core.ndjson`)."""
         self._t_headers = t
         self._status = status
-        if status < 400 and content_type and content_type.lower().startswith("text/event-stream"):
+        ct = content_type.lower() if content_type and status < 400 else ""
+        if ct.startswith("text/event-stream"):
             self._sse = True
             self._decoder = SSEDecoder(self._max_line_bytes) if self._max_line_bytes else SSEDecoder()
+        elif ct.startswith(("application/x-ndjson", "application/jsonl")) and self._api is not None:
+            self._sse = True  # a stream: one JSON line per item (Ollama), decoded to the same items
+            self._decoder = NDJSONDecoder(self._max_line_bytes) if self._max_line_bytes else NDJSONDecoder()
 
     def feed(self, data: bytes, t: float) -> None:
         """A body read of `data` arrived at `t` (stamped on arrival, before any parsing)."""
@@ -411,11 +411,11 @@ class RequestMeter:
         tool_calls: Sequence[dict[str, Any]] = ()
         has_tool: object  # truthy when the event carries (part of) a tool call
         if self._api is not None:
-            ev = messages_event(obj) if self._api == "messages" else responses_event(obj)
+            ev = dialect_event(self._api, obj)
             self._api_event(ev, t)
             if not ev.generated:
                 return
-            content, reasoning, has_tool = ev.content, ev.reasoning, ev.tool_args
+            content, reasoning, has_tool = ev.content, ev.reasoning, ev.tool_args or ev.calls
         else:
             plain = plain_delta(obj)
             if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
@@ -469,18 +469,22 @@ class RequestMeter:
             self._tool_call(tc)
 
     def _api_event(self, ev: ApiEvent, t: float | None) -> None:
-        """A Messages or Responses event (`t` None: part of a non-streamed body)."""
+        """An event of a dialect API (`core.native.DIALECT_APIS`; `t` None: part of a non-streamed body)."""
         if ev.error is not None:
             self._stream_error = self._stream_error or ev.error
-        if ev.usage is not None:
+        if ev.usage is not None and self._api is not None:
             if ev.usage_final:
                 self._usage_reports += 1
-            if self._api == "messages":
+            if self._api == "messages":  # its usage comes in parts (message_start, message_delta)
                 self._api_raw_usage.update(ev.usage)
-                self._api_final_usage = self._api_final_usage or ev.usage_final
-                self._usage = messages_usage(self._api_raw_usage, self._api_final_usage)
             else:
-                self._usage = responses_usage(ev.usage)
+                self._api_raw_usage = ev.usage
+            self._api_final_usage = self._api_final_usage or ev.usage_final
+            self._usage = dialect_usage(self._api, self._api_raw_usage, self._api_final_usage)
+        if ev.claims:
+            self._claims.update(ev.claims)
+        for call in ev.calls:  # whole calls (the native APIs)
+            self._call_part(*call)
         if ev.finish is not None:
             self._finish_reasons_seen += 1
             if self._finish_reason is None:
@@ -565,7 +569,7 @@ class RequestMeter:
     def _absorb_body(self, obj: dict[str, Any]) -> None:
         """A non-stream JSON response: usage, finish reason, error and (kept) text."""
         if self._api is not None and obj.get("type") != "error" and not obj.get("error"):
-            evs, usage = messages_body(obj) if self._api == "messages" else responses_body(obj)
+            evs, usage = dialect_body(self._api, obj)
             if usage is not None:
                 self._usage = usage
                 self._usage_reports += 1
@@ -576,6 +580,9 @@ class RequestMeter:
         if isinstance(obj.get("usage"), dict):
             self._usage = obj["usage"]
             self._usage_reports += 1
+        for key in _CLAIM_KEYS:  # a server's figures about itself (LM Studio's v0 `stats`, `timings`)
+            if isinstance(obj.get(key), dict):
+                self._claims[key] = obj[key]
         msg = obj.get("error")
         if msg:
             self._stream_error = error_message(obj)

@@ -20,6 +20,7 @@ __all__ = [
     "ENDPOINTS",
     "GENERATION_ENDPOINTS",
     "USAGE_INJECTABLE",
+    "CONVERSATION_ENDPOINTS",
     "RequestInfo",
     "Delta",
     "endpoint_of",
@@ -34,10 +35,31 @@ __all__ = [
     "whole_prompt_tokens",
 ]
 
-Endpoint = Literal["chat_completions", "completions", "messages", "responses", "embeddings", "models", "other"]
+Endpoint = Literal[
+    "chat_completions",
+    "completions",
+    "messages",
+    "responses",
+    "ollama_chat",
+    "ollama_generate",
+    "lmstudio_chat",
+    "embeddings",
+    "models",
+    "other",
+]
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 #: the endpoints that generate text (streamed or not): the ones with latency and token figures
-GENERATION_ENDPOINTS: frozenset[Endpoint] = frozenset({"chat_completions", "completions", "messages", "responses"})
+GENERATION_ENDPOINTS: frozenset[Endpoint] = frozenset(
+    {"chat_completions", "completions", "messages", "responses", "ollama_chat", "ollama_generate", "lmstudio_chat"}
+)
+#: the endpoints whose prompt is a conversation (fingerprinted, followed by the cache doctor)
+CONVERSATION_ENDPOINTS: frozenset[Endpoint] = frozenset({"chat_completions", "messages", "responses", "ollama_chat"})
+#: native paths (Ollama, LM Studio) and their endpoint; everything else under /api/ is not metered
+_NATIVE_PATHS: dict[str, Endpoint] = {
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
+    "/api/v1/chat": "lmstudio_chat",
+}
 #: where `stream_options.include_usage` exists, so the proxy may inject it
 USAGE_INJECTABLE: frozenset[Endpoint] = frozenset({"chat_completions", "completions"})
 
@@ -45,6 +67,9 @@ USAGE_INJECTABLE: frozenset[Endpoint] = frozenset({"chat_completions", "completi
 def endpoint_of(path: str) -> Endpoint:
     """The bounded `endpoint` label for a request path (query string excluded)."""
     p = path.rstrip("/")
+    native = _NATIVE_PATHS.get(p)
+    if native is not None:
+        return native
     if p.endswith("/chat/completions"):
         return "chat_completions"
     if p.endswith("/completions"):
@@ -94,8 +119,15 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
         return RequestInfo(method, path, endpoint), None
     model = obj.get("model")
     max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens", obj.get("max_output_tokens")))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        max_tokens = None
+    options = obj.get("options")
+    if max_tokens is None and isinstance(options, dict):
+        max_tokens = options.get("num_predict")  # Ollama's native limit
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        max_tokens = None  # a negative limit means "no limit" (LM Studio's -1, Ollama's num_predict -1)
+    # Ollama's native API streams unless told otherwise; every other one only when asked
+    stream = (
+        obj.get("stream") is not False if endpoint in ("ollama_chat", "ollama_generate") else obj.get("stream") is True
+    )
     so = obj.get("stream_options")
     usage_requested = isinstance(so, dict) and bool(so.get("include_usage"))
     return (
@@ -104,13 +136,13 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             path,
             endpoint,
             model=model if isinstance(model, str) else None,
-            stream=obj.get("stream") is True,
+            stream=stream,
             max_tokens=max_tokens,
             usage_requested=usage_requested,
             json_body=True,
             prompt_chars=_prompt_chars(obj),
             tools=parse_tools(obj),
-            prompt_obj=obj if endpoint in ("chat_completions", "messages", "responses") else None,
+            prompt_obj=obj if endpoint in CONVERSATION_ENDPOINTS else None,
         ),
         obj,
     )
@@ -221,6 +253,7 @@ def plain_delta(obj: Any) -> tuple[str, str] | None:
         or ("error" in obj and obj["error"] is not None)
         or ("timings" in obj and obj["timings"] is not None)
         or ("metrics" in obj and obj["metrics"] is not None)
+        or ("stats" in obj and obj["stats"] is not None)
     ):
         return None
     c = delta.get("content")
@@ -263,7 +296,7 @@ def _classify_general(obj: Any) -> Delta:
     usage = obj.get("usage")
     if isinstance(usage, dict):
         d.usage = usage
-    for key in ("timings", "metrics"):
+    for key in ("timings", "metrics", "stats"):  # llama.cpp-style, Rapid-MLX, LM Studio's v0
         v = obj.get(key)
         if isinstance(v, dict):
             if d.claims is None:

@@ -72,6 +72,7 @@ class BenchOptions:
     concurrency: tuple[int, ...] = ()  # more wave sizes (kept for callers of the old spelling)
     batches: tuple[int, ...] = ()  # wave sizes released together; default (batch, *concurrency)
     model: str | None = None
+    api: str = "chat"  # "chat" (/v1/chat/completions) or "ollama" (Ollama's native /api/chat)
     nonce: bool = True
     rate: float | None = None  # an open-loop test at this many requests/s (after the others)
     arrival: str = "constant"
@@ -125,6 +126,20 @@ def _req(body: bytes, label: str) -> PreparedRequest:
     return PreparedRequest("POST", "/v1/chat/completions", body, (("content-type", "application/json"),), label=label)
 
 
+def bench_request(api: str, model: str, text: str, max_tokens: int, label: str, stream: bool = True) -> PreparedRequest:
+    """One benchmark request through `api`: Chat Completions, or Ollama's native `/api/chat`
+    (its limit is `options.num_predict`; it reports usage on every answer, streamed or not)."""
+    if api != "ollama":
+        return _req(chat_body(model, text, max_tokens, stream=stream), label)
+    obj = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "stream": stream,
+        "options": {"num_predict": max_tokens, "temperature": 0},
+    }
+    return PreparedRequest("POST", "/api/chat", orjson.dumps(obj), (("content-type", "application/json"),), label=label)
+
+
 async def discover_model(client: MeasuringClient) -> str:
     """The first model id of GET /v1/models, else `default_model` (mlx_lm.server's name)."""
     status, body = await client.fetch("GET", "/v1/models")
@@ -137,12 +152,12 @@ async def discover_model(client: MeasuringClient) -> str:
     return "default_model"
 
 
-async def calibrate(client: MeasuringClient, model: str) -> tuple[Calibration, list[Record]]:
+async def calibrate(client: MeasuringClient, model: str, api: str = "chat") -> tuple[Calibration, list[Record]]:
     """Two non-stream probes of different lengths; a line through their prompt_tokens."""
     probes = []
     for chars in (400, 4000):
         text = f"[nonce {os.urandom(6).hex()}] " + filler_text(chars)
-        rec = await client.send(_req(chat_body(model, text, 1, stream=False), "calibration"))
+        rec = await client.send(bench_request(api, model, text, 1, "calibration", stream=False))
         probes.append((len(text), rec))
     (c1, r1), (c2, r2) = probes
     recs = [r1, r2]
@@ -204,7 +219,7 @@ async def _prepare(client: MeasuringClient, res: TargetResult, opts: BenchOption
     except Exception as exc:  # unreachable target: report and move on
         res.error = unreachable_message(res.target.url, exc)
         return None
-    res.calibration, probes = await calibrate(client, res.model)
+    res.calibration, probes = await calibrate(client, res.model, opts.api)
     bad = [r for r in probes if r.outcome not in OK_OUTCOMES]
     if len(bad) == len(probes):
         r = bad[0]
@@ -245,6 +260,8 @@ class _BenchRun:
             "repeat": opts.repeat,
             "nonce": opts.nonce,
         }
+        if opts.api != "chat":  # (files of Chat Completions runs stay as they were)
+            self.params["api"] = opts.api
 
     def total(self) -> int:
         """Requests the progress line counts on (a sweep's are not known in advance)."""
@@ -260,15 +277,16 @@ class _BenchRun:
         """`n` requests at the batch prompt size, each with its own nonce."""
         opts, cal = self.opts, self.res.calibration
         return [
-            _req(chat_body(self.model, _prompt(cal, self.bsize, opts.nonce), opts.max_tokens), label) for _ in range(n)
+            bench_request(opts.api, self.model, _prompt(cal, self.bsize, opts.nonce), opts.max_tokens, label)
+            for _ in range(n)
         ]
 
     async def run(self, tick: Progress) -> None:
         opts = self.opts
         for _ in range(opts.repeat):  # interleave sizes so slow drift does not bias one size
             for size in self.sizes:
-                body = chat_body(self.model, _prompt(self.res.calibration, size, opts.nonce), opts.max_tokens)
-                r = await self.client.send(_req(body, f"single:{size}"))
+                text = _prompt(self.res.calibration, size, opts.nonce)
+                r = await self.client.send(bench_request(opts.api, self.model, text, opts.max_tokens, f"single:{size}"))
                 self.single.records.append(r)
                 self.single.source_ids[r.id] = f"{size}"
                 tick()
@@ -334,11 +352,12 @@ async def _measure_waves(
     baseline = Timed()
     per: dict[int, tuple[Timed, list[list[Record]]]] = {n: (Timed(), []) for n in waves}
 
-    def body() -> bytes:  # every request gets its own nonce: no wave is served from the cache
-        return chat_body(res.model or "", _prompt(res.calibration, bsize, opts.nonce), opts.max_tokens)
+    def req(label: str) -> PreparedRequest:  # every request gets its own nonce: no wave is served from the cache
+        text = _prompt(res.calibration, bsize, opts.nonce)
+        return bench_request(opts.api, res.model or "", text, opts.max_tokens, label)
 
     async def alone() -> None:
-        r = await client.send(_req(body(), "baseline"))
+        r = await client.send(req("baseline"))
         baseline.records.append(r)
         baseline.source_ids[r.id] = "baseline"
         tick()
@@ -347,7 +366,7 @@ async def _measure_waves(
         await alone()
         for _ in range(opts.repeat):
             for n in waves:
-                timed, wave_recs = await Waves(n).run_waves(client, [_req(body(), f"x{n}") for _ in range(n)], tick)
+                timed, wave_recs = await Waves(n).run_waves(client, [req(f"x{n}") for _ in range(n)], tick)
                 acc, recs = per[n]
                 acc.records.extend(timed.records)
                 acc.source_ids.update(timed.source_ids)

@@ -98,6 +98,13 @@ from mlxproxy.vocabulary import (
     help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"),
 )
 @shared_option("--api-key-env")
+@click.option(
+    "--api",
+    type=click.Choice(["chat", "ollama"]),
+    default="chat",
+    show_default=True,
+    help="The API the requests use: chat (/v1/chat/completions) or ollama (Ollama's native /api/chat, NDJSON).",
+)
 @shared_option("--nonce")
 @click.option(
     "--parallel", is_flag=True, help="Benchmark all targets at once (only fair if they do not share hardware)."
@@ -133,6 +140,7 @@ def bench(
     model: str | None,
     timeouts: tuple[tuple[str | None, float], ...],
     api_key_env: str | None,
+    api: str,
     nonce: bool,
     parallel: bool,
     json_path: str | None,
@@ -157,7 +165,7 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
-    opts = _with_workers(opts, workers, cluster)
+    opts = _with_workers(dataclasses.replace(opts, api=api), workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
     try:

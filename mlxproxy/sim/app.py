@@ -40,7 +40,14 @@ COMPLETION_PATHS = {
     "/chat/completions": "chat",
     "/v1/completions": "completions",
     "/completions": "completions",
+    "/api/v0/chat/completions": "chat",
+    "/api/v0/completions": "completions",
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
+    "/v1/messages": "messages",
+    "/api/v1/chat": "lmstudio_chat",
 }
+_BASE_ENDPOINTS = frozenset({"chat", "completions"})
 _DISCONNECTED = object()
 TRUTH_HISTORY = 1000
 MAX_LAG_WALL_S = 0.02  # overdue by more than this: pause the simulated clock instead of bursting
@@ -134,6 +141,8 @@ class SimApp:
                 self.profile.model_name, int(time.time()), self.profile.max_context_tokens
             )
             await _play_simple(send, json_start(200, [(b"content-type", b"application/json")], body))
+        elif method == "GET" and (native := self._native_get(path)) is not None:
+            await _play_simple(send, json_start(200, [(b"content-type", b"application/json; charset=utf-8")], native))
         elif method == "GET" and path == "/health":
             await _play_simple(
                 send, json_start(200, [(b"content-type", b"application/json")], self._bare_style().health_body())
@@ -164,6 +173,12 @@ class SimApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _native_get(self, path: str) -> bytes | None:
+        """A server's own GET route (Ollama's `/api/tags`, ...), if its style has one for `path`."""
+        style = self._bare_style()
+        get = getattr(style, "native_get", None)
+        return None if get is None else get(path, self.profile.model_name)
+
     def _bare_style(self) -> Style:
         return self._style_cls(WireContext("", self.profile.model_name, 0))
 
@@ -173,7 +188,10 @@ class SimApp:
         raw = await _read_body(receive)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         bare = self._bare_style()
-        if endpoint == "completions" and not self._style_cls.supports_completions:
+        native: frozenset[str] = getattr(self._style_cls, "native_endpoints", frozenset())
+        if (endpoint == "completions" and not self._style_cls.supports_completions) or (
+            endpoint not in _BASE_ENDPOINTS and endpoint not in native
+        ):
             await _play_simple(send, json_start(*bare.not_found()))
             return
         try:
@@ -228,6 +246,9 @@ class SimApp:
         prefill = req.prompt_tokens - (0 if self.profile.cache_report == "claimed-cold" else cached)
         if plan.tool_name:
             renderer.style.tool_name = plan.tool_name
+        if self.profile.speed_claims:
+            renderer.style.speed_claims = self.profile.speed_claims  # type: ignore[attr-defined]
+        renderer.wall_per_sim_s = 1.0 / self.speed  # the servers' timing claims are wall seconds
         truth: dict[str, Any] = {
             "request": req_id,
             "response_id": ctx.response_id,
@@ -277,6 +298,7 @@ class SimApp:
         self, renderer: Renderer, queue: asyncio.Queue[Any], send: Send, receive: Receive, truth: dict[str, Any]
     ) -> None:
         offset = _Offset()
+        token_walls: list[float] = []  # wall time of the first and the latest token written
         idle_s = self.profile.keepalive_idle_s
         last_write_s = renderer.admitted_s
         while not renderer.done:
@@ -295,9 +317,13 @@ class SimApp:
             _note_truth(truth, ev)
             if offset.wall_s > 0:
                 await asyncio.sleep(max(self.wall_at(ev.t_s) + offset.wall_s - time.perf_counter(), 0.0))
+            if isinstance(ev, Finish) and token_walls:  # the server's own decode time, on the wall clock
+                renderer.decode_wall_s = token_walls[-1] - token_walls[0]
             writes = renderer.on_event(ev)
             if any(isinstance(w, bytes) and w for w in writes):
                 last_write_s = ev.t_s
+                if isinstance(ev, Token):  # kept: the first and the latest
+                    token_walls[1:] = [time.perf_counter()]
             if await self._play(writes, send, receive, renderer, offset):
                 truth["outcome"] = "fault"
                 return

@@ -40,6 +40,8 @@ WIRE_STYLES = (
     "rapid-mlx",
     "omlx",
     "mlx-vlm",
+    "ollama",
+    "lm-studio",
 )
 
 DEFAULT_MODEL = "mlx-community/Qwen3.5-35B-A3B-4bit"
@@ -89,6 +91,10 @@ class Profile:
     # "stream" (HTTP 200, then at once an error in the stream, like vllm-mlx's simple mode) or
     # "http" (HTTP 503 at once).
     reject_concurrent: str = ""
+    # What the server's own speed figures say (ollama, lm-studio wires): "" (the truth) or
+    # "whole-prompt" (Ollama since 0.33.3: the prompt count includes the cached tokens, the
+    # duration only the prefilled ones, so a cached prompt claims a phantom prefill rate).
+    speed_claims: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -128,8 +134,10 @@ def _validate(p: Profile) -> None:
             raise bad(knob, "must be an integer >= 1 or None")
     if p.tool_call_style not in ("", "structured", "markup", "invalid-json"):
         raise bad("tool_call_style", "must be '', 'structured', 'markup' or 'invalid-json'")
-    if p.tool_call_style and p.wire != "openai":
-        raise bad("tool_call_style", "is only simulated on the openai wire")
+    if p.speed_claims not in ("", "whole-prompt"):
+        raise bad("speed_claims", "must be '' or 'whole-prompt'")
+    if p.tool_call_style and p.wire not in ("openai", "ollama", "lm-studio"):
+        raise bad("tool_call_style", "is only simulated on the openai, ollama and lm-studio wires")
     if p.cache_report not in ("", "hidden", "claimed-cold"):
         raise bad("cache_report", "must be '', 'hidden' or 'claimed-cold'")
     if p.reject_concurrent not in ("", "stream", "http"):
@@ -210,6 +218,28 @@ PROFILES: dict[str, Profile] = {
             max_context_tokens=32768,
             reasoning_share=0.25,
             keepalive_idle_s=10.0,
+        ),
+        Profile(
+            name="ollama",
+            description="Ollama: /api/chat and /api/generate as NDJSON (streamed unless stream is false), "
+            "thinking in message.thinking, whole tool calls, the final line's counts and nanosecond durations; "
+            "/v1/chat/completions with `timings` on the final chunk and /v1/messages; a prompt cache whose "
+            "speed figures divide the whole prompt by the uncached part's time (speed_claims=whole-prompt).",
+            wire="ollama",
+            model_name="qwen3:8b",
+            reasoning_share=0.25,
+            prompt_cache=True,
+            tool_call_style="structured",
+            speed_claims="whole-prompt",
+        ),
+        Profile(
+            name="lm-studio",
+            description="LM Studio: /api/v1/chat events ending in chat.end with stats, /api/v0/* with stats, "
+            "/v1/chat/completions.",
+            wire="lm-studio",
+            model_name="qwen/qwen3-8b",
+            reasoning_share=0.25,
+            tool_call_style="structured",
         ),
         Profile(
             name="mlx-vlm",

@@ -76,6 +76,12 @@ class Renderer:
         self.plan = plan
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0  # of prompt_tokens, served from the prompt cache (set by the app)
+        # wall seconds per simulated second (the app's 1 / speed): a server's own timing claims
+        # are wall-clock figures, so they agree with what a client sees at any speed
+        self.wall_per_sim_s = 1.0
+        # wall seconds from the first to the last token written, when the shell timed them: the
+        # decode time a real server reports includes any pause of its process
+        self.decode_wall_s: float | None = None
         self.stream = stream
         self.faults = faults
         self.admitted_s = admitted_s
@@ -146,12 +152,15 @@ class Renderer:
         return [prefix] if prefix else []
 
     def usage(self) -> UsageReport:
-        """Usage as the server reports it, with its timing claims (simulated seconds)."""
-        ttft = None if self.first_token_s is None else self.first_token_s - self.admitted_s
+        """Usage as the server reports it, with its timing claims (wall seconds: `wall_per_sim_s`)."""
+        k = self.wall_per_sim_s
+        ttft = None if self.first_token_s is None else (self.first_token_s - self.admitted_s) * k
         decode = None
-        if self.first_token_s is not None and self.last_token_s is not None:
-            decode = self.last_token_s - self.first_token_s
-        total = None if self.finish_s is None else self.finish_s - self.admitted_s
+        if self.decode_wall_s is not None:
+            decode = self.decode_wall_s
+        elif self.first_token_s is not None and self.last_token_s is not None:
+            decode = (self.last_token_s - self.first_token_s) * k
+        total = None if self.finish_s is None else (self.finish_s - self.admitted_s) * k
         reasoning = self.plan.reasoning_text
         return UsageReport(
             prompt_tokens=self.prompt_tokens,
@@ -209,7 +218,9 @@ class Renderer:
         if self.style.finish_on_last_token and i == self.plan.n_visible - 1:
             self._deferred = (kind, text)
             return writes
-        rate = i / (ev.t_s - self.first_token_s) if i > 0 and ev.t_s > self.first_token_s else None
+        rate = (
+            i / (ev.t_s - self.first_token_s) / self.wall_per_sim_s if i > 0 and ev.t_s > self.first_token_s else None
+        )
         chunk = self.style.piece(kind, text, rate)
         if self.profile.burst_at_end:
             self._burst.append(chunk)

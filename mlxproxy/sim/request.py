@@ -91,6 +91,10 @@ def count_prompt_tokens(text_chars: int, chars_per_token: float = 4.0) -> int:
     return max(1, math.ceil(text_chars / chars_per_token))
 
 
+#: endpoints whose prompt is a message list (the chat rules: tools, reasoning share)
+CHAT_LIKE = frozenset({"chat", "ollama_chat", "messages"})
+
+
 def _message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -117,7 +121,9 @@ def parse_request(
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
     prompt_ids = 0
-    if endpoint == "chat":
+    if endpoint == "lmstudio_chat" and isinstance(body.get("input"), str):
+        body = {**body, "prompt": body["input"]}
+    if endpoint in CHAT_LIKE:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", missing_field="messages")
@@ -148,15 +154,23 @@ def parse_request(
     max_tokens = _int_field(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_output_tokens")
+    opts = body.get("options")
+    if max_tokens is None and isinstance(opts, dict):
+        max_tokens = _int_field(opts, "num_predict")  # Ollama's native limit
+    if max_tokens == -1:
+        max_tokens = None  # "no limit": Ollama's num_predict -1, LM Studio's max_tokens -1
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(400, f"max_tokens must be >= 1, got {max_tokens}")
     options = body.get("stream_options")
     model = body.get("model")
-    specs = parse_tools(body) if endpoint == "chat" else None
+    specs = parse_tools(body) if endpoint in CHAT_LIKE else None
     return SimRequest(
         endpoint=endpoint,
         model=model if isinstance(model, str) and model else None,
-        stream=bool(body.get("stream", False)),
+        # Ollama's native API streams unless told otherwise
+        stream=bool(body.get("stream", endpoint in ("ollama_chat", "ollama_generate"))),
         include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         stream_options_without_include_usage=isinstance(options, dict) and "include_usage" not in options,
         max_tokens=max_tokens,
@@ -178,7 +192,7 @@ def plan_output(req: SimRequest, profile: Profile, app_seed: int = 0) -> OutputP
         n_visible = min(profile.default_output_tokens, profile.max_output_tokens)
         finish = "stop"
     n_reasoning = 0
-    if req.endpoint == "chat" and profile.reasoning_share > 0 and n_visible > 1:
+    if req.endpoint in CHAT_LIKE and profile.reasoning_share > 0 and n_visible > 1:
         n_reasoning = min(n_visible - 1, int(n_visible * profile.reasoning_share))
     if req.seed is not None:
         material = f"{app_seed}|seed|{req.seed}"

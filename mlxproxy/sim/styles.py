@@ -7,6 +7,7 @@ module sits above all three, so the imports form a tree (no cycle, no import ins
 from __future__ import annotations
 
 from mlxproxy.sim.wire import Style, WireContext
+from mlxproxy.sim.wire_native import LmStudioStyle, OllamaStyle
 from mlxproxy.sim.wire_servers import MlxLmStyle, MlxOmniServerStyle, MlxOpenAIServerStyle, MlxVlmStyle
 from mlxproxy.sim.wire_vllm import OmlxStyle, RapidMlxStyle, VllmMlxStyle
 
@@ -21,6 +22,8 @@ STYLES: dict[str, type[Style]] = {
         RapidMlxStyle,
         OmlxStyle,
         MlxVlmStyle,
+        OllamaStyle,
+        LmStudioStyle,
     )
 }
 

@@ -61,14 +61,14 @@ class WireContext:
 
 @dataclass(frozen=True)
 class UsageReport:
-    """Usage numbers and the server's timing claims (simulated seconds) for one answer."""
+    """Usage numbers and the server's timing claims (wall seconds) for one answer."""
 
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
     reasoning_chars: int = 0
     total_chars: int = 0
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # the timing claims, in wall seconds
     decode_s: float | None = None
     total_s: float | None = None
     n_visible: int = 0
@@ -116,6 +116,7 @@ class Style:
     finish_on_last_token = False  # the last token's chunk also carries finish_reason (vllm-mlx)
     supports_completions = True
     has_health = True
+    null_usage = True  # with include_usage, every chunk says `"usage": null` (OpenAI's reference)
 
     def __init__(self, ctx: WireContext) -> None:
         self.ctx = ctx
@@ -135,6 +136,10 @@ class Style:
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
         return list(SSE_HEADERS)
 
+    def chunk_fingerprint(self) -> str | None:
+        """The chunks' `system_fingerprint`."""
+        return None
+
     def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
         chat = self.ctx.endpoint == "chat"
         obj: dict[str, Any] = {
@@ -144,9 +149,9 @@ class Style:
             "model": self.ctx.model,
         }
         if chat:
-            obj["system_fingerprint"] = None
+            obj["system_fingerprint"] = self.chunk_fingerprint()
         obj["choices"] = choices
-        if self.ctx.include_usage:
+        if self.ctx.include_usage and self.null_usage:
             obj["usage"] = None
         obj.update(extra)
         return sse(self.dumps(obj))

@@ -22,7 +22,9 @@ from mlxproxy.core.record import Record
 from support import FIXTURES
 
 LIVE = FIXTURES / "live"
-TH = Thresholds()
+# the replays below pace events by script (GAP), not as the servers sent them: a server's own speed
+# figures (mlx-vlm's `timings`) cannot be held against invented times, so they are not judged here
+TH = Thresholds(speed_claim_ratio=float("inf"))
 GAP = 0.02
 
 

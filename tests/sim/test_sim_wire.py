@@ -107,6 +107,8 @@ def test_profiles_validate_and_coerce() -> None:
         "rapid-mlx",
         "omlx",
         "mlx-vlm",
+        "ollama",
+        "lm-studio",
         "phantom-usage",
     }
     assert PROFILES["mlx-openai-server@1.6"].serial and not PROFILES["mlx-openai-server"].serial
