@@ -44,6 +44,7 @@ from mlxproxy.core.record import OK_OUTCOMES, Record
 
 __all__ = [
     "OPERATION_NAMES",
+    "PROVIDER_NAMES",
     "SEMCONV",
     "OtelObserver",
     "Server",
@@ -59,7 +60,20 @@ OPERATION_NAMES: Mapping[Endpoint, str] = {
     "completions": "text_completion",
     "messages": "chat",
     "responses": "chat",
+    "ollama_chat": "chat",
+    "ollama_generate": "text_completion",
+    "lmstudio_chat": "chat",
     "embeddings": "embeddings",
+}
+
+#: `gen_ai.provider.name`: the API's flavour (the conventions' "telemetry format flavor"), not who
+#: made the model; the native APIs have no well-known value, so their own names (a custom value,
+#: which the conventions allow); every other endpoint is OpenAI's flavour
+PROVIDER_NAMES: Mapping[Endpoint, str] = {
+    "messages": "anthropic",
+    "ollama_chat": "ollama",
+    "ollama_generate": "ollama",
+    "lmstudio_chat": "lm_studio",
 }
 
 #: the metric-name sets `serve --otel-semconv` chooses from (the first is the default)
@@ -163,7 +177,7 @@ class OtelObserver:
     def _common_attributes(self, record: Record, operation: str) -> dict[str, AttributeValue]:
         attrs: dict[str, AttributeValue] = {
             "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": "anthropic" if record.endpoint == "messages" else "openai",
+            "gen_ai.provider.name": PROVIDER_NAMES.get(record.endpoint, "openai"),
         }
         if record.model:
             attrs["gen_ai.request.model"] = record.model

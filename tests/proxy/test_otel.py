@@ -249,6 +249,29 @@ def test_the_per_chunk_times_only_when_asked() -> None:
     assert point.count == 3 and point.sum == pytest.approx(0.1) and point.max == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "operation", "provider"),
+    [
+        ("ollama_chat", "chat", "ollama"),
+        ("ollama_generate", "text_completion", "ollama"),
+        ("lmstudio_chat", "chat", "lm_studio"),
+        ("messages", "chat", "anthropic"),
+        ("chat_completions", "chat", "openai"),
+    ],
+)
+def test_native_requests_are_exported_under_their_api_flavour(endpoint: str, operation: str, provider: str) -> None:
+    otel = Otel("http://127.0.0.1:11434")
+    otel.observer.on_record(
+        record_of(endpoint, stream=True, ttft_s=0.1, prompt_tokens=5, completion_tokens=9, tokens_source="usage")
+    )
+    point = one(otel.points("gen_ai.client.inference.duration"))
+    assert point.attributes["gen_ai.operation.name"] == operation
+    assert point.attributes["gen_ai.provider.name"] == provider
+    assert one(otel.points("gen_ai.client.inference.usage.output_tokens")).value == 9
+    (span,) = otel.finished()
+    assert span.name == f"{operation} m"
+
+
 def test_a_request_not_streamed_has_no_chunk_metrics_and_embeddings_have_their_own() -> None:
     otel = Otel("http://127.0.0.1:8080")
     otel.observer.on_record(record_of("chat_completions", prompt_tokens=7, completion_tokens=3, ttft_s=0.2))
