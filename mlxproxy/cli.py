@@ -19,7 +19,7 @@ NO_ARGS_IS_HELP: type[click.UsageError] = getattr(
 class OneLineErrors(click.Group):
     """Every command-line mistake is one line on stderr and exit 2 (click's default is a
     usage block of four lines); Ctrl-C outside a command's own handling exits 130 without
-    click's `Aborted!`; bare `mlxproxy` prints the help (stdout, exit 0). Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and the README."""
+    click's `Aborted!`; bare `mlxproxy` prints the help (stdout, exit 0). Exit codes: see `mlxproxy.vocabulary.EXIT_CODES` and docs/CLI.md."""
 
     def main(
         self,

@@ -2,7 +2,7 @@
 
 An option spelled the same in two commands means the same thing in both: its meaning is
 written once here, each command's help starts with it (`help_for`), and
-tests/e2e/test_cli_ux.py checks every command's click parameters and the README's table
+tests/e2e/test_cli_ux.py checks every command's click parameters and docs/CLI.md's table
 against `MEANINGS`. Spellings that changed keep working for one release, hidden, with a
 deprecation line on stderr (`DEPRECATED`, `deprecated_alias`).
 """

@@ -3,7 +3,7 @@
 Pure functions over finished records. `check_record` looks at one record;
 `find_serialized` at a set of records that overlapped in time on one upstream;
 `prefill_scaling` at a run with prompts of several sizes. Every threshold is a field of
-`Thresholds` (config key `detectors:`), documented in the README's "Anomalies" section.
+`Thresholds` (config key `detectors:`), documented in docs/ANOMALIES.md.
 """
 
 from __future__ import annotations

@@ -20,6 +20,15 @@ from mlxproxy.vocabulary import SECONDS, help_for
 if TYPE_CHECKING:
     from mlxproxy.proxy.observers import Observer
 
+#: `serve --otel-semconv`: which OpenTelemetry GenAI semantic conventions the export's metric names
+#: follow (mlxproxy.proxy.otel.SEMCONV, kept here so that --help needs no [otel] extra), and the
+#: version each one is (docs/METRICS.md, "OpenTelemetry export")
+OTEL_SEMCONV = {
+    "current": "semantic-conventions-genai v0.1.0",
+    "old": "semantic-conventions v1.41.0",
+    "dup": "both semantic-conventions-genai v0.1.0 and v1.41.0",
+}
+
 #: the one line `serve --otlp-endpoint` prints when the [otel] extra is not installed
 OTEL_EXTRA_MISSING = "OpenTelemetry export needs the [otel] extra: pip install 'mlxproxy[otel]'"
 
@@ -88,6 +97,21 @@ def exposure_warning(cfg: Config) -> str | None:
     "collector, e.g. http://127.0.0.1:4318 (/v1/traces and /v1/metrics are added). Needs the [otel] extra.",
 )
 @click.option(
+    "--otel-semconv",
+    type=click.Choice(list(OTEL_SEMCONV)),
+    default=None,
+    help="The GenAI semantic conventions the OpenTelemetry metric names follow: current (the default; "
+    "gen_ai.client.inference.*), old (gen_ai.client.operation.duration, gen_ai.server.time_to_first_token, "
+    "gen_ai.client.token.usage, ...: for dashboards built on them) or dup (both). Needs --otlp-endpoint.",
+)
+@click.option(
+    "--otel-per-chunk",
+    is_flag=True,
+    default=False,
+    help="Also export gen_ai.client.inference.time_per_output_chunk: one point per streamed chunk, about "
+    "12 us of the proxy's CPU each (6 ms for a 500-token answer). Needs --otlp-endpoint.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -103,12 +127,14 @@ def serve(
     capture_path: str | None,
     no_inject_usage: bool,
     otlp_endpoint: str | None,
+    otel_semconv: str | None,
+    otel_per_chunk: bool,
     log_level: str,
 ) -> None:
     """Run the measuring proxy.
 
     Point clients at http://HOST:PORT/v1 instead of the server. Every request is
-    forwarded unchanged (see the README for the few documented rewrites) and measured;
+    forwarded unchanged (see docs/USAGE.md for the few documented rewrites) and measured;
     a live page at http://HOST:PORT/, metrics at /metrics, live streams and recent records
     as JSON at /streams, health at /healthz.
     """
@@ -117,6 +143,12 @@ def serve(
             parse_upstream_url(upstream_url, "--upstream")
         if timeout is not None and timeout[0] is not None:
             raise ConfigError("--timeout takes SECONDS here (the proxy has one read timeout for every upstream)")
+        for flag, given in (("--otel-semconv", otel_semconv is not None), ("--otel-per-chunk", otel_per_chunk)):
+            if given and otlp_endpoint is None:
+                raise ConfigError(f"{flag} shapes the OpenTelemetry export: it needs --otlp-endpoint")
+        if otel_per_chunk and otel_semconv == "old":
+            raise ConfigError("--otel-per-chunk adds a metric of the current conventions, not of --otel-semconv old")
+        semconv = otel_semconv or "current"
         cfg = load_config(
             config_path,
             upstream_url=upstream_url,
@@ -154,7 +186,7 @@ def serve(
         click.echo(f"mlxproxy: {exc}", err=True)
         sys.exit(2)
     try:
-        observers = [otlp_observer(otlp_endpoint, cfg)] if otlp_endpoint is not None else []
+        observers = [otlp_observer(otlp_endpoint, cfg, semconv, otel_per_chunk)] if otlp_endpoint is not None else []
         app = create_app(cfg, observers=observers)
     except ConfigError as exc:
         click.echo(f"mlxproxy: {exc}", err=True)
@@ -176,7 +208,11 @@ def serve(
     if cfg.capture:
         click.echo(f"mlxproxy: capturing requests to {cfg.capture}", err=True)
     if otlp_endpoint is not None:
-        click.echo(f"mlxproxy: exporting OpenTelemetry metrics and spans to {otlp_endpoint}", err=True)
+        click.echo(
+            f"mlxproxy: exporting OpenTelemetry metrics and spans to {otlp_endpoint} "
+            f"(metric names: {semconv}, {OTEL_SEMCONV[semconv]})",
+            err=True,
+        )
     for line in start_warnings(app.pool.upstreams):
         click.echo(f"mlxproxy: warning: {line}", err=True)
     import uvicorn
@@ -206,7 +242,7 @@ def normalized_upstreams(cfg: Config, from_flag: bool, note: Callable[[str], Non
     return dataclasses.replace(cfg, upstreams=tuple(ups))
 
 
-def otlp_observer(endpoint: str, cfg: Config) -> Observer:
+def otlp_observer(endpoint: str, cfg: Config, semconv: str = "current", per_chunk: bool = False) -> Observer:
     """The OpenTelemetry observer exporting to `endpoint` (OTLP over HTTP, protobuf).
     Raises `ConfigError` with one line for a bad URL, another OTLP protocol asked in the
     environment, or a missing `[otel]` extra."""
@@ -228,4 +264,5 @@ def otlp_observer(endpoint: str, cfg: Config) -> Observer:
             raise
         raise ConfigError(OTEL_EXTRA_MISSING) from None
     meters, tracers = otel.otlp_providers(endpoint)
-    return otel.OtelObserver({u.name: u.url for u in cfg.upstreams}, meters, tracers, own_providers=True)
+    upstreams = {u.name: u.url for u in cfg.upstreams}
+    return otel.OtelObserver(upstreams, meters, tracers, own_providers=True, semconv=semconv, per_chunk=per_chunk)

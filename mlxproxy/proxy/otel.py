@@ -1,6 +1,10 @@
 """OpenTelemetry export (the optional `[otel]` extra): per finished record, OTLP metrics and one
 span named and attributed by the OpenTelemetry GenAI semantic conventions (the names, and the
-version they were checked against: docs/METRICS.md, "OpenTelemetry export").
+versions they follow: docs/METRICS.md, "OpenTelemetry export"). `semconv` picks the metric names:
+`current` (the default: semantic-conventions-genai v0.1.0, `gen_ai.client.inference.*`), `old`
+(semantic-conventions v1.41.0, what mlxproxy exported before: `gen_ai.client.operation.duration`,
+`gen_ai.server.time_to_first_token`, `gen_ai.client.token.usage`, ...) or `dup` (both, while
+dashboards move over, as OpenTelemetry's own `OTEL_SEMCONV_STABILITY_OPT_IN=<domain>/dup` does).
 
 Importing this module imports the OpenTelemetry SDK and its OTLP/HTTP exporter: `mlxproxy serve
 --otlp-endpoint` imports it only when asked, and says which pip command installs the extra when
@@ -15,6 +19,7 @@ span or an attribute.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -22,7 +27,8 @@ from urllib.parse import urlsplit
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.metrics import MeterProvider
+from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -38,6 +44,8 @@ from mlxproxy.core.record import OK_OUTCOMES, Record
 
 __all__ = [
     "OPERATION_NAMES",
+    "PROVIDER_NAMES",
+    "SEMCONV",
     "OtelObserver",
     "Server",
     "error_type",
@@ -52,10 +60,33 @@ OPERATION_NAMES: Mapping[Endpoint, str] = {
     "completions": "text_completion",
     "messages": "chat",
     "responses": "chat",
+    "ollama_chat": "chat",
+    "ollama_generate": "text_completion",
+    "lmstudio_chat": "chat",
     "embeddings": "embeddings",
 }
 
-#: the bucket boundaries the conventions advise (seconds; tokens)
+#: `gen_ai.provider.name`: the API's flavour (the conventions' "telemetry format flavor"), not who
+#: made the model; the native APIs have no well-known value, so their own names (a custom value,
+#: which the conventions allow); every other endpoint is OpenAI's flavour
+PROVIDER_NAMES: Mapping[Endpoint, str] = {
+    "messages": "anthropic",
+    "ollama_chat": "ollama",
+    "ollama_generate": "ollama",
+    "lmstudio_chat": "lm_studio",
+}
+
+#: the metric-name sets `serve --otel-semconv` chooses from (the first is the default)
+SEMCONV = ("current", "old", "dup")
+
+#: `gen_ai.token.modality` of the usage counters: the servers' usage does not break input down by
+#: modality (a prompt may hold images), so input is `unknown`, as the conventions say for that case;
+#: what these servers generate is text
+INPUT_MODALITY = "unknown"
+OUTPUT_MODALITY = "text"
+
+#: the bucket boundaries the conventions advise (seconds; tokens); the current client inference
+#: metrics (duration, time to first chunk, time per output chunk) all advise DURATION_BUCKETS
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -107,46 +138,19 @@ class OtelObserver:
         tracer_provider: TracerProvider,
         *,
         own_providers: bool = False,
+        semconv: str = SEMCONV[0],
+        per_chunk: bool = False,
     ) -> None:
+        if semconv not in SEMCONV:
+            raise ValueError(f"semconv must be one of {', '.join(SEMCONV)}, not {semconv!r}")
+        self.semconv = semconv
         self.servers = {name: server_of(url) for name, url in upstreams.items()}
         self._providers = (meter_provider, tracer_provider) if own_providers else None
         version = mlxproxy.__version__
         meter = meter_provider.get_meter("mlxproxy", version)
         self.tracer = tracer_provider.get_tracer("mlxproxy", version)
-        self.duration = meter.create_histogram(
-            "gen_ai.client.operation.duration",
-            unit="s",
-            description="GenAI operation duration.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Time to generate first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
-        )
-        self.tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="Time per output token generated after the first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
-        )
-        self.tokens = meter.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Number of input and output tokens used.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
-        )
-        self.cache_read = meter.create_counter(
-            "mlxproxy.usage.cache_read.input_tokens",
-            unit="{token}",
-            description="Input tokens the server reported served from its prompt cache (usage cached_tokens).",
-        )
-        self.reasoning = meter.create_counter(
-            "mlxproxy.usage.reasoning.output_tokens",
-            unit="{token}",
-            description="Output tokens spent reasoning (reported by the server, else counted in the stream).",
-        )
+        self.old = _OldInstruments(meter) if semconv in ("old", "dup") else None
+        self.current = _CurrentInstruments(meter, per_chunk) if semconv in ("current", "dup") else None
         self.anomalies = meter.create_counter(
             "mlxproxy.request.anomalies",
             unit="{request}",
@@ -159,26 +163,13 @@ class OtelObserver:
             return
         common = self._common_attributes(record, operation)
         err = error_type(record)
-        metric_attrs = dict(common)
+        with_error = dict(common)
         if err is not None:
-            metric_attrs["error.type"] = err
-        if record.duration_s is not None:
-            self.duration.record(record.duration_s, metric_attrs)
-        if err is None:  # the server metrics are "for successful responses"
-            if record.ttft_s is not None:
-                self.ttft.record(record.ttft_s, common)
-            if record.tpot_s is not None:
-                self.tpot.record(record.tpot_s, common)
-        if record.prompt_tokens is not None:
-            self.tokens.record(record.prompt_tokens, {**common, "gen_ai.token.type": "input"})
-        n_out = record.n_out
-        if n_out is not None:
-            self.tokens.record(n_out, {**common, "gen_ai.token.type": "output"})
-        if record.cached_tokens:
-            self.cache_read.add(record.cached_tokens, common)
-        reasoning = _reasoning_tokens(record)
-        if reasoning:
-            self.reasoning.add(reasoning, common)
+            with_error["error.type"] = err
+        if self.current is not None:
+            self.current.record(record, common, with_error)
+        if self.old is not None:
+            self.old.record(record, common, with_error, err)
         for anomaly in record.anomalies:
             self.anomalies.add(1, {**common, "mlxproxy.anomaly": anomaly})
         self._span(record, operation, common, err)
@@ -186,7 +177,7 @@ class OtelObserver:
     def _common_attributes(self, record: Record, operation: str) -> dict[str, AttributeValue]:
         attrs: dict[str, AttributeValue] = {
             "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": "anthropic" if record.endpoint == "messages" else "openai",
+            "gen_ai.provider.name": PROVIDER_NAMES.get(record.endpoint, "openai"),
         }
         if record.model:
             attrs["gen_ai.request.model"] = record.model
@@ -199,6 +190,9 @@ class OtelObserver:
     def _span(self, record: Record, operation: str, common: dict[str, AttributeValue], err: str | None) -> None:
         attrs = dict(common)
         attrs.update(_span_attributes(record))
+        if self.old is None and not record.stream:
+            # current conventions: "Recommended if the request was a streaming request"
+            attrs.pop("gen_ai.response.time_to_first_chunk", None)
         if err is not None:
             attrs["error.type"] = err
         start = _ns(record.started_at)
@@ -219,6 +213,147 @@ class OtelObserver:
             shutdown = getattr(provider, "shutdown", None)
             if shutdown is not None:
                 shutdown()  # flushes what is queued (bounded by the exporters' timeouts)
+
+
+@dataclass(frozen=True)
+class _Metric:
+    """One instrument of a name set: a histogram when it has `buckets`, else a counter."""
+
+    semconv: str  # "current" or "old"
+    key: str  # the observer's own name for it
+    name: str
+    unit: str
+    description: str
+    buckets: tuple[float, ...] | None = None
+
+
+_TOKENS = "{token}"
+
+#: every instrument of both name sets. current: semantic-conventions-genai v0.1.0
+#: (docs/gen-ai/client-inference.md, gen-ai-token-metrics.md, client-embeddings.md); old:
+#: semantic-conventions v1.41.0 (docs/gen-ai/gen-ai-metrics.md) and mlxproxy's counters beside it
+METRICS = (
+    _Metric("current", "duration", "gen_ai.client.inference.duration", "s",
+            "GenAI client inference operation duration.", DURATION_BUCKETS),
+    _Metric("current", "first_chunk", "gen_ai.client.inference.time_to_first_chunk", "s",
+            "Time to receive the first chunk, from the request to the first chunk of the response stream.",
+            DURATION_BUCKETS),
+    _Metric("current", "per_chunk", "gen_ai.client.inference.time_per_output_chunk", "s",
+            "Time per output chunk, recorded for each chunk after the first: from the previous chunk to this one.",
+            DURATION_BUCKETS),
+    _Metric("current", "input_tokens", "gen_ai.client.inference.usage.input_tokens", _TOKENS,
+            "The number of input (prompt) tokens used, including cached tokens."),
+    _Metric("current", "output_tokens", "gen_ai.client.inference.usage.output_tokens", _TOKENS,
+            "The number of output (completion) tokens used, including reasoning tokens."),
+    _Metric("current", "cache_read", "gen_ai.client.inference.usage.cache_read.input_tokens", _TOKENS,
+            "The number of input tokens served from a provider-managed cache."),
+    _Metric("current", "reasoning", "gen_ai.client.inference.usage.reasoning.output_tokens", _TOKENS,
+            "The number of output tokens used for reasoning."),
+    _Metric("current", "op_input", "gen_ai.client.inference.operation.input_tokens", _TOKENS,
+            "The number of input (prompt) tokens used per inference operation.", TOKEN_BUCKETS),
+    _Metric("current", "op_output", "gen_ai.client.inference.operation.output_tokens", _TOKENS,
+            "The number of output (completion) tokens used per inference operation.", TOKEN_BUCKETS),
+    _Metric("current", "embeddings_duration", "gen_ai.client.embeddings.duration", "s",
+            "GenAI client embeddings operation duration.", DURATION_BUCKETS),
+    _Metric("current", "embeddings_input", "gen_ai.client.embeddings.operation.input_tokens", _TOKENS,
+            "The number of input tokens used per embeddings operation.", TOKEN_BUCKETS),
+    _Metric("old", "duration", "gen_ai.client.operation.duration", "s",
+            "GenAI operation duration.", DURATION_BUCKETS),
+    _Metric("old", "ttft", "gen_ai.server.time_to_first_token", "s",
+            "Time to generate first token for successful responses.", TTFT_BUCKETS),
+    _Metric("old", "tpot", "gen_ai.server.time_per_output_token", "s",
+            "Time per output token generated after the first token for successful responses.", TPOT_BUCKETS),
+    _Metric("old", "tokens", "gen_ai.client.token.usage", _TOKENS,
+            "Number of input and output tokens used.", TOKEN_BUCKETS),
+    _Metric("old", "cache_read", "mlxproxy.usage.cache_read.input_tokens", _TOKENS,
+            "Input tokens the server reported served from its prompt cache (usage cached_tokens)."),
+    _Metric("old", "reasoning", "mlxproxy.usage.reasoning.output_tokens", _TOKENS,
+            "Output tokens spent reasoning (reported by the server, else counted in the stream)."),
+)  # fmt: skip
+
+
+class _Instruments:
+    """The instruments of one name set, created on `meter`, by their `_Metric.key`."""
+
+    def __init__(self, meter: Meter, semconv: str, skip: Iterable[str] = ()) -> None:
+        self.h: dict[str, Histogram] = {}
+        self.c: dict[str, Counter] = {}
+        for m in METRICS:
+            if m.semconv != semconv or m.key in skip:
+                continue
+            if m.buckets is None:
+                self.c[m.key] = meter.create_counter(m.name, unit=m.unit, description=m.description)
+            else:
+                self.h[m.key] = meter.create_histogram(
+                    m.name, unit=m.unit, description=m.description, explicit_bucket_boundaries_advisory=m.buckets
+                )
+
+
+class _CurrentInstruments(_Instruments):
+    """The client inference metrics of semantic-conventions-genai v0.1.0. The per-chunk times only
+    with `per_chunk`: one histogram point per streamed chunk costs about 12 µs of the event loop's
+    CPU each (6 ms for a 500-token answer), where all the rest costs about 0.1 ms a request."""
+
+    def __init__(self, meter: Meter, per_chunk: bool) -> None:
+        super().__init__(meter, "current", () if per_chunk else ("per_chunk",))
+
+    def record(self, r: Record, common: dict[str, AttributeValue], with_error: dict[str, AttributeValue]) -> None:
+        h, c = self.h, self.c
+        if common["gen_ai.operation.name"] == "embeddings":  # no inference: client-embeddings.md
+            if r.duration_s is not None:
+                h["embeddings_duration"].record(r.duration_s, with_error)
+            h["embeddings_input"].record(r.prompt_tokens or 0, with_error)
+            return
+        if r.duration_s is not None:
+            h["duration"].record(r.duration_s, with_error)
+        if r.stream and r.ttft_s is not None:  # "reported for streaming calls and not otherwise"
+            h["first_chunk"].record(r.ttft_s, common)
+            per_chunk = h.get("per_chunk")
+            if per_chunk is not None:
+                for gap in r.event_gaps_s():
+                    per_chunk.record(gap, common)
+        # recorded for every inference operation, failed ones included: 0 when no count arrived,
+        # under modality `unknown`
+        n_in = r.prompt_tokens or 0
+        n_out = r.n_out or 0
+        c["input_tokens"].add(n_in, {**common, "gen_ai.token.modality": INPUT_MODALITY})
+        c["output_tokens"].add(n_out, {**common, "gen_ai.token.modality": OUTPUT_MODALITY if n_out else "unknown"})
+        h["op_input"].record(n_in, with_error)
+        h["op_output"].record(n_out, with_error)
+        if r.cached_tokens is not None:
+            c["cache_read"].add(r.cached_tokens, {**common, "gen_ai.token.modality": INPUT_MODALITY})
+        reasoning = _reasoning_tokens(r)
+        if reasoning is not None:
+            c["reasoning"].add(reasoning, {**common, "gen_ai.token.modality": OUTPUT_MODALITY})
+
+
+class _OldInstruments(_Instruments):
+    """The metrics of semantic-conventions v1.41.0, as mlxproxy exported them before the GenAI
+    conventions renamed them: `serve --otel-semconv old`."""
+
+    def __init__(self, meter: Meter) -> None:
+        super().__init__(meter, "old")
+
+    def record(
+        self, r: Record, common: dict[str, AttributeValue], with_error: dict[str, AttributeValue], err: str | None
+    ) -> None:
+        h, c = self.h, self.c
+        if r.duration_s is not None:
+            h["duration"].record(r.duration_s, with_error)
+        if err is None:  # the server metrics are "for successful responses"
+            if r.ttft_s is not None:
+                h["ttft"].record(r.ttft_s, common)
+            if r.tpot_s is not None:
+                h["tpot"].record(r.tpot_s, common)
+        if r.prompt_tokens is not None:
+            h["tokens"].record(r.prompt_tokens, {**common, "gen_ai.token.type": "input"})
+        if r.n_out is not None:
+            h["tokens"].record(r.n_out, {**common, "gen_ai.token.type": "output"})
+        if r.cached_tokens:
+            c["cache_read"].add(r.cached_tokens, common)
+        reasoning = _reasoning_tokens(r)
+        if reasoning:
+            c["reasoning"].add(reasoning, common)
 
 
 def _reasoning_tokens(record: Record) -> int | None:
@@ -290,7 +425,11 @@ def otlp_providers(
     readers = list(metric_readers) or [
         PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=signal_url(endpoint, "metrics")))
     ]
-    meters = SdkMeterProvider(resource=resource, metric_readers=readers)
+    # the observer records outside any span, so the SDK's default `trace_based` exemplar filter never
+    # samples one, yet checking costs about half of each recording: off, unless the standard
+    # OTEL_METRICS_EXEMPLAR_FILTER asks otherwise
+    exemplars = None if os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER") else AlwaysOffExemplarFilter()
+    meters = SdkMeterProvider(resource=resource, metric_readers=readers, exemplar_filter=exemplars)
     tracers = SdkTracerProvider(resource=resource)
     exporter = span_exporter if span_exporter is not None else OTLPSpanExporter(endpoint=signal_url(endpoint, "traces"))
     tracers.add_span_processor(BatchSpanProcessor(exporter))

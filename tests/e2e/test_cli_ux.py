@@ -1,7 +1,7 @@
 """The first hour of a new user: every mistake answered in one line with the documented
 exit code (driven through the real CLI in a subprocess), `/v1` on a URL handled the same
 way everywhere, Ctrl-C, and one vocabulary across commands (checked against each
-command's click parameters and the README's table)."""
+command's click parameters and the table in docs/CLI.md)."""
 
 from __future__ import annotations
 
@@ -533,24 +533,25 @@ def test_old_spellings_still_work_with_a_deprecation_line(capture: Path) -> None
     assert "replay --name is deprecated" in res.stderr
 
 
-def readme_table(marker: str) -> list[list[str]]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def cli_doc_table(marker: str) -> list[list[str]]:
+    """A table of docs/CLI.md (it was the README's until the README became a front page)."""
+    text = (REPO / "docs" / "CLI.md").read_text(encoding="utf-8")
     block = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
     rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in block.splitlines() if ln.startswith("|")]
     return rows[2:]  # header and separator
 
 
-def test_readme_vocabulary_table_matches_the_commands() -> None:
+def test_the_cli_doc_vocabulary_table_matches_the_commands() -> None:
     opts = command_options()
-    rows = {r[0].strip("`"): r for r in readme_table("vocabulary")}
+    rows = {r[0].strip("`"): r for r in cli_doc_table("vocabulary")}
     assert set(rows) == set(MEANINGS), set(rows) ^ set(MEANINGS)
     for opt, (_, commands, meaning) in rows.items():
         assert meaning == MEANINGS[opt], opt
         assert sorted(c.strip() for c in commands.split(",")) == sorted(opts.get(opt, {})), (opt, commands)
 
 
-def test_readme_exit_codes_match() -> None:
-    rows = readme_table("exit-codes")
+def test_the_cli_doc_exit_codes_match() -> None:
+    rows = cli_doc_table("exit-codes")
     assert {int(r[0]) for r in rows} == set(EXIT_CODES)
 
 
@@ -703,10 +704,10 @@ def _shape(line: str) -> list[str]:
     return re.sub(r"=[^ ]+", "=V", line).split()[:2] + re.findall(r"\S+=", line)
 
 
-def test_the_readmes_example_log_line_is_what_serve_prints() -> None:
+def test_the_usage_docs_example_log_line_is_what_serve_prints() -> None:
     import httpx
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "docs" / "USAGE.md").read_text(encoding="utf-8")
     example = text.split("Each finished request logs one line")[1].split("```text\n")[1].split("\n")[0]
     with ServerThread(create_sim("healthy", speed=20)) as sim:
         with serve_process("--upstream", sim.url) as (proc, url, lines):

@@ -1,7 +1,9 @@
 """`mlxproxy serve --otlp-endpoint` end to end: the real CLI in a subprocess, in front of the
 simulator, exports the GenAI metrics and one span per request over OTLP/HTTP to a loopback
-receiver (what a Collector's `otlp` receiver takes), flushed when it stops; a bad URL,
-another OTLP protocol and a missing `[otel]` extra are one line and exit 2."""
+receiver (what a Collector's `otlp` receiver takes), flushed when it stops, under the current
+GenAI names by default and the old ones with `--otel-semconv old`; a bad URL, another OTLP
+protocol, a missing `[otel]` extra and an export option without `--otlp-endpoint` are one line
+and exit 2."""
 
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ def test_a_bad_otlp_endpoint_is_one_line(url: str) -> None:
     assert "--otlp-endpoint" in line and url in line
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--otel-semconv", "old"],
+        ["--otel-per-chunk"],
+        ["--otlp-endpoint", "http://127.0.0.1:4318", "--otel-semconv", "v9"],
+    ],
+)
+def test_export_options_without_the_export_or_with_a_wrong_value_are_one_line(args: list[str]) -> None:
+    res = cli("serve", "--port", "0", *args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-1500:]
+    line = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
+    assert ("needs --otlp-endpoint" in line) if "v9" not in args else ("'v9' is not one of" in line), line
+
+
 def test_another_otlp_protocol_is_refused_not_ignored() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "mlxproxy", "serve", "--port", "0", "--otlp-endpoint", "http://127.0.0.1:4317"],
@@ -56,7 +73,8 @@ def test_without_the_extra_serve_names_the_pip_command() -> None:
     assert "pip install 'mlxproxy[otel]'" in error_line(res)
 
 
-def test_serve_exports_metrics_and_spans_over_otlp_http(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("semconv", [None, "old"])
+def test_serve_exports_metrics_and_spans_over_otlp_http(monkeypatch: pytest.MonkeyPatch, semconv: str | None) -> None:
     pytest.importorskip("opentelemetry.sdk", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
     pytest.importorskip("opentelemetry.proto", reason="the [otel] extra is not installed (pip install -e '.[otel]')")
     from otlpreceiver import otlp_attrs, receiver
@@ -66,8 +84,10 @@ def test_serve_exports_metrics_and_spans_over_otlp_http(monkeypatch: pytest.Monk
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
     monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
     with receiver() as collector, ServerThread(create_sim("healthy", speed=20)) as sim:
+        names = ["--otel-semconv", semconv] if semconv else []
         proxy = start(
-            ["serve", "--upstream", sim.url, "--port", "0", "--otlp-endpoint", collector.url + "/"], "listening on"
+            ["serve", "--upstream", sim.url, "--port", "0", "--otlp-endpoint", collector.url + "/", *names],
+            "listening on",
         )
         try:
             body = {"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -79,16 +99,26 @@ def test_serve_exports_metrics_and_spans_over_otlp_http(monkeypatch: pytest.Monk
         finally:
             proxy.stop()  # SIGTERM: uvicorn shuts down gracefully (then re-raises the signal)
         assert proxy.proc.returncode in (0, -15), "".join(proxy.lines)[-2000:]
-    assert any("exporting OpenTelemetry metrics and spans to" in ln for ln in proxy.lines)
+    said = next(ln for ln in proxy.lines if "exporting OpenTelemetry metrics and spans to" in ln)
+    assert f"(metric names: {semconv or 'current'}, " in said
     (span,) = collector.spans()
     attrs = otlp_attrs(span.attributes)
     assert span.name == "chat m" and attrs["mlxproxy.request.id"] == rid
     assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "m"
     assert attrs["server.port"] == int(sim.url.rsplit(":", 1)[1]) and attrs["gen_ai.usage.output_tokens"] == 8
     metrics = collector.metrics()
-    usage = {
-        otlp_attrs(p.attributes)["gen_ai.token.type"]: p
-        for p in metrics["gen_ai.client.token.usage"].histogram.data_points
-    }
-    assert usage["output"].sum == 8 and usage["output"].count == 1
-    assert metrics["gen_ai.client.operation.duration"].histogram.data_points[0].count == 1
+    if semconv == "old":
+        assert "gen_ai.client.inference.duration" not in metrics
+        usage = {
+            otlp_attrs(p.attributes)["gen_ai.token.type"]: p
+            for p in metrics["gen_ai.client.token.usage"].histogram.data_points
+        }
+        assert usage["output"].sum == 8 and usage["output"].count == 1
+        assert metrics["gen_ai.client.operation.duration"].histogram.data_points[0].count == 1
+    else:
+        assert "gen_ai.client.operation.duration" not in metrics and "gen_ai.client.token.usage" not in metrics
+        (out,) = metrics["gen_ai.client.inference.usage.output_tokens"].sum.data_points
+        assert out.as_int == 8
+        (per_op,) = metrics["gen_ai.client.inference.operation.output_tokens"].histogram.data_points
+        assert per_op.sum == 8 and per_op.count == 1
+        assert metrics["gen_ai.client.inference.duration"].histogram.data_points[0].count == 1
