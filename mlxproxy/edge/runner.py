@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from mlxproxy.edge._compat_uvicorn import protocol_class
+from mlxproxy.edge._compat_uvicorn import protocol_class, serve
 from mlxproxy.edge.limits import HeadLimits
 
 T = TypeVar("T")
@@ -165,7 +165,7 @@ class ServerThread:
         asyncio.set_event_loop(loop)
         self.loop = loop
         try:
-            loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+            loop.run_until_complete(serve(self.server, self.sock))
         except BaseException as exc:  # reported by start()/stop()
             self.error = exc
         finally:
@@ -204,6 +204,6 @@ def run_server(server: uvicorn.Server, sock: socket.socket, *, stack: str | None
     `stack` names (default: the one its config names)."""
     loop = new_event_loop(stack or ("fast" if server.config.loop == "uvloop" else "plain"))
     try:
-        loop.run_until_complete(server.serve(sockets=[sock]))
+        loop.run_until_complete(serve(server, sock))
     finally:
         loop.close()
