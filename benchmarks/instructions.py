@@ -8,7 +8,9 @@ under callgrind against `benchmarks/upstream.py`, warms it up, then counts, with
 counters zeroed before and dumped after each phase:
 
   * 300 sequential non-streaming requests (16 tokens): instructions per request;
-  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream.
+  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream;
+  * the same two (100 and 10) with the agent-shaped body (`bodies.py`: 50 messages, 10 tools,
+    57 kB, the same conversation every time, as an agent's turns repeat their prefix).
 
     python benchmarks/instructions.py [SRC ...]     # default: this repository
 
@@ -18,7 +20,7 @@ SRC is a folder holding an `mlxproxy/` package (e.g. `git archive <commit> mlxpr
 longer than it would natively, so those timers weigh far more per request than they do in a
 real run. A third phase therefore measures the idle process for 2 s, and each figure is also
 printed "net of idle": the phase's count minus the idle rate times the phase's duration.
-Needs valgrind (Debian: `apt-get install valgrind`); takes about a minute per SRC.
+Needs valgrind (Debian: `apt-get install valgrind`); takes a few minutes per SRC.
 """
 
 from __future__ import annotations
@@ -38,10 +40,19 @@ from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-PROMPT = [{"role": "user", "content": "Say hello."}]
-NON_STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 16}).encode()
-STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 100, "stream": True}).encode()
-PHASES = (("non-stream request", NON_STREAM, 300), ("stream of 100 events", STREAM, 10))
+sys.path.insert(0, HERE)
+from bodies import chat_body  # noqa: E402
+
+NON_STREAM = chat_body(False, 16)
+STREAM = chat_body(True, 100)
+AGENT_NON_STREAM = chat_body(False, 16, "agent")
+AGENT_STREAM = chat_body(True, 100, "agent")
+PHASES = (
+    ("non-stream request", NON_STREAM, 300),
+    ("stream of 100 events", STREAM, 10),
+    ("agent-shaped non-stream request", AGENT_NON_STREAM, 100),
+    ("agent-shaped stream of 100 events", AGENT_STREAM, 10),
+)
 
 
 def free_port() -> int:
@@ -108,6 +119,7 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         send(conn, NON_STREAM, 40)  # warm-up: imports, caches, the upstream pool
         send(conn, STREAM, 4)
+        send(conn, AGENT_NON_STREAM, 4)
         time.sleep(1.0)  # the finisher drains (not a measurement: the counters are zeroed next)
 
         def phase(work: Callable[[], None]) -> tuple[int, float]:
