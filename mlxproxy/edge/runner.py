@@ -157,7 +157,11 @@ def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             loop.call_exception_handler(
-                {"message": "unhandled exception during run_async() shutdown", "exception": task.exception(), "task": task}
+                {
+                    "message": "unhandled exception during run_async() shutdown",
+                    "exception": task.exception(),
+                    "task": task,
+                }
             )
 
 

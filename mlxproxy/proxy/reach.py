@@ -96,11 +96,7 @@ async def refresh(
     `retry_s`, when it was last seen unreachable: `/healthz` turns back to `ok` soon after it returns)."""
     now = time.monotonic()
     retry = min(max_age_s, retry_s)
-    due = [
-        u
-        for u in upstreams
-        if now - u.reach.checked_mono >= (retry if u.reach.reachable is False else max_age_s)
-    ]
+    due = [u for u in upstreams if now - u.reach.checked_mono >= (retry if u.reach.reachable is False else max_age_s)]
     for u, error in zip(due, await asyncio.gather(*(probe(u.base) for u in due))):
         u.reach.saw(error)
 

@@ -75,15 +75,16 @@ def test_a_second_ctrl_c_exits_quietly_with_the_first_ones_result(tmp_path: Path
                 term.tmux("send-keys", "-t", "t", "C-c")
                 time.sleep(delay)
                 term.tmux("send-keys", "-t", "t", "C-c")
-                assert _wait(lambda: rc.exists() and rc.read_text().strip() != "", 60), term.screen()
+                assert _wait(lambda rc=rc: rc.exists() and rc.read_text().strip() != "", 60), term.screen()
                 screen = term.screen()
                 seen = f"run {run} ({command}, second Ctrl-C {delay * 1000:g} ms after the first):\n{screen}"
                 assert rc.read_text().strip() == "130", seen
                 assert "Traceback" not in screen and "never retrieved" not in screen, seen
                 assert "KeyboardInterrupt" not in screen, seen
-                assert "interrupted" in screen and "mlxproxy: interrupted\n" not in screen, seen  # the command's own line
+                assert "interrupted" in screen and "mlxproxy: interrupted\n" not in screen, (
+                    seen
+                )  # the command's own line
                 summary = "interrupted after" if command == "bench" else "mlxproxy: interrupted"
                 assert summary in screen, seen
     finally:
         term.close()
-

@@ -6,7 +6,6 @@ nothing logged per connection."""
 
 from __future__ import annotations
 
-import os
 import resource
 import selectors
 import socket

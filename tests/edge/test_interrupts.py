@@ -50,8 +50,6 @@ except KeyboardInterrupt:
 
 
 def test_a_second_ctrl_c_during_the_clean_up_raises_nothing_inside_the_loop(stack: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, stack], capture_output=True, text=True, timeout=60, env=ENV
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT, stack], capture_output=True, text=True, timeout=60, env=ENV)
     assert out.stdout.split() == ["first", "result", "cleaned", "up", "interrupted"], out.stdout + out.stderr
     assert out.stderr == "", out.stderr  # (before: "Task exception was never retrieved ... KeyboardInterrupt")

@@ -51,5 +51,7 @@ def test_healthz_turns_degraded_while_an_upstream_is_unreachable_and_back_to_ok(
         reply = httpx.get(f"{url}/healthz", timeout=5)
         assert reply.status_code == 200  # the proxy itself runs: health checks that restart it stay quiet
         # (its evidence is fresh for PROBE_EVERY_S; a request that cannot connect is evidence at once)
-        assert httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []}, timeout=5).status_code == 502
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []}, timeout=5).status_code == 502
+        )
         assert status() == "degraded"
