@@ -142,8 +142,9 @@ def test_300_slow_connections_never_keep_a_normal_client_out_at_256_descriptors(
 
         results: list[tuple[float, int]] = []
         with SlowClients(port, SLOW) as slow:
-            deadline = time.monotonic() + ATTACK_S
-            while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            # for ATTACK_S and at least 20 requests (a busy machine answers more slowly), within 30 s
+            while (time.monotonic() - t0 < ATTACK_S or len(results) < 20) and time.monotonic() - t0 < 30:
                 results.append(_normal_request(port))
                 time.sleep(0.02)
             opened, shed = slow.opened, slow.closed_by_server
