@@ -42,7 +42,7 @@ def agent_conversation(messages: int = AGENT_MESSAGES) -> tuple[list[dict[str, A
             "function": {
                 "name": kind,
                 "arguments": json.dumps(
-                    {"filePath": f"/work/app/module_{n}.py"}
+                    {"filePath": f"src/app/module_{n}.py"}
                     if kind != "bash"
                     else {"command": f"python -m pytest -q tests/test_module_{n}.py", "description": "run the tests"}
                 ),

@@ -139,6 +139,7 @@ def _fast_class(limits: HeadLimits) -> type:
             self._idle_since = self.loop.time()
 
         def data_received(self, data: bytes) -> None:
+            self._fresh = False
             self._unset_keepalive_if_required()
             if self._awaiting_head:
                 self._head_bytes += len(data)
@@ -252,6 +253,7 @@ def _plain_class(limits: HeadLimits) -> type:
             return self.conn.their_state is IDLE and self._idle_cycle()
 
         def data_received(self, data: bytes) -> None:
+            self._fresh = False
             if self.conn.their_state is IDLE:
                 self._awaiting_head = True
                 self._head_bytes += len(data)

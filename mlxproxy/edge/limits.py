@@ -182,6 +182,7 @@ class HeadGuard:
         self._head_timer_armed = False
         self._refusal: tuple[int, str, str] | None = None
         self._idle_since = 0.0  # when it last began to wait for a request (shedding order)
+        self._fresh = True  # nothing read yet: its first read may well be a whole request
         self._host = ""
 
     def _guard_connected(self) -> None:
@@ -284,7 +285,9 @@ class HeadGuard:
 #: what `Descriptors.room` answers: accept, wait for the connections just shed to close (the loop's
 #: next turn), or pause accepting for a while (nothing can be shed)
 ACCEPT, WAIT, PAUSE = "accept", "wait", "pause"
-PAUSE_S = 0.1
+PAUSE_S = 0.02
+CLOSING_S = 0.1  # the longest the acceptor waits for the connections it shed to close
+FRESH_S = 0.5  # a connection not read from yet is not shed this soon after it opened
 LOG_EVERY_S = 60.0
 
 
@@ -312,14 +315,15 @@ def _fd_folder() -> str | None:
 _FD_FOLDER = _fd_folder()
 
 
-def open_descriptors() -> int | None:
-    """How many descriptors this process has open (Linux /proc, macOS /dev/fd), or None."""
+def open_descriptors(limit: int | None = None) -> int | None:
+    """How many descriptors this process has open (Linux /proc, macOS /dev/fd), or None. Listing
+    them takes one descriptor: when none is left, that is the answer (`limit`)."""
     if _FD_FOLDER is None:
         return None
     try:
         return len(os.listdir(_FD_FOLDER)) - 1  # (less the one that lists them)
-    except OSError:
-        return None
+    except OSError as exc:
+        return limit if exc.errno in (errno.EMFILE, errno.ENFILE) else None
 
 
 class Descriptors:
@@ -330,9 +334,11 @@ class Descriptors:
       request needs: `reserve` = limit / 8, at least 16 and at most 256;
     - when fewer than `reserve` are free, the connections that have sent the least are closed,
       silently, until twice the reserve is free: only connections waiting for a request head
-      (nothing sent yet, an unfinished head or a kept-alive connection between requests, never
-      one with a request or response under way), those of client addresses holding more than
-      their `share` first, then the ones that began waiting longest ago;
+      (an unfinished head, a kept-alive connection between requests, or nothing read yet and open
+      for `FRESH_S`; never one with a request or response under way): first those that were read
+      from and still have no whole head (a new connection's first read is usually a whole
+      request), then those of client addresses holding more than their `share`, then the ones
+      that began waiting longest ago;
     - with nothing to close and the descriptors nearly gone, accepting pauses for `PAUSE_S`
       (the clients wait in the listen queue) instead of failing in `accept()`;
     - the shedding is logged when it starts (at most once a minute, with the count since the
@@ -349,8 +355,10 @@ class Descriptors:
         self.conns: dict[HeadGuard, None] = {}  # the open client connections
         self.by_host: dict[str, int] = {}
         self.next_check = 0  # count the descriptors when this many client connections are open
+        self.accepting = 0  # accepted by the `Acceptor`, not yet open connections here
         self.shed_total = 0
         self._closing: set[HeadGuard] = set()  # shed, not yet closed
+        self._closing_since = 0.0
         self._reported = 0
         self._logged_at = -LOG_EVERY_S
 
@@ -370,16 +378,18 @@ class Descriptors:
     def room(self) -> str:
         """Whether the acceptor may take one more connection now (`ACCEPT`, `WAIT`, `PAUSE`)."""
         if self._closing:
-            return WAIT  # their descriptors are released on the loop's next turn
-        n = len(self.conns)
-        used = open_descriptors()
+            if time.monotonic() - self._closing_since < CLOSING_S:
+                return WAIT  # their descriptors are released on the loop's next turn
+            self._closing.clear()  # (should never be needed: never wait on them for long)
+        n = len(self.conns) + self.accepting
+        used = open_descriptors(self.limit)
         if used is None:
             used = 32 + 2 * n  # (no way to count them: the process's own plus two per client)
         free = self.limit - used
         if free >= self.reserve:
             self.next_check = n + max(1, (free - self.reserve) // 2)
             return ACCEPT
-        if self._shed(2 * self.reserve - free, used):
+        if self._shed(min(2 * self.reserve, 2 * self.reserve - free), used):
             return WAIT
         self.next_check = n + 1
         return ACCEPT if free > self.reserve // 4 else PAUSE
@@ -388,9 +398,16 @@ class Descriptors:
         waiting = [p for p in self.conns if p._sheddable() and not p.transport.is_closing()]
         if not waiting:
             return 0
+        # a connection not read from yet is left alone for FRESH_S: its first read, one turn of
+        # the loop away, is usually a whole request (on a loaded loop, several turns)
+        now = waiting[0].loop.time()
+        waiting = [p for p in waiting if not p._fresh or now - p._idle_since >= FRESH_S]
+        if not waiting:
+            return 0
         share = self.share
         by_host = self.by_host
-        waiting.sort(key=lambda p: (by_host.get(p._host, 0) <= share, p._idle_since))
+        waiting.sort(key=lambda p: (p._fresh, by_host.get(p._host, 0) <= share, p._idle_since))
+        self._closing_since = time.monotonic()
         for proto in waiting[:want]:
             self._closing.add(proto)
             proto._shed()
@@ -444,7 +461,7 @@ class Acceptor:
     def _accept(self) -> None:
         d = self.descriptors
         for _ in range(self.BATCH):
-            if d is not None and len(d.conns) >= d.next_check:
+            if d is not None and len(d.conns) + d.accepting >= d.next_check:
                 verdict = d.room()
                 if verdict == WAIT:
                     return  # (the listening socket is still readable: called again next turn)
@@ -458,13 +475,19 @@ class Acceptor:
             except ConnectionAbortedError:
                 continue
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    if d is not None:
-                        d.report()
-                    self._pause()
-                    return
-                raise
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                # (descriptors taken by something else than client connections since the last count)
+                if d is not None:
+                    d.next_check = 0
+                    if d.room() == WAIT:
+                        return
+                    d.report()
+                self._pause()
+                return
             conn.setblocking(False)
+            if d is not None:
+                d.accepting += 1
             task = self.loop.create_task(self._connect(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -474,6 +497,9 @@ class Acceptor:
             await self.loop.connect_accepted_socket(self.factory, conn)
         except (OSError, RuntimeError):  # (closed before it was set up, or the loop is closing)
             conn.close()
+        finally:
+            if self.descriptors is not None:
+                self.descriptors.accepting -= 1
 
     def _pause(self) -> None:
         if self._resume is None and not self._closed:

@@ -100,8 +100,8 @@ class SlowClients:
             key.fileobj.close()  # type: ignore[union-attr]
 
 
-def _normal_request(port: int) -> tuple[float, int]:
-    """One request on a new connection: (seconds to the whole answer, status; 0 = no answer)."""
+def _normal_request(port: int) -> tuple[float, int | str]:
+    """One request on a new connection: (seconds to the whole answer, status; else why not)."""
     t0 = time.monotonic()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
@@ -110,9 +110,9 @@ def _normal_request(port: int) -> tuple[float, int]:
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
-    except OSError:
-        return time.monotonic() - t0, 0
-    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+    except OSError as exc:
+        return time.monotonic() - t0, type(exc).__name__
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else f"answer {data[:40]!r}"
     return time.monotonic() - t0, status
 
 
@@ -137,7 +137,7 @@ def test_300_slow_connections_never_keep_a_normal_client_out_at_256_descriptors(
                 break
         port = int(lines[-1].split("http://127.0.0.1:")[1].split("/")[0])
         threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
-        assert _normal_request(port)[1] == 200
+        assert any(_normal_request(port)[1] == 200 for _ in range(10))  # (the first may be slow: a busy machine)
         started = len(lines)
 
         results: list[tuple[float, int]] = []
@@ -176,7 +176,11 @@ class _Conn:
 
     def __init__(self, host: str, idle_since: float, waiting: bool = True) -> None:
         self._host, self._idle_since, self.waiting, self.shed = host, idle_since, waiting, False
-        self.transport = self
+        self._fresh = False
+        self.transport = self.loop = self
+
+    def time(self) -> float:
+        return 1000.0
 
     def is_closing(self) -> bool:
         return self.shed
@@ -198,9 +202,9 @@ def test_shedding_takes_waiting_connections_of_crowded_addresses_first_then_the_
     busy = [_Conn("10.0.2.1", 0.0, waiting=False) for _ in range(10)]  # a request under way
     for c in crowd + old + busy:
         d.add(c)  # type: ignore[arg-type]
-    monkeypatch.setattr(limits, "open_descriptors", lambda: 150)
+    monkeypatch.setattr(limits, "open_descriptors", lambda limit=None: 150)
     assert d.room() == limits.ACCEPT and d.next_check > len(d.conns)  # far from the limit: nothing shed
-    monkeypatch.setattr(limits, "open_descriptors", lambda: 240)  # 16 free, below the reserve
+    monkeypatch.setattr(limits, "open_descriptors", lambda limit=None: 240)  # 16 free, below the reserve
     assert d.room() == limits.WAIT  # 48 shed (up to twice the reserve free), closing next turn
     shed = [c for c in crowd + old + busy if c.shed]
     assert len(shed) == 2 * d.reserve - 16 == d.shed_total
@@ -208,10 +212,32 @@ def test_shedding_takes_waiting_connections_of_crowded_addresses_first_then_the_
     assert d.room() == limits.WAIT  # until they are closed
     for c in shed:
         d.discard(c)  # type: ignore[arg-type]
-    monkeypatch.setattr(limits, "open_descriptors", lambda: 250)
+    monkeypatch.setattr(limits, "open_descriptors", lambda limit=None: 250)
     assert d.room() == limits.WAIT
     assert all(c.shed for c in old + crowd) and not any(c.shed for c in busy)  # all 32 waiting (58 wanted)
     for c in crowd + old:
         d.discard(c)  # type: ignore[arg-type]
-    monkeypatch.setattr(limits, "open_descriptors", lambda: 250)  # only busy ones left: nothing to shed
+    monkeypatch.setattr(limits, "open_descriptors", lambda limit=None: 250)  # only busy ones left: nothing to shed
     assert d.room() == limits.PAUSE
+
+
+def test_a_connection_not_read_from_yet_is_shed_only_after_its_grace(monkeypatch) -> None:
+    from mlxproxy.edge import limits
+
+    d = limits.Descriptors(limit=256)
+    fresh = [_Conn("10.0.0.1", 999.9) for _ in range(40)]  # opened 0.1 s ago, nothing read yet
+    for c in fresh:
+        c._fresh = True
+        d.add(c)  # type: ignore[arg-type]
+    partial = [_Conn("10.0.0.2", 999.95) for _ in range(10)]  # read from, head unfinished
+    for c in partial:
+        d.add(c)  # type: ignore[arg-type]
+    monkeypatch.setattr(limits, "open_descriptors", lambda limit=None: 250)
+    assert d.room() == limits.WAIT
+    assert all(c.shed for c in partial) and not any(c.shed for c in fresh)  # only the unfinished heads
+    for c in partial:
+        d.discard(c)  # type: ignore[arg-type]
+    assert d.room() == limits.PAUSE  # the fresh ones get their grace: accepting waits instead
+    for c in fresh:
+        c._idle_since = 999.0  # 1 s old, still nothing sent: an idle flood is shed too
+    assert d.room() == limits.WAIT and all(c.shed for c in fresh)
