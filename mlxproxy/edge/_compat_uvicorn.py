@@ -328,7 +328,12 @@ def serve(server: Any, sock: Any) -> Any:
         def factory() -> Any:
             return cls(config=config, server_state=server.server_state, app_state=server.lifespan.state)
 
-        server.servers.append(Acceptor(asyncio.get_running_loop(), sock, factory, getattr(cls, "_descriptors", None)))
+        loop = asyncio.get_running_loop()
+        try:
+            acceptor: Any = Acceptor(loop, sock, factory, getattr(cls, "_descriptors", None))
+        except NotImplementedError:  # a loop without add_reader (Windows' proactor): its own server
+            acceptor = await loop.create_server(factory, sock=sock, backlog=config.backlog)
+        server.servers.append(acceptor)
 
     server.startup = startup
     return server.serve(sockets=[sock])

@@ -241,3 +241,20 @@ def test_a_connection_not_read_from_yet_is_shed_only_after_its_grace(monkeypatch
     for c in fresh:
         c._idle_since = 999.0  # 1 s old, still nothing sent: an idle flood is shed too
     assert d.room() == limits.WAIT and all(c.shed for c in fresh)
+
+
+def test_a_loop_without_add_reader_serves_through_its_own_server(monkeypatch) -> None:
+    """Windows' proactor loop has no add_reader: the server then accepts as uvicorn would."""
+    import asyncio
+
+    import httpx
+
+    from mlxproxy.edge.runner import ServerThread
+    from mlxproxy.sim.app import create_app as create_sim
+
+    def no_add_reader(*args: object) -> None:
+        raise NotImplementedError
+
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "add_reader", no_add_reader)
+    with ServerThread(create_sim("healthy"), stack="plain") as srv:
+        assert httpx.get(f"{srv.url}/v1/models", timeout=10).status_code == 200
