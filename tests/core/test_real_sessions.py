@@ -51,9 +51,9 @@ KNOWN_WRONG: dict[tuple[str, int, str], str] = {
     **{
         ("claude-code-billing_2.1.332__mlx-lm+litellm", n, "lost"): "lost 3.04, 3.05, 3.06 s (~9,750 tokens at "
         "turn 1's 3,203 tok/s; the TTFT share says 7.2, 4.0, 5.3 s) against 5.27, 1.76, 1.92 s measured (the "
-        "session's TTFT minus the same prompt's warm TTFT, taken later: 1.9, 2.2, 4.3 s); the same ~9,760-token "
-        "re-prefill measured 8.5, 11.5, 5.0 s in calibration.json: the load's noise is 3-6x, no rate is within "
-        "20% of all three"
+        "session's TTFT minus the same prompt's warm TTFT, taken later: 1.9, 2.2, 4.3 s); calibration.json's cold "
+        "runs re-prefilled ~9,850 tokens each (their tools cached) in 8.5, 11.5, 5.0 s over warm: on this loaded "
+        "machine the same work varied 6x, and no one rate is within 20% of all three"
         for n in (2, 3, 4)
     },
 }
