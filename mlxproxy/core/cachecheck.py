@@ -315,7 +315,7 @@ def evicted(t: Turn, why: str, evidence: str, prefilled: int | None) -> TurnVerd
     a = Anomaly("prefix_cache_miss", f"{_reused_from(m, reusable)}{why}")
     rp = Reprefill("cache_evicted", None, reusable.tokens - (r.cached_tokens or 0), prefilled)
     ttft = r.ttft_s
-    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s), evidence, (a,))
+    return TurnVerdict(reusable, ratio, rp, _lost_s(ttft, rp, facts.fixed_s, t.rate), evidence, (a,))
 
 
 def _unreported(r: Measured, m: Match, reusable: Reusable, whole: int | None, said: Timing) -> Anomaly:
@@ -424,7 +424,7 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
         reusable,
         ratio,
         rp,
-        _lost_s(r.ttft_s, rp, facts.fixed_s),
+        _lost_s(r.ttft_s, rp, facts.fixed_s, t.rate),
         shown.evidence,
         (*found, *also),
         correct_prefill_tps=hidden is not None,
@@ -454,13 +454,18 @@ def prefix_changed(
     return (Anomaly("prompt_prefix_changed", text),)
 
 
-def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0) -> float | None:
-    """The prefill seconds a re-prefill cost: the TTFT past the upstream's fixed cost x lost
-    tokens / prefilled tokens, at most that."""
+def _lost_s(ttft: float | None, rp: Reprefill, fixed_s: float = 0.0, rate: float | None = None) -> float | None:
+    """The prefill seconds a re-prefill cost: the lost tokens at the upstream's cold prefill
+    `rate` (tok/s), or the TTFT past the upstream's fixed cost x lost tokens / prefilled tokens,
+    whichever is smaller, at most that TTFT. Both over-state: the cold rate was measured with a
+    first turn's fixed cost in its TTFT (so it is slower than the prefill alone), and a turn's TTFT
+    share charges the lost tokens with their part of a fixed cost no hit was seen to fit; the
+    smaller is the tighter bound."""
     if ttft is None or ttft <= 0 or not rp.prefilled or rp.lost_tokens <= 0:
         return None
     prefill = max(ttft - fixed_s, 0.0)
-    return min(prefill * rp.lost_tokens / rp.prefilled, prefill)
+    share = min(prefill * rp.lost_tokens / rp.prefilled, prefill)
+    return min(share, rp.lost_tokens / rate) if rate else share
 
 
 class PrefixIndex:

@@ -11,10 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mlxproxy.core.analyze import finish_checked
-from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.cachecheck import CacheFacts, PrefixIndex, check_turn
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
+from mlxproxy.core.prefix import Change, Match
 from mlxproxy.core.record import Record
 from mlxproxy.proxy.metrics import ProxyMetrics
 from support import FIXTURES
@@ -234,3 +235,31 @@ def test_a_huge_model_name_is_bounded_in_reprefill_at() -> None:
     turn(index, "t1", m1, 1201, 0.186)
     r = turn(index, "t2", m2, 1227, 0.19, model="x" * 100_000 + "\n")
     assert r.reprefill_cause == "model_changed" and len(r.reprefill_at) < 150 and "\n" not in r.reprefill_at
+
+
+def test_a_reprefill_costs_its_lost_tokens_at_the_upstreams_cold_rate() -> None:
+    """Aider 0.86.2 on mlx_lm.server 0.32.2 (``tests/fixtures/sessions/aider_0.86.2__mlx-lm``):
+    turn 1 prefilled 1,347 tokens cold in 0.654 s (2,060 tok/s); turn 4 rewrote the history at
+    messages[9], cached 913 of 1,448 (exactly the common prefix), so 503 of the previous prompt's
+    1,416 tokens were prefilled again, in a TTFT of 0.305 s. The server measured the loss as
+    0.208 s (that TTFT minus the same prompt's warm 0.097 s). The TTFT's share (0.305 x 503 / 535
+    = 0.287 s) charges the lost tokens with a fixed cost no hit in this session could fit; 503
+    tokens at the upstream's cold rate (0.244 s) is the tighter bound, within 20% of the measure."""
+    first_rate = 1347 / 0.654
+    r = Record(
+        id="t4", started_at=0.0, upstream="u", model="m", endpoint="chat", stream=True, status=200, outcome="ok",
+        ttft_s=0.305, prompt_tokens=1448, cached_tokens=913,
+    )  # fmt: skip
+    m = Match(
+        "t1", 4, "t3", 1416, previous_chars=1416 * 4, shared_chars=913 * 4, extends=False,
+        diverged_at="messages[9].content char 0", previous_end_s=0.0,
+        change=Change("history_rewritten", "messages[9].content char 0"), cold_prefill_tps=first_rate,
+    )  # fmt: skip
+    v = check_turn(r, m, CacheFacts(cold_rate=first_rate), TH)
+    assert v.reprefill is not None and (v.reprefill.cause, v.reprefill.lost_tokens) == ("history_rewritten", 503)
+    assert v.lost_s == pytest.approx(503 / first_rate)
+    measured = 0.305 - 0.097
+    assert abs(v.lost_s - measured) <= 0.2 * measured
+    # without a cold rate to go by, the TTFT's share is all there is
+    alone = check_turn(r, m._replace(cold_prefill_tps=None), CacheFacts(), TH)
+    assert alone.lost_s == pytest.approx(0.305 * 503 / 535)
