@@ -202,7 +202,10 @@ def test_the_cache_doctor_on_an_ollama_native_session(
     def system(first: str) -> dict[str, str]:
         return {"role": "system", "content": "\n".join([first, *lines])}
 
-    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    # a first message of its own: the module's other tests ask MSGS of the same model without a
+    # system prompt, and the same messages under a changed system prompt are a regenerate, that
+    # is the same conversation (docs/METRICS.md, "Prompt-prefix tracking")
+    msgs = [{"role": "user", "content": "Why is the sea salty?"}]
     n0 = app.recent.total
     recs = []
     for turn, first in enumerate(["Session a1b2c3", "Session a1b2c3", "Session 9f8e7d"], start=1):
