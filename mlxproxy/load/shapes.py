@@ -31,7 +31,7 @@ from mlxproxy.load.capacity import RATE_UNIT
 from mlxproxy.load.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.results import Group, JSONObject, SessionTurn
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun, run_sweep
 
 __all__ = [
     "ClosedLoop",
@@ -184,6 +184,8 @@ class Sweep(Generic[SweptShape]):
     steps: tuple[float, ...] = ()
     refine: bool = True
     budget_s: float = DEFAULT_BUDGET_S
+    min_s: float = DEFAULT_STEP_MIN_S  # a closed-loop step sends its mix again until it ran this long
+    runs: int = 1  # the whole search this many times (--runs)
 
     @property
     def unit(self) -> str:
@@ -219,7 +221,7 @@ class Sweep(Generic[SweptShape]):
 
         await run_sweep(
             at, self.steps, slo, target=target, params=dict(params), out=out, say=say, unit=self.unit,
-            progress=progress, budget_s=self.budget_s, refine=self.refine,
+            progress=progress, budget_s=self.budget_s, refine=self.refine, min_s=self.min_s, runs=self.runs,
         )  # fmt: skip
 
 

@@ -93,8 +93,9 @@ def test_bench_sweep_doubles_then_refines_to_the_engines_truth(
     assert {1, 2, 4, 8, max_batch + 1} <= set(ran)  # doubled, then refined between 4 and 8 to the step past it
     assert all(st["requests"] >= MIN_STEP_REQUESTS and not st["too_small"] for st in cap["steps"])
     line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("s: "))
-    want = f"meets the SLO up to {max_batch} concurrent streams; at {max_batch + 1}, TTFT p95 is"
-    assert want in " ".join(res.stdout.split()), line
+    # the interval the noise leaves, in parentheses: the simulator's steps are clear of the SLO
+    want = rf"meets the SLO up to {max_batch} concurrent streams \(beyond the noise\); at {max_batch + 1}, TTFT p95 is"
+    assert re.search(want, " ".join(res.stdout.split())), line
 
 
 def test_bench_sweep_double_stops_at_the_powers_of_two(tmp_path: Path) -> None:
@@ -154,8 +155,8 @@ def test_replay_sweep_refines_to_the_engines_truth_and_leaves_out_get_models(
             # the same mix at every step: both captured chats, equally often
             ids = [r["source_id"] for r in g["records"]]
             assert ids.count("c0") == ids.count("c1") == len(ids) // 2
-    want = f"meets the SLO up to {max_batch} concurrent streams; at {max_batch + 1}, TTFT p95 is"
-    assert want in " ".join(res.stdout.split())
+    want = rf"meets the SLO up to {max_batch} concurrent streams \(beyond the noise\); at {max_batch + 1}, TTFT p95 is"
+    assert re.search(want, " ".join(res.stdout.split()))
 
 
 def _five_turns() -> list[CapturedRequest]:
@@ -185,7 +186,8 @@ def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_to
     steps = [g for g in doc["groups"] if g["kind"] == "sweep_step"]
     for g in steps:
         n = g["params"]["concurrency"]
-        assert len(g["records"]) == 5 * n and {r["path"] for r in g["records"]} == {"/v1/chat/completions"}
+        # a step whose break was within the noise is measured again: its records are both measurements'
+        assert len(g["records"]) == 5 * n * g["params"]["measured"] and {r["path"] for r in g["records"]} == {"/v1/chat/completions"}
         for s in {r["session"] for r in g["records"]}:
             turns = sorted((r for r in g["records"] if r["session"] == s), key=lambda r: r["started_at"])
             assert [r["turn"] for r in turns] == list(range(5))  # every turn of every session
@@ -266,8 +268,8 @@ def test_flat_throughput_ends_the_capacity_at_the_knee_and_names_two_steps() -> 
     assert cap.value == 4 and cap.limited_by == "throughput" and cap.knee == 4
     line = capacity_line("t", cap)
     assert line == (
-        "t: capacity 4 concurrent streams, where aggregate tok/s stopped rising (200 tok/s; 201 at 8, where the SLO"
-        " still held: more load only queues)"
+        "t: capacity 4 concurrent streams (the capacity lies between 4 and 7: not refined), where aggregate tok/s"
+        " stopped rising (200 tok/s; 201 at 8, where the SLO still held: more load only queues)"
     )
 
 
