@@ -63,6 +63,7 @@ __all__ = [
     "capacity_line",
     "capacity_of",
     "certainly_breaks",
+    "first_break",
     "contradictions",
     "holds",
     "knee_of",
@@ -325,6 +326,18 @@ def knee_of(held: Sequence[Step]) -> Step | None:
     return None if best is held[-1] else best
 
 
+def first_break(steps: Sequence[Step]) -> Step | None:
+    """The first judged step (in step order) that broke the SLO, passing over a break within the
+    noise that a heavier step's certain hold contradicts (measured again, it still could not be
+    trusted; the heavier step could)."""
+    ordered = sorted(steps, key=lambda s: s.step)
+    sure = [s.step for s in ordered if holds(s) and s.certain]
+    return next(
+        (s for s in ordered if not s.too_small and not s.slo_met and (s.certain or not any(h > s.step for h in sure))),
+        None,
+    )
+
+
 def certainly_breaks(s: Step) -> bool:
     """The step broke the SLO beyond the noise (or had failed requests)."""
     return not s.too_small and s.slo_met is False and s.certain
@@ -384,7 +397,9 @@ def capacity_of(groups: Sequence[Group]) -> dict[str, Capacity]:
 def _capacity(groups: Sequence[Group]) -> Capacity:
     gs = sorted(groups, key=_step_value)
     steps = tuple(step_figures(g) for g in gs)
-    broke = next((s for s in steps if not s.too_small and not s.slo_met), None)
+    # the first step that broke the SLO, passing over a break within the noise that a heavier
+    # step's certain hold contradicts (measured again, it still could not be trusted)
+    broke = first_break(steps)
     held = [s for s in steps if holds(s) and (broke is None or s.step < broke.step)]
     knee = knee_of(held)
     best: float = 0
@@ -511,7 +526,7 @@ def _tails(cap: Capacity) -> str:
     out = ""
     if cap.contradicted:
         a, b = cap.contradicted[0]
-        out += f"; {at(a)} broke the SLO and {at(b)} held it, each measured again: the server's speed varied"
+        out += f"; {at(a)} broke the SLO and {at(b)} held it even when measured again: they differ within the noise"
     stalled = [s for s in cap.steps if s.stalls_s]
     if stalled:
         worst = max(max(s.stalls_s) for s in stalled)
@@ -557,7 +572,9 @@ def _line(target: str, cap: Capacity) -> str:
             line += f"; at {at(broke.step)}, {broke.problem}"
         return line + tail
     if broke is not None and value == 0:
-        return f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}: {broke.problem}" + tail
+        return (
+            f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}{unsure}: {broke.problem}" + tail
+        )
     if broke is not None:
         if cap.low is None and unit != RATE_UNIT and broke.step - value > 1:
             unsure = f" (the capacity lies between {at(value)} and {at(broke.step - 1)}: not refined)"

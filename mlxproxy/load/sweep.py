@@ -23,7 +23,9 @@ from mlxproxy.load.capacity import (
     MIN_STEP_REQUESTS,
     RATE_UNIT,
     Step,
+    certainly_breaks,
     contradictions,
+    first_break,
     holds,
     knee_of,
     step_figures,
@@ -137,7 +139,13 @@ class _Search:
         while True:
             await self.measure(n)
             await self.settle()
-            if stop_reason([s for s in self.sorted_done() if s.step <= n]) or n >= MAX_AUTO_CONCURRENCY:
+            below = [s for s in self.sorted_done() if s.step <= n]
+            why = stop_reason(below)
+            # a break still within the noise after measuring it again does not end the doubling:
+            # the next step tells where the SLO certainly breaks (the interval's top)
+            if why == "slo" and not certainly_breaks(below[-1]) and self.in_budget():
+                why = None
+            if why or n >= MAX_AUTO_CONCURRENCY:
                 break
             n *= 2
         while refine and self.in_budget() and (bounds := refine_bounds(self.sorted_done())) is not None:
@@ -251,16 +259,19 @@ def _span(timed: Timed) -> float:
 def refine_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
     """(last good, first bad) steps still more than one apart, or None: nothing to refine.
     Good: judged, held the SLO, throughput still rising; bad: the first step past it that
-    broke the SLO, added no throughput or was too small to judge. Steps too small to judge
+    broke the SLO (`first_break`), added no throughput or was too small to judge. Steps too small to judge
     before the first judged one are passed over (a sessions sweep's first steps send few
     requests)."""
     ordered = sorted(steps, key=lambda s: s.step)
+    broke = first_break(ordered)
     good: Step | None = None
     for i, s in enumerate(ordered):
         if good is None and s.too_small:
             continue
-        if not holds(s):
+        if s is broke or (not holds(s) and (broke is None or s.step > broke.step or s.too_small)):
             break
+        if not holds(s):  # a break within the noise that a heavier step's certain hold contradicts
+            continue
         if knee_of([x for x in ordered[: i + 1] if holds(x)]) is not None:
             break
         good = s
