@@ -35,7 +35,7 @@ from mlxproxy.load.report import aggregate_tps, mark_speeds, range_text, summari
 from mlxproxy.load.results import AnomalyCount, FailedRequest, Group, GroupKind, JSONObject, JSONValue, Summary, Wave
 from mlxproxy.load.shapes import ClosedLoop, OpenLoop, Sweep, SweptShape, Waves
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
 from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
 
 __all__ = [
@@ -83,6 +83,9 @@ class BenchOptions:
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    step_time: float = DEFAULT_STEP_MIN_S  # a sweep step sends its mix again until it ran this long (--step-time)
+    runs: int = 1  # the whole sweep search this many times (--runs)
+    max_connections: int | None = None  # per target and process (--max-connections; None: the default)
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Workers = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
@@ -176,8 +179,9 @@ async def bench_one(
     the requests finished so far are in `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
     async with MeasuringClient(
-        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s
-    ) as client:
+        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s,
+        max_connections=opts.max_connections,
+    ) as client:  # fmt: skip
         probes = await _prepare(client, res, opts)
         if probes is None:
             return res
@@ -277,7 +281,8 @@ class _BenchRun:
             await _measure_waves(self.client, self.res, opts, self.bsize, self.waves, self.params, tick)
         if opts.sweep:
             step = closed_loop_step(self.client, lambda n: self.requests(n, "sweep"), 1, opts.repeat, opts.workers)
-            await self.sweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s), step, tick)
+            shape_c = Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s, opts.step_time, opts.runs)
+            await self.sweep(shape_c, step, tick)
         if opts.rate_steps:
             step_r = open_loop_step(self.client, lambda n: self.requests(n, "rate"), opts.requests, opts.workers)
             shape = Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)

@@ -115,6 +115,8 @@ class Step:
     stalls_s: tuple[float, ...] = ()
     #: the SLO's thresholds the step was judged on
     slo_thresholds: Mapping[str, float] = field(default_factory=dict)
+    #: measured several times, the measurements (each judged alone) disagreed
+    split: bool = False
 
     @property
     def certain(self) -> bool:
@@ -124,6 +126,8 @@ class Step:
             return False
         if self.errors:
             return True
+        if self.split:
+            return False
         if not self.slo_met:
             return any(_beyond(b.key, self.intervals.get(b.key), b.threshold, broke=True) for b in self.breaches or ())
         return all(_beyond(k, self.intervals.get(k), t, broke=False) for k, t in self.slo_thresholds.items())
@@ -155,6 +159,7 @@ class Step:
             "intervals": {k: list(v) for k, v in self.intervals.items()},
             "certain": self.certain,
             "stalls_s": list(self.stalls_s),
+            "split": self.split,
         }
 
 
@@ -243,6 +248,15 @@ def step_figures(g: Group) -> Step:
             intervals[key] = ci
     agg, agg_ci = _aggregate(g, ok)
     stalls = g.params.get("stalls_s")
+    met, problem, split = None if slo is None else slo.met, step_problem(s), False
+    votes, problems = g.params.get("verdicts"), g.params.get("problems")
+    if met is not None and isinstance(votes, list) and len(votes) > 1 and not (slo and slo.errors):
+        yes = sum(1 for v in votes if v is True)
+        split = 0 < yes < len(votes)
+        if 2 * yes != len(votes):  # the majority of the measurements, each judged alone (a tie: all together)
+            met = 2 * yes > len(votes)
+        if not met and not problem and isinstance(problems, list):
+            problem = next((str(p) for v, p in zip(votes, problems) if v is False and p), "")
     return Step(
         _step_value(g),
         len(recs),
@@ -257,9 +271,9 @@ def step_figures(g: Group) -> Step:
         agg,
         anomalies,
         s.goodput,
-        None if slo is None else slo.met,
+        met,
         None if slo is None else slo.breaches,
-        step_problem(s),
+        problem,
         g.params.get("unit") == RATE_UNIT,
         warmup=sum(1 for r in g.records if is_warmup(r)),
         measured=int(g.param("measured") or 1),
@@ -267,6 +281,7 @@ def step_figures(g: Group) -> Step:
         intervals=intervals,
         stalls_s=tuple(float(x) for x in stalls if isinstance(x, (int, float))) if isinstance(stalls, list) else (),
         slo_thresholds=thresholds,
+        split=split,
     )
 
 
@@ -582,6 +597,14 @@ def _line(target: str, cap: Capacity) -> str:
     return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}{unsure}" + tail
 
 
+def _answer(target: str, cap: Capacity) -> str:
+    """`s: 4 (3-5)`: the capacity and its interval, short (a plot's note)."""
+    at = _at_rate if cap.unit == RATE_UNIT else _at
+    span = "" if cap.low is None or cap.high is None or cap.low == cap.high else f" ({at(cap.low)}-{at(cap.high)})"
+    runs = f", {len(cap.runs)} runs {at(min(cap.runs))}-{at(max(cap.runs))}" if len(cap.runs) > 1 else ""
+    return f"{target}: {at(cap.value)}{span}{runs}"
+
+
 def _ci(s: Step) -> str:
     ci = s.aggregate_tps_ci
     return "" if ci is None else f" [{ci[0]:.0f}-{ci[1]:.0f}]"
@@ -634,7 +657,7 @@ def sweep_charts(groups: Sequence[Group]) -> list[Chart]:
             ttft,
             integer_x=unit != RATE_UNIT,
             hlines=lines("ttft", 1.0),
-            note="dashed: the SLO's thresholds",
+            note="dashed: the SLO's thresholds; capacity " + "; ".join(_answer(t, c) for t, c in caps.items()),
         ),
         Chart(
             f"TPOT by {by} (p50, p95)",

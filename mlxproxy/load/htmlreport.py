@@ -133,8 +133,9 @@ def _capacity(docs: Docs, name: Namer) -> list[str]:
     if not caps:
         return []
     out = [
-        '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
-        "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>"
+        '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step that met the SLO, below '
+        "the first that broke it and not past where aggregate tok/s stopped rising; in parentheses, where the "
+        "noise leaves it</p><table><tr><th>target</th><th>verdict</th></tr>"
     ]
     out += [
         f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'

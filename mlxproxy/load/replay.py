@@ -59,7 +59,7 @@ from mlxproxy.load.shapes import (
     Waves,
 )
 from mlxproxy.load.slo import DEFAULT_SLO, parse_slo
-from mlxproxy.load.sweep import DEFAULT_BUDGET_S, StepRun
+from mlxproxy.load.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
 from mlxproxy.load.workers import ONE_PROCESS, Workers, closed_loop_step, open_loop_step, run_shape, workers_section
 from mlxproxy.load.workers import run_sessions as sessions_on
 
@@ -91,6 +91,9 @@ class ReplayOptions:
         None  # sessions mode: seconds between a response's end and the next turn (None: captured)
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
+    runs: int = 1  # the whole sweep search this many times (--runs)
+    max_connections: int | None = None  # per target and process (--max-connections; None: the default)
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Workers = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
 
@@ -497,7 +500,7 @@ class _ReplayRun:
         steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
         if opts.mode == "rate":
             open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-            shape = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget)
+            shape = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget, opts.step_time, opts.runs)
             step = open_loop_step(self.client, cycle, len(reps), opts.workers)
             await sweep(shape, step, arrival=opts.arrival, seed=opts.seed, ramp_s=opts.ramp_s)
         elif opts.mode == "sessions":
@@ -508,10 +511,10 @@ class _ReplayRun:
                 timed, where, _ = await run_sessions(self.client, mix, opts, k, k * convs * opts.repeat)
                 return timed, where
 
-            await sweep(Sweep(Sessions(1), steps, refine, budget), sessions_step, think_time=opts.think_time)
+            await sweep(Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs), sessions_step, think_time=opts.think_time)
         else:
             await sweep(
-                Sweep(ClosedLoop(1), steps, refine, budget),
+                Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs),
                 closed_loop_step(self.client, copies, len(reps), 1, opts.workers),
             )
 
@@ -562,8 +565,9 @@ async def run_replay(
     _mode_name(opts)  # an unknown mode fails before anything is sent
     n = len(caps) * opts.repeat
     async with MeasuringClient(
-        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
-    ) as client:
+        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s,
+        max_connections=opts.max_connections,
+    ) as client:  # fmt: skip
         if opts.warmup:
             await Sequential().run(client, [prepare(c, opts) for c in caps[: opts.warmup]])
         measured_from = len(client.finished)

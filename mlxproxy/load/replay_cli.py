@@ -95,6 +95,9 @@ _TESTS = {
     "scaled by the step (at least 3 per stream and 20 in all); --sessions steps replay whole conversations.",
 )
 @shared_option("--sweep-budget")
+@shared_option("--step-time")
+@shared_option("--runs")
+@shared_option("--max-connections")
 @shared_option("--batch", "Implies --mode batch.")
 @shared_option("--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate.")
 @arrival_options
@@ -169,6 +172,9 @@ def replay(
     concurrency: tuple[int, ...] | None,
     sweep: str | None,
     sweep_budget: float,
+    step_time: float,
+    runs: int,
+    max_connections: int | None,
     batch: tuple[int, ...] | None,
     rate: tuple[float, ...] | None,
     arrival: str,
@@ -220,12 +226,14 @@ def replay(
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
         rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
         sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double",
+        refine=sweep != "double", step_time=step_time, runs=runs, max_connections=max_connections,
         workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
+    sent = generation_mix(chosen) if swept else chosen  # a sweep leaves the capture's GET lines out
+    left_out = f"; {len(chosen) - len(sent)} non-generation left out" if len(sent) != len(chosen) else ""
     click.echo(
-        f"replaying {requests_text(len(chosen))} x{repeat} from {capture} against {target_url} ({mode}"
+        f"replaying {requests_text(len(sent))}{left_out} x{repeat} from {capture} against {target_url} ({mode}"
         f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
         err=True,
     )
@@ -384,7 +392,8 @@ def _show(
     """The console tables, the prompt-cache warning and the output files."""
     if any(g.records for g in groups):  # a Ctrl-C before the first result: no empty table, no legend
         print_groups(groups)
-    cached, reported = served_from_cache(r for g in groups for r in g.records)
+    # a replayed conversation's later turns reuse the cache by design (sessions): not warned of
+    cached, reported = served_from_cache(r for g in groups for r in g.records if r.session is None)
     if cached:
         _warn(
             f"{cached} of {reported} replayed requests were served mostly from the prompt cache "

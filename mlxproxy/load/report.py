@@ -438,7 +438,7 @@ def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     return [
         Section("Sweep (one load test per step):", rows, None, legend),
         Section(
-            "Capacity (the largest step up to which every step met the SLO):",
+            "Capacity (and the limit it met first; in parentheses, where the noise leaves it):",
             [],
             None,
             "",

@@ -37,7 +37,8 @@ from mlxproxy.load.client import Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
 from mlxproxy.load.results import Group, JSONObject, RunRecord, SessionTurn
-from mlxproxy.load.slo import judge
+from mlxproxy.load.slo import judge, step_problem
+from mlxproxy.load.stalls import Stall, StallWatch
 
 __all__ = [
     "DEFAULT_BUDGET_S",
@@ -122,6 +123,7 @@ class _Search:
         self.done: dict[float, Step] = {}
         self.groups: dict[float, Group] = {}
         self.rounds: dict[float, list[_Round]] = {}
+        self.votes: dict[float, list[tuple[bool, str]]] = {}  # each measurement's own verdict and problem
 
     def in_budget(self) -> bool:
         return time.monotonic() - self.t0 < self.budget_s
@@ -165,6 +167,8 @@ class _Search:
         for s in steps:
             if s.measured == 1 and s.slo_met is False and not s.errors and not s.too_small and not s.certain:
                 return s.step
+            if s.split and s.measured < MAX_MEASURES:  # two measurements disagree: a third decides
+                return s.step
         held = [s for s in steps if holds(s)]
         knee = knee_of(held)
         if knee is not None:
@@ -184,19 +188,18 @@ class _Search:
         over `STALL_S` is dropped and taken again (once; a second stall is kept and reported)."""
         if self.progress is not None:
             self.progress.phase(f"sweep {self.who}: {step_label(n, self.unit)}" + (" (again)" if again else ""))
-        stalls: list[float] = []
+        stalls: list[Stall] = []
         for attempt in range(2):
             rounds, stalls = await self._rounds(n)
             if not stalls or attempt:
                 break
             if self.say:
-                self.say(
-                    f"sweep {self.who}: {step_label(n, self.unit)}: the load generator stalled for"
-                    f" {max(stalls) * 1000:.0f} ms: measuring it again"
-                )
+                worst = max(stalls, key=lambda x: x.late_s)
+                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: the load generator had a {worst.text()}: measuring it again")
         self.rounds.setdefault(n, []).extend(rounds)
-        measured = int(self.groups[n].param("measured") or 1) + 1 if n in self.groups else 1
-        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, measured, stalls)
+        alone = judge(_rows(rounds), self.slo)
+        self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
+        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, self.votes[n], stalls)
         if n in self.groups:
             self.out[self.out.index(self.groups[n])] = g
         else:
@@ -206,9 +209,9 @@ class _Search:
         if self.say:
             self.say(_step_line(self.who, self.unit, self.done[n]))
 
-    async def _rounds(self, n: float) -> tuple[list[_Round], list[float]]:
+    async def _rounds(self, n: float) -> tuple[list[_Round], list[Stall]]:
         rounds: list[_Round] = []
-        watch = _StallWatch()
+        watch = StallWatch(STALL_S)
         task = asyncio.ensure_future(watch.run())
         try:
             t0 = time.monotonic()
@@ -221,23 +224,7 @@ class _Search:
                     break
         finally:
             task.cancel()
-        return rounds, [x for x in watch.stalls if x > STALL_S]
-
-
-class _StallWatch:
-    """The load generator's event-loop stalls: how late a 10 ms timer fires, each time."""
-
-    def __init__(self) -> None:
-        self.stalls: list[float] = []
-
-    async def run(self) -> None:
-        tick = 0.01
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(tick)
-            late = time.perf_counter() - t - tick
-            if late > STALL_S:
-                self.stalls.append(late)
+        return rounds, watch.stalls
 
 
 def _warm(timed: Timed, n: float, unit: str) -> frozenset[str]:
@@ -291,32 +278,30 @@ def _step_group(
     target: str,
     params: JSONObject,
     unit: str,
-    measured: int = 1,
-    stalls: Sequence[float] = (),
+    votes: Sequence[tuple[bool, str]] = ((True, ""),),
+    stalls: Sequence[Stall] = (),
 ) -> Group:
     """The group of one step: the records of every round of every measurement (each round's
-    warm-up marked), judged together; `span_s` is the rounds' wall time, `measured` how many
-    times the step was measured, `stalls_s` the generator's stalls over `STALL_S` kept."""
-    records: list[RunRecord] = []
+    warm-up marked), judged together; `span_s` is the rounds' wall time, `votes` each
+    measurement's own verdict and problem (`measured` their number; with several, the step's
+    verdict is their majority), `stalls_s` the generator's stalls over `STALL_S` kept."""
+    records = _rows(rounds)
     every: list[Record] = []
     lags: list[float] = []
-    sessions = 0  # a later measurement's conversations are numbered after the earlier ones'
-    for timed, where, _, warm in rounds:
-        rows = timed.rows(where)
-        for r in rows:
-            if r.session is not None and sessions:
-                r = replace(r, session=r.session + sessions)
-            records.append(replace(r, extra={**r.extra, "warmup": True}) if r.id in warm else r)
-        sessions = max((r.session + 1 for r in records if r.session is not None), default=0)
+    for timed, *_ in rounds:
         every += timed.records
         lags += timed.lag_s
     label = {"streams": "concurrency", RATE_UNIT: "rate"}.get(unit, unit)
     key = "rate" if unit == RATE_UNIT else "concurrency"
     summary = summarize_records(every, lag_s=lags or None, send_times=[r.t_start_mono for r in every] if lags else None)
     summary = rounds[-1][0].annotate(summary) if rounds else summary
-    extra: JSONObject = {"measured": measured, "span_s": sum(r[2] for r in rounds)}
+    extra: JSONObject = {"measured": len(votes), "span_s": sum(r[2] for r in rounds)}
+    if len(votes) > 1:
+        extra["verdicts"] = [v for v, _ in votes]
+        extra["problems"] = [p for _, p in votes]
     if stalls:
-        extra["stalls_s"] = [round(x, 4) for x in stalls]
+        extra["stalls_s"] = [round(x.late_s, 4) for x in stalls]
+        extra["stall_causes"] = [x.cause for x in stalls]
     return Group(
         f"sweep {n:g}" + (f" (run {params['run']})" if "run" in params else ""),
         target,
@@ -326,6 +311,20 @@ def _step_group(
         summary.judged(judge(records, slo)),
         tuple(records),
     )
+
+
+def _rows(rounds: Sequence[_Round]) -> list[RunRecord]:
+    """The rows of `rounds`, each round's warm-up marked (`"warmup": true`), a later round's
+    conversations numbered after the earlier ones'."""
+    records: list[RunRecord] = []
+    sessions = 0
+    for timed, where, _, warm in rounds:
+        for r in timed.rows(where):
+            if r.session is not None and sessions:
+                r = replace(r, session=r.session + sessions)
+            records.append(replace(r, extra={**r.extra, "warmup": True}) if r.id in warm else r)
+        sessions = max((r.session + 1 for r in records if r.session is not None), default=0)
+    return records
 
 
 def _step_line(target: str, unit: str, st: Step) -> str:

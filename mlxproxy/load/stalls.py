@@ -1,0 +1,96 @@
+"""The load generator's own event-loop stalls, and what caused each.
+
+A stall is a tick of a 10 ms timer that fired late by more than a threshold. While a stall lasts,
+every response the generator is reading waits too: its TTFT and E2E grow by the stall, not by
+anything the server did. Each stall is put down to one cause:
+
+- `gc`: the cyclic garbage collector ran for most of it (`gc.callbacks` time each collection);
+- `no-cpu`: the process got little CPU during it (`time.process_time` advanced by under a third
+  of the stall): the operating system ran other work, the host is busy or the process was
+  stopped; nothing in the generator can fix that, only a quieter host or a core of its own;
+- `callbacks`: the process was busy in its own code for most of it (a long callback: parsing,
+  finishing records, logging...).
+
+Used by the sweep (`mlxproxy.load.sweep`: a step that stalled is measured again) and by
+`benchmarks/generator.py --stalls`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Stall", "StallWatch", "TICK_S"]
+
+#: the watch's timer period
+TICK_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stall: when it ended (`perf_counter`), how late the tick was, what ran meanwhile."""
+
+    at: float
+    late_s: float
+    cpu_s: float  # this process's CPU time over the tick
+    gc_s: float  # time in the cyclic collector over the tick
+    gc_generations: tuple[int, ...]
+
+    @property
+    def cause(self) -> str:
+        if self.gc_s >= 0.5 * self.late_s:
+            return "gc"
+        if self.cpu_s < self.late_s / 3:
+            return "no-cpu"
+        return "callbacks"
+
+    def text(self) -> str:
+        gens = ",".join(str(g) for g in self.gc_generations)
+        extra = {
+            "gc": f"the garbage collector ran {self.gc_s * 1000:.0f} ms (generation {gens})",
+            "no-cpu": f"the process got {self.cpu_s * 1000:.0f} ms of CPU: the host ran other work",
+            "callbacks": f"the generator's own code ran {self.cpu_s * 1000:.0f} ms"
+            + (f" (gc {self.gc_s * 1000:.0f} ms)" if self.gc_s else ""),
+        }[self.cause]
+        return f"{self.late_s * 1000:.0f} ms stall: {self.cause}: {extra}"
+
+
+class StallWatch:
+    """Watches this process's event loop while `run()` is awaited (cancel it to stop): every tick
+    later than `threshold_s` is kept in `stalls`, with its cause."""
+
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self.stalls: list[Stall] = []
+        self.lags: list[float] = []  # every tick's lateness (seconds)
+        self._gc: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        t = time.perf_counter()
+        if phase == "start":
+            self._gc_start = t
+        else:
+            self._gc.append((self._gc_start, t, int(info.get("generation", -1))))
+            if len(self._gc) > 4096:
+                del self._gc[:2048]
+
+    async def run(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        try:
+            while True:
+                t0, c0 = time.perf_counter(), time.process_time()
+                await asyncio.sleep(TICK_S)
+                t1, c1 = time.perf_counter(), time.process_time()
+                late = max(0.0, t1 - t0 - TICK_S)
+                self.lags.append(late)
+                if late > self.threshold_s:
+                    spans = [(max(a, t0), min(b, t1), g) for a, b, g in self._gc if b > t0 and a < t1]
+                    self.stalls.append(
+                        Stall(t1, late, c1 - c0, sum(b - a for a, b, _ in spans), tuple(sorted({g for *_, g in spans})))
+                    )
+        finally:
+            gc.callbacks.remove(self._on_gc)
