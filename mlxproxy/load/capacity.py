@@ -587,13 +587,14 @@ def _line(target: str, cap: Capacity) -> str:
             line += f"; at {at(broke.step)}, {broke.problem}"
         return line + tail
     if broke is not None and value == 0:
-        return (
-            f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}{unsure}: {broke.problem}" + tail
-        )
+        return f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}{unsure}: {broke.problem}" + tail
     if broke is not None:
         if cap.low is None and unit != RATE_UNIT and broke.step - value > 1:
             unsure = f" (the capacity lies between {at(value)} and {at(broke.step - 1)}: not refined)"
-        return f"{target}: meets the SLO up to {step_label(value, unit)}{unsure}; at {at(broke.step)}, {broke.problem}" + tail
+        return (
+            f"{target}: meets the SLO up to {step_label(value, unit)}{unsure}; at {at(broke.step)}, {broke.problem}"
+            + tail
+        )
     return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}{unsure}" + tail
 
 

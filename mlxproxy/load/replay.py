@@ -511,7 +511,11 @@ class _ReplayRun:
                 timed, where, _ = await run_sessions(self.client, mix, opts, k, k * convs * opts.repeat)
                 return timed, where
 
-            await sweep(Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs), sessions_step, think_time=opts.think_time)
+            await sweep(
+                Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs),
+                sessions_step,
+                think_time=opts.think_time,
+            )
         else:
             await sweep(
                 Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs),

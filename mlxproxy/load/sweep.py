@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 
+from mlxproxy.core.record import Record
 from mlxproxy.load.capacity import (
     MAX_AUTO_CONCURRENCY,
     MIN_PER_STREAM,
@@ -32,11 +33,10 @@ from mlxproxy.load.capacity import (
     step_label,
     stop_reason,
 )
-from mlxproxy.core.record import Record
 from mlxproxy.load.client import Timed
 from mlxproxy.load.progress import Progress
 from mlxproxy.load.report import summarize_records
-from mlxproxy.load.results import Group, JSONObject, RunRecord, SessionTurn
+from mlxproxy.load.results import Group, JSONObject, JSONValue, RunRecord, SessionTurn
 from mlxproxy.load.slo import judge, step_problem
 from mlxproxy.load.stalls import Stall, StallWatch
 
@@ -195,7 +195,9 @@ class _Search:
                 break
             if self.say:
                 worst = max(stalls, key=lambda x: x.late_s)
-                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: the load generator had a {worst.text()}: measuring it again")
+                self.say(
+                    f"sweep {self.who}: {step_label(n, self.unit)}: the load generator had a {worst.text()}: measuring it again"
+                )
         self.rounds.setdefault(n, []).extend(rounds)
         alone = judge(_rows(rounds), self.slo)
         self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
@@ -295,7 +297,7 @@ def _step_group(
     key = "rate" if unit == RATE_UNIT else "concurrency"
     summary = summarize_records(every, lag_s=lags or None, send_times=[r.t_start_mono for r in every] if lags else None)
     summary = rounds[-1][0].annotate(summary) if rounds else summary
-    extra: JSONObject = {"measured": len(votes), "span_s": sum(r[2] for r in rounds)}
+    extra: dict[str, JSONValue] = {"measured": len(votes), "span_s": sum(r[2] for r in rounds)}
     if len(votes) > 1:
         extra["verdicts"] = [v for v, _ in votes]
         extra["problems"] = [p for _, p in votes]

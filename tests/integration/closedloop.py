@@ -42,14 +42,17 @@ def _prompt(words: int) -> str:
     return f"{nonce} " + " ".join(f"item{(i * 7919) % 1000} {nonce[i % 12]}" for i in range(words))
 
 
-def one_request(url: str, words: int, max_tokens: int) -> tuple[float, float, int]:
-    """(TTFT, E2E, output tokens) of one streamed chat request."""
+def one_request(
+    url: str, words: int, max_tokens: int, messages: list[dict[str, str]] | None = None
+) -> tuple[float, float, int]:
+    """(TTFT, E2E, output tokens) of one streamed chat request (`messages`, or one user message
+    of `words` fresh words)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     body = json.dumps(
         {
             "model": "default_model",
-            "messages": [{"role": "user", "content": _prompt(words)}],
+            "messages": messages or [{"role": "user", "content": _prompt(words)}],
             "max_tokens": max_tokens,
             "stream": True,
         }
@@ -89,7 +92,7 @@ def step(url: str, streams: int, words: int, max_tokens: int) -> Step:
                 if i:
                     with lock:
                         got.append(r)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(streams)]
@@ -104,17 +107,91 @@ def step(url: str, streams: int, words: int, max_tokens: int) -> Step:
     return Step(streams, _p95(ttfts), agg, len(got))
 
 
-def capacity(url: str, slo_ttft_p95_s: float, words: int, max_tokens: int, most: int = 16) -> tuple[int, list[Step]]:
-    """The most streams, counting up from 1, whose TTFT p95 met the SLO before the first that broke it."""
+def _search(measure, slo_s: float, start: int, most: int) -> tuple[int, list[Step]]:  # type: ignore[no-untyped-def]
+    """The most streams (or sessions) whose TTFT p95 met the SLO, below the first that broke it:
+    from `start` up while steps hold, or, when `start` already breaks, down until one holds (so
+    a scan near an earlier answer takes a few steps, not all of them)."""
     steps: list[Step] = []
-    best = 0
-    for n in range(1, most + 1):
-        s = step(url, n, words, max_tokens)
+    n = max(1, start)
+    s = measure(n)
+    steps.append(s)
+    if s.ttft_p95_s > slo_s:
+        while n > 1:
+            n -= 1
+            s = measure(n)
+            steps.append(s)
+            if s.ttft_p95_s <= slo_s:
+                return n, steps
+        return 0, steps
+    while n < most:
+        s = measure(n + 1)
         steps.append(s)
-        if s.ttft_p95_s > slo_ttft_p95_s:
+        if s.ttft_p95_s > slo_s:
             break
-        best = n
-    return best, steps
+        n += 1
+    return n, steps
+
+
+def capacity(
+    url: str, slo_ttft_p95_s: float, words: int, max_tokens: int, start: int = 1, most: int = 16
+) -> tuple[int, list[Step]]:
+    """The most streams whose TTFT p95 met the SLO before the first that broke it (`_search`)."""
+    return _search(lambda n: step(url, n, words, max_tokens), slo_ttft_p95_s, start, most)
+
+
+def sessions_run(
+    url: str, at_once: int, turns: list[list[dict[str, str]]], think_s: float, max_tokens: int
+) -> list[tuple[float, float, int]]:
+    """`at_once` conversations at once, each its `turns` (the messages of each turn) in order,
+    `think_s` between a turn's end and the next: (TTFT, E2E, tokens) of every turn."""
+    got: list[tuple[float, float, int]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        nonce = os.urandom(6).hex()  # each conversation its own, as the tool's replay does
+        try:
+            for i, msgs in enumerate(turns):
+                if i:
+                    time.sleep(think_s)
+                first = [{**msgs[0], "content": f"[{nonce}] {msgs[0]['content']}"}, *msgs[1:]]
+                r = one_request(url, 0, max_tokens, first)
+                with lock:
+                    got.append(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(at_once)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{at_once} sessions: {errors[0]!r}")
+    return got
+
+
+def sessions_capacity(
+    url: str,
+    slo_ttft_p95_s: float,
+    turns: list[list[dict[str, str]]],
+    think_s: float,
+    max_tokens: int,
+    start: int = 1,
+    most: int = 16,
+) -> tuple[int, list[Step]]:
+    """The most conversations at once, counting up from 1, whose TTFT p95 over every turn met
+    the SLO before the first that broke it (every turn judged: a conversation's first turn, its
+    whole prompt uncached, is part of what an agent sends, as the tool judges it); a step of
+    fewer than `MIN_JUDGED` turns runs its conversations again until it has that many."""
+
+    def measure(n: int) -> Step:
+        got: list[tuple[float, float, int]] = []
+        while len(got) < MIN_JUDGED:
+            got += sessions_run(url, n, turns, think_s, max_tokens)
+        return Step(n, _p95([r[0] for r in got]), n * sum(r[2] for r in got) / sum(r[1] for r in got), len(got))
+
+    return _search(measure, slo_ttft_p95_s, start, most)
 
 
 if __name__ == "__main__":

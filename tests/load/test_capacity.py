@@ -187,7 +187,9 @@ def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_to
     for g in steps:
         n = g["params"]["concurrency"]
         # a step whose break was within the noise is measured again: its records are both measurements'
-        assert len(g["records"]) == 5 * n * g["params"]["measured"] and {r["path"] for r in g["records"]} == {"/v1/chat/completions"}
+        assert len(g["records"]) == 5 * n * g["params"]["measured"] and {r["path"] for r in g["records"]} == {
+            "/v1/chat/completions"
+        }
         for s in {r["session"] for r in g["records"]}:
             turns = sorted((r for r in g["records"] if r["session"] == s), key=lambda r: r["started_at"])
             assert [r["turn"] for r in turns] == list(range(5))  # every turn of every session
@@ -216,7 +218,9 @@ def test_a_sessions_sweep_auto_refines_to_the_engines_truth(tmp_path: Path) -> N
     truth = truth_capacity(get_profile("healthy", **knobs(6)), sorted(ran), lambda c: 5 * c)
     assert cap["max_concurrency"] == truth == 6, (ran, cap)
     assert {1, 2, 4, 8, 7} <= set(ran) and cap["too_small"] == [1, 2] and cap["unit"] == "sessions"
-    assert re.search(r"meets the SLO up to 6 concurrent sessions \([^)]*\); at 7, TTFT p95 is", " ".join(res.stdout.split()))
+    assert re.search(
+        r"meets the SLO up to 6 concurrent sessions \([^)]*\); at 7, TTFT p95 is", " ".join(res.stdout.split())
+    )
 
 
 def test_a_bare_sweep_before_the_capture_leaves_the_capture_an_argument(tmp_path: Path) -> None:

@@ -55,9 +55,20 @@ def closed_loop(p: Profile, streams: int, n_total: int, seed: int) -> list[Recor
                 e2e = ev.t_s - t0
                 out.append(
                     Record(
-                        id=ev.req_id, started_at=1000.0 + t0, upstream="t", model="m", endpoint="chat_completions",
-                        stream=True, status=200, outcome="ok", ttft_s=tf - t0, e2e_s=e2e, duration_s=e2e,
-                        tpot_s=(ev.t_s - tf) / (TOKENS - 1), completion_tokens_reported=TOKENS, t_start_mono=t0,
+                        id=ev.req_id,
+                        started_at=1000.0 + t0,
+                        upstream="t",
+                        model="m",
+                        endpoint="chat_completions",
+                        stream=True,
+                        status=200,
+                        outcome="ok",
+                        ttft_s=tf - t0,
+                        e2e_s=e2e,
+                        duration_s=e2e,
+                        tpot_s=(ev.t_s - tf) / (TOKENS - 1),
+                        completion_tokens_reported=TOKENS,
+                        t_start_mono=t0,
                     )  # fmt: skip
                 )
                 if len(started) < n_total:

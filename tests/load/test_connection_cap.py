@@ -11,14 +11,15 @@ import orjson
 
 from mlxproxy.core.stats import percentile
 from mlxproxy.load.client import MAX_CONNECTIONS, MeasuringClient, PreparedRequest, default_max_connections
-from mlxproxy.load.slo import effective
 from mlxproxy.load.results import RunRecord
+from mlxproxy.load.slo import effective
 
 SERVICE_S = 0.2  # the server answers each request this long after it arrived
 CAP = 8
 SERVED_RATE = CAP / SERVICE_S  # 40 req/s is what the target takes through the cap
 RATE = 3 * SERVED_RATE
 REQUESTS = 120  # 1 s of the open loop; the last ones wait ~2 s for a connection
+
 
 def _chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
     choice = {"index": 0, "delta": delta, "finish_reason": finish}
