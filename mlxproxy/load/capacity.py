@@ -601,6 +601,8 @@ def _line(target: str, cap: Capacity) -> str:
 def _answer(target: str, cap: Capacity) -> str:
     """`s: 4 (3-5)`: the capacity and its interval, short (a plot's note)."""
     at = _at_rate if cap.unit == RATE_UNIT else _at
+    if cap.limited_by == "too_small":
+        return f"{target}: cannot say"
     span = "" if cap.low is None or cap.high is None or cap.low == cap.high else f" ({at(cap.low)}-{at(cap.high)})"
     runs = f", {len(cap.runs)} runs {at(min(cap.runs))}-{at(max(cap.runs))}" if len(cap.runs) > 1 else ""
     return f"{target}: {at(cap.value)}{span}{runs}"

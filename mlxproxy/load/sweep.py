@@ -144,8 +144,10 @@ class _Search:
             below = [s for s in self.sorted_done() if s.step <= n]
             why = stop_reason(below)
             # a break still within the noise after measuring it again does not end the doubling:
-            # the next step tells where the SLO certainly breaks (the interval's top)
-            if why == "slo" and not certainly_breaks(below[-1]) and self.in_budget():
+            # the next step tells where the SLO certainly breaks (the interval's top); one more
+            # doubling only (the one past it breaks for sure on any server that queues)
+            unsure = [s for s in below if s.slo_met is False and not s.too_small and not certainly_breaks(s)]
+            if why == "slo" and not certainly_breaks(below[-1]) and len(unsure) < 2 and self.in_budget():
                 why = None
             if why or n >= MAX_AUTO_CONCURRENCY:
                 break
