@@ -486,26 +486,28 @@ def _at(v: float) -> str:
 
 
 def _uncertainty(cap: Capacity) -> str:
-    """The capacity's interval in words, e.g. ` (7-9: the 8- and 9-stream steps are within the
-    noise of the SLO)`, where steps were skipped ` (the capacity lies between 4 and 7: not
-    refined)`, ` (beyond the noise)` when both sides were clear; empty for a file without
-    intervals."""
+    """The capacity's interval in words, said after the verdict: `; beyond the noise` when the
+    steps on both sides were clear of it, `; the capacity lies between 6 and 7: the 7-stream step
+    is within the noise of the SLO`, `; the capacity lies between 4 and 7: not refined` where
+    steps were skipped (whatever stopped the search), `; the data cannot decide: ...` when no
+    step held beyond the noise; empty for a file without intervals."""
     low, high, value, unit = cap.low, cap.high, cap.value, cap.unit
     if low is None or high is None:
         return ""
     at = _at_rate if unit == RATE_UNIT else _at
     measured = {s.step for s in cap.steps if not s.too_small}
     if low == high:
-        return " (beyond the noise)"
+        return "; beyond the noise"
     noisy = sorted(s.step for s in cap.steps if not s.too_small and low < s.step <= high and not s.certain)
     if cap.knee is None and value in measured and not by_value(cap).certain:
         noisy = sorted({*noisy, value})
     skipped = unit != RATE_UNIT and any(v not in measured for v in range(int(low) + 1, int(high) + 1))
     if low == 0:
         first = min(measured, default=high)
-        return f" (the data cannot decide: even the {_kind(first, unit)} step is within the noise of the SLO)"
-    if skipped and not noisy:
-        return f" (the capacity lies between {at(low)} and {at(high)}: not refined)"
+        return (
+            f"; the data cannot decide: even the {_kind(first, unit)} step is within the noise of the SLO"
+            f" (the capacity lies between 0 and {at(high)})"
+        )
     why = []
     if noisy:
         names = " and ".join(", ".join(_kind(v, unit, bare=True) for v in noisy).rsplit(", ", 1))
@@ -513,7 +515,7 @@ def _uncertainty(cap: Capacity) -> str:
         why.append(f"the {names}{tail} step{'s are' if len(noisy) > 1 else ' is'} within the noise of the SLO")
     if skipped:
         why.append("not refined")
-    return f" ({at(low)}-{at(high)}: {'; '.join(why)})"
+    return f"; the capacity lies between {at(low)} and {at(high)}: {'; '.join(why)}"
 
 
 def by_value(cap: Capacity) -> Step:
@@ -579,23 +581,23 @@ def _line(target: str, cap: Capacity) -> str:
         later = [s for s in steps if holds(s) and s.step > knee.step]
         flat = max(later, key=lambda s: s.step)
         line = (
-            f"{target}: capacity {step_label(value, unit)}{unsure}, where aggregate tok/s stopped rising"
+            f"{target}: capacity {step_label(value, unit)}, where aggregate tok/s stopped rising"
             f" ({knee.aggregate_tps or 0.0:.0f} tok/s{_ci(knee)}; {flat.aggregate_tps or 0.0:.0f}{_ci(flat)} at"
             f" {at(flat.step)}, where the SLO still held: more load only queues)"
         )
         if broke is not None:
             line += f"; at {at(broke.step)}, {broke.problem}"
-        return line + tail
+        return line + unsure + tail
     if broke is not None and value == 0:
-        return f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}{unsure}: {broke.problem}" + tail
+        return (
+            f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}: {broke.problem}" + unsure + tail
+        )
     if broke is not None:
         if cap.low is None and unit != RATE_UNIT and broke.step - value > 1:
             unsure = f" (the capacity lies between {at(value)} and {at(broke.step - 1)}: not refined)"
-        return (
-            f"{target}: meets the SLO up to {step_label(value, unit)}{unsure}; at {at(broke.step)}, {broke.problem}"
-            + tail
-        )
-    return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}{unsure}" + tail
+        line = f"{target}: meets the SLO up to {step_label(value, unit)}; at {at(broke.step)}, {broke.problem}"
+        return line + unsure + tail
+    return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}" + unsure + tail
 
 
 def _answer(target: str, cap: Capacity) -> str:

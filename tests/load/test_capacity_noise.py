@@ -123,7 +123,7 @@ def test_without_jitter_the_answer_is_the_batch_limit_and_held_beyond_the_noise(
     can reach under the SLO, so the top of the answer's interval is 6 or 7, never more."""
     cap = capacity_of(sweep(profile(0.0), 0))["t"]
     assert cap.value == cap.low == MAX_BATCH and cap.high in (6, 7), capacity_line("t", cap)
-    assert capacity_line("t", cap).startswith("t: meets the SLO up to 6 concurrent streams (")
+    assert capacity_line("t", cap).startswith("t: meets the SLO up to 6 concurrent streams; at 7, TTFT p95 is")
 
 
 def test_when_the_noise_swamps_the_slo_the_verdict_says_the_data_cannot_decide() -> None:
