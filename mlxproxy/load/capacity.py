@@ -226,7 +226,7 @@ def step_figures(g: Group) -> Step:
     generation requests past the warm-up, with open-loop latencies counted from each request's
     due time, and their 95 % intervals (seeded: the same records give the same intervals)."""
     recs = judged(g.records)
-    ok = [r for r in recs if succeeded(r)]
+    ok = sorted((r for r in recs if succeeded(r)), key=lambda r: r.record.started_at)  # sent order: blocks
 
     def values(name: str) -> list[float]:
         return [x for r in ok if (x := effective(r, name)) is not None]
@@ -301,7 +301,9 @@ def _aggregate(g: Group, ok: Sequence[RunRecord]) -> tuple[float | None, Interva
     if unit == "streams" and g.param("measured") is not None:
         scale = _step_value(g)
     elif span:
-        every = [r for r in g.records if succeeded(r) and r.record.duration_s]
+        every = sorted(
+            (r for r in g.records if succeeded(r) and r.record.duration_s), key=lambda r: r.record.started_at
+        )
         toks = [float(r.record.n_out or 0) for r in every]
         walls = [float(r.record.duration_s or 0.0) for r in every]
         busy = sum(walls)

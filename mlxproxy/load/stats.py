@@ -1,4 +1,5 @@
-"""Confidence intervals for a sweep step's figures: percentile bootstrap over its requests.
+"""Confidence intervals for a sweep step's figures: percentile bootstrap over its requests,
+in blocks of consecutive requests (a busy host slows everything in flight at once).
 
 Pure functions with a seeded generator: the same requests give the same interval, so a result
 file read again is judged the same. A step's p95 TTFT is the 95th percentile of a few dozen
@@ -16,9 +17,11 @@ from collections.abc import Callable, Sequence
 from mlxproxy.core.stats import percentile
 
 __all__ = [
+    "BLOCKS",
     "BOOTSTRAP_RESAMPLES",
     "CONFIDENCE",
     "Interval",
+    "blocks_of",
     "bootstrap",
     "percentile_interval",
     "ratio_interval",
@@ -29,6 +32,8 @@ __all__ = [
 BOOTSTRAP_RESAMPLES = 400
 #: the intervals' level
 CONFIDENCE = 0.95
+#: runs of consecutive requests a block bootstrap draws (a step's few seconds cut in this many)
+BLOCKS = 8
 
 #: (low, high)
 Interval = tuple[float, float]
@@ -64,19 +69,42 @@ def bootstrap(
     return (lo, hi)
 
 
-def percentile_interval(values: Sequence[float], q: float, *, seed: int = 0) -> Interval | None:
-    """The interval of the `q`th percentile of `values`."""
+def blocks_of(n: int, count: int = BLOCKS) -> list[list[int]]:
+    """Indices 0..n-1 (items in time order) cut into `count` runs of consecutive items (fewer
+    when there are fewer than 2 items a block): the units a block bootstrap draws."""
+    k = max(1, min(count, n // 2))
+    return [list(range(i * n // k, (i + 1) * n // k)) for i in range(k)]
+
+
+def _block_stat(
+    blocks: list[list[int]], stat: Callable[[list[int]], float | None]
+) -> Callable[[list[int]], float | None]:
+    """`stat` over the items of the drawn blocks (`bootstrap` draws block numbers)."""
+    return lambda drawn: stat([i for b in drawn for i in blocks[b]])
+
+
+def percentile_interval(values: Sequence[float], q: float, *, seed: int = 0, blocks: int = BLOCKS) -> Interval | None:
+    """The interval of the `q`th percentile of `values` (in the order they were sent): a block
+    bootstrap over `blocks` runs of consecutive requests, so a slow few seconds on a busy host,
+    which slows every request in flight at once, widens the interval as it should (requests
+    sent together are not independent draws); `blocks=0`: each request its own block."""
     xs = list(values)
 
     def stat(ix: list[int]) -> float | None:
         return percentile(sorted(xs[i] for i in ix), q)
 
-    return bootstrap(len(xs), stat, seed=seed)
+    if not blocks:
+        return bootstrap(len(xs), stat, seed=seed)
+    runs = blocks_of(len(xs), blocks)
+    return bootstrap(len(runs), _block_stat(runs, stat), seed=seed) if len(xs) >= 2 else None
 
 
-def ratio_interval(num: Sequence[float], den: Sequence[float], scale: float, *, seed: int = 0) -> Interval | None:
-    """The interval of `scale * sum(num) / sum(den)` over paired items (a step's aggregate
-    tok/s: each request's output tokens over its wall time, times the streams busy on average)."""
+def ratio_interval(
+    num: Sequence[float], den: Sequence[float], scale: float, *, seed: int = 0, blocks: int = BLOCKS
+) -> Interval | None:
+    """The interval of `scale * sum(num) / sum(den)` over paired items in the order they were
+    sent (a step's aggregate tok/s: each request's output tokens over its wall time, times the
+    streams busy on average), a block bootstrap as `percentile_interval`'s."""
     if len(num) != len(den):
         raise ValueError("num and den must pair up")
 
@@ -84,4 +112,7 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], scale: float, *, 
         d = sum(den[i] for i in ix)
         return scale * sum(num[i] for i in ix) / d if d > 0 else None
 
-    return bootstrap(len(num), stat, seed=seed)
+    if not blocks:
+        return bootstrap(len(num), stat, seed=seed)
+    runs = blocks_of(len(num), blocks)
+    return bootstrap(len(runs), _block_stat(runs, stat), seed=seed) if len(num) >= 2 else None

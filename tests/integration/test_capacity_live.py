@@ -56,7 +56,8 @@ def _tool(args: list[str], out: Path) -> dict:
     )
     assert res.returncode == 0, res.stderr[-2000:]
     cap = next(iter(json.loads(out.read_text())["capacity"].values()))
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("s: ")), "")
+    verdict = res.stdout.split("\nCapacity (", 1)[-1].split("\n", 1)[-1]  # the verdict, wrapped to 100 columns
+    line = " ".join(verdict.split("\ns: ")[0].split())
     return {"value": cap["max_concurrency"], "interval": cap.get("interval"), "line": line, "cap": cap}
 
 
