@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -79,6 +80,17 @@ def one_request(
     return (ttft if ttft is not None else e2e), e2e, tokens
 
 
+def _together(run: Callable[[], None], n: int, errors: list[BaseException], what: str) -> None:
+    """`run` in `n` threads at once, to their end; the first error raised again."""
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{n} {what}: {errors[0]!r}")
+
+
 def step(url: str, streams: int, words: int, max_tokens: int) -> Step:
     per_stream = 1 + math.ceil(MIN_JUDGED / streams)  # the first of each stream is the warm-up
     got: list[tuple[float, float, int]] = []
@@ -95,13 +107,7 @@ def step(url: str, streams: int, words: int, max_tokens: int) -> Step:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{streams} streams: {errors[0]!r}")
+    _together(run, streams, errors, "streams")
     ttfts = [r[0] for r in got]
     agg = streams * sum(r[2] for r in got) / sum(r[1] for r in got)
     return Step(streams, _p95(ttfts), agg, len(got))
@@ -161,13 +167,7 @@ def sessions_run(
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(at_once)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{at_once} sessions: {errors[0]!r}")
+    _together(run, at_once, errors, "sessions")
     return got
 
 

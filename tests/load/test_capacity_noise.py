@@ -15,8 +15,8 @@ from mlxproxy.load.capacity import capacity_line, capacity_of
 from mlxproxy.load.client import Timed
 from mlxproxy.load.results import Group
 from mlxproxy.load.sweep import mix_copies, run_sweep
-from mlxproxy.sim.engine import Engine, Finish, Token
 from mlxproxy.sim.profiles import Profile, get_profile
+from support import engine_closed_loop
 
 MAX_BATCH = 6
 TOKENS = 40  # 0.8 s at 50 tok/s: a stream past the batch waits about that long for a slot
@@ -32,47 +32,27 @@ def profile(jitter_s: float) -> Profile:
 
 def closed_loop(p: Profile, streams: int, n_total: int, seed: int) -> list[Record]:
     """`n_total` requests from `streams` closed-loop streams, as records, in scripted time."""
-    eng = Engine(p, seed)
-    started: dict[str, float] = {}
-    first: dict[str, float] = {}
-    out: list[Record] = []
-
-    def issue(t: float) -> None:
-        rid = f"s{seed}-{len(started)}"
-        eng.admit(rid, t, 50, TOKENS)
-        started[rid] = t
-
-    for _ in range(min(streams, n_total)):
-        issue(0.0)
-    while len(out) < n_total:
-        t = eng.next_event_time()
-        assert t is not None
-        for ev in eng.advance(t):
-            if isinstance(ev, Token) and ev.index == 0:
-                first[ev.req_id] = ev.t_s
-            elif isinstance(ev, Finish):
-                t0, tf = started[ev.req_id], first[ev.req_id]
-                e2e = ev.t_s - t0
-                out.append(
-                    Record(
-                        id=ev.req_id,
-                        started_at=1000.0 + t0,
-                        upstream="t",
-                        model="m",
-                        endpoint="chat_completions",
-                        stream=True,
-                        status=200,
-                        outcome="ok",
-                        ttft_s=tf - t0,
-                        e2e_s=e2e,
-                        duration_s=e2e,
-                        tpot_s=(ev.t_s - tf) / (TOKENS - 1),
-                        completion_tokens_reported=TOKENS,
-                        t_start_mono=t0,
-                    )  # fmt: skip
-                )
-                if len(started) < n_total:
-                    issue(ev.t_s)
+    out = []
+    for i, r in enumerate(engine_closed_loop(p, streams, n_total, 50, TOKENS, seed)):
+        e2e = r.finished - r.started
+        out.append(
+            Record(
+                id=f"s{seed}-{i}",
+                started_at=1000.0 + r.started,
+                upstream="t",
+                model="m",
+                endpoint="chat_completions",
+                stream=True,
+                status=200,
+                outcome="ok",
+                ttft_s=r.first_token - r.started,
+                e2e_s=e2e,
+                duration_s=e2e,
+                tpot_s=(r.finished - r.first_token) / (TOKENS - 1),
+                completion_tokens_reported=TOKENS,
+                t_start_mono=r.started,
+            )  # fmt: skip
+        )
     return out
 
 
