@@ -350,20 +350,20 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
             notes.append(note)
     for target in dict.fromkeys(g.target for g in groups):
         mine = [g for g in groups if g.target == target]
-        total = sum(g.summary.requests for g in mine)
         kinds: dict[str, dict[str, Any]] = {}
         errors: Counter[str] = Counter()
         for g in mine:
             for kind, a in g.summary.anomalies.items():
-                k = kinds.setdefault(kind, {"count": 0, "evidence": a.evidence, "groups": []})
+                k = kinds.setdefault(kind, {"count": 0, "evidence": a.evidence, "groups": [], "of": 0})
                 k["count"] += a.count
+                k["of"] += g.summary.requests  # out of the tests it was found in, not the whole run
                 k["groups"].append(g.mode)
             errors.update({k: v for k, v in g.summary.outcomes.items() if k not in OK_OUTCOMES})
         if errors:
             notes.append(f"{target}: failed requests: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}")
         for kind, k in sorted(kinds.items()):
             notes.append(
-                f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}"
+                f"{target}: {kind} in {k['count']} of {k['of']} requests ({', '.join(k['groups'])}): {k['evidence']}"
             )
     for target, v in (verdicts or {}).items():
         notes.append(f"verdict {target}: {v}")
