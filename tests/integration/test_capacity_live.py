@@ -57,7 +57,7 @@ def _tool(args: list[str], out: Path) -> dict:
     assert res.returncode == 0, res.stderr[-2000:]
     cap = next(iter(json.loads(out.read_text())["capacity"].values()))
     verdict = res.stdout.split("\nCapacity (", 1)[-1].split("\n", 1)[-1]  # the verdict, wrapped to 100 columns
-    line = " ".join(verdict.split("\ns: ")[0].split())
+    line = " ".join(verdict.split("\n\n")[0].split("\ns: ")[0].split())
     return {"value": cap["max_concurrency"], "interval": cap.get("interval"), "line": line, "cap": cap}
 
 
