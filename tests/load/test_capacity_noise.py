@@ -116,3 +116,25 @@ def test_when_the_noise_swamps_the_slo_the_verdict_says_the_data_cannot_decide()
         assert cap.low is not None and cap.high is not None and cap.low <= cap.value <= cap.high
         said += "the data cannot decide" in line or (cap.high - cap.low >= 2 and "within the noise" in line)
     assert said >= 4
+
+
+def test_runs_repeat_the_whole_search_and_the_verdict_gives_each_answer_and_the_spread() -> None:
+    p = profile(JITTER_S)
+    calls = 0
+
+    async def step(n: float) -> tuple[Timed, dict[str, object]]:
+        nonlocal calls
+        calls += 1
+        return Timed(records=closed_loop(p, int(n), mix_copies(int(n), 1, 3), 7000 + calls)), {}
+
+    out: list[Group] = []
+    asyncio.run(run_sweep(step, [], dict(SLO), target="t", params={}, out=out, min_s=0.0, runs=3))  # type: ignore[arg-type]
+    assert {g.params["run"] for g in out} == {1, 2, 3}
+    cap = capacity_of(out)["t"]
+    each = [capacity_of([g for g in out if g.params["run"] == r])["t"].value for r in (1, 2, 3)]
+    assert list(cap.runs) == each and cap.value == sorted(each)[1]  # the median run's answer
+    line = capacity_line("t", cap)
+    assert line.endswith(
+        f"; 3 runs: {', '.join(f'{v:g}' for v in each)} (median {sorted(each)[1]:g}, spread {min(each):g}-{max(each):g})"
+    ), line
+    assert cap.to_json()["runs"] == each
