@@ -131,7 +131,11 @@ class _RunHeap:
 
     def __init__(self) -> None:
         self.records = 0
-        self.frozen = False
+        # what was alive before the run (modules, earlier runs' leftovers) out of the full
+        # passes at once: a generation-2 pass over it stalled a 2,000 req/s run for 296 ms
+        # (benchmarks/generator.py --stalls-for)
+        gc.freeze()
+        self.frozen = True
 
     def record_done(self) -> None:
         self.records += 1
@@ -414,6 +418,7 @@ class MeasuringClient:
         """`concurrency` workers, each sending the next request as soon as its last one ended."""
         out = Timed()
         queue = list(reqs)[::-1]
+        heap = _RunHeap()
 
         async def worker() -> None:
             while queue:
@@ -421,10 +426,14 @@ class MeasuringClient:
                 r = await self.send(req)
                 out.records.append(r)
                 out.source_ids[r.id] = req.source_id
+                heap.record_done()
                 if progress:
                     progress()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        try:
+            await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        finally:
+            heap.release()
         return out
 
     async def run_waves(

@@ -52,8 +52,15 @@ class Stall:
         if self.gc_s >= 0.5 * self.late_s:
             return "gc"
         if self.cpu_s < self.late_s / 3:
-            return "no-cpu" if self.preempted else "blocked"
+            # switched out, or asleep in the loop's own poll and woken late: the host was busy
+            return "no-cpu" if self.preempted or self.in_loop else "blocked"
         return "callbacks"
+
+    @property
+    def in_loop(self) -> bool:
+        """The loop's thread was in the event loop's own code, no Python callback on its stack
+        (uvloop's C: polling, the transports' reads and writes, timers)."""
+        return not self.where or self.where.split(" < ")[0] in _LOOP_FRAMES
 
     def text(self) -> str:
         gens = ",".join(str(g) for g in self.gc_generations)
@@ -64,9 +71,15 @@ class Stall:
             "callbacks": f"the generator's own code ran {self.cpu_s * 1000:.0f} ms"
             + (f" (gc {self.gc_s * 1000:.0f} ms)" if self.gc_s else ""),
         }[self.cause]
-        if self.where and self.cause != "no-cpu":
+        if self.cause != "no-cpu" and self.in_loop:
+            extra += ", in the event loop's own code (polling, socket reads and writes, timers)"
+        elif self.where and self.cause != "no-cpu":
             extra += f", in {self.where}"
         return f"{self.late_s * 1000:.0f} ms stall: {self.cause}: {extra}"
+
+
+#: innermost frames that are the event loop itself, not a callback it runs
+_LOOP_FRAMES = frozenset({"runners.py:run", "base_events.py:run_forever", "base_events.py:_run_once"})
 
 
 def _preempted() -> int:
