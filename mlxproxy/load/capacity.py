@@ -499,7 +499,8 @@ def _uncertainty(cap: Capacity) -> str:
     at = _at_rate if unit == RATE_UNIT else _at
     measured = {s.step for s in cap.steps if not s.too_small}
     if low == high:
-        return "; beyond the noise"
+        # past a knee the SLO did not decide; with every step held nothing above was measured
+        return "" if cap.knee is not None or cap.limited_by == "steps" else "; beyond the noise"
     noisy = sorted(s.step for s in cap.steps if not s.too_small and low < s.step <= high and not s.certain)
     if cap.knee is None and value in measured and not by_value(cap).certain:
         noisy = sorted({*noisy, value})
