@@ -138,3 +138,13 @@ def test_runs_repeat_the_whole_search_and_the_verdict_gives_each_answer_and_the_
         f"; 3 runs: {', '.join(f'{v:g}' for v in each)} (median {sorted(each)[1]:g}, spread {min(each):g}-{max(each):g})"
     ), line
     assert cap.to_json()["runs"] == each
+
+
+def test_the_simulators_jitter_is_a_cli_option_and_a_truth_line() -> None:
+    from support import cli
+
+    res = cli("sim", "--max-batch", "6", "--jitter", "0.05", "--seed", "3", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert '"jitter_s": 0.05' in res.stdout and "truth: jitter: each request waits" in res.stdout
+    bad = cli("sim", "--set", "jitter_s=-1", "--dry-run")
+    assert bad.returncode == 2 and "jitter_s" in bad.stderr
