@@ -201,6 +201,7 @@ async def ours(
                 "cause": x.cause,
                 "cpu_ms": x.cpu_s * 1000.0,
                 "gc_ms": x.gc_s * 1000.0,
+                "gc_cpu_ms": x.gc_cpu_s * 1000.0,
                 "text": x.text(),
             }
             for x in watch.stalls

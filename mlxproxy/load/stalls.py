@@ -4,7 +4,8 @@ A stall is a tick of a 10 ms timer that fired late by more than a threshold. Whi
 every response the generator is reading waits too: its TTFT and E2E grow by the stall, not by
 anything the server did. Each stall is put down to one cause:
 
-- `gc`: the cyclic garbage collector ran for most of it (`gc.callbacks` time each collection);
+- `gc`: the cyclic garbage collector ran for most of it, in CPU time (`gc.callbacks` time each
+  collection; a collection the OS switched out midway is the host's, not the collector's);
 - `no-cpu`: the process got little CPU during it (`time.process_time` advanced by under a third
   of the stall) and the operating system switched it out meanwhile (involuntary context
   switches): it ran other work, the host is busy; nothing in the generator can fix that, only a
@@ -45,11 +46,12 @@ class Stall:
     preempted: int  # the process's involuntary context switches over the tick (the OS ran other work)
     gc_s: float  # time in the cyclic collector over the tick
     gc_generations: tuple[int, ...]
+    gc_cpu_s: float = 0.0  # the process's CPU time in the cyclic collector over the tick
     where: str = ""  # the loop thread's code seen most often while it was late (file:function, innermost first)
 
     @property
     def cause(self) -> str:
-        if self.gc_s >= 0.5 * self.late_s:
+        if self.gc_cpu_s >= 0.5 * self.late_s:  # the collector's CPU, not its wall time (it may be switched out)
             return "gc"
         if self.cpu_s < self.late_s / 3:
             # switched out, or asleep in the loop's own poll and woken late: the host was busy
@@ -65,7 +67,8 @@ class Stall:
     def text(self) -> str:
         gens = ",".join(str(g) for g in self.gc_generations)
         extra = {
-            "gc": f"the garbage collector ran {self.gc_s * 1000:.0f} ms (generation {gens})",
+            "gc": f"the garbage collector ran {self.gc_s * 1000:.0f} ms ({self.gc_cpu_s * 1000:.0f} ms of CPU,"
+            f" generation {gens})",
             "no-cpu": f"the process got {self.cpu_s * 1000:.0f} ms of CPU: the host ran other work",
             "blocked": "the loop's thread waited in a blocking call",
             "callbacks": f"the generator's own code ran {self.cpu_s * 1000:.0f} ms"
@@ -102,15 +105,15 @@ class StallWatch:
         self._seen: dict[str, int] = {}
         self.stalls: list[Stall] = []
         self.lags: list[float] = []  # every tick's lateness (seconds)
-        self._gc: list[tuple[float, float, int]] = []  # (start, end, generation)
-        self._gc_start = 0.0
+        self._gc: list[tuple[float, float, int, float]] = []  # (start, end, generation, CPU seconds)
+        self._gc_start = self._gc_cpu = 0.0
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         if phase == "start":
-            self._gc_start = t
+            self._gc_start, self._gc_cpu = t, c
         else:
-            self._gc.append((self._gc_start, t, int(info.get("generation", -1))))
+            self._gc.append((self._gc_start, t, int(info.get("generation", -1)), c - self._gc_cpu))
             if len(self._gc) > 4096:
                 del self._gc[:2048]
 
@@ -145,11 +148,12 @@ class StallWatch:
                 late = max(0.0, t1 - t0 - TICK_S)
                 self.lags.append(late)
                 if late > self.threshold_s:
-                    spans = [(max(a, t0), min(b, t1), g) for a, b, g in self._gc if b > t0 and a < t1]
+                    spans = [(max(a, t0), min(b, t1), g, cpu) for a, b, g, cpu in self._gc if b > t0 and a < t1]
                     where = max(self._seen, key=lambda k: self._seen[k]) if self._seen else ""
-                    gens = tuple(sorted({g for *_, g in spans}))
-                    gc_s = sum(b - a for a, b, _ in spans)
-                    self.stalls.append(Stall(t1, late, c1 - c0, _preempted() - v0, gc_s, gens, where))
+                    gens = tuple(sorted({g for _, _, g, _ in spans}))
+                    gc_s = sum(b - a for a, b, _, _ in spans)
+                    gc_cpu = sum(cpu for *_, cpu in spans)
+                    self.stalls.append(Stall(t1, late, c1 - c0, _preempted() - v0, gc_s, gens, gc_cpu, where))
         finally:
             stop.set()
             gc.callbacks.remove(self._on_gc)
