@@ -24,6 +24,14 @@ machine (it prints the background load it saw):
     .venv/bin/python benchmarks/generator.py            # ~2 minutes
     .venv/bin/python benchmarks/generator.py --quick    # smoke, ~20 s
 
+`--stalls-for SECONDS` (issue 37) alternates the 2,000 req/s non-streamed step and the
+`--streams` step, each `--seconds` long, for that many seconds with the stall watch of
+`mlxproxy.load.run.stalls` on the client's event loop, and prints every stall over `--stall-ms`
+(default 50) with its cause (`gc`, `no-cpu`: the process got no CPU, the host ran other work,
+`callbacks`: the generator's own code), then the count per cause:
+
+    .venv/bin/python benchmarks/generator.py --stalls-for 600 --skip-harness
+
 `--workers N` sends every job from N load processes, as `bench`/`replay --workers N` do
 (`mlxproxy/load/fleet/workers.py`), and prints each worker's lag p99 and CPU share (issue 31's
 targets, with `--workers 2`: 1.6x the one-process non-streamed rate, and `--streams 512` with
@@ -47,6 +55,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PY = sys.executable
 now = time.perf_counter
+#: the stall watch's threshold (--stall-ms)
+STALL_MS = 50.0
 
 
 def _cpu() -> float:
@@ -155,11 +165,18 @@ async def ours(
         PreparedRequest("POST", "/v1/chat/completions", _body(stream, tokens), (("content-type", "application/json"),))
         for _ in range(n)
     ]
+    import asyncio
+
+    from mlxproxy.load.run.stalls import StallWatch
+
+    watch = StallWatch(STALL_MS / 1000.0)
+    task = asyncio.ensure_future(watch.run())
     async with MeasuringClient(url, timeout_s=60.0) as client:
         cpu0, t0 = _cpu(), now()
         shape = OpenLoop(rate, "constant") if rate else ClosedLoop(concurrency)
         timed = await send(shape, Load(reqs), client, fleet=Workers(workers))
         elapsed, cpu = now() - t0, _cpu() - cpu0
+    task.cancel()
     per = list(getattr(timed, "workers", ()))
     if per:  # the workers' own CPU and time (the parent only waits; starting the processes is not sending)
         elapsed, cpu = max(w.wall_s for w in per), sum(w.cpu_s for w in per)
@@ -178,6 +195,18 @@ async def ours(
         "cpu_us_per_request": cpu / n * 1e6 if n else None,
         "cpu_us_per_event": cpu / events * 1e6 if (events := sum(r.generated_events for r in ok)) else None,
         "workers": [{"lag_p99_ms": _ms(w.lag_p99_s), "cpu_share": w.cpu_share, "requests": w.requests} for w in per],
+        "loop_lag_p99_ms": _ms(pct(watch.lags, 99)),
+        "stalls": [
+            {
+                "late_ms": x.late_s * 1000.0,
+                "cause": x.cause,
+                "cpu_ms": x.cpu_s * 1000.0,
+                "gc_ms": x.gc_s * 1000.0,
+                "gc_cpu_ms": x.gc_cpu_s * 1000.0,
+                "text": x.text(),
+            }
+            for x in watch.stalls
+        ],  # fmt: skip
     }
 
 
@@ -209,7 +238,14 @@ def main() -> None:
     )
     ap.add_argument("--skip-harness", action="store_true", help="leave out the overhead harness's comparison jobs")
     ap.add_argument("--parts", default="1,2,3", help="which of the three jobs to run, e.g. 1,2")
+    ap.add_argument("--stalls-for", type=float, default=0.0, help="seconds of the stall hunt (see above); 0: off")
+    ap.add_argument("--stall-ms", type=float, default=50.0, help="a stall: the loop this many ms late")
     args = ap.parse_args()
+    global STALL_MS
+    STALL_MS = args.stall_ms
+    if args.stalls_for:
+        stall_hunt(args.stalls_for, args.seconds, args.streams, args.workers, args.json)
+        return
     rates = [float(x) for x in args.rates.split(",")]
     seconds, streams = args.seconds, args.streams
     if args.quick:
@@ -244,6 +280,55 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def stall_hunt(total_s: float, seconds: float, streams: int, workers: int, json_path: str | None) -> None:
+    """2,000 req/s non-streamed and `streams` streams, `seconds` each, in turn for `total_s`:
+    every event-loop stall of the client over `STALL_MS`, with its cause."""
+    up, port = start_upstream()
+    url = f"http://127.0.0.1:{port}"
+    steps: list[dict[str, Any]] = []
+    busy0, wall0 = _busy(), now()
+    print(f"stall hunt: {total_s:g} s, stalls over {STALL_MS:g} ms; upstream {url}; {os.cpu_count()} cores")
+    try:
+        while now() - wall0 < total_s:
+            for job in ("2000 req/s", f"{streams} streams"):
+                t0, b0 = now(), _busy()
+                if job.endswith("req/s"):
+                    set_rate(port, 0.0)
+                    r = _run(ours(url, rate=2000.0, n=int(2000 * seconds), stream=False, tokens=8, workers=workers))
+                else:
+                    set_rate(port, 100.0)
+                    r = _run(
+                        ours(
+                            url, rate=float(streams), n=int(streams * seconds), stream=True, tokens=100, workers=workers
+                        )
+                    )
+                r["job"], r["at_s"], r["machine_cores"] = job, t0 - wall0, (_busy() - b0) / (now() - t0)
+                steps.append(r)
+                print(
+                    f"{r['at_s']:6.0f} s {job:>12}: {r['ok']}/{r['requests']} ok, schedule lag p99 "
+                    f"{_f(r['lag_p99_ms'], '.2f')} ms, loop lag p99 {_f(r['loop_lag_p99_ms'], '.2f')} ms, "
+                    f"machine {r['machine_cores']:.2f} cores busy, {len(r['stalls'])} stalls"
+                )
+                for x in r["stalls"]:
+                    print(f"           {x['text']}")
+    finally:
+        up.kill()
+        up.wait(5)
+    every = [x for r in steps for x in r["stalls"]]
+    causes: dict[str, int] = {}
+    for x in every:
+        causes[x["cause"]] = causes.get(x["cause"], 0) + 1
+    wall = now() - wall0
+    print(
+        f"\n{len(every)} stalls over {STALL_MS:g} ms in {wall:.0f} s ("
+        + (", ".join(f"{k} {v}" for k, v in sorted(causes.items())) or "none")
+        + f"); the machine's background: {max(0.0, (_busy() - busy0) / wall):.2f} cores busy on average"
+    )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"steps": steps, "causes": causes}, f, indent=2)
 
 
 def _workers_text(r: dict[str, Any]) -> str:

@@ -60,6 +60,12 @@ MEANINGS: dict[str, str] = {
     "given with --concurrency run as given.",
     "--sweep-budget": "SECONDS: a --sweep without given steps starts refining steps only while it has run less "
     "than this long (the verdict says when the answer was left unrefined).",
+    "--step-time": "SECONDS: each closed-loop --sweep step sends its mix again until it has run at least this "
+    "long (each stream's first request of each round is a warm-up: sent, not judged).",
+    "--runs": "N: run the whole --sweep search N times and report every run's capacity, their median and spread.",
+    "--max-connections": "N: at most N connections (so requests in flight) to a target from one load-generator "
+    "process; more wait in the generator, the wait counted in their TTFT and E2E. Default: 1024, or half the "
+    "open-file limit where that is lower.",
     "--rate": "R[,R,...]: open loop: send R requests per second whatever the server does (arrivals spaced by "
     "--arrival); several values are the steps of a sweep.",
     "--arrival": "How --rate's requests are spaced: constant (exactly 1/R apart) or poisson (random gaps of mean "
@@ -355,6 +361,15 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "--sweep-budget": (
         ("--sweep-budget", "sweep_budget"),
         {"type": click.FloatRange(min=0.0), "default": 600.0, "show_default": True, "metavar": "SECONDS"},
+    ),
+    "--step-time": (
+        ("--step-time", "step_time"),
+        {"type": click.FloatRange(min=0.0), "default": 5.0, "show_default": True, "metavar": "SECONDS"},
+    ),
+    "--runs": (("--runs",), {"type": click.IntRange(min=1), "default": 1, "show_default": True, "metavar": "N"}),
+    "--max-connections": (
+        ("--max-connections", "max_connections"),
+        {"type": click.IntRange(min=1), "default": None, "metavar": "N"},
     ),
     "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
     "--workers": (("--workers",), {"type": _Workers(), "default": 1, "show_default": True, "metavar": "N|auto"}),

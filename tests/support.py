@@ -286,13 +286,15 @@ class EngineRequest:
     finished: float
 
 
-def engine_closed_loop(profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int) -> list[EngineRequest]:
+def engine_closed_loop(
+    profile, conc: int, n_total: int, prompt_tokens: int, n_tokens: int, seed: int = 0
+) -> list[EngineRequest]:
     """What a closed loop of `conc` streams sending `n_total` requests gets from the
     simulator's own engine in scripted time (the network's milliseconds are left out), in
-    the order the requests finished."""
+    the order the requests finished; `seed`: the engine's (its jitter)."""
     from mlxproxy.sim.engine import Engine, Finish, Token
 
-    eng = Engine(profile)
+    eng = Engine(profile, seed)
     started: dict[str, float] = {}
     first: dict[str, float] = {}
     out: list[EngineRequest] = []

@@ -337,6 +337,8 @@ NOT_THIRD_PARTY_INTERNALS = {
     "_fields": "namedtuple's public API, likewise (core.meter's Measurement checks its field order)",
     "_read_ready_cb": "asyncio's selector transport, not one of the three libraries (edge/limits.py, "
     "python/cpython#100348, before 3.12)",
+    "_current_frames": "sys._current_frames, documented in the standard library (load/stalls.py samples the "
+    "event loop thread's stack while the loop is late), not one of the three libraries",
 }
 
 

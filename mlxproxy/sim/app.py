@@ -62,7 +62,7 @@ class SimApp:
         self.profile = profile
         self.speed = float(speed)
         self.seed = seed
-        self.engine = Engine(profile)
+        self.engine = Engine(profile, seed)
         self.truths: deque[dict[str, Any]] = deque(maxlen=TRUTH_HISTORY)
         self.clock_paused_s = 0.0  # wall seconds the simulated clock stood still (starved process)
         self._t0: float | None = None

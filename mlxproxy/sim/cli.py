@@ -77,6 +77,11 @@ JSON line, so a test knows the truth it should measure; GET /sim/profile returns
 @click.option("--batch-penalty", type=click.FloatRange(min=0.0), help="Extra step cost per added stream (fraction).")
 @click.option("--max-batch", type=click.IntRange(min=0), help="Most streams decoding at once (0 = no limit).")
 @click.option("--batching", type=click.Choice(["continuous", "serial"]), help="Batching model.")
+@click.option(
+    "--jitter",
+    type=click.FloatRange(min=0.0),
+    help="Mean seconds (simulated) of each request's random wait before the device (exponential; seeded by --seed).",
+)
 @click.option("--set", "sets", multiple=True, metavar="KNOB=VALUE", help="Set any profile knob (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the effective knobs and exit without serving.")
 def sim(
@@ -94,6 +99,7 @@ def sim(
     batch_penalty: float | None,
     max_batch: int | None,
     batching: str | None,
+    jitter: float | None,
     sets: tuple[str, ...],
     dry_run: bool,
 ) -> None:
@@ -108,6 +114,7 @@ def sim(
         "batch_penalty": batch_penalty,
         "max_batch_streams": max_batch,
         "serial": None if batching is None else batching == "serial",
+        "jitter_s": jitter,
     }
     profile = build_profile(profile_name, options, sets)
     sock = None if dry_run else _listen(host, port)  # a taken port is the only line, before the knobs

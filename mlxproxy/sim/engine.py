@@ -25,11 +25,18 @@ Scheduling when the device is free at time t:
 
 A prompt longer than `max_context_tokens` gets `Rejected` instead of `Headers` (at the moment
 its headers would have been sent). All times are simulated seconds (floats).
+
+Jitter (`jitter_s` > 0): each request reaches the device a random while after it arrived,
+exponentially distributed with mean `jitter_s`, drawn from the engine's seeded generator in
+admission order (the same seed and arrivals give the same plan). The wait is the request's
+alone (a busy host, a network): it adds to the request's TTFT and E2E and never occupies the
+device, so what the device can take (a `max_batch_streams` capacity) is unchanged.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -112,6 +119,13 @@ class _Request:
 
 
 @dataclass
+class _Arrive:
+    """A request reaches the device after its jitter."""
+
+    req: _Request
+
+
+@dataclass
 class _WorkDone:
     kind: str  # "prefill" or "step"
     requests: list[_Request] = field(default_factory=list)
@@ -125,8 +139,9 @@ class Engine:
     planned); events of a cancelled request are dropped.
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, seed: int = 0) -> None:
         self.profile = profile
+        self._rng = random.Random(seed)
         self.now_s = 0.0
         self._heap: list[tuple[float, int, object]] = []
         self._seq = 0
@@ -153,6 +168,9 @@ class Engine:
                 return
             self._outbox.append(Headers(req_id, t_s))
         self._live[req_id] = req
+        if self.profile.jitter_s > 0:
+            self._push(t_s + self._rng.expovariate(1.0 / self.profile.jitter_s), _Arrive(req))
+            return
         self._waiting.append(req)
         if not self._busy:
             self._start_work(t_s)
@@ -213,6 +231,10 @@ class Engine:
             elif isinstance(item, PrefillProgress):
                 if item.req_id in self._live:
                     self._outbox.append(item)
+            elif isinstance(item, _Arrive) and not item.req.cancelled:
+                self._waiting.append(item.req)
+                if not self._busy:
+                    self._start_work(when)
         self.now_s = t_s
 
     def _push(self, when: float, item: object) -> None:

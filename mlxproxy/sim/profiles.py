@@ -25,6 +25,9 @@ Timing truths (all in simulated seconds; wall time = simulated time / speed):
   to deal with them, which is what pushes aggregate throughput below 1x.
 - stalls: the step producing token index i (0-based, i >= 1) with i % stall_every_tokens == 0
   takes `stall_s` longer, for every stream in that step (a device-wide pause, like a GC).
+- jitter: each request reaches the device after a random wait of its own, exponential with mean
+  `jitter_s` (seeded by the simulator's `--seed`): TTFT and E2E vary from request to request
+  as on a busy host, while the device's capacity stays what the other knobs say.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Profile:
     superlinear_exponent: float = 2.0
     stall_every_tokens: int | None = None
     stall_s: float = 0.0
+    jitter_s: float = 0.0  # mean of each request's random wait before the device (0: none)
     # Requests and output.
     max_context_tokens: int | None = None
     default_output_tokens: int = 64
@@ -110,7 +114,7 @@ def _validate(p: Profile) -> None:
         value = getattr(p, knob)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise bad(knob, "must be a finite number > 0")
-    for knob in ("batch_penalty", "stall_s"):
+    for knob in ("batch_penalty", "stall_s", "jitter_s"):
         value = getattr(p, knob)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise bad(knob, "must be a finite number >= 0")
@@ -332,6 +336,8 @@ def truth_lines(profile: Profile) -> list[str]:
         lines.append("serial: a request's headers wait until the previous request has finished")
     if p.stall_every_tokens is not None and p.stall_s > 0:
         lines.append(f"stall: +{p.stall_s:g} s before every token index multiple of {p.stall_every_tokens}")
+    if p.jitter_s > 0:
+        lines.append(f"jitter: each request waits an exponential random time, mean {p.jitter_s:g} s, before the device")
     if p.max_context_tokens is not None:
         lines.append(f"prompts over {p.max_context_tokens} tokens get HTTP 400")
     if p.burst_at_end:

@@ -36,7 +36,7 @@ from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
 
 __all__ = [
     "BenchOptions",
@@ -72,6 +72,9 @@ class BenchOptions:
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
+    runs: int = 1  # the whole sweep search this many times (--runs)
+    max_connections: int | None = None  # per target and process (--max-connections; None: the default)
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Fleet = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
@@ -158,8 +161,9 @@ async def bench_one(
     the requests finished so far are in `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
     async with MeasuringClient(
-        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s
-    ) as client:
+        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s,
+        max_connections=opts.max_connections,
+    ) as client:  # fmt: skip
         probes = await _prepare(client, res, opts)
         if probes is None:
             return res
@@ -366,7 +370,9 @@ def bench_tests(opts: BenchOptions, waves: Sequence[int]) -> list[BenchTest]:
     if waves:
         tests.append(WaveRounds(tuple(waves)))
     if opts.sweep:
-        tests.append(StreamsSweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s)))
+        tests.append(
+            StreamsSweep(Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s, opts.step_time, opts.runs))
+        )
     if opts.rate_steps:
         tests.append(RateSweep(Sweep(OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s), opts.rate_steps)))
     elif opts.rate:

@@ -62,6 +62,9 @@ from mlxproxy.vocabulary import (
 @shared_option("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep).")
 @shared_option("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given.")
 @shared_option("--sweep-budget")
+@shared_option("--step-time")
+@shared_option("--runs")
+@shared_option("--max-connections")
 @shared_option(
     "--rate",
     "Adds an open-loop test of --requests requests at the batch tests' prompt size "
@@ -124,6 +127,9 @@ def bench(
     concurrency: tuple[int, ...] | None,
     sweep: str | None,
     sweep_budget: float,
+    step_time: float,
+    runs: int,
+    max_connections: int | None,
     rate: tuple[float, ...] | None,
     arrival: str,
     ramp_s: float,
@@ -161,7 +167,8 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
-    opts = _with_workers(dataclasses.replace(opts, api=api), workers, cluster)
+    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs, max_connections=max_connections)
+    opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
     try:

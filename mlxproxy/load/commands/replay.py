@@ -323,11 +323,13 @@ def chosen_test(opts: ReplayOptions) -> ReplayTest:
     steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
     if opts.sweep and opts.mode == "rate":
         open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-        return RateSweep(name, Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget))
+        return RateSweep(
+            name, Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget, opts.step_time, opts.runs)
+        )
     if opts.sweep and opts.mode == "sessions":
-        return SessionsSweep(name, Sweep(Sessions(1), steps, refine, budget))
+        return SessionsSweep(name, Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs))
     if opts.sweep:
-        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget))
+        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs))
     tests: dict[str, Callable[[], ReplayTest]] = {
         "recorded": lambda: OneShape(name, Recorded(opts.speed)),
         "sequential": lambda: OneShape(name, Sequential()),
@@ -375,8 +377,9 @@ async def run_replay(
     test = chosen_test(opts)  # an unknown mode fails before anything is sent
     n = len(caps) * opts.repeat
     async with MeasuringClient(
-        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s
-    ) as client:
+        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s,
+        max_connections=opts.max_connections,
+    ) as client:  # fmt: skip
         if opts.warmup:
             await send(Sequential(), Load([prepare(c, opts) for c in caps[: opts.warmup]]), client)
         measured_from = len(client.finished)

@@ -96,6 +96,9 @@ _TESTS = {
     "scaled by the step (at least 3 per stream and 20 in all); --sessions steps replay whole conversations.",
 )
 @shared_option("--sweep-budget")
+@shared_option("--step-time")
+@shared_option("--runs")
+@shared_option("--max-connections")
 @shared_option("--batch", "Implies --mode batch.")
 @shared_option("--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate.")
 @arrival_options
@@ -176,6 +179,9 @@ def replay(
     concurrency: tuple[int, ...] | None,
     sweep: str | None,
     sweep_budget: float,
+    step_time: float,
+    runs: int,
+    max_connections: int | None,
     batch: tuple[int, ...] | None,
     rate: tuple[float, ...] | None,
     arrival: str,
@@ -230,15 +236,11 @@ def replay(
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
         rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
         sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double", fix=fix,
+        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, max_connections=max_connections,
         workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
-    click.echo(
-        f"replaying {requests_text(len(chosen))} x{repeat} from {capture} against {target_url} ({mode}"
-        f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
-        err=True,
-    )
+    _say_replaying(chosen, swept, repeat, capture, target_url, mode, nonce)
     groups, interrupted = _run(chosen, target_url, opts, name, api_key, timeout[1] if timeout else 1800.0, compare)
     judge_groups(groups, slo)
     outputs = (json_path, csv_path, md_path, html_path)
@@ -383,6 +385,19 @@ def _chosen(
     return chosen
 
 
+def _say_replaying(
+    chosen: list[CapturedRequest], swept: bool, repeat: int, capture: str, target_url: str, mode: str, nonce: bool
+) -> None:
+    """The one line before the run: what is sent (a sweep leaves the capture's GET lines out), how."""
+    sent = generation_mix(chosen) if swept else chosen
+    left_out = f"; {len(chosen) - len(sent)} non-generation left out" if len(sent) != len(chosen) else ""
+    click.echo(
+        f"replaying {requests_text(len(sent))}{left_out} x{repeat} from {capture} against {target_url} ({mode}"
+        f"{', nonce' if nonce else ', no nonce: captured prompt bytes'})",
+        err=True,
+    )
+
+
 def _show(
     groups: list[Group],
     nonce: bool,
@@ -396,7 +411,8 @@ def _show(
         print_groups(groups)
     for line in fix_report(groups):
         click.echo(line)
-    cached, reported = served_from_cache(r for g in groups for r in g.records)
+    # a replayed conversation's later turns reuse the cache by design (sessions): not warned of
+    cached, reported = served_from_cache(r for g in groups for r in g.records if r.session is None)
     if cached:
         _warn(
             f"{cached} of {reported} replayed requests were served mostly from the prompt cache "

@@ -31,7 +31,7 @@ from mlxproxy.headers import REDACTED
 from mlxproxy.load.commands.common import filler_text
 from mlxproxy.load.run.client import PreparedRequest
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = [
     "ReplayOptions",
@@ -70,6 +70,9 @@ class ReplayOptions:
         None  # sessions mode: seconds between a response's end and the next turn (None: captured)
     )
     budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
+    runs: int = 1  # the whole sweep search this many times (--runs)
+    max_connections: int | None = None  # per target and process (--max-connections; None: the default)
     refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
     fix: bool = False  # sessions mode: each conversation again with the fix applied (commands/fixreplay.py)

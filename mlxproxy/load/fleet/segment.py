@@ -55,19 +55,20 @@ class ClientSpec:
     tag_replay: bool
     keep_text: bool
     prefixes: bool
+    max_connections: int | None = None
 
     @classmethod
     def of(cls, c: MeasuringClient) -> ClientSpec:
         return cls(
             c.base_url, c.name, c.th, c.api_key, c.timeout_s, c.connect_timeout_s, c.tag_replay, c.keep_text,
-            c.prefixes is not None,
+            c.prefixes is not None, c.max_connections,
         )  # fmt: skip
 
     def client(self) -> MeasuringClient:
         c = MeasuringClient(
             self.base_url, name=self.name, thresholds=self.thresholds, api_key=self.api_key,
             timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s, tag_replay=self.tag_replay,
-            keep_text=self.keep_text,
+            keep_text=self.keep_text, max_connections=self.max_connections,
         )  # fmt: skip
         if self.prefixes:
             c.prefixes = PrefixIndex()

@@ -1,4 +1,5 @@
-"""Capacity: what a sweep's judged steps answer, and the one-line verdict.
+"""Capacity: what a sweep's judged steps answer (the verdict's sentence, charts and the result
+file are `mlxproxy.load.judge.verdict`'s).
 
 A sweep runs steps of growing load with the same mix of requests (closed-loop streams, agent
 sessions or open-loop rates), each step judged against the SLO (`mlxproxy.load.judge.slo`). The
@@ -11,27 +12,35 @@ too small to judge: it neither holds nor breaks the SLO, and the verdict says so
 The verdict names the capacity, the step that broke the SLO and the figure that broke it,
 or, where throughput stopped rising, the knee and a later step with their tok/s: never the
 same step twice.
+
+Every step is judged on its steady state: each stream's first request is sent but not judged
+(a warm-up, `warmup` on its record), and each figure has a 95 % bootstrap interval over the
+step's requests (`mlxproxy.load.judge.stats`). A step *certainly* holds (or breaks) the SLO when the
+interval of every judged percentile lies on the same side of its threshold; otherwise the step is
+within the noise. The capacity's interval (`low`, `high`) runs from the largest step that
+certainly held to the step before the first that certainly broke: the verdict gives it, and says
+when the data cannot decide (no step certainly held) or the steps were not refined.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from mlxproxy.load.data.plot import Chart
-from mlxproxy.load.data.results import Group, ResultFile, ResultKind
-from mlxproxy.load.data.summary import Breach, Goodput, JSONObject, JSONValue
+from mlxproxy.load.data.results import Group, RunRecord
+from mlxproxy.load.data.summary import Breach, Goodput, JSONValue
 from mlxproxy.load.judge.slo import (
     MIN_STEP_REQUESTS,
     SLO_METRICS,
     effective,
-    fmt_value,
+    is_warmup,
     judged,
     percentile_of,
     split_key,
     step_problem,
     succeeded,
 )
+from mlxproxy.load.judge.stats import Interval, percentile_interval, ratio_interval
 
 __all__ = [
     "Capacity",
@@ -41,16 +50,15 @@ __all__ = [
     "MIN_STEP_REQUESTS",
     "RATE_UNIT",
     "RISE",
-    "capacity_line",
     "capacity_of",
+    "certainly_breaks",
+    "first_break",
+    "contradictions",
     "holds",
     "knee_of",
-    "result_file",
     "rise_needed",
     "step_figures",
-    "step_label",
     "stop_reason",
-    "sweep_charts",
 ]
 
 MAX_AUTO_CONCURRENCY = 256
@@ -82,6 +90,33 @@ class Step:
     breaches: tuple[Breach, ...] | None = None
     problem: str = ""
     rate: bool = False
+    #: requests sent but not judged (each stream's first)
+    warmup: int = 0
+    #: how many times the step was measured (its records are those of every measurement)
+    measured: int = 1
+    #: 95 % bootstrap intervals: of the aggregate tok/s, and of each SLO key's percentile
+    aggregate_tps_ci: Interval | None = None
+    intervals: Mapping[str, Interval] = field(default_factory=dict)
+    #: event-loop stalls of the load generator over the threshold during the step (seconds each)
+    stalls_s: tuple[float, ...] = ()
+    #: the SLO's thresholds the step was judged on
+    slo_thresholds: Mapping[str, float] = field(default_factory=dict)
+    #: measured several times, the measurements (each judged alone) disagreed
+    split: bool = False
+
+    @property
+    def certain(self) -> bool:
+        """The SLO verdict lies beyond the noise: failed requests, or every judged percentile's
+        interval on the verdict's side of its threshold (a breach's wholly past it)."""
+        if self.too_small or self.slo_met is None:
+            return False
+        if self.errors:
+            return True
+        if self.split:
+            return False
+        if not self.slo_met:
+            return any(_beyond(b.key, self.intervals.get(b.key), b.threshold, broke=True) for b in self.breaches or ())
+        return all(_beyond(k, self.intervals.get(k), t, broke=False) for k, t in self.slo_thresholds.items())
 
     def to_json(self) -> dict[str, JSONValue]:
         """The step as `capacity.steps` holds it (its count under `step` and under `concurrency`
@@ -104,7 +139,26 @@ class Step:
             "slo_met": self.slo_met,
             "breaches": None if self.breaches is None else [b.to_json() for b in self.breaches],
             "problem": self.problem,
+            "warmup": self.warmup,
+            "measured": self.measured,
+            "aggregate_tps_ci": None if self.aggregate_tps_ci is None else list(self.aggregate_tps_ci),
+            "intervals": {k: list(v) for k, v in self.intervals.items()},
+            "certain": self.certain,
+            "stalls_s": list(self.stalls_s),
+            "split": self.split,
         }
+
+
+def _beyond(key: str, ci: Interval | None, threshold: float, *, broke: bool) -> bool:
+    """Whether the interval `ci` of SLO key `key` lies wholly past `threshold` (`broke`) or
+    wholly within it. No interval (fewer than 2 values): not beyond the noise."""
+    if ci is None:
+        return False
+    lower = SLO_METRICS[split_key(key)[0]][2]  # "at least" metrics (decode tok/s)
+    lo, hi = ci
+    if broke:
+        return hi < threshold if lower else lo > threshold
+    return lo >= threshold if lower else hi <= threshold
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +176,13 @@ class Capacity:
     broken_at: float | None = None
     knee: float | None = None
     too_small: tuple[float, ...] = ()
+    #: where the capacity lies given the noise (None: a file written before the intervals)
+    low: float | None = None
+    high: float | None = None
+    #: (lighter, heavier) steps whose verdicts contradicted each other even after measuring again
+    contradicted: tuple[tuple[float, float], ...] = ()
+    #: every run's answer (`--runs`), in run order; () for one run
+    runs: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, JSONValue]:
         out: dict[str, JSONValue] = {
@@ -137,17 +198,27 @@ class Capacity:
             out["knee"] = self.knee
         if self.too_small:
             out["too_small"] = list(self.too_small)
+        if self.low is not None and self.high is not None:
+            out["interval"] = [self.low, self.high]
+        if self.contradicted:
+            out["contradicted"] = [list(p) for p in self.contradicted]
+        if self.runs:
+            out["runs"] = list(self.runs)
         return out
 
 
 def step_figures(g: Group) -> Step:
     """The per-step figures of a judged sweep group (what `capacity.steps` holds), over its
-    generation requests, with open-loop latencies counted from each request's due time."""
+    generation requests past the warm-up, with open-loop latencies counted from each request's
+    due time, and their 95 % intervals (seeded: the same records give the same intervals)."""
     recs = judged(g.records)
-    ok = [r for r in recs if succeeded(r)]
+    ok = sorted((r for r in recs if succeeded(r)), key=lambda r: r.record.started_at)  # sent order: blocks
+
+    def values(name: str) -> list[float]:
+        return [x for r in ok if (x := effective(r, name)) is not None]
 
     def p(name: str, q: float) -> float | None:
-        return percentile_of([x for r in ok if (x := effective(r, name)) is not None], q)
+        return percentile_of(values(name), q)
 
     anomalies: dict[str, int] = {}
     for r in recs:
@@ -155,6 +226,23 @@ def step_figures(g: Group) -> Step:
             anomalies[k] = anomalies.get(k, 0) + 1
     s = g.summary
     slo = s.slo
+    thresholds = {} if slo is None else dict(slo.thresholds)
+    intervals: dict[str, Interval] = {}
+    for key in thresholds:
+        metric, pct = split_key(key)
+        if (ci := percentile_interval(values(SLO_METRICS[metric][0]), pct)) is not None:
+            intervals[key] = ci
+    agg, agg_ci = _aggregate(g, ok)
+    stalls = g.params.get("stalls_s")
+    met, problem, split = None if slo is None else slo.met, step_problem(s), False
+    votes, problems = g.params.get("verdicts"), g.params.get("problems")
+    if met is not None and isinstance(votes, list) and len(votes) > 1 and not (slo and slo.errors):
+        yes = sum(1 for v in votes if v is True)
+        split = 0 < yes < len(votes)
+        if 2 * yes != len(votes):  # the majority of the measurements, each judged alone (a tie: all together)
+            met = 2 * yes > len(votes)
+        if not met and not problem and isinstance(problems, list):
+            problem = next((str(p) for v, p in zip(votes, problems) if v is False and p), "")
     return Step(
         _step_value(g),
         len(recs),
@@ -166,14 +254,49 @@ def step_figures(g: Group) -> Step:
         p("tpot_s", 50),
         p("tpot_s", 95),
         p("decode_tps", 50),
-        s.aggregate_tps,
+        agg,
         anomalies,
         s.goodput,
-        None if slo is None else slo.met,
+        met,
         None if slo is None else slo.breaches,
-        step_problem(s),
+        problem,
         g.params.get("unit") == RATE_UNIT,
+        warmup=sum(1 for r in g.records if is_warmup(r)),
+        measured=int(g.param("measured") or 1),
+        aggregate_tps_ci=agg_ci,
+        intervals=intervals,
+        stalls_s=tuple(float(x) for x in stalls if isinstance(x, (int, float))) if isinstance(stalls, list) else (),
+        slo_thresholds=thresholds,
+        split=split,
     )
+
+
+def _aggregate(g: Group, ok: Sequence[RunRecord]) -> tuple[float | None, Interval | None]:
+    """A step's aggregate tok/s over its steady state, and its interval. A closed loop's
+    streams are never idle, so its aggregate is streams x output tokens / request time over
+    the judged requests (the warm-up and the drain at the end left out); a step of sessions or
+    rates counts every request's tokens over the time the step ran (`span_s`, summed over its
+    measurements). Steps of files written before these keys keep their summary's figure."""
+    toks = [float(r.record.n_out or 0) for r in ok if r.record.duration_s]
+    walls = [float(r.record.duration_s or 0.0) for r in ok if r.record.duration_s]
+    span = g.param("span_s")
+    unit = g.params.get("unit", "streams")
+    busy = sum(walls)
+    if not toks or busy <= 0:
+        return g.summary.aggregate_tps, None
+    if unit == "streams" and g.param("measured") is not None:
+        scale = _step_value(g)
+    elif span:
+        every = sorted(
+            (r for r in g.records if succeeded(r) and r.record.duration_s), key=lambda r: r.record.started_at
+        )
+        toks = [float(r.record.n_out or 0) for r in every]
+        walls = [float(r.record.duration_s or 0.0) for r in every]
+        busy = sum(walls)
+        scale = busy / span
+    else:
+        return g.summary.aggregate_tps, None
+    return scale * sum(toks) / busy, ratio_interval(toks, walls, scale)
 
 
 def rise_needed(lower: float, upper: float) -> float:
@@ -192,15 +315,46 @@ def holds(s: Step) -> bool:
 
 def knee_of(held: Sequence[Step]) -> Step | None:
     """The step after which aggregate tok/s stopped rising, among `held` (in step order), or
-    None when it rose at every step: the last step that rose by `rise_needed` over the best
-    step before it."""
+    None when it rose at every step: the last step whose throughput may still have risen by
+    `rise_needed` over the best step before it. A step's tok/s is judged on its interval: it
+    stopped rising only when even the top of its interval falls short (a step without an
+    interval, from an earlier file, on its figure)."""
     if not held:
         return None
     best = held[0]
     for s in held[1:]:
-        if (s.aggregate_tps or 0.0) >= rise_needed(best.step, s.step) * (best.aggregate_tps or 0.0):
+        top = s.aggregate_tps_ci[1] if s.aggregate_tps_ci is not None else (s.aggregate_tps or 0.0)
+        if top >= rise_needed(best.step, s.step) * (best.aggregate_tps or 0.0):
             best = s
     return None if best is held[-1] else best
+
+
+def first_break(steps: Sequence[Step]) -> Step | None:
+    """The first judged step (in step order) that broke the SLO, passing over a break within the
+    noise that a heavier step's certain hold contradicts (measured again, it still could not be
+    trusted; the heavier step could)."""
+    ordered = sorted(steps, key=lambda s: s.step)
+    sure = [s.step for s in ordered if holds(s) and s.certain]
+    return next(
+        (s for s in ordered if not s.too_small and not s.slo_met and (s.certain or not any(h > s.step for h in sure))),
+        None,
+    )
+
+
+def certainly_breaks(s: Step) -> bool:
+    """The step broke the SLO beyond the noise (or had failed requests)."""
+    return not s.too_small and s.slo_met is False and s.certain
+
+
+def contradictions(steps: Sequence[Step]) -> list[tuple[Step, Step]]:
+    """Pairs (lighter, heavier) of judged steps whose verdicts contradict: the lighter broke
+    the SLO, the heavier held it (more load cannot make a server meet its SLO better)."""
+    ordered = [s for s in sorted(steps, key=lambda s: s.step) if not s.too_small]
+    out = []
+    for i, a in enumerate(ordered):
+        if a.slo_met is False and not a.errors:
+            out += [(a, b) for b in ordered[i + 1 :] if holds(b)]
+    return out
 
 
 def stop_reason(steps: Sequence[Step]) -> str | None:
@@ -222,34 +376,79 @@ def capacity_of(groups: Sequence[Group]) -> dict[str, Capacity]:
     the first judged step that broke the SLO; `knee`: where throughput stopped rising;
     `limited_by`: `slo` or `errors` (the first step past the capacity broke the SLO / had
     failed requests), `throughput` (aggregate tok/s stopped rising while the SLO still held),
-    `steps` (every step held) or `too_small` (no step was big enough to judge)."""
+    `steps` (every step held) or `too_small` (no step was big enough to judge). With several
+    runs of the whole search (`--runs`, a `run` param on each step), the capacity is the run
+    with the median answer, and `runs` holds every run's."""
     out: dict[str, Capacity] = {}
     sweeps = [g for g in groups if g.kind == "sweep_step" and g.summary.slo is not None]
     for target in dict.fromkeys(g.target for g in sweeps):
-        gs = sorted((g for g in sweeps if g.target == target), key=_step_value)
-        steps = tuple(step_figures(g) for g in gs)
-        broke = next((s for s in steps if not s.too_small and not s.slo_met), None)
-        held = [s for s in steps if holds(s) and (broke is None or s.step < broke.step)]
-        knee = knee_of(held)
-        best: float = 0
-        if knee is not None:
-            best, limited = knee.step, "throughput"
-        elif held:
-            best, limited = held[-1].step, "steps" if broke is None else "errors" if broke.errors else "slo"
-        else:
-            limited = "too_small" if broke is None else "errors" if broke.errors else "slo"
-        verdict = gs[0].summary.slo
-        out[target] = Capacity(
-            best,
-            str(gs[0].params.get("unit", "streams")),
-            {} if verdict is None else verdict.thresholds,
-            limited,
-            steps,
-            None if broke is None else broke.step,
-            None if knee is None else knee.step,
-            tuple(s.step for s in steps if s.too_small),
-        )
+        mine = [g for g in sweeps if g.target == target]
+        by_run: dict[int, list[Group]] = {}
+        for g in mine:
+            by_run.setdefault(int(g.param("run") or 1), []).append(g)
+        caps = [_capacity(gs) for _, gs in sorted(by_run.items())]
+        if len(caps) == 1:
+            out[target] = caps[0]
+            continue
+        values = [c.value for c in caps]
+        mid = sorted(values)[(len(values) - 1) // 2]
+        pick = next(c for c in caps if c.value == mid)
+        out[target] = replace(pick, runs=tuple(values))
     return out
+
+
+def _capacity(groups: Sequence[Group]) -> Capacity:
+    gs = sorted(groups, key=_step_value)
+    steps = tuple(step_figures(g) for g in gs)
+    # the first step that broke the SLO, passing over a break within the noise that a heavier
+    # step's certain hold contradicts (measured again, it still could not be trusted)
+    broke = first_break(steps)
+    held = [s for s in steps if holds(s) and (broke is None or s.step < broke.step)]
+    knee = knee_of(held)
+    best: float = 0
+    if knee is not None:
+        best, limited = knee.step, "throughput"
+    elif held:
+        best, limited = held[-1].step, "steps" if broke is None else "errors" if broke.errors else "slo"
+    else:
+        limited = "too_small" if broke is None else "errors" if broke.errors else "slo"
+    verdict = gs[0].summary.slo
+    low, high = _interval(steps, best, knee)
+    return Capacity(
+        best,
+        str(gs[0].params.get("unit", "streams")),
+        {} if verdict is None else verdict.thresholds,
+        limited,
+        steps,
+        None if broke is None else broke.step,
+        None if knee is None else knee.step,
+        tuple(s.step for s in steps if s.too_small),
+        low=low,
+        high=high,
+        contradicted=tuple((a.step, b.step) for a, b in contradictions(steps)),
+    )
+
+
+def _interval(steps: Sequence[Step], value: float, knee: Step | None) -> tuple[float | None, float | None]:
+    """Where the capacity lies given the noise: from the largest step up to `value` that held
+    the SLO beyond the noise (0: none did) to the step before the first past `value` that
+    broke it beyond the noise (or, past a knee, the step before the next one measured). None,
+    None for steps of files written before the intervals."""
+    if not any(s.intervals or s.errors for s in steps if not s.too_small):
+        return None, None
+    judged_ = [s for s in steps if not s.too_small]
+    low = max((s.step for s in judged_ if holds(s) and s.certain and s.step <= value), default=0.0)
+    if knee is not None:
+        low = value
+    above = [s for s in judged_ if s.step > value]
+    stop = next((s for s in above if knee is not None or certainly_breaks(s)), None)
+    if stop is None:
+        high = max((s.step for s in judged_), default=value)
+    elif stop.rate:
+        high = max((s.step for s in judged_ if s.step < stop.step), default=value)
+    else:
+        high = stop.step - 1
+    return min(low, value), max(high, value)
 
 
 def _step_value(g: Group) -> float:
@@ -258,137 +457,3 @@ def _step_value(g: Group) -> float:
     if value is None:
         raise KeyError(key)
     return value
-
-
-def step_label(n: float, unit: str = "streams") -> str:
-    if unit == RATE_UNIT:
-        return f"{n:g} req/s"
-    return f"{n:g} concurrent {unit[:-1] if n == 1 else unit}"
-
-
-def _at_rate(v: float) -> str:
-    return f"{v:g} req/s"
-
-
-def _at(v: float) -> str:
-    return f"{v:g}"
-
-
-def capacity_line(target: str, cap: Capacity) -> str:
-    """The one-line verdict, e.g. `t: meets the SLO up to 3 concurrent streams; at 4, TTFT p95
-    is 5.2 s (> 3 s)`. Names each step at most once."""
-    steps, unit, value = cap.steps, cap.unit, cap.value
-    by_step = {s.step: s for s in steps}
-    broke = None if cap.broken_at is None else by_step.get(cap.broken_at)
-    at = _at_rate if unit == RATE_UNIT else _at
-    small = [s.step for s in steps if s.too_small]
-    tail = ""
-    if small:
-        tail = (
-            f"; {', '.join(at(v) for v in small)}: too few requests to judge (under {MIN_STEP_REQUESTS}"
-            " generation requests; add --repeat)"
-        )
-    if cap.limited_by == "too_small":
-        return (
-            f"{target}: cannot say: every step was too small to judge ({', '.join(at(v) for v in small)}: under"
-            f" {MIN_STEP_REQUESTS} generation requests each; add --repeat)"
-        )
-    if cap.knee is not None:
-        knee = by_step[cap.knee]
-        later = [s for s in steps if holds(s) and s.step > knee.step]
-        flat = max(later, key=lambda s: s.step)
-        line = (
-            f"{target}: capacity {step_label(value, unit)}, where aggregate tok/s stopped rising"
-            f" ({knee.aggregate_tps or 0.0:.0f} tok/s; {flat.aggregate_tps or 0.0:.0f} at {at(flat.step)},"
-            " where the SLO still held: more load only queues)"
-        )
-        if broke is not None:
-            line += f"; at {at(broke.step)}, {broke.problem}"
-        return line + tail
-    if broke is not None and value == 0:
-        return f"{target}: does not meet the SLO even at {step_label(broke.step, unit)}: {broke.problem}" + tail
-    if broke is not None:
-        line = f"{target}: meets the SLO up to {step_label(value, unit)}; at {at(broke.step)}, {broke.problem}"
-        if unit != RATE_UNIT and broke.step - value > 1:
-            line += f" (the capacity lies between {at(value)} and {at(broke.step - 1)}: not refined)"
-        return line + tail
-    return f"{target}: meets the SLO at every step, up to {step_label(value, unit)}" + tail
-
-
-def sweep_charts(groups: Sequence[Group]) -> list[Chart]:
-    """The plot of a sweep: TTFT and TPOT p50/p95 and aggregate tok/s by concurrency, one
-    line per target and percentile, the SLO's thresholds as dashed lines ([] without a sweep)."""
-    caps = capacity_of(groups)
-    if not caps:
-        return []
-    ttft, tpot, agg = [], [], []
-    for target, cap in caps.items():
-        steps = cap.steps
-        for q in ("p50", "p95"):
-            ttft.append(
-                (f"{target} {q}", [(float(s.step), s.ttft_p50_s if q == "p50" else s.ttft_p95_s) for s in steps])
-            )
-            tpot.append(
-                (
-                    f"{target} {q}",
-                    [
-                        (
-                            float(s.step),
-                            None if (v := s.tpot_p50_s if q == "p50" else s.tpot_p95_s) is None else v * 1000.0,
-                        )
-                        for s in steps
-                    ],
-                )
-            )
-        agg.append((target, [(float(s.step), s.aggregate_tps) for s in steps]))
-    first = next(iter(caps.values()))
-    slo, unit = first.slo, first.unit
-    xl = "requests/s sent (open loop)" if unit == RATE_UNIT else f"concurrent {unit}"
-    by = "rate" if unit == RATE_UNIT else "concurrency"
-
-    def lines(metric: str, scale: float) -> list[tuple[str, float]]:
-        out = []
-        for key, v in slo.items():
-            m, pct = split_key(key)
-            if m in metric.split("|"):
-                out.append((f"SLO {SLO_METRICS[m][3]} p{pct} {fmt_value(v, 's')}", v * scale))
-        return out
-
-    return [
-        Chart(
-            f"TTFT by {by} (p50, p95)",
-            xl,
-            "seconds",
-            ttft,
-            integer_x=unit != RATE_UNIT,
-            hlines=lines("ttft", 1.0),
-            note="dashed: the SLO's thresholds",
-        ),
-        Chart(
-            f"TPOT by {by} (p50, p95)",
-            xl,
-            "milliseconds per token",
-            tpot,
-            integer_x=unit != RATE_UNIT,
-            hlines=lines("tpot|itl", 1000.0),
-        ),
-        Chart(
-            f"Aggregate tokens/s by {by}",
-            xl,
-            "tokens/s (all streams)",
-            agg,
-            integer_x=unit != RATE_UNIT,
-            note="flat or falling: the server is saturated",
-        ),
-    ]
-
-
-def result_file(
-    kind: ResultKind,
-    groups: Sequence[Group],
-    verdicts: Mapping[str, str] | None = None,
-    extra: JSONObject | None = None,
-) -> ResultFile:
-    """The result file of this run, written now by this version, with the sweeps' capacity."""
-    capacity = {t: c.to_json() for t, c in capacity_of(groups).items()}
-    return ResultFile.new(kind, groups, verdicts, {**(extra or {}), **({"capacity": capacity} if capacity else {})})

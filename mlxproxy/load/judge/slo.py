@@ -9,7 +9,8 @@ is not held against it.
 
 Only generation requests are judged (chat and text completions, Messages, Responses): a
 replayed `GET /v1/models` answers in a millisecond with no tokens and says nothing about
-serving. A request sent late by an open loop (`schedule_lag_s` on its record) is judged on
+serving. Nor is a sweep step's warm-up (`is_warmup`: each stream's first request, sent while
+every stream starts at once). A request sent late by an open loop (`schedule_lag_s` on its record) is judged on
 its effective latency: TTFT and E2E from when it was due, not from when it was sent.
 """
 
@@ -42,6 +43,7 @@ __all__ = [
     "succeeded",
     "percentile_of",
     "judge",
+    "is_warmup",
     "judged",
     "request_meets",
     "effective",
@@ -147,10 +149,15 @@ def effective(r: RunRecord, field: str) -> float | None:
     return float(v) + (r.schedule_lag_s or 0.0)
 
 
+def is_warmup(r: RunRecord) -> bool:
+    """A request sent to warm a sweep step up (`"warmup": true` on its row), not judged."""
+    return r.extra.get("warmup") is True
+
+
 def judged(records: Sequence[RunRecord]) -> list[RunRecord]:
     """The records an SLO judges: generation requests only (not `GET /v1/models`; a row
-    without an endpoint counts as one)."""
-    return [r for r in records if r.record.endpoint in GENERATION_ENDPOINTS]
+    without an endpoint counts as one), past a sweep step's warm-up."""
+    return [r for r in records if r.record.endpoint in GENERATION_ENDPOINTS and not is_warmup(r)]
 
 
 def judge(records: Sequence[RunRecord], slo: Mapping[str, float]) -> Judgment:

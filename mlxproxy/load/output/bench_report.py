@@ -13,7 +13,7 @@ from mlxproxy.load.data.arrivals import generator_note
 from mlxproxy.load.data.plot import Chart, svg_charts
 from mlxproxy.load.data.results import Group, ResultFile
 from mlxproxy.load.data.targets import Calibration, Target, TargetResult
-from mlxproxy.load.judge.capacity import result_file, sweep_charts
+from mlxproxy.load.judge.verdict import result_file, sweep_charts
 from mlxproxy.load.output.bench_verdict import headline, headline_notes, smallest_single, verdict
 from mlxproxy.load.output.files import write_csv, write_result, write_text
 from mlxproxy.load.output.htmlreport import render_html
@@ -210,7 +210,6 @@ def _rate_section(results: list[TargetResult]) -> Section | None:
 def _anomaly_notes(r: TargetResult) -> list[str]:
     """One line per anomaly kind of one target, with where it was found and its evidence."""
     per: dict[str, dict[str, Any]] = {}
-    total = sum(g.summary.requests for g in r.groups if g.kind != "single")
     for g in r.groups:
         if g.kind == "single":  # holds every `single N` again
             for kind, a in g.summary.anomalies.items():
@@ -218,15 +217,16 @@ def _anomaly_notes(r: TargetResult) -> list[str]:
                     per.setdefault(kind, {"count": a.count, "evidence": a.evidence, "where": ["single"]})
             continue
         for kind, a in g.summary.anomalies.items():
-            k = per.setdefault(kind, {"count": 0, "evidence": a.evidence, "where": []})
+            k = per.setdefault(kind, {"count": 0, "evidence": a.evidence, "where": [], "of": 0})
             k["count"] += a.count
+            k["of"] += g.summary.requests  # out of the tests it was found in, not the whole run
             k["where"].append(g.name)
     notes = []
     for kind, k in sorted(per.items()):
         where = (
             "across prompt sizes"
             if k["where"] == ["single"]
-            else f"in {k['count']} of {total} requests ({', '.join(k['where'])})"
+            else f"in {k['count']} of {k['of']} requests ({', '.join(k['where'])})"
         )
         notes.append(f"{r.target.name}: {kind} {where}: {' '.join(str(k['evidence']).split())}")
     return notes

@@ -21,7 +21,8 @@ from mlxproxy import __version__
 from mlxproxy.core.record import Record
 from mlxproxy.load.data.plot import Chart, Series, svg_charts
 from mlxproxy.load.data.results import Group, ResultFile
-from mlxproxy.load.judge.capacity import capacity_line, capacity_of, sweep_charts
+from mlxproxy.load.judge.capacity import capacity_of
+from mlxproxy.load.judge.verdict import capacity_line, sweep_charts
 from mlxproxy.load.output.files import measured_requests
 from mlxproxy.load.output.report import SUMMARY_COLUMNS, summary_row
 from mlxproxy.load.output.sessions_view import sessions_html
@@ -129,8 +130,9 @@ def _capacity(docs: Docs, name: Namer) -> list[str]:
     if not caps:
         return []
     out = [
-        '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step up to which every step '
-        "of the sweep met the SLO</p><table><tr><th>target</th><th>verdict</th></tr>"
+        '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step that met the SLO, below '
+        "the first that broke it and not past where aggregate tok/s stopped rising; in parentheses, where the "
+        "noise leaves it</p><table><tr><th>target</th><th>verdict</th></tr>"
     ]
     out += [
         f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'

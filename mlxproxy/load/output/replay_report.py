@@ -10,7 +10,7 @@ import click
 
 from mlxproxy.load.data.plot import svg_charts
 from mlxproxy.load.data.results import CompareRow, Group
-from mlxproxy.load.judge.capacity import result_file, sweep_charts
+from mlxproxy.load.judge.verdict import result_file, sweep_charts
 from mlxproxy.load.output.files import write_csv, write_result, write_text
 from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.report import (

@@ -20,8 +20,9 @@ from mlxproxy.core.stats import percentile, summarize
 from mlxproxy.load.data.arrivals import generator_note, sent_rate
 from mlxproxy.load.data.results import Group, RunRecord
 from mlxproxy.load.data.summary import Goodput, Summary, json_float
-from mlxproxy.load.judge.capacity import capacity_line, capacity_of
+from mlxproxy.load.judge.capacity import capacity_of
 from mlxproxy.load.judge.slo import SLO_METRICS, fmt_value, slo_text, step_problem
+from mlxproxy.load.judge.verdict import capacity_line
 
 __all__ = [
     "aggregate_tps",
@@ -343,20 +344,20 @@ def group_sections(groups: Sequence[Group], verdicts: dict[str, str] | None = No
             notes.append(note)
     for target in dict.fromkeys(g.target for g in groups):
         mine = [g for g in groups if g.target == target]
-        total = sum(g.summary.requests for g in mine)
         kinds: dict[str, dict[str, Any]] = {}
         errors: Counter[str] = Counter()
         for g in mine:
             for kind, a in g.summary.anomalies.items():
-                k = kinds.setdefault(kind, {"count": 0, "evidence": a.evidence, "groups": []})
+                k = kinds.setdefault(kind, {"count": 0, "evidence": a.evidence, "groups": [], "of": 0})
                 k["count"] += a.count
+                k["of"] += g.summary.requests  # out of the tests it was found in, not the whole run
                 k["groups"].append(g.mode)
             errors.update({k: v for k, v in g.summary.outcomes.items() if k not in OK_OUTCOMES})
         if errors:
             notes.append(f"{target}: failed requests: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}")
         for kind, k in sorted(kinds.items()):
             notes.append(
-                f"{target}: {kind} in {k['count']} of {total} requests ({', '.join(k['groups'])}): {k['evidence']}"
+                f"{target}: {kind} in {k['count']} of {k['of']} requests ({', '.join(k['groups'])}): {k['evidence']}"
             )
     for target, v in (verdicts or {}).items():
         notes.append(f"verdict {target}: {v}")
@@ -431,7 +432,7 @@ def sweep_sections(groups: Sequence[Group]) -> list[Section]:
     return [
         Section("Sweep (one load test per step):", rows, None, legend),
         Section(
-            "Capacity (the largest step up to which every step met the SLO):",
+            "Capacity (and the limit it met first; in parentheses, where the noise leaves it):",
             [],
             None,
             "",

@@ -23,7 +23,7 @@ from mlxproxy.load.data.results import RunRecord, SessionTurn
 from mlxproxy.load.data.summary import Summary
 from mlxproxy.load.run.rawhttp import RawPool
 
-__all__ = ["PreparedRequest", "MeasuringClient", "Timed"]
+__all__ = ["MAX_CONNECTIONS", "PreparedRequest", "MeasuringClient", "Timed", "default_max_connections"]
 
 now = time.perf_counter
 
@@ -106,6 +106,23 @@ class Timed:
         ]
 
 
+#: the most connections one process opens to a target by default: an open loop far past what
+#: the server (or the generator) can take queues its late requests here instead of opening one
+#: connection each (thousands: the host's ephemeral ports and file descriptors run out)
+MAX_CONNECTIONS = 1024
+
+
+def default_max_connections() -> int:
+    """`MAX_CONNECTIONS`, or half this process's open-file limit where that is lower."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # (no resource module on Windows)
+        return MAX_CONNECTIONS
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 2))
+
+
 class MeasuringClient:
     """Sends `PreparedRequest`s to one target and returns a checked `Record` for each.
 
@@ -124,8 +141,12 @@ class MeasuringClient:
         connect_timeout_s: float = 10.0,
         tag_replay: bool = True,
         keep_text: bool = False,
+        max_connections: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # requests in flight to this target at once (`--max-connections`); past it they queue in
+        # this process, the wait counted in their TTFT and E2E (they started when they were due)
+        self.max_connections = max_connections or default_max_connections()
         self.name = name
         self.th = thresholds or Thresholds()
         self.api_key = api_key
@@ -146,7 +167,13 @@ class MeasuringClient:
         # arrival, so the client is not what limits a run (benchmarks/README.md, "Is the
         # load generator ever the bottleneck?"). `timeout_s` bounds every wait for bytes,
         # headers included.
-        self._pooled = RawPool(self.base_url, name=name, connect_timeout_s=connect_timeout_s, read_timeout_s=timeout_s)
+        self._pooled = RawPool(
+            self.base_url,
+            name=name,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=timeout_s,
+            max_connections=self.max_connections,
+        )
         # Requests released together must start alike: each on a new connection, never one
         # on a warm keep-alive connection and the other still connecting (a few ms apart,
         # enough for a server to admit the second one into its batch late).
@@ -156,6 +183,7 @@ class MeasuringClient:
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=timeout_s,
             reuse_connections=False,
+            max_connections=self.max_connections,
         )
         # credentials in the URL (user:password@) become Basic auth, as in the proxy
         self._url_auth = self._pooled.auth_header.decode("latin-1") if self._pooled.auth_header else None

@@ -213,6 +213,7 @@ class RawPool:
         connect_timeout_s: float | None = 10.0,
         read_timeout_s: float | None = 1800.0,
         reuse_connections: bool = True,
+        max_connections: int | None = None,
     ) -> None:
         parts = urlsplit(base_url.rstrip("/"))
         self.name = name
@@ -252,6 +253,11 @@ class RawPool:
         self.parser_class = _parser_class()
         self.idle: list[_Conn] = []
         self.open_conns: set[_Conn] = set()
+        # at most this many requests (so connections) at once; the others wait here, inside the
+        # load generator, and the wait counts in their latency (None: no cap)
+        self.max_connections = max_connections
+        self._slots: asyncio.Semaphore | None = None
+        self.queued = 0  # requests waiting for a connection now
         self._ssl: ssl.SSLContext | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -340,6 +346,21 @@ class RawPool:
         data = b"".join(parts)
         if self.invalid is not None:
             raise UpstreamUnreachable(f"upstream '{self.name}' has an invalid URL {self.base}: {self.invalid}")
+        if self.max_connections is None:
+            return await self._send(m, data, sink)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_connections)
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        try:
+            await self._send(m, data, sink)
+        finally:
+            self._slots.release()
+
+    async def _send(self, m: bytes, data: bytes, sink: Sink) -> None:
         conn = await self._acquire()
         try:
             if conn.closed or conn.closing():  # a new connection the server closed at once

@@ -38,7 +38,7 @@ from mlxproxy.load.judge.capacity import RATE_UNIT
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, StepRun, run_sweep
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun, run_sweep
 
 __all__ = [
     "Burst",
@@ -120,7 +120,11 @@ class _RunHeap:
 
     def __init__(self) -> None:
         self.records = 0
-        self.frozen = False
+        # what was alive before the run (modules, earlier runs' leftovers) out of the full
+        # passes at once: a generation-2 pass over it stalled a 2,000 req/s run for 296 ms
+        # (benchmarks/generator.py --stalls-for)
+        gc.freeze()
+        self.frozen = True
 
     def record_done(self) -> None:
         self.records += 1
@@ -132,6 +136,18 @@ class _RunHeap:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
+
+
+#: a due-time run forgets its finished tasks every this many started (see `_pending`)
+_PRUNE_EVERY = 1024
+
+
+def _pending(tasks: list[asyncio.Task[None]]) -> list[asyncio.Task[None]]:
+    """The tasks not done yet; a done one's exception (there is none but a bug) raised here."""
+    for task in tasks:
+        if task.done():
+            task.result()
+    return [t for t in tasks if not t.done()]
 
 
 async def _send_due(client: MeasuringClient, reqs: Sequence[PreparedRequest], t0: float, tick: Tick) -> Timed:
@@ -147,6 +163,7 @@ async def _send_due(client: MeasuringClient, reqs: Sequence[PreparedRequest], t0
         return out
     tasks: list[asyncio.Task[None]] = []
     heap = _RunHeap()
+    prune_at = _PRUNE_EVERY
 
     async def one(req: PreparedRequest, deadline: float) -> None:
         lag = max(0.0, now() - deadline)
@@ -167,7 +184,12 @@ async def _send_due(client: MeasuringClient, reqs: Sequence[PreparedRequest], t0
             while (delay := deadline - now()) > _TIMER_RESOLUTION_S:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one(req, deadline)))
-        await asyncio.gather(*tasks)
+            if len(tasks) >= prune_at:  # (at least as many started since: linear overall)
+                tasks = _pending(tasks)
+                prune_at = max(_PRUNE_EVERY, 2 * len(tasks))
+        # only the requests still in flight: a gather over a whole long run's tasks at its
+        # end held the loop for ~30 ms at 20,000 (benchmarks/generator.py --stalls-for)
+        await asyncio.gather(*_pending(tasks))
     finally:
         for task in tasks:  # cancelled (Ctrl-C, a timeout around the run): no orphans
             task.cancel()
@@ -286,15 +308,20 @@ class ClosedLoop(Shape):
         await _sleep_until(start)
         out = Timed()
         queue = list(load.requests)[::-1]
+        heap = _RunHeap()
 
         async def worker() -> None:
             while queue:
                 req = queue.pop()
                 out.add(await client.send(req), req.source_id)
+                heap.record_done()
                 if tick:
                     tick()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, self.streams))))
+        try:
+            await asyncio.gather(*(worker() for _ in range(max(1, self.streams))))
+        finally:
+            heap.release()
         return out
 
     def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
@@ -414,6 +441,8 @@ class Sweep(Generic[SweptShape]):
     steps: tuple[float, ...] = ()
     refine: bool = True
     budget_s: float = DEFAULT_BUDGET_S
+    min_s: float = DEFAULT_STEP_MIN_S  # a closed-loop step sends its mix again until it ran this long
+    runs: int = 1  # the whole search this many times (--runs)
 
     @property
     def unit(self) -> str:
@@ -442,5 +471,5 @@ class Sweep(Generic[SweptShape]):
 
         await run_sweep(
             at, self.steps, slo, target=target, params=dict(params), out=out, say=say, unit=self.unit,
-            progress=progress, budget_s=self.budget_s, refine=self.refine,
+            progress=progress, budget_s=self.budget_s, refine=self.refine, min_s=self.min_s, runs=self.runs,
         )  # fmt: skip
