@@ -8,17 +8,20 @@ under callgrind against `benchmarks/upstream.py`, warms it up, then counts, with
 counters zeroed before and dumped after each phase:
 
   * 300 sequential non-streaming requests (16 tokens): instructions per request;
-  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream.
+  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream;
+  * the same two (100 and 10) with the agent-shaped body (`bodies.py`: 50 messages, 10 tools,
+    57 kB, the same conversation every time, as an agent's turns repeat their prefix).
 
     python benchmarks/instructions.py [SRC ...]     # default: this repository
 
 SRC is a folder holding an `mlxproxy/` package (e.g. `git archive <commit> mlxproxy | tar -x
--C /tmp/old`). Everything the proxy process does in a phase is counted, its timers included
+-C /tmp/old`), or `floor`: `floor.py`, the same server stack and upstream client forwarding
+bytes with no work of its own, so the figures split into the stack's and the proxy's own. Everything the proxy process does in a phase is counted, its timers included
 (the event-loop lag monitor ticks 20 times a second). Under valgrind a phase lasts ~50 times
 longer than it would natively, so those timers weigh far more per request than they do in a
 real run. A third phase therefore measures the idle process for 2 s, and each figure is also
 printed "net of idle": the phase's count minus the idle rate times the phase's duration.
-Needs valgrind (Debian: `apt-get install valgrind`); takes about a minute per SRC.
+Needs valgrind (Debian: `apt-get install valgrind`); takes a few minutes per SRC.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import glob
 import http.client
-import json
 import os
 import shutil
 import socket
@@ -38,10 +40,20 @@ from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-PROMPT = [{"role": "user", "content": "Say hello."}]
-NON_STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 16}).encode()
-STREAM = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 100, "stream": True}).encode()
-PHASES = (("non-stream request", NON_STREAM, 300), ("stream of 100 events", STREAM, 10))
+sys.path.insert(0, HERE)
+from bodies import chat_body  # noqa: E402
+
+NON_STREAM = chat_body(False, 16)
+STREAM = chat_body(True, 100)
+AGENT_NON_STREAM = chat_body(False, 16, "agent")
+AGENT_STREAM = chat_body(True, 100, "agent")
+FLOOR = "floor"
+PHASES = (
+    ("non-stream request", NON_STREAM, 300),
+    ("stream of 100 events", STREAM, 10),
+    ("agent-shaped non-stream request", AGENT_NON_STREAM, 100),
+    ("agent-shaped stream of 100 events", AGENT_STREAM, 10),
+)
 
 
 def free_port() -> int:
@@ -86,21 +98,13 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
     port = free_port()
     out = os.path.join(workdir, "callgrind.out")
     env = dict(os.environ, PYTHONPATH=src)
-    argv = [
-        "valgrind",
-        "--tool=callgrind",
-        f"--callgrind-out-file={out}",
-        sys.executable,
-        "-m",
-        "mlxproxy",
-        "serve",
-        "--upstream",
-        f"http://127.0.0.1:{up_port}",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
+    if src == FLOOR:  # the stack alone (floor.py): what any proxy built this way costs
+        server = [os.path.join(HERE, "floor.py"), "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port)]
+        env, src = dict(os.environ), HERE
+    else:
+        server = ["-m", "mlxproxy", "serve", "--upstream", f"http://127.0.0.1:{up_port}", "--port", str(port)]
+        server += ["--log-level", "warning"]
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *server]
     with open(os.path.join(workdir, "valgrind.log"), "w") as log:
         proc = subprocess.Popen(argv, env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -108,6 +112,7 @@ def measure(src: str, up_port: int, workdir: str) -> dict[str, float]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         send(conn, NON_STREAM, 40)  # warm-up: imports, caches, the upstream pool
         send(conn, STREAM, 4)
+        send(conn, AGENT_NON_STREAM, 4)
         time.sleep(1.0)  # the finisher drains (not a measurement: the counters are zeroed next)
 
         def phase(work: Callable[[], None]) -> tuple[int, float]:
@@ -141,14 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         description="Instructions per proxied request under callgrind (A/B on a busy machine)."
     )
     ap.add_argument(
-        "src", nargs="*", default=[REPO], help="folders holding an mlxproxy package (default: this repository)"
+        "src",
+        nargs="*",
+        default=[REPO],
+        help=f"folders holding an mlxproxy package (default: this repository), or {FLOOR!r}: the stack alone (floor.py)",
     )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions.py: valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
         return 2
     for src in args.src:
-        if not os.path.isdir(os.path.join(src, "mlxproxy")):
+        if src != FLOOR and not os.path.isdir(os.path.join(src, "mlxproxy")):
             print(f"instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
     up = subprocess.Popen(
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         up_port = int(line.split()[1])
         for src in args.src:
             with tempfile.TemporaryDirectory(prefix="mlxproxy-instr-") as workdir:
-                res = measure(os.path.abspath(src), up_port, workdir)
+                res = measure(src if src == FLOOR else os.path.abspath(src), up_port, workdir)
             figures = ", ".join(f"{name}: {v / 1e6:.3f} M" for name, v in res.items())
             print(f"{src}: instructions per {figures}", flush=True)
     finally:

@@ -37,7 +37,13 @@ def request_bytes(host: str, port: int, path: str, body: bytes, auth: str | None
     ).encode() + body
 
 
-def chat_body(stream: bool, tokens: int) -> bytes:
+def chat_body(stream: bool, tokens: int, shape: str = "small") -> bytes:
+    """The request body: "small" (one short user message) or "agent" (50 messages, 10 tools:
+    `bodies.py`)."""
+    if shape != "small":
+        import bodies
+
+        return bodies.chat_body(stream, tokens, shape)
     obj = {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": tokens}
     if stream:
         obj["stream"] = True
@@ -300,7 +306,11 @@ async def job_seq(job: dict) -> dict:
     host, port = job["host"], job["port"]
     stream = bool(job.get("stream"))
     raw = request_bytes(
-        host, port, job.get("path", "/v1/chat/completions"), chat_body(stream, job.get("tokens", 8)), job.get("auth")
+        host,
+        port,
+        job.get("path", "/v1/chat/completions"),
+        chat_body(stream, job.get("tokens", 8), job.get("shape", "small")),
+        job.get("auth"),
     )
     errors = Errors()
     lat: list[float] = []
@@ -329,7 +339,9 @@ async def job_load(job: dict) -> dict:
     the job waits (bounded) for the ones in flight."""
     host, port = job["host"], job["port"]
     n, tokens = job["streams"], job["tokens"]
-    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens), job.get("auth"))
+    raw = request_bytes(
+        host, port, "/v1/chat/completions", chat_body(True, tokens, job.get("shape", "small")), job.get("auth")
+    )
     t_begin = now()
     w = Window(t_begin + job["warmup_s"], t_begin + job["warmup_s"] + job["window_s"])
     errors = Errors()
@@ -376,7 +388,9 @@ async def job_churn(job: dict) -> dict:
     """`n` short streaming requests with `concurrency` workers (RSS-growth check)."""
     host, port = job["host"], job["port"]
     tokens = job.get("tokens", 8)
-    raw = request_bytes(host, port, "/v1/chat/completions", chat_body(True, tokens), job.get("auth"))
+    raw = request_bytes(
+        host, port, "/v1/chat/completions", chat_body(True, tokens, job.get("shape", "small")), job.get("auth")
+    )
     errors = Errors()
     left = [job["n"]]
     deadline = now() + job.get("max_s", 120)

@@ -679,7 +679,7 @@ class Bench:
         )
 
     def run_job(self, t: Target, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        job = {**job, "host": HOST, "port": t.port, "auth": self.api_key}
+        job = {**job, "host": HOST, "port": t.port, "auth": self.api_key, "shape": self.args.body}
         mine0 = self.our_cpu()
         cpu0, up0, busy0, w0 = t.cpu(), proc_cpu(self.upstream.pid), system_busy_s(), time.monotonic()
         res = self.gens.call(job, timeout_s)
@@ -1334,6 +1334,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the proxy's and floor's server stack: plain = asyncio + h11, fast = uvloop + httptools "
         "(default: the fastest installed; sets MLXPROXY_STACK for them)",
+    )
+    ap.add_argument(
+        "--body",
+        choices=["small", "agent"],
+        default="small",
+        help="request body of every scenario: small (one short message, the default) or agent "
+        "(50 messages and 10 tools, ~57 kB: benchmarks/bodies.py)",
     )
     ap.add_argument("--out", metavar="FILE", help="also write the printed report to FILE")
     ap.add_argument("--json", metavar="FILE", help="write raw per-round results to FILE")

@@ -64,9 +64,10 @@ def main() -> None:
     server; every byte is forwarded unchanged while TTFT, inter-token latency, real
     tokens/s and the truth of the server's `usage` are measured and exported.
     """
-    from mlxproxy.edge.runner import raise_open_files_limit
+    from mlxproxy.edge.runner import quiet_after_interrupt, raise_open_files_limit
 
-    raise_open_files_limit()  # every command opens sockets: one or two per stream in flight
+    raise_open_files_limit()
+    quiet_after_interrupt()  # a second Ctrl-C never cuts short the first one's summary  # every command opens sockets: one or two per stream in flight
 
 
 def _register() -> None:

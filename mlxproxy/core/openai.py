@@ -97,12 +97,23 @@ class RequestInfo:
     max_tokens: int | None = None
     usage_requested: bool = False  # the client itself asked for stream_options.include_usage
     json_body: bool = False  # the body parsed as a JSON object
-    prompt_chars: int | None = None
-    # the function tools the request declared (names and required keys only); None: no tools offered
-    tools: tuple[ToolSpec, ...] | None = None
     # the parsed body of a chat, Messages or Responses request, held only while the request is
     # metered so its prompt can be fingerprinted off the request path (core.analyze); never in a record
     prompt_obj: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # the parsed body, read for `tools` when the request is finished (off the request path)
+    body_obj: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    tools_parsed: tuple[tuple[ToolSpec, ...] | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def tools(self) -> tuple[ToolSpec, ...] | None:
+        """The function tools the request declared (names and required keys only); None: no
+        tools offered. Parsed at the first read (the meter's `finish`, after the response), not
+        while the request is being forwarded."""
+        parsed = self.tools_parsed
+        if parsed is None:
+            parsed = (parse_tools(self.body_obj) if self.body_obj is not None else None,)
+            object.__setattr__(self, "tools_parsed", parsed)
+        return parsed[0]
 
 
 def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
@@ -140,34 +151,11 @@ def parse_request(method: str, path: str, body: bytes) -> tuple[RequestInfo, dic
             max_tokens=max_tokens,
             usage_requested=usage_requested,
             json_body=True,
-            prompt_chars=_prompt_chars(obj),
-            tools=parse_tools(obj),
             prompt_obj=obj if endpoint in CONVERSATION_ENDPOINTS else None,
+            body_obj=obj,
         ),
         obj,
     )
-
-
-def _prompt_chars(obj: dict[str, Any]) -> int | None:
-    msgs = obj.get("messages")
-    if isinstance(msgs, list):
-        total = 0
-        for m in msgs:
-            if isinstance(m, dict):
-                c = m.get("content")
-                if isinstance(c, str):
-                    total += len(c)
-                elif isinstance(c, list):
-                    for part in c:
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            total += len(part["text"])
-        return total
-    prompt = obj.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    return None
 
 
 def inject_include_usage(body: bytes, obj: dict[str, Any]) -> bytes:

@@ -22,9 +22,17 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from mlxproxy.edge.limits import Deadlines, HeadGuard, HeadLimits, drop_transport_cycle, framing_problem
+from mlxproxy.edge.limits import (
+    Acceptor,
+    Deadlines,
+    Descriptors,
+    HeadGuard,
+    HeadLimits,
+    drop_transport_cycle,
+    framing_problem,
+)
 
-__all__ = ["INTERNAL_NAMES", "PRIVATE_NAMES", "TESTED", "missing_internals", "protocol_class"]
+__all__ = ["INTERNAL_NAMES", "PRIVATE_NAMES", "TESTED", "missing_internals", "protocol_class", "serve"]
 
 TESTED = "uvicorn 0.55.0"
 #: class -> private methods used here
@@ -42,14 +50,20 @@ INTERNAL_NAMES: dict[str, tuple[str, ...]] = {
         "handle_websocket_upgrade",
         "connection_made",
         "connection_lost",
+        "on_response_complete",
     ),
     "H11Protocol": ("data_received", "on_response_complete", "send_400_response", "connection_made", "connection_lost"),
+    "Server": ("startup",),
 }
 
 
 def _base_class(name: str) -> type | None:
     """uvicorn's protocol class `name`, or None where its parser is not installed."""
     try:
+        if name == "Server":
+            from uvicorn.server import Server
+
+            return Server
         if name == "H11Protocol":
             from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -64,7 +78,9 @@ def _base_class(name: str) -> type | None:
 def missing_internals(http: str | None = None) -> list[str]:
     """What the installed uvicorn lacks of `PRIVATE_NAMES` and `INTERNAL_NAMES`: for `http`'s
     class ("httptools" or "h11"), or for both (a class whose parser is not installed is skipped)."""
-    names = {"httptools": ["HttpToolsProtocol"], "h11": ["H11Protocol"]}.get(http or "", list(INTERNAL_NAMES))
+    names = {"httptools": ["HttpToolsProtocol", "Server"], "h11": ["H11Protocol", "Server"]}.get(
+        http or "", list(INTERNAL_NAMES)
+    )
     out = []
     for name in names:
         cls = _base_class(name)
@@ -88,6 +104,10 @@ class _Answering(HeadGuard):
             return True
         return False
 
+    def _idle_cycle(self) -> bool:
+        cycle = getattr(self, "cycle", None)
+        return cycle is None or bool(cycle.response_complete)
+
 
 def _fast_class(limits: HeadLimits) -> type:
     import httptools
@@ -95,6 +115,7 @@ def _fast_class(limits: HeadLimits) -> type:
 
     class LimitedHttpToolsProtocol(_Answering, HttpToolsProtocol):
         _deadlines = Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+        _descriptors = Descriptors()
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -104,13 +125,21 @@ def _fast_class(limits: HeadLimits) -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm_head_timer()
+            self._guard_connected()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_head_timer()
+            self._guard_lost()
             super().connection_lost(exc)
 
+        def _sheddable(self) -> bool:
+            return self._awaiting_head and self._idle_cycle()
+
+        def on_response_complete(self) -> None:
+            HttpToolsProtocol.on_response_complete(self)
+            self._idle_since = self.loop.time()
+
         def data_received(self, data: bytes) -> None:
+            self._fresh = False
             self._unset_keepalive_if_required()
             if self._awaiting_head:
                 self._head_bytes += len(data)
@@ -203,6 +232,7 @@ def _plain_class(limits: HeadLimits) -> type:
 
     class LimitedH11Protocol(_Answering, H11Protocol):
         _deadlines = Deadlines(limits.timeout_s) if limits.timeout_s > 0 else None
+        _descriptors = Descriptors()
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -212,14 +242,18 @@ def _plain_class(limits: HeadLimits) -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm_head_timer()
+            self._guard_connected()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_head_timer()
+            self._guard_lost()
             super().connection_lost(exc)
             drop_transport_cycle(self.transport)
 
+        def _sheddable(self) -> bool:
+            return self.conn.their_state is IDLE and self._idle_cycle()
+
         def data_received(self, data: bytes) -> None:
+            self._fresh = False
             if self.conn.their_state is IDLE:
                 self._awaiting_head = True
                 self._head_bytes += len(data)
@@ -229,6 +263,7 @@ def _plain_class(limits: HeadLimits) -> type:
 
         def on_response_complete(self) -> None:
             H11Protocol.on_response_complete(self)
+            self._idle_since = self.loop.time()
             # part of the next request came in the same read as this one (pipelined): it gets
             # the same deadline as a head that arrives on its own
             pending = self.conn.trailing_data[0]
@@ -273,3 +308,32 @@ def protocol_class(http: str, limits: HeadLimits | None = None) -> type:
     if http == "h11":
         return _plain_class(limits)
     raise ValueError(f"unknown HTTP protocol {http!r}")
+
+
+def serve(server: Any, sock: Any) -> Any:
+    """`server.serve(sockets=[sock])` (a `uvicorn.Server`), with the connections accepted by an
+    `Acceptor` that asks the protocol class's `Descriptors` before each one, instead of by the
+    loop's own server (which has no way to hold back at the open-files limit). uvicorn's startup
+    runs without sockets (lifespan, state), then the acceptor joins its `servers`, which its
+    shutdown closes."""
+    import asyncio
+
+    base_startup = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await base_startup(sockets=[])
+        config = server.config
+        cls = config.http_protocol_class
+
+        def factory() -> Any:
+            return cls(config=config, server_state=server.server_state, app_state=server.lifespan.state)
+
+        loop = asyncio.get_running_loop()
+        try:
+            acceptor: Any = Acceptor(loop, sock, factory, getattr(cls, "_descriptors", None))
+        except NotImplementedError:  # a loop without add_reader (Windows' proactor): its own server
+            acceptor = await loop.create_server(factory, sock=sock, backlog=config.backlog)
+        server.servers.append(acceptor)
+
+    server.startup = startup
+    return server.serve(sockets=[sock])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from mlxproxy.edge._compat_uvicorn import protocol_class
+from mlxproxy.edge._compat_uvicorn import protocol_class, serve
 from mlxproxy.edge.limits import HeadLimits
 
 T = TypeVar("T")
@@ -85,15 +86,83 @@ def new_event_loop(stack: str | None = None) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+#: set by the command line (`quiet_after_interrupt`): once Ctrl-C has stopped a run, further
+#: Ctrl-Cs are ignored while the command prints and writes what it measured, then exits
+_QUIET_AFTER_INTERRUPT = False
+
+
+def quiet_after_interrupt() -> None:
+    """Make a Ctrl-C that stops `run_async` the last one this process heeds (the command line's
+    choice: it is about to print what was measured and exit; SIGQUIT, Ctrl-\\, still stops it)."""
+    global _QUIET_AFTER_INTERRUPT
+    _QUIET_AFTER_INTERRUPT = True
+
+
 def run_async(coro: Coroutine[Any, Any, T], stack: str | None = None) -> T:
-    """`asyncio.run(coro)` on the chosen stack's event loop (see `stack_settings`): `replay`
-    and `bench` run their client on the same stack as the proxy (uvloop where installed,
-    asyncio with MLXPROXY_STACK=plain). Ctrl-C cancels `coro` as with `asyncio.run`."""
-    if not hasattr(asyncio, "Runner"):  # Python 3.10: the standard loop
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=lambda: new_event_loop(stack)) as runner:
-        result: T = runner.run(coro)  # (typed Any when mypy reads Python 3.10's asyncio)
-        return result
+    """Run `coro` to completion on the chosen stack's event loop (see `stack_settings`), as
+    `asyncio.run` does: `replay` and `bench` run their client on the same stack as the proxy
+    (uvloop where installed, asyncio with MLXPROXY_STACK=plain).
+
+    Ctrl-C cancels `coro`, which finishes what it measured so far, and then raises
+    KeyboardInterrupt here. Unlike `asyncio.run`, a second Ctrl-C never raises KeyboardInterrupt
+    inside the loop (where it lands in whatever task runs, whose "exception was never retrieved"
+    then prints a traceback, and cuts the first one's clean-up short): it is ignored, so the run
+    ends with the first one's result; a third cancels `coro` again, in case its clean-up hangs."""
+    loop = new_event_loop(stack)
+    main_task: asyncio.Task[T] | None = None
+    interrupts = 0
+
+    def on_sigint(signum: int, frame: object) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts != 2 and main_task is not None and not main_task.done():
+            loop.call_soon_threadsafe(main_task.cancel)
+
+    handle = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if handle:
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        asyncio.set_event_loop(loop)
+        main_task = loop.create_task(coro)
+        try:
+            return loop.run_until_complete(main_task)
+        except asyncio.CancelledError:
+            if interrupts:
+                raise KeyboardInterrupt() from None
+            raise
+    finally:
+        try:
+            _cancel_all_tasks(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+            if handle:
+                quiet = interrupts and _QUIET_AFTER_INTERRUPT
+                signal.signal(signal.SIGINT, signal.SIG_IGN if quiet else signal.default_int_handler)
+
+
+def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """What `asyncio.run` does with the tasks left when its main task ends: cancel them and
+    wait for them, reporting any that failed other than by being cancelled."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler(
+                {
+                    "message": "unhandled exception during run_async() shutdown",
+                    "exception": task.exception(),
+                    "task": task,
+                }
+            )
 
 
 def make_uvicorn_config(
@@ -165,7 +234,7 @@ class ServerThread:
         asyncio.set_event_loop(loop)
         self.loop = loop
         try:
-            loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+            loop.run_until_complete(serve(self.server, self.sock))
         except BaseException as exc:  # reported by start()/stop()
             self.error = exc
         finally:
@@ -204,6 +273,6 @@ def run_server(server: uvicorn.Server, sock: socket.socket, *, stack: str | None
     `stack` names (default: the one its config names)."""
     loop = new_event_loop(stack or ("fast" if server.config.loop == "uvloop" else "plain"))
     try:
-        loop.run_until_complete(server.serve(sockets=[sock]))
+        loop.run_until_complete(serve(server, sock))
     finally:
         loop.close()

@@ -1,6 +1,6 @@
 """Whether each upstream can be reached: a TCP connection is tried when `serve` starts (it
 warns about each one that refuses), again when `/healthz` is asked and the last evidence is
-older than `PROBE_EVERY_S`, and a forwarded request that could not connect counts as evidence
+older than `PROBE_EVERY_S` (`RETRY_EVERY_S` for an upstream last seen unreachable), and a forwarded request that could not connect counts as evidence
 too. Nothing here runs per request on the forwarding path: a request that fails to connect
 calls `Reach.saw` from its error branch only."""
 
@@ -16,10 +16,20 @@ from urllib.parse import urlsplit
 
 from mlxproxy.core.text import clip
 
-__all__ = ["Reach", "HasReach", "has_reach", "probe", "refresh", "PROBE_TIMEOUT_S", "PROBE_EVERY_S"]
+__all__ = [
+    "Reach",
+    "HasReach",
+    "has_reach",
+    "probe",
+    "refresh",
+    "PROBE_TIMEOUT_S",
+    "PROBE_EVERY_S",
+    "RETRY_EVERY_S",
+]
 
 PROBE_TIMEOUT_S = 1.0  # a loopback or LAN server that accepts connections answers in far less
 PROBE_EVERY_S = 5.0  # /healthz polled often (the live page: every 5 s) connects at most this often
+RETRY_EVERY_S = 1.0  # ... and an upstream last seen unreachable at most this often (its return shows soon)
 
 
 class Reach:
@@ -79,10 +89,14 @@ async def probe(base: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     return None
 
 
-async def refresh(upstreams: Sequence[HasReach], max_age_s: float = PROBE_EVERY_S) -> None:
-    """Probe, at once, every upstream whose last evidence is older than `max_age_s`."""
+async def refresh(
+    upstreams: Sequence[HasReach], max_age_s: float = PROBE_EVERY_S, retry_s: float = RETRY_EVERY_S
+) -> None:
+    """Probe, at once, every upstream whose last evidence is older than `max_age_s` (or than
+    `retry_s`, when it was last seen unreachable: `/healthz` turns back to `ok` soon after it returns)."""
     now = time.monotonic()
-    due = [u for u in upstreams if now - u.reach.checked_mono >= max_age_s]
+    retry = min(max_age_s, retry_s)
+    due = [u for u in upstreams if now - u.reach.checked_mono >= (retry if u.reach.reachable is False else max_age_s)]
     for u, error in zip(due, await asyncio.gather(*(probe(u.base) for u in due))):
         u.reach.saw(error)
 

@@ -167,6 +167,8 @@ def own_routes(proxy: ProxyState) -> _Quiet:
         ]
         body["upstreams"] = views
         await upstream_reach(proxy.pool.upstreams, views)
+        if any(view.get("reachable") is False for view in views):
+            body["status"] = "degraded"  # the proxy runs, an upstream cannot be reached (still HTTP 200)
         return _json(body)
 
     async def streams(request: Request) -> Response:
