@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -63,6 +64,8 @@ __all__ = [
     "continues",
     "find_turn",
     "Latest",
+    "PieceMemo",
+    "MEMO_BYTES",
 ]
 
 BLOCK_CHARS = 256
@@ -72,6 +75,8 @@ MAX_LINES = 4096  # line fingerprints per system piece
 SHAPE_LINE_CHARS = 400  # a longer changed line has no shape
 VOLATILE_LINES = 2  # a change of at most this many lines, in place...
 VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
+MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
+MEMO_ENTRIES = 16_384  # ...and its entries
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -225,14 +230,141 @@ def _lines(text: str) -> list[str]:
     return text.split("\\n", MAX_LINES - 1) if len(lines) == 1 else lines
 
 
+class PieceMemo:
+    """What `fingerprint` made of the parts of earlier prompts, to reuse where a new prompt
+    repeats them (an agent's turn resends the previous turn's messages and adds a few): per
+    message, keyed by its exact JSON (`orjson.dumps`; everything a message's pieces are made
+    of is read through that view), its pieces and fingerprints; per piece text, its
+    fingerprint and blocks; per system piece, its line fingerprints; per tools list, its
+    per-tool fingerprints. The fingerprints come out exactly as without it. Bounded, least
+    recently used out first: at most `max_bytes` of keys (a key is at least as long as the
+    text it stands for, which the entry keeps) and `max_entries` entries. Kept by the
+    finishing step's state (`cachecheck.PrefixIndex.memo`); no I/O, no clock."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.bytes = 0  # the keys' bytes held
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _get(self, key: Any, weight: int, make: Any, arg: Any) -> Any:
+        entries = self._entries
+        got = entries.get(key)
+        if got is not None:
+            entries.move_to_end(key)
+            self.hits += 1
+            return got[1]
+        self.misses += 1
+        value = make(arg)
+        if weight <= self.max_bytes:
+            entries[key] = (weight, value)
+            self.bytes += weight
+            while self.bytes > self.max_bytes or len(entries) > self.max_entries:
+                self.bytes -= entries.popitem(last=False)[1][0]
+        return value
+
+    def message(self, m: Any) -> _Said:
+        try:
+            key = orjson.dumps(m)
+        except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
+            return _said(m)
+        return self._get(key, len(key), _said, m)  # type: ignore[no-any-return]
+
+    def piece(self, text: str) -> _PiecePrint:
+        return self._get(text, len(text), _piece_print, text)  # type: ignore[no-any-return]
+
+    def lines(self, text: str) -> array[int]:
+        return self._get(("lines", text), len(text), _line_prints, text)  # type: ignore[no-any-return]
+
+    def tools(self, text: str, tools: list[Any]) -> _ToolPrints:
+        return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
+
+
+# a piece's fingerprint, its length and, for a piece longer than one block, its blocks' fingerprints
+_PiecePrint = tuple[int, int, "array[int] | None"]
+
+
+def _piece_print(text: str) -> _PiecePrint:
+    size = len(text)
+    if size <= BLOCK_CHARS:
+        return hash(text), size, None
+    return hash(text), size, array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)])
+
+
+def _line_prints(text: str) -> array[int]:
+    return array("q", [hash(x) for x in _lines(text)])
+
+
+class _Said(NamedTuple):
+    """What one message contributes to a prompt's fingerprints, whatever its place."""
+
+    pieces: tuple[tuple[str, str], ...]  # (label after `messages[i]`, text) per field
+    prints: tuple[_PiecePrint, ...]
+    content: str
+    user: bool  # a user message
+    system: bool  # a system or developer message
+    whole: int  # the message's fingerprint
+    stem: int  # its role and stem's (`_stem`)
+
+
+def _said(m: Any) -> _Said:
+    """The pieces of message `m` (a `cache_control` marker never reaches the prompt and is
+    left out), their fingerprints, and the message's own."""
+    content = ""
+    pieces: list[tuple[str, str]] = []
+    role = None
+    if not isinstance(m, dict):
+        pieces.append(("", _text(m)))
+    else:
+        role = m.get("role")
+        for field in _message_fields(m):
+            if field == "cache_control":
+                continue
+            v = m[field]
+            if field == "content":
+                content = _content(v)
+                pieces.append((".content", content))
+            else:
+                pieces.append((f".{field}", v if type(v) is str else _text(v)))
+    texts = tuple(text for _, text in pieces)
+    return _Said(
+        tuple(pieces),
+        tuple(_piece_print(t) for t in texts),
+        content,
+        isinstance(m, dict) and role == "user",
+        isinstance(m, dict) and role in _SYSTEM_ROLES,
+        hash(texts),
+        hash((role if type(role) is str else None, _stem(content))),
+    )
+
+
+# per declared tool: its fingerprint and name; the fingerprint of the tools in name order
+_ToolPrints = tuple[tuple[tuple[str, int], ...], int]
+
+
+def _tool_prints(tools: list[Any]) -> _ToolPrints:
+    each = [_text(t) for t in tools]
+    return tuple(zip(_tool_names(tools), (hash(t) for t in each))), hash("\x00".join(sorted(each)))
+
+
 def fingerprint(
-    endpoint: str, obj: Any, model: str | None = None, texts: list[str] | None = None
+    endpoint: str,
+    obj: Any,
+    model: str | None = None,
+    texts: list[str] | None = None,
+    memo: PieceMemo | None = None,
 ) -> PromptPrint | None:
     """The prompt fingerprints of a chat, Messages or Responses request body, or None. The
     pieces follow the rendered prompt: the system pieces (`system` / `instructions`, then the
     leading system and developer messages), `tools`, then the other messages, each content as
     the server's template sees its text (`_content`). `texts`, when given, receives each
-    piece's text (to count the prompt's tokens where the server reports none)."""
+    piece's text (to count the prompt's tokens where the server reports none). `memo` reuses
+    what earlier prompts' equal parts were made into (`PieceMemo`): the same result, less work."""
     if not isinstance(obj, dict):
         return None
     pieces: list[tuple[str, str]] = []
@@ -253,26 +385,32 @@ def fingerprint(
     if not isinstance(items, list) or not items:
         return None
     said: list[tuple[str, str]] = []
-    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said)
+    said_prints: list[_PiecePrint] = []
+    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said, said_prints, memo)
     if first_user is None:
         return None
+    piece = _piece_print if memo is None else memo.piece
+    prints = [piece(text) for _, text in pieces]
     system += range(len(pieces), len(pieces) + head_pieces)
     pieces += said[:head_pieces]
+    prints += said_prints[:head_pieces]
     tools = obj.get("tools")
     tools = tools if isinstance(tools, list) and tools else None
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
-        each = [_text(t) for t in tools]
-        pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted(each)))
-        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in each)))
+        text = _text(tools)
+        pieces.append(("tools", text))
+        prints.append(piece(text))
+        tool_prints, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
     pieces += said[head_pieces:]
+    prints += said_prints[head_pieces:]
     key = hash((endpoint, _stem(first_user)))
     if texts is not None:
         texts.extend(text for _, text in pieces)
-    hashes, lengths, blocks = _piece_blocks(pieces)
-    lines = tuple((i, array("q", [hash(x) for x in _lines(pieces[i][1])])) for i in system)
+    hashes, lengths, blocks = _piece_blocks(prints)
+    line_prints = _line_prints if memo is None else memo.lines
+    lines = tuple((i, line_prints(pieces[i][1])) for i in system)
     return PromptPrint(
         key,
         tuple(label for label, _ in pieces),
@@ -297,46 +435,40 @@ def _message_index(label: str) -> int:
 
 
 def _message_pieces(
-    items: list[Any], name: str, pieces: list[tuple[str, str]]
+    items: list[Any],
+    name: str,
+    pieces: list[tuple[str, str]],
+    prints: list[_PiecePrint],
+    memo: PieceMemo | None,
 ) -> tuple[str | None, int, int, tuple[int, ...], tuple[int, ...]]:
-    """Append each message's fields to `pieces` (up to `MAX_PIECES`; a `cache_control` marker
-    never reaches the prompt and is left out); the first user message's text, the number of
-    leading system messages and of their pieces, and one fingerprint and one stem fingerprint
-    (`_stem`) per later message."""
+    """Append each message's pieces to `pieces` and their fingerprints to `prints` (up to
+    `MAX_PIECES`); the first user message's text, the number of leading system messages and of
+    their pieces, and one fingerprint and one stem fingerprint (`_stem`) per later message."""
     first_user: str | None = None
     add = pieces.append
     head = head_pieces = 0
     leading = True
-    prints: list[int] = []
+    wholes: list[int] = []
     stems: list[int] = []
+    say = _said if memo is None else memo.message
     for i, m in enumerate(items):
         if len(pieces) >= MAX_PIECES:
             break
-        start = len(pieces)
-        content = ""
-        if not isinstance(m, dict):
-            add((f"{name}[{i}]", _text(m)))
-        else:
-            for field in _message_fields(m):
-                if field == "cache_control":
-                    continue
-                v = m[field]
-                if field == "content":
-                    content = _content(v)
-                    add((f"{name}[{i}].content", content))
-                else:
-                    add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
-            if first_user is None and m.get("role") == "user":
-                first_user = content
-        if leading and isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
+        s = say(m)
+        at = f"{name}[{i}]"
+        for suffix, text in s.pieces:
+            add((at + suffix, text))
+        prints += s.prints
+        if first_user is None and s.user:
+            first_user = s.content
+        if leading and s.system:
             head += 1
             head_pieces = len(pieces)
             continue
         leading = False
-        prints.append(hash(tuple(text for _, text in pieces[start:])))
-        role = m.get("role") if isinstance(m, dict) else None
-        stems.append(hash((role if type(role) is str else None, _stem(content))))
-    return first_user, head, head_pieces, tuple(prints), tuple(stems)
+        wholes.append(s.whole)
+        stems.append(s.stem)
+    return first_user, head, head_pieces, tuple(wholes), tuple(stems)
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -349,7 +481,7 @@ def _tool_names(tools: list[Any]) -> list[str]:
 
 
 def _piece_blocks(
-    pieces: list[tuple[str, str]],
+    prints: list[_PiecePrint],
 ) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
     """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
     `MAX_BLOCKS` budget lasts (None for a piece past it)."""
@@ -357,9 +489,7 @@ def _piece_blocks(
     blocks: list[Sequence[int] | None] = []
     hashes: list[int] = []
     lengths: list[int] = []
-    for _, text in pieces:
-        size = len(text)
-        h = hash(text)
+    for h, size, whole in prints:
         hashes.append(h)
         lengths.append(size)
         if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
@@ -367,8 +497,8 @@ def _piece_blocks(
             budget -= 1 if size else 0
             continue
         n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
-        if n <= budget:
-            blocks.append(array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
+        if n <= budget:  # (a piece of one block here is an empty one: no blocks)
+            blocks.append(whole if whole is not None else array("q"))
             budget -= n
         else:
             blocks.append(None)
