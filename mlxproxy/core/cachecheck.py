@@ -480,7 +480,7 @@ class PrefixIndex:
         self.reports_cache = False
         # what `prefix.fingerprint` made of recent prompts' parts, reused where the next turn
         # repeats them (bounded; the same fingerprints as without it)
-        self.memo = PieceMemo()
+        self.memo: PieceMemo | None = PieceMemo()
 
     def __len__(self) -> int:
         return self._count
