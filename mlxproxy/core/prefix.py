@@ -234,12 +234,13 @@ class PieceMemo:
     """What `fingerprint` made of the parts of earlier prompts, to reuse where a new prompt
     repeats them (an agent's turn resends the previous turn's messages and adds a few): per
     message, keyed by its exact JSON (`orjson.dumps`; everything a message's pieces are made
-    of is read through that view), its pieces and fingerprints; per piece text, its
-    fingerprint and blocks; per system piece, its line fingerprints; per tools list, its
-    per-tool fingerprints. The fingerprints come out exactly as without it. Bounded, least
-    recently used out first: at most `max_bytes` of keys (a key is at least as long as the
-    text it stands for, which the entry keeps) and `max_entries` entries. Kept by the
-    finishing step's state (`cachecheck.PrefixIndex.memo`); no I/O, no clock."""
+    of is read through that view), its pieces and fingerprints; per other piece's text (a
+    system prompt, the tools), its fingerprint and blocks; per system piece, its line
+    fingerprints; per tools list, its tools' fingerprints. The fingerprints come out exactly
+    as without it. Bounded, least recently used out first: at most `max_bytes` of keys (a key
+    is at least as long as the text it stands for, which the entry keeps) and `max_entries`
+    entries. Kept by the finishing step's state (`cachecheck.PrefixIndex.memo`); no I/O, no
+    clock."""
 
     def __init__(self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES) -> None:
         self.max_bytes = max_bytes
@@ -275,41 +276,52 @@ class PieceMemo:
             return _said(m)
         return self._get(key, len(key), _said, m)  # type: ignore[no-any-return]
 
-    def piece(self, text: str) -> _PiecePrint:
-        return self._get(text, len(text), _piece_print, text)  # type: ignore[no-any-return]
+    def piece(self, text: str) -> _Said:
+        return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
 
     def lines(self, text: str) -> array[int]:
         return self._get(("lines", text), len(text), _line_prints, text)  # type: ignore[no-any-return]
 
-    def tools(self, text: str, tools: list[Any]) -> _ToolPrints:
+    def tools(self, text: str, tools: list[Any]) -> tuple[tuple[int, ...], int]:
         return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
 
 
-# a piece's fingerprint, its length and, for a piece longer than one block, its blocks' fingerprints
-_PiecePrint = tuple[int, int, "array[int] | None"]
-
-
-def _piece_print(text: str) -> _PiecePrint:
-    size = len(text)
-    if size <= BLOCK_CHARS:
-        return hash(text), size, None
-    return hash(text), size, array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)])
-
-
-def _line_prints(text: str) -> array[int]:
-    return array("q", [hash(x) for x in _lines(text)])
-
-
 class _Said(NamedTuple):
-    """What one message contributes to a prompt's fingerprints, whatever its place."""
+    """What one message (or one other piece) contributes to a prompt's fingerprints,
+    whatever its place."""
 
-    pieces: tuple[tuple[str, str], ...]  # (label after `messages[i]`, text) per field
-    prints: tuple[_PiecePrint, ...]
-    content: str
-    user: bool  # a user message
-    system: bool  # a system or developer message
-    whole: int  # the message's fingerprint
-    stem: int  # its role and stem's (`_stem`)
+    suffixes: tuple[str, ...]  # per piece, its label after `messages[i]`
+    texts: tuple[str, ...]
+    hashes: tuple[int, ...]
+    chars: tuple[int, ...]
+    blocks: tuple[Sequence[int], ...]  # per piece, its blocks' fingerprints (`_piece_blocks`)
+    cost: int  # the blocks its pieces take from the `MAX_BLOCKS` budget
+    content: str = ""
+    user: bool = False  # a user message
+    system: bool = False  # a system or developer message
+    whole: int = 0  # the message's fingerprint
+    stem: int = 0  # its role's and stem's (`_stem`)
+
+
+def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Sequence[int], ...], int]:
+    """The pieces' hashes, lengths and blocks' fingerprints (a tuple for a piece of one block
+    or none, an array for a longer one), and the blocks they take."""
+    hashes = tuple(hash(t) for t in texts)
+    blocks: list[Sequence[int]] = []
+    cost = 0
+    for t, h in zip(texts, hashes):
+        size = len(t)
+        if size <= BLOCK_CHARS:  # one block: the piece's own fingerprint
+            blocks.append((h,) if size else ())
+            cost += 1 if size else 0
+        else:
+            blocks.append(array("q", [hash(t[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
+            cost += (size + BLOCK_CHARS - 1) // BLOCK_CHARS
+    return hashes, tuple(len(t) for t in texts), tuple(blocks), cost
+
+
+def _said_text(text: str) -> _Said:
+    return _Said(("",), (text,), *_prints((text,)))
 
 
 def _said(m: Any) -> _Said:
@@ -333,8 +345,9 @@ def _said(m: Any) -> _Said:
                 pieces.append((f".{field}", v if type(v) is str else _text(v)))
     texts = tuple(text for _, text in pieces)
     return _Said(
-        tuple(pieces),
-        tuple(_piece_print(t) for t in texts),
+        tuple(suffix for suffix, _ in pieces),
+        texts,
+        *_prints(texts),
         content,
         isinstance(m, dict) and role == "user",
         isinstance(m, dict) and role in _SYSTEM_ROLES,
@@ -343,13 +356,14 @@ def _said(m: Any) -> _Said:
     )
 
 
-# per declared tool: its fingerprint and name; the fingerprint of the tools in name order
-_ToolPrints = tuple[tuple[tuple[str, int], ...], int]
+def _line_prints(text: str) -> array[int]:
+    return array("q", [hash(x) for x in _lines(text)])
 
 
-def _tool_prints(tools: list[Any]) -> _ToolPrints:
+def _tool_prints(tools: list[Any]) -> tuple[tuple[int, ...], int]:
+    """Per declared tool, its fingerprint; the fingerprint of the tools in name order."""
     each = [_text(t) for t in tools]
-    return tuple(zip(_tool_names(tools), (hash(t) for t in each))), hash("\x00".join(sorted(each)))
+    return tuple(hash(t) for t in each), hash("\x00".join(sorted(each)))
 
 
 def fingerprint(
@@ -367,14 +381,17 @@ def fingerprint(
     what earlier prompts' equal parts were made into (`PieceMemo`): the same result, less work."""
     if not isinstance(obj, dict):
         return None
-    pieces: list[tuple[str, str]] = []
+    labels: list[str] = []
+    said: list[str] = []  # the pieces' texts
+    groups: list[_Said] = []  # the pieces' fingerprints, by message or piece
+    piece = _said_text if memo is None else memo.piece
     system: list[int] = []  # indices of the system pieces
-    if endpoint == "messages" and obj.get("system") is not None:
-        system.append(len(pieces))
-        pieces.append(("system", _content(obj["system"])))
-    if endpoint == "responses" and obj.get("instructions") is not None:
-        system.append(len(pieces))
-        pieces.append(("instructions", _content(obj["instructions"])))
+    for field, family in (("system", "messages"), ("instructions", "responses")):
+        if endpoint == family and obj.get(field) is not None:
+            system.append(len(labels))
+            labels.append(field)
+            said.append(_content(obj[field]))
+            groups.append(piece(said[-1]))
     if endpoint == "responses":
         inp = obj.get("input")
         items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -384,47 +401,51 @@ def fingerprint(
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
-    said: list[tuple[str, str]] = []
-    said_prints: list[_PiecePrint] = []
-    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said, said_prints, memo)
+    messages = _message_pieces(items, memo)
+    first_user, head = messages.first_user, messages.head
     if first_user is None:
         return None
-    piece = _piece_print if memo is None else memo.piece
-    prints = [piece(text) for _, text in pieces]
-    system += range(len(pieces), len(pieces) + head_pieces)
-    pieces += said[:head_pieces]
-    prints += said_prints[:head_pieces]
+    at = [f"{name}[{i}]" for i in range(len(messages.said))]
+    for i, s in enumerate(messages.said[:head]):
+        system += range(len(labels), len(labels) + len(s.texts))
+        labels += [at[i] + suffix for suffix in s.suffixes]
+        said += s.texts
+    groups += messages.said[:head]
     tools = obj.get("tools")
     tools = tools if isinstance(tools, list) and tools else None
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
         text = _text(tools)
-        pieces.append(("tools", text))
-        prints.append(piece(text))
-        tool_prints, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
-    pieces += said[head_pieces:]
-    prints += said_prints[head_pieces:]
+        labels.append("tools")
+        said.append(text)
+        groups.append(piece(text))
+        each, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
+        tool_prints = tuple(zip(_tool_names(tools), each))
+    for i, s in enumerate(messages.said[head:], head):
+        labels += [at[i] + suffix for suffix in s.suffixes]
+        said += s.texts
+    groups += messages.said[head:]
     key = hash((endpoint, _stem(first_user)))
     if texts is not None:
-        texts.extend(text for _, text in pieces)
-    hashes, lengths, blocks = _piece_blocks(prints)
+        texts.extend(said)
+    hashes, lengths, blocks = _piece_blocks(groups)
     line_prints = _line_prints if memo is None else memo.lines
-    lines = tuple((i, line_prints(pieces[i][1])) for i in system)
+    lines = tuple((i, line_prints(said[i])) for i in system)
     return PromptPrint(
         key,
-        tuple(label for label, _ in pieces),
+        tuple(labels),
         hashes,
         lengths,
         blocks,
         tools_set,
         endpoint,
         model,
-        messages,
+        tuple(s.whole for s in messages.said[head:]),
         head,
         tool_prints,
         lines,
-        stems,
+        tuple(s.stem for s in messages.said[head:]),
     )
 
 
@@ -434,41 +455,46 @@ def _message_index(label: str) -> int:
     return int(label[at + 1 : label.index("]")]) if at >= 0 else -1
 
 
-def _message_pieces(
-    items: list[Any],
-    name: str,
-    pieces: list[tuple[str, str]],
-    prints: list[_PiecePrint],
-    memo: PieceMemo | None,
-) -> tuple[str | None, int, int, tuple[int, ...], tuple[int, ...]]:
-    """Append each message's pieces to `pieces` and their fingerprints to `prints` (up to
-    `MAX_PIECES`); the first user message's text, the number of leading system messages and of
-    their pieces, and one fingerprint and one stem fingerprint (`_stem`) per later message."""
+class _Messages(NamedTuple):
+    said: list[_Said]  # per message kept (up to `MAX_PIECES` pieces)
+    first_user: str | None  # the first user message's text
+    head: int  # leading system and developer messages
+
+
+def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
+    """Each message's pieces and fingerprints (`_said`) while fewer than `MAX_PIECES` pieces
+    came before it, the first user message's text and the number of leading system messages."""
     first_user: str | None = None
-    add = pieces.append
-    head = head_pieces = 0
+    head = pieces = 0
     leading = True
-    wholes: list[int] = []
-    stems: list[int] = []
+    out: list[_Said] = []
     say = _said if memo is None else memo.message
-    for i, m in enumerate(items):
-        if len(pieces) >= MAX_PIECES:
+    entries = None if memo is None else memo._entries
+    for m in items:
+        if pieces >= MAX_PIECES:
             break
-        s = say(m)
-        at = f"{name}[{i}]"
-        for suffix, text in s.pieces:
-            add((at + suffix, text))
-        prints += s.prints
+        got = None
+        if entries is not None:  # (`memo.message`, its hit inlined: once per message)
+            try:
+                key = orjson.dumps(m)
+                got = entries.get(key)
+            except orjson.JSONEncodeError:
+                pass
+        if got is not None:
+            entries.move_to_end(key)
+            memo.hits += 1  # type: ignore[union-attr]
+            s = got[1]
+        else:
+            s = say(m)
+        out.append(s)
+        pieces += len(s.texts)
         if first_user is None and s.user:
             first_user = s.content
         if leading and s.system:
             head += 1
-            head_pieces = len(pieces)
-            continue
-        leading = False
-        wholes.append(s.whole)
-        stems.append(s.stem)
-    return first_user, head, head_pieces, tuple(wholes), tuple(stems)
+        else:
+            leading = False
+    return _Messages(out, first_user, head)
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -480,28 +506,31 @@ def _tool_names(tools: list[Any]) -> list[str]:
     ]
 
 
-def _piece_blocks(
-    prints: list[_PiecePrint],
-) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
+def _piece_blocks(groups: list[_Said]) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
     """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
     `MAX_BLOCKS` budget lasts (None for a piece past it)."""
     budget = MAX_BLOCKS
     blocks: list[Sequence[int] | None] = []
     hashes: list[int] = []
     lengths: list[int] = []
-    for h, size, whole in prints:
-        hashes.append(h)
-        lengths.append(size)
-        if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
-            blocks.append((h,) if size else ())
-            budget -= 1 if size else 0
+    for g in groups:
+        hashes += g.hashes
+        lengths += g.chars
+        if g.cost < budget:  # (so every piece of it still finds at least one block left)
+            blocks += g.blocks
+            budget -= g.cost
             continue
-        n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
-        if n <= budget:  # (a piece of one block here is an empty one: no blocks)
-            blocks.append(whole if whole is not None else array("q"))
-            budget -= n
-        else:
-            blocks.append(None)
+        for size, b in zip(g.chars, g.blocks):
+            if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
+                blocks.append(b)
+                budget -= 1 if size else 0
+                continue
+            n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
+            if n <= budget:  # (a piece of one block here is an empty one: no blocks)
+                blocks.append(b if size > BLOCK_CHARS else array("q"))
+                budget -= n
+            else:
+                blocks.append(None)
     return array("q", hashes), array("q", lengths), tuple(blocks)
 
 
