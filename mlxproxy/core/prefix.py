@@ -269,13 +269,6 @@ class PieceMemo:
                 self.bytes -= entries.popitem(last=False)[1][0]
         return value
 
-    def message(self, m: Any) -> _Said:
-        try:
-            key = orjson.dumps(m)
-        except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
-            return _said(m)
-        return self._get(key, len(key), _said, m)  # type: ignore[no-any-return]
-
     def piece(self, text: str) -> _Said:
         return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
 
@@ -306,18 +299,22 @@ class _Said(NamedTuple):
 def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Sequence[int], ...], int]:
     """The pieces' hashes, lengths and blocks' fingerprints (a tuple for a piece of one block
     or none, an array for a longer one), and the blocks they take."""
-    hashes = tuple(hash(t) for t in texts)
+    hashes: list[int] = []
+    chars: list[int] = []
     blocks: list[Sequence[int]] = []
     cost = 0
-    for t, h in zip(texts, hashes):
+    for t in texts:
+        h = hash(t)
         size = len(t)
+        hashes.append(h)
+        chars.append(size)
         if size <= BLOCK_CHARS:  # one block: the piece's own fingerprint
             blocks.append((h,) if size else ())
             cost += 1 if size else 0
         else:
             blocks.append(array("q", [hash(t[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
             cost += (size + BLOCK_CHARS - 1) // BLOCK_CHARS
-    return hashes, tuple(len(t) for t in texts), tuple(blocks), cost
+    return tuple(hashes), tuple(chars), tuple(blocks), cost
 
 
 def _said_text(text: str) -> _Said:
@@ -327,30 +324,32 @@ def _said_text(text: str) -> _Said:
 def _said(m: Any) -> _Said:
     """The pieces of message `m` (a `cache_control` marker never reaches the prompt and is
     left out), their fingerprints, and the message's own."""
-    content = ""
-    pieces: list[tuple[str, str]] = []
-    role = None
     if not isinstance(m, dict):
-        pieces.append(("", _text(m)))
-    else:
-        role = m.get("role")
-        for field in _message_fields(m):
-            if field == "cache_control":
-                continue
-            v = m[field]
-            if field == "content":
-                content = _content(v)
-                pieces.append((".content", content))
-            else:
-                pieces.append((f".{field}", v if type(v) is str else _text(v)))
-    texts = tuple(text for _, text in pieces)
+        texts: tuple[str, ...] = (_text(m),)
+        return _Said(("",), texts, *_prints(texts), "", False, False, hash(texts), hash((None, _stem(""))))
+    content = ""
+    suffixes: list[str] = []
+    said: list[str] = []
+    role = m.get("role")
+    for field in _message_fields(m):
+        if field == "cache_control":
+            continue
+        v = m[field]
+        if field == "content":
+            content = _content(v)
+            suffixes.append(".content")
+            said.append(content)
+        else:
+            suffixes.append(f".{field}")
+            said.append(v if type(v) is str else _text(v))
+    texts = tuple(said)
     return _Said(
-        tuple(suffix for suffix, _ in pieces),
+        tuple(suffixes),
         texts,
         *_prints(texts),
         content,
-        isinstance(m, dict) and role == "user",
-        isinstance(m, dict) and role in _SYSTEM_ROLES,
+        role == "user",
+        role in _SYSTEM_ROLES,
         hash(texts),
         hash((role if type(role) is str else None, _stem(content))),
     )
@@ -468,24 +467,24 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
     head = pieces = 0
     leading = True
     out: list[_Said] = []
-    say = _said if memo is None else memo.message
-    entries = None if memo is None else memo._entries
     for m in items:
         if pieces >= MAX_PIECES:
             break
-        got = None
-        if entries is not None:  # (`memo.message`, its hit inlined: once per message)
+        if memo is None:
+            s = _said(m)
+        else:  # a message is kept by its JSON (`PieceMemo`; its hit inlined: once per message)
             try:
                 key = orjson.dumps(m)
-                got = entries.get(key)
-            except orjson.JSONEncodeError:
-                pass
-        if got is not None:
-            entries.move_to_end(key)
-            memo.hits += 1  # type: ignore[union-attr]
-            s = got[1]
-        else:
-            s = say(m)
+            except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
+                s = _said(m)
+            else:
+                got = memo._entries.get(key)
+                if got is not None:
+                    memo._entries.move_to_end(key)
+                    memo.hits += 1
+                    s = got[1]
+                else:
+                    s = memo._get(key, len(key), _said, m)
         out.append(s)
         pieces += len(s.texts)
         if first_user is None and s.user:

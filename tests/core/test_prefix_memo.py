@@ -104,6 +104,9 @@ def test_odd_messages_fingerprint_the_same() -> None:
         {"messages": [{"role": "user", "content": 1}, {"role": "user", "content": 1.0}, {"role": "user", "content": True}]},
         {"messages": ["plain", {"role": "system", "content": "s\nt"}, {"role": "user", "content": ""}, {"role": "user"}]},
         {"messages": [{"content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}], "role": "user"}]},
+        # tools whose names JSON writes alike (null) but str() does not ("inf", "None")
+        {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": float("inf")}]},
+        {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": None}]},
     ]
     for body in cases + cases:
         _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
