@@ -33,7 +33,10 @@ is read from the new request's body while it is still at hand. Whether the serve
 the change is the cache doctor's question (`core.cachecheck`).
 
 These are pure functions; the conversations an upstream remembers (the latest prompt of
-each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits
+each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. The index also
+keeps a `PieceMemo`, which makes `fingerprint` incremental: a message, a system prompt or a tools
+list fingerprinted for a recent turn is not fingerprinted again (issue 40: an agent's turn resends
+the previous turn's messages and adds a few), with the same result. Limits
 (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks (`MAX_BLOCKS * BLOCK_CHARS`
 characters) are fingerprinted per prompt; past that, pieces compare whole.
 """
@@ -76,7 +79,7 @@ SHAPE_LINE_CHARS = 400  # a longer changed line has no shape
 VOLATILE_LINES = 2  # a change of at most this many lines, in place...
 VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
 MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
-MEMO_ENTRIES = 16_384  # ...and its entries
+MEMO_ENTRIES = 4096  # ...and its entries
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[

@@ -89,7 +89,10 @@ def test_the_agent_body_fingerprints_the_same_and_its_next_turn_hits() -> None:
     _same(first, fingerprint("chat", obj, "m"))
     # the next turn: the same messages (parsed afresh, as the proxy does) and two more
     nxt = orjson.loads(chat_body(False, 16, "agent"))
-    nxt["messages"] += [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks, now the tests."}]
+    nxt["messages"] += [
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks, now the tests."},
+    ]
     _same(fingerprint("chat", nxt, "m", memo=memo), fingerprint("chat", nxt, "m"))
     assert memo.misses - misses == 2  # only the two new messages were made afresh
 
@@ -101,9 +104,26 @@ def test_odd_messages_fingerprint_the_same() -> None:
     cases = [
         {"messages": [{"role": "user", "content": "a\ud800b"}]},
         {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": float("inf")}]},
-        {"messages": [{"role": "user", "content": 1}, {"role": "user", "content": 1.0}, {"role": "user", "content": True}]},
-        {"messages": ["plain", {"role": "system", "content": "s\nt"}, {"role": "user", "content": ""}, {"role": "user"}]},
-        {"messages": [{"content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}], "role": "user"}]},
+        {
+            "messages": [
+                {"role": "user", "content": 1},
+                {"role": "user", "content": 1.0},
+                {"role": "user", "content": True},
+            ]
+        },
+        {
+            "messages": [
+                "plain",
+                {"role": "system", "content": "s\nt"},
+                {"role": "user", "content": ""},
+                {"role": "user"},
+            ]
+        },
+        {
+            "messages": [
+                {"content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}], "role": "user"}
+            ]
+        },
         # tools whose names JSON writes alike (null) but str() does not ("inf", "None")
         {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": float("inf")}]},
         {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": None}]},
