@@ -145,3 +145,22 @@ def test_the_memo_stays_bounded() -> None:
     fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 5000}]}, None, memo=big)
     assert big.bytes <= 1000  # a part larger than the whole bound is made, not kept
     assert PrefixIndex().memo is not None  # the finishing step's state keeps one per upstream
+
+
+def test_past_the_block_budget_the_same_pieces_compare_whole() -> None:
+    """Where `MAX_BLOCKS` runs out (mid-message, at an empty piece, at a one-block piece), the
+    memo's by-message path walks piece by piece as without it."""
+    big = "z" * (BLOCK_CHARS * (MAX_BLOCKS - 3))
+    for tail in (["", "a"], ["a" * BLOCK_CHARS, ""], ["b" * (BLOCK_CHARS * 2 + 1), "c"], ["", "", "d"]):
+        body = {
+            "messages": [
+                {"role": "user", "content": big},
+                {"role": "assistant", "content": "e" * (BLOCK_CHARS * 2), "reasoning_content": ""},
+                *({"role": "user", "content": t} for t in tail),
+            ]
+        }
+        memo = PieceMemo()
+        fingerprint("chat", body, None, memo=memo)  # warm: every message a hit the second time
+        with_memo, without = fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None)
+        _same(with_memo, without)
+        assert without is not None and None in without.blocks  # the budget did run out
