@@ -82,7 +82,9 @@ def finish_checked(
     pp = None
     texts: list[str] = []
     if prefixes is not None and info.prompt_obj is not None and not side:
-        pp = fingerprint(info.endpoint, info.prompt_obj, info.model, texts if m.prompt_tokens is None else None)
+        pp = fingerprint(
+            info.endpoint, info.prompt_obj, info.model, texts if m.prompt_tokens is None else None, prefixes.memo
+        )
     if prefixes is not None and pp is not None:
         # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
         whole, source = prompt_size(m, texts, count_tokens)

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
-from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PromptPrint
+from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PieceMemo, PromptPrint
 from mlxproxy.core.record import OK_OUTCOMES
 
 __all__ = [
@@ -483,6 +483,9 @@ class PrefixIndex:
         self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
         self.hit_excess_s: deque[float] = deque(maxlen=FIXED_SAMPLES)  # known hits' TTFT past their prefill
         self.reports_cache = False
+        # what `prefix.fingerprint` made of recent prompts' parts, reused where the next turn
+        # repeats them (bounded; the same fingerprints as without it)
+        self.memo: PieceMemo | None = PieceMemo()
 
     def __len__(self) -> int:
         return self._count

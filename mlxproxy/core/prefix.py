@@ -33,7 +33,10 @@ is read from the new request's body while it is still at hand. Whether the serve
 the change is the cache doctor's question (`core.cachecheck`).
 
 These are pure functions; the conversations an upstream remembers (the latest prompt of
-each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. Limits
+each, bounded) are kept by `core.cachecheck.PrefixIndex`; `find_turn` reads them. The index also
+keeps a `PieceMemo`, which makes `fingerprint` incremental: a message, a system prompt or a tools
+list fingerprinted for a recent turn is not fingerprinted again (issue 40: an agent's turn resends
+the previous turn's messages and adds a few), with the same result. Limits
 (documented in docs/METRICS.md): at most `MAX_BLOCKS` blocks (`MAX_BLOCKS * BLOCK_CHARS`
 characters) are fingerprinted per prompt; past that, pieces compare whole.
 """
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -63,6 +67,8 @@ __all__ = [
     "continues",
     "find_turn",
     "Latest",
+    "PieceMemo",
+    "MEMO_BYTES",
 ]
 
 BLOCK_CHARS = 256
@@ -72,6 +78,8 @@ MAX_LINES = 4096  # line fingerprints per system piece
 SHAPE_LINE_CHARS = 400  # a longer changed line has no shape
 VOLATILE_LINES = 2  # a change of at most this many lines, in place...
 VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
+MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
+MEMO_ENTRIES = 4096  # ...and its entries
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -225,24 +233,167 @@ def _lines(text: str) -> list[str]:
     return text.split("\\n", MAX_LINES - 1) if len(lines) == 1 else lines
 
 
+class PieceMemo:
+    """What `fingerprint` made of the parts of earlier prompts, to reuse where a new prompt
+    repeats them (an agent's turn resends the previous turn's messages and adds a few): per
+    message, keyed by its exact JSON (`orjson.dumps`; everything a message's pieces are made
+    of is read through that view), its pieces and fingerprints; per other piece's text (a
+    system prompt, the tools), its fingerprint and blocks; per system piece, its line
+    fingerprints; per tools list, its tools' fingerprints. The fingerprints come out exactly
+    as without it. Bounded, least recently used out first: at most `max_bytes` of keys (a key
+    is at least as long as the text it stands for, which the entry keeps) and `max_entries`
+    entries. Kept by the finishing step's state (`cachecheck.PrefixIndex.memo`); no I/O, no
+    clock."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.bytes = 0  # the keys' bytes held
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _get(self, key: Any, weight: int, make: Any, arg: Any) -> Any:
+        entries = self._entries
+        got = entries.get(key)
+        if got is not None:
+            entries.move_to_end(key)
+            self.hits += 1
+            return got[1]
+        self.misses += 1
+        value = make(arg)
+        if weight <= self.max_bytes:
+            entries[key] = (weight, value)
+            self.bytes += weight
+            while self.bytes > self.max_bytes or len(entries) > self.max_entries:
+                self.bytes -= entries.popitem(last=False)[1][0]
+        return value
+
+    def piece(self, text: str) -> _Said:
+        return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
+
+    def lines(self, text: str) -> array[int]:
+        return self._get(("lines", text), len(text), _line_prints, text)  # type: ignore[no-any-return]
+
+    def tools(self, text: str, tools: list[Any]) -> tuple[tuple[int, ...], int]:
+        return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
+
+
+class _Said(NamedTuple):
+    """What one message (or one other piece) contributes to a prompt's fingerprints,
+    whatever its place."""
+
+    suffixes: tuple[str, ...]  # per piece, its label after `messages[i]`
+    texts: tuple[str, ...]
+    hashes: tuple[int, ...]
+    chars: tuple[int, ...]
+    blocks: tuple[Sequence[int], ...]  # per piece, its blocks' fingerprints (`_piece_blocks`)
+    cost: int  # the blocks its pieces take from the `MAX_BLOCKS` budget
+    content: str = ""
+    user: bool = False  # a user message
+    system: bool = False  # a system or developer message
+    whole: int = 0  # the message's fingerprint
+    stem: int = 0  # its role's and stem's (`_stem`)
+
+
+def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Sequence[int], ...], int]:
+    """The pieces' hashes, lengths and blocks' fingerprints (a tuple for a piece of one block
+    or none, an array for a longer one), and the blocks they take."""
+    hashes: list[int] = []
+    chars: list[int] = []
+    blocks: list[Sequence[int]] = []
+    cost = 0
+    for t in texts:
+        h = hash(t)
+        size = len(t)
+        hashes.append(h)
+        chars.append(size)
+        if size <= BLOCK_CHARS:  # one block: the piece's own fingerprint
+            blocks.append((h,) if size else ())
+            cost += 1 if size else 0
+        else:
+            blocks.append(array("q", [hash(t[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
+            cost += (size + BLOCK_CHARS - 1) // BLOCK_CHARS
+    return tuple(hashes), tuple(chars), tuple(blocks), cost
+
+
+def _said_text(text: str) -> _Said:
+    return _Said(("",), (text,), *_prints((text,)))
+
+
+def _said(m: Any) -> _Said:
+    """The pieces of message `m` (a `cache_control` marker never reaches the prompt and is
+    left out), their fingerprints, and the message's own."""
+    if not isinstance(m, dict):
+        texts: tuple[str, ...] = (_text(m),)
+        return _Said(("",), texts, *_prints(texts), "", False, False, hash(texts), hash((None, _stem(""))))
+    content = ""
+    suffixes: list[str] = []
+    said: list[str] = []
+    role = m.get("role")
+    for field in _message_fields(m):
+        if field == "cache_control":
+            continue
+        v = m[field]
+        if field == "content":
+            content = _content(v)
+            suffixes.append(".content")
+            said.append(content)
+        else:
+            suffixes.append(f".{field}")
+            said.append(v if type(v) is str else _text(v))
+    texts = tuple(said)
+    return _Said(
+        tuple(suffixes),
+        texts,
+        *_prints(texts),
+        content,
+        role == "user",
+        role in _SYSTEM_ROLES,
+        hash(texts),
+        hash((role if type(role) is str else None, _stem(content))),
+    )
+
+
+def _line_prints(text: str) -> array[int]:
+    return array("q", [hash(x) for x in _lines(text)])
+
+
+def _tool_prints(tools: list[Any]) -> tuple[tuple[int, ...], int]:
+    """Per declared tool, its fingerprint; the fingerprint of the tools in name order."""
+    each = [_text(t) for t in tools]
+    return tuple(hash(t) for t in each), hash("\x00".join(sorted(each)))
+
+
 def fingerprint(
-    endpoint: str, obj: Any, model: str | None = None, texts: list[str] | None = None
+    endpoint: str,
+    obj: Any,
+    model: str | None = None,
+    texts: list[str] | None = None,
+    memo: PieceMemo | None = None,
 ) -> PromptPrint | None:
     """The prompt fingerprints of a chat, Messages or Responses request body, or None. The
     pieces follow the rendered prompt: the system pieces (`system` / `instructions`, then the
     leading system and developer messages), `tools`, then the other messages, each content as
     the server's template sees its text (`_content`). `texts`, when given, receives each
-    piece's text (to count the prompt's tokens where the server reports none)."""
+    piece's text (to count the prompt's tokens where the server reports none). `memo` reuses
+    what earlier prompts' equal parts were made into (`PieceMemo`): the same result, less work."""
     if not isinstance(obj, dict):
         return None
-    pieces: list[tuple[str, str]] = []
+    labels: list[str] = []
+    said: list[str] = []  # the pieces' texts
+    groups: list[_Said] = []  # the pieces' fingerprints, by message or piece
+    piece = _said_text if memo is None else memo.piece
     system: list[int] = []  # indices of the system pieces
-    if endpoint == "messages" and obj.get("system") is not None:
-        system.append(len(pieces))
-        pieces.append(("system", _content(obj["system"])))
-    if endpoint == "responses" and obj.get("instructions") is not None:
-        system.append(len(pieces))
-        pieces.append(("instructions", _content(obj["instructions"])))
+    for field, family in (("system", "messages"), ("instructions", "responses")):
+        if endpoint == family and obj.get(field) is not None:
+            system.append(len(labels))
+            labels.append(field)
+            said.append(_content(obj[field]))
+            groups.append(piece(said[-1]))
     if endpoint == "responses":
         inp = obj.get("input")
         items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -252,41 +403,51 @@ def fingerprint(
         name = "messages"
     if not isinstance(items, list) or not items:
         return None
-    said: list[tuple[str, str]] = []
-    first_user, head, head_pieces, messages, stems = _message_pieces(items, name, said)
+    messages = _message_pieces(items, memo)
+    first_user, head = messages.first_user, messages.head
     if first_user is None:
         return None
-    system += range(len(pieces), len(pieces) + head_pieces)
-    pieces += said[:head_pieces]
+    at = [f"{name}[{i}]" for i in range(len(messages.said))]
+    for i, s in enumerate(messages.said[:head]):
+        system += range(len(labels), len(labels) + len(s.texts))
+        labels += [at[i] + suffix for suffix in s.suffixes]
+        said += s.texts
+    groups += messages.said[:head]
     tools = obj.get("tools")
     tools = tools if isinstance(tools, list) and tools else None
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
-        each = [_text(t) for t in tools]
-        pieces.append(("tools", _text(tools)))
-        tools_set = hash("\x00".join(sorted(each)))
-        tool_prints = tuple(zip(_tool_names(tools), (hash(t) for t in each)))
-    pieces += said[head_pieces:]
+        text = _text(tools)
+        labels.append("tools")
+        said.append(text)
+        groups.append(piece(text))
+        each, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
+        tool_prints = tuple(zip(_tool_names(tools), each))
+    for i, s in enumerate(messages.said[head:], head):
+        labels += [at[i] + suffix for suffix in s.suffixes]
+        said += s.texts
+    groups += messages.said[head:]
     key = hash((endpoint, _stem(first_user)))
     if texts is not None:
-        texts.extend(text for _, text in pieces)
-    hashes, lengths, blocks = _piece_blocks(pieces)
-    lines = tuple((i, array("q", [hash(x) for x in _lines(pieces[i][1])])) for i in system)
+        texts.extend(said)
+    hashes, lengths, blocks = _piece_blocks(groups)
+    line_prints = _line_prints if memo is None else memo.lines
+    lines = tuple((i, line_prints(said[i])) for i in system)
     return PromptPrint(
         key,
-        tuple(label for label, _ in pieces),
+        tuple(labels),
         hashes,
         lengths,
         blocks,
         tools_set,
         endpoint,
         model,
-        messages,
+        tuple(s.whole for s in messages.said[head:]),
         head,
         tool_prints,
         lines,
-        stems,
+        tuple(s.stem for s in messages.said[head:]),
     )
 
 
@@ -296,47 +457,46 @@ def _message_index(label: str) -> int:
     return int(label[at + 1 : label.index("]")]) if at >= 0 else -1
 
 
-def _message_pieces(
-    items: list[Any], name: str, pieces: list[tuple[str, str]]
-) -> tuple[str | None, int, int, tuple[int, ...], tuple[int, ...]]:
-    """Append each message's fields to `pieces` (up to `MAX_PIECES`; a `cache_control` marker
-    never reaches the prompt and is left out); the first user message's text, the number of
-    leading system messages and of their pieces, and one fingerprint and one stem fingerprint
-    (`_stem`) per later message."""
+class _Messages(NamedTuple):
+    said: list[_Said]  # per message kept (up to `MAX_PIECES` pieces)
+    first_user: str | None  # the first user message's text
+    head: int  # leading system and developer messages
+
+
+def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
+    """Each message's pieces and fingerprints (`_said`) while fewer than `MAX_PIECES` pieces
+    came before it, the first user message's text and the number of leading system messages."""
     first_user: str | None = None
-    add = pieces.append
-    head = head_pieces = 0
+    head = pieces = 0
     leading = True
-    prints: list[int] = []
-    stems: list[int] = []
-    for i, m in enumerate(items):
-        if len(pieces) >= MAX_PIECES:
+    out: list[_Said] = []
+    for m in items:
+        if pieces >= MAX_PIECES:
             break
-        start = len(pieces)
-        content = ""
-        if not isinstance(m, dict):
-            add((f"{name}[{i}]", _text(m)))
-        else:
-            for field in _message_fields(m):
-                if field == "cache_control":
-                    continue
-                v = m[field]
-                if field == "content":
-                    content = _content(v)
-                    add((f"{name}[{i}].content", content))
+        if memo is None:
+            s = _said(m)
+        else:  # a message is kept by its JSON (`PieceMemo`; its hit inlined: once per message)
+            try:
+                key = orjson.dumps(m)
+            except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
+                s = _said(m)
+            else:
+                got = memo._entries.get(key)
+                if got is not None:
+                    memo._entries.move_to_end(key)
+                    memo.hits += 1
+                    s = got[1]
                 else:
-                    add((f"{name}[{i}].{field}", v if type(v) is str else _text(v)))
-            if first_user is None and m.get("role") == "user":
-                first_user = content
-        if leading and isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
+                    s = memo._get(key, len(key), _said, m)
+        out.append(s)
+        pieces += len(s.texts)
+        if first_user is None and s.user:
+            first_user = s.content
+        if leading and s.system:
             head += 1
-            head_pieces = len(pieces)
-            continue
-        leading = False
-        prints.append(hash(tuple(text for _, text in pieces[start:])))
-        role = m.get("role") if isinstance(m, dict) else None
-        stems.append(hash((role if type(role) is str else None, _stem(content))))
-    return first_user, head, head_pieces, tuple(prints), tuple(stems)
+        else:
+            leading = False
+    return _Messages(out, first_user, head)
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -348,30 +508,31 @@ def _tool_names(tools: list[Any]) -> list[str]:
     ]
 
 
-def _piece_blocks(
-    pieces: list[tuple[str, str]],
-) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
+def _piece_blocks(groups: list[_Said]) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
     """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
     `MAX_BLOCKS` budget lasts (None for a piece past it)."""
     budget = MAX_BLOCKS
     blocks: list[Sequence[int] | None] = []
     hashes: list[int] = []
     lengths: list[int] = []
-    for _, text in pieces:
-        size = len(text)
-        h = hash(text)
-        hashes.append(h)
-        lengths.append(size)
-        if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
-            blocks.append((h,) if size else ())
-            budget -= 1 if size else 0
+    for g in groups:
+        hashes += g.hashes
+        lengths += g.chars
+        if g.cost < budget:  # (so every piece of it still finds at least one block left)
+            blocks += g.blocks
+            budget -= g.cost
             continue
-        n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
-        if n <= budget:
-            blocks.append(array("q", [hash(text[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
-            budget -= n
-        else:
-            blocks.append(None)
+        for size, b in zip(g.chars, g.blocks):
+            if size <= BLOCK_CHARS and budget >= 1:  # one block: the piece's own fingerprint
+                blocks.append(b)
+                budget -= 1 if size else 0
+                continue
+            n = (size + BLOCK_CHARS - 1) // BLOCK_CHARS
+            if n <= budget:  # (a piece of one block here is an empty one: no blocks)
+                blocks.append(b if size > BLOCK_CHARS else array("q"))
+                budget -= n
+            else:
+                blocks.append(None)
     return array("q", hashes), array("q", lengths), tuple(blocks)
 
 

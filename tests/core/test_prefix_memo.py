@@ -1,0 +1,166 @@
+"""Incremental fingerprints (issue 40): `prefix.PieceMemo` reuses what earlier prompts' equal
+parts were made into, and changes no result. Every recorded agent session (tests/fixtures/sessions/)
+is finished with the memo and without it: the same fingerprints and the same records; the memo
+stays within its bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+import sessions
+from mlxproxy.core.cachecheck import PrefixIndex
+from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, PieceMemo, fingerprint
+from mlxproxy.core.record import Record
+
+SESSIONS = {s.name: s for s in sessions.load_sessions()}
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _without_memo() -> PrefixIndex:
+    index = PrefixIndex()
+    index.memo = None
+    return index
+
+
+def _fields(records: dict[int, Record]) -> dict[int, dict[str, Any]]:
+    return {n: dataclasses.asdict(r) for n, r in records.items()}
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_the_memo_changes_no_record_of_a_recorded_session(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with_memo = _fields(sessions.replay(SESSIONS[name]))
+    monkeypatch.setattr(sessions, "PrefixIndex", _without_memo)
+    without = _fields(sessions.replay(SESSIONS[name]))
+    assert with_memo.keys() == without.keys() and with_memo
+    for n in with_memo:
+        assert with_memo[n] == without[n], f"exchange {n}"
+
+
+def _bodies(name: str) -> list[tuple[str, Any, str | None]]:
+    out = []
+    for ex in SESSIONS[name].exchanges:
+        if not ex.generation:
+            continue
+        m, _ = sessions.meter_for(SESSIONS[name], ex)
+        if m.request.prompt_obj is not None:
+            out.append((m.request.endpoint, m.request.prompt_obj, m.request.model))
+    return out
+
+
+def _same(a: Any, b: Any) -> None:
+    """Equal, down to each piece's blocks being a tuple or an array as without the memo."""
+    assert a == b
+    if a is not None:
+        assert [type(x) for x in a.blocks] == [type(x) for x in b.blocks]
+        assert a.total_chars == b.total_chars
+
+
+@pytest.mark.parametrize("max_bytes", [MAX_BLOCKS * BLOCK_CHARS * 4, 3000])
+def test_every_recorded_prompt_fingerprints_the_same_with_the_memo(max_bytes: int) -> None:
+    """In session order with one memo per session (a later turn hits what the earlier made),
+    and with a memo so small that it evicts all the time."""
+    hits = 0
+    for name in sorted(SESSIONS):
+        memo = PieceMemo(max_bytes=max_bytes)
+        for endpoint, obj, model in _bodies(name):
+            texts: list[str] = []
+            texts_memo: list[str] = []
+            _same(fingerprint(endpoint, obj, model, texts, memo), fingerprint(endpoint, obj, model, texts_memo))
+            assert texts == texts_memo
+            assert memo.bytes <= max_bytes
+        hits += memo.hits
+    assert hits > 0  # the incremental path ran
+
+
+def test_the_agent_body_fingerprints_the_same_and_its_next_turn_hits() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from bodies import chat_body
+
+    obj = orjson.loads(chat_body(False, 16, "agent"))
+    memo = PieceMemo()
+    first = fingerprint("chat", obj, "m", memo=memo)
+    misses = memo.misses
+    _same(first, fingerprint("chat", obj, "m"))
+    # the next turn: the same messages (parsed afresh, as the proxy does) and two more
+    nxt = orjson.loads(chat_body(False, 16, "agent"))
+    nxt["messages"] += [
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks, now the tests."},
+    ]
+    _same(fingerprint("chat", nxt, "m", memo=memo), fingerprint("chat", nxt, "m"))
+    assert memo.misses - misses == 2  # only the two new messages were made afresh
+
+
+def test_odd_messages_fingerprint_the_same() -> None:
+    """A message orjson cannot write (a lone surrogate) is made afresh and not kept; values JSON
+    writes alike (infinity as null) or apart (1 and 1.0, true) give what they gave without it."""
+    memo = PieceMemo()
+    cases = [
+        {"messages": [{"role": "user", "content": "a\ud800b"}]},
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": float("inf")}]},
+        {
+            "messages": [
+                {"role": "user", "content": 1},
+                {"role": "user", "content": 1.0},
+                {"role": "user", "content": True},
+            ]
+        },
+        {
+            "messages": [
+                "plain",
+                {"role": "system", "content": "s\nt"},
+                {"role": "user", "content": ""},
+                {"role": "user"},
+            ]
+        },
+        {
+            "messages": [
+                {"content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}], "role": "user"}
+            ]
+        },
+        # tools whose names JSON writes alike (null) but str() does not ("inf", "None")
+        {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": float("inf")}]},
+        {"messages": [{"role": "user", "content": "q"}], "tools": [{"name": None}]},
+    ]
+    for body in cases + cases:
+        _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+    assert memo.hits > 0
+    assert all(not isinstance(k, bytes) or b"\\ud800" not in k for k in memo._entries)
+
+
+def test_the_memo_stays_bounded() -> None:
+    memo = PieceMemo(max_bytes=50_000, max_entries=100)
+    for k in range(2000):
+        body = {"messages": [{"role": "user", "content": f"question {k} " + "x" * (k % 700)}]}
+        fingerprint("chat", body, None, memo=memo)
+        assert memo.bytes <= 50_000 and len(memo) <= 100
+    assert memo.bytes == sum(w for w, _ in memo._entries.values())
+    big = PieceMemo(max_bytes=1000)
+    fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 5000}]}, None, memo=big)
+    assert big.bytes <= 1000  # a part larger than the whole bound is made, not kept
+    assert PrefixIndex().memo is not None  # the finishing step's state keeps one per upstream
+
+
+def test_past_the_block_budget_the_same_pieces_compare_whole() -> None:
+    """Where `MAX_BLOCKS` runs out (mid-message, at an empty piece, at a one-block piece), the
+    memo's by-message path walks piece by piece as without it."""
+    big = "z" * (BLOCK_CHARS * (MAX_BLOCKS - 3))
+    for tail in (["", "a"], ["a" * BLOCK_CHARS, ""], ["b" * (BLOCK_CHARS * 2 + 1), "c"], ["", "", "d"]):
+        body = {
+            "messages": [
+                {"role": "user", "content": big},
+                {"role": "assistant", "content": "e" * (BLOCK_CHARS * 2), "reasoning_content": ""},
+                *({"role": "user", "content": t} for t in tail),
+            ]
+        }
+        memo = PieceMemo()
+        fingerprint("chat", body, None, memo=memo)  # warm: every message a hit the second time
+        with_memo, without = fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None)
+        _same(with_memo, without)
+        assert without is not None and None in without.blocks  # the budget did run out
