@@ -1,7 +1,7 @@
 """Conversation identity and the cache verdict on what real agents send from turn to turn
 (issue 36), from the recorded single requests of tests/fixtures/clients/ changed exactly as
-the recorded multi-turn sessions of the same versions changed them (diffed from h36rec's
-recordings: Claude Code 2.1.332 and Codex 0.171.0 against vllm-mlx 0.6.0, Aider 0.86.2 against
+the recorded multi-turn sessions of the same versions changed them (diffed from the
+recordings in tests/fixtures/sessions/: Claude Code 2.1.332 and Codex 0.171.0 against vllm-mlx 0.6.0, Aider 0.86.2 against
 mlx_lm.server 0.32.2), answered with real recorded streams and scripted times:
 
 - Claude Code moves its `cache_control` breakpoint to the newest message and re-sends the
