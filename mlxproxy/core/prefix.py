@@ -80,6 +80,7 @@ VOLATILE_LINES = 2  # a change of at most this many lines, in place...
 VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile_span
 MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
 MEMO_ENTRIES = 4096  # ...and its entries
+MEMO_PROBATION = 256  # entries seen once, kept apart until seen again (`PieceMemo`)
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -240,21 +241,36 @@ class PieceMemo:
     of is read through that view), its pieces and fingerprints; per other piece's text (a
     system prompt, the tools), its fingerprint and blocks; per system piece, its line
     fingerprints; per tools list, its tools' fingerprints. The fingerprints come out exactly
-    as without it. Bounded, least recently used out first: at most `max_bytes` of keys (a key
-    is at least as long as the text it stands for, which the entry keeps) and `max_entries`
-    entries. Kept by the finishing step's state (`cachecheck.PrefixIndex.memo`); no I/O, no
-    clock."""
+    as without it. A part seen once waits in a probation list of at most `max_probation`
+    entries (the oldest out first) and joins the kept entries only when a later prompt repeats
+    it: a stream of one-off requests (each its own first turn) churns through probation and
+    never fills the memo (a 1,500-request soak of new conversations grew the proxy's memory by
+    11 % when every part was kept). The kept entries: least recently used out first, at most
+    `max_bytes` of keys in both lists together (a key is at least as long as the text it stands
+    for, which the entry keeps) and `max_entries` entries. Kept by the finishing step's state
+    (`cachecheck.PrefixIndex.memo`); no I/O, no clock."""
 
-    def __init__(self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES) -> None:
+    def __init__(
+        self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES, max_probation: int = MEMO_PROBATION
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
-        self.bytes = 0  # the keys' bytes held
+        self.max_probation = max_probation
+        self.bytes = 0  # the keys' bytes held, in both lists
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()
+        self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen again: kept
+        self._probation: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen once
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._probation)
+
+    def weights(self) -> int:
+        """The keys' bytes the two lists hold (what `bytes` counts)."""
+        return sum(w for w, _ in self._entries.values()) + sum(w for w, _ in self._probation.values())
+
+    def keys(self) -> list[Any]:
+        return [*self._entries, *self._probation]
 
     def _get(self, key: Any, weight: int, make: Any, arg: Any) -> Any:
         entries = self._entries
@@ -263,14 +279,27 @@ class PieceMemo:
             entries.move_to_end(key)
             self.hits += 1
             return got[1]
+        got = self._probation.pop(key, None)
+        if got is not None:  # seen again: kept
+            self.hits += 1
+            entries[key] = got
+            self._trim()
+            return got[1]
         self.misses += 1
         value = make(arg)
         if weight <= self.max_bytes:
-            entries[key] = (weight, value)
+            probation = self._probation
+            probation[key] = (weight, value)
             self.bytes += weight
-            while self.bytes > self.max_bytes or len(entries) > self.max_entries:
-                self.bytes -= entries.popitem(last=False)[1][0]
+            while len(probation) > self.max_probation:
+                self.bytes -= probation.popitem(last=False)[1][0]
+            self._trim()
         return value
+
+    def _trim(self) -> None:
+        entries, probation = self._entries, self._probation
+        while len(entries) > self.max_entries or (self.bytes > self.max_bytes and (entries or probation)):
+            self.bytes -= (entries or probation).popitem(last=False)[1][0]
 
     def piece(self, text: str) -> _Said:
         return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
@@ -486,7 +515,7 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
                     memo._entries.move_to_end(key)
                     memo.hits += 1
                     s = got[1]
-                else:
+                else:  # (in probation, or new)
                     s = memo._get(key, len(key), _said, m)
         out.append(s)
         pieces += len(s.texts)

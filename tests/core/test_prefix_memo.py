@@ -131,7 +131,7 @@ def test_odd_messages_fingerprint_the_same() -> None:
     for body in cases + cases:
         _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
     assert memo.hits > 0
-    assert all(not isinstance(k, bytes) or b"\\ud800" not in k for k in memo._entries)
+    assert all(not isinstance(k, bytes) or b"\\ud800" not in k for k in memo.keys())
 
 
 def test_the_memo_stays_bounded() -> None:
@@ -139,8 +139,8 @@ def test_the_memo_stays_bounded() -> None:
     for k in range(2000):
         body = {"messages": [{"role": "user", "content": f"question {k} " + "x" * (k % 700)}]}
         fingerprint("chat", body, None, memo=memo)
-        assert memo.bytes <= 50_000 and len(memo) <= 100
-    assert memo.bytes == sum(w for w, _ in memo._entries.values())
+        assert memo.bytes <= 50_000 and len(memo._entries) <= 100 and len(memo._probation) <= memo.max_probation
+    assert memo.bytes == memo.weights()
     big = PieceMemo(max_bytes=1000)
     fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 5000}]}, None, memo=big)
     assert big.bytes <= 1000  # a part larger than the whole bound is made, not kept
@@ -164,3 +164,28 @@ def test_past_the_block_budget_the_same_pieces_compare_whole() -> None:
         with_memo, without = fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None)
         _same(with_memo, without)
         assert without is not None and None in without.blocks  # the budget did run out
+
+
+def test_one_off_requests_churn_through_probation_and_keep_nothing() -> None:
+    """A part seen once waits in probation; only a part a later prompt repeats is kept. New
+    conversations one after another (the soak's traffic: each its own first turn, sharing the
+    system prompt) keep the shared system prompt and nothing else, however many there are."""
+    memo = PieceMemo(max_probation=16)
+    system = {"role": "system", "content": "You are a coding agent. " * 40}
+    for k in range(500):
+        body = {"messages": [system, {"role": "user", "content": f"hello there {k:x}"}]}
+        _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+        assert len(memo._probation) <= 16
+    kept = memo._entries
+    # the one part seen again: the system message (by its JSON, its text and its lines)
+    assert kept and all(b"hello there" not in repr(k).encode() for k in kept)
+    assert orjson.dumps(system) in kept and len(kept) <= 3
+    assert memo.bytes == memo.weights()
+    # an agent's next turn: what the first turn sent is found in probation and kept from then on
+    turn1 = {"messages": [system, {"role": "user", "content": "fix the bug"}]}
+    fingerprint("chat", turn1, None, memo=memo)
+    misses, before = memo.misses, len(kept)
+    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "done"}]}
+    _same(fingerprint("chat", turn2, None, memo=memo), fingerprint("chat", turn2, None))
+    # only the new message made afresh; the first turn's user message kept now (seen twice)
+    assert memo.misses - misses == 1 and orjson.dumps(turn1["messages"][1]) in kept and len(kept) == before + 1
