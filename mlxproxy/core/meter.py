@@ -40,7 +40,7 @@ from mlxproxy.core.openai import (
 from mlxproxy.core.record import MEASURED_FIELDS, Outcome
 from mlxproxy.core.sse import SSEComment, SSEDecoder, SSEEvent, SSEItem, SSEProtocolError
 from mlxproxy.core.strip import UsageStripper
-from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, call_problem, find_markup
+from mlxproxy.core.tools import MAX_ARGUMENT_CHARS, MAX_TOOLS, ToolSpec, call_problem, find_markup
 
 __all__ = ["RequestMeter", "Measurement", "Snapshot"]
 
@@ -580,9 +580,10 @@ class RequestMeter:
         if isinstance(obj.get("usage"), dict):
             self._usage = obj["usage"]
             self._usage_reports += 1
-        for key in _CLAIM_KEYS:  # a server's figures about itself (LM Studio's v0 `stats`, `timings`)
-            if isinstance(obj.get(key), dict):
-                self._claims[key] = obj[key]
+        if not obj.keys().isdisjoint(_CLAIM_KEYS):  # (most bodies have none: one test, not three)
+            for key in _CLAIM_KEYS:  # a server's figures about itself (LM Studio's v0 `stats`, `timings`)
+                if isinstance(obj.get(key), dict):
+                    self._claims[key] = obj[key]
         msg = obj.get("error")
         if msg:
             self._stream_error = error_message(obj)
@@ -626,9 +627,9 @@ class RequestMeter:
                 return "protocol_error"
         return "ok"
 
-    def _generated(self, count_tokens: Callable[[str], int] | None) -> _Generated:
+    def _generated(self, count_tokens: Callable[[str], int] | None, tools: tuple[ToolSpec, ...] | None) -> _Generated:
         """What was generated: the texts, a tokenizer's recount, the text's sizes for the usage
-        check and why each structured tool call is unusable."""
+        check and why each structured tool call is unusable (`tools`: the request's)."""
         content = "".join(self._content_parts)
         reasoning = "".join(self._reasoning_parts)
         calls = self._tool_calls
@@ -643,7 +644,6 @@ class RequestMeter:
         if chars is not None and self._tool_args_over:  # arguments past the bound were streamed too
             chars += sum(self._tool_args_over.values())
         problems: tuple[str, ...] = ()
-        tools = self._request.tools
         if tools is not None and calls:
             over = self._tool_args_over
             found = (
@@ -720,7 +720,8 @@ class RequestMeter:
         (`_generated`), what the usage says (`_usage_figures`) and how the request ended
         (`_failure_figures`), each decided once."""
         request = self._request
-        gen = self._generated(count_tokens)
+        tools = request.tools  # (a property: read once)
+        gen = self._generated(count_tokens, tools)
         use = self._usage_figures()
         end = self._failure_figures(body_obj, stream_error, outcome, error)
         calls = self._tool_calls
@@ -770,7 +771,7 @@ class RequestMeter:
             finish_reason=self._finish_reason,
             finish_reasons_seen=self._finish_reasons_seen,
             tool_calls=len(calls),
-            tool_calls_valid=None if request.tools is None else len(calls) - len(gen.problems),
+            tool_calls_valid=None if tools is None else len(calls) - len(gen.problems),
             error=end.error,
             context_prompt_tokens=end.context_prompt_tokens,
             context_limit_tokens=end.context_limit_tokens,
@@ -790,7 +791,7 @@ class RequestMeter:
             nonascii_bytes=gen.nonascii_bytes,
             content_text=gen.content,
             tool_problems=gen.problems,
-            tool_markup=find_markup(gen.content, request.tools) if request.tools is not None and not calls else None,
+            tool_markup=find_markup(gen.content, tools) if tools is not None and not calls else None,
             silent_after_headers_s=None
             if headers is None
             else (self._t_first_byte if self._t_first_byte is not None else t_end) - headers,

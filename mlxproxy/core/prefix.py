@@ -326,6 +326,7 @@ class _Said(NamedTuple):
     system: bool = False  # a system or developer message
     whole: int = 0  # the message's fingerprint
     stem: int = 0  # its role's and stem's (`_stem`)
+    user_stem: str = ""  # a user message's stem (a conversation's key is its first one's): made once
 
 
 def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Sequence[int], ...], int]:
@@ -375,6 +376,7 @@ def _said(m: Any) -> _Said:
             suffixes.append(f".{field}")
             said.append(v if type(v) is str else _text(v))
     texts = tuple(said)
+    stem = _stem(content)
     return _Said(
         tuple(suffixes),
         texts,
@@ -383,7 +385,8 @@ def _said(m: Any) -> _Said:
         role == "user",
         role in _SYSTEM_ROLES,
         hash(texts),
-        hash((role if type(role) is str else None, _stem(content))),
+        hash((role if type(role) is str else None, stem)),
+        stem if role == "user" else "",
     )
 
 
@@ -457,7 +460,7 @@ def fingerprint(
         labels += [at[i] + suffix for suffix in s.suffixes]
         said += s.texts
     groups += messages.said[head:]
-    key = hash((endpoint, _stem(first_user)))
+    key = hash((endpoint, first_user))
     if texts is not None:
         texts.extend(said)
     hashes, lengths, blocks = _piece_blocks(groups)
@@ -488,7 +491,7 @@ def _message_index(label: str) -> int:
 
 class _Messages(NamedTuple):
     said: list[_Said]  # per message kept (up to `MAX_PIECES` pieces)
-    first_user: str | None  # the first user message's text
+    first_user: str | None  # the first user message's stem (`_stem` of its text)
     head: int  # leading system and developer messages
 
 
@@ -520,7 +523,7 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
         out.append(s)
         pieces += len(s.texts)
         if first_user is None and s.user:
-            first_user = s.content
+            first_user = s.user_stem
         if leading and s.system:
             head += 1
         else:
@@ -764,16 +767,20 @@ def continues(old: PromptPrint, new: PromptPrint) -> bool:
     editing the system prompt). The same prompt sent again whole is a repeat: a conversation
     of its own; another agent's prompt over the same messages (`_another_agent`) is not this
     conversation's."""
-    if old.family != new.family or _another_agent(old, new):
+    if old.family != new.family:
         return False
     a, b = old.messages, new.messages
     if len(b) > len(a) and b[: len(a)] == a:
-        return True
-    if old.model != new.model or not a:
+        pass
+    elif old.model != new.model or not a:
         return False
-    if a == b:
-        return old.hashes != new.hashes or old.chars != new.chars
-    return a[-1] in b or (bool(old.stems) and old.stems[-1] in new.stems)
+    elif a == b:
+        if old.hashes == new.hashes and old.chars == new.chars:
+            return False  # a repeat (most prompts a conversation's index holds are not this one's)
+    elif a[-1] not in b and not (old.stems and old.stems[-1] in new.stems):
+        return False
+    # (last: the sets of lines it compares cost more than the checks above)
+    return not _another_agent(old, new)
 
 
 class Latest(NamedTuple):
@@ -798,8 +805,12 @@ def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: An
     turn). `body`: the request body `new` was made of, still at hand (the shape of a volatile
     line is read from it)."""
     best: tuple[tuple[bool, bool, int], Latest, int, bool, str | None] | None = None
+    messages, hashes = new.messages, new.hashes
     for e in latest.get(new.key, ()):
-        if not continues(e.prompt, new):
+        p = e.prompt
+        if p.messages == messages and p.hashes == hashes and p.chars == new.chars:
+            continue  # the same prompt sent again: a repeat (`continues`), told without the call
+        if not continues(p, new):
             continue
         shared, extends, where = compare(e.prompt, new)
         rank = (e.prompt.model == new.model, extends, shared)

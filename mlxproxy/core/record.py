@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field, fields
+from itertools import repeat
 from typing import Any, Literal, get_args
 
 from mlxproxy.core.clients import NO_CLIENT, ClientInfo, SideRequest
@@ -255,6 +257,7 @@ class Record:
 
 _FIELD_NAMES = tuple(f.name for f in fields(Record))
 _setattr = object.__setattr__  # how a frozen dataclass sets its own fields
+_drain = deque[None](maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
 # What the checks decide (`core.detect.verdict`, the conversation's prefix checks); each has a
@@ -320,10 +323,9 @@ def checked_record(
     of secrets). Set field by field (a frozen record's `__init__` would cost twice as much, on
     the event loop, once per request); unknown conversation fields raise AttributeError."""
     new = object.__new__(Record)
-    for name, value in zip(MEASURED_FIELDS, measured):
-        _setattr(new, name, value)
-    for name, value in _CHECKED_DEFAULTS.items():
-        _setattr(new, name, value)
+    # (each field by `map`: the loop runs in C, not once per field in the interpreter)
+    _drain(map(_setattr, repeat(new), MEASURED_FIELDS, measured))
+    _drain(map(_setattr, repeat(new), _CHECKED_DEFAULTS, _CHECKED_DEFAULTS.values()))
     if conversation:
         for name, value in conversation.items():
             if name not in _CHECKED_DEFAULTS and name not in _CONVERSATION_CORRECTS:
