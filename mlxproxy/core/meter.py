@@ -28,6 +28,7 @@ from mlxproxy.core.apis import ApiEvent
 from mlxproxy.core.native import DIALECT_APIS, dialect_body, dialect_event, dialect_usage
 from mlxproxy.core.ndjson import NDJSONDecoder
 from mlxproxy.core.openai import (
+    CLAIM_KEYS,
     GENERATION_ENDPOINTS,
     Endpoint,
     RequestInfo,
@@ -48,7 +49,6 @@ _PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses
 _STD_USAGE_KEYS = frozenset(
     {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
 )
-_CLAIM_KEYS = ("timings", "metrics", "stats")  # keep in step with core.openai's chunk claims
 MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
 
 
@@ -580,8 +580,8 @@ class RequestMeter:
         if isinstance(obj.get("usage"), dict):
             self._usage = obj["usage"]
             self._usage_reports += 1
-        if not obj.keys().isdisjoint(_CLAIM_KEYS):  # (most bodies have none: one test, not three)
-            for key in _CLAIM_KEYS:  # a server's figures about itself (LM Studio's v0 `stats`, `timings`)
+        if not obj.keys().isdisjoint(CLAIM_KEYS):  # (most bodies have none: one test, not three)
+            for key in CLAIM_KEYS:  # a server's figures about itself (LM Studio's v0 `stats`, `timings`)
                 if isinstance(obj.get(key), dict):
                     self._claims[key] = obj[key]
         msg = obj.get("error")

@@ -16,6 +16,7 @@ import orjson
 from mlxproxy.core.tools import ToolSpec, parse_tools
 
 __all__ = [
+    "CLAIM_KEYS",
     "Endpoint",
     "ENDPOINTS",
     "GENERATION_ENDPOINTS",
@@ -34,6 +35,10 @@ __all__ = [
     "uncached_tokens",
     "whole_prompt_tokens",
 ]
+
+#: where a body or chunk carries a server's figures about itself (llama.cpp-style `timings`,
+#: Rapid-MLX's `metrics`, LM Studio's v0 `stats`): kept as claims, audited by `core.claims`
+CLAIM_KEYS = ("timings", "metrics", "stats")
 
 Endpoint = Literal[
     "chat_completions",
@@ -284,12 +289,13 @@ def _classify_general(obj: Any) -> Delta:
     usage = obj.get("usage")
     if isinstance(usage, dict):
         d.usage = usage
-    for key in ("timings", "metrics", "stats"):  # llama.cpp-style, Rapid-MLX, LM Studio's v0
-        v = obj.get(key)
-        if isinstance(v, dict):
-            if d.claims is None:
-                d.claims = {}
-            d.claims[key] = v
+    if not obj.keys().isdisjoint(CLAIM_KEYS):  # (most chunks carry none: one test, not three)
+        for key in CLAIM_KEYS:
+            v = obj.get(key)
+            if isinstance(v, dict):
+                if d.claims is None:
+                    d.claims = {}
+                d.claims[key] = v
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return d
