@@ -72,6 +72,9 @@ class Session:
     server: str
     server_version: str
     exchanges: tuple[Exchange, ...]
+    #: the sessions recorded before this one through the same proxy, in order (folder names): its
+    #: prefix index had seen them (``record_sessions --one-proxy``)
+    after: tuple[str, ...] = ()
 
     @property
     def turns(self) -> list[Exchange]:
@@ -118,6 +121,7 @@ def load_session(folder: Path) -> Session:
         server=session["server"],
         server_version=session["server_version"],
         exchanges=tuple(out),
+        after=tuple(session.get("after") or ()),
     )
 
 
@@ -197,20 +201,41 @@ def rigged_token_counter() -> Callable[[str], int] | None:
 
 
 def replay(
-    session: Session, th: Thresholds | None = None, count_tokens: Callable[[str], int] | None = None
+    session: Session,
+    th: Thresholds | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+    *,
+    before: tuple[Session, ...] = (),
 ) -> dict[int, Record]:
     """Today's core on the recorded session: each generation request's record, by exchange number.
-    ``count_tokens`` defaults to the rigged tokenizer, which the recording proxy had."""
+    ``count_tokens`` defaults to the rigged tokenizer, which the recording proxy had. ``before``:
+    the sessions that went through the same proxy first (``Session.after``), replayed in order
+    into the same prefix index (and stream of earlier records), each after the previous one's end."""
     th = th or Thresholds()
     count_tokens = count_tokens or rigged_token_counter()
     index = PrefixIndex()
+    earlier: list[Record] = []
+    start = 0.0
+    for s in before:
+        start = _replay_into(s, index, earlier, th, count_tokens, start)[1] + 1.0
+    return _replay_into(session, index, earlier, th, count_tokens, start)[0]
+
+
+def _replay_into(
+    session: Session,
+    index: PrefixIndex,
+    earlier: list[Record],
+    th: Thresholds,
+    count_tokens: Callable[[str], int] | None,
+    start: float,
+) -> tuple[dict[int, Record], float]:
+    """``session`` replayed into ``index`` from ``start`` (seconds): its records and its end."""
     finished: list[tuple[float, RequestMeter, Exchange]] = []
     for ex in session.exchanges:
         if ex.generation and ex.upstream_response is not None:
-            m, end = meter_for(session, ex)
+            m, end = meter_for(session, dataclasses.replace(ex, t_sent=ex.t_sent + start))
             finished.append((end, m, ex))
     out: dict[int, Record] = {}
-    earlier: list[Record] = []
     for end, m, ex in sorted(finished, key=lambda f: f[0]):  # the proxy finishes in end order
         # (the proxy counts with its tokenizer where the body is a stream: `ProxyApp._record`)
         counter = count_tokens if m.sse else None
@@ -220,4 +245,4 @@ def replay(
         rec = finish_checked(m, end, th, earlier=earlier, prefixes=index, count_tokens=counter, client=client)
         earlier.append(rec)
         out[n] = rec
-    return out
+    return out, max((f[0] for f in finished), default=start)

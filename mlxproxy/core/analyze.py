@@ -116,6 +116,7 @@ def finish_checked(
                 cached_tokens=m.cached_tokens,
                 hit_excess_s=judged.hit_excess_s if judged is not None and not burst else None,
                 prompt_source=source or "usage",
+                reach=judged.reach if judged is not None and not burst else None,
             )
         elif match is not None:
             cid, turn = match.conversation_id, match.turn

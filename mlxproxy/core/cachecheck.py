@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
@@ -52,6 +52,9 @@ __all__ = [
 ]
 
 Says = Literal["hit", "miss"]
+#: how far an upstream's cache reached on a turn that extended its conversation: past the system
+#: part into the messages ("conversation"), or not past it ("system": the messages prefilled again)
+Reach = Literal["conversation", "system"]
 
 MAX_CONVERSATIONS = 256  # per upstream
 SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
@@ -61,6 +64,12 @@ MISS_SHARE = 0.75  # a re-prefill's TTFT is at least this share of the predicted
 COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold
 FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
 FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
+REACH_SAMPLES = 8  # extended turns kept per upstream that showed how far its cache reaches...
+REACH_MIN_SYSTEM = 2  # ...and how many showing the system part only, none past it, say "system"
+# the TTFT tells how far a cache reached where the messages past the system part take at least
+# this long to prefill at the cold rate: more than twice the fixed cost of a hit seen on any server
+# here (vllm-mlx: hits of the same prompt 0.06-0.41 s), which no fit may have subtracted yet
+REACH_MIN_S = 1.0
 
 
 class CacheFacts(NamedTuple):
@@ -69,6 +78,10 @@ class CacheFacts(NamedTuple):
     cold_rate: float | None = None  # median prefill tok/s of cold first turns
     fixed_s: float = 0.0  # a hit's fixed per-request cost: TTFT beyond prefilling the new tokens
     reports_cache: bool = False  # it has reported a positive cached count: its 0 means a miss
+    # how far its cache reaches (`PrefixIndex.facts`): "system" where its recent extended turns
+    # reused only the system part, "conversation" where one reused past it; None: not shown yet
+    reach: Reach | None = None
+    reach_turns: int = 0  # the recent extended turns that showed it
 
 
 class Reusable(NamedTuple):
@@ -137,6 +150,7 @@ class TurnVerdict:
     correct_prefill_tps: bool = False  # replace the measured prefill rate with `prefill_tps`
     prefill_tps: float | None = None
     hit_excess_s: float | None = None  # a known hit's TTFT beyond its prefill (the fixed-cost fit)
+    reach: Reach | None = None  # an extended turn: how far the cache reached (`PrefixIndex.facts`)
 
     def fields(self, m: Match) -> dict[str, Any]:
         """The record's conversation fields (`core.record.checked_record`)."""
@@ -249,7 +263,9 @@ def extended(t: Turn) -> TurnVerdict:
     """A prompt that extends the previous one: did the server reuse it, and say so? A cached
     count is the evidence where it shows the hit, or where this server reports its hits (then
     a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
-    (`cached_tokens_unreported`), a re-prefill (`cache_evicted`), or nothing."""
+    (`cached_tokens_unreported`), a hit of the system part only (`system_only`), a re-prefill
+    (`cache_evicted`), or nothing. Each says how far the cache reached (`TurnVerdict.reach`)
+    where the messages past the system part are `prefix_min_tokens` or more."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
     if reusable.tokens < th.prefix_min_tokens:
@@ -266,30 +282,107 @@ def extended(t: Turn) -> TurnVerdict:
         )
     said = timing_says(whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, rate_of=rate_of)
     says = said.says if said is not None else None
+    system = _system_tokens(m)
+    # the messages past the system part: enough to tell how far the cache reached, by count or by TTFT
+    past = reusable.tokens - system >= th.prefix_min_tokens
+    timed = past and rate is not None and (reusable.tokens - system) / rate >= REACH_MIN_S
     if cached is not None and cached >= th.prefix_miss_ratio * reusable.tokens:  # the count shows the hit
         hit = _excess(ttft, whole, cached, rate) if says != "miss" else None
+        into = cached - system >= PAST_CHANGE_TOKENS  # reused into the messages, not just the system part
         return TurnVerdict(
-            reusable, ratio, evidence=f"cached_tokens {cached} of ~{reusable.tokens} reusable", hit_excess_s=hit
+            reusable,
+            ratio,
+            evidence=f"cached_tokens {cached} of ~{reusable.tokens} reusable",
+            hit_excess_s=hit,
+            reach=None if not past else "conversation" if into else "system",
         )
     if _counted(r, facts) and cached is not None:
         why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
         evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
-        return evicted(t, why, evidence, r.uncached_prompt_tokens)
+        missed = evicted(t, why, evidence, r.uncached_prompt_tokens)
+        return _reached(missed, "system" if past and cached <= system + PAST_CHANGE_TOKENS else None)
+    # the TTFT against a hit of the whole prefix and a hit of the system part only
+    reach = (
+        timing_says(
+            whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, reused_on_miss=system, rate_of=rate_of
+        )
+        if timed
+        else None
+    )
+    if reach is not None and reach.says == "miss":
+        only = system_only(t, system, reach)
+        if only is not None:
+            return only
     if said is not None and says == "hit":
         hit = _excess(ttft, whole, reusable.tokens, rate)
         # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
         found = () if r.prompt_tokens is None else (_unreported(r, m, reusable, whole, said),)
         return TurnVerdict(
-            reusable, ratio, evidence=said.text(), anomalies=found, correct_prefill_tps=True, hit_excess_s=hit
+            reusable,
+            ratio,
+            evidence=said.text(),
+            anomalies=found,
+            correct_prefill_tps=True,
+            hit_excess_s=hit,
+            reach="conversation" if reach is not None and reach.says == "hit" else None,
         )
     if said is not None and says == "miss":
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
-        return evicted(t, why, said.text(), whole)
+        return _reached(evicted(t, why, said.text(), whole), "system" if reach is not None else None)
     # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
     unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
     told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
     return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
+
+
+def _system_tokens(m: Match) -> int:
+    """The previous prompt's system part (system pieces and tools) in tokens (`Match.tokens`)."""
+    return m.tokens(m.system_chars)[0] if m.system_chars else 0
+
+
+def _reached(v: TurnVerdict, reach: Reach | None) -> TurnVerdict:
+    return v if reach is None else replace(v, reach=reach)
+
+
+def system_only(t: Turn, system: int, reach: Timing) -> TurnVerdict | None:
+    """An extended turn whose TTFT shows the system part reused and the messages after it
+    prefilled again (`reach` says a re-prefill past the system part): a cache that keeps only
+    the system prompt (vllm-mlx 0.6.0 by default). None where the TTFT cannot tell that from a
+    cold prefill of the whole prompt (a small system part). The usage hiding the system part's
+    hit is `cached_tokens_unreported` from `prefix_min_tokens` on; the re-prefilled messages
+    are no anomaly (this server never keeps them: `FIXES`' note), but the evidence says so."""
+    r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
+    cached, ttft = r.cached_tokens, r.ttft_s
+    if not whole or not rate or ttft is None:
+        return None
+    # closer to a hit of the system part than to a cold prefill of the whole prompt (`timing_says`
+    # caps a hit at half the cold prefill; a system part shorter than the messages is no less a hit)
+    cold = whole / rate
+    if cold - reach.cold_s < th.cache_timing_min_s or ttft > (cold + reach.cold_s) / 2:
+        return None
+    evidence = (
+        f"TTFT {_fmt(reach.ttft_s)} s suggests only the system part was reused (~{system} tokens: system prompt "
+        f"and tools) and the ~{reusable.tokens - system} tokens of messages after it were prefilled again (a hit "
+        f"of the whole prefix ≈ {_fmt(reach.hit_s)} s, of the system part only ≈ {_fmt(reach.cold_s)} s, cold ≈ "
+        f"{_fmt(cold)} s; {_fmt(reach.rate)} tok/s cold, {rate_of}): this server keeps the system prompt, "
+        "not the conversation"
+    )
+    found: tuple[Anomaly, ...] = ()
+    hidden = cached is None or cached < th.prefix_miss_ratio * system
+    if r.prompt_tokens is not None and system >= th.prefix_min_tokens and hidden:
+        told = "no cached_tokens" if cached is None else f"cached_tokens {cached}"
+        found = (
+            Anomaly(
+                "cached_tokens_unreported",
+                f"{_reused_from(m, reusable)}; {evidence}, prefilling {(whole or 0) - system} of {whole} tokens: "
+                f"the cache reused ~{system} tokens, but usage says {told}",
+            ),
+        )
+    hit = _excess(ttft, whole, system, rate)
+    return TurnVerdict(
+        reusable, ratio, evidence=evidence, anomalies=found, correct_prefill_tps=True, hit_excess_s=hit, reach="system"
+    )
 
 
 def claimed_cold(t: Turn) -> Anomaly | None:
@@ -408,6 +501,21 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
     also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
     shown = change_shown(t, change)
     unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
+    # a change past the system part that only the TTFT could price: what this server's cache keeps decides
+    by_reach = (
+        shown.says in ("reprefilled", "nothing")
+        and not _counted(r, facts)
+        and change.cause != "model_changed"
+        and m.shared_chars >= m.system_chars
+    )
+    if by_reach and facts.reach == "system":
+        evidence = (
+            f"this server reused only the system prompt on {facts.reach_turns} earlier turns that extended their "
+            f"conversation, none past it (TTFT): it prefills the messages after it on every turn, so the change at "
+            f"{change.where} cost nothing here (0 s lost)"
+        )
+        zero = Reprefill(change.cause, change.where, 0, None)
+        return TurnVerdict(reusable, ratio, zero, 0.0, evidence, also, correct_prefill_tps=unknown_share)
     if shown.says == "nothing":
         return TurnVerdict(reusable, ratio, evidence=shown.evidence, anomalies=also, correct_prefill_tps=unknown_share)
     if shown.says != "reprefilled":
@@ -420,12 +528,22 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
         return TurnVerdict(reusable, ratio, evidence=shown.evidence)
     rp = Reprefill(change.cause, change.where, lost, shown.prefilled)
     found = prefix_changed(m, change, reusable, lost, shown.evidence, th)
+    lost_s = _lost_s(r.ttft_s, rp, facts.fixed_s, t.rate)
+    evidence = shown.evidence
+    if by_reach and facts.reach is None:  # no turn has shown whether this server keeps the conversation
+        bound = f"~{_fmt(lost_s)} s" if lost_s is not None else "its share of this TTFT"
+        evidence += (
+            f"; the seconds are uncertain: {bound} where this server keeps the conversation in its cache, 0 s where "
+            "it keeps only the system prompt, and no turn on this upstream has shown which yet (one that extends a "
+            "long conversation will)"
+        )
+        lost_s = None
     return TurnVerdict(
         reusable,
         ratio,
         rp,
-        _lost_s(r.ttft_s, rp, facts.fixed_s, t.rate),
-        shown.evidence,
+        lost_s,
+        evidence,
         (*found, *also),
         correct_prefill_tps=hidden is not None,
         hit_excess_s=shown.hit_excess_s,
@@ -483,6 +601,8 @@ class PrefixIndex:
         self.cold_prefill_tps: deque[float] = deque(maxlen=32)  # prefill rates of first turns (no cache)
         self.hit_excess_s: deque[float] = deque(maxlen=FIXED_SAMPLES)  # known hits' TTFT past their prefill
         self.reports_cache = False
+        # how far the cache reached on recent extended turns (True: into the messages)
+        self.reach: deque[bool] = deque(maxlen=REACH_SAMPLES)
         # what `prefix.fingerprint` made of recent prompts' parts, reused where the next turn
         # repeats them (bounded; the same fingerprints as without it)
         self.memo: PieceMemo | None = PieceMemo()
@@ -503,6 +623,7 @@ class PrefixIndex:
         cached_tokens: int | None = None,
         hit_excess_s: float | None = None,
         prompt_source: str = "usage",
+        reach: Reach | None = None,
     ) -> tuple[str, int]:
         """Remember `new` as its conversation's latest prompt; returns (conversation_id, turn).
         `cold_prefill_tps`: this request's prefill rate when its cache was cold (kept as the
@@ -510,13 +631,16 @@ class PrefixIndex:
         this upstream's: `prefill_rate`); `lost_s`: the prefill seconds it lost (summed per
         conversation); `cached_tokens`: its reported count (a positive one says this server
         reports its hits); `hit_excess_s`: a known hit's TTFT beyond its prefill (`facts`);
-        `prompt_source`: where `prompt_tokens` came from (`usage`, or the proxy's count)."""
+        `prompt_source`: where `prompt_tokens` came from (`usage`, or the proxy's count); `reach`:
+        how far the cache reached on an extended turn (`TurnVerdict.reach`, `facts`)."""
         if match is None and cold_prefill_tps is not None:
             self.cold_prefill_tps.append(cold_prefill_tps)
         if cached_tokens:
             self.reports_cache = True
         if hit_excess_s is not None:
             self.hit_excess_s.append(hit_excess_s)
+        if reach is not None:
+            self.reach.append(reach == "conversation")
         entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
         if match is not None:
@@ -549,7 +673,12 @@ class PrefixIndex:
     def facts(self) -> CacheFacts:
         """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
         fixed cost (the smallest TTFT past its prefill among its last `FIXED_SAMPLES` known hits,
-        once there are `FIXED_MIN_SAMPLES`) and whether it
-        reports its hits."""
+        once there are `FIXED_MIN_SAMPLES`), whether it reports its hits, and how far its cache
+        reaches: "system" where at least `REACH_MIN_SYSTEM` of its last `REACH_SAMPLES` extended
+        turns showed the messages past the system part prefilled again and none showed them
+        reused, "conversation" where one did."""
         fixed = min(self.hit_excess_s) if len(self.hit_excess_s) >= FIXED_MIN_SAMPLES else 0.0
-        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache)
+        into = sum(self.reach)
+        system = len(self.reach) - into
+        reach: Reach | None = "conversation" if into else "system" if system >= REACH_MIN_SYSTEM else None
+        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache, reach, into or system)

@@ -69,6 +69,7 @@ __all__ = [
     "Latest",
     "PieceMemo",
     "MEMO_BYTES",
+    "system_chars",
 ]
 
 BLOCK_CHARS = 256
@@ -584,6 +585,7 @@ class Match(NamedTuple):
     cold_prefill_tps: float | None = None  # the conversation's own prefill rate on a cold cache
     lost_s: float = 0.0  # prefill seconds the conversation lost to re-prefills so far
     previous_source: str = "usage"  # where previous_prompt_tokens came from (the proxy's count: "tokenizer", "chars")
+    system_chars: int = 0  # the previous prompt's system part (system pieces and tools: `system_chars`)
 
     def tokens(self, chars: int) -> tuple[int, str]:
         """`chars` of the previous prompt in tokens, and how that was counted: from its
@@ -602,6 +604,15 @@ class Change(NamedTuple):
 
     cause: PromptCause
     where: str  # e.g. "system line 1: a-a-a-a: a_a=9.9.99; a=<hex:5>;", "tools: read_file changed"
+
+
+def system_chars(pp: PromptPrint) -> int:
+    """The characters of a prompt's system part: its system pieces (`system`, `instructions`, the
+    leading system and developer messages) and its tools, which come first in its pieces. A cache
+    that keeps only the system prompt (vllm-mlx 0.6.0's default) keeps this part (as the server
+    renders it, with the tools) and prefills everything after it on every request."""
+    k = len(pp.lines) + (1 if pp.tools else 0)
+    return sum(pp.chars[:k])
 
 
 def _where(old: PromptPrint, new: PromptPrint, i: int, within: int | None) -> str:
@@ -833,4 +844,5 @@ def find_turn(latest: Mapping[int, Sequence[Latest]], new: PromptPrint, body: An
         e.cold_prefill_tps,
         e.lost_s,
         e.prompt_source,
+        system_chars(e.prompt),
     )

@@ -263,3 +263,122 @@ def test_a_reprefill_costs_its_lost_tokens_at_the_upstreams_cold_rate() -> None:
     # without a cold rate to go by, the TTFT's share is all there is
     alone = check_turn(r, m._replace(cold_prefill_tps=None), CacheFacts(), TH)
     assert alone.lost_s == pytest.approx(0.305 * 503 / 535)
+
+
+PASTE = "A long document the user pasted into the conversation, line after line.\n" * 560  # ~40,000 characters
+AGENT_SYSTEM = SYSTEM * 8  # ~9,600 tokens: an agent's system prompt and tools (OpenCode's ~17,000)
+
+
+def pasted(n: int, first: str = "Summarize this:") -> list[list]:
+    """An agent's first `n` turns after a user pasted a document (~10,000 tokens of messages past
+    a ~9,600-token system prompt), each turn extending the previous."""
+    msgs: list = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": f"{first}\n\n{PASTE}"}]
+    out = [msgs]
+    for k in range(1, n):
+        msgs = msgs + [{"role": "assistant", "content": f"answer {k}"}, {"role": "user", "content": f"and {k}?"}]
+        out.append(msgs)
+    return out
+
+
+def tokens_of(messages: list) -> int:
+    return sum(len(m["content"]) for m in messages) // 4
+
+
+RATE = 8000.0  # tok/s cold
+FIXED = 0.05  # a hit's fixed cost
+
+
+def extended_turns(index: PrefixIndex, keeps: str, first: str = "Summarize this:", rid: str = "p") -> list[Record]:
+    """Three turns of `pasted` on a server that keeps the conversation (`keeps` "conversation":
+    each turn prefills only its new tokens) or only the system prompt ("system": everything
+    after it is prefilled again); vllm-mlx-like usage (prompt tokens, no cached_tokens)."""
+    out = []
+    system = len(AGENT_SYSTEM) // 4
+    previous = 0
+    for k, msgs in enumerate(pasted(3, first)):
+        whole = tokens_of(msgs)
+        if k == 0:
+            ttft = whole / RATE
+        elif keeps == "system":
+            ttft = FIXED + (whole - system) / RATE
+        else:
+            ttft = FIXED + (whole - previous) / RATE
+        out.append(turn(index, f"{rid}{k}", msgs, whole, ttft))
+        previous = whole
+    return out
+
+
+def aider_rewrite(index: PrefixIndex, ttft: float = 0.6) -> Record:
+    """Aider-like: turn 2 inserts the history before its fixed pair (a rewrite past the system
+    prompt), ~3,000 tokens of the previous prompt after the change; its TTFT re-prefills them."""
+    example = [{"role": "user", "content": "Change the greeting."}, {"role": "assistant", "content": "Ok, I will."}]
+    fixed = [{"role": "user", "content": "I am not sharing any files."}, {"role": "assistant", "content": "Ok."}]
+    ask = "Explain the weather models in detail.\n" + "Some context line.\n" * 600
+    one = [{"role": "system", "content": SYSTEM}, *example, *fixed, {"role": "user", "content": ask}]
+    two = [
+        {"role": "system", "content": SYSTEM},
+        *example,
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": "It is sunny."},
+        *fixed,
+        {"role": "user", "content": "again"},
+    ]
+    turn(index, "a1", one, tokens_of(one), tokens_of(one) / RATE)
+    return turn(index, "a2", two, tokens_of(two), ttft)
+
+
+def test_a_cache_that_keeps_only_the_system_prompt_is_learned_from_extended_turns() -> None:
+    """vllm-mlx 0.6.0 (default SimpleEngine: `System KV cache HIT ... prefilling N new`) re-prefills
+    every message after the system prompt: the extended turns' TTFT grows with the conversation."""
+    index = PrefixIndex()
+    recs = extended_turns(index, "system")
+    assert [r.turn for r in recs] == [1, 2, 3]
+    for r in recs[1:]:
+        assert "only the system part was reused" in r.cache_evidence, r.cache_evidence
+        assert r.reprefill_cause is None and "prefix_cache_miss" not in r.anomalies
+        # the hidden hit of the ~1,200-token system part: usage reports the prompt, no cached_tokens
+        assert "cached_tokens_unreported" in r.anomalies
+        assert "the cache reused ~" in r.anomaly_evidence["cached_tokens_unreported"]
+    facts = index.facts()
+    assert (facts.reach, facts.reach_turns) == ("system", 2)
+    # a hit's fixed cost was fitted against the system part's hit, not against a whole-prefix hit
+    assert facts.fixed_s == pytest.approx(FIXED, abs=0.02)
+    # then a history rewrite past the system prompt costs nothing on this server, and says why
+    rewrite = aider_rewrite(index)
+    assert rewrite.reprefill_cause == "history_rewritten" and rewrite.reprefill_lost_s == 0.0
+    assert "reused only the system prompt on 2 earlier turns" in rewrite.cache_evidence
+    assert "cost nothing here (0 s lost)" in rewrite.cache_evidence
+    assert not {"prompt_prefix_changed", "prefix_cache_miss"} & set(rewrite.anomalies)
+
+
+def test_a_cache_that_keeps_the_conversation_prices_the_rewrite() -> None:
+    index = PrefixIndex()
+    recs = extended_turns(index, "conversation")
+    assert all("suggests a hit" in r.cache_evidence for r in recs[1:])
+    assert index.facts().reach == "conversation"
+    rewrite = aider_rewrite(index)
+    assert rewrite.reprefill_cause == "history_rewritten"
+    assert rewrite.reprefill_lost_s is not None and rewrite.reprefill_lost_s > 0.2
+    assert "uncertain" not in rewrite.cache_evidence
+
+
+def test_without_evidence_of_the_cache_the_rewrites_seconds_are_uncertain() -> None:
+    """Aider alone on a server that reports no cached_tokens: its TTFT shows the re-prefill, but
+    not whether the server would have reused the history (a prefix cache) or never does (a
+    system-prompt cache): no confident figure, both bounds said."""
+    rewrite = aider_rewrite(PrefixIndex())
+    assert rewrite.reprefill_cause == "history_rewritten" and rewrite.reprefill_lost_s is None
+    ev = rewrite.cache_evidence
+    assert "the seconds are uncertain" in ev and "0 s where it keeps only the system prompt" in ev
+    assert rewrite.conversation_lost_s == 0.0
+
+
+def test_a_short_message_part_or_a_hits_fixed_cost_teaches_nothing() -> None:
+    """A hit whose TTFT is its fixed cost (0.41 s on vllm-mlx) must not read as a re-prefill of a
+    short message part: the reach is judged only where the messages take REACH_MIN_S to prefill."""
+    index = PrefixIndex()
+    m1, m2, m3 = conversation(3)  # a ~1,200-token system prompt, a few short messages
+    turn(index, "s1", m1, 1201, 1201 / RATE)
+    turn(index, "s2", m2, 1227, 0.41)
+    turn(index, "s3", m3, 1250, 0.40)
+    assert index.facts().reach is None

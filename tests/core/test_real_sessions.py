@@ -34,34 +34,34 @@ PREFIX_ANOMALIES = ("prompt_prefix_changed", "prefix_cache_miss", "cache_evicted
 ASPECTS = ("grouping", "cause", "alarms", "lost")
 
 #: (session, exchange, aspect) -> what today's core does instead (the xfail reason)
-KNOWN_WRONG: dict[tuple[str, int, str], str] = {
-    **{
-        ("aider_0.86.2__vllm-mlx", n, "alarms"): "the hidden hit is vllm-mlx's 624 system tokens, under "
-        "prefix_min_tokens: not judged, no cached_tokens_unreported (and turns 3-4's TTFTs, 0.160 and 0.196 s, "
-        "are within 20% of a cold prefill of the whole prompt at turn 1's rate: no timing shows that hit)"
-        for n in (2, 3, 4)
-    },
-    **{
-        ("aider_0.86.2__vllm-mlx", n, "lost"): "vllm-mlx caches the system prompt only and prefills the history "
-        "anyway; the core models a prefix cache and counts the ~500 re-prefilled history tokens as lost "
-        "(0.06 s each at turn 1's 8,270 tok/s, not 0): no turn of the session extends the previous one, so "
-        "nothing in it tells a system-prompt cache from a prefix cache"
-        for n in (2, 3, 4)
-    },
-    **{
-        ("claude-code-billing_2.1.332__mlx-lm+litellm", n, "lost"): "lost 3.04, 3.05, 3.06 s (~9,750 tokens at "
-        "turn 1's 3,203 tok/s; the TTFT share says 7.2, 4.0, 5.3 s) against 5.27, 1.76, 1.92 s measured (the "
-        "session's TTFT minus the same prompt's warm TTFT, taken later: 1.9, 2.2, 4.3 s); calibration.json's cold "
-        "runs re-prefilled ~9,850 tokens each (their tools cached) in 8.5, 11.5, 5.0 s over warm: on this loaded "
-        "machine the same work varied 6x, and no one rate is within 20% of all three"
-        for n in (2, 3, 4)
-    },
+KNOWN_WRONG: dict[tuple[str, int, str], str] = {}
+
+#: (session, exchange) -> why the record must say its seconds are uncertain (no figure) rather than
+#: the truth: nothing the proxy had seen could tell it
+UNCERTAIN: dict[tuple[str, int], str] = {
+    ("aider_0.86.2__vllm-mlx", n): "Aider alone through a fresh proxy: vllm-mlx caches the system prompt only "
+    "and prefills the history anyway (0 s lost), but no turn of the session extends the previous one, so nothing "
+    "in it tells a system-prompt cache from a prefix cache (~0.06 s lost); the record says both and no figure. "
+    "After a session that shows the cache, the same Aider turns cost 0 s: aider-after-paste_0.86.2__vllm-mlx"
+    for n in (2, 3, 4)
+}
+
+#: sessions whose measured losses varied so much for the same work that no one figure is within 20% of
+#: all of them: the record's seconds must fall within what was measured in the session for that cause
+NOISY_LOSS: dict[str, str] = {
+    "claude-code-billing_2.1.332__mlx-lm+litellm": "~9,750 tokens re-prefilled every turn, measured 5.27, 1.76, "
+    "1.92 s (the session's TTFT minus the same prompt's warm TTFT, taken later: 1.9, 2.2, 4.3 s); calibration.json's "
+    "cold runs re-prefilled ~9,850 tokens each in 8.5, 11.5, 5.0 s over warm: on this loaded machine the same work "
+    'varied 6x. The issue asks for "a loss with its seconds" here: a figure inside the measured range is that'
 }
 
 
 @functools.cache
 def records(name: str) -> dict[int, Record]:
-    return replay(SESSIONS[name])
+    """The session replayed as it was recorded: after the sessions that went through its proxy
+    first (``Session.after``: the proxy's prefix index had seen them), else alone."""
+    s = SESSIONS[name]
+    return replay(s, before=tuple(SESSIONS[a] for a in s.after))
 
 
 def _cases() -> list[object]:
@@ -126,9 +126,22 @@ def test_real_session(name: str, n: int, aspect: str) -> None:
     else:  # lost
         expect = float(want["lost_s"])
         got = rec.reprefill_lost_s
+        if (name, n) in UNCERTAIN:
+            # no figure, both bounds said, the truth one of them
+            assert got is None and rec.cache_evidence is not None, said
+            assert "the seconds are uncertain" in rec.cache_evidence, said
+            assert expect == 0.0 and "0 s where it keeps only the system prompt" in rec.cache_evidence, said
+            return
         assert got is not None, said
         if expect == 0.0:
             assert got == 0.0, said
+        elif name in NOISY_LOSS:
+            measured = [
+                float(e.expected["lost_s"])
+                for e in s.turns
+                if e.expected.get("cause") == want.get("cause") and e.expected.get("lost_s")
+            ]
+            assert min(measured) <= got <= max(measured), (said, measured)
         else:
             assert abs(got - expect) <= 0.2 * expect, said
 

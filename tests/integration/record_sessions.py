@@ -219,6 +219,22 @@ def _opencode_argv(binary: str, ctx: Ctx, i: int, prompt: str) -> list[str]:
     return [binary, "run", *(["--continue"] if i else []), prompt, "-m", f"mlx/{ctx.model}"]
 
 
+#: documents pasted into the first prompt: ~27k tokens of conversation past the system prompt, which
+#: every later turn extends (~1.5 s of prefill for the rigged model on vllm-mlx, well above a hit's
+#: fixed cost): what tells a cache that keeps the conversation from one that keeps only the system
+#: prompt (vllm-mlx 0.6.0's default, issue 36); under the 128 KiB one argument may have
+PASTE_CHARS = 110_000
+
+
+def _paste(prompt: str) -> str:
+    docs = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    return f"Here are my project's docs:\n\n{docs[:PASTE_CHARS]}\n\n{prompt}"
+
+
+def _opencode_paste_argv(binary: str, ctx: Ctx, i: int, prompt: str) -> list[str]:
+    return _opencode_argv(binary, ctx, i, _paste(prompt) if i == 0 else prompt)
+
+
 # --- Qwen Code (Chat) ---------------------------------------------------------------------
 
 
@@ -293,6 +309,10 @@ CLIENTS: dict[str, Client] = {
     "codex": Client("codex", "codex", ("responses",), _version_of(["--version"]), _codex_setup, _codex_argv),
     "aider": Client("aider", "aider", ("chat",), _version_of(["--version"]), _aider_setup, _aider_argv),
     "opencode": Client("opencode", "opencode", ("chat",), _version_of(["--version"]), _opencode_setup, _opencode_argv),
+    # OpenCode with a document pasted into its first prompt: turns that extend a long conversation
+    "opencode-paste": Client(
+        "opencode-paste", "opencode", ("chat",), _version_of(["--version"]), _opencode_setup, _opencode_paste_argv
+    ),
     "qwen-code": Client("qwen-code", "qwen", ("chat",), _version_of(["--version"]), _qwen_setup, _qwen_argv),
     "llm": Client("llm", "llm", ("chat",), _version_of(["--version"], r"(\d+\.\d+(?:\.\d+)?)"), _llm_setup, _llm_argv),
 }
@@ -557,6 +577,24 @@ def record_with_proxy(client: Client, server: Server, out_root: Path, *, turns: 
         return record_session(client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port)
 
 
+def record_through_one_proxy(clients: list[Client], server: Server, out_root: Path, *, turns: int) -> list[Path]:
+    """The sessions of ``clients``, one after the other, through ONE proxy (one prefix index: what
+    mlxproxy says about a session after the sessions before it, as a proxy that runs all day
+    does). Each folder's ``session.json`` names the sessions that went before it (``after``)."""
+    cfg = {"tokenizer": str(server.model_dir / "tokenizer.json")}
+    folders: list[Path] = []
+    with mlxproxy_serve(server.proxy_target, cfg, capture=True, startup_timeout_s=60) as px:
+        assert px.capture_path is not None
+        port = int(px.url.rsplit(":", 1)[1])
+        for client in clients:
+            folder = record_session(client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port)
+            session = json.loads((folder / "session.json").read_text())
+            session["after"] = [f.name for f in folders]  # through the same proxy, in this order
+            (folder / "session.json").write_text(json.dumps(session, indent=2) + "\n")
+            folders.append(folder)
+    return folders
+
+
 def _scrub_env(env: dict[str, str]) -> dict[str, str]:
     keep = {}
     base = os.environ
@@ -789,6 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", required=True, choices=sorted(SERVER_APIS))
     ap.add_argument("--client", action="append", choices=sorted(CLIENTS))
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument(
+        "--one-proxy", action="store_true", help="the --client sessions in the order given, through one proxy"
+    )
     ap.add_argument("--out", type=Path, default=Path("recordings"))
     ap.add_argument("--root", type=Path, default=WORK_ROOT / "_stack")
     ap.add_argument("--calibrate-only", type=Path, nargs="*", help="recorded session folders to calibrate again")
@@ -813,10 +854,13 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True)
     clients = [CLIENTS[c] for c in (args.client or sorted(CLIENTS))]
     clients = [c for c in clients if set(c.apis) & set(SERVER_APIS[args.server])]
+    folders: list[Path] = []
     with start_server(args.server, root) as server:
-        for client in clients:
+        if args.one_proxy:
+            folders = record_through_one_proxy(clients, server, args.out, turns=args.turns)
+        for k, client in enumerate(clients):
             try:
-                folder = record_with_proxy(client, server, args.out, turns=args.turns)
+                folder = folders[k] if args.one_proxy else record_with_proxy(client, server, args.out, turns=args.turns)
             except RuntimeError as exc:
                 print(f"{client.name}: skipped: {exc}", flush=True)
                 continue
