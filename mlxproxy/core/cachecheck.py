@@ -301,18 +301,10 @@ def extended(t: Turn) -> TurnVerdict:
         evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
         missed = evicted(t, why, evidence, r.uncached_prompt_tokens)
         return _reached(missed, "system" if past and cached <= system + PAST_CHANGE_TOKENS else None)
-    # the TTFT against a hit of the whole prefix and a hit of the system part only
-    reach = (
-        timing_says(
-            whole, reusable.tokens, ttft, rate, th, fixed_s=facts.fixed_s, reused_on_miss=system, rate_of=rate_of
-        )
-        if timed
-        else None
-    )
-    if reach is not None and reach.says == "miss":
-        only = system_only(t, system, reach)
-        if only is not None:
-            return only
+    # how far the cache reached, by the TTFT: the messages past the system part re-prefilled or not
+    reach = reached_by_ttft(t, system) if timed else None
+    if reach == "system":
+        return system_only(t, system)
     if said is not None and says == "hit":
         hit = _excess(ttft, whole, reusable.tokens, rate)
         # a server that reports no prompt figures at all (vllm-mlx's Messages stream) hides nothing
@@ -324,12 +316,12 @@ def extended(t: Turn) -> TurnVerdict:
             anomalies=found,
             correct_prefill_tps=True,
             hit_excess_s=hit,
-            reach="conversation" if reach is not None and reach.says == "hit" else None,
+            reach=reach,
         )
     if said is not None and says == "miss":
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
-        return _reached(evicted(t, why, said.text(), whole), "system" if reach is not None else None)
+        return evicted(t, why, said.text(), whole)
     # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
     unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
     told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
@@ -345,28 +337,55 @@ def _reached(v: TurnVerdict, reach: Reach | None) -> TurnVerdict:
     return v if reach is None else replace(v, reach=reach)
 
 
-def system_only(t: Turn, system: int, reach: Timing) -> TurnVerdict | None:
-    """An extended turn whose TTFT shows the system part reused and the messages after it
-    prefilled again (`reach` says a re-prefill past the system part): a cache that keeps only
-    the system prompt (vllm-mlx 0.6.0 by default). None where the TTFT cannot tell that from a
-    cold prefill of the whole prompt (a small system part). The usage hiding the system part's
-    hit is `cached_tokens_unreported` from `prefix_min_tokens` on; the re-prefilled messages
-    are no anomaly (this server never keeps them: `FIXES`' note), but the evidence says so."""
+def reached_by_ttft(t: Turn, system: int) -> Reach | None:
+    """How far the cache reached on an extended turn, by its TTFT past a hit of the whole prefix
+    (`fixed + new / rate`) against re-prefilling the messages past the system part (`P`, at least
+    `REACH_MIN_S` at the cold rate): "system" from half of `P` on, "conversation" up to a quarter
+    of it, None between. Fractions, not a midpoint: a session's cold first turn is often slower
+    than the server (the client starting on the same cores: OpenCode's 79,269 tokens took 2.26 s
+    cold in its session, 1.43 s sent again alone), so `P` over-states the re-prefill up to twice."""
+    r, reusable, whole, rate, facts = t.r, t.reusable, t.whole, t.rate, t.facts
+    if not rate or not whole or r.ttft_s is None:
+        return None
+    shown = r.ttft_s - (facts.fixed_s + max(whole - reusable.tokens, 0) / rate)
+    messages = (reusable.tokens - system) / rate
+    return "system" if shown >= messages / 2 else "conversation" if shown <= messages / 4 else None
+
+
+def system_only(t: Turn, system: int) -> TurnVerdict:
+    """An extended turn whose TTFT shows the messages past the system part prefilled again
+    (`reached_by_ttft`): a cache that keeps only the system prompt (vllm-mlx 0.6.0 by default).
+    Where the TTFT is closer to a hit of the system part than to a cold prefill of the whole
+    prompt, the usage hiding that hit is `cached_tokens_unreported` from `prefix_min_tokens` on.
+    The re-prefilled messages are no anomaly (this server never keeps them); nor is a TTFT
+    closer to a cold prefill on an upstream known to keep the system prompt only (the system
+    part is too small a share to tell, with a cold rate this noisy); elsewhere it is an
+    eviction (`cache_evicted`), as a TTFT that shows the whole prompt prefilled again."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
-    if not whole or not rate or ttft is None:
-        return None
-    # closer to a hit of the system part than to a cold prefill of the whole prompt (`timing_says`
-    # caps a hit at half the cold prefill; a system part shorter than the messages is no less a hit)
+    if not whole or not rate or ttft is None:  # (never: `reached_by_ttft` said "system")
+        return TurnVerdict(reusable, ratio)
     cold = whole / rate
-    if cold - reach.cold_s < th.cache_timing_min_s or ttft > (cold + reach.cold_s) / 2:
-        return None
+    part = facts.fixed_s + (whole - system) / rate  # a hit of the system part only
+    figures = (
+        f"a hit of the whole prefix ≈ {_fmt(facts.fixed_s + max(whole - reusable.tokens, 0) / rate)} s, of the "
+        f"system part only ≈ {_fmt(part)} s, cold ≈ {_fmt(cold)} s; {_fmt(rate)} tok/s cold, {rate_of}"
+    )
+    messages = reusable.tokens - system
+    if cold - part < th.cache_timing_min_s or ttft > (cold + part) / 2:  # not closer to the system part's hit
+        if facts.reach != "system" and ttft >= MISS_SHARE * cold:
+            why = f"; {'no cached_tokens reported' if cached is None else f'the server reported {cached} cached'}"
+            said = f"TTFT {_fmt(ttft)} s suggests the whole prompt was prefilled again ({figures})"
+            return _reached(evicted(t, f"{why}, and {said}", said, whole), "system")
+        evidence = (
+            f"TTFT {_fmt(ttft)} s suggests the ~{messages} tokens of messages after the system part were prefilled "
+            f"again, and tells neither whether the system part (~{system} tokens) was reused ({figures})"
+        )
+        return TurnVerdict(reusable, ratio, evidence=evidence, correct_prefill_tps=True, reach="system")
     evidence = (
-        f"TTFT {_fmt(reach.ttft_s)} s suggests only the system part was reused (~{system} tokens: system prompt "
-        f"and tools) and the ~{reusable.tokens - system} tokens of messages after it were prefilled again (a hit "
-        f"of the whole prefix ≈ {_fmt(reach.hit_s)} s, of the system part only ≈ {_fmt(reach.cold_s)} s, cold ≈ "
-        f"{_fmt(cold)} s; {_fmt(reach.rate)} tok/s cold, {rate_of}): this server keeps the system prompt, "
-        "not the conversation"
+        f"TTFT {_fmt(ttft)} s suggests only the system part was reused (~{system} tokens: system prompt and tools) "
+        f"and the ~{messages} tokens of messages after it were prefilled again ({figures}): this server keeps the "
+        "system prompt, not the conversation"
     )
     found: tuple[Anomaly, ...] = ()
     hidden = cached is None or cached < th.prefix_miss_ratio * system
@@ -375,8 +394,8 @@ def system_only(t: Turn, system: int, reach: Timing) -> TurnVerdict | None:
         found = (
             Anomaly(
                 "cached_tokens_unreported",
-                f"{_reused_from(m, reusable)}; {evidence}, prefilling {(whole or 0) - system} of {whole} tokens: "
-                f"the cache reused ~{system} tokens, but usage says {told}",
+                f"{_reused_from(m, reusable)}; {evidence}, prefilling {whole - system} of {whole} tokens: the cache "
+                f"reused ~{system} tokens, but usage says {told}",
             ),
         )
     hit = _excess(ttft, whole, system, rate)
@@ -503,7 +522,7 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
     unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
     # a change past the system part that only the TTFT could price: what this server's cache keeps decides
     by_reach = (
-        shown.says in ("reprefilled", "nothing")
+        shown.says in ("reprefilled", "nothing", "too_small")
         and not _counted(r, facts)
         and change.cause != "model_changed"
         and m.shared_chars >= m.system_chars
@@ -518,7 +537,7 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
         return TurnVerdict(reusable, ratio, zero, 0.0, evidence, also, correct_prefill_tps=unknown_share)
     if shown.says == "nothing":
         return TurnVerdict(reusable, ratio, evidence=shown.evidence, anomalies=also, correct_prefill_tps=unknown_share)
-    if shown.says != "reprefilled":
+    if shown.says != "reprefilled":  # (too small, neutralized: 0 s)
         evidence = shown.evidence
         if shown.says == "neutralized":
             evidence += ": this server reused the prompt past the change (neutralized, 0 s lost)"

@@ -590,6 +590,11 @@ def record_through_one_proxy(clients: list[Client], server: Server, out_root: Pa
             folder = record_session(client, server, out_root, turns=turns, capture=px.capture_path, proxy_port=port)
             session = json.loads((folder / "session.json").read_text())
             session["after"] = [f.name for f in folders]  # through the same proxy, in this order
+            if folders:
+                session["proxy"] = (
+                    f"the mlxproxy serve of the sessions before it ({', '.join(session['after'])}): its conversation "
+                    "index had seen them"
+                )
             (folder / "session.json").write_text(json.dumps(session, indent=2) + "\n")
             folders.append(folder)
     return folders

@@ -424,6 +424,11 @@ def expected(folder: Path) -> dict[int, dict[str, Any]]:
     for ex in session["exchanges"]:
         n = ex["n"]
         b = bodies.get(n)
+        if b is not None and _failed((folder / f"turn{n}.response").read_bytes()):
+            # the server failed it (an error status, or an error inside its stream): no turn; the
+            # client's retry of it is (OpenCode resent the same body after vllm-mlx's error event)
+            out[n] = {"role": "failed", "kind": "error", "conversation": None, "turn": None}
+            continue
         if b is None or _key(b) != main:
             kind = (
                 "probe" if ex["method"] in ("HEAD", "GET") else "count_tokens" if "count_tokens" in ex["path"] else None
@@ -439,6 +444,15 @@ def expected(folder: Path) -> dict[int, dict[str, Any]]:
         out[n] = {"role": "turn", "conversation": "A", "turn": turn, "cause": cause, "at": at}
         prev = r
     return out
+
+
+def _failed(response: bytes) -> bool:
+    """Whether a response is the server's failure: a status other than 200, or an error object in
+    its body or stream."""
+    head, body = dechunk(response)
+    if b" 200 " not in head.split(b"\r\n", 1)[0] + b" ":
+        return True
+    return any(isinstance(ev, dict) and "error" in ev for ev in events(body))
 
 
 _HIT = re.compile(r"System KV cache HIT[^:]*: reusing (\d+)")
@@ -525,6 +539,8 @@ def _add_evidence(entries: list[dict[str, Any]]) -> None:
             other != e["n"] and a < e["t_sent_session"] + (e.get("ttft_s") or 0.0) and e["t_sent_session"] < b
             for other, a, b in spans
         )
+        if want.get("role") == "failed" and srv.get("prompt_tokens") is None:
+            must.append("stream_error")  # a 200 stream that carried the server's error
         want["may_name"] = may + (["serialized"] if overlap else [])
         want["lost_s"] = None
         if want.get("role") == "turn" and want.get("cause"):
@@ -661,6 +677,14 @@ NOTES: dict[str, str] = {
         "far: a strict extension every turn. Header: `user-agent: OpenAI/Python 3.63.0` (it does not name "
         "itself)."
     ),
+    "opencode-paste": "OpenCode (`opencode run`, then `opencode run --continue`) with a document pasted into the "
+    "first prompt (the project's docs, 110,000 characters: ~62,000 tokens of conversation after its ~17,100-token "
+    "system prompt and tools); a title side request first (with the paste), then each turn strictly extends the "
+    "previous. On vllm-mlx 0.6.0 each later turn logs `System KV cache HIT: reusing 17096 tokens, prefilling 62203 "
+    "new`: the system part is reused, the whole conversation prefilled again; the TTFT shows it (1.85, 1.10, 1.28 s "
+    "against 2.26 s cold), and from it the proxy learns that this server keeps the system prompt only. Its first "
+    "request with the paste got an error event from vllm-mlx (its title request was being served) and OpenCode "
+    "sent the same body again: the retry is turn 1.",
 }
 
 

@@ -13,9 +13,13 @@ model. For each:
 * on mlx_lm.server, the server's ``cached_tokens`` is exactly the common token prefix with an
   earlier prompt (the oracle the fixtures rest on still holds);
 * the proxy's live records agree with the truth where the offline test (tests/core/
-  test_real_sessions.py) says today's core does; the cases it marks known-wrong are skipped here.
+  test_real_sessions.py) says today's core does; the cases it marks known-wrong are skipped here;
+* through one proxy on vllm-mlx, OpenCode with a long pasted document and then Aider: the proxy
+  learns from OpenCode's turns that vllm-mlx keeps only the system prompt (its log: HIT reusing the
+  system tokens, prefilling the rest), and prices Aider's history rewrite at 0 s with that evidence.
 
-Budget: about 3-4 minutes of CI on two cores (six clients, three short turns each). Every client
+Budget: about 4-5 minutes of CI on two cores (six clients, three short turns each; the last test
+about a minute). Every client
 runs with its telemetry and update checks off and under a timeout; a missing client or server
 skips with the reason.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ import pytest
 
 from .live_servers import RiggedVllm
 from .peers import SERVER_CPUS, cpu_affinity, find_client
-from .record_sessions import CLIENTS, Server, record_with_proxy
+from .record_sessions import CLIENTS, Server, record_through_one_proxy, record_with_proxy
 from .sessiontap import session_tap
 from .sessiontruth import write_truth
 from .tinymodel import MODEL_NAME, mlx_lm_server, mlx_unavailable_reason
@@ -143,3 +148,37 @@ def test_session_on_vllm_mlx(client: str, vllm_server: Server, tmp_path: Path) -
     says = [e["expected"]["server_says"] for e in turns]
     assert says[1:] == ["hit"] * (len(says) - 1), says
     _check_against_fixture(truth, client, "vllm-mlx")
+
+
+def _records(folder: Path) -> list[dict[str, Any]]:
+    """The live proxy's records of a session (its capture lines), in the order sent."""
+    ids = [e["request_id"] for e in json.loads((folder / "session.json").read_text())["exchanges"]]
+    by_id = {d["id"]: d for d in map(json.loads, (folder / "records.jsonl").read_text().splitlines())}
+    return [by_id[i] for i in ids if i in by_id]
+
+
+def test_a_history_rewrite_costs_nothing_once_the_proxy_saw_vllm_mlx_cache(vllm_server: Server, tmp_path: Path) -> None:
+    for spec in (CLIENTS["opencode-paste"], CLIENTS["aider"]):
+        if find_client(spec.binary)[0] is None:
+            pytest.skip(f"{spec.binary} not found; CI installs it with .ci/install-clients")
+    # 4 turns: 3 that extend the conversation, of which the proxy needs 2 that show the cache's reach
+    paste, aider = record_through_one_proxy(
+        [CLIENTS["opencode-paste"], CLIENTS["aider"]], vllm_server, tmp_path, turns=4
+    )
+    for folder in (paste, aider):
+        inv = json.loads((folder / "session.json").read_text())["invocations"]
+        assert [i["exit_code"] for i in inv] == [0] * 4, inv
+    # vllm-mlx's own word: the OpenCode turns reused the system part only and prefilled the paste again
+    log = (paste / "server.log").read_text()
+    prefilled = [int(n) for n in re.findall(r"System KV cache HIT[^:]*: reusing \d+ tokens, prefilling (\d+)", log)]
+    assert len(prefilled) >= 3 and min(prefilled) > 50_000, prefilled
+    turns = [r for r in _records(paste) if r.get("turn")]
+    said = [(r["turn"], r.get("cache_evidence")) for r in turns]
+    assert sum("only the system part was reused" in (e or "") for _, e in said) >= 2, said
+    assert not [r for r in turns if {"prefix_cache_miss", "prompt_prefix_changed"} & set(r["anomalies"])], said
+    rewrites = [r for r in _records(aider) if (r.get("turn") or 0) > 1]
+    assert len(rewrites) == 3, rewrites
+    for r in rewrites:
+        assert (r["reprefill_cause"], r["reprefill_lost_s"]) == ("history_rewritten", 0.0), r
+        assert "this server reused only the system prompt on" in r["cache_evidence"], r["cache_evidence"]
+        assert not {"prefix_cache_miss", "prompt_prefix_changed"} & set(r["anomalies"]), r
