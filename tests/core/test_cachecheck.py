@@ -382,3 +382,23 @@ def test_a_short_message_part_or_a_hits_fixed_cost_teaches_nothing() -> None:
     turn(index, "s2", m2, 1227, 0.41)
     turn(index, "s3", m3, 1250, 0.40)
     assert index.facts().reach is None
+
+
+def test_a_slow_turn_on_a_known_system_only_cache_is_no_eviction() -> None:
+    """Once an upstream has shown it keeps the system prompt only, an extended turn whose TTFT is
+    nearer a cold prefill than a hit of the system part tells nothing about the system part (its
+    share is small against a noisy cold rate): no `cache_evicted`. On an upstream not known so, the
+    same TTFT is an eviction, as before."""
+    index = PrefixIndex()
+    extended_turns(index, "system")
+    assert index.facts().reach == "system"
+    msgs = pasted(2, first="Now this:")
+    whole = [tokens_of(m) for m in msgs]
+    turn(index, "q0", msgs[0], whole[0], whole[0] / RATE)
+    slow = turn(index, "q1", msgs[1], whole[1], whole[1] / RATE)  # all of it prefilled again, it seems
+    assert slow.reprefill_cause is None and not {"prefix_cache_miss", "cached_tokens_unreported"} & set(slow.anomalies)
+    assert "tells neither whether the system part" in slow.cache_evidence
+    fresh = PrefixIndex()
+    turn(fresh, "f0", msgs[0], whole[0], whole[0] / RATE)
+    evicted = turn(fresh, "f1", msgs[1], whole[1], whole[1] / RATE)
+    assert evicted.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in evicted.anomalies
