@@ -11,8 +11,14 @@ turn to turn):
 * alarms: no anomaly on a healthy turn (0 false alarms); where the server hit its cache but
   reported 0 cached tokens, ``cached_tokens_unreported`` and never ``cache_evicted``;
 * lost: where a cause cost the server a re-prefill, the seconds the record says were lost within
-  20% of the measured TTFT difference (this turn's TTFT minus the same prompt's warm TTFT); where the
-  server neutralized it (vllm-mlx strips Claude Code's billing line), 0 s.
+  20% of the measured TTFT difference (this turn's TTFT minus the same prompt's warm TTFT), or within
+  the range measured in the session where the same work varied more than that (:data:`NOISY_LOSS`);
+  where the server neutralized it (vllm-mlx strips Claude Code's billing line, or prefills the
+  history anyway: it caches the system prompt only), 0 s; where nothing the proxy had seen could
+  tell, no figure and both bounds (:data:`UNCERTAIN`).
+
+A session recorded after others through the same proxy (``Session.after``) is replayed after them
+through one prefix index, as that proxy saw them.
 
 The cases today's core gets wrong are marked ``xfail(strict=True)`` in :data:`KNOWN_WRONG`, each
 with what it says instead, so they turn into failures ("XPASS(strict)") the day they are fixed and
