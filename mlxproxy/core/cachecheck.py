@@ -7,9 +7,9 @@ function, each with a typed result: the prefix a cache could reuse (`reusable_pr
 less than what the server says it reused), what the TTFT says (`timing_says`: a hit or a cold
 prefill, against the conversation's own cold prefill rate, else the upstream's, and the
 upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
-`cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the cause
-`cache_evicted`: `claimed_cold`, `evicted`) and what a changed prompt cost (`changed`:
-`change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
+`cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the causes
+`cache_evicted` and `cache_system_only`: `claimed_cold`, `evicted`, `system_only`) and what a
+changed prompt cost (`changed`: `change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
 the usage hides; a change the server neutralized costs 0 s). A cause is named only where the server's cached count or the TTFT
 shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
 "Re-prefill causes" and "Cache honesty".
@@ -82,6 +82,12 @@ class CacheFacts(NamedTuple):
     # reused only the system part, "conversation" where one reused past it; None: not shown yet
     reach: Reach | None = None
     reach_turns: int = 0  # the recent extended turns that showed it
+
+    def system_only_with_this_turn(self) -> bool:
+        """Whether this upstream's cache is known to keep the system prompt only once the turn
+        being judged, which showed its messages prefilled again, is counted with the earlier ones
+        (`PrefixIndex.facts`' rule: `REACH_MIN_SYSTEM` such turns, none that reached past it)."""
+        return self.reach == "system" or (self.reach is None and self.reach_turns + 1 >= REACH_MIN_SYSTEM)
 
 
 class Reusable(NamedTuple):
@@ -297,10 +303,15 @@ def extended(t: Turn) -> TurnVerdict:
             reach=None if not past else "conversation" if into else "system",
         )
     if _counted(r, facts) and cached is not None:
-        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
         evidence = f"cached_tokens {cached} of ~{reusable.tokens} reusable (this server reports its hits)"
+        only_system = past and cached <= system + PAST_CHANGE_TOKENS
+        if only_system and cached >= th.prefix_miss_ratio * system and facts.system_only_with_this_turn():
+            evidence += f": the system part (~{system} tokens) reused, the messages after it prefilled again"
+            lost = system_only_lost(t, system, reusable.tokens - cached, r.uncached_prompt_tokens, evidence)
+            return TurnVerdict(reusable, ratio, *lost, reach="system")
+        why = f" but the server reported {cached} cached (ratio {cached / reusable.tokens:.2f})"
         missed = evicted(t, why, evidence, r.uncached_prompt_tokens)
-        return _reached(missed, "system" if past and cached <= system + PAST_CHANGE_TOKENS else None)
+        return _reached(missed, "system" if only_system else None)
     # how far the cache reached, by the TTFT: the messages past the system part re-prefilled or not
     reach = reached_by_ttft(t, system) if timed else None
     if reach == "system":
@@ -357,9 +368,12 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
     (`reached_by_ttft`): a cache that keeps only the system prompt (vllm-mlx 0.6.0 by default).
     Where the TTFT is closer to a hit of the system part than to a cold prefill of the whole
     prompt, the usage hiding that hit is `cached_tokens_unreported` from `prefix_min_tokens` on.
-    The re-prefilled messages are no anomaly (this server never keeps them); nor is a TTFT
-    closer to a cold prefill on an upstream known to keep the system prompt only (the system
-    part is too small a share to tell, with a cold rate this noisy); elsewhere it is an
+    The re-prefilled messages are no anomaly (this server never keeps them: nothing failed), but
+    where this turn makes the upstream known to keep the system prompt only
+    (`CacheFacts.system_only_with_this_turn`) they are the cause `cache_system_only`, with the
+    seconds a cache of the conversation would have saved (`system_only_lost`); so is a TTFT
+    closer to a cold prefill on such an upstream (the system part is too small a share to tell,
+    with a cold rate this noisy, but the messages were prefilled again); elsewhere that is an
     eviction (`cache_evicted`), as a TTFT that shows the whole prompt prefilled again."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
@@ -381,6 +395,9 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
             f"TTFT {_fmt(ttft)} s suggests the ~{messages} tokens of messages after the system part were prefilled "
             f"again, and tells neither whether the system part (~{system} tokens) was reused ({figures})"
         )
+        if facts.system_only_with_this_turn():
+            lost = system_only_lost(t, system, messages, whole, evidence)
+            return TurnVerdict(reusable, ratio, *lost, correct_prefill_tps=True, reach="system")
         return TurnVerdict(reusable, ratio, evidence=evidence, correct_prefill_tps=True, reach="system")
     evidence = (
         f"TTFT {_fmt(ttft)} s suggests only the system part was reused (~{system} tokens: system prompt and tools) "
@@ -399,9 +416,33 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
             ),
         )
     hit = _excess(ttft, whole, system, rate)
+    if facts.system_only_with_this_turn():
+        rp, lost_s, evidence = system_only_lost(t, system, messages, whole - system, evidence)
+        return TurnVerdict(reusable, ratio, rp, lost_s, evidence, found, True, hit_excess_s=hit, reach="system")
+    if facts.reach is None:
+        evidence += " (the first turn on this upstream to show it: one more, and the loss is named `cache_system_only`)"
     return TurnVerdict(
         reusable, ratio, evidence=evidence, anomalies=found, correct_prefill_tps=True, hit_excess_s=hit, reach="system"
     )
+
+
+def system_only_lost(
+    t: Turn, system: int, lost: int, prefilled: int | None, evidence: str
+) -> tuple[Reprefill, float | None, str]:
+    """`cache_system_only`: the `lost` tokens of messages past the system part that a cache of the
+    conversation would have reused, prefilled again on an upstream known to keep the system prompt
+    only (with this turn); their seconds as every cause's (`_lost_s`: at the cold rate, at most
+    their share of the TTFT past a hit's fixed cost), and the evidence saying what it rests on."""
+    facts = t.facts
+    rp = Reprefill("cache_system_only", None, lost, prefilled)
+    lost_s = _lost_s(t.r.ttft_s, rp, facts.fixed_s, t.rate)
+    cost = f"~{_fmt(lost_s)} s lost" if lost_s is not None else "its seconds unknown"
+    evidence += (
+        f"; {facts.reach_turns + 1} turns on this upstream that extended their conversation, this one included, "
+        f"showed its cache keeping the system prompt only, none past it: the ~{lost} tokens of messages a cache of "
+        f"the conversation would have reused were prefilled again ({cost})"
+    )
+    return rp, lost_s, evidence
 
 
 def claimed_cold(t: Turn) -> Anomaly | None:

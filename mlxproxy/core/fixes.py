@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from mlxproxy.core.prefix import Cause
 from mlxproxy.core.record import Record
 
-__all__ = ["FIXES", "CLIENT_FIXES", "fix_for", "worst_cause"]
+__all__ = ["FIXES", "CLIENT_FIXES", "REPLAYED", "fix_for", "not_replayed", "worst_cause"]
 
 #: per cause, what the user changes so the next turns reuse the cache
 FIXES: dict[Cause, str] = {
@@ -25,7 +25,15 @@ FIXES: dict[Cause, str] = {
     "model_changed": "keep one model per conversation (no cache is shared between models)",
     "cache_evicted": "give the server's prompt cache more room: mlx_lm.server --prompt-cache-size/--prompt-cache-bytes, "
     "vllm-mlx --cache-memory-mb",
+    "cache_system_only": "give the server a cache that keeps the conversation: vllm-mlx --continuous-batching (its "
+    "prefix cache; 0.6.0's --prefix-trie-cache never hits); mlx_lm.server keeps it by default",
 }
+
+#: the causes `replay --fix` removes by rewriting the request bodies (the system prompt pinned, the
+#: tools in one order); the others' fix is a setting of the client or the server, which the same
+#: bodies sent again cannot apply
+REPLAYED: frozenset[Cause] = frozenset({"volatile_span", "system_changed", "tools_changed"})
+_SERVER_SIDE: frozenset[Cause] = frozenset({"cache_evicted", "cache_system_only"})
 
 #: (client name without its version, cause) -> the client's own setting for it
 CLIENT_FIXES: dict[tuple[str, Cause], str] = {
@@ -46,6 +54,14 @@ def fix_for(cause: Cause | None, client: str | None = None) -> str | None:
             if c == cause and (client == who or client.startswith(who + " ")):
                 return line
     return FIXES.get(cause)
+
+
+def not_replayed(cause: str) -> str | None:
+    """Why `replay --fix` cannot show what `cause`'s fix saves (None where its body rewrite does)."""
+    if cause in REPLAYED:
+        return None
+    whose = "the server's" if cause in _SERVER_SIDE else "the client's"
+    return f"not replayed: {whose} setting, which the same request bodies sent again cannot apply"
 
 
 def worst_cause(turns: Iterable[Record]) -> tuple[Cause | None, float, str | None]:

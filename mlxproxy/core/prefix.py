@@ -91,9 +91,10 @@ Cause = Literal[
     "history_rewritten",
     "model_changed",
     "cache_evicted",
+    "cache_system_only",
 ]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
-#: the causes the prompts alone show (`cache_evicted` needs the server's answer)
+#: the causes the prompts alone show (`cache_evicted` and `cache_system_only` need the server's answer)
 PromptCause = Literal["volatile_span", "system_changed", "tools_changed", "history_rewritten", "model_changed"]
 
 _SYSTEM_ROLES = ("system", "developer")  # a tuple: a role may be any JSON value

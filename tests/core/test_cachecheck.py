@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from mlxproxy.core.analyze import finish_checked
 from mlxproxy.core.cachecheck import CacheFacts, PrefixIndex, check_turn
 from mlxproxy.core.detect import Thresholds
+from mlxproxy.core.fixes import FIXES
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.prefix import Change, Match
@@ -329,16 +330,29 @@ def aider_rewrite(index: PrefixIndex, ttft: float = 0.6) -> Record:
 
 def test_a_cache_that_keeps_only_the_system_prompt_is_learned_from_extended_turns() -> None:
     """vllm-mlx 0.6.0 (default SimpleEngine: `System KV cache HIT ... prefilling N new`) re-prefills
-    every message after the system prompt: the extended turns' TTFT grows with the conversation."""
+    every message after the system prompt: the extended turns' TTFT grows with the conversation.
+    The first turn that shows it names no cause (one turn cannot tell such a cache from an eviction
+    that left the system part); from the second on, the loss is `cache_system_only`: the messages a
+    cache of the conversation would have reused, at the cold rate, with the server's fix, and no
+    alarm (nothing failed: the server never keeps them)."""
     index = PrefixIndex()
     recs = extended_turns(index, "system")
     assert [r.turn for r in recs] == [1, 2, 3]
     for r in recs[1:]:
         assert "only the system part was reused" in r.cache_evidence, r.cache_evidence
-        assert r.reprefill_cause is None and "prefix_cache_miss" not in r.anomalies
+        assert "prefix_cache_miss" not in r.anomalies
         # the hidden hit of the ~1,200-token system part: usage reports the prompt, no cached_tokens
         assert "cached_tokens_unreported" in r.anomalies
         assert "the cache reused ~" in r.anomaly_evidence["cached_tokens_unreported"]
+    first, second = recs[1:]
+    assert first.reprefill_cause is None and first.reprefill_lost_s is None
+    assert "the first turn on this upstream to show it" in first.cache_evidence
+    assert (second.reprefill_cause, second.reprefill_at) == ("cache_system_only", None)
+    messages = tokens_of(pasted(3)[1]) - len(AGENT_SYSTEM) // 4  # the previous prompt past the system part
+    assert second.reprefill_lost_s == pytest.approx(messages / RATE, rel=0.05)
+    assert second.conversation_lost_s == pytest.approx(second.reprefill_lost_s)
+    assert "2 turns on this upstream that extended their conversation, this one included" in second.cache_evidence
+    assert second.reprefill_fix == FIXES["cache_system_only"] and "--continuous-batching" in second.reprefill_fix
     facts = index.facts()
     assert (facts.reach, facts.reach_turns) == ("system", 2)
     # a hit's fixed cost was fitted against the system part's hit, not against a whole-prefix hit
@@ -396,9 +410,33 @@ def test_a_slow_turn_on_a_known_system_only_cache_is_no_eviction() -> None:
     whole = [tokens_of(m) for m in msgs]
     turn(index, "q0", msgs[0], whole[0], whole[0] / RATE)
     slow = turn(index, "q1", msgs[1], whole[1], whole[1] / RATE)  # all of it prefilled again, it seems
-    assert slow.reprefill_cause is None and not {"prefix_cache_miss", "cached_tokens_unreported"} & set(slow.anomalies)
+    assert not {"prefix_cache_miss", "cached_tokens_unreported"} & set(slow.anomalies)
     assert "tells neither whether the system part" in slow.cache_evidence
+    # the messages were prefilled again all the same: that loss is named, at the cold rate
+    assert slow.reprefill_cause == "cache_system_only"
+    messages = whole[0] - len(AGENT_SYSTEM) // 4
+    assert slow.reprefill_lost_s == pytest.approx(messages / RATE, rel=0.05)
     fresh = PrefixIndex()
     turn(fresh, "f0", msgs[0], whole[0], whole[0] / RATE)
     evicted = turn(fresh, "f1", msgs[1], whole[1], whole[1] / RATE)
     assert evicted.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in evicted.anomalies
+
+
+def test_a_server_that_counts_its_system_only_hits_names_the_loss_from_its_counts() -> None:
+    """A server that reports `cached_tokens` and keeps only the system prompt: each extended turn
+    counts the system part cached, no more. The first such turn is an eviction as before (one turn
+    cannot tell); once two have shown it, the count names `cache_system_only` (no alarm), the lost
+    tokens the reusable ones past the count, whatever the TTFT."""
+    index = PrefixIndex()
+    system = len(AGENT_SYSTEM) // 4
+    msgs = pasted(4)
+    whole = [tokens_of(m) for m in msgs]
+    turn(index, "c0", msgs[0], whole[0], whole[0] / RATE, cached=0)
+    first = turn(index, "c1", msgs[1], whole[1], FIXED + (whole[1] - system) / RATE, cached=system)
+    assert first.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in first.anomalies
+    for k in (2, 3):
+        rec = turn(index, f"c{k}", msgs[k], whole[k], FIXED + (whole[k] - system) / RATE, cached=system)
+        assert rec.reprefill_cause == "cache_system_only" and "prefix_cache_miss" not in rec.anomalies
+        assert rec.cache_evidence.startswith(f"cached_tokens {system} of ~")
+        assert "the system part (~" in rec.cache_evidence and "this one included" in rec.cache_evidence
+        assert rec.reprefill_lost_s == pytest.approx((whole[k - 1] - system) / RATE, rel=0.05)

@@ -131,7 +131,7 @@ def test_two_hundred_healthy_multi_turn_requests_raise_none() -> None:
     assert not [(r.turn, r.reprefill_cause, r.anomaly_evidence) for r in recs if findings(r)]
     assert all(r.cache_hit_ratio is None or r.cache_hit_ratio <= 1 for r in recs)
     lost = [x for x in metrics.splitlines() if x.startswith("mlxproxy_reprefill_lost_seconds_total{")]
-    assert len(lost) == 6 and all(float(x.split()[-1]) == 0 for x in lost)
+    assert len(lost) == len(CAUSES) and all(float(x.split()[-1]) == 0 for x in lost)
 
 
 def test_sessions_needs_the_key_and_checks_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
