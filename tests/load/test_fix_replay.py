@@ -131,3 +131,62 @@ def test_fix_replay_html_report_in_browser(tmp_path: Path) -> None:
     assert (
         f"the fix, replayed: system prompt pinned to turn 1's on 3 turns; {fix['saved_s']:.3f} s saved in all" in text
     )
+
+
+def test_a_server_side_cause_is_printed_not_replayed() -> None:
+    """A cache that keeps only the system prompt (vllm-mlx's default: `cache_system_only`) is the
+    server's setting: no body rewrite fixes it. A fix replay of such a session changes no body,
+    so its lines say the two runs differ run to run (no "saved"), and print the fix as not replayed;
+    a fix the replay applies keeps its plain line."""
+    from mlxproxy.core.fixes import FIXES
+    from mlxproxy.load.commands.fixreplay import fix_lines
+
+    savings = {
+        "sessions": [
+            {
+                "session": 0,
+                "turns": [{"turn": 1, "ttft_captured_s": 2.2, "ttft_fixed_s": 2.1, "saved_s": 0.1}],
+                "saved_s": 0.1,
+                "later_turns_speedup": None,
+            }
+        ],
+        "saved_s": 0.1,
+    }
+    fixes = [("cache_system_only", FIXES["cache_system_only"]), ("volatile_span", FIXES["volatile_span"])]
+    lines = fix_lines(savings, {"system prompt pinned to turn 1's": 0}, fixes)
+    text = "\n".join(lines)
+    assert "the bodies needed no change" in lines[0]
+    assert "saved" not in text.replace("no change", "")
+    assert "session 0: 0.100 s apart (the same bodies sent again: not a saving)" in lines
+    assert "all sessions: 0.100 s apart, run to run (nothing was fixed)" in lines
+    assert (
+        f"cache_system_only: {FIXES['cache_system_only']} (not replayed: the server's setting, which the same "
+        "request bodies sent again cannot apply)" in lines
+    )
+    assert f"volatile_span: {FIXES['volatile_span']}" in lines
+
+
+def test_the_report_shows_a_system_only_cache_with_its_seconds_and_fix() -> None:
+    """The HTML report's sessions view on the recorded OpenCode session on vllm-mlx 0.6.0 (its
+    default cache keeps the system prompt only): the session's heading gives the seconds lost to
+    `cache_system_only` and its fix in one line, each named turn its cause and seconds."""
+    from html import escape
+
+    from mlxproxy.core.fixes import FIXES
+    from mlxproxy.load.data.results import Group, ResultFile, RunRecord
+    from mlxproxy.load.output.report import summarize_records
+    from mlxproxy.load.output.sessions_view import sessions_html
+    from sessions import load_sessions, replay
+
+    (paste,) = [s for s in load_sessions() if s.name == "opencode-paste_1.18.33__vllm-mlx"]
+    recs = [r for r in replay(paste).values() if r.outcome == "ok"]
+    rows = tuple(RunRecord(r, session=None if r.side_request else 0) for r in recs)
+    group = Group("sessions 1", "vllm-mlx", "sessions", "sessions", {}, summarize_records(recs), rows)
+    html = sessions_html([("run", ResultFile.new("replay", [group]))], lambda label, target: target)
+    named = [r for r in recs if r.reprefill_cause == "cache_system_only"]
+    assert len(named) == 2
+    lost = sum(r.reprefill_lost_s or 0.0 for r in named)
+    head = f"session 0 · OpenCode 1.18.33 · 4 turns · {lost:.2f} s lost to cache_system_only.</b>"
+    assert head in html and f'<span class="fix">Fix: {escape(FIXES["cache_system_only"])}</span>' in html
+    for r in named:
+        assert f'<td class="num">{r.reprefill_lost_s:.3f}</td><td>cache_system_only</td>' in html

@@ -111,3 +111,39 @@ def test_conversations_panel_matches_sessions(chromium: Chromium, tmp_path: Path
             ]
             assert cells[7] == (t["reprefill_cause"] or "") and cells[8] == (t["reprefill_at"] or "")
     assert all(by_id[t["id"]][8].endswith("a=<hex:5>;") for t in volatile["turn_list"][1:])
+
+
+def test_a_system_only_cache_on_the_page(chromium: Chromium, tmp_path: Path) -> None:
+    """The recorded OpenCode session on vllm-mlx 0.6.0 (its default cache keeps the system prompt
+    only), as the proxy judged it: `/sessions` and the panel give the seconds lost to
+    `cache_system_only` and its fix in one line, each named turn its cause and no alarm of a miss."""
+    from mlxproxy.core.fixes import FIXES
+    from sessions import load_sessions, replay
+
+    (paste,) = [s for s in load_sessions() if s.name == "opencode-paste_1.18.33__vllm-mlx"]
+    recs = sorted(replay(paste).values(), key=lambda r: r.started_at)
+    app = create_app(build_config(None, upstream_url="http://127.0.0.1:9", log_requests=False))
+    for rec in recs:
+        app.recent.on_record(rec)
+    with ServerThread(app) as px:
+        answer = httpx.get(px.url + "/sessions").json()
+        page = chromium.page()
+        page.goto(px.url + "/")
+        page.wait_for("document.querySelectorAll('#conversations tr.turn').length === 4")
+        fixes = page.eval("[...document.querySelectorAll('#conversations tr.fix')].map(tr => tr.textContent)")
+        causes = page.eval(
+            "[...document.querySelectorAll('#conversations tr.turn')].map(tr => tr.querySelectorAll('td')[7].textContent)"
+        )
+        page.eval("document.querySelector('#conversations').scrollIntoView()")
+        shots = Path(os.environ.get("MLXPROXY_TEST_ARTIFACTS") or tmp_path)
+        shots.mkdir(parents=True, exist_ok=True)
+        print(f"\nscreenshot: {page.screenshot(shots / 'live-page-system-only.png')}")
+        assert page.errors == [], page.errors
+    (conv,) = answer["sessions"]
+    named = [r for r in recs if r.reprefill_cause == "cache_system_only"]
+    lost = sum(r.reprefill_lost_s or 0.0 for r in named)
+    assert conv["client"] == "OpenCode 1.18.33" and conv["fix_cause"] == "cache_system_only"
+    assert conv["fix"] == FIXES["cache_system_only"] and conv["lost_s"] == pytest.approx(lost, abs=1e-3)
+    assert fixes == [f"{conv['lost_s']:.2f} s lost to cache_system_only. Fix: {FIXES['cache_system_only']}"]
+    assert sorted(causes) == ["", "", "cache_system_only", "cache_system_only"]
+    assert not any("prefix_cache_miss" in r.anomalies for r in recs)

@@ -8,8 +8,10 @@ The fix, applied to the request bodies of a conversation (pure functions, nothin
     between turns;
   - the tools in one order: each turn's tools in the order the first turn declared them (new
     ones after, by name).
-A history rewrite (the client's setting) and an eviction (the server's cache size) are not
-changed by a body rewrite: their fix is printed (`core.fixes`), not replayed.
+A history rewrite (the client's setting), an eviction (the server's cache size) and a cache that
+keeps only the system prompt (the server's configuration) are not changed by a body rewrite: their
+fix is printed (`core.fixes`) and marked as not replayed; where no body changed, the two runs'
+difference is said to be run-to-run, not a saving.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlxproxy.capture import CapturedRequest
+from mlxproxy.core.fixes import not_replayed
 from mlxproxy.load.data.results import Group, RunRecord
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 
@@ -182,7 +185,9 @@ def fix_lines(savings: Mapping[str, Any], applied: dict[str, int], fixes: Sequen
         "what the captured run lost is fixed outside them, below"
     ]
     for s in savings["sessions"]:
-        lines.append(f"session {s['session']}:  turn  TTFT as captured  TTFT with fix  saved s")
+        lines.append(
+            f"session {s['session']}:  turn  TTFT as captured  TTFT with fix  {'saved' if changed else 'apart'} s"
+        )
         for t in s["turns"]:
             lines.append(
                 f"{'':12}{t['turn']:>4}  {_fmt(t['ttft_captured_s']):>16}  {_fmt(t['ttft_fixed_s']):>13}"
@@ -190,10 +195,21 @@ def fix_lines(savings: Mapping[str, Any], applied: dict[str, int], fixes: Sequen
             )
         speed = s["later_turns_speedup"]
         faster = f"; turns >= 2 {speed:g}x faster to first token" if isinstance(speed, float) else ""
-        lines.append(f"session {s['session']}: {s['saved_s']:.3f} s saved{faster}")
-    lines.append(f"all sessions: {savings['saved_s']:.3f} s saved")
+        if changed:
+            lines.append(f"session {s['session']}: {s['saved_s']:.3f} s saved{faster}")
+        else:
+            lines.append(
+                f"session {s['session']}: {s['saved_s']:.3f} s apart (the same bodies sent again: not a saving)"
+            )
+    total = savings["saved_s"]
+    lines.append(
+        f"all sessions: {total:.3f} s saved"
+        if changed
+        else f"all sessions: {total:.3f} s apart, run to run (nothing was fixed)"
+    )
     for cause, line in fixes:
-        lines.append(f"{cause}: {line}")
+        why = not_replayed(cause)
+        lines.append(f"{cause}: {line}" + (f" ({why})" if why else ""))
     return lines
 
 

@@ -92,12 +92,19 @@ def _fix_html(fix: object) -> str:
         speed = s.get("later_turns_speedup")
         rows.append(
             f'{_HEAD_ROW}<td colspan="5"><b>session {escape(str(s.get("session")))}: '
-            f"{float(s.get('saved_s') or 0.0):.3f} s saved</b>"
+            f"{float(s.get('saved_s') or 0.0):.3f} s {'saved' if changed != 'nothing' else 'apart (not a saving)'}</b>"
             + (f" · turns &ge; 2 {float(speed):g}x faster to first token" if speed else "")
             + "</td></tr>"
         )
+    saved = float(fix.get("saved_s") or 0.0)
+    said = (
+        f"the fix, replayed: {changed}; {saved:.3f} s saved in all"
+        if changed != "nothing"
+        else f"the fix, replayed: no request body to change (each fix above is a setting of the client or the "
+        f"server); the two runs differ by {saved:.3f} s, run to run: not a saving"
+    )
     return (
-        f'<p class="muted">the fix, replayed: {escape(changed)}; {float(fix.get("saved_s") or 0.0):.3f} s saved in all</p>'
+        f'<p class="muted">{escape(said)}</p>'
         "<table><tr><th>session</th><th>turn</th><th>TTFT as captured s</th><th>TTFT with fix s</th><th>saved s</th></tr>"
         + "".join(rows)
         + "</table>"
