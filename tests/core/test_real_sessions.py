@@ -7,7 +7,9 @@ turn to turn):
 * grouping: every turn of the session is one conversation, numbered 1, 2, 3, ... in order; side
   requests (OpenCode's title, Qwen Code's memory extraction) are kept out of it;
 * cause: each turn's re-prefill cause and where it diverges, as the bytes show it (none for a turn
-  that extends the previous one as the server renders it);
+  that extends the previous one as the server renders it), or as the server's log shows it for a
+  turn that extends it (``cache_system_only``: vllm-mlx reused its system prompt only and prefilled
+  the messages again), except on the first turn that shows it (:data:`FIRST_SHOWN`);
 * alarms: no anomaly on a healthy turn (0 false alarms); where the server hit its cache but
   reported 0 cached tokens, ``cached_tokens_unreported`` and never ``cache_evicted``;
 * lost: where a cause cost the server a re-prefill, the seconds the record says were lost within
@@ -52,13 +54,27 @@ UNCERTAIN: dict[tuple[str, int], str] = {
     for n in (2, 3, 4)
 }
 
+#: (session, exchange) -> why the record names no cause where the server's truth has one: the first
+#: turn on its upstream to show the cache keeping the system prompt only, which one turn cannot tell
+#: from an eviction that left the system part (its evidence says one more will)
+FIRST_SHOWN: dict[tuple[str, int], str] = {
+    ("opencode-paste_1.18.33__vllm-mlx", 4): "the session's first extended turn: vllm-mlx reused its 17,096 system "
+    "tokens and prefilled the 62,203 after them; the TTFT shows that, but not yet that this server always does"
+}
+
 #: sessions whose measured losses varied so much for the same work that no one figure is within 20% of
 #: all of them: the record's seconds must fall within what was measured in the session for that cause
 NOISY_LOSS: dict[str, str] = {
     "claude-code-billing_2.1.332__mlx-lm+litellm": "~9,750 tokens re-prefilled every turn, measured 5.27, 1.76, "
     "1.92 s (the session's TTFT minus the same prompt's warm TTFT, taken later: 1.9, 2.2, 4.3 s); calibration.json's "
     "cold runs re-prefilled ~9,850 tokens each in 8.5, 11.5, 5.0 s over warm: on this loaded machine the same work "
-    'varied 6x. The issue asks for "a loss with its seconds" here: a figure inside the measured range is that'
+    'varied 6x. The issue asks for "a loss with its seconds" here: a figure inside the measured range is that',
+    "opencode-paste_1.18.33__vllm-mlx": "the same work every later turn (vllm-mlx prefilled 62,203, 62,234, 62,262 "
+    "tokens of messages again, its log) took 1.85, 1.10, 1.28 s to the first token in the session; the same turns "
+    "after the previous one on vllm-mlx --continuous-batching, whose cache keeps the conversation, took 0.28, 0.28, "
+    "0.38 s (the least of 5 runs each, calibration.vllm-mlx-cb.json): measured 1.57, 0.82, 0.90 s lost. The "
+    "proxy's figure is the messages' share of the TTFT (1.10, 1.28 s): it includes a hit's fixed cost (~0.28 s "
+    "there), which a server that never serves a whole-prefix hit cannot show it",
 }
 
 
@@ -119,6 +135,9 @@ def test_real_session(name: str, n: int, aspect: str) -> None:
     elif aspect == "cause":
         if want["role"] in ("side", "failed") or want.get("turn") == 1:
             assert rec.reprefill_cause is None, said
+        elif (name, n) in FIRST_SHOWN:
+            assert want.get("cause") == "cache_system_only" and rec.reprefill_cause is None, said
+            assert rec.cache_evidence is not None and "the first turn on this upstream to show it" in rec.cache_evidence
         else:
             assert rec.reprefill_cause == want.get("cause"), said
             if want.get("at"):
@@ -126,14 +145,17 @@ def test_real_session(name: str, n: int, aspect: str) -> None:
     elif aspect == "alarms":
         must = set(want.get("must_name") or ())
         allowed = must | set(want.get("may_name") or ())
-        if want.get("role") == "turn" and want.get("cause") is not None:
-            allowed |= {"prompt_prefix_changed", "prefix_cache_miss"}
+        if want.get("role") == "turn" and want.get("cause") not in (None, "cache_system_only"):
+            allowed |= {"prompt_prefix_changed", "prefix_cache_miss"}  # (a server keeping its system prompt: none)
         assert must <= set(rec.anomalies) | {rec.reprefill_cause}, said
         assert set(rec.anomalies) <= allowed, said
         assert "cache_evicted" not in (*rec.anomalies, rec.reprefill_cause), said
     else:  # lost
         expect = float(want["lost_s"])
         got = rec.reprefill_lost_s
+        if (name, n) in FIRST_SHOWN:
+            assert got is None, said
+            return
         if (name, n) in UNCERTAIN:
             # no figure, both bounds said, the truth one of them
             assert got is None and rec.cache_evidence is not None, said

@@ -133,6 +133,9 @@ def _mlx_vlm(venv: Path, model: Path, host: str, port: int) -> list[str]:
 SPECS: dict[str, Spec] = {
     "vllm-mlx": Spec("vllm-mlx", "vllm-mlx", _vllm(())),
     "vllm-mlx-cb": Spec("vllm-mlx-cb", "vllm-mlx", _vllm(("--continuous-batching",))),
+    # its default SimpleEngine plus mlx-lm's LRUPromptCache, which keeps whole conversations (the
+    # default keeps only the system prompt's KV): the fix for `cache_system_only`
+    "vllm-mlx-trie": Spec("vllm-mlx-trie", "vllm-mlx", _vllm(("--prefix-trie-cache",))),
     "mlx-openai-server": Spec("mlx-openai-server", "mlx-openai-server", _mlx_openai),  # 1.6.3
     # 1.8.1: continuous batching by default since 1.7 (the same command)
     "mlx-openai-server-1.8": Spec("mlx-openai-server-1.8", "mlx-openai-server-1.8", _mlx_openai),

@@ -827,6 +827,61 @@ def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
     (folder / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
+#: the servers ``calibrate_conversation_cache`` can run: vllm-mlx with a cache that keeps the
+#: conversation (``--continuous-batching``: its BatchedEngine's prefix cache, on by default), or with
+#: ``--prefix-trie-cache`` (0.6.0 with mlx-lm 0.31.3: never hits, see FINDINGS.md); it writes
+#: ``calibration.<server>.json`` beside ``calibration.json``
+CONVERSATION_CACHE_SERVERS = ("vllm-mlx-cb", "vllm-mlx-trie")
+
+
+#: runs per turn on the conversation cache: its hit's TTFT is short against a busy machine's noise,
+#: so the least of them is kept beside the median (the load of a shared machine only adds)
+CONVERSATION_CACHE_RUNS = 5
+
+
+def calibrate_conversation_cache(folder: Path, server: Server, log: Path) -> None:
+    """Each turn after the first of a session recorded on vllm-mlx's default (a cache of the system
+    prompt only) sent again to ``server``, vllm-mlx with a cache meant to keep the conversation
+    (``CONVERSATION_CACHE_SERVERS``): the previous turn's body, then this one, both behind one fresh
+    nonce, ``CONVERSATION_CACHE_RUNS`` times, the median and the least kept
+    (``calibration.<server>.json``). Its ``after_previous`` TTFT is what the turn would
+    have taken on a server that kept the conversation; the log lines say what that server reused."""
+    import uuid
+
+    from .sessiontruth import GENERATION_PATHS, expected
+
+    session = json.loads((folder / "session.json").read_text())
+    want = expected(folder)
+    turns: dict[str, Any] = {}
+    previous: dict[str, Any] | None = None
+    for ex in session["exchanges"]:
+        if ex["method"] != "POST" or ex["path"].split("?", 1)[0] not in GENERATION_PATHS:
+            continue
+        if want.get(ex["n"], {}).get("role") != "turn":
+            continue
+        path, body = _server_body(folder, ex)
+        if previous is not None:
+            runs, lines = [], []
+            for _ in range(CONVERSATION_CACHE_RUNS):
+                nonce = f"[{uuid.uuid4().hex}] "
+                _ttft(server.url, previous["path"], _nonce_body(previous["body"], nonce))
+                seen = len(log.read_text(errors="replace").splitlines())
+                runs.append(_ttft(server.url, path, _nonce_body(body, nonce)))
+                new = log.read_text(errors="replace").splitlines()[seen:]
+                lines += [ln for ln in new if re.search(r"(?i)cache (hit|miss)|cached=", ln)]
+            turns[str(ex["n"])] = {
+                "after_previous": {
+                    "ttft_s": _median([r["ttft_s"] for r in runs]),
+                    "least_ttft_s": min((r["ttft_s"] for r in runs if r["ttft_s"] is not None), default=None),
+                    "runs": runs,
+                },
+                "log": lines,
+            }
+        previous = {"path": path, "body": body}
+    out = {"server": server.version, "turns": turns}
+    (folder / f"calibration.{server.name}.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, choices=sorted(SERVER_APIS))
@@ -838,8 +893,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("recordings"))
     ap.add_argument("--root", type=Path, default=WORK_ROOT / "_stack")
     ap.add_argument("--calibrate-only", type=Path, nargs="*", help="recorded session folders to calibrate again")
+    ap.add_argument(
+        "--conversation-cache",
+        type=Path,
+        nargs="*",
+        help="vllm-mlx session folders: their turns again on a vllm-mlx that keeps the conversation, for what a "
+        "system-prompt-only cache lost",
+    )
+    ap.add_argument("--conversation-cache-server", choices=CONVERSATION_CACHE_SERVERS, default="vllm-mlx-cb")
     args = ap.parse_args(argv)
     from .sessiontruth import write_truth
+
+    if args.conversation_cache:
+        name = args.conversation_cache_server
+        root = args.root / f"{name}-calibrate"
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        with start_server(name, root) as server:
+            server.version += {"vllm-mlx-cb": " --continuous-batching", "vllm-mlx-trie": " --prefix-trie-cache"}[name]
+            for folder in args.conversation_cache:
+                calibrate_conversation_cache(folder, server, server.log_path)
+                write_truth(folder)
+                print(f"calibrated {folder} on a conversation cache", flush=True)
+        return 0
 
     if args.calibrate_only:
         root = args.root / f"{args.server}-calibrate"

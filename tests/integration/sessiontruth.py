@@ -185,6 +185,10 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
     calibration = {}
     if (folder / "calibration.json").exists():
         calibration = json.loads((folder / "calibration.json").read_text())
+    # the turns again on a server that keeps the conversation (`record_sessions --conversation-cache`)
+    conversation_cache: dict[str, Any] = {}
+    if (folder / CONVERSATION_CACHE).exists():
+        conversation_cache = json.loads((folder / CONVERSATION_CACHE).read_text())
     prior_tokens: list[list[int]] = []
     prev_body: dict[str, Any] | None = None
     out = []
@@ -278,6 +282,17 @@ def write_truth(folder: Path, model_dir: Path | None = None) -> dict[str, Any]:
             # a busy machine (medians of up to three runs)
             lost = cal["after_previous"]["ttft_s"] - cal["warm_same_nonce"]["ttft_s"]
             entry["replayed_lost_s"] = round(max(0.0, lost), 6)
+        kept = (conversation_cache.get("turns") or {}).get(str(n))
+        if kept and kept["after_previous"].get("least_ttft_s") is not None and timing["t_first_token"] is not None:
+            # what a cache of the conversation would have saved this turn: its TTFT in the session
+            # against the same turn on a server that kept the previous one (the least of its runs)
+            best = kept["after_previous"]["least_ttft_s"]
+            entry["conversation_cache_ttft_s"] = best
+            entry["measured_system_only_lost_s"] = round(max(0.0, timing["t_first_token"] - best), 6)
+            entry["measured_system_only_lost_from"] = (
+                f"the turn's TTFT in the session minus the least TTFT of the same turn on "
+                f"{conversation_cache.get('server')} after the previous turn (its cache kept the conversation)"
+            )
         if cal and cal["warm"]["ttft_s"] is not None:
             if cal["cold"]["ttft_s"] is not None:
                 entry["cold_minus_warm_s"] = round(cal["cold"]["ttft_s"] - cal["warm"]["ttft_s"], 6)
@@ -456,6 +471,9 @@ def _failed(response: bytes) -> bool:
 
 
 _HIT = re.compile(r"System KV cache HIT[^:]*: reusing (\d+)")
+#: what `record_sessions --conversation-cache` writes: the session's turns on vllm-mlx with a cache
+#: that keeps the conversation (``--continuous-batching``)
+CONVERSATION_CACHE = "calibration.vllm-mlx-cb.json"
 _MISS = re.compile(r"System KV cache MISS[^:]*: will prefill (\d+)")
 #: a measured loss is held to 20% only where it stands out of the TTFT noise of these runs: at
 #: least this many seconds, the server having re-prefilled at least this share of the prompt
@@ -522,9 +540,11 @@ def _add_evidence(entries: list[dict[str, Any]]) -> None:
         if is_turn and previous and isinstance(srv.get("cached_tokens"), int):
             # what the server prefilled again of the previous turn's prompt
             want["reprefilled_tokens"] = max(0, previous - srv["cached_tokens"])
+        log = " ".join(srv.get("log") or [])
+        if is_turn and want.get("turn", 1) > 1 and not want.get("cause"):
+            _system_only(e, want, previous)
         if is_turn:
             previous = srv.get("prompt_tokens")
-        log = " ".join(srv.get("log") or [])
         must: list[str] = []
         may: list[str] = []
         hit = _HIT.search(log)
@@ -543,7 +563,10 @@ def _add_evidence(entries: list[dict[str, Any]]) -> None:
             must.append("stream_error")  # a 200 stream that carried the server's error
         want["may_name"] = may + (["serialized"] if overlap else [])
         want["lost_s"] = None
-        if want.get("role") == "turn" and want.get("cause"):
+        if want.get("cause") == "cache_system_only":
+            lost = e.get("measured_system_only_lost_s")
+            want["lost_s"] = lost if lost is not None and lost >= MIN_LOST_S else None
+        elif want.get("role") == "turn" and want.get("cause"):
             if says == "hit":
                 want["lost_s"] = 0.0  # neutralized by the server (e.g. vllm-mlx strips the billing line)
             elif (
@@ -552,6 +575,26 @@ def _add_evidence(entries: list[dict[str, Any]]) -> None:
                 and (want.get("reprefilled_tokens") or 0) >= MIN_REPREFILL_SHARE * (srv.get("prompt_tokens") or 0) > 0
             ):
                 want["lost_s"] = e["measured_lost_s"]
+
+
+def _system_only(entry: dict[str, Any], want: dict[str, Any], previous: int | None) -> None:
+    """A turn that extends the previous one (the bytes name no cause) on a server whose log says it
+    reused its system prompt only (vllm-mlx's ``System KV cache HIT: reusing N tokens, prefilling M
+    new``): the previous prompt past those N tokens was prefilled again, the cause
+    ``cache_system_only``, where that is at least ``HIDDEN_HIT_MIN_TOKENS`` (the least the proxy
+    judges) and ``MIN_REPREFILL_SHARE`` of the prompt."""
+    srv = entry.get("server") or {}
+    hit = _HIT_PREFILLING.search(" ".join(srv.get("log") or []))
+    if hit is None:
+        return
+    reused, prefilled = int(hit.group(1)), int(hit.group(2))
+    again = previous - reused if previous else prefilled  # (no prompt figure: at most what it prefilled)
+    prompt = srv.get("prompt_tokens") or reused + prefilled
+    if again >= HIDDEN_HIT_MIN_TOKENS and again >= MIN_REPREFILL_SHARE * prompt:
+        want.update(cause="cache_system_only", at=None, reprefilled_tokens=again)
+
+
+_HIT_PREFILLING = re.compile(r"System KV cache HIT[^:]*: reusing (\d+) tokens, prefilling (\d+) new")
 
 
 def summary_table(folder: Path) -> str:
@@ -682,7 +725,9 @@ NOTES: dict[str, str] = {
     "system prompt and tools); a title side request first (with the paste), then each turn strictly extends the "
     "previous. On vllm-mlx 0.6.0 each later turn logs `System KV cache HIT: reusing 17096 tokens, prefilling 62203 "
     "new`: the system part is reused, the whole conversation prefilled again; the TTFT shows it (1.85, 1.10, 1.28 s "
-    "against 2.26 s cold), and from it the proxy learns that this server keeps the system prompt only. Its first "
+    "against 2.26 s cold), and from it the proxy learns that this server keeps the system prompt only: from the "
+    "second turn that shows it, the loss is `cache_system_only` (the same turns on vllm-mlx --continuous-batching, "
+    "whose cache keeps the conversation: `calibration.vllm-mlx-cb.json`, what they would have taken). Its first "
     "request with the paste got an error event from vllm-mlx (its title request was being served) and OpenCode "
     "sent the same body again: the retry is turn 1.",
 }
@@ -753,7 +798,9 @@ of each read), `turnN.timing.json` (`t_sent_session` from the session's start; `
 capture lines (what mlxproxy said when it was recorded); `server.log`: the server's log lines during
 the session, each with its arrival time; `calibration.json`: each generation request sent again
 straight to the server, cold (a nonce at the prompt's start) and warm (the exact body, cached);
-`truth.json`: per exchange the server's truth, the body's difference from the previous request, the
+`calibration.vllm-mlx-cb.json` / `calibration.vllm-mlx-trie.json` (where present): each turn sent again
+after the previous one to vllm-mlx with `--continuous-batching` / `--prefix-trie-cache`, a cache meant to
+keep the conversation (`record_sessions --conversation-cache`); `truth.json`: per exchange the server's truth, the body's difference from the previous request, the
 expected verdict and what mlxproxy said (`tests/integration/sessiontruth.py` writes it).
 
 ## The session
