@@ -20,8 +20,8 @@ model. For each:
 
 Budget: about 4-5 minutes of CI on two cores (six clients, three short turns each; the last test
 about a minute). Every client
-runs with its telemetry and update checks off and under a timeout; a missing client or server
-skips with the reason.
+runs with its telemetry and update checks off and under a timeout; a missing client or server, or a
+client whose install is broken (its ``--version`` fails), skips with the reason.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ if _REASON is not None:
     pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
 
 TURNS = 3
+VERSION_TIMEOUT_S = 60  # a client's --version (Node CLIs start in seconds on a busy machine)
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
 ON_VLLM = ("claude-code-billing", "codex")
 ON_MLX_LM = ("aider", "opencode", "qwen-code", "llm")
@@ -94,10 +96,30 @@ def _fixture_truth(client: str, server: str) -> dict[str, Any] | None:
     return None
 
 
+def _require(client: str) -> None:
+    """Skip unless ``client``'s CLI is found and runs: a broken install (a venv whose Python moved, a
+    package that no longer imports) fails ``--version``, which says nothing about the proxy."""
+    binary = CLIENTS[client].binary
+    path = find_client(binary)[0]
+    if path is None:
+        pytest.skip(f"{binary} not found; CI installs it with .ci/install-clients")
+    try:
+        res = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"{path} is broken ({type(exc).__name__}: {exc}); reinstall it with .ci/install-clients")
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
+        pytest.skip(
+            f"{path} --version exited {res.returncode} ({tail[0][:200]}): its install is broken; reinstall it "
+            "with .ci/install-clients"
+        )
+
+
 def _run(client: str, server: Server, tmp_path: Path) -> dict[str, Any]:
     spec = CLIENTS[client]
-    if find_client(spec.binary)[0] is None:
-        pytest.skip(f"{spec.binary} not found; CI installs it with .ci/install-clients")
+    _require(client)
     folder = record_with_proxy(spec, server, tmp_path, turns=TURNS)
     session = json.loads((folder / "session.json").read_text())
     for inv in session["invocations"]:
@@ -158,9 +180,8 @@ def _records(folder: Path) -> list[dict[str, Any]]:
 
 
 def test_a_history_rewrite_costs_nothing_once_the_proxy_saw_vllm_mlx_cache(vllm_server: Server, tmp_path: Path) -> None:
-    for spec in (CLIENTS["opencode-paste"], CLIENTS["aider"]):
-        if find_client(spec.binary)[0] is None:
-            pytest.skip(f"{spec.binary} not found; CI installs it with .ci/install-clients")
+    for client in ("opencode-paste", "aider"):
+        _require(client)
     # 4 turns: 3 that extend the conversation, of which the proxy needs 2 that show the cache's reach
     paste, aider = record_through_one_proxy(
         [CLIENTS["opencode-paste"], CLIENTS["aider"]], vllm_server, tmp_path, turns=4
@@ -175,6 +196,9 @@ def test_a_history_rewrite_costs_nothing_once_the_proxy_saw_vllm_mlx_cache(vllm_
     turns = [r for r in _records(paste) if r.get("turn")]
     said = [(r["turn"], r.get("cache_evidence")) for r in turns]
     assert sum("only the system part was reused" in (e or "") for _, e in said) >= 2, said
+    # ...and from the second turn that shows it, that loss is named, with its seconds
+    system_only = [r for r in turns if r.get("reprefill_cause") == "cache_system_only"]
+    assert system_only and all((r["reprefill_lost_s"] or 0) > 0.1 for r in system_only), said
     assert not [r for r in turns if {"prefix_cache_miss", "prompt_prefix_changed"} & set(r["anomalies"])], said
     rewrites = [r for r in _records(aider) if (r.get("turn") or 0) > 1]
     assert len(rewrites) == 3, rewrites
