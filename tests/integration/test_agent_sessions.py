@@ -108,7 +108,10 @@ def _require(client: str) -> None:
             [path, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, stdin=subprocess.DEVNULL
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"{path} is broken ({type(exc).__name__}: {exc}); reinstall it with .ci/install-clients")
+        pytest.skip(
+            f"{path} cannot run ({type(exc).__name__}: {exc}; a venv whose Python is gone fails so): its install is "
+            "broken; reinstall it with .ci/install-clients"
+        )
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
         pytest.skip(
