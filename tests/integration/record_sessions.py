@@ -782,6 +782,20 @@ def _server_body(folder: Path, ex: dict[str, Any]) -> tuple[str, dict[str, Any]]
     return path, body
 
 
+def _generation_requests(folder: Path) -> Iterator[tuple[dict[str, Any], bool, str, dict[str, Any]]]:
+    """A recorded session's generation requests in order: the exchange, whether the truth calls it
+    a turn (``sessiontruth.expected``), and the path and body to send the server straight."""
+    from .sessiontruth import GENERATION_PATHS, expected
+
+    session = json.loads((folder / "session.json").read_text())
+    want = expected(folder)
+    for ex in session["exchanges"]:
+        if ex["method"] != "POST" or ex["path"].split("?", 1)[0] not in GENERATION_PATHS:
+            continue
+        path, body = _server_body(folder, ex)
+        yield ex, want.get(ex["n"], {}).get("role") == "turn", path, body
+
+
 def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
     """Each turn of the session sent again straight to the server (``calibration.json``): cold (a
     nonce at the prompt's start: nothing cached), warm (the exact body again: all cached), and after
@@ -790,20 +804,12 @@ def calibrate(folder: Path, server: Server, *, prime: bool = False) -> None:
     conditions within seconds; small prompts are measured REPEATS times and the medians kept."""
     import uuid
 
-    from .sessiontruth import GENERATION_PATHS, expected
-
-    session = json.loads((folder / "session.json").read_text())
-    want = expected(folder)
     out: dict[str, Any] = {}
     previous: dict[str, Any] | None = None
-    for ex in session["exchanges"]:
-        if ex["method"] != "POST" or ex["path"].split("?", 1)[0] not in GENERATION_PATHS:
-            continue
-        path, body = _server_body(folder, ex)
+    for ex, is_turn, path, body in _generation_requests(folder):
         reps = REPEATS if len(json.dumps(body)) < SMALL_BODY else 1
         cold = [_ttft(server.url, path, _nonce_body(body, f"[{uuid.uuid4().hex}] ")) for _ in range(reps)]
         entry: dict[str, Any] = {"repeats": reps}
-        is_turn = want.get(ex["n"], {}).get("role") == "turn"
         if is_turn and previous is not None:
             # the previous turn then this one, both behind one fresh nonce: the server can reuse
             # exactly what the two share, as in the session, and nothing it cached before; then
@@ -848,18 +854,11 @@ def calibrate_conversation_cache(folder: Path, server: Server, log: Path) -> Non
     have taken on a server that kept the conversation; the log lines say what that server reused."""
     import uuid
 
-    from .sessiontruth import GENERATION_PATHS, expected
-
-    session = json.loads((folder / "session.json").read_text())
-    want = expected(folder)
     turns: dict[str, Any] = {}
     previous: dict[str, Any] | None = None
-    for ex in session["exchanges"]:
-        if ex["method"] != "POST" or ex["path"].split("?", 1)[0] not in GENERATION_PATHS:
+    for ex, is_turn, path, body in _generation_requests(folder):
+        if not is_turn:
             continue
-        if want.get(ex["n"], {}).get("role") != "turn":
-            continue
-        path, body = _server_body(folder, ex)
         if previous is not None:
             runs, lines = [], []
             for _ in range(CONVERSATION_CACHE_RUNS):
