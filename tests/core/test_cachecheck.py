@@ -440,3 +440,19 @@ def test_a_server_that_counts_its_system_only_hits_names_the_loss_from_its_count
         assert rec.cache_evidence.startswith(f"cached_tokens {system} of ~")
         assert "the system part (~" in rec.cache_evidence and "this one included" in rec.cache_evidence
         assert rec.reprefill_lost_s == pytest.approx((whole[k - 1] - system) / RATE, rel=0.05)
+
+
+def test_a_slow_second_turn_that_shows_the_system_only_cache_is_no_eviction() -> None:
+    """A turn as slow as a cold prefill (a loaded machine: 2.61 s against 2.54 s cold, vllm-mlx
+    logging its usual hit of the system part) right after one turn showed the cache keeping the
+    system prompt only: with it, two turns show that, so it is `cache_system_only`, no alarm."""
+    index = PrefixIndex()
+    system = len(AGENT_SYSTEM) // 4
+    msgs = pasted(3)
+    whole = [tokens_of(m) for m in msgs]
+    turn(index, "s0", msgs[0], whole[0], whole[0] / RATE)
+    first = turn(index, "s1", msgs[1], whole[1], FIXED + (whole[1] - system) / RATE)
+    assert first.reprefill_cause is None and "only the system part was reused" in first.cache_evidence
+    slow = turn(index, "s2", msgs[2], whole[2], 1.03 * whole[2] / RATE)
+    assert slow.reprefill_cause == "cache_system_only" and "prefix_cache_miss" not in slow.anomalies
+    assert "tells neither whether the system part" in slow.cache_evidence
