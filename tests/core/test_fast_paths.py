@@ -25,8 +25,12 @@ USAGE = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_to
 
 def _chunk(delta: str, extra: str = "", choice: str = "") -> bytes:
     return (
-        b'data: {"id":"x","object":"chat.completion.chunk"' + extra.encode() + b',"choices":[{"index":0,"delta":'
-        + delta.encode() + choice.encode() + b"}]}\n\n"
+        b'data: {"id":"x","object":"chat.completion.chunk"'
+        + extra.encode()
+        + b',"choices":[{"index":0,"delta":'
+        + delta.encode()
+        + choice.encode()
+        + b"}]}\n\n"
     )
 
 
@@ -65,7 +69,7 @@ SHAPES = b"".join(
         b'id: 7\ndata: {"choices":[{"delta":{"content":"with id"}}]}\n\n',
         b'data: {"choices":[{"delta":{"content":"two"}}]}\ndata: {"x":1}\n\n',
         _chunk('{"content":"Hello world!?.xthinkmore"}'),  # not a replay: lengths differ
-        _chunk('{}', "", ',"finish_reason":"stop"'),
+        _chunk("{}", "", ',"finish_reason":"stop"'),
         USAGE,
         b"data: [DONE]\n\n",
         _chunk('{"content":"after done"}'),
@@ -102,8 +106,14 @@ def _cuts(body: bytes, every_byte: bool = True) -> Iterator[list[bytes]]:
 def _meter(injected: bool, max_line_bytes: int | None = None) -> RequestMeter:
     info = RequestInfo("POST", "/v1/chat/completions", "chat_completions", "m", True, 50, not injected, True)
     m = RequestMeter(
-        info, request_id="r", upstream="u", t_start=0.0, started_at=0.0, usage_injected=injected,
-        keep_text=True, max_line_bytes=max_line_bytes,
+        info,
+        request_id="r",
+        upstream="u",
+        t_start=0.0,
+        started_at=0.0,
+        usage_injected=injected,
+        keep_text=True,
+        max_line_bytes=max_line_bytes,
     )
     m.upstream_sent(0.05)
     m.response_started(0.1, 200, "text/event-stream")
@@ -154,7 +164,9 @@ def test_recorded_streams_cut_anywhere_give_what_the_general_path_gives(
 
 
 @pytest.mark.parametrize("injected", [False, True], ids=["feed", "strip"])
-@pytest.mark.parametrize("body", [SHAPES, REPLAY, SHAPES.replace(USAGE, b"") + USAGE], ids=["shapes", "replay", "usage-last"])
+@pytest.mark.parametrize(
+    "body", [SHAPES, REPLAY, SHAPES.replace(USAGE, b"") + USAGE], ids=["shapes", "replay", "usage-last"]
+)
 def test_every_chunk_shape_cut_anywhere_gives_what_the_general_path_gives(
     body: bytes, injected: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -167,13 +179,13 @@ def test_the_shapes_take_both_paths() -> None:
     and the general path the rest (a newline inside, a CR, no space, an id)."""
     m = _meter(False)
     fed = []
-    real = m._feed_payloads  # noqa: SLF001 (counted, not replaced)
+    real = m._feed_payloads
 
     def counting(payloads: list[bytes], nbytes: int, t: float) -> None:
         fed.extend(payloads)
         real(payloads, nbytes, t)
 
-    m._feed_payloads = counting  # type: ignore[method-assign]  # noqa: SLF001
+    m._feed_payloads = counting  # type: ignore[method-assign]
     for data in _events(SHAPES):
         m.feed(data, 0.2)
     assert fed and len(fed) < len(_events(SHAPES))

@@ -24,7 +24,11 @@ def test_a_metering_failure_never_breaks_the_stream(
     (stripping the injected usage event stops with the metering), the record says
     `protocol_error`, and the proxy goes on serving."""
     # the general path and the fast path of plain data events (`_feed_payloads`, `data_payloads`)
-    target, names = (RequestMeter, ("_feed_items", "_feed_payloads")) if where == "meter" else (SSEDecoder, ("feed", "data_payloads"))
+    target, names = (
+        (RequestMeter, ("_feed_items", "_feed_payloads"))
+        if where == "meter"
+        else (SSEDecoder, ("feed", "data_payloads"))
+    )
     reals = {name: getattr(target, name) for name in names}
     calls = [0]
     first_fed = threading.Event()
