@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rate",
         type=float,
         default=50.0,
-        help="the upstream's tokens per second per stream (default 50: slow enough that the proxy, "
-        "~50x slower under callgrind, reads every event on its own, so the stream figures repeat; "
-        "at 200 they varied by ~10%% with how events grouped into reads)",
+        help="the upstream's tokens per second per stream (default 50: the proxy, ~50x slower under "
+        "callgrind, keeps up with its events; compare SRCs measured in one run: between runs the "
+        "stream figures of the same code moved by up to 8%% with the machine's load)",
     )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
