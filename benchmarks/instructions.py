@@ -8,7 +8,7 @@ under callgrind against `benchmarks/upstream.py`, warms it up, then counts, with
 counters zeroed before and dumped after each phase:
 
   * 300 sequential non-streaming requests (16 tokens): instructions per request;
-  * 10 sequential streams of 100 events at 200 tok/s: instructions per stream;
+  * 10 sequential streams of 100 events at 50 tok/s (`--rate`): instructions per stream;
   * the same two (100 and 10) with the agent-shaped body (`bodies.py`: 50 messages, 10 tools,
     57 kB, the same conversation every time, as an agent's turns repeat their prefix).
 
@@ -151,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[REPO],
         help=f"folders holding an mlxproxy package (default: this repository), or {FLOOR!r}: the stack alone (floor.py)",
     )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=50.0,
+        help="the upstream's tokens per second per stream (default 50: the proxy, ~50x slower under "
+        "callgrind, keeps up with its events; compare SRCs measured in one run: between runs the "
+        "stream figures of the same code moved by up to 8%% with the machine's load)",
+    )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions.py: valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
     up = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", "200"],
+        [sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", f"{args.rate:g}"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -96,8 +96,8 @@ def audit(
     found: list[str] = []
     for c in speed_claims(claims):
         if c.phase == "prefill":
-            if ttft_s is None or not uncached_tokens:
-                continue
+            if ttft_s is None or not uncached_tokens or uncached_tokens < min_tokens:
+                continue  # (a handful of prefilled tokens: their time is mostly fixed cost, no rate)
             window = ttft_s - c.load_s
             secs = c.duration_s if c.duration_s is not None else (c.tokens or uncached_tokens) / c.rate_tps
             secs = min(secs, window) if window > 0 else secs

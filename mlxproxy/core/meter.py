@@ -49,6 +49,8 @@ _PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses
 _STD_USAGE_KEYS = frozenset(
     {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
 )
+if CLAIM_KEYS != ("timings", "metrics", "stats"):  # pragma: no cover - spelt out in `_feed_payloads`'s test
+    raise ImportError("core.openai.CLAIM_KEYS changed: update RequestMeter._feed_payloads' plain-chunk test")
 MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
 
 
@@ -184,23 +186,23 @@ class RequestMeter:
         self._t_headers: float | None = None
         self._t_first_byte: float | None = None
         self._t_last_byte: float | None = None
-        self._t_first_token: float | None = None
         self._t_first_content: float | None = None
-        self._t_last_token: float | None = None
         self._t_done: float | None = None
         self._status: int | None = None
         self._sse = False
         self._decoder: SSEDecoder | NDJSONDecoder | None = None
+        self._chat: SSEDecoder | None = None  # the decoder, when a chat stream's events can take the fast path
+        self._payloads: list[bytes] | None = None  # what `strip` decoded for `feed_forwarded`, undecoded
         self._bytes_out = 0
         self._body = bytearray()
         self._body_overflow = False
         self._done = False  # [DONE] (or the API's terminal event) seen, or metering stopped
         self._failure: Exception | None = None  # what stopped the metering early (`fail`)
         self._events = 0
-        self._generated_events = 0
         self._reasoning_events = 0
-        self._content_events = 0
         self._comments = 0
+        # when each generated event arrived: their count is the generated events, the first is
+        # the first token, the last the last one (one append per event, nothing else kept)
         self._event_times: list[float] = []
         self._finish_reason: str | None = None
         self._finish_reasons_seen = 0
@@ -212,7 +214,7 @@ class RequestMeter:
         self._duplicate_content = False
         self._prefill_progress: tuple[int, int] | None = None
         self._claims: dict[str, Any] = {}
-        self._content_parts: list[str] = []
+        self._content_parts: list[str] = []  # (in a stream: one per content event)
         self._content_chars = 0
         self._reasoning_parts: list[str] = []
         self._tool_calls: dict[int, dict[str, str]] = {}
@@ -268,15 +270,16 @@ class RequestMeter:
     @property
     def generated_events(self) -> int:
         """Generated events (tokens, on per-token servers) so far."""
-        return self._generated_events
+        return len(self._event_times)
 
     def snapshot(self, now: float) -> Snapshot:
         """The request's figures so far, at `now` (a request in flight: `/streams`, the live page)."""
-        tokens = self._generated_events
-        first, last = self._t_first_token, self._t_last_token
+        times = self._event_times
+        tokens = len(times)
+        first = times[0] if times else None
         tps = None
-        if tokens >= 2 and first is not None and last is not None and last > first:
-            tps = (tokens - 1) / (last - first)
+        if tokens >= 2 and times[-1] > times[0]:
+            tps = (tokens - 1) / (times[-1] - times[0])
         t0 = self._t_start
         request = self._request
         return Snapshot(
@@ -319,6 +322,8 @@ class RequestMeter:
         if ct.startswith("text/event-stream"):
             self._sse = True
             self._decoder = SSEDecoder(self._max_line_bytes) if self._max_line_bytes else SSEDecoder()
+            if self._api is None:
+                self._chat = self._decoder
         elif ct.startswith(("application/x-ndjson", "application/jsonl")) and self._api is not None:
             self._sse = True  # a stream: one JSON line per item (Ollama), decoded to the same items
             self._decoder = NDJSONDecoder(self._max_line_bytes) if self._max_line_bytes else NDJSONDecoder()
@@ -327,6 +332,16 @@ class RequestMeter:
         """A body read of `data` arrived at `t` (stamped on arrival, before any parsing)."""
         if not data:
             return
+        chat = self._chat
+        if chat is not None and not self._done:
+            try:
+                payloads = chat.data_payloads(data)
+            except Exception:  # (a decoder bug) the read still arrived: count it, then say so
+                self._feed_decoded(len(data), (), t)
+                raise
+            if payloads is not None:
+                self._feed_payloads(payloads, len(data), t)
+                return
         decoder = self._decoder
         if decoder is not None:
             try:
@@ -347,13 +362,18 @@ class RequestMeter:
     def strip(self, data: bytes, stripper: UsageStripper) -> tuple[bytes, Sequence[SSEItem] | None]:
         """For a stream whose usage event the caller injected, before it forwards a read: decode it of `data` (SSE framing only, no
         JSON) and return the bytes to forward now, without the injected usage event, and the
-        decoded items for `feed_forwarded` (None: nothing decoded, it meters `data` itself).
-        Never raises: a decoding failure is kept (`fail`) and the held bytes and the rest pass
+        decoded items for `feed_forwarded` (None: it meters `data` itself, undecoded, or a read
+        of whole data events none of which is the usage event, whose data this meter keeps
+        for the `feed_forwarded` that follows: `SSEDecoder.data_payloads`). Never raises: a decoding failure is kept (`fail`) and the held bytes and the rest pass
         unchanged."""
+        chat = self._chat
         decoder = self._decoder
         if self._done or decoder is None:
             return stripper.flush() + data, None
         try:
+            if chat is not None and (payloads := stripper.pass_whole(data, chat)) is not None:
+                self._payloads = payloads  # whole events, none the usage event: their JSON after forwarding
+                return data, None
             items = decoder.feed(data)
             return stripper.process(data, items, decoder.safe_offset), items
         except Exception as exc:  # forward what is held and the rest unmetered
@@ -366,7 +386,12 @@ class RequestMeter:
         failure is kept (`fail`). Returns whether the metering has failed (here or in `strip`)."""
         try:
             if items is None:
-                self.feed(data, t)
+                payloads = self._payloads
+                if payloads is None:
+                    self.feed(data, t)
+                else:
+                    self._payloads = None
+                    self._feed_payloads(payloads, len(data), t)
             else:
                 self._feed_decoded(len(data), items, t)
         except Exception as exc:
@@ -397,6 +422,60 @@ class RequestMeter:
             elif isinstance(item, SSEProtocolError):
                 self._protocol_error = self._protocol_error or item.reason
 
+    def _feed_payloads(self, payloads: list[bytes], nbytes: int, t: float) -> None:
+        """A read of `nbytes` holding a chat stream's events, their data undecoded
+        (`SSEDecoder.data_payloads`): what `_feed_decoded` and `_event` do with them, the plain
+        content chunk (nearly every event) inline. A payload that is not valid UTF-8 and JSON,
+        `[DONE]` among them, goes to `_event` decoded, as the general path gives it
+        (`orjson.loads` of valid UTF-8 bytes and of their text agree)."""
+        if self._t_first_byte is None:
+            self._t_first_byte = t
+        self._t_last_byte = t
+        self._bytes_out += nbytes
+        loads = orjson.loads
+        times = self._event_times
+        parts = self._content_parts
+        for p in payloads:
+            try:
+                obj = loads(p)
+            except orjson.JSONDecodeError:
+                self._event(p.decode("utf-8", "replace"), t)
+                if self._done:
+                    return
+                continue
+            self._events += 1
+            # the plain content chunk, `{"choices": [{"delta": {"content": "..."}}]}` with no
+            # finish reason, usage, error or claims (absent or null), tested by lookups that
+            # raise on any other shape (cheaper than type tests): `_chunk` would do exactly
+            # this with it (a `text` beside non-empty content changes nothing there)
+            try:
+                (ch,) = obj["choices"]
+                delta = ch["delta"]
+                c = delta["content"]
+            except (KeyError, TypeError, ValueError):
+                c = None
+            if (
+                type(c) is str
+                and c
+                and len(delta) == 1
+                and ch.get("finish_reason") is None
+                and "usage" not in obj
+                and "error" not in obj
+                and "timings" not in obj
+                and "metrics" not in obj
+                and "stats" not in obj
+            ):
+                if len(parts) >= 2 and len(c) == self._content_chars and c == "".join(parts):
+                    self._duplicate_content = True  # a terminal chunk replaying the whole answer
+                    continue
+                times.append(t)
+                if self._t_first_content is None:
+                    self._t_first_content = t
+                parts.append(c)
+                self._content_chars += len(c)
+                continue
+            self._chunk(obj, t)
+
     def _event(self, data: str, t: float) -> None:
         self._events += 1
         if data.startswith("[DONE]"):
@@ -408,6 +487,10 @@ class RequestMeter:
         except orjson.JSONDecodeError:
             self._protocol_error = self._protocol_error or "invalid JSON in a data: line"
             return
+        self._chunk(obj, t)
+
+    def _chunk(self, obj: Any, t: float) -> None:
+        """One event's parsed JSON (counted by the caller)."""
         tool_calls: Sequence[dict[str, Any]] = ()
         has_tool: object  # truthy when the event carries (part of) a tool call
         if self._api is not None:
@@ -442,7 +525,7 @@ class RequestMeter:
                 tool_calls = d.tool_calls
             if (
                 content
-                and self._content_events >= 2
+                and len(self._content_parts) >= 2
                 and len(content) == self._content_chars
                 and content == "".join(self._content_parts)
             ):  # joined only when the lengths agree: linear overall
@@ -451,15 +534,10 @@ class RequestMeter:
             has_tool = tool_calls
         # one generated event (a token on per-token servers), of any API; kept inline: this
         # runs for every event of every stream
-        self._generated_events += 1
         self._event_times.append(t)
-        if self._t_first_token is None:
-            self._t_first_token = t
         if self._t_first_content is None and (content or has_tool):
             self._t_first_content = t
-        self._t_last_token = t
         if content:
-            self._content_events += 1
             self._content_parts.append(content)
             self._content_chars += len(content)
         if reasoning:
@@ -639,7 +717,7 @@ class RequestMeter:
             if self._decoder is not None
             else None
         )
-        tokenizer = _count(count_tokens, text) if self._generated_events else None
+        tokenizer = _count(count_tokens, text) if self._event_times else None
         chars, nonascii_chars, nonascii_bytes = _text_sizes(text)
         if chars is not None and self._tool_args_over:  # arguments past the bound were streamed too
             chars += sum(self._tool_args_over.values())
@@ -727,7 +805,8 @@ class RequestMeter:
         calls = self._tool_calls
         sse = self._decoder is not None
         t0 = self._t_start
-        ttft = None if self._t_first_token is None else self._t_first_token - t0
+        times = self._event_times
+        ttft = times[0] - t0 if times else None
         duration = t_end - t0
         # wall tok/s stops at [DONE] (or the API's terminal event): a body kept open after it is
         # not the client's wait (SDKs stop reading there); the tail is reported on its own
@@ -748,7 +827,7 @@ class RequestMeter:
             ttfb_s=None if self._t_first_byte is None else self._t_first_byte - t0,
             ttft_s=ttft,
             ttfc_s=None if self._t_first_content is None else self._t_first_content - t0,
-            e2e_s=duration if self._t_last_token is None else self._t_last_token - t0,
+            e2e_s=times[-1] - t0 if times else duration,
             headers_s=None if headers is None else headers - t0,
             duration_s=duration,
             tail_after_done_s=tail,
@@ -758,7 +837,7 @@ class RequestMeter:
             cached_tokens=cached,
             completion_tokens_reported=use.completion,
             reasoning_tokens_reported=use.reasoning,
-            completion_tokens_counted=self._generated_events if sse else None,
+            completion_tokens_counted=len(times) if sse else None,
             reasoning_tokens_counted=self._reasoning_events if sse else None,
             completion_tokens_tokenizer=gen.tokenizer,
             usage_reports=self._usage_reports,
@@ -766,7 +845,7 @@ class RequestMeter:
             usage_injected=self._usage_injected,
             max_tokens=request.max_tokens,
             events=self._events,
-            generated_events=self._generated_events,
+            generated_events=len(times),
             comments=self._comments,
             finish_reason=self._finish_reason,
             finish_reasons_seen=self._finish_reasons_seen,
@@ -780,7 +859,7 @@ class RequestMeter:
             concurrency=self._concurrency,
             tags=self._tags,
             bytes_out=self._bytes_out,
-            event_offsets_s=tuple(t - t0 for t in self._event_times),
+            event_offsets_s=tuple(t - t0 for t in times),
             t_start_mono=t0,
             dual_reasoning_events=self._dual_reasoning_events,
             duplicate_content=self._duplicate_content,

@@ -78,6 +78,7 @@ class SSEDecoder:
         "_first_line",
         "_open",
         "_skip_event",
+        "_idle",
     )
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
@@ -94,6 +95,7 @@ class SSEDecoder:
         self._first_line = True
         self._open = False  # a field line of the next event was seen
         self._skip_event = False  # the current event was dropped: ignore its lines up to the blank line
+        self._idle = True  # none of the five above is set: no line or event open (kept by `_feed_general`, `close`)
 
     def feed(self, data: bytes) -> list[SSEItem]:
         """Consume `data`; return the items it completed (possibly none). Never raises."""
@@ -101,15 +103,7 @@ class SSEDecoder:
         # `data: ...\n\n`, arriving while no line or event is open. Each such event is built
         # directly, exactly as `_line` + `_dispatch` would build it; at the first byte that
         # does not fit the pattern the rest of the read goes to the general path.
-        if (
-            self._buf
-            or self._skip_lf
-            or self._discarding
-            or self._open
-            or self._skip_event
-            or not data.startswith(b"data: ")
-            or b"\r" in data
-        ):
+        if not self._idle or not data.startswith(b"data: ") or data.find(b"\r") >= 0:
             return self._feed_general(data)
         out: list[SSEItem] = []
         find = data.find
@@ -141,11 +135,43 @@ class SSEDecoder:
         out.extend(self._feed_general(data))
         return out
 
+    def data_payloads(self, data: bytes) -> list[bytes] | None:
+        """For a read that is nothing but whole single-line data events, `data: X\\n\\n` (no CR,
+        within the line bound), arriving while no line or event is open: each event's data,
+        undecoded, with the decoder advanced exactly as `feed` would advance it (`feed` would
+        return one `SSEEvent` per payload, its `data` the payload decoded as UTF-8 with
+        replacement). Anything else: None, and nothing is consumed (use `feed`). A handful of
+        C calls per read, no per-line Python: what nearly every chat stream sends."""
+        n = len(data)
+        if (
+            not self._idle
+            or n > self.max_line_bytes
+            or data[:6] != b"data: "
+            or data[-2:] != b"\n\n"
+            or data.find(b"\r") >= 0
+        ):
+            return None
+        if data.find(b"\n") == n - 2:  # one event (the usual read)
+            payloads = [data[6:-2]]
+        else:
+            # data == b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"; the newline count
+            # says that no payload holds one (each event is one data line and its blank line)
+            payloads = data[6:-2].split(b"\n\ndata: ")
+            if data.count(b"\n") != 2 * len(payloads):
+                return None
+        self._first_line = False  # the first line began with "data: ", so it held no BOM
+        self._base = self._event_start = self._base + n
+        return payloads
+
     def _feed_general(self, data: bytes) -> list[SSEItem]:
         """`feed` for any input: the standard's line and event rules, byte by byte."""
         out: list[SSEItem] = []
-        if not data:
-            return out
+        if data:
+            self._feed_lines(data, out)
+            self._idle = not (self._buf or self._skip_lf or self._discarding or self._open or self._skip_event)
+        return out
+
+    def _feed_lines(self, data: bytes, out: list[SSEItem]) -> None:
         if self._skip_lf:
             self._skip_lf = False
             if data[0] == _LF:
@@ -154,11 +180,11 @@ class SSEDecoder:
                 if not self._open:  # the LF ended a blank or comment line: the next event starts after it
                     self._event_start = max(self._event_start, self._base)
                 if not data:
-                    return out
+                    return
         if self._discarding:  # inside an over-long line: skip to its end without buffering
             data = self._skip_rest_of_line(data)
             if not data:
-                return out
+                return
         buf = self._buf + data if self._buf else data
         n = len(buf)
         start = 0
@@ -193,10 +219,9 @@ class SSEDecoder:
             self._discarding = True
             self._base = base + n
             self._buf = b""
-            return out
+            return
         self._base = base + start
         self._buf = rest
-        return out
 
     @property
     def safe_offset(self) -> int:
@@ -216,6 +241,7 @@ class SSEDecoder:
         if self._data:
             self._dispatch(self._base, out)
         self._skip_event = False
+        self._idle = not (self._open or self._skip_lf)
         return out
 
     # -- internals -------------------------------------------------------------------

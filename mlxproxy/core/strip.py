@@ -9,7 +9,7 @@ anyway); every other byte is forwarded unchanged and in order.
 from __future__ import annotations
 
 from mlxproxy.core.openai import is_injected_usage_chunk
-from mlxproxy.core.sse import SSEEvent, SSEItem
+from mlxproxy.core.sse import SSEDecoder, SSEEvent, SSEItem
 
 __all__ = ["UsageStripper"]
 
@@ -44,6 +44,19 @@ class UsageStripper:
             return buf[:cut]
         pieces.append(buf[pos:cut])
         return b"".join(pieces)
+
+    def pass_whole(self, data: bytes, decoder: SSEDecoder) -> list[bytes] | None:
+        """`process` for a read of whole data events none of which can be the usage event
+        (`process` cuts only an event whose data holds `"usage"`, which its bytes then hold
+        too), while nothing is held back: the decoder takes them (`SSEDecoder.data_payloads`,
+        their data undecoded) and `data` is forwarded whole. None: nothing consumed, use
+        `SSEDecoder.feed` and `process`."""
+        if self._buf or data.find(b'"usage"') >= 0:
+            return None
+        payloads = decoder.data_payloads(data)
+        if payloads is not None:
+            self._start += len(data)
+        return payloads
 
     def flush(self) -> bytes:
         """End of body (or stripping no longer needed): everything still held back."""

@@ -14,7 +14,7 @@ import asyncio
 import base64
 import fnmatch
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
@@ -84,22 +84,43 @@ class UpstreamResponse:
         when the body broke (reset, truncated chunked encoding, bad framing)."""
         try:
             chunk = await self._read()
-        except asyncio.TimeoutError as exc:
+        except Exception as exc:
+            self.body_error(exc)
+            raise
+        if not chunk:
+            self.ended()
+        return chunk
+
+    @property
+    def raw_read(self) -> Callable[[], Awaitable[bytes]]:
+        """`read` without its own coroutine layer, for the relay's loop (every layer between a
+        task and its read runs again for every read): the client's own read, whose exceptions
+        `body_error` translates, and whose b"" is followed by a call of `ended`."""
+        return self._read
+
+    def body_error(self, exc: Exception) -> None:
+        """Raise the project's exception for what `raw_read` raised, `UpstreamBodyTimeout` or
+        `UpstreamBodyError`; returns when `exc` is no body failure (the caller re-raises it).
+        (It raises rather than returns the new one: an exception kept in a local of a frame it
+        is raised through makes a reference cycle.)"""
+        if isinstance(exc, asyncio.TimeoutError):
             _forget_tracebacks(exc)
             raise UpstreamBodyTimeout(
                 f"upstream '{self._upstream.name}' went silent for longer than the read timeout"
             ) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        if isinstance(exc, (aiohttp.ClientError, OSError)):
             _forget_tracebacks(exc)
             raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(exc)}") from None
-        if not chunk:
-            self._eof = True
-            closed = self._closed
-            if closed is not None and closed.done() and not closed.cancelled():
-                broken = closed.exception()
-                if broken is not None:
-                    raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(broken)}")
-        return chunk
+
+    def ended(self) -> None:
+        """The body's end (b"" read): raises `UpstreamBodyError` when a body delimited by the
+        connection's close ended with a reset, not a clean close."""
+        self._eof = True
+        closed = self._closed
+        if closed is not None and closed.done() and not closed.cancelled():
+            broken = closed.exception()
+            if broken is not None:
+                raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(broken)}")
 
     async def aclose(self) -> None:
         """Give the connection back (body read to its end) or close it (anything else:

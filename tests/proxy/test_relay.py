@@ -23,17 +23,25 @@ def test_a_metering_failure_never_breaks_the_stream(
     """A bug that makes the meter raise mid-stream: the stream is still forwarded whole
     (stripping the injected usage event stops with the metering), the record says
     `protocol_error`, and the proxy goes on serving."""
-    target, name = (RequestMeter, "_feed_items") if where == "meter" else (SSEDecoder, "feed")
-    real = getattr(target, name)
+    # the general path and the fast path of plain data events (`_feed_payloads`, `data_payloads`)
+    target, names = (
+        (RequestMeter, ("_feed_items", "_feed_payloads"))
+        if where == "meter"
+        else (SSEDecoder, ("feed", "data_payloads"))
+    )
+    reals = {name: getattr(target, name) for name in names}
     calls = [0]
     first_fed = threading.Event()
 
-    def breaks_on_the_second_call(self, *args):
-        calls[0] += 1
-        first_fed.set()
-        if calls[0] == 2:
-            raise ValueError("a metering bug")
-        return real(self, *args)
+    def breaking(name):
+        def breaks_on_the_second_call(self, *args):
+            calls[0] += 1
+            first_fed.set()
+            if calls[0] == 2:
+                raise ValueError("a metering bug")
+            return reals[name](self, *args)
+
+        return breaks_on_the_second_call
 
     async def per_event(req: Req, conn: Conn) -> None:
         await conn.head(200, SSE_CHUNKED)
@@ -49,9 +57,11 @@ def test_a_metering_failure_never_breaks_the_stream(
     if injected:
         del body["stream_options"]
     with rig({"m": per_event}) as t:
-        monkeypatch.setattr(target, name, breaks_on_the_second_call)
+        for name in names:
+            monkeypatch.setattr(target, name, breaking(name))
         status, got, exc, headers = read_all(t.url, body)
-        monkeypatch.setattr(target, name, real)
+        for name in names:
+            monkeypatch.setattr(target, name, reals[name])
         assert (status, exc) == (200, None) and got in (OK_BODY, OK_BODY.replace(usage, b""))
         rec = t.record(headers["x-mlxproxy-request-id"])
         assert rec.outcome == "protocol_error" and rec.error == "metering failed: ValueError"
@@ -65,7 +75,7 @@ def test_the_client_has_each_event_before_the_meter_parses_it(injected: bool, mo
     (only the SSE framing is read first there): the meter's parse of the first event waits,
     blocking the proxy's loop, until the client says it has that event. A proxy that metered
     first would never let the event out and the wait would run out."""
-    real = RequestMeter._feed_items
+    real, real_fast = RequestMeter._feed_items, RequestMeter._feed_payloads
     client_has_it = threading.Event()
     waits: list[bool] = []
 
@@ -73,6 +83,11 @@ def test_the_client_has_each_event_before_the_meter_parses_it(injected: bool, mo
         if not waits and any(isinstance(i, SSEEvent) for i in items):
             waits.append(client_has_it.wait(10))
         return real(self, items, t)
+
+    def after_the_client_fast(self, payloads, nbytes, t):  # the fast path of plain data events
+        if not waits and payloads:
+            waits.append(client_has_it.wait(10))
+        return real_fast(self, payloads, nbytes, t)
 
     async def per_event(req: Req, conn: Conn) -> None:
         await conn.head(200, SSE_CHUNKED)
@@ -85,6 +100,7 @@ def test_the_client_has_each_event_before_the_meter_parses_it(injected: bool, mo
         del body["stream_options"]
     with rig({"m": per_event}) as t:
         monkeypatch.setattr(RequestMeter, "_feed_items", after_the_client)
+        monkeypatch.setattr(RequestMeter, "_feed_payloads", after_the_client_fast)
         with httpx.Client(timeout=30) as c, c.stream("POST", t.url + "/v1/chat/completions", json=body) as r:
             lines = []
             for line in r.iter_lines():
