@@ -167,11 +167,21 @@ def test_a_step_that_held_in_one_fast_moment_is_measured_again_before_it_is_the_
         ttft = 0.2 if (k, seen[k]) == (7, 1) else 0.05 * k
         recs = [
             Record(
-                id=f"{k}-{seen[k]}-{i}", started_at=1000.0 + i, upstream="t", model="m",
-                endpoint="chat_completions", stream=True, status=200, outcome="ok", ttft_s=ttft,
-                e2e_s=ttft + 0.5, duration_s=ttft + 0.5, tpot_s=0.01, completion_tokens_reported=TOKENS,
+                id=f"{k}-{seen[k]}-{i}",
+                started_at=1000.0 + i,
+                upstream="t",
+                model="m",
+                endpoint="chat_completions",
+                stream=True,
+                status=200,
+                outcome="ok",
+                ttft_s=ttft,
+                e2e_s=ttft + 0.5,
+                duration_s=ttft + 0.5,
+                tpot_s=0.01,
+                completion_tokens_reported=TOKENS,
                 t_start_mono=float(i // k),
-            )  # fmt: skip
+            )
             for i in range(mix_copies(k, 1, 3))
         ]
         return Timed(records=recs), {}
