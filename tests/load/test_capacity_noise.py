@@ -31,30 +31,32 @@ def profile(jitter_s: float) -> Profile:
     )
 
 
+def record(id_: str, started: float, ttft: float, e2e: float) -> Record:
+    """One streamed request's record, `started` on the scripted clock, TOKENS tokens long."""
+    return Record(
+        id=id_,
+        started_at=1000.0 + started,
+        upstream="t",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        ttft_s=ttft,
+        e2e_s=e2e,
+        duration_s=e2e,
+        tpot_s=(e2e - ttft) / (TOKENS - 1),
+        completion_tokens_reported=TOKENS,
+        t_start_mono=started,
+    )
+
+
 def closed_loop(p: Profile, streams: int, n_total: int, seed: int) -> list[Record]:
     """`n_total` requests from `streams` closed-loop streams, as records, in scripted time."""
-    out = []
-    for i, r in enumerate(engine_closed_loop(p, streams, n_total, 50, TOKENS, seed)):
-        e2e = r.finished - r.started
-        out.append(
-            Record(
-                id=f"s{seed}-{i}",
-                started_at=1000.0 + r.started,
-                upstream="t",
-                model="m",
-                endpoint="chat_completions",
-                stream=True,
-                status=200,
-                outcome="ok",
-                ttft_s=r.first_token - r.started,
-                e2e_s=e2e,
-                duration_s=e2e,
-                tpot_s=(r.finished - r.first_token) / (TOKENS - 1),
-                completion_tokens_reported=TOKENS,
-                t_start_mono=r.started,
-            )  # fmt: skip
-        )
-    return out
+    return [
+        record(f"s{seed}-{i}", r.started, r.first_token - r.started, r.finished - r.started)
+        for i, r in enumerate(engine_closed_loop(p, streams, n_total, 50, TOKENS, seed))
+    ]
 
 
 def truth(p: Profile) -> int:
@@ -165,25 +167,8 @@ def test_a_step_that_held_in_one_fast_moment_is_measured_again_before_it_is_the_
         k = int(n)
         seen[k] = seen.get(k, 0) + 1
         ttft = 0.2 if (k, seen[k]) == (7, 1) else 0.05 * k
-        recs = [
-            Record(
-                id=f"{k}-{seen[k]}-{i}",
-                started_at=1000.0 + i,
-                upstream="t",
-                model="m",
-                endpoint="chat_completions",
-                stream=True,
-                status=200,
-                outcome="ok",
-                ttft_s=ttft,
-                e2e_s=ttft + 0.5,
-                duration_s=ttft + 0.5,
-                tpot_s=0.01,
-                completion_tokens_reported=TOKENS,
-                t_start_mono=float(i // k),
-            )
-            for i in range(mix_copies(k, 1, 3))
-        ]
+        # the streams' requests one after another, all ttft long, in waves of k
+        recs = [record(f"{k}-{seen[k]}-{i}", float(i // k), ttft, ttft + 0.5) for i in range(mix_copies(k, 1, 3))]
         return Timed(records=recs), {}
 
     out: list[Group] = []
