@@ -332,3 +332,25 @@ def test_a_result_file_written_by_main_still_loads_and_renders(tmp_path: Path) -
     assert fresh["serial"].startswith("serial: 0.87x, overlap 0.00")
     text = render_sections(bench_sections(results, stored))
     assert "Requests released together" in text
+
+
+def test_the_one_at_a_time_rows_ok_req_is_its_own_tests_not_the_whole_runs() -> None:
+    """Issue 37: the row of the one-at-a-time test at the smallest prompt size said 170/170, the
+    whole run's count (sweep steps included); it is that test's own (5/5 here, 1 of 6 failed at
+    a larger size, 40 sweep requests)."""
+    from mlxproxy.load.output.bench_verdict import headline
+
+    def g(name: str, kind: str, ok: int, requests: int, params: dict[str, Any]) -> Group:
+        return Group.from_dict(
+            {"name": name, "target": "t", "mode": name, "kind": kind, "params": params,
+             "summary": {"ok": ok, "requests": requests}, "records": []}
+        )  # fmt: skip
+
+    groups = [
+        g("single 100", "single_size", 5, 5, {"prompt_tokens": 100}),
+        g("single 500", "single_size", 5, 6, {"prompt_tokens": 500}),
+        g("sweep 8", "sweep_step", 40, 40, {"concurrency": 8}),
+    ]
+    assert headline(TargetResult(Target("t", "http://x"), groups=groups))["ok/req"] == "5/5"
+    none_ok = [g("single 100", "single_size", 0, 5, {"prompt_tokens": 100}), groups[2]]
+    assert headline(TargetResult(Target("t", "http://x"), groups=none_ok))["ok/req"] == "0/5"

@@ -31,30 +31,32 @@ def profile(jitter_s: float) -> Profile:
     )
 
 
+def record(id_: str, started: float, ttft: float, e2e: float) -> Record:
+    """One streamed request's record, `started` on the scripted clock, TOKENS tokens long."""
+    return Record(
+        id=id_,
+        started_at=1000.0 + started,
+        upstream="t",
+        model="m",
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        ttft_s=ttft,
+        e2e_s=e2e,
+        duration_s=e2e,
+        tpot_s=(e2e - ttft) / (TOKENS - 1),
+        completion_tokens_reported=TOKENS,
+        t_start_mono=started,
+    )
+
+
 def closed_loop(p: Profile, streams: int, n_total: int, seed: int) -> list[Record]:
     """`n_total` requests from `streams` closed-loop streams, as records, in scripted time."""
-    out = []
-    for i, r in enumerate(engine_closed_loop(p, streams, n_total, 50, TOKENS, seed)):
-        e2e = r.finished - r.started
-        out.append(
-            Record(
-                id=f"s{seed}-{i}",
-                started_at=1000.0 + r.started,
-                upstream="t",
-                model="m",
-                endpoint="chat_completions",
-                stream=True,
-                status=200,
-                outcome="ok",
-                ttft_s=r.first_token - r.started,
-                e2e_s=e2e,
-                duration_s=e2e,
-                tpot_s=(r.finished - r.first_token) / (TOKENS - 1),
-                completion_tokens_reported=TOKENS,
-                t_start_mono=r.started,
-            )  # fmt: skip
-        )
-    return out
+    return [
+        record(f"s{seed}-{i}", r.started, r.first_token - r.started, r.finished - r.started)
+        for i, r in enumerate(engine_closed_loop(p, streams, n_total, 50, TOKENS, seed))
+    ]
 
 
 def truth(p: Profile) -> int:
@@ -149,3 +151,31 @@ def test_the_simulators_jitter_is_a_cli_option_and_a_truth_line() -> None:
     assert '"jitter_s": 0.05' in res.stdout and "truth: jitter: each request waits" in res.stdout
     bad = cli("sim", "--set", "jitter_s=-1", "--dry-run")
     assert bad.returncode == 2 and "jitter_s" in bad.stderr
+
+
+def test_a_step_that_held_in_one_fast_moment_is_measured_again_before_it_is_the_answer() -> None:
+    """A host's speed drifts between a step's measurements, which the step's own interval cannot
+    see: here every request of a measurement takes the same time (a point interval, "beyond the
+    noise"), 0.05 s per stream, and the 7-stream step's first measurement fell in a fast moment
+    (0.2 s). The two steps the answer rests on are measured again, the 7-stream step's second look
+    (0.35 s) breaks the SLO on both looks' requests together, and the answer is 6, with 6 and 7
+    measured twice each."""
+    slo = {"ttft_p95": 0.32}
+    seen: dict[int, int] = {}
+
+    async def step(n: float) -> tuple[Timed, dict[str, object]]:
+        k = int(n)
+        seen[k] = seen.get(k, 0) + 1
+        ttft = 0.2 if (k, seen[k]) == (7, 1) else 0.05 * k
+        # the streams' requests one after another, all ttft long, in waves of k
+        recs = [record(f"{k}-{seen[k]}-{i}", float(i // k), ttft, ttft + 0.5) for i in range(mix_copies(k, 1, 3))]
+        return Timed(records=recs), {}
+
+    out: list[Group] = []
+    asyncio.run(run_sweep(step, [], dict(slo), target="t", params={}, out=out, min_s=0.0))  # type: ignore[arg-type]
+    cap = capacity_of(out)["t"]
+    assert cap.value == 6, capacity_line("t", cap)
+    measured = {int(s.step): s.measured for s in cap.steps}
+    assert measured[6] == 2 and measured[7] >= 2, measured
+    seven = next(s for s in cap.steps if s.step == 7)
+    assert seven.slo_met is False and seven.split  # each look alone: one held, one broke

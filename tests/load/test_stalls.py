@@ -45,3 +45,17 @@ def test_a_blocking_call_in_the_loop_is_told_from_a_busy_host() -> None:
     (s,) = _watched(_nap)
     assert s.cause in ("blocked", "no-cpu") and s.cpu_s < s.late_s / 3, s.text()
     assert "_nap" in s.where
+
+
+def test_a_stall_under_the_cli_runner_is_the_event_loops_own_code() -> None:
+    """Under `mlxproxy.edge.runner.run_async` (uvloop: its loop is C, with no Python frame), the
+    loop thread's innermost Python frame while the loop polls or reads sockets is run_async: that
+    is the event loop's own code, not a callback of the generator's."""
+    from mlxproxy.load.run.stalls import Stall
+
+    loop = Stall(
+        0.0, 0.066, 0.034, 3, 0.0, (), 0.0, "runner.py:run_async < generator.py:_run < generator.py:stall_hunt"
+    )
+    assert loop.in_loop and "in the event loop's own code" in loop.text() and "run_async" not in loop.text()
+    code = Stall(0.0, 0.066, 0.034, 3, 0.0, (), 0.0, "client.py:send < shapes.py:one < runner.py:run_async")
+    assert not code.in_loop and "in client.py:send" in code.text()

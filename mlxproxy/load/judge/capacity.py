@@ -50,6 +50,7 @@ __all__ = [
     "MIN_STEP_REQUESTS",
     "RATE_UNIT",
     "RISE",
+    "answer_of",
     "capacity_of",
     "certainly_breaks",
     "first_break",
@@ -234,15 +235,11 @@ def step_figures(g: Group) -> Step:
             intervals[key] = ci
     agg, agg_ci = _aggregate(g, ok)
     stalls = g.params.get("stalls_s")
-    met, problem, split = None if slo is None else slo.met, step_problem(s), False
-    votes, problems = g.params.get("verdicts"), g.params.get("problems")
-    if met is not None and isinstance(votes, list) and len(votes) > 1 and not (slo and slo.errors):
-        yes = sum(1 for v in votes if v is True)
-        split = 0 < yes < len(votes)
-        if 2 * yes != len(votes):  # the majority of the measurements, each judged alone (a tie: all together)
-            met = 2 * yes > len(votes)
-        if not met and not problem and isinstance(problems, list):
-            problem = next((str(p) for v, p in zip(votes, problems) if v is False and p), "")
+    # a step measured several times is judged on all its requests together (the figures shown);
+    # `split`: the measurements, each judged alone, disagreed (the step is then within the noise)
+    met, problem = None if slo is None else slo.met, step_problem(s)
+    votes = g.params.get("verdicts")
+    split = met is not None and isinstance(votes, list) and len(set(map(bool, votes))) > 1
     return Step(
         _step_value(g),
         len(recs),
@@ -397,19 +394,26 @@ def capacity_of(groups: Sequence[Group]) -> dict[str, Capacity]:
     return out
 
 
+def answer_of(steps: Sequence[Step]) -> tuple[float, Step | None, Step | None]:
+    """(the capacity, the first step that broke the SLO, the knee) of judged `steps`: the
+    largest step that held below the first break (`first_break`: a break within the noise
+    that a heavier step's certain hold contradicts is passed over), never past the knee; 0
+    when none held."""
+    broke = first_break(steps)
+    held = [s for s in sorted(steps, key=lambda s: s.step) if holds(s) and (broke is None or s.step < broke.step)]
+    knee = knee_of(held)
+    best = knee.step if knee is not None else held[-1].step if held else 0
+    return best, broke, knee
+
+
 def _capacity(groups: Sequence[Group]) -> Capacity:
     gs = sorted(groups, key=_step_value)
     steps = tuple(step_figures(g) for g in gs)
-    # the first step that broke the SLO, passing over a break within the noise that a heavier
-    # step's certain hold contradicts (measured again, it still could not be trusted)
-    broke = first_break(steps)
-    held = [s for s in steps if holds(s) and (broke is None or s.step < broke.step)]
-    knee = knee_of(held)
-    best: float = 0
+    best, broke, knee = answer_of(steps)
     if knee is not None:
-        best, limited = knee.step, "throughput"
-    elif held:
-        best, limited = held[-1].step, "steps" if broke is None else "errors" if broke.errors else "slo"
+        limited = "throughput"
+    elif any(holds(s) for s in steps if broke is None or s.step < broke.step):
+        limited = "steps" if broke is None else "errors" if broke.errors else "slo"
     else:
         limited = "too_small" if broke is None else "errors" if broke.errors else "slo"
     verdict = gs[0].summary.slo

@@ -212,8 +212,8 @@ def first_wave(res: TargetResult) -> Group | None:
 
 
 def headline(res: TargetResult, size_label: bool = True) -> dict[str, str]:
-    """One row per target: TTFT, TTFC, decode and wall tok/s at the smallest prompt size,
-    and the speedup of the first batch test."""
+    """One row per target: TTFT, TTFC, decode and wall tok/s at the smallest prompt size with
+    that test's ok/req (not the whole run's), and the speedup of the first batch test."""
     g = smallest_single(res)
     s = g.summary if g else None
     batch = first_wave(res)
@@ -222,8 +222,10 @@ def headline(res: TargetResult, size_label: bool = True) -> dict[str, str]:
     def f(v: float | None, fmt: str, unit: str = "") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt) + unit
 
-    ok = sum(x.summary.ok for x in res.groups if x.kind != "single")
-    sent = sum(x.summary.requests for x in res.groups if x.kind != "single")
+    # the row's own test: the one-at-a-time requests at its prompt size (every size's where none succeeded)
+    own = [g] if g else [x for x in res.groups if x.kind == "single_size"]
+    ok = sum(x.summary.ok for x in own)
+    sent = sum(x.summary.requests for x in own)
     row = {
         "target": res.target.name,
         "prompt": f"{g.params.get('prompt_tokens_sent') or g.params['prompt_tokens']} tok" if g else "-",

@@ -81,8 +81,12 @@ class Stall:
         return f"{self.late_s * 1000:.0f} ms stall: {self.cause}: {extra}"
 
 
-#: innermost frames that are the event loop itself, not a callback it runs
-_LOOP_FRAMES = frozenset({"runners.py:run", "base_events.py:run_forever", "base_events.py:_run_once"})
+#: innermost frames that are the event loop itself, not a callback it runs: asyncio's, and
+#: `mlxproxy.edge.runner.run_async`, under which uvloop's loop runs in C with no Python frame of
+#: its own (a 10-minute hunt put 23 stalls "in runner.py:run_async" on the generator's code)
+_LOOP_FRAMES = frozenset(
+    {"runners.py:run", "base_events.py:run_forever", "base_events.py:_run_once", "runner.py:run_async"}
+)
 
 
 def _preempted() -> int:

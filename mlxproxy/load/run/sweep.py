@@ -26,6 +26,7 @@ from mlxproxy.load.judge.capacity import (
     MIN_STEP_REQUESTS,
     RATE_UNIT,
     Step,
+    answer_of,
     certainly_breaks,
     contradictions,
     first_break,
@@ -153,8 +154,12 @@ class _Search:
             if why or n >= MAX_AUTO_CONCURRENCY:
                 break
             n *= 2
-        while refine and self.in_budget() and (bounds := refine_bounds(self.sorted_done())) is not None:
-            await self.measure((bounds[0] + bounds[1]) // 2)
+        while refine and self.in_budget():
+            bounds = refine_bounds(self.sorted_done())
+            m = (bounds[0] + bounds[1]) // 2 if bounds is not None else self.unconfirmed()
+            if m is None:
+                break
+            await self.measure(m, again=m in self.done)
             await self.settle()
 
     async def settle(self) -> None:
@@ -183,6 +188,18 @@ class _Search:
                 if s.measured < MAX_MEASURES - 1:
                     return s.step
         return None
+
+    def unconfirmed(self) -> float | None:
+        """A step the answer rests on that was measured only once, or None: the answer's step
+        and the next step measured above it (the first break, or the step past the knee), the
+        heavier first. A measurement of a few seconds is one moment of a host whose speed drifts
+        (the bootstrap interval sees only the noise within it); measured again at another moment,
+        the pair is judged on both moments' requests, and should that move the answer, the
+        search goes on from there. A step with failed requests needs no second look."""
+        steps = [s for s in self.sorted_done() if not s.too_small]
+        value = answer_of(steps)[0]
+        pair = [s for s in steps if s.step == value] + [s for s in steps if s.step > value][:1]
+        return next((s.step for s in reversed(pair) if s.measured < 2 and not s.errors), None)
 
     async def measure(self, n: float, again: bool = False) -> None:
         """One measurement of step `n`: its mix sent (again) until `min_s` seconds and enough
@@ -288,8 +305,8 @@ def _step_group(
 ) -> Group:
     """The group of one step: the records of every round of every measurement (each round's
     warm-up marked), judged together; `span_s` is the rounds' wall time, `votes` each
-    measurement's own verdict and problem (`measured` their number; with several, the step's
-    verdict is their majority), `stalls_s` the generator's stalls over `STALL_S` kept."""
+    measurement's own verdict and problem (`measured` their number; the step is judged on
+    every measurement's requests together), `stalls_s` the generator's stalls over `STALL_S` kept."""
     records = _rows(rounds)
     every: list[Record] = []
     lags: list[float] = []
