@@ -17,8 +17,8 @@ from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.commands.bench import BenchOptions, bench_targets
-from mlxproxy.load.commands.replay import run
-from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
+from mlxproxy.load.commands.replay import ReplayOptions, run
+from mlxproxy.load.commands.replay_requests import Rewrites, prepare
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim
@@ -295,4 +295,4 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
         assert (d / name).stat().st_size > 0, name
     assert "* phantom-usage single" in (d / "bench.md").read_text()
     caps = read_capture(d / "capture.jsonl")
-    assert len(caps) >= 8 * 5 and prepare(caps[0], ReplayOptions()).body
+    assert len(caps) >= 8 * 5 and prepare(caps[0], Rewrites()).body

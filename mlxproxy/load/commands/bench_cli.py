@@ -153,7 +153,7 @@ def bench(
 ) -> None:
     """Compare servers: one request at a time across prompt sizes, then requests
     released together, with the truth checks applied and a verdict per target."""
-    tlist = parse_targets(targets, timeouts, api_key_env)
+    tlist = parse_targets(targets, timeouts, api_key_env, max_connections)
     check_writable(json_path, csv_path, md_path, plot_path, html_path)
     sweep = sweep or ("auto" if concurrency else None)
     if ramp_s and not rate:
@@ -167,7 +167,7 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
-    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs, max_connections=max_connections)
+    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs)
     opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
@@ -254,7 +254,10 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
 
 
 def parse_targets(
-    values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None
+    values: tuple[str, ...],
+    timeouts: tuple[tuple[str | None, float], ...],
+    api_key_env: str | None,
+    max_connections: int | None = None,
 ) -> list[Target]:
     key = env_key(api_key_env)
     out = [Target(name, url, 1800.0, key) for name, url in (parse_target(v) for v in values)]
@@ -271,4 +274,4 @@ def parse_targets(
             )
         else:
             per[name] = secs
-    return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key) for t in out]
+    return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key, max_connections) for t in out]

@@ -19,15 +19,11 @@ from mlxproxy.load.commands.common import (
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
 from mlxproxy.load.commands.preflight import require_reachable
-from mlxproxy.load.commands.replay import run_replay, served_from_cache
-from mlxproxy.load.commands.replay_requests import (
-    BUILTIN_AGENT,
-    ReplayOptions,
-    generation_mix,
-    select,
-    synthetic_agent_session,
-)
+from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.commands.replay_groups import served_from_cache
+from mlxproxy.load.commands.replay_requests import BUILTIN_AGENT, generation_mix, select, synthetic_agent_session
 from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
 from mlxproxy.load.output.files import write_text
@@ -233,15 +229,14 @@ def replay(
     opts = ReplayOptions(
         mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=swept,
         sweep_steps=steps if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
-        repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
-        rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
-        sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, max_connections=max_connections,
-        workers=_workers(workers, cluster, mode),
+        repeat=repeat, warmup=warmup, nonce=nonce, model=model, rate=rate[0] if rate else None, arrival=arrival,
+        ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
+        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
     _say_replaying(chosen, swept, repeat, capture, target_url, mode, nonce)
-    groups, interrupted = _run(chosen, target_url, opts, name, api_key, timeout[1] if timeout else 1800.0, compare)
+    target = Target(name, target_url, timeout[1] if timeout else 1800.0, api_key, max_connections)
+    groups, interrupted = _run(chosen, target, opts, compare)
     judge_groups(groups, slo)
     outputs = (json_path, csv_path, md_path, html_path)
     _show(groups, nonce, capture, target_url, outputs, plot_path)
@@ -259,31 +254,15 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
     return out
 
 
-def _run(
-    chosen: list[CapturedRequest],
-    target_url: str,
-    opts: ReplayOptions,
-    name: str,
-    api_key: str | None,
-    timeout_s: float,
-    compare: bool,
-) -> tuple[list[Group], bool]:
+def _run(chosen: list[CapturedRequest], target: Target, opts: ReplayOptions, compare: bool) -> tuple[list[Group], bool]:
     """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
     groups: list[Group] = []
     try:
-        run_async(
-            run_replay(
-                chosen,
-                target_url,
-                opts,
-                target_name=name,
-                api_key=api_key,
-                timeout_s=timeout_s,
-                compare=compare,
-                out=groups,
-                say=say,
-            )  # fmt: skip
-        )
+        run = run_replay(
+            chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
+            max_connections=target.max_connections, compare=compare, out=groups, say=say,
+        )  # fmt: skip
+        run_async(run)
     except KeyboardInterrupt:
         return groups, True
     except WorkersError as exc:
