@@ -199,9 +199,10 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
     assert verdict(res).startswith("continuous batching")
     # JSON, CSV, markdown and plot outputs; report renders the JSON again
     from mlxproxy.load.output.bench_report import write_outputs
+    from mlxproxy.load.output.files import Outputs
 
     paths = [tmp_path / n for n in ("r.json", "r.csv", "r.md", "r.svg")]
-    write_outputs([res], *map(str, paths))
+    write_outputs([res], Outputs(*map(str, paths)))
     doc = orjson.loads(paths[0].read_bytes())
     assert doc["kind"] == "bench" and sum(len(g["records"]) for g in doc["groups"]) >= 12 + 6
     assert paths[3].read_text().startswith("<svg") and "TTFT by prompt size" in paths[3].read_text()

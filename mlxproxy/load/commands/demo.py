@@ -22,7 +22,7 @@ from mlxproxy.load.commands.common import (
 )
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
-from mlxproxy.load.output.files import measured_requests
+from mlxproxy.load.output.files import Outputs, measured_requests
 from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:
@@ -191,9 +191,8 @@ def _writable_dir(out_dir: str) -> Path:
 
 def _write_all(results: list[TargetResult], out: Path, app: ProxyApp) -> None:
     """The bench outputs, a snapshot of the proxy's metrics, and the capture flushed."""
-    write_outputs(
-        results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
-    )
+    name = str(out / "bench")
+    write_outputs(results, Outputs(f"{name}.json", f"{name}.csv", f"{name}.md", f"{name}.svg"))
     write_bench_html(results, str(out / "bench.html"), quiet=True)
     (out / "metrics.prom").write_bytes(generate_latest(app.registry))
     if app.capture is not None:

@@ -26,9 +26,9 @@ from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
-from mlxproxy.load.output.files import write_text
+from mlxproxy.load.output.files import Outputs
 from mlxproxy.load.output.progress import say
-from mlxproxy.load.output.replay_report import print_groups, sweep_svg, write_replay_outputs
+from mlxproxy.load.output.replay_report import print_groups, write_replay_outputs
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -221,7 +221,8 @@ def replay(
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
-    check_writable(json_path, csv_path, md_path, html_path, plot_path)
+    outputs = Outputs(json_path, csv_path, md_path, plot_path, html_path)
+    check_writable(*outputs.paths)
     if plot_path and not swept:
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, swept)
@@ -238,9 +239,8 @@ def replay(
     target = Target(name, target_url, timeout[1] if timeout else 1800.0, api_key, max_connections)
     groups, interrupted = _run(chosen, target, opts, compare)
     judge_groups(groups, slo)
-    outputs = (json_path, csv_path, md_path, html_path)
-    _show(groups, nonce, capture, target_url, outputs, plot_path)
-    _exit(groups, interrupted, any(outputs), fail_on)
+    _show(groups, nonce, capture, target_url, outputs)
+    _exit(groups, interrupted, bool(outputs.paths), fail_on)
 
 
 def _workers(count: int, cluster: str | None, mode: str) -> Workers:
@@ -377,14 +377,7 @@ def _say_replaying(
     )
 
 
-def _show(
-    groups: list[Group],
-    nonce: bool,
-    capture: str,
-    target_url: str,
-    outputs: tuple[str | None, str | None, str | None, str | None],
-    plot_path: str | None,
-) -> None:
+def _show(groups: list[Group], nonce: bool, capture: str, target_url: str, outputs: Outputs) -> None:
     """The console tables, the prompt-cache warning and the output files."""
     if any(g.records for g in groups):  # a Ctrl-C before the first result: no empty table, no legend
         print_groups(groups)
@@ -399,9 +392,7 @@ def _show(
             + ("; drop --no-nonce to measure prefill" if not nonce else "")
         )
     try:
-        write_replay_outputs(groups, capture, target_url, *outputs)
-        if plot_path:
-            write_text(plot_path, sweep_svg(groups))
+        write_replay_outputs(groups, capture, target_url, outputs)
     except MlxproxyError as exc:
         fail(str(exc))
 
