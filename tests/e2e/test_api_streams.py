@@ -352,8 +352,7 @@ def _api_handler(received: list[Req]):
 @pytest.mark.parametrize("keep_prompts", [True, False], ids=["prompts", "privacy"])
 def test_capture_and_replay_messages_and_responses(tmp_path, keep_prompts: bool) -> None:
     from mlxproxy.capture import read_capture
-    from mlxproxy.load.commands.replay import records_of, run
-    from mlxproxy.load.commands.replay_requests import ReplayOptions
+    from mlxproxy.load.commands.replay import ReplayOptions, records_of, run
 
     cap = tmp_path / "capture.jsonl"
     m_path, m_req = request_of("anthropic_messages_litellm_thinking")

@@ -248,8 +248,7 @@ def test_a_native_capture_replays_and_bench_speaks_ollama(tmp_path, clients: con
 
     from mlxproxy.capture import read_capture
     from mlxproxy.load.commands.bench import BenchOptions, bench_targets
-    from mlxproxy.load.commands.replay import run
-    from mlxproxy.load.commands.replay_requests import ReplayOptions
+    from mlxproxy.load.commands.replay import ReplayOptions, run
     from mlxproxy.load.data.targets import Target
     from mlxproxy.load.output.bench_report import write_bench_html
 

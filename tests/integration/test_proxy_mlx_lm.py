@@ -470,7 +470,7 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
     the proxy's own records show it with the figures ``mlxproxy bench`` reports."""
     import asyncio
 
-    from mlxproxy.load.commands.bench import chat_body
+    from mlxproxy.load.commands.bench_requests import chat_body
     from mlxproxy.load.commands.common import filler_text
     from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
     from mlxproxy.load.run.runner import send

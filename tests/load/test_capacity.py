@@ -353,7 +353,7 @@ def test_open_loop_latency_counts_the_time_queued_in_the_generator() -> None:
 def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
     import asyncio
 
-    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
+    from mlxproxy.load.commands.replay_requests import Rewrites, prepare
     from mlxproxy.load.run.client import MeasuringClient
     from mlxproxy.load.run.runner import send
     from mlxproxy.load.run.shapes import Due, Load
@@ -362,7 +362,7 @@ def test_open_loop_rows_carry_each_requests_schedule_lag() -> None:
 
     async def go():
         async with MeasuringClient(sim.url) as client:
-            reqs = [prepare(c, ReplayOptions()) for c in chats]
+            reqs = [prepare(c, Rewrites()) for c in chats]
             due = [dataclasses.replace(r, offset_s=o) for r, o in zip(reqs, [0.0, 0.01, 0.02, 0.03, 0.04])]
             return await send(Due(), Load(due), client)
 
@@ -381,10 +381,10 @@ def test_each_session_run_is_its_own_conversation_to_the_prefix_tracker() -> Non
     """The nonce marks the first user message too (a conversation's key), so two runs of the
     bundled agent session are two conversations, and one run's turns are one."""
     from mlxproxy.core.prefix import fingerprint
-    from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare, synthetic_agent_session
+    from mlxproxy.load.commands.replay_requests import Rewrites, prepare, synthetic_agent_session
 
     turns = synthetic_agent_session(turns=3)
-    opts = ReplayOptions()
+    opts = Rewrites()
     run_a = [orjson.loads(prepare(c, opts, "[nonce aaa] ").body) for c in turns]
     run_b = [orjson.loads(prepare(c, opts, "[nonce bbb] ").body) for c in turns]
     keys_a = {fingerprint("chat_completions", b).key for b in run_a}

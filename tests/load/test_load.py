@@ -12,8 +12,8 @@ import pytest
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.edge.runner import ServerThread
-from mlxproxy.load.commands.replay import run_replay
-from mlxproxy.load.commands.replay_requests import ReplayOptions
+from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.commands.replay_requests import Rewrites
 from mlxproxy.load.data.arrivals import arrival_offsets, generator_note, schedule
 from mlxproxy.load.data.results import RunRecord
 from mlxproxy.load.run.sweep import mix_copies
@@ -450,7 +450,7 @@ def test_a_capture_splits_into_conversations_and_a_session_shares_one_nonce() ->
     redo = dataclasses.replace(caps[0], offset_s=2.0, record=dataclasses.replace(caps[0].record, id="redo"))
     again = split_sessions(caps + [redo])  # the same task begun again (its list shrank): a new conversation
     assert [[c.record.id for c in s] for s in again] == [["a0", "a1", "a2"], ["b0"], ["redo"]]
-    opts = ReplayOptions()
+    opts = Rewrites()
     bodies = [orjson.loads(prepare(c, opts, "[nonce abc] ").body) for c in sessions[0]]
     assert all(b["messages"][0]["content"].startswith("[nonce abc] ") for b in bodies)
 

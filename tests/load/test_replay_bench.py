@@ -17,8 +17,8 @@ from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.commands.bench import BenchOptions, bench_targets
-from mlxproxy.load.commands.replay import run
-from mlxproxy.load.commands.replay_requests import ReplayOptions, prepare
+from mlxproxy.load.commands.replay import ReplayOptions, run
+from mlxproxy.load.commands.replay_requests import Rewrites, prepare
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim
@@ -199,9 +199,10 @@ def test_bench_matches_simulated_truth_and_reports(tmp_path: Path) -> None:
     assert verdict(res).startswith("continuous batching")
     # JSON, CSV, markdown and plot outputs; report renders the JSON again
     from mlxproxy.load.output.bench_report import write_outputs
+    from mlxproxy.load.output.files import Outputs
 
     paths = [tmp_path / n for n in ("r.json", "r.csv", "r.md", "r.svg")]
-    write_outputs([res], *map(str, paths))
+    write_outputs([res], Outputs(*map(str, paths)))
     doc = orjson.loads(paths[0].read_bytes())
     assert doc["kind"] == "bench" and sum(len(g["records"]) for g in doc["groups"]) >= 12 + 6
     assert paths[3].read_text().startswith("<svg") and "TTFT by prompt size" in paths[3].read_text()
@@ -295,4 +296,4 @@ def test_demo_shows_every_signature(tmp_path: Path) -> None:
         assert (d / name).stat().st_size > 0, name
     assert "* phantom-usage single" in (d / "bench.md").read_text()
     caps = read_capture(d / "capture.jsonl")
-    assert len(caps) >= 8 * 5 and prepare(caps[0], ReplayOptions()).body
+    assert len(caps) >= 8 * 5 and prepare(caps[0], Rewrites()).body

@@ -25,7 +25,7 @@ from mlxproxy.core.record import Record
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread, run_async
 from mlxproxy.load.commands.replay import run_sessions
-from mlxproxy.load.commands.replay_requests import ReplayOptions
+from mlxproxy.load.commands.replay_requests import ReplaySource
 from mlxproxy.load.data.arrivals import arrival_offsets
 from mlxproxy.load.fleet.local import _run_stoppable
 from mlxproxy.load.fleet.merge import FleetTimed, merge
@@ -152,11 +152,10 @@ def test_a_conversation_stays_on_one_worker() -> None:
         for c in range(6)
     ]
     caps = [c for conv in convs for c in conv]
-    opts = ReplayOptions(mode="sessions", sessions=4, think_time=0.01, workers=Workers(2))
 
     async def go(url: str) -> tuple[Timed, dict]:
         async with MeasuringClient(url) as client:
-            timed, where, _ = await run_sessions(client, caps, opts, 4, 6)
+            timed, where, _ = await run_sessions(client, ReplaySource(caps), 4, 6, think_time=0.01, fleet=Workers(2))
             return timed, where
 
     with ServerThread(create_sim("healthy", speed=20.0)) as sim:

@@ -21,7 +21,8 @@ from mlxproxy.load.commands.common import (
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.fleet.workers import WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
-from mlxproxy.load.output.bench_report import all_groups, print_bench, write_bench_html, write_outputs
+from mlxproxy.load.output.bench_report import all_groups, print_bench, write_outputs
+from mlxproxy.load.output.files import Outputs
 from mlxproxy.load.output.progress import say
 from mlxproxy.vocabulary import (
     INT_LIST,
@@ -153,8 +154,9 @@ def bench(
 ) -> None:
     """Compare servers: one request at a time across prompt sizes, then requests
     released together, with the truth checks applied and a verdict per target."""
-    tlist = parse_targets(targets, timeouts, api_key_env)
-    check_writable(json_path, csv_path, md_path, plot_path, html_path)
+    tlist = parse_targets(targets, timeouts, api_key_env, max_connections)
+    outputs = Outputs(json_path, csv_path, md_path, plot_path, html_path)
+    check_writable(*outputs.paths)
     sweep = sweep or ("auto" if concurrency else None)
     if ramp_s and not rate:
         fail("--ramp applies to --rate only")
@@ -167,7 +169,7 @@ def bench(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
         n_requests, sweep, concurrency, slo, sweep_budget,
     )  # fmt: skip
-    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs, max_connections=max_connections)
+    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs)
     opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = False
@@ -180,15 +182,12 @@ def bench(
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
     try:
-        write_outputs(results, json_path, csv_path, md_path, plot_path)
-        if html_path:
-            write_bench_html(results, html_path)
+        write_outputs(results, outputs)
     except MlxproxyError as exc:
         fail(str(exc))
     if interrupted:
         fail(
-            "interrupted: what was measured so far is printed"
-            + (" and written" if json_path or csv_path or md_path or plot_path or html_path else ""),
+            "interrupted: what was measured so far is printed" + (" and written" if outputs.paths else ""),
             130,
         )
     if results and all(r.error for r in results):
@@ -254,7 +253,10 @@ def judge_results(results: list[TargetResult], slo: dict[str, float] | None, pro
 
 
 def parse_targets(
-    values: tuple[str, ...], timeouts: tuple[tuple[str | None, float], ...], api_key_env: str | None
+    values: tuple[str, ...],
+    timeouts: tuple[tuple[str | None, float], ...],
+    api_key_env: str | None,
+    max_connections: int | None = None,
 ) -> list[Target]:
     key = env_key(api_key_env)
     out = [Target(name, url, 1800.0, key) for name, url in (parse_target(v) for v in values)]
@@ -271,4 +273,4 @@ def parse_targets(
             )
         else:
             per[name] = secs
-    return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key) for t in out]
+    return [Target(t.name, t.url, per.get(t.name, default_timeout), t.api_key, max_connections) for t in out]

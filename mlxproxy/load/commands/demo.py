@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,14 +15,14 @@ from prometheus_client import generate_latest
 from mlxproxy.config import build_config
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.edge.runner import ServerThread, bind_socket
-from mlxproxy.load.commands.bench import BenchOptions, bench_one
+from mlxproxy.load.commands.bench import BenchOptions, BenchPlan, bench_one, bench_plan
 from mlxproxy.load.commands.common import (
     fail,
     run_async,
 )
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
-from mlxproxy.load.output.files import measured_requests
+from mlxproxy.load.output.files import Outputs, measured_requests
 from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
         opts = BenchOptions(prompt_tokens=(100, 2000, 40000), max_tokens=96, repeat=repeat, batch=2, nonce=True)
         results: list[TargetResult] = []
         try:
-            run_async(_demo_run(targets, opts, results))
+            run_async(_demo_run(targets, bench_plan(opts), results))
         except KeyboardInterrupt:
             proxy.stop()  # the requests cut short are captured too, and the file closed, before it is counted
             fail(interrupted_note(app, capture), 130)
@@ -190,9 +191,8 @@ def _writable_dir(out_dir: str) -> Path:
 
 def _write_all(results: list[TargetResult], out: Path, app: ProxyApp) -> None:
     """The bench outputs, a snapshot of the proxy's metrics, and the capture flushed."""
-    write_outputs(
-        results, str(out / "bench.json"), str(out / "bench.csv"), str(out / "bench.md"), str(out / "bench.svg")
-    )
+    name = str(out / "bench")
+    write_outputs(results, Outputs(f"{name}.json", f"{name}.csv", f"{name}.md", f"{name}.svg"))
     write_bench_html(results, str(out / "bench.html"), quiet=True)
     (out / "metrics.prom").write_bytes(generate_latest(app.registry))
     if app.capture is not None:
@@ -210,12 +210,12 @@ def _say_written(results: list[TargetResult], out: Path, app: ProxyApp, capture:
     click.echo(f"HTML report: {(out / 'bench.html').resolve()} (open it in a browser; it needs no network)")
 
 
-async def _demo_run(targets: list[Target], opts: BenchOptions, out: list[TargetResult]) -> list[TargetResult]:
+async def _demo_run(targets: list[Target], plan: BenchPlan, out: list[TargetResult]) -> list[TargetResult]:
     # each target is the same proxy; the model name routes to the simulator of that name
     out.extend(TargetResult(t) for t in targets)
     await asyncio.gather(
         *(
-            bench_one(t, BenchOptions(**{**opts.__dict__, "model": t.name}), Thresholds(), None, r)
+            bench_one(t, replace(plan, prompts=replace(plan.prompts, model=t.name)), Thresholds(), None, r)
             for t, r in zip(targets, out)
         )
     )

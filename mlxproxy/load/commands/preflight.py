@@ -1,10 +1,10 @@
 """A target is reached before a run starts, with bench's own first request (GET /v1/models,
-`bench.discover_model`), so a replay against a target with nothing listening is one line at
+`bench_requests.discover_model`), so a replay against a target with nothing listening is one line at
 once instead of a whole schedule of failed requests."""
 
 from __future__ import annotations
 
-from mlxproxy.load.commands.bench import discover_model
+from mlxproxy.load.commands.bench_requests import discover_model
 from mlxproxy.load.commands.common import fail, run_async, unreachable_message
 from mlxproxy.load.run.client import MeasuringClient
 

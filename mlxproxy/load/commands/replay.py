@@ -1,38 +1,35 @@
-"""`mlxproxy replay`: send a capture again against any target and measure it: the tests it
-runs (one small class per kind of test, typed by its shape, chosen once from the options:
-`chosen_test`), their groups and the conversations' runs. What is sent, and the documented
-rewrites of the captured requests: `mlxproxy.load.commands.replay_requests`.
+"""`mlxproxy replay`: send a capture again against any target and measure it.
+
+The options are read once, at the top (`replay_plan`): they become the rewrites and repeats of
+what is sent (`replay_requests.ReplaySource`), the groups' params, and the one test they ask for,
+one small frozen class per kind of test carrying only its own fields (its shape, SLO, think time,
+fleet). What is sent, and the documented rewrites of the captured requests:
+`mlxproxy.load.commands.replay_requests`; the groups: `mlxproxy.load.commands.replay_groups`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.cachecheck import PrefixIndex
-from mlxproxy.core.detect import MOSTLY_CACHED, Thresholds, prefill_scaling
+from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
-from mlxproxy.load.commands.replay_requests import (
-    ReplayOptions,
-    captured_think_s,
-    generation_mix,
-    prepare,
-    split_sessions,
-)
-from mlxproxy.load.data.results import CompareRow, Group, GroupKind, RunRecord, SessionTurn
+from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
+from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
+from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
-from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.run.runner import closed_loop_step, open_loop_step, send, sessions_step
+from mlxproxy.load.run.client import MeasuringClient, Timed
+from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send, sessions_step
 from mlxproxy.load.run.shapes import (
     ClosedLoop,
     Load,
@@ -43,146 +40,89 @@ from mlxproxy.load.run.shapes import (
     Shape,
     Sweep,
     SweptShape,
-    Turn,
     Waves,
 )
-from mlxproxy.load.run.sweep import StepRun
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
 
-__all__ = ["run_replay", "run_sessions", "session_runs"]
-
-
-def compare_rows(caps: dict[str, CapturedRequest], timed: Timed) -> list[CompareRow]:
-    """Each replayed request's TTFT and decode TPS next to its captured values."""
-    rows: list[CompareRow] = []
-    for r in timed.records:
-        src = timed.source_ids.get(r.id)
-        c = caps.get(src) if src else None
-        if src is None or c is None:
-            continue
-        rows.append(
-            {
-                "source_id": src,
-                "model": r.model,
-                "captured_ttft_s": c.record.ttft_s,
-                "replayed_ttft_s": r.ttft_s,
-                "captured_cached_tokens": c.record.cached_tokens,
-                "replayed_cached_tokens": r.cached_tokens,
-                "replayed_prompt_tokens": r.prompt_tokens,
-                "captured_decode_tps": c.record.decode_tps,
-                "replayed_decode_tps": r.decode_tps,
-                "captured_outcome": c.record.outcome,
-                "replayed_outcome": r.outcome,
-            }
-        )
-    return rows
+__all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
 
-def served_from_cache(records: Iterable[RunRecord]) -> tuple[int, int]:
-    """(requests whose prompt was mostly cached, requests that reported prompt tokens):
-    their TTFT measures the prompt cache, not prefill."""
-    reported = [(p, r.record.cached_tokens or 0) for r in records if (p := r.record.prompt_tokens)]
-    cached = [p for p, c in reported if c > MOSTLY_CACHED * p]
-    return len(cached), len(reported)
+@dataclass(frozen=True)
+class ReplayOptions:
+    """replay's options as the command takes them; `replay_plan` types them, the one place they are read."""
+
+    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate | sessions
+    speed: float = 1.0
+    concurrency: int = 1
+    batch: int = 2
+    repeat: int = 1
+    warmup: int = 0
+    nonce: bool = True
+    batches: tuple[int, ...] = ()  # batch mode: wave sizes, one group each (default: (batch,))
+    model: str | None = None
+    rate: float | None = None  # rate mode: requests/s (open loop)
+    arrival: str = "constant"  # rate mode: constant | poisson
+    seed: int = 0  # rate mode: the Poisson schedule's seed
+    ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
+    sweep: bool = False  # steps of growing load (sweep_steps, or doubling from 1)
+    sweep_steps: tuple[float, ...] = ()
+    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
+    sessions: int = 1  # sessions mode: conversations run at once
+    think_time: float | None = None  # sessions mode: seconds from a response's end to the next turn (None: captured)
+    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
+    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
+    runs: int = 1  # the whole sweep search this many times (--runs)
+    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
+    workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
+    fix: bool = False  # sessions mode: each conversation again with the fix applied (commands/fixreplay.py)
 
 
-def _group(
-    name: str,
-    kind: GroupKind,
-    target: str,
-    params: JSONObject,
-    timed: Timed,
-    summary: Summary,
-    compare: list[CompareRow] | None = None,
-    where: Mapping[str, SessionTurn] | None = None,
-) -> Group:
-    """A group of `timed`'s records, each with its `source_id` (and its session's `where` keys)."""
-    records = timed.rows(where)
-    return Group(name, target, name, kind, params, summary, tuple(records), None if compare is None else tuple(compare))
+@dataclass(frozen=True)
+class OnTarget:
+    """One replay against one target as its test sees it: the client, what it sends, the groups
+    it adds to and their params."""
 
-
-class _ReplayRun:
-    """One replay against one target: which load shape the options ask for, the requests it
-    sends (prepared anew for every phase: with the nonce on, the baseline, each wave size and
-    each repeat send prompts no cache has seen) and the groups it makes."""
-
-    def __init__(
-        self,
-        client: MeasuringClient,
-        caps: Sequence[CapturedRequest],
-        opts: ReplayOptions,
-        target: str,
-        th: Thresholds,
-        compare: bool,
-        groups: list[Group],
-        say: Callable[[str], None] | None,
-    ) -> None:
-        self.client, self.caps, self.opts, self.target, self.th = client, caps, opts, target, th
-        self.compare, self.groups, self.say = compare, groups, say
-        self.by_id = {c.record.id: c for c in caps}
-        self.params: dict[str, JSONValue] = {
-            "speed": opts.speed,
-            "concurrency": opts.concurrency,
-            "batch": opts.batch,
-            "repeat": opts.repeat,
-            "nonce": opts.nonce,
-            "model": opts.model,
-        }
-        self.mode = chosen_test(opts).name
-
-    def fresh(self) -> list[PreparedRequest]:
-        return [prepare(c, self.opts) for _ in range(self.opts.repeat) for c in self.caps]
+    client: MeasuringClient
+    source: ReplaySource
+    target: str
+    th: Thresholds
+    compare: bool
+    groups: list[Group]
+    params: JSONObject
+    say: Callable[[str], None] | None
 
     def finish(self, mode: str, kind: GroupKind, timed: Timed, summary: Summary, params: JSONObject) -> None:
         scaling = prefill_scaling(timed.records, self.th)
         if scaling is not None:
             summary = summary.with_anomaly(scaling.kind, 1, scaling.evidence)
-        rows = compare_rows(self.by_id, timed) if self.compare else None
-        self.groups.append(_group(mode, kind, self.target, params, timed, summary, rows))
+        rows = compare_rows(self.source.caps, timed) if self.compare else None
+        self.groups.append(replay_group(mode, kind, self.target, params, timed, summary, rows))
 
     async def sweep(
         self,
         shape: Sweep[SweptShape],
+        slo: dict[str, float],
         step: Callable[[SweptShape], Awaitable[StepRun]],
         tick: Progress,
         **params: JSONValue,
     ) -> None:
-        """`shape`'s steps, each sending through `step`, judged against the SLO as they finish."""
+        """`shape`'s steps, each sending through `step`, judged against `slo` as they finish."""
         await shape.run(
-            step, self.opts.slo or parse_slo(DEFAULT_SLO), target=self.target, params={**self.params, **params},
-            out=self.groups, say=self.say, progress=tick,
+            step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
+            progress=tick,
         )  # fmt: skip
-
-    def mix(self) -> list[CapturedRequest]:
-        """What a sweep sends at every step: the capture's generation requests, `--repeat` times."""
-        mix = generation_mix(self.caps)
-        if not mix:
-            raise ValueError(
-                "a sweep needs generation requests (chat, completions, messages, responses); none selected"
-            )
-        return [c for _ in range(self.opts.repeat) for c in mix]
-
-    def interrupted(self, measured_from: int) -> None:
-        """The requests finished so far but in no group yet, as one more group."""
-        done = {r.id for g in self.groups for r in g.records}
-        rest = [r for r in self.client.finished[measured_from:] if r.id not in done]
-        if rest:
-            name = f"{self.mode} interrupted"
-            self.groups.append(
-                _group(name, "interrupted", self.target, self.params, Timed(rest), summarize_records(rest))
-            )
 
 
 class ReplayTest:
     """One kind of replay test: its name (the group's mode), how many requests the progress
-    line counts on (None: not known in advance) and how it runs (`_ReplayRun` holds the client,
-    the requests and the groups)."""
+    line counts on (None: not known in advance) and how it runs against one target."""
 
     name: str
 
     def total(self, n: int) -> int | None:
         return n
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
+    async def run(self, on: OnTarget, tick: Progress) -> None:
         raise NotImplementedError
 
 
@@ -199,11 +139,12 @@ class OneShape(ReplayTest):
 
     name: str
     shape: Shape
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        timed = await send(self.shape, Load(r.fresh()), r.client, fleet=r.opts.workers, tick=tick)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        timed = await send(self.shape, Load(on.source.fresh()), on.client, fleet=self.fleet, tick=tick)
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
-        r.finish(self.name, "replay", timed, summary, r.params)
+        on.finish(self.name, "replay", timed, summary, on.params)
 
 
 @dataclass(frozen=True)
@@ -212,13 +153,14 @@ class Rate(ReplayTest):
 
     name: str
     shape: OpenLoop
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        ramp = [prepare(r.caps[i % len(r.caps)], r.opts) for i in range(self.shape.ramp_size())]
-        timed = await send(self.shape, Load(r.fresh(), ramp), r.client, fleet=r.opts.workers, tick=tick)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        load = Load(on.source.fresh(), on.source.cycled(self.shape.ramp_size()))
+        timed = await send(self.shape, load, on.client, fleet=self.fleet, tick=tick)
         sent = [x.t_start_mono for x in timed.records]
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
-        r.finish(self.name, "rate", timed, summary, {**r.params, **self.shape.params(len(timed.records))})
+        on.finish(self.name, "rate", timed, summary, {**on.params, **self.shape.params(len(timed.records))})
 
 
 @dataclass(frozen=True)
@@ -231,39 +173,48 @@ class Batch(ReplayTest):
     def total(self, n: int) -> int | None:
         return n * (1 + len(self.sizes))
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        single = await send(Sequential(), Load(r.fresh()), r.client, tick=tick)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        single = await send(Sequential(), Load(on.source.fresh()), on.client, tick=tick)
         s_single = summarize_records(single.records)
-        r.groups.append(_group("single", "single", r.target, r.params, single, s_single))
+        on.groups.append(replay_group("single", "single", on.target, on.params, single, s_single))
         for size in self.sizes:
-            timed = await send(Waves(size), Load(r.fresh()), r.client, tick=tick)
+            timed = await send(Waves(size), Load(on.source.fresh()), on.client, tick=tick)
             summary = summarize_records(timed.records, waves=timed.waves, single_wall_tps=s_single.wall_tps.p50)
-            r.finish(f"batch {size}", "wave", timed, summary, {**r.params, "batch": size})
+            on.finish(f"batch {size}", "wave", timed, summary, {**on.params, "batch": size})
 
 
 @dataclass(frozen=True)
 class Conversations(ReplayTest):
-    """The capture's conversations, `at_once` at a time, each whole with its think time."""
+    """The capture's conversations, `at_once` at a time, each whole with its think time (and,
+    with `fix`, again with the fix applied)."""
 
     name: str
     at_once: int
+    think_time: float | None = None
+    fix: bool = False
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        opts = r.opts
-        runs = max(self.at_once, len(split_sessions(r.caps)) * opts.repeat)
-        timed, where, sess = await run_sessions(r.client, r.caps, opts, self.at_once, runs, tick)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        source = on.source
+        runs = max(self.at_once, len(split_sessions(source.caps)) * source.repeat)
+        timed, where, sess = await run_sessions(
+            on.client, source, self.at_once, runs, self.think_time, self.fleet, tick
+        )
         summary = timed.annotate(summarize_records(timed.records)).updated({"sessions": sess})
-        params = {**r.params, "sessions": self.at_once, "think_time": opts.think_time}
-        captured = _group(f"sessions {self.at_once}", "sessions", r.target, params, timed, summary, None, where)
-        r.groups.append(captured)
-        if opts.fix:  # the same conversations again, the fix applied (their own nonces: a cold cache)
-            fixed, applied = fixed_captures(split_sessions(r.caps))
-            timed, where, sess = await run_sessions(r.client, fixed, opts, self.at_once, runs, tick)
+        params = {**on.params, "sessions": self.at_once, "think_time": self.think_time}
+        captured = replay_group(f"sessions {self.at_once}", "sessions", on.target, params, timed, summary, None, where)
+        on.groups.append(captured)
+        if self.fix:  # the same conversations again, the fix applied (their own nonces: a cold cache)
+            fixed, applied = fixed_captures(split_sessions(source.caps))
+            fixed_source = replace(source, caps=fixed)
+            timed, where, sess = await run_sessions(
+                on.client, fixed_source, self.at_once, runs, self.think_time, self.fleet, tick
+            )
             summary = timed.annotate(summarize_records(timed.records))
-            group = _group(captured.name + FIX_SUFFIX, "sessions", r.target, {**params, "fix": True}, timed,
-                           summary, None, where)  # fmt: skip
+            group = replay_group(captured.name + FIX_SUFFIX, "sessions", on.target, {**params, "fix": True}, timed,
+                                 summary, None, where)  # fmt: skip
             fix = {"applied": dict(applied), **fix_savings(captured, group)}
-            r.groups.append(group.with_summary(group.summary.updated({"sessions": sess, "fix": fix})))
+            on.groups.append(group.with_summary(group.summary.updated({"sessions": sess, "fix": fix})))
 
 
 @dataclass(frozen=True)
@@ -272,15 +223,13 @@ class RateSweep(SweepTest):
 
     name: str
     sweep: Sweep[OpenLoop]
+    slo: dict[str, float]
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        reps, opts, inner = r.mix(), r.opts, self.sweep.inner
-
-        def cycle(k: int) -> list[PreparedRequest]:
-            return [prepare(reps[i % len(reps)], opts) for i in range(k)]
-
-        step = open_loop_step(r.client, cycle, len(reps), opts.workers)
-        await r.sweep(self.sweep, step, tick, arrival=inner.arrival, seed=inner.seed, ramp_s=inner.ramp_s)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        mix, inner = on.source.mix(), self.sweep.inner
+        step = open_loop_step(on.client, lambda k: on.source.cycled(k, mix), len(mix), self.fleet)
+        await on.sweep(self.sweep, self.slo, step, tick, arrival=inner.arrival, seed=inner.seed, ramp_s=inner.ramp_s)
 
 
 @dataclass(frozen=True)
@@ -289,15 +238,18 @@ class SessionsSweep(SweepTest):
 
     name: str
     sweep: Sweep[Sessions]
+    slo: dict[str, float]
+    think_time: float | None = None
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        r.mix()  # (a sweep needs generation requests)
-        mix, opts = generation_mix(r.caps), r.opts
-        convs = len(split_sessions(mix))
-        step = sessions_step(
-            r.client, lambda k: session_runs(r.client, mix, opts, k * convs * opts.repeat), opts.workers
-        )
-        await r.sweep(self.sweep, step, tick, think_time=opts.think_time)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        on.source.mix()  # (a sweep needs generation requests)
+        mix = replace(on.source, caps=generation_mix(on.source.caps))
+        per_step = len(split_sessions(mix.caps)) * mix.repeat
+        if on.client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
+            on.client.prefixes = PrefixIndex()
+        step = sessions_step(on.client, lambda k: mix.conversations(k * per_step, self.think_time), self.fleet)
+        await on.sweep(self.sweep, self.slo, step, tick, think_time=self.think_time)
 
 
 @dataclass(frozen=True)
@@ -306,37 +258,62 @@ class StreamsSweep(SweepTest):
 
     name: str
     sweep: Sweep[ClosedLoop]
+    slo: dict[str, float]
+    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, r: _ReplayRun, tick: Progress) -> None:
-        reps, opts = r.mix(), r.opts
-
-        def copies(k: int) -> list[PreparedRequest]:
-            return [prepare(reps[i % len(reps)], opts) for i in range(k * len(reps))]
-
-        await r.sweep(self.sweep, closed_loop_step(r.client, copies, len(reps), 1, opts.workers), tick)
+    async def run(self, on: OnTarget, tick: Progress) -> None:
+        mix = on.source.mix()
+        step = closed_loop_step(on.client, lambda k: on.source.cycled(k * len(mix), mix), len(mix), 1, self.fleet)
+        await on.sweep(self.sweep, self.slo, step, tick)
 
 
-def chosen_test(opts: ReplayOptions) -> ReplayTest:
-    """The test the options ask for, typed by its shape: the one place a replay mode is read
-    (ValueError for an unknown one, before anything is sent)."""
-    name = _mode_name(opts)
+@dataclass(frozen=True)
+class ReplayPlan:
+    """replay's options typed once (`replay_plan`): the test, the rewrites and repeats of what it
+    sends, the warm-up and the groups' params."""
+
+    test: ReplayTest
+    rewrites: Rewrites
+    repeat: int
+    warmup: int
+    params: JSONObject
+
+
+def replay_plan(opts: ReplayOptions) -> ReplayPlan:
+    """The plan the options ask for: the one place replay's options are read (ValueError for an
+    unknown mode, before anything is sent)."""
+    params: dict[str, JSONValue] = {
+        "speed": opts.speed,
+        "concurrency": opts.concurrency,
+        "batch": opts.batch,
+        "repeat": opts.repeat,
+        "nonce": opts.nonce,
+        "model": opts.model,
+    }
+    return ReplayPlan(_test(opts), Rewrites(opts.model, opts.nonce), opts.repeat, opts.warmup, params)
+
+
+def _test(opts: ReplayOptions) -> ReplayTest:
+    """The test the options ask for, typed by its shape."""
+    name, fleet = _mode_name(opts), opts.workers
+    slo = opts.slo or parse_slo(DEFAULT_SLO)
     steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
     if opts.sweep and opts.mode == "rate":
         open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-        return RateSweep(
-            name, Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget, opts.step_time, opts.runs)
-        )
+        sweep = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget, opts.step_time, opts.runs)
+        return RateSweep(name, sweep, slo, fleet)
     if opts.sweep and opts.mode == "sessions":
-        return SessionsSweep(name, Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs))
+        sessions = Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs)
+        return SessionsSweep(name, sessions, slo, opts.think_time, fleet)
     if opts.sweep:
-        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs))
+        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs), slo, fleet)
     tests: dict[str, Callable[[], ReplayTest]] = {
-        "recorded": lambda: OneShape(name, Recorded(opts.speed)),
+        "recorded": lambda: OneShape(name, Recorded(opts.speed), fleet),
         "sequential": lambda: OneShape(name, Sequential()),
-        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency)),
-        "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)),
+        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency), fleet),
+        "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s), fleet),
         "batch": lambda: Batch(opts.batches or (opts.batch,)),
-        "sessions": lambda: Conversations(name, opts.sessions),
+        "sessions": lambda: Conversations(name, opts.sessions, opts.think_time, opts.fix, fleet),
     }
     return tests[opts.mode]()
 
@@ -364,6 +341,7 @@ async def run_replay(
     api_key: str | None = None,
     thresholds: Thresholds | None = None,
     timeout_s: float = 1800.0,
+    max_connections: int | None = None,
     progress: bool | None = None,
     compare: bool = False,
     out: list[Group] | None = None,
@@ -372,24 +350,25 @@ async def run_replay(
     """Run one replay; return the result groups (see `mlxproxy.load.output.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
+    plan = replay_plan(opts)  # an unknown mode fails before anything is sent
     th = thresholds or Thresholds()
     groups: list[Group] = out if out is not None else []
-    test = chosen_test(opts)  # an unknown mode fails before anything is sent
-    n = len(caps) * opts.repeat
+    source = ReplaySource(caps, plan.rewrites, plan.repeat)
     async with MeasuringClient(
         target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s,
-        max_connections=opts.max_connections,
+        max_connections=max_connections,
     ) as client:  # fmt: skip
-        if opts.warmup:
-            await send(Sequential(), Load([prepare(c, opts) for c in caps[: opts.warmup]]), client)
+        on = OnTarget(client, source, target_name, th, compare, groups, plan.params, say)
+        if plan.warmup:
+            await send(Sequential(), Load(source.first(plan.warmup)), client)
         measured_from = len(client.finished)
-        run = _ReplayRun(client, caps, opts, target_name, th, compare, groups, say)
-        tick = Progress(f"replay {target_name}", test.total(n), progress, client)
+        tick = Progress(f"replay {target_name}", plan.test.total(len(caps) * plan.repeat), progress, client)
         tick.start()
         try:
-            await test.run(run, tick)
+            await plan.test.run(on, tick)
         except asyncio.CancelledError:
-            run.interrupted(measured_from)
+            rest = interrupted_group(plan.test.name, target_name, plan.params, groups, client.finished[measured_from:])
+            groups.extend([rest] if rest else [])
             raise
         finally:
             tick.close()
@@ -398,46 +377,25 @@ async def run_replay(
 
 async def run_sessions(
     client: MeasuringClient,
-    caps: Sequence[CapturedRequest],
-    opts: ReplayOptions,
+    source: ReplaySource,
     at_once: int,
     runs: int,
+    think_time: float | None = None,
+    fleet: Fleet = ONE_PROCESS,
     tick: Callable[[], None] | None = None,
 ) -> tuple[Timed, dict[str, SessionTurn], JSONObject]:
     """`at_once` conversations at a time, `runs` conversation runs in all (the capture's
     conversations in order, cycled), each its turns in order with the think time between
     a response's end and the next turn (`Sessions`); each run has its own nonce (so it is a
     conversation of its own, never the continuation of another run). Returns the records,
-    each record's `session`, `turn` and `think_s`, and the `sessions` summary."""
-    plans = session_runs(client, caps, opts, runs)
-    timed = await send(Sessions(at_once), Load(runs=plans), client, fleet=opts.workers, tick=tick)
-    conversations = len(split_sessions(caps))
-    return timed, timed.where, {"count": runs, "conversations": conversations, "session_s": summarize(timed.session_s)}
-
-
-def session_runs(
-    client: MeasuringClient, caps: Sequence[CapturedRequest], opts: ReplayOptions, runs: int
-) -> list[list[Turn]]:
-    """`runs` conversation runs (the capture's conversations in order, cycled), each with a
-    nonce of its own; the client keeps the prompts' fingerprints (each turn's re-prefill cause,
-    the report's sessions view)."""
-    convs = split_sessions(caps)
+    each record's `session`, `turn` and `think_s`, and the `sessions` summary. The client
+    keeps the prompts' fingerprints (each turn's re-prefill cause, the report's sessions view)."""
     if client.prefixes is None:
         client.prefixes = PrefixIndex()
-    return [_session_run(convs[i % len(convs)], opts) for i in range(runs)]
-
-
-def _session_run(conv: Sequence[CapturedRequest], opts: ReplayOptions) -> list[Turn]:
-    """One run of a conversation: its turns prepared with one nonce of their own, each with
-    its think time (`--think-time`, else as captured)."""
-    nonce = f"[nonce {os.urandom(6).hex()}] " if opts.nonce else None
-    turns = []
-    for ti, c in enumerate(conv):
-        think = 0.0
-        if ti:
-            think = opts.think_time if opts.think_time is not None else captured_think_s(conv[ti - 1], c)
-        turns.append(Turn(prepare(c, opts, nonce), think))
-    return turns
+    plans = source.conversations(runs, think_time)
+    timed = await send(Sessions(at_once), Load(runs=plans), client, fleet=fleet, tick=tick)
+    conversations = len(split_sessions(source.caps))
+    return timed, timed.where, {"count": runs, "conversations": conversations, "session_s": summarize(timed.session_s)}
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[Group]:

@@ -19,20 +19,16 @@ from mlxproxy.load.commands.common import (
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
 from mlxproxy.load.commands.preflight import require_reachable
-from mlxproxy.load.commands.replay import run_replay, served_from_cache
-from mlxproxy.load.commands.replay_requests import (
-    BUILTIN_AGENT,
-    ReplayOptions,
-    generation_mix,
-    select,
-    synthetic_agent_session,
-)
+from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.commands.replay_groups import served_from_cache
+from mlxproxy.load.commands.replay_requests import BUILTIN_AGENT, generation_mix, select, synthetic_agent_session
 from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
-from mlxproxy.load.output.files import write_text
+from mlxproxy.load.output.files import Outputs
 from mlxproxy.load.output.progress import say
-from mlxproxy.load.output.replay_report import print_groups, sweep_svg, write_replay_outputs
+from mlxproxy.load.output.replay_report import print_groups, write_replay_outputs
 from mlxproxy.vocabulary import (
     INT_LIST,
     SECONDS,
@@ -225,7 +221,8 @@ def replay(
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
     api_key = env_key(api_key_env)
-    check_writable(json_path, csv_path, md_path, html_path, plot_path)
+    outputs = Outputs(json_path, csv_path, md_path, plot_path, html_path)
+    check_writable(*outputs.paths)
     if plot_path and not swept:
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, swept)
@@ -233,19 +230,17 @@ def replay(
     opts = ReplayOptions(
         mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=swept,
         sweep_steps=steps if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
-        repeat=repeat, warmup=warmup, nonce=nonce, model=model, limit=limit, filters=parse_filters(filters),
-        rate=rate[0] if rate else None, arrival=arrival, ramp_s=ramp_s, seed=seed,
-        sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, max_connections=max_connections,
-        workers=_workers(workers, cluster, mode),
+        repeat=repeat, warmup=warmup, nonce=nonce, model=model, rate=rate[0] if rate else None, arrival=arrival,
+        ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
+        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
     _say_replaying(chosen, swept, repeat, capture, target_url, mode, nonce)
-    groups, interrupted = _run(chosen, target_url, opts, name, api_key, timeout[1] if timeout else 1800.0, compare)
+    target = Target(name, target_url, timeout[1] if timeout else 1800.0, api_key, max_connections)
+    groups, interrupted = _run(chosen, target, opts, compare)
     judge_groups(groups, slo)
-    outputs = (json_path, csv_path, md_path, html_path)
-    _show(groups, nonce, capture, target_url, outputs, plot_path)
-    _exit(groups, interrupted, any(outputs), fail_on)
+    _show(groups, nonce, capture, target_url, outputs)
+    _exit(groups, interrupted, bool(outputs.paths), fail_on)
 
 
 def _workers(count: int, cluster: str | None, mode: str) -> Workers:
@@ -259,31 +254,15 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
     return out
 
 
-def _run(
-    chosen: list[CapturedRequest],
-    target_url: str,
-    opts: ReplayOptions,
-    name: str,
-    api_key: str | None,
-    timeout_s: float,
-    compare: bool,
-) -> tuple[list[Group], bool]:
+def _run(chosen: list[CapturedRequest], target: Target, opts: ReplayOptions, compare: bool) -> tuple[list[Group], bool]:
     """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
     groups: list[Group] = []
     try:
-        run_async(
-            run_replay(
-                chosen,
-                target_url,
-                opts,
-                target_name=name,
-                api_key=api_key,
-                timeout_s=timeout_s,
-                compare=compare,
-                out=groups,
-                say=say,
-            )  # fmt: skip
-        )
+        run = run_replay(
+            chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
+            max_connections=target.max_connections, compare=compare, out=groups, say=say,
+        )  # fmt: skip
+        run_async(run)
     except KeyboardInterrupt:
         return groups, True
     except WorkersError as exc:
@@ -398,14 +377,7 @@ def _say_replaying(
     )
 
 
-def _show(
-    groups: list[Group],
-    nonce: bool,
-    capture: str,
-    target_url: str,
-    outputs: tuple[str | None, str | None, str | None, str | None],
-    plot_path: str | None,
-) -> None:
+def _show(groups: list[Group], nonce: bool, capture: str, target_url: str, outputs: Outputs) -> None:
     """The console tables, the prompt-cache warning and the output files."""
     if any(g.records for g in groups):  # a Ctrl-C before the first result: no empty table, no legend
         print_groups(groups)
@@ -420,9 +392,7 @@ def _show(
             + ("; drop --no-nonce to measure prefill" if not nonce else "")
         )
     try:
-        write_replay_outputs(groups, capture, target_url, *outputs)
-        if plot_path:
-            write_text(plot_path, sweep_svg(groups))
+        write_replay_outputs(groups, capture, target_url, outputs)
     except MlxproxyError as exc:
         fail(str(exc))
 

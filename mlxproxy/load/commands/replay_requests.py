@@ -30,11 +30,11 @@ from mlxproxy.core.record import Record
 from mlxproxy.headers import REDACTED
 from mlxproxy.load.commands.common import filler_text
 from mlxproxy.load.run.client import PreparedRequest
-from mlxproxy.load.run.runner import ONE_PROCESS, Fleet
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
+from mlxproxy.load.run.shapes import Turn
 
 __all__ = [
-    "ReplayOptions",
+    "ReplaySource",
+    "Rewrites",
     "select",
     "prepare",
     "split_sessions",
@@ -46,36 +46,11 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class ReplayOptions:
-    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate
-    speed: float = 1.0
-    concurrency: int = 1
-    batch: int = 2
-    repeat: int = 1
-    warmup: int = 0
-    nonce: bool = True
-    batches: tuple[int, ...] = ()  # batch mode: wave sizes, one group each (default: (batch,))
+class Rewrites:
+    """The documented rewrites of a captured body besides usage: `--model`, and the nonce."""
+
     model: str | None = None
-    limit: int | None = None
-    filters: tuple[tuple[str, str], ...] = ()
-    rate: float | None = None  # rate mode: requests/s (open loop)
-    arrival: str = "constant"  # rate mode: constant | poisson
-    seed: int = 0  # rate mode: the Poisson schedule's seed
-    ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
-    sweep: bool = False  # concurrency mode: closed-loop steps (sweep_steps, or doubling from 1)
-    sweep_steps: tuple[float, ...] = ()
-    slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
-    sessions: int = 1  # sessions mode: conversations run at once
-    think_time: float | None = (
-        None  # sessions mode: seconds between a response's end and the next turn (None: captured)
-    )
-    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
-    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
-    runs: int = 1  # the whole sweep search this many times (--runs)
-    max_connections: int | None = None  # per target and process (--max-connections; None: the default)
-    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
-    workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
-    fix: bool = False  # sessions mode: each conversation again with the fix applied (commands/fixreplay.py)
+    nonce: bool = True
 
 
 def select(
@@ -165,7 +140,7 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -> PreparedRequest:
+def prepare(c: CapturedRequest, rewrites: Rewrites, nonce: str | None = None) -> PreparedRequest:
     """The request to send for one captured request, with only the documented rewrites.
     `nonce`: this marker instead of a new one (the turns of one replayed session share one,
     so each turn can reuse the prompt cache of the turns before it, as in real use)."""
@@ -175,9 +150,9 @@ def prepare(c: CapturedRequest, opts: ReplayOptions, nonce: str | None = None) -
     if c.request is None:
         return PreparedRequest(c.method, c.path, c.request_bytes or b"", headers, c.offset_s, c.record.id)
     obj = _unprivate(c.request)
-    if opts.model is not None:
-        obj = {**obj, "model": opts.model}
-    if opts.nonce:
+    if rewrites.model is not None:
+        obj = {**obj, "model": rewrites.model}
+    if rewrites.nonce:
         obj = dict(obj)
         _with_nonce(obj, nonce or f"[nonce {os.urandom(6).hex()}] ")
     body = orjson.dumps(obj)
@@ -310,3 +285,51 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
 def generation_mix(caps: Sequence[CapturedRequest]) -> list[CapturedRequest]:
     """What a sweep sends: the generation requests of the capture (not `GET /v1/models`)."""
     return [c for c in caps if c.request is not None and endpoint_of(c.path) in GENERATION_ENDPOINTS]
+
+
+@dataclass(frozen=True)
+class ReplaySource:
+    """What a replay sends: the captured requests `repeat` times, prepared anew for every phase
+    with the `rewrites` (with the nonce on, the baseline, each wave size and each repeat send
+    prompts no cache has seen)."""
+
+    caps: Sequence[CapturedRequest]
+    rewrites: Rewrites = Rewrites()
+    repeat: int = 1
+
+    def fresh(self) -> list[PreparedRequest]:
+        return [prepare(c, self.rewrites) for _ in range(self.repeat) for c in self.caps]
+
+    def first(self, k: int) -> list[PreparedRequest]:
+        """The first `k` captured requests, once (a warm-up)."""
+        return [prepare(c, self.rewrites) for c in self.caps[:k]]
+
+    def cycled(self, k: int, caps: Sequence[CapturedRequest] | None = None) -> list[PreparedRequest]:
+        """`k` requests: the captured ones (or `caps`) in order, cycled."""
+        caps = self.caps if caps is None else caps
+        return [prepare(caps[i % len(caps)], self.rewrites) for i in range(k)]
+
+    def mix(self) -> list[CapturedRequest]:
+        """What a sweep sends at every step: the capture's generation requests, `repeat` times."""
+        mix = generation_mix(self.caps)
+        if not mix:
+            raise ValueError(
+                "a sweep needs generation requests (chat, completions, messages, responses); none selected"
+            )
+        return [c for _ in range(self.repeat) for c in mix]
+
+    def conversations(self, runs: int, think_time: float | None) -> list[list[Turn]]:
+        """`runs` conversation runs (the capture's conversations in order, cycled), each with a
+        nonce of its own and each turn's think time (`think_time`, else as captured)."""
+        convs = split_sessions(self.caps)
+        return [self._conversation(convs[i % len(convs)], think_time) for i in range(runs)]
+
+    def _conversation(self, conv: Sequence[CapturedRequest], think_time: float | None) -> list[Turn]:
+        nonce = f"[nonce {os.urandom(6).hex()}] " if self.rewrites.nonce else None
+        turns = []
+        for ti, c in enumerate(conv):
+            think = 0.0
+            if ti:
+                think = think_time if think_time is not None else captured_think_s(conv[ti - 1], c)
+            turns.append(Turn(prepare(c, self.rewrites, nonce), think))
+        return turns

@@ -12,10 +12,14 @@ __all__ = ["Calibration", "Target", "TargetResult"]
 
 @dataclass(frozen=True)
 class Target:
+    """A server to measure and how the client reaches it: its timeout, API key and the most
+    connections one process opens to it (`--max-connections`; None: the client's default)."""
+
     name: str
     url: str
     timeout_s: float = 1800.0
     api_key: str | None = None
+    max_connections: int | None = None
 
 
 @dataclass

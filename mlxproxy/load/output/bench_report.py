@@ -15,7 +15,7 @@ from mlxproxy.load.data.results import Group, ResultFile
 from mlxproxy.load.data.targets import Calibration, Target, TargetResult
 from mlxproxy.load.judge.verdict import result_file, sweep_charts
 from mlxproxy.load.output.bench_verdict import headline, headline_notes, smallest_single, verdict
-from mlxproxy.load.output.files import write_csv, write_result, write_text
+from mlxproxy.load.output.files import Outputs, write_csv, write_result, write_text
 from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.report import (
     LEGEND,
@@ -237,25 +237,22 @@ def print_bench(results: list[TargetResult], verdicts: dict[str, str] | None = N
 
 
 def write_outputs(
-    results: list[TargetResult],
-    json_path: str | None,
-    csv_path: str | None,
-    md_path: str | None,
-    plot_path: str | None,
-    verdicts: dict[str, str] | None = None,
-    write_json: bool = True,
+    results: list[TargetResult], out: Outputs, verdicts: dict[str, str] | None = None, write_json: bool = True
 ) -> None:
+    """Every file of `out` that bench writes."""
     doc = results_doc(results, verdicts)
     verdicts = dict(doc.verdicts)
     groups = doc.groups
-    if json_path and write_json:
-        write_result(json_path, doc)
-    if csv_path:
-        write_csv(csv_path, groups)
-    if md_path:
-        write_text(md_path, markdown_sections(bench_sections(results, verdicts)))
-    if plot_path:
-        write_text(plot_path, plot_svg(results))
+    if out.json and write_json:
+        write_result(out.json, doc)
+    if out.csv:
+        write_csv(out.csv, groups)
+    if out.markdown:
+        write_text(out.markdown, markdown_sections(bench_sections(results, verdicts)))
+    if out.plot:
+        write_text(out.plot, plot_svg(results))
+    if out.html:
+        write_bench_html(results, out.html)
 
 
 def write_bench_html(results: list[TargetResult], path: str, *, quiet: bool = False) -> None:

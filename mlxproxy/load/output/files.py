@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -23,7 +24,24 @@ import orjson
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.data.results import Group, ResultFile
 
-__all__ = ["CSV_FIELDS", "measured_requests", "read_result", "write_csv", "write_result", "write_text"]
+__all__ = ["CSV_FIELDS", "Outputs", "measured_requests", "read_result", "write_csv", "write_result", "write_text"]
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files a command writes its result to, one per format asked for (`--json`, `--csv`,
+    `--markdown`, `--plot`, `--html`; None: not asked for)."""
+
+    json: str | None = None
+    csv: str | None = None
+    markdown: str | None = None
+    plot: str | None = None
+    html: str | None = None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths asked for, in the order they are written."""
+        return tuple(p for p in (self.json, self.csv, self.markdown, self.plot, self.html) if p)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import click
 from mlxproxy.load.data.plot import svg_charts
 from mlxproxy.load.data.results import CompareRow, Group
 from mlxproxy.load.judge.verdict import result_file, sweep_charts
-from mlxproxy.load.output.files import write_csv, write_result, write_text
+from mlxproxy.load.output.files import Outputs, write_csv, write_result, write_text
 from mlxproxy.load.output.htmlreport import render_html
 from mlxproxy.load.output.report import (
     Section,
@@ -74,21 +74,16 @@ def compare_table(rows: Sequence[CompareRow]) -> list[dict[str, str]]:
     ]
 
 
-def write_replay_outputs(
-    groups: Sequence[Group],
-    capture: str,
-    target_url: str,
-    json_path: str | None,
-    csv_path: str | None,
-    md_path: str | None,
-    html_path: str | None = None,
-) -> None:
+def write_replay_outputs(groups: Sequence[Group], capture: str, target_url: str, out: Outputs) -> None:
+    """Every file of `out` (the plot: a sweep's)."""
     doc = result_file("replay", groups, extra={"capture": capture, "target": target_url})
-    if json_path:
-        write_result(json_path, doc)
-    if csv_path:
-        write_csv(csv_path, groups)
-    if md_path:
-        write_text(md_path, markdown_sections(replay_sections(groups)))
-    if html_path:
-        write_text(html_path, render_html([(os.path.basename(capture), doc)]))
+    if out.json:
+        write_result(out.json, doc)
+    if out.csv:
+        write_csv(out.csv, groups)
+    if out.markdown:
+        write_text(out.markdown, markdown_sections(replay_sections(groups)))
+    if out.html:
+        write_text(out.html, render_html([(os.path.basename(capture), doc)]))
+    if out.plot:
+        write_text(out.plot, sweep_svg(groups))
