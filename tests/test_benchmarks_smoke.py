@@ -70,15 +70,21 @@ def test_run_help():
 
 
 def test_upstream_and_meter_bench_help():
-    for script in ("upstream.py", "bench_meter.py", "generator.py", "instructions.py", "soak_memory.py"):
+    for script in (
+        "upstream.py",
+        "bench_meter.py",
+        "generator.py",
+        "instructions.py",
+        "generator_instructions.py",
+        "soak_memory.py",
+    ):
         r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
 
 
-def test_instructions_refuses_a_folder_without_the_package(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(BENCH / "instructions.py"), str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
+@pytest.mark.parametrize("script", ["instructions.py", "generator_instructions.py"])
+def test_instructions_refuses_a_folder_without_the_package(tmp_path, script):
+    r = subprocess.run([sys.executable, str(BENCH / script), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and ("holds no mlxproxy/ package" in r.stderr or "valgrind" in r.stderr)
 
