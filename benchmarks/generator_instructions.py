@@ -36,29 +36,17 @@ import asyncio
 import glob
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-
-
-def _body(stream: bool, tokens: int) -> bytes:
-    obj: dict[str, Any] = {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}]}
-    obj["max_tokens"] = tokens
-    if stream:
-        obj.update(stream=True, stream_options={"include_usage": True})
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def set_rate(port: int, rate: float) -> None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/_bench/config?rate={rate}", timeout=30) as r:
-        r.read()
+sys.path.insert(0, HERE)
+from generator import _body, set_rate, start_upstream  # noqa: E402
+from instructions import total_instructions  # noqa: E402
 
 
 async def _control(cmd: str) -> None:
@@ -131,14 +119,6 @@ def _child(src: str, port: int, out: str, args: argparse.Namespace) -> None:
     run_async(main())
 
 
-def total_instructions(path: str) -> int:
-    with open(path) as f:
-        for line in f:
-            if line.startswith(("summary:", "totals:")):
-                return int(line.split()[1])
-    raise RuntimeError(f"no instruction total in {path}")
-
-
 def measure(src: str, port: int, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="mlxproxy-geninstr-") as workdir:
         out = os.path.join(workdir, "callgrind.out")
@@ -193,22 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.join(src, "mlxproxy")):
             print(f"generator_instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
-    up = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True
-    )
+    up, port = start_upstream()
     try:
-        assert up.stdout is not None
-        ready, _, _ = select.select([up.stdout], [], [], 30)
-        line = up.stdout.readline() if ready else ""
-        if not line.startswith("READY "):
-            raise SystemExit(f"benchmark upstream did not start: {line!r}")
-        port = int(line.split()[1])
         for src in args.src:
             res = measure(os.path.abspath(src), port, args)
-            figures = ", ".join(f"{name}: {v / 1e3:.1f} k" for name, v in res.items())
-            print(f"{src}: instructions per {figures}", flush=True)
+            print(f"{src}: instructions per " + ", ".join(f"{k}: {v / 1e3:.1f} k" for k, v in res.items()), flush=True)
     finally:
-        up.terminate()
+        up.kill()
         up.wait(10)
     return 0
 
