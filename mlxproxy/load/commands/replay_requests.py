@@ -24,9 +24,8 @@ from typing import Any
 
 import orjson
 
-from mlxproxy.capture import CapturedRequest
+from mlxproxy.capture import CapturedRequest, captured_chat
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, endpoint_of, inject_include_usage
-from mlxproxy.core.record import Record
 from mlxproxy.headers import REDACTED
 from mlxproxy.load.commands.common import filler_text
 from mlxproxy.load.run.client import PreparedRequest
@@ -238,30 +237,8 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
             "messages": [dict(m) for m in messages],
             "tools": tools,
         }
-        rec = Record(
-            id=f"agent-turn-{i + 1}",
-            started_at=offset,
-            upstream="synthetic",
-            model="default_model",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-            duration_s=4.0,
-        )
-        out.append(
-            CapturedRequest(
-                record=rec,
-                method="POST",
-                path="/v1/chat/completions",
-                offset_s=offset,
-                request=body,
-                request_bytes=None,
-                raw={},
-            )
-        )
+        rid = f"agent-turn-{i + 1}"
+        out.append(captured_chat(rid, body, upstream="synthetic", started_at=offset, offset_s=offset, duration_s=4.0))
         tool = ("read_file", "run_tests", "edit_file")[i % 3]
         call_id = f"call_{i + 1}"
         messages.append(
