@@ -16,14 +16,15 @@ counts, SLO and fleet). A target's run calibrates its prompts, then runs each te
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.bench_requests import Prompts, TargetPrompts, calibrated
-from mlxproxy.load.commands.common import requests_text
+from mlxproxy.load.commands.common import SweepsOnTarget, requests_text
+from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
@@ -31,8 +32,8 @@ from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
-from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
+from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, Waves
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["BenchOptions", "BenchPlan", "DEFAULT_SIZES", "bench_one", "bench_plan", "bench_targets"]
 
@@ -69,7 +70,7 @@ class BenchOptions:
 
 
 @dataclass(frozen=True)
-class OnTarget:
+class OnTarget(SweepsOnTarget):
     """One target's run as its tests see it, once its prompts are calibrated: the client, the
     result the groups go to, the prompts and the groups' params."""
 
@@ -80,18 +81,8 @@ class OnTarget:
     th: Thresholds
     say: Callable[[str], None] | None
 
-    async def sweep(
-        self,
-        shape: Sweep[SweptShape],
-        slo: dict[str, float],
-        step: Callable[[SweptShape], Awaitable[StepRun]],
-        tick: Progress,
-        params: JSONObject,
-    ) -> None:
-        await shape.run(
-            step, slo, target=self.res.target.name, params={**self.params, **params}, out=self.res.groups,
-            say=self.say, progress=tick,
-        )  # fmt: skip
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        return self.res.target.name, self.res.groups
 
 
 class BenchTest:
@@ -163,7 +154,7 @@ class StreamsSweep(BenchTest):
         step = closed_loop_step(
             on.client, lambda n: on.prompts.requests(n, size, "sweep"), 1, self.per_stream, self.fleet
         )
-        await on.sweep(self.sweep, self.slo, step, tick, {"prompt_tokens": size})
+        await on.sweep(self.sweep, self.slo, step, tick, prompt_tokens=size)
 
 
 @dataclass(frozen=True)
@@ -179,10 +170,10 @@ class RateSweep(BenchTest):
     async def run(self, on: OnTarget, tick: Progress) -> None:
         inner, size = self.sweep.inner, self.prompt_tokens
         step = open_loop_step(on.client, lambda n: on.prompts.requests(n, size, "rate"), self.requests, self.fleet)
-        params: dict[str, JSONValue] = {
-            "prompt_tokens": size, "arrival": inner.arrival, "seed": inner.seed, "ramp_s": inner.ramp_s,
-        }  # fmt: skip
-        await on.sweep(self.sweep, self.slo, step, tick, params)
+        await on.sweep(
+            self.sweep, self.slo, step, tick, prompt_tokens=size, arrival=inner.arrival, seed=inner.seed,
+            ramp_s=inner.ramp_s,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

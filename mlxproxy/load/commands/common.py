@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -20,7 +20,11 @@ from mlxproxy.edge.runner import run_async as run_on_stack
 from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import ConfigError, UpstreamError
 from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.judge.slo import failed_checks
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.run.shapes import Sweep, SweptShape
+from mlxproxy.load.run.sweep import StepRun
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
 
@@ -119,3 +123,29 @@ def check_fail_on(kinds: tuple[str, ...] | None, groups: Sequence[Group]) -> Non
     if failed:
         fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
     click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
+
+
+class SweepsOnTarget:
+    """What bench's and replay's run against one target share for a sweep: the groups' params, the
+    progress lines' `say`, and where the steps' groups go (`sweep_into`)."""
+
+    params: JSONObject
+    say: Callable[[str], None] | None
+
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        """The target's name and the list its groups are added to."""
+        raise NotImplementedError
+
+    async def sweep(
+        self,
+        shape: Sweep[SweptShape],
+        slo: dict[str, float],
+        step: Callable[[SweptShape], Awaitable[StepRun]],
+        tick: Progress,
+        **params: JSONValue,
+    ) -> None:
+        """`shape`'s steps, each sending through `step`, judged against `slo` as they finish."""
+        target, out = self.sweep_into()
+        await shape.run(
+            step, slo, target=target, params={**self.params, **params}, out=out, say=self.say, progress=tick
+        )

@@ -10,7 +10,7 @@ fleet). What is sent, and the documented rewrites of the captured requests:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +20,7 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
+from mlxproxy.load.commands.common import SweepsOnTarget
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
@@ -39,10 +40,9 @@ from mlxproxy.load.run.shapes import (
     Sessions,
     Shape,
     Sweep,
-    SweptShape,
     Waves,
 )
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
@@ -78,7 +78,7 @@ class ReplayOptions:
 
 
 @dataclass(frozen=True)
-class OnTarget:
+class OnTarget(SweepsOnTarget):
     """One replay against one target as its test sees it: the client, what it sends, the groups
     it adds to and their params."""
 
@@ -98,19 +98,8 @@ class OnTarget:
         rows = compare_rows(self.source.caps, timed) if self.compare else None
         self.groups.append(replay_group(mode, kind, self.target, params, timed, summary, rows))
 
-    async def sweep(
-        self,
-        shape: Sweep[SweptShape],
-        slo: dict[str, float],
-        step: Callable[[SweptShape], Awaitable[StepRun]],
-        tick: Progress,
-        **params: JSONValue,
-    ) -> None:
-        """`shape`'s steps, each sending through `step`, judged against `slo` as they finish."""
-        await shape.run(
-            step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
-            progress=tick,
-        )  # fmt: skip
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        return self.target, self.groups
 
 
 class ReplayTest:
