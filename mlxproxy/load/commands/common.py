@@ -21,6 +21,7 @@ from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import ConfigError, UpstreamError
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
+from mlxproxy.load.fleet.workers import WorkersError
 from mlxproxy.load.judge.slo import failed_checks
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.run.shapes import Sweep, SweptShape
@@ -88,6 +89,25 @@ def all_failed_reason(groups: Sequence[Group]) -> str | None:
     why = first.error or (f"HTTP {first.status}" if first.status else first.outcome)
     why = clip(str(why), 200)
     return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
+
+
+def run_interrupted(coro: Any) -> bool:
+    """`run_async(coro)`: whether Ctrl-C ended it; the workers failing is one line and exit 1."""
+    try:
+        run_async(coro)
+    except KeyboardInterrupt:
+        return True
+    except WorkersError as exc:
+        fail(str(exc), 1)
+    return False
+
+
+def check_outcomes(fail_on: tuple[str, ...] | None, groups: Sequence[Group]) -> None:
+    """A finished run's exit: 1 when every request failed (`all_failed_reason`) or a `--fail-on` check did."""
+    reason = all_failed_reason(groups)
+    if reason:
+        fail(reason, 1)
+    check_fail_on(fail_on, groups)
 
 
 def requests_text(n: int, what: str = "") -> str:
