@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic
 
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
@@ -32,7 +33,7 @@ from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
-from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, Waves
+from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
 from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["BenchOptions", "BenchPlan", "DEFAULT_SIZES", "bench_one", "bench_plan", "bench_targets"]
@@ -139,15 +140,20 @@ class WaveRounds(BenchTest):
 
 
 @dataclass(frozen=True)
-class StreamsSweep(BenchTest):
-    """Closed-loop streams at growing counts, each stream sending `per_stream` requests at the
-    prompt size, judged against `slo`, from `fleet`."""
+class SweepTest(BenchTest, Generic[SweptShape]):
+    """A sweep of one shape at a prompt size, judged against `slo` as it goes, from `fleet`."""
 
-    sweep: Sweep[ClosedLoop]
+    sweep: Sweep[SweptShape]
     prompt_tokens: int
-    per_stream: int
     slo: dict[str, float]
     fleet: Fleet = ONE_PROCESS
+
+
+@dataclass(frozen=True)
+class StreamsSweep(SweepTest[ClosedLoop]):
+    """Closed-loop streams at growing counts, each stream sending `per_stream` requests."""
+
+    per_stream: int = field(kw_only=True)
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         size = self.prompt_tokens
@@ -158,14 +164,10 @@ class StreamsSweep(BenchTest):
 
 
 @dataclass(frozen=True)
-class RateSweep(BenchTest):
-    """Open-loop rates at growing counts, `requests` at each, judged against `slo`, from `fleet`."""
+class RateSweep(SweepTest[OpenLoop]):
+    """Open-loop rates at growing counts, `requests` at each."""
 
-    sweep: Sweep[OpenLoop]
-    prompt_tokens: int
-    requests: int
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
+    requests: int = field(kw_only=True)
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         inner, size = self.sweep.inner, self.prompt_tokens
@@ -221,10 +223,11 @@ def bench_plan(opts: BenchOptions) -> BenchPlan:
         tests.append(WaveRounds(waves, bsize, opts.repeat))
     if opts.sweep:
         sweep = Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s, opts.step_time, opts.runs)
-        tests.append(StreamsSweep(sweep, bsize, opts.repeat, slo, opts.workers))
+        tests.append(StreamsSweep(sweep, bsize, slo, opts.workers, per_stream=opts.repeat))
     open_loop = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
     if opts.rate_steps:
-        tests.append(RateSweep(Sweep(open_loop, opts.rate_steps), bsize, opts.requests, slo, opts.workers))
+        rates = Sweep(open_loop, opts.rate_steps)
+        tests.append(RateSweep(rates, bsize, slo, opts.workers, requests=opts.requests))
     elif opts.rate:
         tests.append(Rate(open_loop, bsize, opts.requests, opts.workers))
     params: dict[str, JSONValue] = {"max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.cachecheck import PrefixIndex
@@ -40,6 +40,7 @@ from mlxproxy.load.run.shapes import (
     Sessions,
     Shape,
     Sweep,
+    SweptShape,
     Waves,
 )
 from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
@@ -115,8 +116,15 @@ class ReplayTest:
         raise NotImplementedError
 
 
-class SweepTest(ReplayTest):
-    """A sweep: how many requests it sends is known only as it goes."""
+@dataclass(frozen=True)
+class SweepTest(ReplayTest, Generic[SweptShape]):
+    """A sweep of one shape, judged against `slo` as it goes, from `fleet`: how many requests it
+    sends is known only as it goes."""
+
+    name: str
+    sweep: Sweep[SweptShape]
+    slo: dict[str, float]
+    fleet: Fleet = ONE_PROCESS
 
     def total(self, n: int) -> int | None:
         return None
@@ -207,13 +215,8 @@ class Conversations(ReplayTest):
 
 
 @dataclass(frozen=True)
-class RateSweep(SweepTest):
+class RateSweep(SweepTest[OpenLoop]):
     """Open-loop rates at growing counts, each step the same mix cycled."""
-
-    name: str
-    sweep: Sweep[OpenLoop]
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         mix, inner = on.source.mix(), self.sweep.inner
@@ -222,14 +225,10 @@ class RateSweep(SweepTest):
 
 
 @dataclass(frozen=True)
-class SessionsSweep(SweepTest):
+class SessionsSweep(SweepTest[Sessions]):
     """Conversations at once at growing counts, every conversation whole at every step."""
 
-    name: str
-    sweep: Sweep[Sessions]
-    slo: dict[str, float]
     think_time: float | None = None
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         on.source.mix()  # (a sweep needs generation requests)
@@ -242,13 +241,8 @@ class SessionsSweep(SweepTest):
 
 
 @dataclass(frozen=True)
-class StreamsSweep(SweepTest):
+class StreamsSweep(SweepTest[ClosedLoop]):
     """Closed-loop streams at growing counts, each stream sending whole copies of the mix."""
-
-    name: str
-    sweep: Sweep[ClosedLoop]
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         mix = on.source.mix()
@@ -293,7 +287,7 @@ def _test(opts: ReplayOptions) -> ReplayTest:
         return RateSweep(name, sweep, slo, fleet)
     if opts.sweep and opts.mode == "sessions":
         sessions = Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs)
-        return SessionsSweep(name, sessions, slo, opts.think_time, fleet)
+        return SessionsSweep(name, sessions, slo, fleet, opts.think_time)
     if opts.sweep:
         return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs), slo, fleet)
     tests: dict[str, Callable[[], ReplayTest]] = {
