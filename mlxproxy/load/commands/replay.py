@@ -139,22 +139,27 @@ class OneShape(ReplayTest):
     fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
-        timed = await send(self.shape, Load(on.source.fresh()), on.client, fleet=self.fleet, tick=tick)
+        timed = await send(self.shape, self.load(on), on.client, fleet=self.fleet, tick=tick)
+        self.finish(on, timed)
+
+    def load(self, on: OnTarget) -> Load:
+        return Load(on.source.fresh())
+
+    def finish(self, on: OnTarget, timed: Timed) -> None:
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
         on.finish(self.name, "replay", timed, summary, on.params)
 
 
 @dataclass(frozen=True)
-class Rate(ReplayTest):
+class Rate(OneShape):
     """The capture in an open loop, after its unmeasured ramp."""
 
-    name: str
     shape: OpenLoop
-    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, on: OnTarget, tick: Progress) -> None:
-        load = Load(on.source.fresh(), on.source.cycled(self.shape.ramp_size()))
-        timed = await send(self.shape, load, on.client, fleet=self.fleet, tick=tick)
+    def load(self, on: OnTarget) -> Load:
+        return Load(on.source.fresh(), on.source.cycled(self.shape.ramp_size()))
+
+    def finish(self, on: OnTarget, timed: Timed) -> None:
         sent = [x.t_start_mono for x in timed.records]
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
         on.finish(self.name, "rate", timed, summary, {**on.params, **self.shape.params(len(timed.records))})
