@@ -200,6 +200,33 @@ class CapturedRequest:
         return self.request_bytes or b""
 
 
+def chat_record(rid: str, *, started_at: float, upstream: str, model: str, duration_s: float | None = None) -> Record:
+    """The record of a streaming chat completion that went well, for a capture built rather than recorded."""
+    return Record(
+        id=rid,
+        started_at=started_at,
+        upstream=upstream,
+        model=model,
+        endpoint="chat_completions",
+        stream=True,
+        status=200,
+        outcome="ok",
+        method="POST",
+        path="/v1/chat/completions",
+        duration_s=duration_s,
+    )
+
+
+def captured_chat(
+    rid: str, request: dict[str, Any], *, upstream: str, started_at: float, offset_s: float, duration_s: float | None
+) -> CapturedRequest:
+    """A streaming chat completion that went well, as a capture file holds it (its model: the request's)."""
+    rec = chat_record(rid, started_at=started_at, upstream=upstream, model=request["model"], duration_s=duration_s)
+    return CapturedRequest(
+        record=rec, method="POST", path=rec.path, offset_s=offset_s, request=request, request_bytes=None, raw={}
+    )
+
+
 def _migrate(d: dict[str, Any], where: str) -> dict[str, Any]:
     v = d.get("v")
     if not isinstance(v, int) or isinstance(v, bool):

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 from hypothesis import strategies as st
 
+from mlxproxy import capture
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.config import build_config
 from mlxproxy.core.record import Record
@@ -165,22 +166,9 @@ def captured_chat(
     max_tokens: int = 4,
 ) -> CapturedRequest:
     """One captured streaming chat request (model `m`), as a capture file holds it."""
-    rec = Record(
-        id=rid,
-        started_at=started_at,
-        upstream="u",
-        model="m",
-        endpoint="chat_completions",
-        stream=True,
-        status=200,
-        outcome="ok",
-        method="POST",
-        path="/v1/chat/completions",
-        duration_s=duration_s,
-    )
     body = {"model": "m", "stream": True, "max_tokens": max_tokens, "messages": messages}
-    return CapturedRequest(
-        record=rec, raw={}, request=body, request_bytes=None, offset_s=offset_s, method="POST", path=rec.path
+    return capture.captured_chat(
+        rid, body, upstream="u", started_at=started_at, offset_s=offset_s, duration_s=duration_s
     )
 
 

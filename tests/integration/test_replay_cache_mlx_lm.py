@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import pytest
 
-from mlxproxy.capture import capture_line
+from mlxproxy.capture import capture_line, chat_record
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench import BenchOptions, bench_targets
 from mlxproxy.load.data.targets import Target
@@ -59,18 +59,7 @@ def _capture(path: Path) -> None:
     lines = []
     for i in range(2):
         text = f"question {i}: " + " ".join(f"item{j} fox jumps" for j in range(PROMPT_WORDS))
-        rec = Record(
-            id=f"cap{i}",
-            started_at=1.0 + i,
-            upstream="mlx-lm",
-            model=MODEL_NAME,
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-        )
+        rec = chat_record(f"cap{i}", started_at=1.0 + i, upstream="mlx-lm", model=MODEL_NAME)
         d = orjson.loads(capture_line(rec, None, t0_mono=0.0))
         d["path"] = "/v1/chat/completions"
         d["request"] = {

@@ -16,14 +16,16 @@ counts, SLO and fleet). A target's run calibrates its prompts, then runs each te
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic
 
 from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.bench_requests import Prompts, TargetPrompts, calibrated
-from mlxproxy.load.commands.common import requests_text
+from mlxproxy.load.commands.common import SweepsOnTarget, requests_text
+from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
@@ -32,7 +34,7 @@ from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["BenchOptions", "BenchPlan", "DEFAULT_SIZES", "bench_one", "bench_plan", "bench_targets"]
 
@@ -69,7 +71,7 @@ class BenchOptions:
 
 
 @dataclass(frozen=True)
-class OnTarget:
+class OnTarget(SweepsOnTarget):
     """One target's run as its tests see it, once its prompts are calibrated: the client, the
     result the groups go to, the prompts and the groups' params."""
 
@@ -80,18 +82,8 @@ class OnTarget:
     th: Thresholds
     say: Callable[[str], None] | None
 
-    async def sweep(
-        self,
-        shape: Sweep[SweptShape],
-        slo: dict[str, float],
-        step: Callable[[SweptShape], Awaitable[StepRun]],
-        tick: Progress,
-        params: JSONObject,
-    ) -> None:
-        await shape.run(
-            step, slo, target=self.res.target.name, params={**self.params, **params}, out=self.res.groups,
-            say=self.say, progress=tick,
-        )  # fmt: skip
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        return self.res.target.name, self.res.groups
 
 
 class BenchTest:
@@ -148,41 +140,42 @@ class WaveRounds(BenchTest):
 
 
 @dataclass(frozen=True)
-class StreamsSweep(BenchTest):
-    """Closed-loop streams at growing counts, each stream sending `per_stream` requests at the
-    prompt size, judged against `slo`, from `fleet`."""
+class SweepTest(BenchTest, Generic[SweptShape]):
+    """A sweep of one shape at a prompt size, judged against `slo` as it goes, from `fleet`."""
 
-    sweep: Sweep[ClosedLoop]
+    sweep: Sweep[SweptShape]
     prompt_tokens: int
-    per_stream: int
     slo: dict[str, float]
     fleet: Fleet = ONE_PROCESS
+
+
+@dataclass(frozen=True)
+class StreamsSweep(SweepTest[ClosedLoop]):
+    """Closed-loop streams at growing counts, each stream sending `per_stream` requests."""
+
+    per_stream: int = field(kw_only=True)
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         size = self.prompt_tokens
         step = closed_loop_step(
             on.client, lambda n: on.prompts.requests(n, size, "sweep"), 1, self.per_stream, self.fleet
         )
-        await on.sweep(self.sweep, self.slo, step, tick, {"prompt_tokens": size})
+        await on.sweep(self.sweep, self.slo, step, tick, prompt_tokens=size)
 
 
 @dataclass(frozen=True)
-class RateSweep(BenchTest):
-    """Open-loop rates at growing counts, `requests` at each, judged against `slo`, from `fleet`."""
+class RateSweep(SweepTest[OpenLoop]):
+    """Open-loop rates at growing counts, `requests` at each."""
 
-    sweep: Sweep[OpenLoop]
-    prompt_tokens: int
-    requests: int
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
+    requests: int = field(kw_only=True)
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         inner, size = self.sweep.inner, self.prompt_tokens
         step = open_loop_step(on.client, lambda n: on.prompts.requests(n, size, "rate"), self.requests, self.fleet)
-        params: dict[str, JSONValue] = {
-            "prompt_tokens": size, "arrival": inner.arrival, "seed": inner.seed, "ramp_s": inner.ramp_s,
-        }  # fmt: skip
-        await on.sweep(self.sweep, self.slo, step, tick, params)
+        await on.sweep(
+            self.sweep, self.slo, step, tick, prompt_tokens=size, arrival=inner.arrival, seed=inner.seed,
+            ramp_s=inner.ramp_s,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -230,10 +223,11 @@ def bench_plan(opts: BenchOptions) -> BenchPlan:
         tests.append(WaveRounds(waves, bsize, opts.repeat))
     if opts.sweep:
         sweep = Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s, opts.step_time, opts.runs)
-        tests.append(StreamsSweep(sweep, bsize, opts.repeat, slo, opts.workers))
+        tests.append(StreamsSweep(sweep, bsize, slo, opts.workers, per_stream=opts.repeat))
     open_loop = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
     if opts.rate_steps:
-        tests.append(RateSweep(Sweep(open_loop, opts.rate_steps), bsize, opts.requests, slo, opts.workers))
+        rates = Sweep(open_loop, opts.rate_steps)
+        tests.append(RateSweep(rates, bsize, slo, opts.workers, requests=opts.requests))
     elif opts.rate:
         tests.append(Rate(open_loop, bsize, opts.requests, opts.workers))
     params: dict[str, JSONValue] = {"max_tokens": opts.max_tokens, "repeat": opts.repeat, "nonce": opts.nonce}

@@ -10,13 +10,12 @@ from mlxproxy.core.text import clip
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.bench import DEFAULT_SIZES, BenchOptions, bench_targets
 from mlxproxy.load.commands.common import (
-    all_failed_reason,
-    check_fail_on,
+    check_outcomes,
     check_writable,
     env_key,
     fail,
     parse_target,
-    run_async,
+    run_interrupted,
 )
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.fleet.workers import WorkersError, workers_for
@@ -172,13 +171,7 @@ def bench(
     opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs)
     opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
-    interrupted = False
-    try:
-        run_async(bench_targets(tlist, opts, parallel=parallel, out=results, say=say))
-    except KeyboardInterrupt:
-        interrupted = True
-    except WorkersError as exc:
-        fail(str(exc), 1)
+    interrupted = run_interrupted(bench_targets(tlist, opts, parallel=parallel, out=results, say=say))
     judge_results(results, slo, batch_prompt_tokens or min(prompt_tokens))
     print_bench(results)
     try:
@@ -192,10 +185,7 @@ def bench(
         )
     if results and all(r.error for r in results):
         fail("every target failed: " + clip("; ".join(f"{r.target.name}: {r.error}" for r in results), 300), 1)
-    reason = all_failed_reason(all_groups(results))
-    if reason:
-        fail(reason, 1)
-    check_fail_on(fail_on, all_groups(results))
+    check_outcomes(fail_on, all_groups(results))
 
 
 def _options(

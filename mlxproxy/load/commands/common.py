@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -20,7 +20,12 @@ from mlxproxy.edge.runner import run_async as run_on_stack
 from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import ConfigError, UpstreamError
 from mlxproxy.load.data.results import Group
+from mlxproxy.load.data.summary import JSONObject, JSONValue
+from mlxproxy.load.fleet.workers import WorkersError
 from mlxproxy.load.judge.slo import failed_checks
+from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.run.shapes import Sweep, SweptShape
+from mlxproxy.load.run.sweep import StepRun
 
 FILLER = "the quick brown fox jumps over the lazy dog while the proxy measures every token it streams "
 
@@ -86,6 +91,25 @@ def all_failed_reason(groups: Sequence[Group]) -> str | None:
     return f"every request failed ({', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}): {why}"
 
 
+def run_interrupted(coro: Any) -> bool:
+    """`run_async(coro)`: whether Ctrl-C ended it; the workers failing is one line and exit 1."""
+    try:
+        run_async(coro)
+    except KeyboardInterrupt:
+        return True
+    except WorkersError as exc:
+        fail(str(exc), 1)
+    return False
+
+
+def check_outcomes(fail_on: tuple[str, ...] | None, groups: Sequence[Group]) -> None:
+    """A finished run's exit: 1 when every request failed (`all_failed_reason`) or a `--fail-on` check did."""
+    reason = all_failed_reason(groups)
+    if reason:
+        fail(reason, 1)
+    check_fail_on(fail_on, groups)
+
+
 def requests_text(n: int, what: str = "") -> str:
     """`1 measured request`, `2 measured requests`: a count with its noun agreeing."""
     return f"{n} {what + ' ' if what else ''}request{'' if n == 1 else 's'}"
@@ -119,3 +143,29 @@ def check_fail_on(kinds: tuple[str, ...] | None, groups: Sequence[Group]) -> Non
     if failed:
         fail(f"--fail-on {','.join(kinds)}: failed: " + "; ".join(failed), 1)
     click.echo(f"mlxproxy: --fail-on {','.join(kinds)}: every check held", err=True)
+
+
+class SweepsOnTarget:
+    """What bench's and replay's run against one target share for a sweep: the groups' params, the
+    progress lines' `say`, and where the steps' groups go (`sweep_into`)."""
+
+    params: JSONObject
+    say: Callable[[str], None] | None
+
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        """The target's name and the list its groups are added to."""
+        raise NotImplementedError
+
+    async def sweep(
+        self,
+        shape: Sweep[SweptShape],
+        slo: dict[str, float],
+        step: Callable[[SweptShape], Awaitable[StepRun]],
+        tick: Progress,
+        **params: JSONValue,
+    ) -> None:
+        """`shape`'s steps, each sending through `step`, judged against `slo` as they finish."""
+        target, out = self.sweep_into()
+        await shape.run(
+            step, slo, target=target, params={**self.params, **params}, out=out, say=self.say, progress=tick
+        )

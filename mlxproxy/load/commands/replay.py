@@ -10,9 +10,9 @@ fleet). What is sent, and the documented rewrites of the captured requests:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic
 
 from mlxproxy.capture import CapturedRequest
 from mlxproxy.core.cachecheck import PrefixIndex
@@ -20,6 +20,7 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
+from mlxproxy.load.commands.common import SweepsOnTarget
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
@@ -42,7 +43,7 @@ from mlxproxy.load.run.shapes import (
     SweptShape,
     Waves,
 )
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun
+from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
@@ -78,7 +79,7 @@ class ReplayOptions:
 
 
 @dataclass(frozen=True)
-class OnTarget:
+class OnTarget(SweepsOnTarget):
     """One replay against one target as its test sees it: the client, what it sends, the groups
     it adds to and their params."""
 
@@ -98,19 +99,8 @@ class OnTarget:
         rows = compare_rows(self.source.caps, timed) if self.compare else None
         self.groups.append(replay_group(mode, kind, self.target, params, timed, summary, rows))
 
-    async def sweep(
-        self,
-        shape: Sweep[SweptShape],
-        slo: dict[str, float],
-        step: Callable[[SweptShape], Awaitable[StepRun]],
-        tick: Progress,
-        **params: JSONValue,
-    ) -> None:
-        """`shape`'s steps, each sending through `step`, judged against `slo` as they finish."""
-        await shape.run(
-            step, slo, target=self.target, params={**self.params, **params}, out=self.groups, say=self.say,
-            progress=tick,
-        )  # fmt: skip
+    def sweep_into(self) -> tuple[str, list[Group]]:
+        return self.target, self.groups
 
 
 class ReplayTest:
@@ -126,8 +116,15 @@ class ReplayTest:
         raise NotImplementedError
 
 
-class SweepTest(ReplayTest):
-    """A sweep: how many requests it sends is known only as it goes."""
+@dataclass(frozen=True)
+class SweepTest(ReplayTest, Generic[SweptShape]):
+    """A sweep of one shape, judged against `slo` as it goes, from `fleet`: how many requests it
+    sends is known only as it goes."""
+
+    name: str
+    sweep: Sweep[SweptShape]
+    slo: dict[str, float]
+    fleet: Fleet = ONE_PROCESS
 
     def total(self, n: int) -> int | None:
         return None
@@ -142,22 +139,27 @@ class OneShape(ReplayTest):
     fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
-        timed = await send(self.shape, Load(on.source.fresh()), on.client, fleet=self.fleet, tick=tick)
+        timed = await send(self.shape, self.load(on), on.client, fleet=self.fleet, tick=tick)
+        self.finish(on, timed)
+
+    def load(self, on: OnTarget) -> Load:
+        return Load(on.source.fresh())
+
+    def finish(self, on: OnTarget, timed: Timed) -> None:
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s or None))
         on.finish(self.name, "replay", timed, summary, on.params)
 
 
 @dataclass(frozen=True)
-class Rate(ReplayTest):
+class Rate(OneShape):
     """The capture in an open loop, after its unmeasured ramp."""
 
-    name: str
     shape: OpenLoop
-    fleet: Fleet = ONE_PROCESS
 
-    async def run(self, on: OnTarget, tick: Progress) -> None:
-        load = Load(on.source.fresh(), on.source.cycled(self.shape.ramp_size()))
-        timed = await send(self.shape, load, on.client, fleet=self.fleet, tick=tick)
+    def load(self, on: OnTarget) -> Load:
+        return Load(on.source.fresh(), on.source.cycled(self.shape.ramp_size()))
+
+    def finish(self, on: OnTarget, timed: Timed) -> None:
         sent = [x.t_start_mono for x in timed.records]
         summary = timed.annotate(summarize_records(timed.records, lag_s=timed.lag_s, send_times=sent))
         on.finish(self.name, "rate", timed, summary, {**on.params, **self.shape.params(len(timed.records))})
@@ -218,13 +220,8 @@ class Conversations(ReplayTest):
 
 
 @dataclass(frozen=True)
-class RateSweep(SweepTest):
+class RateSweep(SweepTest[OpenLoop]):
     """Open-loop rates at growing counts, each step the same mix cycled."""
-
-    name: str
-    sweep: Sweep[OpenLoop]
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         mix, inner = on.source.mix(), self.sweep.inner
@@ -233,14 +230,10 @@ class RateSweep(SweepTest):
 
 
 @dataclass(frozen=True)
-class SessionsSweep(SweepTest):
+class SessionsSweep(SweepTest[Sessions]):
     """Conversations at once at growing counts, every conversation whole at every step."""
 
-    name: str
-    sweep: Sweep[Sessions]
-    slo: dict[str, float]
     think_time: float | None = None
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         on.source.mix()  # (a sweep needs generation requests)
@@ -253,13 +246,8 @@ class SessionsSweep(SweepTest):
 
 
 @dataclass(frozen=True)
-class StreamsSweep(SweepTest):
+class StreamsSweep(SweepTest[ClosedLoop]):
     """Closed-loop streams at growing counts, each stream sending whole copies of the mix."""
-
-    name: str
-    sweep: Sweep[ClosedLoop]
-    slo: dict[str, float]
-    fleet: Fleet = ONE_PROCESS
 
     async def run(self, on: OnTarget, tick: Progress) -> None:
         mix = on.source.mix()
@@ -304,7 +292,7 @@ def _test(opts: ReplayOptions) -> ReplayTest:
         return RateSweep(name, sweep, slo, fleet)
     if opts.sweep and opts.mode == "sessions":
         sessions = Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs)
-        return SessionsSweep(name, sessions, slo, opts.think_time, fleet)
+        return SessionsSweep(name, sessions, slo, fleet, opts.think_time)
     if opts.sweep:
         return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs), slo, fleet)
     tests: dict[str, Callable[[], ReplayTest]] = {

@@ -7,14 +7,13 @@ import click
 from mlxproxy.capture import CapturedRequest, read_capture
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.common import (
-    all_failed_reason,
-    check_fail_on,
+    check_outcomes,
     check_writable,
     env_key,
     fail,
     parse_target,
     requests_text,
-    run_async,
+    run_interrupted,
 )
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
@@ -257,27 +256,18 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
 def _run(chosen: list[CapturedRequest], target: Target, opts: ReplayOptions, compare: bool) -> tuple[list[Group], bool]:
     """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
     groups: list[Group] = []
-    try:
-        run = run_replay(
-            chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
-            max_connections=target.max_connections, compare=compare, out=groups, say=say,
-        )  # fmt: skip
-        run_async(run)
-    except KeyboardInterrupt:
-        return groups, True
-    except WorkersError as exc:
-        fail(str(exc), 1)
-    return groups, False
+    run = run_replay(
+        chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
+        max_connections=target.max_connections, compare=compare, out=groups, say=say,
+    )  # fmt: skip
+    return groups, run_interrupted(run)
 
 
 def _exit(groups: list[Group], interrupted: bool, written: bool, fail_on: tuple[str, ...] | None) -> None:
     """The exit code: 130 when interrupted, 1 when every request failed or a --fail-on check did."""
     if interrupted:
         fail(interrupted_line(groups, written), 130)
-    reason = all_failed_reason(groups)
-    if reason:
-        fail(reason, 1)
-    check_fail_on(fail_on, groups)
+    check_outcomes(fail_on, groups)
 
 
 def _shape(

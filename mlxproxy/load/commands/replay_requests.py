@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from mlxproxy.capture import CapturedRequest
+from mlxproxy.capture import CapturedRequest, captured_chat
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, endpoint_of, inject_include_usage
-from mlxproxy.core.record import Record
 from mlxproxy.headers import REDACTED
 from mlxproxy.load.commands.common import filler_text
 from mlxproxy.load.run.client import PreparedRequest
@@ -105,17 +104,38 @@ def _with_nonce(obj: dict[str, Any], nonce: str) -> None:
         obj["input"] = _marked_list(obj["input"], nonce)
 
 
+def _refilled(items: list[Any], fill: Callable[[dict[str, Any], int], None]) -> list[Any] | None:
+    """`items` with each one a privacy capture cut to `content_chars` given its text back by `fill`
+    (None where there is none)."""
+    if not any(isinstance(it, dict) and "content_chars" in it for it in items):
+        return None
+    out = []
+    for it in items:
+        if isinstance(it, dict) and "content_chars" in it:
+            n = int(it["content_chars"])
+            it = {k: v for k, v in it.items() if k != "content_chars"}
+            fill(it, n)
+        out.append(it)
+    return out
+
+
+def _fill_message(m: dict[str, Any], n: int) -> None:
+    m["content"] = filler_text(n)
+
+
+def _fill_input_item(it: dict[str, Any], n: int) -> None:  # OpenAI Responses `input` items
+    if it.get("type") == "function_call_output":
+        it["output"] = filler_text(n)
+    elif it.get("type") == "function_call":
+        it["arguments"] = "{}"
+    else:
+        it["content"] = filler_text(n)
+
+
 def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
     """A privacy capture's message lengths turned back into filler text of that length."""
     msgs = obj.get("messages")
-    if isinstance(msgs, list) and any(isinstance(m, dict) and "content_chars" in m for m in msgs):
-        new = []
-        for m in msgs:
-            if isinstance(m, dict) and "content_chars" in m:
-                n = int(m["content_chars"])
-                m = {k: v for k, v in m.items() if k != "content_chars"}
-                m["content"] = filler_text(n)
-            new.append(m)
+    if isinstance(msgs, list) and (new := _refilled(msgs, _fill_message)) is not None:
         obj = {**obj, "messages": new}
     for key in ("prompt", "system", "instructions", "input"):  # Messages `system`, Responses `instructions`/`input`
         if f"{key}_chars" in obj and key not in obj:
@@ -123,19 +143,7 @@ def _unprivate(obj: dict[str, Any]) -> dict[str, Any]:
             obj = {k: v for k, v in obj.items() if k != f"{key}_chars"}
             obj[key] = filler_text(n)
     inp = obj.get("input")
-    if isinstance(inp, list) and any(isinstance(it, dict) and "content_chars" in it for it in inp):
-        items = []
-        for it in inp:
-            if isinstance(it, dict) and "content_chars" in it:
-                n = int(it["content_chars"])
-                it = {k: v for k, v in it.items() if k != "content_chars"}
-                if it.get("type") == "function_call_output":
-                    it["output"] = filler_text(n)
-                elif it.get("type") == "function_call":
-                    it["arguments"] = "{}"
-                else:
-                    it["content"] = filler_text(n)
-            items.append(it)
+    if isinstance(inp, list) and (items := _refilled(inp, _fill_input_item)) is not None:
         obj = {**obj, "input": items}
     return obj
 
@@ -238,30 +246,8 @@ def synthetic_agent_session(turns: int = 6, think_s: float = 1.5, max_tokens: in
             "messages": [dict(m) for m in messages],
             "tools": tools,
         }
-        rec = Record(
-            id=f"agent-turn-{i + 1}",
-            started_at=offset,
-            upstream="synthetic",
-            model="default_model",
-            endpoint="chat_completions",
-            stream=True,
-            status=200,
-            outcome="ok",
-            method="POST",
-            path="/v1/chat/completions",
-            duration_s=4.0,
-        )
-        out.append(
-            CapturedRequest(
-                record=rec,
-                method="POST",
-                path="/v1/chat/completions",
-                offset_s=offset,
-                request=body,
-                request_bytes=None,
-                raw={},
-            )
-        )
+        rid = f"agent-turn-{i + 1}"
+        out.append(captured_chat(rid, body, upstream="synthetic", started_at=offset, offset_s=offset, duration_s=4.0))
         tool = ("read_file", "run_tests", "edit_file")[i % 3]
         call_id = f"call_{i + 1}"
         messages.append(

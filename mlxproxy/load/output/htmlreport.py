@@ -111,35 +111,30 @@ def _sources(docs: Docs) -> list[str]:
     return out
 
 
-def _verdicts(docs: Docs, name: Namer) -> list[str]:
-    verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.verdicts.items()]
-    if not verdicts:
+def _verdict_section(head: str, rows: list[tuple[str, str]], tr: str = "<tr>") -> list[str]:
+    """A section of one verdict a target, opened by `head`, its rows by `tr` (formatted with the target)."""
+    if not rows:
         return []
-    out = ['<section id="verdicts"><h2>Verdicts</h2><table><tr><th>target</th><th>verdict</th></tr>']
-    out += [
-        f'<tr data-target="{escape(t)}"><td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>'
-        for t, v in verdicts
-    ]
+    out = [head + "<table><tr><th>target</th><th>verdict</th></tr>"]
+    out += [f'{tr.format(escape(t))}<td>{escape(t)}</td><td class="verdict">{escape(v)}</td></tr>' for t, v in rows]
     out.append("</table></section>")
     return out
+
+
+def _verdicts(docs: Docs, name: Namer) -> list[str]:
+    verdicts = [(name(label, t), v) for label, doc in docs for t, v in doc.verdicts.items()]
+    return _verdict_section('<section id="verdicts"><h2>Verdicts</h2>', verdicts, '<tr data-target="{}">')
 
 
 def _capacity(docs: Docs, name: Namer) -> list[str]:
     """Each sweep's capacity verdict."""
     caps = [(name(label, t), c) for label, doc in docs for t, c in capacity_of(doc.groups).items()]
-    if not caps:
-        return []
-    out = [
+    return _verdict_section(
         '<section id="capacity"><h2>Capacity</h2><p class="muted">the largest step that met the SLO, below '
         "the first that broke it and not past where aggregate tok/s stopped rising; in parentheses, where the "
-        "noise leaves it</p><table><tr><th>target</th><th>verdict</th></tr>"
-    ]
-    out += [
-        f'<tr><td>{escape(t)}</td><td class="verdict">{escape(capacity_line(t, c).split(": ", 1)[1])}</td></tr>'
-        for t, c in caps
-    ]
-    out.append("</table></section>")
-    return out
+        "noise leaves it</p>",
+        [(t, capacity_line(t, c).split(": ", 1)[1]) for t, c in caps],
+    )
 
 
 def _summary(docs: Docs, name: Namer) -> list[str]:
