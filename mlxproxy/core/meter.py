@@ -49,8 +49,8 @@ _PROGRESS = re.compile(r"(\d{1,18})\s*/\s*(\d{1,18})")  # bounded: int() refuses
 _STD_USAGE_KEYS = frozenset(
     {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
 )
-if CLAIM_KEYS != ("timings", "metrics", "stats"):  # pragma: no cover - spelt out in `_feed_payloads`'s test
-    raise ImportError("core.openai.CLAIM_KEYS changed: update RequestMeter._feed_payloads' plain-chunk test")
+# a chunk holding any of these is no plain content chunk (`_feed_payloads`): `_chunk` reads them
+_NOT_PLAIN = frozenset(("usage", "error", *CLAIM_KEYS))
 MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
 
 
@@ -459,11 +459,7 @@ class RequestMeter:
                 and c
                 and len(delta) == 1
                 and ch.get("finish_reason") is None
-                and "usage" not in obj
-                and "error" not in obj
-                and "timings" not in obj
-                and "metrics" not in obj
-                and "stats" not in obj
+                and obj.keys().isdisjoint(_NOT_PLAIN)
             ):
                 if len(parts) >= 2 and len(c) == self._content_chars and c == "".join(parts):
                     self._duplicate_content = True  # a terminal chunk replaying the whole answer
