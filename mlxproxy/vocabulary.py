@@ -24,6 +24,7 @@ else:  # (click's ParamType takes type arguments only in recent releases)
 __all__ = [
     "arrival_options",
     "shared_option",
+    "stacked",
     "MEANINGS",
     "DEPRECATED",
     "help_for",
@@ -304,35 +305,6 @@ def deprecated_alias(command: str, option: str) -> Any:
 _Command = TypeVar("_Command", bound=Callable[..., Any])
 
 
-def arrival_options(command: _Command) -> _Command:
-    """`--arrival`, `--ramp` and `--seed`: the open-loop schedule options `bench` and `replay` share."""
-    for option in reversed(
-        (
-            click.option(
-                "--arrival",
-                type=click.Choice(["constant", "poisson"]),
-                default="constant",
-                show_default=True,
-                help=help_for("--arrival"),
-            ),
-            click.option(
-                "--ramp",
-                "ramp_s",
-                type=click.FloatRange(min=0.0),
-                default=0.0,
-                show_default=True,
-                metavar="SECONDS",
-                help=help_for("--ramp"),
-            ),
-            click.option(
-                "--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the Poisson schedule.")
-            ),
-        )
-    ):
-        command = option(command)
-    return command
-
-
 #: `--sweep`'s values: auto (doubling, then refined to the exact step; `--sweep` alone) or double
 SWEEP_MODES = ("auto", "double")
 
@@ -371,6 +343,15 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         ("--max-connections", "max_connections"),
         {"type": click.IntRange(min=1), "default": None, "metavar": "N"},
     ),
+    "--arrival": (
+        ("--arrival",),
+        {"type": click.Choice(["constant", "poisson"]), "default": "constant", "show_default": True},
+    ),
+    "--ramp": (
+        ("--ramp", "ramp_s"),
+        {"type": click.FloatRange(min=0.0), "default": 0.0, "show_default": True, "metavar": "SECONDS"},
+    ),
+    "--seed": (("--seed",), {"type": int, "default": 0, "show_default": True}),
     "--repeat": (("--repeat",), {"type": click.IntRange(min=1), "show_default": True}),
     "--workers": (("--workers",), {"type": _Workers(), "default": 1, "show_default": True, "metavar": "N|auto"}),
     "--cluster": (("--cluster",), {"default": None, "metavar": "ADDRESS"}),
@@ -408,3 +389,21 @@ def shared_option(option: str, extra: str = "", **settings: Any) -> Callable[[_C
     plus `extra`; `settings` override (e.g. a command's own default)."""
     decls, base = _DECLARATIONS[option]
     return click.option(*decls, help=help_for(option, extra), **{**base, **settings})
+
+
+def stacked(*options: Callable[[_Command], _Command]) -> Callable[[_Command], _Command]:
+    """The option decorators as if written one above the other, in this order (their order in
+    `--help`)."""
+
+    def decorate(command: _Command) -> _Command:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+#: `--arrival`, `--ramp` and `--seed`: the open-loop schedule options `bench` and `replay` share
+arrival_options = stacked(
+    shared_option("--arrival"), shared_option("--ramp"), shared_option("--seed", "Here: the Poisson schedule.")
+)

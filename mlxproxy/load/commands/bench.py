@@ -24,7 +24,7 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.bench_requests import Prompts, TargetPrompts, calibrated
-from mlxproxy.load.commands.common import SweepsOnTarget, requests_text
+from mlxproxy.load.commands.common import SweepOptions, SweepsOnTarget, requests_text
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Target, TargetResult
@@ -34,7 +34,6 @@ from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, Fleet, closed_loop_step, open_loop_step, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Sequential, Sweep, SweptShape, Waves
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["BenchOptions", "BenchPlan", "DEFAULT_SIZES", "bench_one", "bench_plan", "bench_targets"]
 
@@ -60,13 +59,9 @@ class BenchOptions:
     requests: int = 50  # requests of the open-loop test (of each step of a rate sweep)
     rate_steps: tuple[float, ...] = ()  # a sweep of open-loop rates instead of the one --rate test
     ramp_s: float = 0.0  # an unmeasured ramp up to the rate before each open-loop test
-    sweep: bool = False  # closed-loop steps of growing concurrency at the batch prompt size
+    sweep: SweepOptions | None = None  # closed-loop steps of growing concurrency at the batch prompt size
     sweep_steps: tuple[int, ...] = ()  # the steps; () doubles from 1 until saturation
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
-    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
-    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
-    runs: int = 1  # the whole sweep search this many times (--runs)
-    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Fleet = ONE_PROCESS  # the processes or cluster the open-loop and sweep tests send from
 
 
@@ -222,8 +217,8 @@ def bench_plan(opts: BenchOptions) -> BenchPlan:
     if waves and not (opts.sweep and not opts.batches):  # a sweep replaces the batch waves unless asked for
         tests.append(WaveRounds(waves, bsize, opts.repeat))
     if opts.sweep:
-        sweep = Sweep(ClosedLoop(1), opts.sweep_steps, opts.refine, opts.budget_s, opts.step_time, opts.runs)
-        tests.append(StreamsSweep(sweep, bsize, slo, opts.workers, per_stream=opts.repeat))
+        streams = opts.sweep.of(ClosedLoop(1), opts.sweep_steps)
+        tests.append(StreamsSweep(streams, bsize, slo, opts.workers, per_stream=opts.repeat))
     open_loop = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
     if opts.rate_steps:
         rates = Sweep(open_loop, opts.rate_steps)

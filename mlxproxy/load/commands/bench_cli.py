@@ -10,12 +10,14 @@ from mlxproxy.core.text import clip
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.bench import DEFAULT_SIZES, BenchOptions, bench_targets
 from mlxproxy.load.commands.common import (
+    SweepOptions,
     check_outcomes,
     check_writable,
     env_key,
     fail,
     parse_target,
     run_interrupted,
+    sweep_options,
 )
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.fleet.workers import WorkersError, workers_for
@@ -60,10 +62,7 @@ from mlxproxy.vocabulary import (
     help="Prompt size of the batch tests.  [default: the smallest --prompt-tokens]",
 )
 @shared_option("--concurrency", "Here: the sweep's steps, at the batch prompt size (implies --sweep).")
-@shared_option("--sweep", "At the batch prompt size; replaces the batch waves unless --batch is given.")
-@shared_option("--sweep-budget")
-@shared_option("--step-time")
-@shared_option("--runs")
+@sweep_options("At the batch prompt size; replaces the batch waves unless --batch is given.")
 @shared_option("--max-connections")
 @shared_option(
     "--rate",
@@ -125,10 +124,7 @@ def bench(
     batch: tuple[int, ...],
     batch_prompt_tokens: int | None,
     concurrency: tuple[int, ...] | None,
-    sweep: str | None,
-    sweep_budget: float,
-    step_time: float,
-    runs: int,
+    sweep: SweepOptions,
     max_connections: int | None,
     rate: tuple[float, ...] | None,
     arrival: str,
@@ -156,19 +152,19 @@ def bench(
     tlist = parse_targets(targets, timeouts, api_key_env, max_connections)
     outputs = Outputs(json_path, csv_path, md_path, plot_path, html_path)
     check_writable(*outputs.paths)
-    sweep = sweep or ("auto" if concurrency else None)
+    swept = sweep.when(implied=bool(concurrency))
     if ramp_s and not rate:
         fail("--ramp applies to --rate only")
-    if sweep and rate and len(rate) > 1:
+    if swept and rate and len(rate) > 1:
         fail(
             "--sweep (or --concurrency) steps the concurrency and several --rate values step the rate: one sweep "
             "per run; give one"
         )
     opts = _options(
         prompt_tokens, max_tokens, repeat, batch, batch_prompt_tokens, model, nonce, rate, ramp_s, arrival, seed,
-        n_requests, sweep, concurrency, slo, sweep_budget,
+        n_requests, swept, concurrency, slo,
     )  # fmt: skip
-    opts = dataclasses.replace(opts, api=api, step_time=step_time, runs=runs)
+    opts = dataclasses.replace(opts, api=api)
     opts = _with_workers(opts, workers, cluster)
     results: list[TargetResult] = []
     interrupted = run_interrupted(bench_targets(tlist, opts, parallel=parallel, out=results, say=say))
@@ -201,10 +197,9 @@ def _options(
     arrival: str,
     seed: int,
     n_requests: int,
-    sweep: str | None,
+    sweep: SweepOptions | None,
     concurrency: tuple[int, ...] | None,
     slo: dict[str, float] | None,
-    sweep_budget: float,
 ) -> BenchOptions:
     """The benchmark's options from the command's."""
     sizes = tuple(dict.fromkeys(batch or (() if sweep else (2,))))
@@ -212,8 +207,7 @@ def _options(
         prompt_tokens=prompt_tokens, max_tokens=max_tokens, repeat=repeat, batch=sizes[0] if sizes else 2,
         batches=sizes, batch_prompt_tokens=batch_prompt_tokens, model=model, nonce=nonce,
         rate=rate[0] if rate else None, rate_steps=rate if rate and len(rate) > 1 else (), ramp_s=ramp_s,
-        arrival=arrival, seed=seed, requests=n_requests, sweep=bool(sweep), sweep_steps=concurrency or (), slo=slo,
-        budget_s=sweep_budget, refine=sweep != "double",
+        arrival=arrival, seed=seed, requests=n_requests, sweep=sweep, sweep_steps=concurrency or (), slo=slo,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.commands.common import SweepsOnTarget
+from mlxproxy.load.commands.common import SweepOptions, SweepsOnTarget
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
@@ -43,7 +43,6 @@ from mlxproxy.load.run.shapes import (
     SweptShape,
     Waves,
 )
-from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S
 
 __all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
@@ -65,15 +64,11 @@ class ReplayOptions:
     arrival: str = "constant"  # rate mode: constant | poisson
     seed: int = 0  # rate mode: the Poisson schedule's seed
     ramp_s: float = 0.0  # rate mode: an unmeasured ramp up to the rate first
-    sweep: bool = False  # steps of growing load (sweep_steps, or doubling from 1)
+    sweep: SweepOptions | None = None  # steps of growing load (sweep_steps, or doubling from 1)
     sweep_steps: tuple[float, ...] = ()
     slo: dict[str, float] | None = None  # the sweep's SLO (default: mlxproxy.load.DEFAULT_SLO)
     sessions: int = 1  # sessions mode: conversations run at once
     think_time: float | None = None  # sessions mode: seconds from a response's end to the next turn (None: captured)
-    budget_s: float = DEFAULT_BUDGET_S  # a doubling sweep refines its answer while it has run less than this
-    step_time: float = DEFAULT_STEP_MIN_S  # a closed-loop sweep step sends its mix again until it ran this long
-    runs: int = 1  # the whole sweep search this many times (--runs)
-    refine: bool = True  # a doubling sweep refines its answer (--sweep auto), else stops at a power of two
     workers: Fleet = ONE_PROCESS  # the processes or cluster the requests are sent from (not sequential, batch)
     fix: bool = False  # sessions mode: each conversation again with the fix applied (commands/fixreplay.py)
 
@@ -285,16 +280,14 @@ def _test(opts: ReplayOptions) -> ReplayTest:
     """The test the options ask for, typed by its shape."""
     name, fleet = _mode_name(opts), opts.workers
     slo = opts.slo or parse_slo(DEFAULT_SLO)
-    steps, refine, budget = opts.sweep_steps, opts.refine, opts.budget_s
-    if opts.sweep and opts.mode == "rate":
+    sweep, steps = opts.sweep, opts.sweep_steps
+    if sweep and opts.mode == "rate":
         open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-        sweep = Sweep(open_loop, steps or (opts.rate or 1.0,), refine, budget, opts.step_time, opts.runs)
-        return RateSweep(name, sweep, slo, fleet)
-    if opts.sweep and opts.mode == "sessions":
-        sessions = Sweep(Sessions(1), steps, refine, budget, opts.step_time, opts.runs)
-        return SessionsSweep(name, sessions, slo, fleet, opts.think_time)
-    if opts.sweep:
-        return StreamsSweep(name, Sweep(ClosedLoop(1), steps, refine, budget, opts.step_time, opts.runs), slo, fleet)
+        return RateSweep(name, sweep.of(open_loop, steps or (opts.rate or 1.0,)), slo, fleet)
+    if sweep and opts.mode == "sessions":
+        return SessionsSweep(name, sweep.of(Sessions(1), steps), slo, fleet, opts.think_time)
+    if sweep:
+        return StreamsSweep(name, sweep.of(ClosedLoop(1), steps), slo, fleet)
     tests: dict[str, Callable[[], ReplayTest]] = {
         "recorded": lambda: OneShape(name, Recorded(opts.speed), fleet),
         "sequential": lambda: OneShape(name, Sequential()),

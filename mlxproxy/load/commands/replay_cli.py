@@ -7,6 +7,7 @@ import click
 from mlxproxy.capture import CapturedRequest, read_capture
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.common import (
+    SweepOptions,
     check_outcomes,
     check_writable,
     env_key,
@@ -14,6 +15,7 @@ from mlxproxy.load.commands.common import (
     parse_target,
     requests_text,
     run_interrupted,
+    sweep_options,
 )
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
@@ -85,14 +87,10 @@ _TESTS = {
     help=help_for("--speed", "Recorded mode only.  [default: 1]"),
 )
 @shared_option("--concurrency", "Implies --mode concurrency (several values: --sweep).")
-@shared_option(
-    "--sweep",
+@sweep_options(
     "Every step sends the capture's generation requests (not GET /v1/models) x --repeat, whole copies of them "
-    "scaled by the step (at least 3 per stream and 20 in all); --sessions steps replay whole conversations.",
+    "scaled by the step (at least 3 per stream and 20 in all); --sessions steps replay whole conversations."
 )
-@shared_option("--sweep-budget")
-@shared_option("--step-time")
-@shared_option("--runs")
 @shared_option("--max-connections")
 @shared_option("--batch", "Implies --mode batch.")
 @shared_option("--rate", "The captured requests in order, --repeat times (each step of a sweep). Implies --mode rate.")
@@ -172,10 +170,7 @@ def replay(
     mode: str | None,
     speed: float | None,
     concurrency: tuple[int, ...] | None,
-    sweep: str | None,
-    sweep_budget: float,
-    step_time: float,
-    runs: int,
+    sweep: SweepOptions,
     max_connections: int | None,
     batch: tuple[int, ...] | None,
     rate: tuple[float, ...] | None,
@@ -214,7 +209,7 @@ def replay(
     """
     name, target_url = parse_target(target_spec)
     name = target_name or name
-    mode, swept = _shape(mode, speed, concurrency, sweep is not None, batch, rate, sessions, think_time, ramp_s)
+    mode, swept = _shape(mode, speed, concurrency, sweep.mode is not None, batch, rate, sessions, think_time, ramp_s)
     if fix and (mode != "sessions" or swept):
         fail("--fix replays conversations: use it with --sessions N (one value, no --sweep)")
     if timeout is not None and timeout[0] not in (None, name):
@@ -227,11 +222,11 @@ def replay(
     chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, swept)
     steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
     opts = ReplayOptions(
-        mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=swept,
+        mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep.when(implied=swept),
         sweep_steps=steps if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, rate=rate[0] if rate else None, arrival=arrival,
-        ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0], think_time=think_time, budget_s=sweep_budget,
-        refine=sweep != "double", fix=fix, step_time=step_time, runs=runs, workers=_workers(workers, cluster, mode),
+        ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0], think_time=think_time, fix=fix,
+        workers=_workers(workers, cluster, mode),
     )  # fmt: skip
     require_reachable(target_url, name=name, api_key=api_key, timeout_s=timeout[1] if timeout else 1800.0)
     _say_replaying(chosen, swept, repeat, capture, target_url, mode, nonce)
