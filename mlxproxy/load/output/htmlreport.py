@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from html import escape
+from importlib.resources import files
 from typing import Any
 
 from mlxproxy import __version__
@@ -34,18 +35,8 @@ LANE_LABEL_W = 296  # the room left of a lane for its label: LANE_LABEL_CHARS at
 LANE_LABEL_CHARS = 48  # a label's most characters (whole anomaly names, then "+N")
 MAX_TICKS = 240  # token marks drawn per request
 
-CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d2330;margin:0;background:#f6f7f9}
-header{background:#1d2330;color:#fff;padding:12px 22px}header h1{margin:0;font-size:20px}header p{margin:2px 0;color:#aab3c2;font-size:12px}
-main{padding:8px 22px 30px}section{background:#fff;border:1px solid #e3e6ec;border-radius:6px;padding:10px 14px;margin:12px 0}
-h2{font-size:16px;margin:4px 0 10px}h3{font-size:14px;margin:12px 0 6px}
-table{border-collapse:collapse;font-size:13px}th,td{padding:3px 8px;border-bottom:1px solid #e3e6ec;text-align:left;vertical-align:top}
-th{color:#6b7280;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.verdict{font-weight:600}.bad{color:#c62828}.evidence{color:#333}.muted{color:#6b7280;font-size:12px}
-.plots{display:flex;flex-wrap:wrap;gap:10px}.plots svg{border:1px solid #e3e6ec;border-radius:4px}
-.cols{display:grid;grid-template-columns:repeat(auto-fit,minmax(320px,1fr));gap:12px}
-details{margin:6px 0}summary{cursor:pointer;font-weight:600}.lanes{display:block;max-width:100%}
-"""
+#: the report's style sheet, package data beside this module
+CSS = (files("mlxproxy.load.output") / "report.css").read_text(encoding="utf-8")
 
 
 def _when(epoch: float | None) -> str:
@@ -75,7 +66,7 @@ def render_html(docs: Docs) -> str:
         '<!doctype html><html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>mlxproxy report: {escape(', '.join(label for label, _ in docs))}</title>",
-        f"<style>{CSS}</style></head><body>",
+        f"<style>\n{CSS}</style></head><body>",
         f"<header><h1>mlxproxy report</h1><p>written {escape(_when(time.time()))} "
         f"by mlxproxy {escape(__version__)}</p></header><main>",
     ]
