@@ -310,7 +310,7 @@ SWEEP_MODES = ("auto", "double")
 
 
 _OUTPUT_FILE: dict[str, Any] = {"type": click.Path(dir_okay=False), "default": None}
-#: how each option the load commands share is declared: (click's declarations, settings); each
+#: how each option the commands share is declared: (click's declarations, settings); each
 #: command adds its own help after the shared meaning and may override a setting (a default)
 _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "--json": (("--json", "json_path"), _OUTPUT_FILE),
@@ -323,6 +323,8 @@ _DECLARATIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "--api-key-env": (("--api-key-env",), {"default": None, "metavar": "VAR"}),
     "--nonce": (("--nonce/--no-nonce",), {"default": True}),
     "--model": (("--model",), {"default": None}),
+    "--target": (("--target",), {"required": True, "metavar": "[NAME=]URL"}),
+    "--timeout": (("--timeout",), {"type": SECONDS, "default": None, "metavar": "SECONDS"}),
     "--concurrency": (("--concurrency",), {"type": INT_LIST, "default": None, "metavar": "N[,N,...]"}),
     "--batch": (("--batch",), {"type": BATCH_SIZES, "default": None, "metavar": "N[,N,...]"}),
     "--rate": (("--rate",), {"type": FLOAT_LIST, "default": None, "metavar": "R[,R,...]"}),
@@ -384,11 +386,16 @@ class LoadCommand(click.Command):
         return super().parse_args(ctx, _bare_sweep(args))
 
 
-def shared_option(option: str, extra: str = "", **settings: Any) -> Callable[[_Command], _Command]:
-    """The click option `option` as every load command declares it, its help the shared meaning
-    plus `extra`; `settings` override (e.g. a command's own default)."""
+def shared_option(
+    option: str, extra: str = "", *, dest: str | None = None, **settings: Any
+) -> Callable[[_Command], _Command]:
+    """The click option `option` as the commands declare it, its help the shared meaning plus
+    `extra`; `dest` names the command's parameter, `settings` override (e.g. a command's own
+    default)."""
     decls, base = _DECLARATIONS[option]
-    return click.option(*decls, help=help_for(option, extra), **{**base, **settings})
+    return click.option(
+        *decls[:1], *((dest,) if dest else decls[1:]), help=help_for(option, extra), **{**base, **settings}
+    )
 
 
 def stacked(*options: Callable[[_Command], _Command]) -> Callable[[_Command], _Command]:

@@ -15,7 +15,7 @@ import click
 
 from mlxproxy.config import Config, is_loopback_host, load_config, parse_upstream_url
 from mlxproxy.errors import ConfigError
-from mlxproxy.vocabulary import SECONDS, help_for
+from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:
     from mlxproxy.proxy.observers import Observer
@@ -61,14 +61,7 @@ def exposure_warning(cfg: Config) -> str | None:
 )
 @click.option("--host", default=None, help=help_for("--host", "[default: 127.0.0.1]"))
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help=help_for("--port", "[default: 8000]"))
-@click.option(
-    "--timeout",
-    "timeout",
-    type=SECONDS,
-    default=None,
-    metavar="SECONDS",
-    help=help_for("--timeout", "Replaces the config's timeouts.read_s.  [default: 1800]"),
-)
+@shared_option("--timeout", "Replaces the config's timeouts.read_s.  [default: 1800]")
 @click.option(
     "--config",
     "config_path",

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from mlxproxy.sim.profiles import PROFILES, Profile, coerce_knob, get_profile, truth_lines
-from mlxproxy.vocabulary import deprecated_alias, help_for
+from mlxproxy.vocabulary import deprecated_alias, help_for, shared_option
 
 
 def build_profile(profile_name: str, options: dict[str, Any], sets: tuple[str, ...]) -> Profile:
@@ -56,7 +56,7 @@ JSON line, so a test knows the truth it should measure; GET /sim/profile returns
     show_default=True,
     help=help_for("--speed", "Simulated time against the wall clock."),
 )
-@click.option("--seed", type=int, default=0, show_default=True, help=help_for("--seed", "Here: the generated text."))
+@shared_option("--seed", "Here: the generated text.")
 @click.option("--decode-tps", type=click.FloatRange(min=0.0, min_open=True), help="Single-stream decode tokens/s.")
 @click.option("--prefill-tps", type=click.FloatRange(min=0.0, min_open=True), help="Prefill tokens/s.")
 @click.option("--max-context", type=click.IntRange(min=0), help="Reject longer prompts with HTTP 400 (0 = no limit).")

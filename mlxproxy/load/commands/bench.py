@@ -24,7 +24,8 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.bench_requests import Prompts, TargetPrompts, calibrated
-from mlxproxy.load.commands.common import SweepOptions, SweepsOnTarget, requests_text
+from mlxproxy.load.commands.common import SweepsOnTarget, requests_text
+from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Target, TargetResult

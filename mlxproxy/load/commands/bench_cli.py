@@ -10,15 +10,14 @@ from mlxproxy.core.text import clip
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.bench import DEFAULT_SIZES, BenchOptions, bench_targets
 from mlxproxy.load.commands.common import (
-    SweepOptions,
     check_outcomes,
     check_writable,
     env_key,
     fail,
     parse_target,
     run_interrupted,
-    sweep_options,
 )
+from mlxproxy.load.commands.sweep_options import SweepOptions, sweep_options
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.fleet.workers import WorkersError, workers_for
 from mlxproxy.load.judge.slo import DEFAULT_SLO, judge, parse_slo
@@ -27,7 +26,6 @@ from mlxproxy.load.output.files import Outputs
 from mlxproxy.load.output.progress import say
 from mlxproxy.vocabulary import (
     INT_LIST,
-    SECONDS,
     LoadCommand,
     arrival_options,
     help_for,
@@ -36,14 +34,7 @@ from mlxproxy.vocabulary import (
 
 
 @click.command("bench", cls=LoadCommand)
-@click.option(
-    "--target",
-    "targets",
-    multiple=True,
-    required=True,
-    metavar="[NAME=]URL",
-    help=help_for("--target", "E.g. mlx-lm=http://127.0.0.1:8080 (repeatable)."),
-)
+@shared_option("--target", "E.g. mlx-lm=http://127.0.0.1:8080 (repeatable).", dest="targets", multiple=True)
 @click.option(
     "--prompt-tokens",
     type=INT_LIST,
@@ -87,13 +78,12 @@ from mlxproxy.vocabulary import (
 @shared_option("--workers", "Here: the --rate test and the --sweep steps; the other tests send from one process.")
 @shared_option("--cluster", "Here: the --rate test and the --sweep steps.")
 @shared_option("--model", "[default: the first of the target's /v1/models]")
-@click.option(
+@shared_option(
     "--timeout",
-    "timeouts",
-    type=SECONDS,
+    "For all targets or the one named (repeatable).  [default: 1800]",
+    dest="timeouts",
     multiple=True,
     metavar="[NAME=]SECONDS",
-    help=help_for("--timeout", "For all targets or the one named (repeatable).  [default: 1800]"),
 )
 @shared_option("--api-key-env")
 @click.option(

@@ -20,10 +20,11 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.commands.common import SweepOptions, SweepsOnTarget
+from mlxproxy.load.commands.common import SweepsOnTarget
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
+from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo

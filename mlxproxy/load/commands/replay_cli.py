@@ -7,7 +7,6 @@ import click
 from mlxproxy.capture import CapturedRequest, read_capture
 from mlxproxy.errors import MlxproxyError
 from mlxproxy.load.commands.common import (
-    SweepOptions,
     check_outcomes,
     check_writable,
     env_key,
@@ -15,7 +14,6 @@ from mlxproxy.load.commands.common import (
     parse_target,
     requests_text,
     run_interrupted,
-    sweep_options,
 )
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
@@ -23,6 +21,7 @@ from mlxproxy.load.commands.preflight import require_reachable
 from mlxproxy.load.commands.replay import ReplayOptions, run_replay
 from mlxproxy.load.commands.replay_groups import served_from_cache
 from mlxproxy.load.commands.replay_requests import BUILTIN_AGENT, generation_mix, select, synthetic_agent_session
+from mlxproxy.load.commands.sweep_options import SweepOptions, sweep_options
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.fleet.workers import Workers, WorkersError, workers_for
@@ -32,7 +31,6 @@ from mlxproxy.load.output.progress import say
 from mlxproxy.load.output.replay_report import print_groups, write_replay_outputs
 from mlxproxy.vocabulary import (
     INT_LIST,
-    SECONDS,
     LoadCommand,
     arrival_options,
     deprecated_alias,
@@ -63,13 +61,7 @@ _TESTS = {
 
 @click.command("replay", cls=LoadCommand)
 @click.argument("capture", type=click.Path(dir_okay=False))
-@click.option(
-    "--target",
-    "target_spec",
-    required=True,
-    metavar="[NAME=]URL",
-    help=help_for("--target", "E.g. http://127.0.0.1:8080; paths come from the capture."),
-)
+@shared_option("--target", "E.g. http://127.0.0.1:8080; paths come from the capture.", dest="target_spec")
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
 @click.option(
     "--mode",
@@ -142,9 +134,7 @@ _TESTS = {
 @shared_option("--nonce")
 @shared_option("--model", "[default: the captured one]")
 @shared_option("--api-key-env")
-@click.option(
-    "--timeout", "timeout", type=SECONDS, default=None, metavar="SECONDS", help=help_for("--timeout", "[default: 1800]")
-)
+@shared_option("--timeout", "[default: 1800]")
 @shared_option("--json")
 @shared_option("--csv")
 @shared_option("--markdown")

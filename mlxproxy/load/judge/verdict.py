@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from mlxproxy.load.data.plot import Chart
+from mlxproxy.load.data.plot import Chart, Series
 from mlxproxy.load.data.results import Group, ResultFile, ResultKind
 from mlxproxy.load.data.summary import JSONObject
 from mlxproxy.load.judge.capacity import (
@@ -207,30 +207,25 @@ def sweep_charts(groups: Sequence[Group]) -> list[Chart]:
                 out.append((f"SLO {SLO_METRICS[m][3]} p{pct} {fmt_value(v, 's')}", v * scale))
         return out
 
+    def by_step(
+        title: str, ylabel: str, series: Sequence[Series], hlines: Sequence[tuple[str, float]] = (), note: str = ""
+    ) -> Chart:
+        """A chart of one figure by the sweep's step (the x axis the same in all three)."""
+        return Chart(title, xl, ylabel, series, integer_x=unit != RATE_UNIT, hlines=hlines, note=note)
+
     return [
-        Chart(
+        by_step(
             f"TTFT by {by} (p50, p95)",
-            xl,
             "seconds",
             ttft,
-            integer_x=unit != RATE_UNIT,
             hlines=lines("ttft", 1.0),
             note="dashed: the SLO's thresholds; capacity " + "; ".join(_answer(t, c) for t, c in caps.items()),
         ),
-        Chart(
-            f"TPOT by {by} (p50, p95)",
-            xl,
-            "milliseconds per token",
-            tpot,
-            integer_x=unit != RATE_UNIT,
-            hlines=lines("tpot|itl", 1000.0),
-        ),
-        Chart(
+        by_step(f"TPOT by {by} (p50, p95)", "milliseconds per token", tpot, hlines=lines("tpot|itl", 1000.0)),
+        by_step(
             f"Aggregate tokens/s by {by}",
-            xl,
             "tokens/s (all streams)",
             agg,
-            integer_x=unit != RATE_UNIT,
             note="flat or falling: the server is saturated",
         ),
     ]
