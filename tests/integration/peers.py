@@ -36,6 +36,8 @@ import pytest
 from mlxproxy.capture import read_capture
 from mlxproxy.core.record import Record
 
+from .tinymodel import mlx_unavailable_reason
+
 REPO = Path(__file__).resolve().parents[2]
 
 #: Where each client is looked for, in order, before ``PATH``: the executable an environment
@@ -114,6 +116,15 @@ def require_client(name: str, install_hint: str) -> str:
     if path is None:
         pytest.skip(f"{name} not found (looked in {', '.join(searched)}); {install_hint}")
     return path
+
+
+def require_mlx(needed_for: str = "") -> None:
+    """Skip the calling test module, with the reason, where the mlx stack does not import
+    (`needed_for`: why a module that runs no mlx model needs it all the same)."""
+    reason = mlx_unavailable_reason()
+    if reason is not None:
+        why = f" ({needed_for})" if needed_for else ""
+        pytest.skip(f"mlx stack unavailable{why}: {reason}", allow_module_level=True)
 
 
 def loopback_env(**extra: str) -> dict[str, str]:

@@ -34,16 +34,13 @@ import pytest
 from mlxproxy.core.record import Record
 
 from .live_servers import LiveServer, RiggedVllm
-from .peers import CODEX_CONFIG, ProxyProcess, loopback_env, mlxproxy_serve, require_client
+from .peers import CODEX_CONFIG, ProxyProcess, loopback_env, mlxproxy_serve, require_client, require_mlx
 from .rigged import REASONING_ANSWER
 from .tap import Tap, tap
-from .tinymodel import mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable (the rigged model is built with it): {_REASON}", allow_module_level=True)
+require_mlx("the rigged model is built with it")
 
 SERVER = "vllm-mlx"  # serves /v1/messages and /v1/responses
 CLIENT_TIMEOUT_S = 180

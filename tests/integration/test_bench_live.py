@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 
 from .bench_live import SERVERS, TOGETHER, all_servers, build_loop_model, row, run_bench
-from .tinymodel import mlx_unavailable_reason
+from .peers import require_mlx
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable (the rigged model is built with it): {_REASON}", allow_module_level=True)
+require_mlx("the rigged model is built with it")
 
 #: What each server did with two streams in every run of ``python -m tests.integration.bench_live``
 #: (Linux CPU, 2 shared cores): vllm-mlx in simple mode answers the second stream with HTTP 200 then

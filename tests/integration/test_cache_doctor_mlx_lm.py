@@ -17,15 +17,12 @@ from typing import Any
 
 import pytest
 
-from .peers import mlxproxy_serve
+from .peers import mlxproxy_serve, require_mlx
 from .test_prefix_mlx_lm import _turn
-from .tinymodel import mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 TURNS = 5
 

@@ -29,14 +29,12 @@ import pytest
 
 from mlxproxy.core.record import Record
 
-from .peers import AIDER_QUIET, assert_completed, loopback_env, mlxproxy_serve, require_client, xdg_env
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import AIDER_QUIET, assert_completed, loopback_env, mlxproxy_serve, require_client, require_mlx, xdg_env
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 #: Reply cap for the agents' requests (Aider sends no max_tokens: the server's
 #: --max-tokens applies; OpenCode sends its model limit.output).

@@ -22,14 +22,12 @@ import pytest
 
 from support import volatile_session_capture
 
-from .peers import REPO, loopback_env
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import REPO, loopback_env, require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 TURNS = 4
 WORDS = 120  # a system prompt of ~700 tokens: a re-prefill that dwarfs the new tokens of a turn

@@ -28,15 +28,12 @@ import httpx
 import pytest
 
 from .live_servers import LiveServer, proxied_live_server
-from .peers import ProxyProcess
+from .peers import ProxyProcess, require_mlx
 from .rigged import LOOP, REASONING_ANSWER, REASONING_THOUGHT, TOOL_ARGUMENTS, WORDS, RiggedModel
-from .tinymodel import mlx_unavailable_reason
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable (the rigged model is built with it): {_REASON}", allow_module_level=True)
+require_mlx("the rigged model is built with it")
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [test] extra: pip install -e '.[test]'")
 

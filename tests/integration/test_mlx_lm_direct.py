@@ -25,13 +25,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 from .tinymodel import build_tiny_model, mlx_lm_server  # noqa: E402
 

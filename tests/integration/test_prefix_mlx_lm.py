@@ -17,14 +17,12 @@ from typing import Any
 import orjson
 import pytest
 
-from .peers import mlxproxy_serve, nonce_prompt
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import mlxproxy_serve, nonce_prompt, require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 
 def _turn(proxy: Any, messages: list[dict[str, str]]) -> tuple[Any, str]:

@@ -37,14 +37,12 @@ from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.report import aggregate_tps
 
 from .conftest import PREFILL_STEP
-from .peers import assert_completed, median, mlxproxy_serve, nonce_prompt
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import assert_completed, median, mlxproxy_serve, nonce_prompt, require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is part of the [test] extra: pip install -e '.[test]'")
 

@@ -34,14 +34,12 @@ from mlxproxy.load.commands.bench import BenchOptions, bench_targets
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.output.report import aggregate_tps
 
-from .peers import REPO, loopback_env, median
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import REPO, loopback_env, median, require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 #: long replies (see test_proxy_mlx_lm.py: two 1000-token replies always share a batch)
 MAX_TOKENS = 1000

@@ -23,14 +23,11 @@ import pytest
 
 from mlxproxy.core.record import Record
 
-from .peers import REPO, loopback_env, mlxproxy_serve, wait_for
-from .tinymodel import mlx_unavailable_reason
+from .peers import REPO, loopback_env, mlxproxy_serve, require_mlx, wait_for
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 PREFIX_KINDS = {"prompt_prefix_changed", "prefix_cache_miss"}
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve
+from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve, require_mlx
 from .rigged import (
     LOOP,
     REASONING_ANSWER,
@@ -31,13 +31,11 @@ from .rigged import (
     RiggedModel,
     build_rigged_model,
 )
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 TOOLS = [
     {

@@ -24,14 +24,12 @@ import pytest
 from mlxproxy.core.record import Record, rate_figures, wall_window_s
 
 from .conftest import PREFILL_STEP
-from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve
-from .tinymodel import MODEL_NAME, mlx_unavailable_reason
+from .peers import SERVER_CPUS, cpu_affinity, mlxproxy_serve, require_mlx
+from .tinymodel import MODEL_NAME
 
 pytestmark = pytest.mark.integration
 
-_REASON = mlx_unavailable_reason()
-if _REASON is not None:
-    pytest.skip(f"mlx stack unavailable: {_REASON}", allow_module_level=True)
+require_mlx()
 
 RIGGED_REQUESTS = 160  # of the 200 per configuration; the rest go to the random tiny model
 RANDOM_REQUESTS = 40
