@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from hypothesis import strategies as st
@@ -31,6 +32,16 @@ from mlxproxy.proxy.app import ProxyApp, create_app
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FIXTURES = TESTS / "fixtures"
+
+
+def ok_record(**fields: Any) -> Record:
+    """A successful streamed Chat Completions request's record: `fields` over the ones every
+    record needs (id, start, upstream, model, endpoint, stream, status, outcome)."""
+    needed: dict[str, Any] = {
+        "id": "r", "started_at": 0.0, "upstream": "u", "model": "m", "endpoint": "chat_completions",
+        "stream": True, "status": 200, "outcome": "ok",
+    }  # fmt: skip
+    return Record(**{**needed, **fields})
 
 
 def read_fixture(rel: str) -> bytes:

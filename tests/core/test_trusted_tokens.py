@@ -16,7 +16,7 @@ from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import parse_request
 from mlxproxy.core.record import Record, rate_figures, wall_window_s
 from mlxproxy.load.output.report import summarize_records, summary_row, untrusted_notes
-from support import read_fixture
+from support import ok_record, read_fixture
 
 TH = Thresholds()
 GAP = 0.02  # one event every 20 ms: 50 tok/s when each event is a token
@@ -255,14 +255,6 @@ def test_tokenizer_recount_tolerates_what_reencoding_cannot_reproduce() -> None:
 def test_chars_band_boundaries() -> None:
     """10 events of 400 ASCII chars: estimate 100, band 50..200 (+3)."""
     base = dict(
-        id="r",
-        started_at=0.0,
-        upstream="u",
-        model="m",
-        endpoint="chat_completions",
-        stream=True,
-        status=200,
-        outcome="ok",
         usage_requested=True,
         generated_events=10,
         completion_tokens_counted=10,
@@ -274,7 +266,7 @@ def test_chars_band_boundaries() -> None:
 
     def kinds(rep: int, **kw) -> set[str]:
         kw.setdefault("chars", 400)
-        return {a.kind for a in check_record(Record(completion_tokens_reported=rep, **base), TH, **kw)}
+        return {a.kind for a in check_record(ok_record(completion_tokens_reported=rep, **base), TH, **kw)}
 
     assert "usage_mismatch" not in kinds(203) and "usage_mismatch" in kinds(204)
     # 1000 chars in 10 events cannot be one token per event: at least 1000 / 24 = 42 tokens
@@ -290,10 +282,10 @@ def test_chars_band_boundaries() -> None:
         event_offsets_s=tuple(0.1 + 0.02 * i for i in range(30)),
     )
     assert "usage_mismatch" not in {
-        a.kind for a in check_record(Record(completion_tokens_reported=27, **more), TH, chars=60)
+        a.kind for a in check_record(ok_record(completion_tokens_reported=27, **more), TH, chars=60)
     }
     assert "usage_mismatch" in {
-        a.kind for a in check_record(Record(completion_tokens_reported=26, **more), TH, chars=60)
+        a.kind for a in check_record(ok_record(completion_tokens_reported=26, **more), TH, chars=60)
     }
     # 40 CJK characters (120 UTF-8 bytes) in 10 events: one token per byte is possible, up to 120 (+3)
     assert "usage_mismatch" not in kinds(123, chars=40, nonascii_chars=40, nonascii_bytes=120)

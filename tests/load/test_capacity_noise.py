@@ -17,7 +17,7 @@ from mlxproxy.load.judge.verdict import capacity_line
 from mlxproxy.load.run.client import Timed
 from mlxproxy.load.run.sweep import mix_copies, run_sweep
 from mlxproxy.sim.profiles import Profile, get_profile
-from support import engine_closed_loop
+from support import engine_closed_loop, ok_record
 
 MAX_BATCH = 6
 TOKENS = 40  # 0.8 s at 50 tok/s: a stream past the batch waits about that long for a slot
@@ -33,15 +33,10 @@ def profile(jitter_s: float) -> Profile:
 
 def record(id_: str, started: float, ttft: float, e2e: float) -> Record:
     """One streamed request's record, `started` on the scripted clock, TOKENS tokens long."""
-    return Record(
+    return ok_record(
         id=id_,
         started_at=1000.0 + started,
         upstream="t",
-        model="m",
-        endpoint="chat_completions",
-        stream=True,
-        status=200,
-        outcome="ok",
         ttft_s=ttft,
         e2e_s=e2e,
         duration_s=e2e,

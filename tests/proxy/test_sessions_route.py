@@ -7,43 +7,28 @@ from typing import Any
 
 from mlxproxy.core.record import Record
 from mlxproxy.proxy.sessions import sessions, side_requests
+from support import ok_record
 
 
 def _rec(rid: str, t: float, **kw: Any) -> Record:
-    base: dict[str, Any] = dict(
-        id=rid, started_at=t, upstream="u", model="m", endpoint="chat_completions", stream=True, status=200,
-        outcome="ok",
-    )  # fmt: skip
-    return Record(**{**base, **kw})
+    return ok_record(id=rid, started_at=t, **kw)
 
 
 def test_sessions_name_the_client_and_the_worst_cause_fix() -> None:
     claude = "Claude Code 2.1.332"
+
+    def reprefilled(rid: str, t: float, turn: int, cause: str, lost_s: float, conv_lost_s: float, fix: str) -> Record:
+        """A later turn of Claude Code's conversation `a` that lost `lost_s` to `cause`."""
+        return _rec(
+            rid, t, conversation_id="a", turn=turn, client=claude, reprefill_cause=cause, reprefill_lost_s=lost_s,
+            conversation_lost_s=conv_lost_s, reprefill_fix=fix,
+        )  # fmt: skip
+
     records = [
         _rec("a", 1.0, conversation_id="a", turn=1, client=claude),
         _rec("t", 1.5, client="OpenCode 1.18.33", side_request="title"),
-        _rec(
-            "b",
-            2.0,
-            conversation_id="a",
-            turn=2,
-            client=claude,
-            reprefill_cause="tools_changed",
-            reprefill_lost_s=0.2,
-            conversation_lost_s=0.2,
-            reprefill_fix="tools fix",
-        ),  # fmt: skip
-        _rec(
-            "c",
-            3.0,
-            conversation_id="a",
-            turn=3,
-            client=claude,
-            reprefill_cause="volatile_span",
-            reprefill_lost_s=0.5,
-            conversation_lost_s=0.7,
-            reprefill_fix="set CLAUDE_CODE_ATTRIBUTION_HEADER=0",
-        ),  # fmt: skip
+        reprefilled("b", 2.0, 2, "tools_changed", 0.2, 0.2, "tools fix"),
+        reprefilled("c", 3.0, 3, "volatile_span", 0.5, 0.7, "set CLAUDE_CODE_ATTRIBUTION_HEADER=0"),
         _rec("p", 4.0, method="HEAD", path="/api/hello", client=claude, side_request="probe"),
         _rec("x", 5.0, conversation_id="x", turn=1),
     ]
