@@ -60,13 +60,10 @@ class ApiEvent:
         return bool(self.content or self.reasoning or self.tool_args or self.calls)
 
 
-def messages_event(obj: Any) -> ApiEvent:
+def messages_event(obj: dict[str, Any]) -> ApiEvent:
     """One Anthropic Messages stream event (`type` inside the data decides; the `event:`
     line repeats it)."""
     ev = ApiEvent()
-    if not isinstance(obj, dict):
-        ev.error = "event is not a JSON object"
-        return ev
     kind = obj.get("type")
     if kind == "content_block_delta":
         d = obj.get("delta")
@@ -128,12 +125,9 @@ def messages_usage(raw: dict[str, Any], final: bool) -> dict[str, Any]:
     return out
 
 
-def responses_event(obj: Any) -> ApiEvent:
+def responses_event(obj: dict[str, Any]) -> ApiEvent:
     """One OpenAI Responses stream event."""
     ev = ApiEvent()
-    if not isinstance(obj, dict):
-        ev.error = "event is not a JSON object"
-        return ev
     kind = obj.get("type")
     if not isinstance(kind, str):
         if obj.get("error"):

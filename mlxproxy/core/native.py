@@ -17,11 +17,13 @@ alike ([WIRE.md](WIRE.md#ollama-and-lm-studio)):
   claims, `stats`). It sends no stop reason: `chat.end` is finish `end`.
 
 `dialect_event`, `dialect_usage` and `dialect_body` dispatch by endpoint over these and the
-two of `core.apis`: the one hook the meter calls.
+two of `core.apis` (one `Dialect` each, in `DIALECTS`): the one hook the meter calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -49,6 +51,8 @@ __all__ = [
     "dialect_event",
     "dialect_usage",
     "dialect_body",
+    "Dialect",
+    "DIALECTS",
 ]
 
 NATIVE_APIS = ("ollama_chat", "ollama_generate", "lmstudio_chat")
@@ -97,13 +101,10 @@ def _ollama_calls(tcs: Any) -> tuple[tuple[int, str | None, str, str], ...]:
     return tuple(out)
 
 
-def ollama_event(obj: Any) -> ApiEvent:
+def ollama_event(obj: dict[str, Any]) -> ApiEvent:
     """One line of an Ollama `/api/chat` or `/api/generate` stream (or a whole non-streamed
     answer: the same object with `done: true`)."""
     ev = ApiEvent()
-    if not isinstance(obj, dict):
-        ev.error = "line is not a JSON object"
-        return ev
     if obj.get("error"):
         ev.error = error_message(obj) or "error"
         return ev
@@ -141,12 +142,9 @@ def ollama_usage(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def lmstudio_event(obj: Any) -> ApiEvent:
+def lmstudio_event(obj: dict[str, Any]) -> ApiEvent:
     """One event of an LM Studio `/api/v1/chat` stream."""
     ev = ApiEvent()
-    if not isinstance(obj, dict):
-        ev.error = "event is not a JSON object"
-        return ev
     kind = obj.get("type")
     if kind == "message.delta":
         ev.content = _str(obj.get("content")) or ""
@@ -207,37 +205,48 @@ def _lmstudio_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] 
     return evs, usage
 
 
-def dialect_event(api: str, obj: Any) -> ApiEvent:
-    """One decoded event (or NDJSON line) of endpoint `api` (one of `DIALECT_APIS`)."""
-    if api == "messages":
-        return messages_event(obj)
-    if api == "responses":
-        return responses_event(obj)
-    if api == "lmstudio_chat":
-        return lmstudio_event(obj)
-    return ollama_event(obj)
-
-
-def dialect_usage(api: str, raw: dict[str, Any], final: bool) -> dict[str, Any]:
-    """The usage reported so far (`raw`: every usage object of the stream merged) in chat names."""
-    if api == "messages":
-        return messages_usage(raw, final)
-    if api == "responses":
-        return responses_usage(raw)
-    if api == "lmstudio_chat":
-        return lmstudio_usage(raw)
-    return ollama_usage(raw)
-
-
-def dialect_body(api: str, obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] | None]:
-    """A non-streamed answer of endpoint `api` as events and its usage in chat names."""
-    if api == "messages":
-        return messages_body(obj)
-    if api == "responses":
-        return responses_body(obj)
-    if api == "lmstudio_chat":
-        return _lmstudio_body(obj)
+def _ollama_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] | None]:
     ev = ollama_event(obj)
     usage = ollama_usage(ev.usage) if ev.usage is not None else None
     ev.usage = None
     return [ev], usage
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one endpoint's answers read: each decoded event (or NDJSON line, the `unit`) as an
+    `ApiEvent`, the usage reported so far in chat names, a non-streamed answer as events."""
+
+    event: Callable[[dict[str, Any]], ApiEvent]
+    usage: Callable[[dict[str, Any], bool], dict[str, Any]]  # (every usage object merged, a final report?)
+    body: Callable[[dict[str, Any]], tuple[list[ApiEvent], dict[str, Any] | None]]
+    unit: str = "event"
+
+
+_OLLAMA = Dialect(ollama_event, lambda raw, final: ollama_usage(raw), _ollama_body, "line")
+#: endpoint -> its dialect (any other native endpoint reads as Ollama's)
+DIALECTS: dict[str, Dialect] = {
+    "messages": Dialect(messages_event, messages_usage, messages_body),
+    "responses": Dialect(responses_event, lambda raw, final: responses_usage(raw), responses_body),
+    "lmstudio_chat": Dialect(lmstudio_event, lambda raw, final: lmstudio_usage(raw), _lmstudio_body),
+    "ollama_chat": _OLLAMA,
+    "ollama_generate": _OLLAMA,
+}
+
+
+def dialect_event(api: str, obj: Any) -> ApiEvent:
+    """One decoded event (or NDJSON line) of endpoint `api` (one of `DIALECT_APIS`)."""
+    dialect = DIALECTS.get(api, _OLLAMA)
+    if not isinstance(obj, dict):
+        return ApiEvent(error=f"{dialect.unit} is not a JSON object")
+    return dialect.event(obj)
+
+
+def dialect_usage(api: str, raw: dict[str, Any], final: bool) -> dict[str, Any]:
+    """The usage reported so far (`raw`: every usage object of the stream merged) in chat names."""
+    return DIALECTS.get(api, _OLLAMA).usage(raw, final)
+
+
+def dialect_body(api: str, obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] | None]:
+    """A non-streamed answer of endpoint `api` as events and its usage in chat names."""
+    return DIALECTS.get(api, _OLLAMA).body(obj)
