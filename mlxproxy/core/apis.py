@@ -11,6 +11,7 @@ for all three APIs (docs/METRICS.md). Usage is normalised to the chat names
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "responses_usage",
     "messages_body",
     "responses_body",
+    "blocks",
     "STREAM_APIS",
 ]
 
@@ -199,29 +201,35 @@ def responses_usage(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def blocks(obj: dict[str, Any], key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A non-streamed answer's blocks (the objects in its list `key`: `content`, `output`),
+    each with its position; none when `key` holds no list."""
+    items = obj.get(key)
+    if isinstance(items, list):
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                yield i, item
+
+
 def messages_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] | None]:
     """A non-streamed Messages response as events (text, thinking, tool_use blocks) and
     its usage in chat names."""
     evs: list[ApiEvent] = []
-    content = obj.get("content")
-    if isinstance(content, list):
-        for i, b in enumerate(content):
-            if not isinstance(b, dict):
-                continue
-            if b.get("type") == "text" and isinstance(b.get("text"), str):
-                evs.append(ApiEvent(content=b["text"]))
-            elif b.get("type") == "thinking" and isinstance(b.get("thinking"), str):
-                evs.append(ApiEvent(reasoning=b["thinking"]))
-            elif b.get("type") in ("tool_use", "server_tool_use"):
-                inp = b.get("input")
-                evs.append(
-                    ApiEvent(
-                        tool_index=i,
-                        tool_id=b.get("id") if isinstance(b.get("id"), str) else None,
-                        tool_name=b.get("name") if isinstance(b.get("name"), str) else "",
-                        tool_args=orjson.dumps(inp).decode() if inp is not None else "",
-                    )
+    for i, b in blocks(obj, "content"):
+        if b.get("type") == "text" and isinstance(b.get("text"), str):
+            evs.append(ApiEvent(content=b["text"]))
+        elif b.get("type") == "thinking" and isinstance(b.get("thinking"), str):
+            evs.append(ApiEvent(reasoning=b["thinking"]))
+        elif b.get("type") in ("tool_use", "server_tool_use"):
+            inp = b.get("input")
+            evs.append(
+                ApiEvent(
+                    tool_index=i,
+                    tool_id=b.get("id") if isinstance(b.get("id"), str) else None,
+                    tool_name=b.get("name") if isinstance(b.get("name"), str) else "",
+                    tool_args=orjson.dumps(inp).decode() if inp is not None else "",
                 )
+            )
     fin = ApiEvent(finish=obj["stop_reason"] if isinstance(obj.get("stop_reason"), str) else None)
     evs.append(fin)
     usage = messages_usage(obj["usage"], True) if isinstance(obj.get("usage"), dict) else None
@@ -232,31 +240,27 @@ def responses_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] 
     """A non-streamed Response as events (message text, reasoning, function calls) and
     its usage in chat names."""
     evs: list[ApiEvent] = []
-    output = obj.get("output")
-    if isinstance(output, list):
-        for i, item in enumerate(output):
-            if not isinstance(item, dict):
-                continue
-            t = item.get("type")
-            if t == "message" and isinstance(item.get("content"), list):
-                for part in item["content"]:
+    for i, item in blocks(obj, "output"):
+        t = item.get("type")
+        if t == "message" and isinstance(item.get("content"), list):
+            for part in item["content"]:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    evs.append(ApiEvent(content=part["text"]))
+        elif t == "reasoning":
+            for key in ("content", "summary"):
+                for part in item.get(key) or ():
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        evs.append(ApiEvent(content=part["text"]))
-            elif t == "reasoning":
-                for key in ("content", "summary"):
-                    for part in item.get(key) or ():
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            evs.append(ApiEvent(reasoning=part["text"]))
-            elif t in ("function_call", "custom_tool_call"):
-                args = item.get("arguments", item.get("input"))
-                evs.append(
-                    ApiEvent(
-                        tool_index=i,
-                        tool_id=item.get("call_id") if isinstance(item.get("call_id"), str) else None,
-                        tool_name=item.get("name") if isinstance(item.get("name"), str) else "",
-                        tool_args=args if isinstance(args, str) else "",
-                    )
+                        evs.append(ApiEvent(reasoning=part["text"]))
+        elif t in ("function_call", "custom_tool_call"):
+            args = item.get("arguments", item.get("input"))
+            evs.append(
+                ApiEvent(
+                    tool_index=i,
+                    tool_id=item.get("call_id") if isinstance(item.get("call_id"), str) else None,
+                    tool_name=item.get("name") if isinstance(item.get("name"), str) else "",
+                    tool_args=args if isinstance(args, str) else "",
                 )
+            )
     fin = ApiEvent()
     _final_state(fin, obj)
     evs.append(fin)

@@ -31,6 +31,7 @@ import orjson
 from mlxproxy.core.apis import (
     STREAM_APIS,
     ApiEvent,
+    blocks,
     messages_body,
     messages_event,
     messages_usage,
@@ -185,18 +186,14 @@ def lmstudio_usage(stats: dict[str, Any]) -> dict[str, Any]:
 
 def _lmstudio_body(obj: dict[str, Any]) -> tuple[list[ApiEvent], dict[str, Any] | None]:
     evs: list[ApiEvent] = []
-    output = obj.get("output")
-    if isinstance(output, list):
-        for i, item in enumerate(output):
-            if not isinstance(item, dict):
-                continue
-            t, text = item.get("type"), _str(item.get("content"))
-            if t == "message" and text:
-                evs.append(ApiEvent(content=text))
-            elif t == "reasoning" and text:
-                evs.append(ApiEvent(reasoning=text))
-            elif t == "tool_call":
-                evs.append(ApiEvent(calls=((i, None, _str(item.get("tool")) or "", _args(item.get("arguments"))),)))
+    for i, item in blocks(obj, "output"):
+        t, text = item.get("type"), _str(item.get("content"))
+        if t == "message" and text:
+            evs.append(ApiEvent(content=text))
+        elif t == "reasoning" and text:
+            evs.append(ApiEvent(reasoning=text))
+        elif t == "tool_call":
+            evs.append(ApiEvent(calls=((i, None, _str(item.get("tool")) or "", _args(item.get("arguments"))),)))
     fin = ApiEvent(finish="end")
     _lmstudio_result(fin, obj)
     usage = lmstudio_usage(fin.usage) if fin.usage is not None else None
