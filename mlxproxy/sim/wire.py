@@ -117,6 +117,8 @@ class Style:
     supports_completions = True
     has_health = True
     null_usage = True  # with include_usage, every chunk says `"usage": null` (OpenAI's reference)
+    reasoning_key = "reasoning_content"  # the answer message's reasoning member (some servers: `reasoning`)
+    refusal_member = True  # the answer message has OpenAI's `"refusal": null`
 
     def __init__(self, ctx: WireContext) -> None:
         self.ctx = ctx
@@ -216,9 +218,11 @@ class Style:
         return b""
 
     def message(self, reasoning: str, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.refusal_member:
+            msg["refusal"] = None
         if reasoning:
-            msg["reasoning_content"] = reasoning
+            msg[self.reasoning_key] = reasoning
         return msg
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:

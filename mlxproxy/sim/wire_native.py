@@ -60,6 +60,8 @@ class _Native(Style):
 
 class OllamaStyle(_Native):
     name = "ollama"
+    refusal_member = False
+    reasoning_key = "reasoning"
     native_endpoints = frozenset({"ollama_chat", "ollama_generate", "messages"})
 
     # -- native NDJSON -------------------------------------------------------------------------
@@ -272,12 +274,6 @@ class OllamaStyle(_Native):
         return super().stream_error(message, reason, usage)
 
     # -- non-stream ----------------------------------------------------------------------------
-
-    def message(self, reasoning: str, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning:
-            msg["reasoning"] = reasoning
-        return msg
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         if self.tool_name and not self._args:  # not streamed: the plan's text is the call's arguments

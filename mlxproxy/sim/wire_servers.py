@@ -128,6 +128,7 @@ class MlxOpenAIServerStyle(Style):
     """mlx-openai-server: spaced JSON, `chatcmpl_` ids, role-only first chunk, usage always on finish."""
 
     name = "mlx-openai-server"
+    refusal_member = False
     supports_completions = False
 
     @classmethod
@@ -184,12 +185,6 @@ class MlxOpenAIServerStyle(Style):
         err = sse(self.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "500"}}))
         return err + self.finish("stop", usage), "end"
 
-    def message(self, reasoning: str, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        return msg
-
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         choice = {"finish_reason": "stop", "index": 0, "message": self.message(reasoning, content)}
         obj = {
@@ -218,6 +213,8 @@ class MlxOmniServerStyle(DetailErrors):
     """mlx-omni-server: spaced JSON, reasoning as plain content, finish_reason repeated with usage."""
 
     name = "mlx-omni-server"
+    refusal_member = False
+    reasoning_key = "reasoning"
     supports_completions = False
     requires_model = True  # pydantic: a missing `model` is a 422
 
@@ -268,12 +265,6 @@ class MlxOmniServerStyle(DetailErrors):
 
     def stream_error(self, message: str, reason: str, usage: UsageReport) -> tuple[bytes, str]:
         return b"", "close"
-
-    def message(self, reasoning: str, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning:
-            msg["reasoning"] = reasoning
-        return msg
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         choice = {"index": 0, "message": self.message(reasoning, content), "finish_reason": reason}

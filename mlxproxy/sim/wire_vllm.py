@@ -15,6 +15,7 @@ class VllmMlxStyle(DetailErrors):
     """vllm-mlx: compact JSON with nulls, role-only first chunk, usage on the last token and again."""
 
     name = "vllm-mlx"
+    refusal_member = False
     keepalive_comment = comment("heartbeat")
     finish_on_last_token = True
     per_chunk_completion_ids = True
@@ -67,12 +68,6 @@ class VllmMlxStyle(DetailErrors):
 
     def stream_error(self, message: str, reason: str, usage: UsageReport) -> tuple[bytes, str]:
         return DONE, "end"  # the exception is logged and swallowed: only [DONE]
-
-    def message(self, reasoning: str, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        return msg
 
     def nonstream_body(self, reasoning: str, content: str, reason: str, usage: UsageReport) -> bytes:
         if self.ctx.endpoint != "chat":
