@@ -8,7 +8,8 @@ less than what the server says it reused), what the TTFT says (`timing_says`: a 
 prefill, against the conversation's own cold prefill rate, else the upstream's, and the
 upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
 `cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the causes
-`cache_evicted` and `cache_system_only`: `claimed_cold`, `evicted`, `system_only`) and what a
+`cache_evicted`, named by the TTFT only where a hit of the system part could not have given it,
+and `cache_system_only`: `claimed_cold`, `evicted`, `system_only`) and what a
 changed prompt cost (`changed`: `change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
 the usage hides; a change the server neutralized costs 0 s). A cause is named only where the server's cached count or the TTFT
 shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
@@ -270,7 +271,8 @@ def extended(t: Turn) -> TurnVerdict:
     count is the evidence where it shows the hit, or where this server reports its hits (then
     a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
     (`cached_tokens_unreported`), a hit of the system part only (`system_only`), a re-prefill
-    (`cache_evicted`), or nothing. Each says how far the cache reached (`TurnVerdict.reach`)
+    (`cache_evicted`, only where a hit of the system part could not have given that TTFT:
+    `_system_part_hit`), or nothing. Each says how far the cache reached (`TurnVerdict.reach`)
     where the messages past the system part are `prefix_min_tokens` or more."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
@@ -329,12 +331,16 @@ def extended(t: Turn) -> TurnVerdict:
             hit_excess_s=hit,
             reach=reach,
         )
-    if said is not None and says == "miss":
+    part = _system_part_hit(t, system)
+    if said is not None and says == "miss" and part is None:
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
         return evicted(t, why, said.text(), whole)
-    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
+    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two, or
+    # one a hit of the system part only would give as well
     unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+    if said is not None and says == "miss" and part is not None:
+        unknown += f"; {_too_near(part, said.cold_s, system)}"
     told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
     return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
 
@@ -346,6 +352,33 @@ def _system_tokens(m: Match) -> int:
 
 def _reached(v: TurnVerdict, reach: Reach | None) -> TurnVerdict:
     return v if reach is None else replace(v, reach=reach)
+
+
+def _system_part_hit(t: Turn, system: int) -> float | None:
+    """The TTFT a hit of the system part only predicts (`fixed + (prompt - system) / rate`) where it
+    is too near a cold prefill of the whole prompt (`prompt / rate`) for the TTFT to tell the two
+    apart, None where it can (or there is no system part to reuse, or the upstream is known to keep
+    the conversation: there a re-prefill of the messages is an eviction whatever the system part
+    did). Told apart in `timing_says`' own terms: a hit is told from a re-prefill only where it
+    predicts at most half of it and `cache_timing_min_s` less (`timing_says` holds a hit to half a
+    cold prefill so that its side, up to their midpoint, ends where a re-prefill's begins, at
+    `MISS_SHARE` of it). So a system part under about half the prompt cannot be told from none by
+    the TTFT: OpenCode's ~17,100 system tokens of a 79,300-token prompt predict 0.78 of a cold
+    prefill when reused, and on a loaded machine its turn 2 took 2.86 s, as long as its cold turn 1,
+    while vllm-mlx logged its usual hit of the system part."""
+    r, whole, rate, facts, th = t.r, t.whole, t.rate, t.facts, t.th
+    if not whole or not rate or r.ttft_s is None or system < th.prefix_min_tokens or facts.reach == "conversation":
+        return None
+    cold = whole / rate
+    part = facts.fixed_s + max(whole - system, 0) / rate
+    return part if part > cold / 2 or cold - part < th.cache_timing_min_s else None
+
+
+def _too_near(part: float, cold: float, system: int) -> str:
+    return (
+        f"a hit of the system part only (~{system} tokens) would take ≈ {_fmt(part)} s, too near a cold prefill "
+        f"(≈ {_fmt(cold)} s) for the TTFT to tell whether it was reused (no eviction named)"
+    )
 
 
 def reached_by_ttft(t: Turn, system: int) -> Reach | None:
@@ -375,8 +408,12 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
     closer to a cold prefill on such an upstream, this turn counted (the system part is too small
     a share to tell, with a cold rate this noisy, but the messages were prefilled again: a loaded
     machine's turn 3 of the OpenCode session took 2.61 s against 2.54 s cold while vllm-mlx logged
-    its usual system hit); elsewhere that is an eviction (`cache_evicted`), as a TTFT that shows the
-    whole prompt prefilled again."""
+    its usual system hit). Elsewhere such a TTFT, at least `MISS_SHARE` of a cold prefill, is an
+    eviction (`cache_evicted`: the whole prompt prefilled again) only where a hit of the system
+    part could not have given it (`_system_part_hit`: it predicts at most half a cold prefill) or
+    the upstream is known to keep the conversation; else it is undecided, and says so: the
+    messages were prefilled again, the TTFT cannot tell whether the system part was reused, and
+    the turn counts toward the upstream's reach as the messages' re-prefill it shows."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
     if not whole or not rate or ttft is None:  # (never: `reached_by_ttft` said "system")
@@ -390,7 +427,8 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
     messages = reusable.tokens - system
     if cold - part < th.cache_timing_min_s or ttft > (cold + part) / 2:  # not closer to the system part's hit
         known = facts.system_only_with_this_turn()  # (this turn showed the messages prefilled again)
-        if not known and ttft >= MISS_SHARE * cold:
+        near = _system_part_hit(t, system)  # a hit of the system part too near a cold prefill to tell
+        if not known and ttft >= MISS_SHARE * cold and near is None:
             why = f"; {'no cached_tokens reported' if cached is None else f'the server reported {cached} cached'}"
             said = f"TTFT {_fmt(ttft)} s suggests the whole prompt was prefilled again ({figures})"
             return _reached(evicted(t, f"{why}, and {said}", said, whole), "system")
@@ -401,6 +439,10 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
         if known:
             lost = system_only_lost(t, system, messages, whole, evidence)
             return TurnVerdict(reusable, ratio, *lost, correct_prefill_tps=True, reach="system")
+        if near is not None and ttft >= MISS_SHARE * cold:
+            evidence += f": {_too_near(near, cold, system)}"
+        if facts.reach is None:
+            evidence += _FIRST_SHOWN
         return TurnVerdict(reusable, ratio, evidence=evidence, correct_prefill_tps=True, reach="system")
     evidence = (
         f"TTFT {_fmt(ttft)} s suggests only the system part was reused (~{system} tokens: system prompt and tools) "
@@ -423,10 +465,14 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
         rp, lost_s, evidence = system_only_lost(t, system, messages, whole - system, evidence)
         return TurnVerdict(reusable, ratio, rp, lost_s, evidence, found, True, hit_excess_s=hit, reach="system")
     if facts.reach is None:
-        evidence += " (the first turn on this upstream to show it: one more, and the loss is named `cache_system_only`)"
+        evidence += _FIRST_SHOWN
     return TurnVerdict(
         reusable, ratio, evidence=evidence, anomalies=found, correct_prefill_tps=True, hit_excess_s=hit, reach="system"
     )
+
+
+# an extended turn's evidence where it is the first on its upstream to show the messages prefilled again
+_FIRST_SHOWN = " (the first turn on this upstream to show it: one more, and the loss is named `cache_system_only`)"
 
 
 def system_only_lost(
