@@ -53,6 +53,9 @@ if _REASON is not None:
 
 TURNS = 3
 VERSION_TIMEOUT_S = 60  # a client's --version (Node CLIs start in seconds on a busy machine)
+# mlx_lm.server's start (a bound: ready returns at once); under two CPU burners beside this module it
+# had not even imported mlx_lm after 60 s (an empty log), which errored the four tests that use it
+STARTUP_TIMEOUT_S = 180.0
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
 ON_VLLM = ("claude-code-billing", "codex")
 ON_MLX_LM = ("aider", "opencode", "qwen-code", "llm")
@@ -73,7 +76,13 @@ def mlx_lm(rigged_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with contextlib.ExitStack() as stack:
         with cpu_affinity(SERVER_CPUS):
             url = stack.enter_context(
-                mlx_lm_server(rigged_model, max_tokens=48, log_path=log, extra_args=["--prefill-step-size", "16"])
+                mlx_lm_server(
+                    rigged_model,
+                    max_tokens=48,
+                    log_path=log,
+                    extra_args=["--prefill-step-size", "16"],
+                    startup_timeout=STARTUP_TIMEOUT_S,
+                )
             )
         tap = stack.enter_context(session_tap(int(url.rsplit(":", 1)[1])))
         yield Server("mlx-lm", url, MODEL_NAME, log, "mlx_lm.server", rigged_model, tap, tap.url)
