@@ -8,11 +8,13 @@ less than what the server says it reused), what the TTFT says (`timing_says`: a 
 prefill, against the conversation's own cold prefill rate, else the upstream's, and the
 upstream's fixed per-request cost of a hit), what an extended prompt's cache did (`extended`:
 `cached_tokens_unreported`, `cached_tokens_claimed_cold`, `prefix_cache_miss` and the causes
-`cache_evicted` and `cache_system_only`: `claimed_cold`, `evicted`, `system_only`) and what a
+`cache_evicted`, named by the TTFT only where a hit of the system part could not have given it,
+and `cache_system_only`: `claimed_cold`, `evicted`, `system_only`) and what a
 changed prompt cost (`changed`: `change_shown` says what the evidence shows, `prefix_changed` the anomaly, `hidden_hit` a hit
 the usage hides; a change the server neutralized costs 0 s). A cause is named only where the server's cached count or the TTFT
-shows a re-prefill, and `TurnVerdict.evidence` says which. Definitions: docs/METRICS.md,
-"Re-prefill causes" and "Cache honesty".
+shows a re-prefill, and `TurnVerdict.evidence` says which. How far an upstream's cache reaches
+(the system prompt only, or the conversation: `CacheFacts`, learned in `PrefixIndex.facts`) is
+`core.cachereach`'s. Definitions: docs/METRICS.md, "Re-prefill causes" and "Cache honesty".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
+from mlxproxy.core.cachereach import REACH_MIN_S, CacheFacts, Reach, ReachLog, reached_by_ttft, system_part_hit
 from mlxproxy.core.detect import MOSTLY_CACHED, Anomaly, Measured, Thresholds
 from mlxproxy.core.detect import fmt_number as _fmt
 from mlxproxy.core.prefix import BLOCK_CHARS, Cause, Change, Latest, Match, PieceMemo, PromptPrint
@@ -52,10 +55,6 @@ __all__ = [
 ]
 
 Says = Literal["hit", "miss"]
-#: how far an upstream's cache reached on a turn that extended its conversation: past the system
-#: part into the messages ("conversation"), or not past it ("system": the messages prefilled again)
-Reach = Literal["conversation", "system"]
-
 MAX_CONVERSATIONS = 256  # per upstream
 SAME_KEY = 8  # conversations kept per first user message (parallel agents, one client's fixed examples)
 NEUTRAL_SHARE = 0.95  # a cached count this share of the previous prompt reused past a change
@@ -64,30 +63,6 @@ MISS_SHARE = 0.75  # a re-prefill's TTFT is at least this share of the predicted
 COLD_CACHED_SHARE = 0.05  # a first turn with at most this share of its prompt cached is cold
 FIXED_SAMPLES = 8  # known hits kept per upstream to fit a hit's fixed cost...
 FIXED_MIN_SAMPLES = 2  # ...and how many it takes (one TTFT is too noisy to subtract)
-REACH_SAMPLES = 8  # extended turns kept per upstream that showed how far its cache reaches...
-REACH_MIN_SYSTEM = 2  # ...and how many showing the system part only, none past it, say "system"
-# the TTFT tells how far a cache reached where the messages past the system part take at least
-# this long to prefill at the cold rate: more than twice the fixed cost of a hit seen on any server
-# here (vllm-mlx: hits of the same prompt 0.06-0.41 s), which no fit may have subtracted yet
-REACH_MIN_S = 1.0
-
-
-class CacheFacts(NamedTuple):
-    """What an upstream's earlier turns say about its cache (`PrefixIndex.facts`)."""
-
-    cold_rate: float | None = None  # median prefill tok/s of cold first turns
-    fixed_s: float = 0.0  # a hit's fixed per-request cost: TTFT beyond prefilling the new tokens
-    reports_cache: bool = False  # it has reported a positive cached count: its 0 means a miss
-    # how far its cache reaches (`PrefixIndex.facts`): "system" where its recent extended turns
-    # reused only the system part, "conversation" where one reused past it; None: not shown yet
-    reach: Reach | None = None
-    reach_turns: int = 0  # the recent extended turns that showed it
-
-    def system_only_with_this_turn(self) -> bool:
-        """Whether this upstream's cache is known to keep the system prompt only once the turn
-        being judged, which showed its messages prefilled again, is counted with the earlier ones
-        (`PrefixIndex.facts`' rule: `REACH_MIN_SYSTEM` such turns, none that reached past it)."""
-        return self.reach == "system" or (self.reach is None and self.reach_turns + 1 >= REACH_MIN_SYSTEM)
 
 
 class Reusable(NamedTuple):
@@ -270,7 +245,8 @@ def extended(t: Turn) -> TurnVerdict:
     count is the evidence where it shows the hit, or where this server reports its hits (then
     a 0 is a miss, whatever the TTFT); else the TTFT decides: a hit the usage hides
     (`cached_tokens_unreported`), a hit of the system part only (`system_only`), a re-prefill
-    (`cache_evicted`), or nothing. Each says how far the cache reached (`TurnVerdict.reach`)
+    (`cache_evicted`, only where a hit of the system part could not have given that TTFT:
+    `cachereach.system_part_hit`), or nothing. Each says how far the cache reached (`TurnVerdict.reach`)
     where the messages past the system part are `prefix_min_tokens` or more."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
@@ -313,7 +289,11 @@ def extended(t: Turn) -> TurnVerdict:
         missed = evicted(t, why, evidence, r.uncached_prompt_tokens)
         return _reached(missed, "system" if only_system else None)
     # how far the cache reached, by the TTFT: the messages past the system part re-prefilled or not
-    reach = reached_by_ttft(t, system) if timed else None
+    reach = (
+        reached_by_ttft(ttft, whole, reusable.tokens, system, rate, facts.fixed_s)
+        if timed and rate and whole and ttft is not None
+        else None
+    )
     if reach == "system":
         return system_only(t, system)
     if said is not None and says == "hit":
@@ -329,12 +309,16 @@ def extended(t: Turn) -> TurnVerdict:
             hit_excess_s=hit,
             reach=reach,
         )
-    if said is not None and says == "miss":
+    part = system_part_hit(whole, system, rate, facts, th)
+    if said is not None and says == "miss" and part is None:
         told = "no cached_tokens reported" if cached is None else f"the server reported {cached} cached"
         why = f"; {told}, and {said.text()}: the whole prompt was prefilled again"
         return evicted(t, why, said.text(), whole)
-    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two
+    # nothing shows a re-prefill: a count this server may never report, a TTFT between the two, or
+    # one a hit of the system part only would give as well
     unknown = said.text() if said is not None else "no cold prefill rate to judge TTFT by"
+    if said is not None and says == "miss" and part is not None:
+        unknown += f"; {_too_near(part, said.cold_s, system)}"
     told = "no cached_tokens" if cached is None else f"cached_tokens {cached} (no hit reported by this server yet)"
     return TurnVerdict(reusable, ratio, evidence=f"{told}; {unknown}", correct_prefill_tps=True)
 
@@ -348,24 +332,16 @@ def _reached(v: TurnVerdict, reach: Reach | None) -> TurnVerdict:
     return v if reach is None else replace(v, reach=reach)
 
 
-def reached_by_ttft(t: Turn, system: int) -> Reach | None:
-    """How far the cache reached on an extended turn, by its TTFT past a hit of the whole prefix
-    (`fixed + new / rate`) against re-prefilling the messages past the system part (`P`, at least
-    `REACH_MIN_S` at the cold rate): "system" from half of `P` on, "conversation" up to a quarter
-    of it, None between. Fractions, not a midpoint: a session's cold first turn is often slower
-    than the server (the client starting on the same cores: OpenCode's 79,269 tokens took 2.26 s
-    cold in its session, 1.43 s sent again alone), so `P` over-states the re-prefill up to twice."""
-    r, reusable, whole, rate, facts = t.r, t.reusable, t.whole, t.rate, t.facts
-    if not rate or not whole or r.ttft_s is None:
-        return None
-    shown = r.ttft_s - (facts.fixed_s + max(whole - reusable.tokens, 0) / rate)
-    messages = (reusable.tokens - system) / rate
-    return "system" if shown >= messages / 2 else "conversation" if shown <= messages / 4 else None
+def _too_near(part: float, cold: float, system: int) -> str:
+    return (
+        f"a hit of the system part only (~{system} tokens) would take ≈ {_fmt(part)} s, too near a cold prefill "
+        f"(≈ {_fmt(cold)} s) for the TTFT to tell whether it was reused (no eviction named)"
+    )
 
 
 def system_only(t: Turn, system: int) -> TurnVerdict:
     """An extended turn whose TTFT shows the messages past the system part prefilled again
-    (`reached_by_ttft`): a cache that keeps only the system prompt (vllm-mlx 0.6.0 by default).
+    (`cachereach.reached_by_ttft`): a cache that keeps only the system prompt (vllm-mlx 0.6.0 by default).
     Where the TTFT is closer to a hit of the system part than to a cold prefill of the whole
     prompt, the usage hiding that hit is `cached_tokens_unreported` from `prefix_min_tokens` on.
     The re-prefilled messages are no anomaly (this server never keeps them: nothing failed), but
@@ -375,8 +351,12 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
     closer to a cold prefill on such an upstream, this turn counted (the system part is too small
     a share to tell, with a cold rate this noisy, but the messages were prefilled again: a loaded
     machine's turn 3 of the OpenCode session took 2.61 s against 2.54 s cold while vllm-mlx logged
-    its usual system hit); elsewhere that is an eviction (`cache_evicted`), as a TTFT that shows the
-    whole prompt prefilled again."""
+    its usual system hit). Elsewhere such a TTFT, at least `MISS_SHARE` of a cold prefill, is an
+    eviction (`cache_evicted`: the whole prompt prefilled again) only where a hit of the system
+    part could not have given it (`cachereach.system_part_hit`: it predicts at most half a cold prefill) or
+    the upstream is known to keep the conversation; else it is undecided, and says so: the
+    messages were prefilled again, the TTFT cannot tell whether the system part was reused, and
+    the turn counts toward the upstream's reach as the messages' re-prefill it shows."""
     r, m, reusable, ratio, whole, rate, rate_of, facts, th = t
     cached, ttft = r.cached_tokens, r.ttft_s
     if not whole or not rate or ttft is None:  # (never: `reached_by_ttft` said "system")
@@ -390,7 +370,10 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
     messages = reusable.tokens - system
     if cold - part < th.cache_timing_min_s or ttft > (cold + part) / 2:  # not closer to the system part's hit
         known = facts.system_only_with_this_turn()  # (this turn showed the messages prefilled again)
-        if not known and ttft >= MISS_SHARE * cold:
+        near = system_part_hit(
+            whole, system, rate, facts, th
+        )  # a hit of the system part too near a cold prefill to tell
+        if not known and ttft >= MISS_SHARE * cold and near is None:
             why = f"; {'no cached_tokens reported' if cached is None else f'the server reported {cached} cached'}"
             said = f"TTFT {_fmt(ttft)} s suggests the whole prompt was prefilled again ({figures})"
             return _reached(evicted(t, f"{why}, and {said}", said, whole), "system")
@@ -401,6 +384,10 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
         if known:
             lost = system_only_lost(t, system, messages, whole, evidence)
             return TurnVerdict(reusable, ratio, *lost, correct_prefill_tps=True, reach="system")
+        if near is not None and ttft >= MISS_SHARE * cold:
+            evidence += f": {_too_near(near, cold, system)}"
+        if facts.reach is None:
+            evidence += _FIRST_SHOWN
         return TurnVerdict(reusable, ratio, evidence=evidence, correct_prefill_tps=True, reach="system")
     evidence = (
         f"TTFT {_fmt(ttft)} s suggests only the system part was reused (~{system} tokens: system prompt and tools) "
@@ -423,10 +410,14 @@ def system_only(t: Turn, system: int) -> TurnVerdict:
         rp, lost_s, evidence = system_only_lost(t, system, messages, whole - system, evidence)
         return TurnVerdict(reusable, ratio, rp, lost_s, evidence, found, True, hit_excess_s=hit, reach="system")
     if facts.reach is None:
-        evidence += " (the first turn on this upstream to show it: one more, and the loss is named `cache_system_only`)"
+        evidence += _FIRST_SHOWN
     return TurnVerdict(
         reusable, ratio, evidence=evidence, anomalies=found, correct_prefill_tps=True, hit_excess_s=hit, reach="system"
     )
+
+
+# an extended turn's evidence where it is the first on its upstream to show the messages prefilled again
+_FIRST_SHOWN = " (the first turn on this upstream to show it: one more, and the loss is named `cache_system_only`)"
 
 
 def system_only_lost(
@@ -665,7 +656,7 @@ class PrefixIndex:
         self.hit_excess_s: deque[float] = deque(maxlen=FIXED_SAMPLES)  # known hits' TTFT past their prefill
         self.reports_cache = False
         # how far the cache reached on recent extended turns (True: into the messages)
-        self.reach: deque[bool] = deque(maxlen=REACH_SAMPLES)
+        self.reach = ReachLog()
         # what `prefix.fingerprint` made of recent prompts' parts, reused where the next turn
         # repeats them (bounded; the same fingerprints as without it)
         self.memo: PieceMemo | None = PieceMemo()
@@ -703,7 +694,7 @@ class PrefixIndex:
         if hit_excess_s is not None:
             self.hit_excess_s.append(hit_excess_s)
         if reach is not None:
-            self.reach.append(reach == "conversation")
+            self.reach.add(reach)
         entries = self._by_key.setdefault(new.key, [])
         self._by_key.move_to_end(new.key)
         if match is not None:
@@ -737,11 +728,6 @@ class PrefixIndex:
         """What this upstream's turns so far say about its cache: its cold prefill rate, a hit's
         fixed cost (the smallest TTFT past its prefill among its last `FIXED_SAMPLES` known hits,
         once there are `FIXED_MIN_SAMPLES`), whether it reports its hits, and how far its cache
-        reaches: "system" where at least `REACH_MIN_SYSTEM` of its last `REACH_SAMPLES` extended
-        turns showed the messages past the system part prefilled again and none showed them
-        reused, "conversation" where one did."""
+        reaches (`cachereach.ReachLog.known`)."""
         fixed = min(self.hit_excess_s) if len(self.hit_excess_s) >= FIXED_MIN_SAMPLES else 0.0
-        into = sum(self.reach)
-        system = len(self.reach) - into
-        reach: Reach | None = "conversation" if into else "system" if system >= REACH_MIN_SYSTEM else None
-        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache, reach, into or system)
+        return CacheFacts(self.prefill_rate(), fixed, self.reports_cache, *self.reach.known())

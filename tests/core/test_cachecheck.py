@@ -402,7 +402,9 @@ def test_a_slow_turn_on_a_known_system_only_cache_is_no_eviction() -> None:
     """Once an upstream has shown it keeps the system prompt only, an extended turn whose TTFT is
     nearer a cold prefill than a hit of the system part tells nothing about the system part (its
     share is small against a noisy cold rate): no `cache_evicted`. On an upstream not known so, the
-    same TTFT is an eviction, as before."""
+    same TTFT is no eviction either where a hit of the system part would predict more than half a
+    cold prefill (here ~0.51 of it: the TTFT cannot tell the two), and is one where the system part
+    is most of the prompt (a hit of it predicts ~0.34 of a cold prefill)."""
     index = PrefixIndex()
     extended_turns(index, "system")
     assert index.facts().reach == "system"
@@ -418,7 +420,36 @@ def test_a_slow_turn_on_a_known_system_only_cache_is_no_eviction() -> None:
     assert slow.reprefill_lost_s == pytest.approx(messages / RATE, rel=0.05)
     fresh = PrefixIndex()
     turn(fresh, "f0", msgs[0], whole[0], whole[0] / RATE)
-    evicted = turn(fresh, "f1", msgs[1], whole[1], whole[1] / RATE)
+    told = turn(fresh, "f1", msgs[1], whole[1], whole[1] / RATE)
+    assert told.reprefill_cause is None and not {"prefix_cache_miss", "cache_evicted"} & set(told.anomalies)
+    assert "too near a cold prefill" in told.cache_evidence and "no eviction named" in told.cache_evidence
+    assert "the first turn on this upstream to show it" in told.cache_evidence
+    big = [[{"role": "system", "content": AGENT_SYSTEM * 2}, *m[1:]] for m in msgs]
+    whole = [tokens_of(m) for m in big]
+    fresh = PrefixIndex()
+    turn(fresh, "b0", big[0], whole[0], whole[0] / RATE)
+    evicted = turn(fresh, "b1", big[1], whole[1], whole[1] / RATE)
+    assert evicted.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in evicted.anomalies
+    assert "suggests the whole prompt was prefilled again" in evicted.cache_evidence
+
+
+def test_a_short_message_part_as_slow_as_cold_is_no_eviction_where_a_system_hit_tells_nothing() -> None:
+    """Messages past the system part too short for the TTFT to show how far the cache reached (under
+    `REACH_MIN_S` at the cold rate), but more than half the prompt: a TTFT as slow as a cold prefill
+    is what a hit of the ~1,200-token system part gives too (~0.6 of cold), so no eviction is named;
+    with no system part to reuse, the same TTFT is one."""
+    ask = {"role": "user", "content": "Explain this.\n" + "Some context line.\n" * 500}
+    one = [{"role": "system", "content": SYSTEM}, ask]
+    two = [*one, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "more"}]
+    index = PrefixIndex()
+    turn(index, "m0", one, tokens_of(one), tokens_of(one) / RATE)
+    slow = turn(index, "m1", two, tokens_of(two), tokens_of(two) / RATE)
+    assert slow.reprefill_cause is None and "prefix_cache_miss" not in slow.anomalies, slow.cache_evidence
+    assert "suggests a re-prefill" in slow.cache_evidence and "too near a cold prefill" in slow.cache_evidence
+    bare = [one[1:], two[1:]]
+    index = PrefixIndex()
+    turn(index, "n0", bare[0], tokens_of(bare[0]), tokens_of(bare[0]) / RATE)
+    evicted = turn(index, "n1", bare[1], tokens_of(bare[1]), tokens_of(bare[1]) / RATE)
     assert evicted.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in evicted.anomalies
 
 

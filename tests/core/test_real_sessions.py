@@ -29,6 +29,7 @@ the mark must go.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -228,3 +229,80 @@ def test_aider_on_vllm_mlx_costs_nothing_once_the_proxy_has_seen_its_cache() -> 
         assert "this server reused only the system prompt on 3 earlier turns" in rec.cache_evidence
         assert not {"prompt_prefix_changed", "prefix_cache_miss"} & set(rec.anomalies)
         assert float(ex.expected["lost_s"]) == 0.0  # the truth: vllm-mlx prefilled the history anyway
+
+
+def _with_ttft(s: Session, n: int, ttft: float) -> Session:
+    """``s`` as if exchange ``n``'s first token had come at ``ttft`` s (every byte after the response
+    head that much later, every later exchange sent that much later): the same bytes, another
+    machine's timing."""
+    ex = next(e for e in s.exchanges if e.n == n)
+    delta = ttft - float(ex.truth["ttft_s"])
+    slowed = []
+    for e in s.exchanges:
+        if e.n == n:
+            marks = tuple((off, t + delta if off > 0 else t) for off, t in e.upstream_marks)
+            end = e.t_end + delta if e.t_end is not None else None
+            e = dataclasses.replace(e, upstream_marks=marks, t_end=end)
+        elif e.t_sent > ex.t_sent:
+            e = dataclasses.replace(e, t_sent=e.t_sent + delta)
+        slowed.append(e)
+    return dataclasses.replace(s, exchanges=tuple(slowed))
+
+
+PASTE = "opencode-paste_1.18.33__vllm-mlx"
+#: the full runs where the OpenCode-then-Aider live test failed: OpenCode's turn 2 (79,299 prompt
+#: tokens, 17,096 of them the system part) came in 2.86 s, as slow as a cold prefill, while vllm-mlx
+#: logged its usual HIT of the system part (``System KV cache HIT: reusing 17096 tokens``)
+SLOW_TURN_S = 2.86
+
+
+def test_a_first_system_only_turn_as_slow_as_cold_is_undecided_not_an_eviction() -> None:
+    """OpenCode's session with a pasted document, its turn 2 as slow as in the failed runs (2.86 s,
+    cold turn 1 2.26 s at 35,000 tok/s): a hit of the system part only would predict ~1.78 s (0.78 of
+    a cold prefill), too near a cold prefill for any TTFT to tell the two, so nothing names an
+    eviction; the turn still shows the messages prefilled again, so from turn 3 the upstream is known
+    to keep the system prompt only (`cache_system_only`), and Aider's history rewrites after it cost
+    0 s with that evidence."""
+    paste = _with_ttft(SESSIONS[PASTE], 4, SLOW_TURN_S)
+    recs = replay(paste)
+    slow = recs[4]
+    assert slow.ttft_s == pytest.approx(SLOW_TURN_S, abs=0.01)
+    assert slow.reprefill_cause is None and not set(slow.anomalies) & set(PREFIX_ANOMALIES), slow.anomalies
+    ev = slow.cache_evidence or ""
+    assert "tells neither whether the system part (~17" in ev, ev
+    assert "too near a cold prefill" in ev and "no eviction named" in ev, ev
+    assert "the first turn on this upstream to show it" in ev, ev
+    for n in (5, 6):  # turns 3 and 4: the loss named, no alarm
+        assert recs[n].reprefill_cause == "cache_system_only", recs[n].cache_evidence
+        assert not set(recs[n].anomalies) & set(PREFIX_ANOMALIES), recs[n].anomalies
+    aider = SESSIONS["aider-after-paste_0.86.2__vllm-mlx"]
+    after = replay(aider, before=(paste,))
+    for ex in aider.turns[1:]:
+        rec = after[ex.n]
+        assert (rec.reprefill_cause, rec.reprefill_lost_s) == ("history_rewritten", 0.0), rec.cache_evidence
+        assert "this server reused only the system prompt on 3 earlier turns" in (rec.cache_evidence or "")
+
+
+def test_a_slow_system_only_turn_on_an_upstream_known_so_names_the_loss() -> None:
+    """The same slow TTFT on turn 4, once turns 2 and 3 have shown the cache keeping the system prompt
+    only: the messages' loss is `cache_system_only` with its seconds, no eviction."""
+    recs = replay(_with_ttft(SESSIONS[PASTE], 6, SLOW_TURN_S))
+    slow = recs[6]
+    assert slow.reprefill_cause == "cache_system_only" and not set(slow.anomalies) & set(PREFIX_ANOMALIES)
+    assert "tells neither whether the system part" in (slow.cache_evidence or ""), slow.cache_evidence
+    assert slow.reprefill_lost_s is not None and 0.5 < slow.reprefill_lost_s < SLOW_TURN_S
+
+
+def test_an_eviction_that_left_nothing_is_still_named_where_the_ttft_tells() -> None:
+    """OpenCode's plain session on vllm-mlx (a 17,092-token system part of ~17,150: a hit of it leaves
+    ~0.002 s to prefill), its turn 3 as slow as its cold turn 1 (0.83 s), as after a server restart:
+    a hit of the system part could not take that long, so the whole prompt was prefilled again:
+    `cache_evicted` with its seconds (the issue: "the eviction after a server restart named with 2.64 s
+    lost of 2.68 s")."""
+    s = SESSIONS["opencode_1.18.33__vllm-mlx"]
+    cold = float(s.turns[0].truth["ttft_s"])
+    recs = replay(_with_ttft(s, 4, cold))
+    rec = recs[4]
+    assert rec.reprefill_cause == "cache_evicted" and "prefix_cache_miss" in rec.anomalies, rec.cache_evidence
+    assert rec.reprefill_lost_s is not None and 0.8 * cold <= rec.reprefill_lost_s <= cold
+    assert recs[3].reprefill_cause is None and recs[5].reprefill_cause is None  # its neighbours: hits

@@ -16,7 +16,9 @@ model. For each:
   test_real_sessions.py) says today's core does; the cases it marks known-wrong are skipped here;
 * through one proxy on vllm-mlx, OpenCode with a long pasted document and then Aider: the proxy
   learns from OpenCode's turns that vllm-mlx keeps only the system prompt (its log: HIT reusing the
-  system tokens, prefilling the rest), and prices Aider's history rewrite at 0 s with that evidence.
+  system tokens, prefilling the rest), and prices Aider's history rewrite at 0 s with that evidence;
+  a turn the machine's load slowed to a cold prefill's TTFT is no eviction (the TTFT cannot tell a
+  hit of a system part this small a share of the prompt from none: it says so).
 
 Budget: about 4-5 minutes of CI on two cores (six clients, three short turns each; the last test
 about a minute). Every client
@@ -51,6 +53,9 @@ if _REASON is not None:
 
 TURNS = 3
 VERSION_TIMEOUT_S = 60  # a client's --version (Node CLIs start in seconds on a busy machine)
+# mlx_lm.server's start (a bound: ready returns at once); under two CPU burners beside this module it
+# had not even imported mlx_lm after 60 s (an empty log), which errored the four tests that use it
+STARTUP_TIMEOUT_S = 180.0
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
 ON_VLLM = ("claude-code-billing", "codex")
 ON_MLX_LM = ("aider", "opencode", "qwen-code", "llm")
@@ -71,7 +76,13 @@ def mlx_lm(rigged_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with contextlib.ExitStack() as stack:
         with cpu_affinity(SERVER_CPUS):
             url = stack.enter_context(
-                mlx_lm_server(rigged_model, max_tokens=48, log_path=log, extra_args=["--prefill-step-size", "16"])
+                mlx_lm_server(
+                    rigged_model,
+                    max_tokens=48,
+                    log_path=log,
+                    extra_args=["--prefill-step-size", "16"],
+                    startup_timeout=STARTUP_TIMEOUT_S,
+                )
             )
         tap = stack.enter_context(session_tap(int(url.rsplit(":", 1)[1])))
         yield Server("mlx-lm", url, MODEL_NAME, log, "mlx_lm.server", rigged_model, tap, tap.url)
@@ -182,16 +193,18 @@ def _records(folder: Path) -> list[dict[str, Any]]:
     return [by_id[i] for i in ids if i in by_id]
 
 
-# Out of the default run while issue 36's rule does not hold under the whole suite: in two full runs
-# of `python -m pytest` (2026-12-06, 19:36 and 20:38 UTC, the second on an otherwise idle machine)
-# OpenCode's second turn on vllm-mlx came as slow as a cold prefill (2.86 s in the first) although
-# vllm-mlx logged its system-prompt hit, and the proxy read it as an eviction; alone it passed (71 s).
-# Run it with `python -m pytest -m slow -s tests/integration/test_agent_sessions.py`.
-@pytest.mark.slow
+#: what an OpenCode turn's evidence says where its TTFT showed the ~62,000 tokens of messages after
+#: the system part prefilled again: the system part reused (a TTFT near a hit of it), or the TTFT too
+#: near a cold prefill to tell whether it was (a loaded machine: turn 2 at 2.86 s, 2.26 s cold);
+#: either way the cache did not reach past the system part, which is what the proxy learns
+SHOWN_SYSTEM_ONLY = ("only the system part was reused", "tells neither whether the system part")
+
+
 def test_a_history_rewrite_costs_nothing_once_the_proxy_saw_vllm_mlx_cache(vllm_server: Server, tmp_path: Path) -> None:
     for client in ("opencode-paste", "aider"):
         _require(client)
     # 4 turns: 3 that extend the conversation, of which the proxy needs 2 that show the cache's reach
+    # (REACH_MIN_SYSTEM); a turn too slow to tell whether the system part was reused still shows it
     paste, aider = record_through_one_proxy(
         [CLIENTS["opencode-paste"], CLIENTS["aider"]], vllm_server, tmp_path, turns=4
     )
@@ -203,12 +216,19 @@ def test_a_history_rewrite_costs_nothing_once_the_proxy_saw_vllm_mlx_cache(vllm_
     prefilled = [int(n) for n in re.findall(r"System KV cache HIT[^:]*: reusing \d+ tokens, prefilling (\d+)", log)]
     assert len(prefilled) >= 3 and min(prefilled) > 50_000, prefilled
     turns = [r for r in _records(paste) if r.get("turn")]
-    said = [(r["turn"], r.get("cache_evidence")) for r in turns]
-    assert sum("only the system part was reused" in (e or "") for _, e in said) >= 2, said
-    # ...and from the second turn that shows it, that loss is named, with its seconds
+    said = [(r["turn"], r["ttft_s"], r.get("reprefill_cause"), r.get("cache_evidence")) for r in turns]
+    print("\nOpenCode turns (turn, TTFT, cause, evidence):", *said, sep="\n  ")
+    # no false alarm: nothing was evicted (the server's log), whatever the machine's load did to the TTFT
+    for r in turns:
+        assert r.get("reprefill_cause") != "cache_evicted", said
+        assert not {"prefix_cache_miss", "prompt_prefix_changed"} & set(r["anomalies"]), said
+    # the proxy saw the messages prefilled again on at least 2 extended turns...
+    shown = [r for r in turns if any(p in (r.get("cache_evidence") or "") for p in SHOWN_SYSTEM_ONLY)]
+    assert len(shown) >= 2, said
+    # ...and from the second that shows it, that loss is named, with its seconds
     system_only = [r for r in turns if r.get("reprefill_cause") == "cache_system_only"]
     assert system_only and all((r["reprefill_lost_s"] or 0) > 0.1 for r in system_only), said
-    assert not [r for r in turns if {"prefix_cache_miss", "prompt_prefix_changed"} & set(r["anomalies"])], said
+    assert "this one included, showed its cache keeping the system prompt only" in system_only[0]["cache_evidence"]
     rewrites = [r for r in _records(aider) if (r.get("turn") or 0) > 1]
     assert len(rewrites) == 3, rewrites
     for r in rewrites:

@@ -296,8 +296,14 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "<no log>"
 
 
+KILLED_WAIT_S = 60.0
+
+
 def _stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """Terminate ``proc`` (SIGTERM, then SIGKILL after ``grace`` seconds) and reap it."""
+    """Terminate ``proc`` (SIGTERM, then SIGKILL after ``grace`` seconds) and reap it. A killed
+    server is waited for up to `KILLED_WAIT_S`: on a loaded machine (2 cores, two CPU burners and
+    other test runs) an mlx_lm.server once took longer than 5 s to go after SIGKILL, and the wait's
+    timeout failed a run whose tests had all passed."""
     if proc.poll() is not None:
         return
     proc.terminate()
@@ -305,7 +311,7 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(timeout=grace)
+        proc.wait(timeout=KILLED_WAIT_S)
 
 
 @contextlib.contextmanager
