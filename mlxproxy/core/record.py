@@ -336,12 +336,14 @@ def checked_record(
     new.tpot_s, new.decode_tps, new.wall_tps = rate_figures(
         completion_tokens, new.ttft_s, new.e2e_s, wall_window_s(new.duration_s, new.tail_after_done_s)
     )
-    new.completion_tokens = completion_tokens
-    new.tokens_source = tokens_source
-    new.anomalies = anomalies
-    new.anomaly_evidence = anomaly_evidence
-    new.stall_count = stall_count
-    new.stall_total_s = stall_total_s
+    # the verdict's fields, in one assignment
+    new.completion_tokens, new.tokens_source, new.anomalies, new.anomaly_evidence = (
+        completion_tokens,
+        tokens_source,
+        anomalies,
+        anomaly_evidence,
+    )
+    new.stall_count, new.stall_total_s = stall_count, stall_total_s
     new.__class__ = Record  # frozen from here on: the very `Record` that `Record(...)` gives
     record: Record = new
     return record
