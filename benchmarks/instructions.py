@@ -79,8 +79,15 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 300.0) ->
 
 def send(conn: http.client.HTTPConnection, body: bytes, n: int) -> None:
     for _ in range(n):
-        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-        r = conn.getresponse()
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            r = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closed the idle keep-alive connection (uvicorn's 5 s, which a callgrind
+            # dump on a busy machine can outlast): once more on a new one
+            conn.close()
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            r = conn.getresponse()
         r.read()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status} through the proxy")

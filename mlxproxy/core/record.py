@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from itertools import repeat
 from typing import Any, Literal, get_args
 
 from mlxproxy.core.clients import NO_CLIENT, ClientInfo, SideRequest
@@ -257,7 +256,6 @@ class Record:
 
 _FIELD_NAMES = tuple(f.name for f in fields(Record))
 _setattr = object.__setattr__  # how a frozen dataclass sets its own fields
-_drain = deque[None](maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
 # What the checks decide (`core.detect.verdict`, the conversation's prefix checks); each has a
@@ -320,32 +318,64 @@ def checked_record(
     """The one `Record` of a finished request, built once: `measured` (a `Measurement`: its
     first fields are `MEASURED_FIELDS`, in order) completed with the checks' verdict, the speeds
     of the trusted count `completion_tokens`, and `error` when given (the measured one scrubbed
-    of secrets). Set field by field (a frozen record's `__init__` would cost twice as much, on
-    the event loop, once per request); unknown conversation fields raise AttributeError."""
-    new = object.__new__(Record)
-    # (each field by `map`: the loop runs in C, not once per field in the interpreter)
-    _drain(map(_setattr, repeat(new), MEASURED_FIELDS, measured))
-    _drain(map(_setattr, repeat(new), _CHECKED_DEFAULTS, _CHECKED_DEFAULTS.values()))
+    of secrets). Set by plain stores on a `_Building` record that then becomes a `Record` (a
+    frozen record's `__init__`, or `object.__setattr__` per field, would cost ~30 times as much,
+    on the event loop, once per request); unknown conversation fields raise AttributeError."""
+    new: Any = _new(_Building)
+    _fill(new, measured)
     if conversation:
         for name, value in conversation.items():
             if name not in _CHECKED_DEFAULTS and name not in _CONVERSATION_CORRECTS:
                 raise AttributeError(f"{name!r} is not a conversation field of Record")
             _setattr(new, name, value)
     if error is not None:
-        _setattr(new, "error", error)
+        new.error = error
     if client is not NO_CLIENT:  # who sent it (core.clients): the checked defaults say None
-        _setattr(new, "client", client.name)
-        _setattr(new, "side_request", client.side)
-    tpot, decode, wall = rate_figures(
+        new.client = client.name
+        new.side_request = client.side
+    new.tpot_s, new.decode_tps, new.wall_tps = rate_figures(
         completion_tokens, new.ttft_s, new.e2e_s, wall_window_s(new.duration_s, new.tail_after_done_s)
     )
-    _setattr(new, "completion_tokens", completion_tokens)
-    _setattr(new, "tokens_source", tokens_source)
-    _setattr(new, "tpot_s", tpot)
-    _setattr(new, "decode_tps", decode)
-    _setattr(new, "wall_tps", wall)
-    _setattr(new, "anomalies", anomalies)
-    _setattr(new, "anomaly_evidence", anomaly_evidence)
-    _setattr(new, "stall_count", stall_count)
-    _setattr(new, "stall_total_s", stall_total_s)
-    return new
+    # the verdict's fields, in one assignment
+    new.completion_tokens, new.tokens_source, new.anomalies, new.anomaly_evidence = (
+        completion_tokens,
+        tokens_source,
+        anomalies,
+        anomaly_evidence,
+    )
+    new.stall_count, new.stall_total_s = stall_count, stall_total_s
+    new.__class__ = Record  # frozen from here on: the very `Record` that `Record(...)` gives
+    record: Record = new
+    return record
+
+
+class _Building(Record):
+    """A `Record` while `checked_record` fills it: the same slots (it adds none, so an instance
+    can become a `Record` by `__class__` assignment), without the frozen `__setattr__`. Its
+    fields are then set by plain attribute stores, which the interpreter does in a few dozen
+    instructions each, where `object.__setattr__` on a frozen record costs ~1,300 (its argument
+    tuple, the type lookup): 76 of them were ~100 k instructions per request."""
+
+    __slots__ = ()
+    # the generic C setter (both names: they share one type slot), so that plain stores are slot writes
+    __setattr__ = object.__setattr__
+    __delattr__ = object.__delattr__
+
+
+_new = object.__new__
+
+
+def _filler() -> Callable[[Any, tuple[Any, ...]], None]:
+    """`fill(new, measured)`: the measured fields from `measured` (a `Measurement`, whose first
+    fields are `MEASURED_FIELDS`) and every checked field's default, by plain attribute stores
+    (a function written once for these names: a loop would need `setattr`)."""
+    measured = ", ".join(f"new.{name}" for name in MEASURED_FIELDS)
+    checked = ", ".join(f"new.{name}" for name in _CHECKED_DEFAULTS)
+    source = f"def fill(new, measured):\n    {measured}, *_ = measured\n    {checked}, = defaults\n"
+    scope: dict[str, Any] = {"defaults": tuple(_CHECKED_DEFAULTS.values())}
+    exec(source, scope)  # (names from the dataclass's own fields only)
+    fill: Callable[[Any, tuple[Any, ...]], None] = scope["fill"]
+    return fill
+
+
+_fill = _filler()

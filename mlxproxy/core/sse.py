@@ -99,40 +99,18 @@ class SSEDecoder:
 
     def feed(self, data: bytes) -> list[SSEItem]:
         """Consume `data`; return the items it completed (possibly none). Never raises."""
-        # Fast path for what nearly every server sends: reads of whole single-line data events,
-        # `data: ...\n\n`, arriving while no line or event is open. Each such event is built
-        # directly, exactly as `_line` + `_dispatch` would build it; at the first byte that
-        # does not fit the pattern the rest of the read goes to the general path.
-        if not self._idle or not data.startswith(b"data: ") or data.find(b"\r") >= 0:
+        # what nearly every server sends, reads of whole single-line data events, is recognised
+        # in one place (`data_payloads`); each event is then built directly, exactly as `_line`
+        # + `_dispatch` would build it (an event spans "data: " + its data + the blank line)
+        start, end, last_id = self._event_start, self._base, self._last_id
+        payloads = self.data_payloads(data)
+        if payloads is None:
             return self._feed_general(data)
         out: list[SSEItem] = []
-        find = data.find
-        n = len(data)
-        base = self._base
-        start = self._event_start
-        limit = self.max_line_bytes
-        last_id = self._last_id
-        pos = 0
-        while True:
-            i = find(b"\n", pos)
-            # the data line must end before the read does, be followed by the blank line,
-            # and be within the bound (an over-long line is the general path's business)
-            if i < 0 or i + 1 >= n or data[i + 1] != _LF or i - pos > limit:
-                break
-            end = base + i + 2
-            out.append(SSEEvent(data[pos + 6 : i].decode("utf-8", "replace"), end, "", last_id, None, start))
+        for p in payloads:
+            end += len(p) + 8
+            out.append(SSEEvent(p.decode("utf-8", "replace"), end, "", last_id, None, start))
             start = end
-            pos = i + 2
-            if pos == n or not data.startswith(b"data: ", pos):
-                break
-        if pos:
-            self._first_line = False  # the first line began with "data: ", so it held no BOM
-            self._event_start = start
-            self._base = base + pos
-            if pos == n:
-                return out
-            data = data[pos:]
-        out.extend(self._feed_general(data))
         return out
 
     def data_payloads(self, data: bytes) -> list[bytes] | None:

@@ -68,36 +68,38 @@ class Metric:
         return make(self.name, self.help, self.labels, registry=registry)
 
 
-C, G, H, B = Counter, Gauge, Histogram, BatchHistogram
+C, G, B = Counter, Gauge, BatchHistogram
 #: every metric the proxy exports (docs/METRICS.md lists the same; tests/proxy/test_metrics_table.py
-#: keeps the two in step). B: fed a batch of values per record (`BatchHistogram`, the same exposition)
+#: keeps the two in step). B: a histogram observed when a record is finished (`BatchHistogram`: the
+#: exposition of prometheus_client's `Histogram`, with one lock and a bisection per value instead of
+#: a lock per bucket scanned and two more, and a batch of values per call)
 METRICS: tuple[Metric, ...] = (
     Metric("requests", C, "mlxproxy_requests", "Finished requests by outcome.", "requests",
            (*UP_MODEL, "endpoint", "stream", "code", "outcome")),
     Metric("in_flight", G, "mlxproxy_requests_in_flight", "Requests in flight.", "requests", UP_MODEL),
-    Metric("duration", H, "mlxproxy_request_duration_seconds",
+    Metric("duration", B, "mlxproxy_request_duration_seconds",
            "Whole request: client request in to response body fully sent.", "seconds",
            (*UP_MODEL, "endpoint", "stream"), LATENCY_BUCKETS),
-    Metric("ttfb", H, "mlxproxy_time_to_first_byte_seconds",
+    Metric("ttfb", B, "mlxproxy_time_to_first_byte_seconds",
            "Time to the first response body byte (may be a keep-alive comment).", "seconds",
            (*UP_MODEL, "endpoint"), LATENCY_BUCKETS),
-    Metric("ttft", H, "mlxproxy_time_to_first_token_seconds",
+    Metric("ttft", B, "mlxproxy_time_to_first_token_seconds",
            "Time to the first generated token (reasoning included).", "seconds", (*UP_MODEL, "endpoint"),
            LATENCY_BUCKETS),
-    Metric("ttfc", H, "mlxproxy_time_to_first_content_seconds", "Time to the first answer or tool-call token.",
+    Metric("ttfc", B, "mlxproxy_time_to_first_content_seconds", "Time to the first answer or tool-call token.",
            "seconds", (*UP_MODEL, "endpoint"), LATENCY_BUCKETS),
     Metric("itl", B, "mlxproxy_inter_token_latency_seconds", "Gaps between consecutive generated events.",
            "seconds", UP_MODEL, GAP_BUCKETS),
-    Metric("tpot", H, "mlxproxy_time_per_output_token_seconds",
+    Metric("tpot", B, "mlxproxy_time_per_output_token_seconds",
            "Per request: (last token - first token) / (tokens - 1).", "seconds", UP_MODEL, GAP_BUCKETS),
-    Metric("tps", H, "mlxproxy_output_tokens_per_second",
+    Metric("tps", B, "mlxproxy_output_tokens_per_second",
            "Per request output tokens/s; kind=wall|decode; concurrency at start.", "tokens/s",
            (*UP_MODEL, "kind", "concurrency"), TPS_BUCKETS),
-    Metric("prefill", H, "mlxproxy_prefill_tokens_per_second", "(prompt - cached tokens) / TTFT.", "tokens/s",
+    Metric("prefill", B, "mlxproxy_prefill_tokens_per_second", "(prompt - cached tokens) / TTFT.", "tokens/s",
            UP_MODEL, PREFILL_BUCKETS),
-    Metric("prompt_len", H, "mlxproxy_prompt_length_tokens", "Prompt tokens per request (reported by the server).",
+    Metric("prompt_len", B, "mlxproxy_prompt_length_tokens", "Prompt tokens per request (reported by the server).",
            "tokens", UP_MODEL, LENGTH_BUCKETS),
-    Metric("gen_len", H, "mlxproxy_generation_length_tokens", "Output tokens per request (reported, else counted).",
+    Metric("gen_len", B, "mlxproxy_generation_length_tokens", "Output tokens per request (reported, else counted).",
            "tokens", UP_MODEL, LENGTH_BUCKETS),
     Metric("tokens", C, "mlxproxy_tokens", "Tokens by type and by who counted them.", "tokens",
            (*UP_MODEL, "type", "source")),
@@ -138,6 +140,7 @@ class ProxyMetrics:
         self.max_model_labels = max_model_labels
         self._models: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._by_labels: dict[tuple[str, str, str, str], _Series] = {}
         self.families: dict[str, Any] = {m.key: m.create(registry) for m in METRICS}
         f = self.families
         self.observer_errors, self.capture_dropped, self.capture_errors = (
@@ -190,63 +193,42 @@ class ProxyMetrics:
     def close(self) -> None:
         pass
 
+    def _series(self, up: str, model: str, ep: str, stream: str) -> _Series:
+        """The children one request's record feeds, looked up once per label set (and then kept)."""
+        key = (up, model, ep, stream)
+        series = self._by_labels.get(key)
+        if series is None:
+            series = self._by_labels[key] = _Series(self, up, model, ep, stream)
+        return series
+
     def on_record(self, r: Record, exchange: object = None) -> None:
-        f = self.families
         up, model = r.upstream, self.model_label(r.model)
-        ep, stream = r.endpoint, "true" if r.stream else "false"
-        c = self._child
-        c(f["requests"], up, model, ep, stream, str(r.status) if r.status is not None else "none", r.outcome).inc()
+        ep = r.endpoint
+        s = self._series(up, model, ep, "true" if r.stream else "false")
+        outcome_key = (r.status, r.outcome)
+        requests = s.requests.get(outcome_key)
+        if requests is None:
+            status = str(r.status) if r.status is not None else "none"
+            requests = s.requests[outcome_key] = s.child("requests", ep, s.stream, status, r.outcome)
+        requests.inc()
         if r.duration_s is not None:
-            c(f["duration"], up, model, ep, stream).observe(r.duration_s)
-        for kind in r.anomalies:
-            c(f["anomalies"], up, model, kind).inc()
+            (s.duration or s.make("duration")).observe(r.duration_s)
+        if r.anomalies or r.prefill_wasted_s or r.reprefill_cause is not None or r.tool_calls:
+            self._rare(r, s)
         if r.prompt_tokens is not None and r.cached_tokens is not None:
             reused = min(r.cached_tokens, r.prompt_tokens)
-            c(f["prompt_cache"], up, model, "reused").inc(reused)
-            c(f["prompt_cache"], up, model, "recomputed").inc(r.prompt_tokens - reused)
-        if r.prefill_wasted_s:
-            c(f["prefill_wasted"], up, model).inc(r.prefill_wasted_s)
-        if r.reprefill_cause is not None and r.reprefill_lost_s:
-            c(f["reprefill_lost"], up, model, r.reprefill_cause).inc(r.reprefill_lost_s)
-        if r.tool_calls_valid is not None and r.tool_calls:
-            if r.tool_calls_valid:
-                c(f["tool_calls"], up, model, "valid").inc(r.tool_calls_valid)
-            if r.tool_calls > r.tool_calls_valid:
-                c(f["tool_calls"], up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
-        if r.endpoint not in GENERATION_ENDPOINTS:
+            (s.reused or s.make("reused")).inc(reused)
+            (s.recomputed or s.make("recomputed")).inc(r.prompt_tokens - reused)
+        if ep not in GENERATION_ENDPOINTS:
             return
-        ok = r.outcome in OK_OUTCOMES
         if r.ttfb_s is not None:
-            c(f["ttfb"], up, model, ep).observe(r.ttfb_s)
+            (s.ttfb or s.make("ttfb")).observe(r.ttfb_s)
         if r.status is not None and r.status < 400:
-            present = "true" if r.usage_reports else "false"
-            c(f["usage_reports"], up, model, present).inc()
-        self._tokens(r, up, model)
-        if not ok:  # failed requests never enter latency statistics
-            return
-        if r.ttft_s is not None:
-            c(f["ttft"], up, model, ep).observe(r.ttft_s)
-        if r.ttfc_s is not None:
-            c(f["ttfc"], up, model, ep).observe(r.ttfc_s)
-        if r.event_offsets_s:
-            observe_all(c(f["itl"], up, model), r.event_gaps_s())
-        if r.tpot_s is not None:
-            c(f["tpot"], up, model).observe(r.tpot_s)
-        conc = concurrency_bucket(r.concurrency)
-        if r.wall_tps is not None:
-            c(f["tps"], up, model, "wall", conc).observe(r.wall_tps)
-        if r.decode_tps is not None:
-            c(f["tps"], up, model, "decode", conc).observe(r.decode_tps)
-        if r.prefill_tps is not None and r.prefill_tps > 0:  # a rate is never negative (records of older versions)
-            c(f["prefill"], up, model).observe(r.prefill_tps)
-        if r.prompt_tokens is not None:
-            c(f["prompt_len"], up, model).observe(r.prompt_tokens)
-        if r.n_out is not None:
-            c(f["gen_len"], up, model).observe(r.n_out)
-
-    def _tokens(self, r: Record, up: str, model: str) -> None:
-        f = self.families
-        c = self._child
+            if r.usage_reports:
+                (s.usage_present or s.make("usage_present")).inc()
+            else:
+                (s.usage_absent or s.make("usage_absent")).inc()
+        tokens = s.tokens
         for typ, source, value in (
             ("prompt", "reported", r.prompt_tokens),
             ("cached_prompt", "reported", r.cached_tokens),
@@ -256,4 +238,103 @@ class ProxyMetrics:
             ("reasoning", "counted", r.reasoning_tokens_counted),
         ):
             if value:
-                c(f["tokens"], up, model, typ, source).inc(value)
+                child = tokens.get((typ, source))
+                if child is None:
+                    child = tokens[(typ, source)] = s.child("tokens", typ, source)
+                child.inc(value)
+        if r.outcome not in OK_OUTCOMES:  # failed requests never enter latency statistics
+            return
+        if r.ttft_s is not None:
+            (s.ttft or s.make("ttft")).observe(r.ttft_s)
+        if r.ttfc_s is not None:
+            (s.ttfc or s.make("ttfc")).observe(r.ttfc_s)
+        if r.event_offsets_s:
+            observe_all(s.itl or s.make("itl"), r.event_gaps_s())
+        if r.tpot_s is not None:
+            (s.tpot or s.make("tpot")).observe(r.tpot_s)
+        if r.wall_tps is not None or r.decode_tps is not None:
+            conc = concurrency_bucket(r.concurrency)
+            if r.wall_tps is not None:
+                s.tps("wall", conc).observe(r.wall_tps)
+            if r.decode_tps is not None:
+                s.tps("decode", conc).observe(r.decode_tps)
+        if r.prefill_tps is not None and r.prefill_tps > 0:  # a rate is never negative (records of older versions)
+            (s.prefill or s.make("prefill")).observe(r.prefill_tps)
+        if r.prompt_tokens is not None:
+            (s.prompt_len or s.make("prompt_len")).observe(r.prompt_tokens)
+        n_out = r.n_out
+        if n_out is not None:
+            (s.gen_len or s.make("gen_len")).observe(n_out)
+
+    def _rare(self, r: Record, s: _Series) -> None:
+        """What most records have none of: anomalies, lost prefill, tool calls."""
+        f, c, up, model = self.families, self._child, s.up, s.model
+        for kind in r.anomalies:
+            c(f["anomalies"], up, model, kind).inc()
+        if r.prefill_wasted_s:
+            c(f["prefill_wasted"], up, model).inc(r.prefill_wasted_s)
+        if r.reprefill_cause is not None and r.reprefill_lost_s:
+            c(f["reprefill_lost"], up, model, r.reprefill_cause).inc(r.reprefill_lost_s)
+        if r.tool_calls_valid is not None and r.tool_calls:
+            if r.tool_calls_valid:
+                c(f["tool_calls"], up, model, "valid").inc(r.tool_calls_valid)
+            if r.tool_calls > r.tool_calls_valid:
+                c(f["tool_calls"], up, model, "invalid").inc(r.tool_calls - r.tool_calls_valid)
+
+
+#: `_Series` attribute -> (family key, label values after upstream and model: "ep" and "stream" are the
+#: series' own, any other is itself)
+_SERIES_CHILDREN: dict[str, tuple[str, tuple[str, ...]]] = {
+    "duration": ("duration", ("ep", "stream")),
+    "ttfb": ("ttfb", ("ep",)),
+    "ttft": ("ttft", ("ep",)),
+    "ttfc": ("ttfc", ("ep",)),
+    "itl": ("itl", ()),
+    "tpot": ("tpot", ()),
+    "prefill": ("prefill", ()),
+    "prompt_len": ("prompt_len", ()),
+    "gen_len": ("gen_len", ()),
+    "usage_present": ("usage_reports", ("true",)),
+    "usage_absent": ("usage_reports", ("false",)),
+    "reused": ("prompt_cache", ("reused",)),
+    "recomputed": ("prompt_cache", ("recomputed",)),
+}
+
+
+class _Series:
+    """The label children of one (upstream, model, endpoint, stream): what `on_record` feeds,
+    found once (`ProxyMetrics._child`, so a child is the same object whichever way it was reached)
+    instead of a tuple key built and looked up per metric and request."""
+
+    __slots__ = (
+        "owner", "up", "model", "ep", "stream", "requests", "tokens", "_tps", "duration", "ttfb", "ttft", "ttfc",
+        "itl", "tpot", "prefill", "prompt_len", "gen_len", "usage_present", "usage_absent", "reused", "recomputed",
+    )  # fmt: skip
+
+    def __init__(self, owner: ProxyMetrics, up: str, model: str, ep: str, stream: str) -> None:
+        self.owner, self.up, self.model, self.ep, self.stream = owner, up, model, ep, stream
+        self.requests: dict[tuple[int | None, str], Any] = {}
+        self.tokens: dict[tuple[str, str], Any] = {}
+        self._tps: dict[tuple[str, str], Any] = {}
+        # each child made when first observed (`make`): a series nobody observed is not exported
+        self.duration = self.ttfb = self.ttft = self.ttfc = self.itl = self.tpot = self.prefill = None
+        self.prompt_len = self.gen_len = self.usage_present = self.usage_absent = None
+        self.reused = self.recomputed = None
+
+    def make(self, attr: str) -> Any:
+        """The child kept in `attr` (None until now), made."""
+        family, labels = _SERIES_CHILDREN[attr]
+        child = self.child(family, *(getattr(self, x) if x in ("ep", "stream") else x for x in labels))
+        setattr(self, attr, child)
+        return child
+
+    def child(self, key: str, *labels: str) -> Any:
+        """The child of family `key` for this series' upstream and model and `labels`."""
+        owner = self.owner
+        return owner._child(owner.families[key], self.up, self.model, *labels)
+
+    def tps(self, kind: str, conc: str) -> Any:
+        child = self._tps.get((kind, conc))
+        if child is None:
+            child = self._tps[(kind, conc)] = self.child("tps", kind, conc)
+        return child
