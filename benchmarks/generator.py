@@ -51,6 +51,8 @@ import time
 import urllib.request
 from typing import Any
 
+from treecount import start_upstream
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PY = sys.executable
@@ -93,17 +95,6 @@ def pct(xs: list[float], q: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def start_upstream() -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen([PY, os.path.join(HERE, "upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    ready, _, _ = select.select([p.stdout], [], [], 15)
-    line = p.stdout.readline() if ready else ""
-    if not line.startswith("READY "):
-        p.kill()
-        raise SystemExit(f"benchmark upstream did not start: {line!r}")
-    return p, int(line.split()[1])
 
 
 def set_rate(port: int, rate: float) -> None:

@@ -45,8 +45,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from generator import _body, set_rate, start_upstream  # noqa: E402
+from generator import _body, set_rate  # noqa: E402
 from instructions import total_instructions  # noqa: E402
+from treecount import count_each_tree  # noqa: E402
 
 
 async def _control(cmd: str) -> None:
@@ -173,14 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.join(src, "mlxproxy")):
             print(f"generator_instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
-    up, port = start_upstream()
-    try:
-        for src in args.src:
-            res = measure(os.path.abspath(src), port, args)
-            print(f"{src}: instructions per " + ", ".join(f"{k}: {v / 1e3:.1f} k" for k, v in res.items()), flush=True)
-    finally:
-        up.kill()
-        up.wait(10)
+    count_each_tree(args.src, lambda src, port: measure(os.path.abspath(src), port, args), lambda v: f"{v / 1e3:.1f} k")
     return 0
 
 

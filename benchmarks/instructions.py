@@ -42,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bodies import chat_body  # noqa: E402
+from treecount import count_each_tree  # noqa: E402
 
 NON_STREAM = chat_body(False, 16)
 STREAM = chat_body(True, 100)
@@ -174,22 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         if src != FLOOR and not os.path.isdir(os.path.join(src, "mlxproxy")):
             print(f"instructions.py: {src} holds no mlxproxy/ package", file=sys.stderr)
             return 2
-    up = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "upstream.py"), "--port", "0", "--rate", f"{args.rate:g}"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = up.stdout.readline() if up.stdout else ""
-        up_port = int(line.split()[1])
-        for src in args.src:
-            with tempfile.TemporaryDirectory(prefix="mlxproxy-instr-") as workdir:
-                res = measure(src if src == FLOOR else os.path.abspath(src), up_port, workdir)
-            figures = ", ".join(f"{name}: {v / 1e6:.3f} M" for name, v in res.items())
-            print(f"{src}: instructions per {figures}", flush=True)
-    finally:
-        up.terminate()
-        up.wait(10)
+
+    def one(src: str, up_port: int) -> dict[str, float]:
+        with tempfile.TemporaryDirectory(prefix="mlxproxy-instr-") as workdir:
+            return measure(src if src == FLOOR else os.path.abspath(src), up_port, workdir)
+
+    count_each_tree(args.src, one, lambda v: f"{v / 1e6:.3f} M", rate=args.rate)
     return 0
 
 

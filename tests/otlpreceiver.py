@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from integration.serving import serving
 
 KINDS = {"/v1/traces": ExportTraceServiceRequest, "/v1/metrics": ExportMetricsServiceRequest}
 
@@ -67,16 +68,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def receiver() -> Iterator[Receiver]:
+def receiver() -> contextlib.AbstractContextManager[Receiver]:
     srv = Receiver()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield srv
-    finally:
+
+    def stop() -> None:
         srv.shutdown()
         srv.server_close()
+
+    return serving(srv, srv.serve_forever, stop)
 
 
 def otlp_attrs(kvs: Any) -> dict[str, object]:

@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import TypeVar
 
+from .serving import serving
+
 #: A token-bearing event in any of the three streaming dialects (chat ``content`` /
 #: ``reasoning_content``, Messages ``text`` / ``thinking`` deltas, Responses ``delta``), a
 #: non-empty string value.
@@ -263,13 +265,6 @@ class SessionTap:
 T = TypeVar("T", bound=SessionTap)
 
 
-@contextlib.contextmanager
-def session_tap(target_port: int, kind: type[T] = SessionTap) -> Iterator[T]:  # type: ignore[assignment]
+def session_tap(target_port: int, kind: type[T] = SessionTap) -> contextlib.AbstractContextManager[T]:  # type: ignore[assignment]
     t = kind(target_port)
-    acceptor = threading.Thread(target=t._accept, daemon=True)
-    acceptor.start()
-    try:
-        yield t
-    finally:
-        t.close()
-        acceptor.join(timeout=5)
+    return serving(t, t._accept, t.close)
