@@ -555,13 +555,11 @@ def changed(t: Turn, change: Change) -> TurnVerdict:
     also: tuple[Anomaly, ...] = () if hidden is None else (hidden,)
     shown = change_shown(t, change)
     unknown_share = r.cached_tokens is None or hidden is not None  # the prefilled share is unknown
-    # a change past the system part that only the TTFT could price: what this server's cache keeps decides
-    by_reach = (
-        shown.says in ("reprefilled", "nothing", "too_small")
-        and not _counted(r, facts)
-        and change.cause != "model_changed"
-        and m.shared_chars >= m.system_chars
-    )
+    # a change past the system part that only the TTFT could price: what this server's cache keeps
+    # decides, also against a TTFT that looks like a hit past the change (on a server known to keep the
+    # system prompt only, that is a cold rate measured slow: Aider's ~1,400-token turn 1 on a loaded
+    # machine, 5,600 tok/s, made its rewrite's 0.06 s read as a hit of the whole previous prompt)
+    by_reach = not _counted(r, facts) and change.cause != "model_changed" and m.shared_chars >= m.system_chars
     if by_reach and facts.reach == "system":
         evidence = (
             f"this server reused only the system prompt on {facts.reach_turns} earlier turns that extended their "
