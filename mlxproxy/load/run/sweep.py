@@ -213,7 +213,9 @@ class _Search:
         itself, which are the server's to set (docs/METRICS.md, "Start ramp")."""
         if not self.rounds:
             return 0.0
-        ttfts = sorted(r.ttft_s for rnd in self.rounds[min(self.rounds)] for r in rnd[0].records if r.ttft_s is not None)
+        ttfts = sorted(
+            r.ttft_s for rnd in self.rounds[min(self.rounds)] for r in rnd[0].records if r.ttft_s is not None
+        )
         return ttfts[len(ttfts) // 2] if ttfts else 0.0
 
     async def measure(self, n: float, again: bool = False) -> None:
@@ -237,7 +239,9 @@ class _Search:
         self.rounds.setdefault(n, []).extend(rounds)
         alone = judge(_rows(rounds), self.slo)
         self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
-        params = {**self.params, "start_spread_s": round(window, 4)} if window and self.unit != RATE_UNIT else self.params
+        params = (
+            {**self.params, "start_spread_s": round(window, 4)} if window and self.unit != RATE_UNIT else self.params
+        )
         g = _step_group(self.rounds[n], n, self.slo, self.target, params, self.unit, self.votes[n], stalls)
         if n in self.groups:
             self.out[self.out.index(self.groups[n])] = g
