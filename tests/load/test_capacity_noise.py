@@ -77,7 +77,7 @@ def sweep(p: Profile, seed: int) -> list[Group]:
     """The real search against the engine: each measurement of a step is a new seeded plan."""
     calls = 0
 
-    async def step(n: float, _window_s: float = 0.0) -> tuple[Timed, dict[str, object]]:
+    async def step(n: float) -> tuple[Timed, dict[str, object]]:
         nonlocal calls
         calls += 1
         return Timed(records=closed_loop(p, int(n), mix_copies(int(n), 1, 3), seed * 1000 + calls)), {}
@@ -125,7 +125,7 @@ def test_runs_repeat_the_whole_search_and_the_verdict_gives_each_answer_and_the_
     p = profile(JITTER_S)
     calls = 0
 
-    async def step(n: float, _window_s: float = 0.0) -> tuple[Timed, dict[str, object]]:
+    async def step(n: float) -> tuple[Timed, dict[str, object]]:
         nonlocal calls
         calls += 1
         return Timed(records=closed_loop(p, int(n), mix_copies(int(n), 1, 3), 7000 + calls)), {}
@@ -163,7 +163,7 @@ def test_a_step_that_held_in_one_fast_moment_is_measured_again_before_it_is_the_
     slo = {"ttft_p95": 0.32}
     seen: dict[int, int] = {}
 
-    async def step(n: float, _window_s: float = 0.0) -> tuple[Timed, dict[str, object]]:
+    async def step(n: float) -> tuple[Timed, dict[str, object]]:
         k = int(n)
         seen[k] = seen.get(k, 0) + 1
         ttft = 0.2 if (k, seen[k]) == (7, 1) else 0.05 * k

@@ -83,7 +83,6 @@ def merge(results: Sequence[SegmentResult], start_mono: float) -> FleetTimed:
         out.source_ids.update(res.source_ids)
         out.where.update(res.where)
         out.session_s.extend(res.session_s)
-        out.firsts.update(res.firsts)
         p99 = percentile(sorted(res.lag_s), 99) if res.lag_s else None
         figures.append(WorkerFigures(res.index, res.host, res.pid, len(res.records), p99, res.cpu_s, res.wall_s))
     out.records.sort(key=lambda r: r.t_start_mono)

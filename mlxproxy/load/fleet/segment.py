@@ -104,7 +104,6 @@ class SegmentResult:
     session_s: tuple[float, ...]
     cpu_s: float
     wall_s: float
-    firsts: tuple[str, ...] = ()  # each closed-loop stream's first request (its warm-up)
 
 
 def run_segment(seg: Segment, start_at: float | None = None, stop_event: str | None = None) -> SegmentResult:
@@ -181,7 +180,7 @@ async def run_part(seg: Segment, measured: Measured | None = None) -> SegmentRes
         cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - start_mono
     return SegmentResult(
         seg.index, socket.gethostname(), os.getpid(), tuple(timed.records), start_mono, tuple(timed.lag_s),
-        timed.lag_by_id, timed.source_ids, timed.where, tuple(timed.session_s), cpu_s, wall_s, tuple(timed.firsts),
+        timed.lag_by_id, timed.source_ids, timed.where, tuple(timed.session_s), cpu_s, wall_s,
     )  # fmt: skip
 
 

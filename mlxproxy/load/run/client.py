@@ -78,7 +78,6 @@ class Timed:
     where: dict[str, SessionTurn] = field(default_factory=dict)  # record id -> session, turn, think time
     session_s: list[float] = field(default_factory=list)  # each conversation run's wall time
     waves: list[list[Record]] = field(default_factory=list)  # each wave's records (released together)
-    firsts: set[str] = field(default_factory=set)  # each closed-loop stream's first request's id
 
     def add(self, r: Record, source_id: str | None) -> None:
         """One finished request, with the captured request it replays (None: synthetic)."""

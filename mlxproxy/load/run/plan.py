@@ -6,8 +6,7 @@ the fleet (`mlxproxy.load.fleet`). Every part keeps what one process would have 
 - a closed loop of S streams: stream s on worker s mod n, with that stream's share of the
   requests (request i belongs to stream i mod S);
 - conversation runs: run i in slot i mod K (K conversations at once), slot k on worker k mod n,
-  so every turn of a conversation is sent by one worker, in order;
-- staggered starts (`stagger`): stream (or slot) s keeps its own start on whichever worker sends it.
+  so every turn of a conversation is sent by one worker, in order.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import TypeVar
 
 from mlxproxy.load.run.client import PreparedRequest
 
-__all__ = ["plan_closed", "plan_due", "plan_sessions", "stagger"]
+__all__ = ["plan_closed", "plan_due", "plan_sessions"]
 
 T = TypeVar("T")
 
@@ -50,11 +49,3 @@ def plan_sessions(runs: Sequence[T], at_once: int, n: int) -> list[tuple[int, li
         ids = [i for i in range(len(runs)) if i % at_once in slots]
         out.append((len(slots), [runs[i] for i in ids], ids))
     return out
-
-
-def stagger(count: int, window_s: float) -> tuple[float, ...]:
-    """The starts of `count` streams (or conversations) spread evenly over `window_s` seconds:
-    stream s starts s x window_s / count after the first (every one at 0 when `window_s` is 0),
-    so that no two first requests arrive in the same instant (docs/METRICS.md, "Start ramp")."""
-    count = max(1, int(count))
-    return tuple(s * max(0.0, window_s) / count for s in range(count))

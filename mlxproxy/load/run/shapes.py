@@ -7,11 +7,9 @@ the runner (`mlxproxy.load.run.runner.send`) sends any of them, here or on a fle
 - `Recorded(speed)`: each request at its recorded offset / speed (open loop on the capture's clock).
 - `OpenLoop(rate, arrival, seed, ramp_s)`: request i due at the i-th arrival of a constant or
   seeded Poisson schedule at `rate` requests/s, after an unmeasured linear ramp.
-- `ClosedLoop(streams, starts)`: `streams` workers, each sending its next request when its last
-  ends, each starting at its own offset (`starts`; a sweep spreads them over a window).
+- `ClosedLoop(streams)`: `streams` workers, each sending its next request when its last ends.
 - `Waves(size)`: requests released together, `size` at a time (the double-batch method).
-- `Sessions(at_once, starts)`: conversation runs (`Turn`s with their think time), `at_once` at a
-  time, each slot starting at its own offset.
+- `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
 - `Burst(size, every_s)`: `size` requests due together every `every_s` seconds.
 - `Due`: each request at its own due time from one start (what `Recorded` and `OpenLoop`
   send, and their part on one worker).
@@ -39,7 +37,7 @@ from mlxproxy.load.data.summary import JSONObject
 from mlxproxy.load.judge.capacity import RATE_UNIT
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
-from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions, stagger
+from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
 from mlxproxy.load.run.sweep import DEFAULT_BUDGET_S, DEFAULT_STEP_MIN_S, StepRun, run_sweep
 
 __all__ = [
@@ -278,9 +276,6 @@ class OpenLoop(DueTimes):
     def at(self, n: float) -> OpenLoop:
         return replace(self, rate=n)
 
-    def spread(self, window_s: float) -> OpenLoop:
-        return self  # an open loop's start is its `ramp_s`
-
     def params(self, n: int) -> dict[str, float | str | int | None]:
         """The group params that describe this shape for `n` requests (`scheduled_rate` too)."""
         return {**schedule(n, self.rate, self.arrival, self.seed)[1], "ramp_s": self.ramp_s}
@@ -300,51 +295,38 @@ class OpenLoop(DueTimes):
 
 @dataclass(frozen=True, slots=True)
 class ClosedLoop(Shape):
-    """`streams` workers, each sending its next request as soon as its last one ended; stream s
-    starts `starts[s]` seconds after the start (none given: all at once; `spread`: evenly over a
-    window, `plan.stagger`). Each stream's first request is in the result's `firsts`."""
+    """`streams` workers, each sending its next request as soon as its last one ended."""
 
     streams: int
-    starts: tuple[float, ...] = ()
     splits: ClassVar[bool] = True
     unit: ClassVar[str] = "streams"
 
     def at(self, n: float) -> ClosedLoop:
-        return replace(self, streams=int(n), starts=())
-
-    def spread(self, window_s: float) -> ClosedLoop:
-        return replace(self, starts=stagger(self.streams, window_s))
+        return replace(self, streams=int(n))
 
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
-        t0 = now() if start is None else start
         out = Timed()
         queue = list(load.requests)[::-1]
         heap = _RunHeap()
 
-        async def worker(s: int) -> None:
-            await _sleep_until(t0 + self.starts[s] if s < len(self.starts) else None)
-            sent = 0
+        async def worker() -> None:
             while queue:
                 req = queue.pop()
-                out.add(r := await client.send(req), req.source_id)
-                if not sent:
-                    out.firsts.add(r.id)
-                sent += 1
+                out.add(await client.send(req), req.source_id)
                 heap.record_done()
                 if tick:
                     tick()
 
         try:
-            await asyncio.gather(*(worker(s) for s in range(max(1, self.streams))))
+            await asyncio.gather(*(worker() for _ in range(max(1, self.streams))))
         finally:
             heap.release()
         return out
 
     def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
-        """Stream s on worker s mod n, with that stream's share of the requests and its start."""
-        parts = plan_closed(load.requests, self.streams, n)
-        return [(ClosedLoop(s, self.starts[k::n]), Load(rs)) for k, (s, rs) in enumerate(parts)]
+        """Stream s on worker s mod n, with that stream's share of the requests."""
+        return [(ClosedLoop(s), Load(rs)) for s, rs in plan_closed(load.requests, self.streams, n)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,30 +372,23 @@ class Waves(Shape):
 @dataclass(frozen=True, slots=True)
 class Sessions(Shape):
     """Conversations, `at_once` at a time: each run its turns in order with its think time; a
-    worker (slot k, starting `starts[k]` seconds after the start; none given: all at once;
-    `spread`: evenly over a window) takes the next run when its last one ends. The result has each record's `session` (its run's
-    number), `turn` and `think_s` (`where`) and each run's wall time."""
+    worker takes the next run when its last one ends. The result has each record's `session`
+    (its run's number), `turn` and `think_s` (`where`) and each run's wall time."""
 
     at_once: int
-    starts: tuple[float, ...] = ()
     splits: ClassVar[bool] = True
     unit: ClassVar[str] = "sessions"
 
     def at(self, n: float) -> Sessions:
-        return replace(self, at_once=int(n), starts=())
-
-    def spread(self, window_s: float) -> Sessions:
-        return replace(self, starts=stagger(self.at_once, window_s))
+        return replace(self, at_once=int(n))
 
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
-        at = now() if start is None else start
         queue = list(enumerate(load.runs))[::-1]
         ids = load.run_ids
         out = Timed()
 
-        async def worker(k: int) -> None:
-            await _sleep_until(at + self.starts[k] if k < len(self.starts) else None)
+        async def worker() -> None:
             while queue:
                 si, turns = queue.pop()
                 t0 = time.perf_counter()
@@ -427,14 +402,13 @@ class Sessions(Shape):
                         tick()
                 out.session_s.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(worker(k) for k in range(max(1, self.at_once))))
+        await asyncio.gather(*(worker() for _ in range(max(1, self.at_once))))
         return out
 
     def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
-        """Slot k of the conversations at once on worker k mod n (with its start): a
-        conversation never moves."""
+        """Slot k of the conversations at once on worker k mod n: a conversation never moves."""
         parts = plan_sessions(load.runs, self.at_once, n)
-        return [(Sessions(s, self.starts[k::n]), Load(runs=rs, run_ids=ids)) for k, (s, rs, ids) in enumerate(parts)]
+        return [(Sessions(s), Load(runs=rs, run_ids=ids)) for s, rs, ids in parts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +450,8 @@ class Sweep(Generic[SweptShape]):
         return self.inner.unit
 
     def at(self, n: float) -> SweptShape:
-        return self.inner.at(n)  # the inner shape at the count `n`
+        """The inner shape at the count `n`."""
+        return self.inner.at(n)
 
     async def run(
         self,
@@ -491,8 +466,8 @@ class Sweep(Generic[SweptShape]):
     ) -> None:
         """`step(shape)` at each count, its judged group appended to `out` as it finishes."""
 
-        async def at(n: float, window_s: float) -> StepRun:
-            return await step(self.at(n).spread(window_s))
+        async def at(n: float) -> StepRun:
+            return await step(self.at(n))
 
         await run_sweep(
             at, self.steps, slo, target=target, params=dict(params), out=out, say=say, unit=self.unit,

@@ -2,9 +2,7 @@
 SLO as it finishes (`--sweep`); `mlxproxy.load.run.shapes.Sweep` is the load shape that runs one.
 
 Every step sends the same mix (the same requests or conversations, scaled by the step's
-count), so steps differ only in load. A closed-loop or sessions step's streams (conversations)
-start one after another, spread over the lightest step's median TTFT (`window_s`), not in the
-same instant. Given steps run as given; without them the sweep
+count), so steps differ only in load. Given steps run as given; without them the sweep
 doubles from 1 until a step breaks the SLO, has failed requests or adds no throughput, then
 refines between the last good and the first bad step by binary search on integers, for as
 long as the time budget allows, so the answer is "7", not "between 4 and 8" (`--sweep auto`;
@@ -73,7 +71,7 @@ _Round = tuple[Timed, Mapping[str, SessionTurn], float, frozenset[str]]
 
 
 async def run_sweep(
-    step: Callable[[float, float], Awaitable[StepRun]],
+    step: Callable[[float], Awaitable[StepRun]],
     steps: Sequence[float],
     slo: dict[str, float],
     *,
@@ -88,13 +86,13 @@ async def run_sweep(
     min_s: float = DEFAULT_STEP_MIN_S,
     runs: int = 1,
 ) -> None:
-    """Run `step(n, window_s)` at each of `steps` (empty: doubling from 1, then, with `refine`, refining
+    """Run `step(n)` at each of `steps` (empty: doubling from 1, then, with `refine`, refining
     within `budget_s` seconds; `mlxproxy.load.run.shapes.Sweep` runs a shape this way). Each step's
     group is appended to `out` as it finishes (a step measured again replaces its group with one
     holding every measurement); `say` gets one line per step; `progress` shows each step as a
     phase. `unit`: what the steps count (streams, sessions, req/s). A step sends its mix again
-    until it has run `min_s` seconds; its streams start spread over a window (`_Search.window_s`).
-    `runs`: the whole search that many times (each step's params carry its `run`)."""
+    until it has run `min_s` seconds. `runs`: the whole search that many times (each step's
+    params carry its `run`)."""
     for run in range(1, max(1, runs) + 1):
         tagged = {**params, "run": run} if runs > 1 else dict(params)
         who = f"{target} (run {run} of {runs})" if runs > 1 else target
@@ -107,7 +105,7 @@ class _Search:
 
     def __init__(
         self,
-        step: Callable[[float, float], Awaitable[StepRun]],
+        step: Callable[[float], Awaitable[StepRun]],
         slo: dict[str, float],
         target: str,
         who: str,
@@ -203,21 +201,6 @@ class _Search:
         pair = [s for s in steps if s.step == value] + [s for s in steps if s.step > value][:1]
         return next((s.step for s in reversed(pair) if s.measured < 2 and not s.errors), None)
 
-    def window_s(self) -> float:
-        """The window a step's streams (or conversations) start over (`plan.stagger`): the
-        median TTFT of the lightest step measured so far (at one stream: the time the server
-        takes to admit and prefill one request alone); 0 before any step (a sweep's first step
-        is one stream). Wide enough that no two first requests arrive in the same instant (a
-        server that admits new prompts in rounds would split such a burst at its admission);
-        no wider: over a whole answer the generator would set the steady state's phases
-        itself, which are the server's to set (docs/METRICS.md, "Start ramp")."""
-        if not self.rounds:
-            return 0.0
-        ttfts = sorted(
-            r.ttft_s for rnd in self.rounds[min(self.rounds)] for r in rnd[0].records if r.ttft_s is not None
-        )
-        return ttfts[len(ttfts) // 2] if ttfts else 0.0
-
     async def measure(self, n: float, again: bool = False) -> None:
         """One measurement of step `n`: its mix sent (again) until `min_s` seconds and enough
         requests, each round's first request per stream marked as warm-up; merged with the
@@ -226,9 +209,8 @@ class _Search:
         if self.progress is not None:
             self.progress.phase(f"sweep {self.who}: {step_label(n, self.unit)}" + (" (again)" if again else ""))
         stalls: list[Stall] = []
-        window = self.window_s() if n > 1 else 0.0
         for attempt in range(2):
-            rounds, stalls = await self._rounds(n, window)
+            rounds, stalls = await self._rounds(n)
             if not stalls or attempt:
                 break
             if self.say:
@@ -239,10 +221,7 @@ class _Search:
         self.rounds.setdefault(n, []).extend(rounds)
         alone = judge(_rows(rounds), self.slo)
         self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
-        params = (
-            {**self.params, "start_spread_s": round(window, 4)} if window and self.unit != RATE_UNIT else self.params
-        )
-        g = _step_group(self.rounds[n], n, self.slo, self.target, params, self.unit, self.votes[n], stalls)
+        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, self.votes[n], stalls)
         if n in self.groups:
             self.out[self.out.index(self.groups[n])] = g
         else:
@@ -252,14 +231,14 @@ class _Search:
         if self.say:
             self.say(_step_line(self.who, self.unit, self.done[n]))
 
-    async def _rounds(self, n: float, window: float) -> tuple[list[_Round], list[Stall]]:
+    async def _rounds(self, n: float) -> tuple[list[_Round], list[Stall]]:
         rounds: list[_Round] = []
         watch = StallWatch(STALL_S)
         task = asyncio.ensure_future(watch.run())
         try:
             t0 = time.monotonic()
             while True:
-                timed, where = await self.step(n, window)
+                timed, where = await self.step(n)
                 rounds.append((timed, where, _span(timed), _warm(timed, n, self.unit)))
                 # only a closed loop's streams run again: a sessions step would find its
                 # conversations in the server's prompt cache, an open loop has its own length
@@ -271,14 +250,11 @@ class _Search:
 
 
 def _warm(timed: Timed, n: float, unit: str) -> frozenset[str]:
-    """The warm-up of a closed-loop round: each stream's first request (`timed.firsts`; a
-    result without them: the first `n` sent). An open loop's warm-up is its ramp; a sessions
-    step has none: a conversation's first turn (its whole prompt, uncached) is part of what
-    agents send."""
+    """The warm-up of a closed-loop round: each stream's first request, the first `n` sent
+    (every stream starts at once). An open loop's warm-up is its ramp; a sessions step has none:
+    a conversation's first turn (its whole prompt, uncached) is part of what agents send."""
     if unit != "streams":
         return frozenset()
-    if timed.firsts:
-        return frozenset(timed.firsts)
     return frozenset(r.id for r in sorted(timed.records, key=lambda r: r.t_start_mono)[: int(n)])
 
 
