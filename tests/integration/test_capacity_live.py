@@ -22,6 +22,15 @@ phase-locked streams split a 7-stream wave 2 + 5, the five waiting 0.52-0.58 s, 
 client's threads, a few ms apart, saw 0.36-0.40 s; a sessions step starts its conversations in
 the same millisecond, so 2-3 of ten first turns wait ~1.1 s and set the p95 of 50 turns. Run it
 with ``python -m pytest -m slow -s tests/integration/test_capacity_live.py``.
+
+Spreading the streams' starts over one TTFT alone (tried 2026-12-06 evening, load average 3-12,
+three whole runs, all failed; taken out again, docs/METRICS.md "Why the streams start at once")
+did not help: bench 3, 4, 4, 6, 8 / 5, 4, 8, 4, 8 / 7, 8, 4, 4, 5 against clients of 4-8; on
+that server the first stream is admitted alone and the others wait its round (in a sessions
+step S-1 of S first turns, 0.45-0.65 s), and where the streams stand after the first round is
+the server's grouping either way. Without the ramp, in the same hour, two whole runs: bench
+6, 6, 6, 4, 6 (client 6-8: the 4 failed) and 6, 8, 8, 8, 5 (client 5-8: the 6 and the 5 off the
+median), sessions 8, 7, 8, 9, 8 (client 5-10) and 10, 8, 9, 9, 9 (client 8-10): both held.
 """
 
 from __future__ import annotations
