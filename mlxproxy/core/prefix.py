@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -69,6 +69,7 @@ __all__ = [
     "Latest",
     "PieceMemo",
     "MEMO_BYTES",
+    "MEMO_RECENT",
     "system_chars",
 ]
 
@@ -82,6 +83,7 @@ VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile
 MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
 MEMO_ENTRIES = 4096  # ...and its entries
 MEMO_PROBATION = 256  # entries seen once, kept apart until seen again (`PieceMemo`)
+MEMO_RECENT = 4  # the latest prompts whose messages a new prompt is compared with first (`PieceMemo`)
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -250,7 +252,14 @@ class PieceMemo:
     11 % when every part was kept). The kept entries: least recently used out first, at most
     `max_bytes` of keys in both lists together (a key is at least as long as the text it stands
     for, which the entry keeps) and `max_entries` entries. Kept by the finishing step's state
-    (`cachecheck.PrefixIndex.memo`); no I/O, no clock."""
+    (`cachecheck.PrefixIndex.memo`); no I/O, no clock.
+
+    Before any of that, a prompt's messages are compared with those of the `MEMO_RECENT` latest
+    prompts (an agent's turn repeats its previous turn's): the leading messages equal (`==`, no
+    JSON written, no key hashed) to a recent prompt's take that prompt's pieces, as far as both
+    are made of strings, None, lists and objects only (`_plain`: where `==` tells values apart
+    exactly as their JSON does; `1 == 1.0 == True` is not such a case). The tools list likewise:
+    equal to the latest one, its JSON text is reused."""
 
     def __init__(
         self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES, max_probation: int = MEMO_PROBATION
@@ -263,6 +272,10 @@ class PieceMemo:
         self.misses = 0
         self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen again: kept
         self._probation: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen once
+        # the latest prompts, newest first: their messages (up to the first one not `_plain`),
+        # what they were made into, and how many of the first are known `_plain`
+        self._recent: deque[tuple[list[Any], list[_Said], int]] = deque(maxlen=MEMO_RECENT)
+        self._tools: tuple[list[Any], str] | None = None  # the latest plain tools list and its text
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._probation)
@@ -306,11 +319,68 @@ class PieceMemo:
     def piece(self, text: str) -> _Said:
         return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
 
+    def repeated(self, items: list[Any]) -> list[_Said]:
+        """What the leading messages of `items` that a recent prompt also begins with were made
+        into: those of the newest prompt that `items` extends, else the longest such run (none:
+        empty). Only `_plain` messages are taken (checked once per kept prompt)."""
+        recent = self._recent
+        best, best_n = -1, 0
+        for k, (old, _, _) in enumerate(recent):
+            size = len(old)
+            if size <= len(items) and items[:size] == old:  # (one comparison in C: the usual case)
+                best, best_n = k, size
+                break
+            n, limit = 0, min(len(items), size)
+            while n < limit and items[n] == old[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = k, n
+        if best < 0:
+            return []
+        old, said, plain = recent[best]
+        if plain < best_n:  # not known yet whether these are plain
+            for i in range(plain, best_n):
+                if not _plain(old[i]):  # `==` may equate values JSON writes apart: not taken, from here on
+                    old, said = old[:i], said[:i]
+                    best_n = i
+                    break
+            recent[best] = (old, said, best_n)
+        if best_n == len(old):  # `items` extends that prompt (as far as it is taken): it takes its place
+            del recent[best]
+            return said if best_n == len(said) else said[:best_n]
+        return said[:best_n]
+
+    def remember(self, items: list[Any], said: list[_Said], plain: int) -> None:
+        """`items` (the messages `said` was made of, the first `plain` of them known `_plain`) as the latest prompt."""
+        self._recent.appendleft((items if len(items) == len(said) else items[: len(said)], said, plain))
+
+    def tools_text(self, tools: list[Any]) -> str:
+        """`_text(tools)`, reused while the tools list stays equal to the latest one."""
+        last = self._tools
+        if last is not None and tools == last[0]:
+            return last[1]
+        text = _text(tools)
+        self._tools = (tools, text) if _plain(tools) else None
+        return text
+
     def lines(self, text: str) -> array[int]:
         return self._get(("lines", text), len(text), _line_prints, text)  # type: ignore[no-any-return]
 
     def tools(self, text: str, tools: list[Any]) -> tuple[tuple[int, ...], int]:
         return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
+
+
+def _plain(v: Any) -> bool:
+    """Made of strings, None, lists and string-keyed dicts only: a value that `==` tells from
+    another exactly where their JSON differs (not so for numbers: `1 == 1.0 == True`). Key
+    order, which `==` ignores, changes nothing a message or a tools list is made into."""
+    if type(v) is str or v is None:
+        return True
+    if type(v) is dict:
+        return all(type(k) is str and _plain(x) for k, x in v.items())
+    if type(v) is list:
+        return all(_plain(x) for x in v)
+    return False
 
 
 class _Said(NamedTuple):
@@ -452,7 +522,7 @@ def fingerprint(
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
-        text = _text(tools)
+        text = _text(tools) if memo is None else memo.tools_text(tools)
         labels.append("tools")
         said.append(text)
         groups.append(piece(text))
@@ -504,7 +574,18 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
     head = pieces = 0
     leading = True
     out: list[_Said] = []
-    for m in items:
+    if memo is not None:  # the leading messages a recent prompt also sent: its pieces
+        out = memo.repeated(items)
+        for s in out:
+            pieces += len(s.texts)
+            if first_user is None and s.user:
+                first_user = s.user_stem
+            if leading and s.system:
+                head += 1
+            else:
+                leading = False
+    reused = len(out)
+    for m in items[reused:] if reused else items:
         if pieces >= MAX_PIECES:
             break
         if memo is None:
@@ -530,6 +611,8 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
             head += 1
         else:
             leading = False
+    if memo is not None:
+        memo.remember(items, out, reused)
     return _Messages(out, first_user, head)
 
 
