@@ -275,7 +275,8 @@ class PieceMemo:
         # the latest prompts, newest first: their messages (up to the first one not `_plain`),
         # what they were made into, and how many of the first are known `_plain`
         self._recent: deque[tuple[list[Any], list[_Said], int]] = deque(maxlen=MEMO_RECENT)
-        self._tools: tuple[list[Any], str] | None = None  # the latest plain tools list and its text
+        # the latest tools list, its JSON as sent (None: it is `_plain`) and its text (`_text`)
+        self._tools: tuple[list[Any], bytes | None, str] | None = None
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._probation)
@@ -355,12 +356,24 @@ class PieceMemo:
         self._recent.appendleft((items if len(items) == len(said) else items[: len(said)], said, plain))
 
     def tools_text(self, tools: list[Any]) -> str:
-        """`_text(tools)`, reused while the tools list stays equal to the latest one."""
+        """`_text(tools)`, reused while the tools list stays the latest one: equal (`==`) where
+        it is `_plain`, else written to the same JSON (a schema's numbers and booleans)."""
         last = self._tools
-        if last is not None and tools == last[0]:
-            return last[1]
+        raw: bytes | None = None
+        if last is not None:
+            if last[1] is None:
+                if tools == last[0]:
+                    return last[2]
+            else:
+                raw = _json(tools)
+                if raw == last[1]:
+                    return last[2]
         text = _text(tools)
-        self._tools = (tools, text) if _plain(tools) else None
+        if _plain(tools):
+            self._tools = (tools, None, text)
+        else:
+            raw = _json(tools) if raw is None else raw
+            self._tools = None if raw is None else (tools, raw, text)
         return text
 
     def lines(self, text: str) -> array[int]:
@@ -368,6 +381,14 @@ class PieceMemo:
 
     def tools(self, text: str, tools: list[Any]) -> tuple[tuple[int, ...], int]:
         return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
+
+
+def _json(v: Any) -> bytes | None:
+    """`v`'s JSON in its own key order (None: not JSON as orjson writes it)."""
+    try:
+        return orjson.dumps(v)
+    except orjson.JSONEncodeError:
+        return None
 
 
 def _plain(v: Any) -> bool:

@@ -202,8 +202,9 @@ def test_recent_prompts_equal_but_written_apart_are_made_afresh() -> None:
         _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
     tools = [{"name": "a", "n": 1}]
     for t in (tools, [{"name": "a", "n": True}], [{"n": True, "name": "a"}], [{"name": "a", "n": "1"}]) * 2:
-        body = {"messages": [{"role": "user", "content": "q"}], "tools": t}
-        _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+        for again in (t, orjson.loads(orjson.dumps(t))):  # each also twice in a row: reused
+            body = {"messages": [{"role": "user", "content": "q"}], "tools": again}
+            _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
     turns = [
         [{"role": "user", "content": f"conversation {c}"}, {"role": "assistant", "content": "a"}] for c in range(3)
     ]
