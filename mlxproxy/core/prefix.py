@@ -532,10 +532,9 @@ def fingerprint(
     first_user, head = messages.first_user, messages.head
     if first_user is None:
         return None
-    at = [f"{name}[{i}]" for i in range(len(messages.said))]
     for i, s in enumerate(messages.said[:head]):
         system += range(len(labels), len(labels) + len(s.texts))
-        labels += [at[i] + suffix for suffix in s.suffixes]
+        labels += _LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes)
         said += s.texts
     groups += messages.said[:head]
     tools = obj.get("tools")
@@ -550,7 +549,7 @@ def fingerprint(
         each, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
         tool_prints = tuple(zip(_tool_names(tools), each))
     for i, s in enumerate(messages.said[head:], head):
-        labels += [at[i] + suffix for suffix in s.suffixes]
+        labels += _LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes)
         said += s.texts
     groups += messages.said[head:]
     key = hash((endpoint, first_user))
@@ -574,6 +573,18 @@ def fingerprint(
         lines,
         tuple(s.stem for s in messages.said[head:]),
     )
+
+
+_LABELS: dict[tuple[str, int, tuple[str, ...]], tuple[str, ...]] = {}  # (made once: `_labels_at`)
+_MAX_LABELS = 8192
+
+
+def _labels_at(name: str, i: int, suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels of the pieces of message `i` of list `name` (`messages[3].content`)."""
+    labels = tuple(f"{name}[{i}]{suffix}" for suffix in suffixes)
+    if len(_LABELS) < _MAX_LABELS:
+        _LABELS[name, i, suffixes] = labels
+    return labels
 
 
 def _message_index(label: str) -> int:
