@@ -605,22 +605,15 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
     first_user: str | None = None
     head = pieces = 0
     leading = True
-    out: list[_Said] = []
-    if memo is not None:  # the leading messages a recent prompt also sent: its pieces
-        out = memo.repeated(items)
-        for s in out:
-            pieces += len(s.texts)
-            if first_user is None and s.user:
-                first_user = s.user_stem
-            if leading and s.system:
-                head += 1
-            else:
-                leading = False
+    # the leading messages a recent prompt also sent: its pieces (`PieceMemo.repeated`)
+    out: list[_Said] = [] if memo is None else memo.repeated(items)
     reused = len(out)
-    for m in items[reused:] if reused else items:
-        if pieces >= MAX_PIECES:
+    for k, m in enumerate(items):
+        if k < reused:
+            s = out[k]
+        elif pieces >= MAX_PIECES:
             break
-        if memo is None:
+        elif memo is None:
             s = _said(m)
         else:  # a message is kept by its JSON (`PieceMemo`; its hit inlined: once per message)
             try:
@@ -635,7 +628,8 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
                     s = got[1]
                 else:  # (in probation, or new)
                     s = memo._get(key, len(key), _said, m)
-        out.append(s)
+        if k >= reused:
+            out.append(s)
         pieces += len(s.texts)
         if first_user is None and s.user:
             first_user = s.user_stem
