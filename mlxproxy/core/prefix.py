@@ -273,8 +273,10 @@ class PieceMemo:
         self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen again: kept
         self._probation: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen once
         # the latest prompts, newest first: their messages (up to the first one not `_plain`),
-        # what they were made into, and how many of the first are known `_plain`
-        self._recent: deque[tuple[list[Any], list[_Said], int]] = deque(maxlen=MEMO_RECENT)
+        # what they were made into, how many of the first are known `_plain`, and (at most) the
+        # bytes of their JSON: a prompt of more than a quarter of `max_bytes` is not kept
+        self._recent: deque[tuple[list[Any], list[_Said], int, int]] = deque(maxlen=MEMO_RECENT)
+        self._repeated_size = 0  # the JSON bytes of the messages `repeated` last gave (at most)
         # the latest tools list, its JSON as sent (None: it is `_plain`) and its text (`_text`)
         self._tools: tuple[list[Any], bytes | None, str] | None = None
 
@@ -326,7 +328,8 @@ class PieceMemo:
         empty). Only `_plain` messages are taken (checked once per kept prompt)."""
         recent = self._recent
         best, best_n = -1, 0
-        for k, (old, _, _) in enumerate(recent):
+        self._repeated_size = 0
+        for k, (old, _, _, _) in enumerate(recent):
             size = len(old)
             if size <= len(items) and items[:size] == old:  # (one comparison in C: the usual case)
                 best, best_n = k, size
@@ -338,22 +341,26 @@ class PieceMemo:
                 best, best_n = k, n
         if best < 0:
             return []
-        old, said, plain = recent[best]
+        old, said, plain, size = recent[best]
         if plain < best_n:  # not known yet whether these are plain
             for i in range(plain, best_n):
                 if not _plain(old[i]):  # `==` may equate values JSON writes apart: not taken, from here on
                     old, said = old[:i], said[:i]
                     best_n = i
                     break
-            recent[best] = (old, said, best_n)
+            recent[best] = (old, said, best_n, size)
+        self._repeated_size = size
         if best_n == len(old):  # `items` extends that prompt (as far as it is taken): it takes its place
             del recent[best]
             return said if best_n == len(said) else said[:best_n]
         return said[:best_n]
 
-    def remember(self, items: list[Any], said: list[_Said], plain: int) -> None:
-        """`items` (the messages `said` was made of, the first `plain` of them known `_plain`) as the latest prompt."""
-        self._recent.appendleft((items if len(items) == len(said) else items[: len(said)], said, plain))
+    def remember(self, items: list[Any], said: list[_Said], plain: int, size: int) -> None:
+        """`items` (the messages `said` was made of, the first `plain` of them known `_plain`, the
+        rest `size` bytes of JSON) as the latest prompt, unless it is too large to keep."""
+        size += self._repeated_size
+        if size <= self.max_bytes // 4:
+            self._recent.appendleft((items if len(items) == len(said) else items[: len(said)], said, plain, size))
 
     def tools_text(self, tools: list[Any]) -> str:
         """`_text(tools)`, reused while the tools list stays the latest one: equal (`==`) where
@@ -369,7 +376,9 @@ class PieceMemo:
                 if raw == last[1]:
                     return last[2]
         text = _text(tools)
-        if _plain(tools):
+        if len(text) > self.max_bytes // 4:  # (as a prompt's messages: too large to keep)
+            self._tools = None
+        elif _plain(tools):
             self._tools = (tools, None, text)
         else:
             raw = _json(tools) if raw is None else raw
@@ -607,7 +616,7 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
     leading = True
     # the leading messages a recent prompt also sent: its pieces (`PieceMemo.repeated`)
     out: list[_Said] = [] if memo is None else memo.repeated(items)
-    reused = len(out)
+    reused, size = len(out), 0  # (size: the JSON bytes of the messages made here, for `remember`)
     for k, m in enumerate(items):
         if k < reused:
             s = out[k]
@@ -620,7 +629,9 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
                 key = orjson.dumps(m)
             except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
                 s = _said(m)
+                size += sum(s.chars)  # (its text's length: near enough for a bound)
             else:
+                size += len(key)
                 got = memo._entries.get(key)
                 if got is not None:
                     memo._entries.move_to_end(key)
@@ -638,7 +649,7 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
         else:
             leading = False
     if memo is not None:
-        memo.remember(items, out, reused)
+        memo.remember(items, out, reused, size)
     return _Messages(out, first_user, head)
 
 

@@ -144,6 +144,14 @@ def test_the_memo_stays_bounded() -> None:
     big = PieceMemo(max_bytes=1000)
     fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 5000}]}, None, memo=big)
     assert big.bytes <= 1000  # a part larger than the whole bound is made, not kept
+    # nor are a prompt's messages or a tools list of more than a quarter of it kept as the latest
+    assert not big._recent and big._tools is None
+    tools = [{"name": "t" * 300}]
+    fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 200}], "tools": tools}, None, memo=big)
+    assert len(big._recent) == 1 and big._recent[0][3] <= 250 and big._tools is None
+    more = {"messages": [{"role": "user", "content": "y" * 200}, {"role": "assistant", "content": "z" * 60}]}
+    _same(fingerprint("chat", more, None, memo=big), fingerprint("chat", more, None))
+    assert not big._recent  # it extended the kept prompt (which made way) and is too large itself
     assert PrefixIndex().memo is not None  # the finishing step's state keeps one per upstream
 
 
