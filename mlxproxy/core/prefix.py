@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -69,6 +69,7 @@ __all__ = [
     "Latest",
     "PieceMemo",
     "MEMO_BYTES",
+    "MEMO_RECENT",
     "system_chars",
 ]
 
@@ -82,6 +83,7 @@ VOLATILE_REST = 0.5  # ...while at least this share of the piece stays: volatile
 MEMO_BYTES = 4 * MAX_BLOCKS * BLOCK_CHARS  # a PieceMemo's bound: its keys' bytes (4 MiB)
 MEMO_ENTRIES = 4096  # ...and its entries
 MEMO_PROBATION = 256  # entries seen once, kept apart until seen again (`PieceMemo`)
+MEMO_RECENT = 4  # the latest prompts whose messages a new prompt is compared with first (`PieceMemo`)
 
 #: why a turn could not reuse the previous turn's whole prompt (docs/METRICS.md, "Re-prefill causes")
 Cause = Literal[
@@ -250,7 +252,14 @@ class PieceMemo:
     11 % when every part was kept). The kept entries: least recently used out first, at most
     `max_bytes` of keys in both lists together (a key is at least as long as the text it stands
     for, which the entry keeps) and `max_entries` entries. Kept by the finishing step's state
-    (`cachecheck.PrefixIndex.memo`); no I/O, no clock."""
+    (`cachecheck.PrefixIndex.memo`); no I/O, no clock.
+
+    Before any of that, a prompt's messages are compared with those of the `MEMO_RECENT` latest
+    prompts (an agent's turn repeats its previous turn's): the leading messages equal (`==`, no
+    JSON written, no key hashed) to a recent prompt's take that prompt's pieces, as far as both
+    are made of strings, None, lists and objects only (`_plain`: where `==` tells values apart
+    exactly as their JSON does; `1 == 1.0 == True` is not such a case). The tools list likewise:
+    equal to the latest one, its JSON text is reused."""
 
     def __init__(
         self, max_bytes: int = MEMO_BYTES, max_entries: int = MEMO_ENTRIES, max_probation: int = MEMO_PROBATION
@@ -263,6 +272,13 @@ class PieceMemo:
         self.misses = 0
         self._entries: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen again: kept
         self._probation: OrderedDict[Any, tuple[int, Any]] = OrderedDict()  # seen once
+        # the latest prompts, newest first: their messages (up to the first one not `_plain`),
+        # what they were made into, how many of the first are known `_plain`, and (at most) the
+        # bytes of their JSON: a prompt of more than a quarter of `max_bytes` is not kept
+        self._recent: deque[tuple[list[Any], list[_Said], int, int]] = deque(maxlen=MEMO_RECENT)
+        self._repeated_size = 0  # the JSON bytes of the messages `repeated` last gave (at most)
+        # the latest tools list, its JSON as sent (None: it is `_plain`) and its text (`_text`)
+        self._tools: tuple[list[Any], bytes | None, str] | None = None
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._probation)
@@ -306,11 +322,95 @@ class PieceMemo:
     def piece(self, text: str) -> _Said:
         return self._get(text, len(text), _said_text, text)  # type: ignore[no-any-return]
 
+    def repeated(self, items: list[Any]) -> list[_Said]:
+        """What the leading messages of `items` that a recent prompt also begins with were made
+        into: those of the newest prompt that `items` extends, else the longest such run (none:
+        empty). Only `_plain` messages are taken (checked once per kept prompt)."""
+        recent = self._recent
+        best, best_n = -1, 0
+        self._repeated_size = 0
+        for k, (old, _, _, _) in enumerate(recent):
+            size = len(old)
+            if size <= len(items) and items[:size] == old:  # (one comparison in C: the usual case)
+                best, best_n = k, size
+                break
+            n, limit = 0, min(len(items), size)
+            while n < limit and items[n] == old[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = k, n
+        if best < 0:
+            return []
+        old, said, plain, size = recent[best]
+        if plain < best_n:  # not known yet whether these are plain
+            for i in range(plain, best_n):
+                if not _plain(old[i]):  # `==` may equate values JSON writes apart: not taken, from here on
+                    old, said = old[:i], said[:i]
+                    best_n = i
+                    break
+            recent[best] = (old, said, best_n, size)
+        self._repeated_size = size
+        if best_n == len(old):  # `items` extends that prompt (as far as it is taken): it takes its place
+            del recent[best]
+            return said if best_n == len(said) else said[:best_n]
+        return said[:best_n]
+
+    def remember(self, items: list[Any], said: list[_Said], plain: int, size: int) -> None:
+        """`items` (the messages `said` was made of, the first `plain` of them known `_plain`, the
+        rest `size` bytes of JSON) as the latest prompt, unless it is too large to keep."""
+        size += self._repeated_size
+        if size <= self.max_bytes // 4:
+            self._recent.appendleft((items if len(items) == len(said) else items[: len(said)], said, plain, size))
+
+    def tools_text(self, tools: list[Any]) -> str:
+        """`_text(tools)`, reused while the tools list stays the latest one: equal (`==`) where
+        it is `_plain`, else written to the same JSON (a schema's numbers and booleans)."""
+        last = self._tools
+        raw: bytes | None = None
+        if last is not None:
+            if last[1] is None:
+                if tools == last[0]:
+                    return last[2]
+            else:
+                raw = _json(tools)
+                if raw == last[1]:
+                    return last[2]
+        text = _text(tools)
+        if len(text) > self.max_bytes // 4:  # (as a prompt's messages: too large to keep)
+            self._tools = None
+        elif _plain(tools):
+            self._tools = (tools, None, text)
+        else:
+            raw = _json(tools) if raw is None else raw
+            self._tools = None if raw is None else (tools, raw, text)
+        return text
+
     def lines(self, text: str) -> array[int]:
         return self._get(("lines", text), len(text), _line_prints, text)  # type: ignore[no-any-return]
 
     def tools(self, text: str, tools: list[Any]) -> tuple[tuple[int, ...], int]:
         return self._get(("tools", text), len(text), _tool_prints, tools)  # type: ignore[no-any-return]
+
+
+def _json(v: Any) -> bytes | None:
+    """`v`'s JSON in its own key order (None: not JSON as orjson writes it)."""
+    try:
+        return orjson.dumps(v)
+    except orjson.JSONEncodeError:
+        return None
+
+
+def _plain(v: Any) -> bool:
+    """Made of strings, None, lists and string-keyed dicts only: a value that `==` tells from
+    another exactly where their JSON differs (not so for numbers: `1 == 1.0 == True`). Key
+    order, which `==` ignores, changes nothing a message or a tools list is made into."""
+    if type(v) is str or v is None:
+        return True
+    if type(v) is dict:
+        return all(type(k) is str and _plain(x) for k, x in v.items())
+    if type(v) is list:
+        return all(_plain(x) for x in v)
+    return False
 
 
 class _Said(NamedTuple):
@@ -441,10 +541,9 @@ def fingerprint(
     first_user, head = messages.first_user, messages.head
     if first_user is None:
         return None
-    at = [f"{name}[{i}]" for i in range(len(messages.said))]
     for i, s in enumerate(messages.said[:head]):
         system += range(len(labels), len(labels) + len(s.texts))
-        labels += [at[i] + suffix for suffix in s.suffixes]
+        labels += _LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes)
         said += s.texts
     groups += messages.said[:head]
     tools = obj.get("tools")
@@ -452,14 +551,14 @@ def fingerprint(
     tools_set = 0
     tool_prints: tuple[tuple[str, int], ...] = ()
     if tools is not None:  # rendered after the system prompt (Qwen's and most chat templates)
-        text = _text(tools)
+        text = _text(tools) if memo is None else memo.tools_text(tools)
         labels.append("tools")
         said.append(text)
         groups.append(piece(text))
         each, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
         tool_prints = tuple(zip(_tool_names(tools), each))
     for i, s in enumerate(messages.said[head:], head):
-        labels += [at[i] + suffix for suffix in s.suffixes]
+        labels += _LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes)
         said += s.texts
     groups += messages.said[head:]
     key = hash((endpoint, first_user))
@@ -485,6 +584,18 @@ def fingerprint(
     )
 
 
+_LABELS: dict[tuple[str, int, tuple[str, ...]], tuple[str, ...]] = {}  # (made once: `_labels_at`)
+_MAX_LABELS = 8192
+
+
+def _labels_at(name: str, i: int, suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels of the pieces of message `i` of list `name` (`messages[3].content`)."""
+    labels = tuple(f"{name}[{i}]{suffix}" for suffix in suffixes)
+    if len(_LABELS) < _MAX_LABELS:
+        _LABELS[name, i, suffixes] = labels
+    return labels
+
+
 def _message_index(label: str) -> int:
     """`messages[3].content` -> 3; -1 for a piece that is not a message's."""
     at = label.find("[")
@@ -503,18 +614,24 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
     first_user: str | None = None
     head = pieces = 0
     leading = True
-    out: list[_Said] = []
-    for m in items:
-        if pieces >= MAX_PIECES:
+    # the leading messages a recent prompt also sent: its pieces (`PieceMemo.repeated`)
+    out: list[_Said] = [] if memo is None else memo.repeated(items)
+    reused, size = len(out), 0  # (size: the JSON bytes of the messages made here, for `remember`)
+    for k, m in enumerate(items):
+        if k < reused:
+            s = out[k]
+        elif pieces >= MAX_PIECES:
             break
-        if memo is None:
+        elif memo is None:
             s = _said(m)
         else:  # a message is kept by its JSON (`PieceMemo`; its hit inlined: once per message)
             try:
                 key = orjson.dumps(m)
             except orjson.JSONEncodeError:  # not JSON as orjson writes it: made afresh, not kept
                 s = _said(m)
+                size += sum(s.chars)  # (its text's length: near enough for a bound)
             else:
+                size += len(key)
                 got = memo._entries.get(key)
                 if got is not None:
                     memo._entries.move_to_end(key)
@@ -522,7 +639,8 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
                     s = got[1]
                 else:  # (in probation, or new)
                     s = memo._get(key, len(key), _said, m)
-        out.append(s)
+        if k >= reused:
+            out.append(s)
         pieces += len(s.texts)
         if first_user is None and s.user:
             first_user = s.user_stem
@@ -530,6 +648,8 @@ def _message_pieces(items: list[Any], memo: PieceMemo | None) -> _Messages:
             head += 1
         else:
             leading = False
+    if memo is not None:
+        memo.remember(items, out, reused, size)
     return _Messages(out, first_user, head)
 
 

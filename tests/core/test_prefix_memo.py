@@ -15,7 +15,7 @@ import pytest
 
 import sessions
 from mlxproxy.core.cachecheck import PrefixIndex
-from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, PieceMemo, fingerprint
+from mlxproxy.core.prefix import BLOCK_CHARS, MAX_BLOCKS, MEMO_RECENT, PieceMemo, fingerprint
 from mlxproxy.core.record import Record
 
 SESSIONS = {s.name: s for s in sessions.load_sessions()}
@@ -144,6 +144,14 @@ def test_the_memo_stays_bounded() -> None:
     big = PieceMemo(max_bytes=1000)
     fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 5000}]}, None, memo=big)
     assert big.bytes <= 1000  # a part larger than the whole bound is made, not kept
+    # nor are a prompt's messages or a tools list of more than a quarter of it kept as the latest
+    assert not big._recent and big._tools is None
+    tools = [{"name": "t" * 300}]
+    fingerprint("chat", {"messages": [{"role": "user", "content": "y" * 200}], "tools": tools}, None, memo=big)
+    assert len(big._recent) == 1 and big._recent[0][3] <= 250 and big._tools is None
+    more = {"messages": [{"role": "user", "content": "y" * 200}, {"role": "assistant", "content": "z" * 60}]}
+    _same(fingerprint("chat", more, None, memo=big), fingerprint("chat", more, None))
+    assert not big._recent  # it extended the kept prompt (which made way) and is too large itself
     assert PrefixIndex().memo is not None  # the finishing step's state keeps one per upstream
 
 
@@ -169,23 +177,50 @@ def test_past_the_block_budget_the_same_pieces_compare_whole() -> None:
 def test_one_off_requests_churn_through_probation_and_keep_nothing() -> None:
     """A part seen once waits in probation; only a part a later prompt repeats is kept. New
     conversations one after another (the soak's traffic: each its own first turn, sharing the
-    system prompt) keep the shared system prompt and nothing else, however many there are."""
+    system prompt) keep the shared system prompt's parts and nothing else, however many there
+    are (the system message itself is found in the latest prompts, `PieceMemo.repeated`)."""
     memo = PieceMemo(max_probation=16)
     system = {"role": "system", "content": "You are a coding agent. " * 40}
     for k in range(500):
         body = {"messages": [system, {"role": "user", "content": f"hello there {k:x}"}]}
         _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
-        assert len(memo._probation) <= 16
+        assert len(memo._probation) <= 16 and len(memo._recent) <= MEMO_RECENT
     kept = memo._entries
-    # the one part seen again: the system message (by its JSON, its text and its lines)
     assert kept and all(b"hello there" not in repr(k).encode() for k in kept)
-    assert orjson.dumps(system) in kept and len(kept) <= 3
+    assert ("lines", system["content"]) in kept and len(kept) <= 3
     assert memo.bytes == memo.weights()
-    # an agent's next turn: what the first turn sent is found in probation and kept from then on
+    # an agent's next turn: what the first turn sent is the latest prompt's; only the new message is made
     turn1 = {"messages": [system, {"role": "user", "content": "fix the bug"}]}
     fingerprint("chat", turn1, None, memo=memo)
     misses, before = memo.misses, len(kept)
     turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "done"}]}
     _same(fingerprint("chat", turn2, None, memo=memo), fingerprint("chat", turn2, None))
-    # only the new message made afresh; the first turn's user message kept now (seen twice)
-    assert memo.misses - misses == 1 and orjson.dumps(turn1["messages"][1]) in kept and len(kept) == before + 1
+    assert memo.misses - misses == 1 and len(kept) == before
+
+
+def test_recent_prompts_equal_but_written_apart_are_made_afresh() -> None:
+    """A message equal (`==`) to the latest prompt's but written apart in JSON (1, 1.0, true; a
+    nested number) is not taken from it; equal ones in another key order are; a conversation
+    interleaved with others finds its previous turn among the `MEMO_RECENT` latest prompts."""
+    memo = PieceMemo()
+    system = {"role": "system", "content": "s"}
+    variants: list[Any] = [1, 1.0, True, [{"type": "x", "n": 1}], [{"type": "x", "n": 1.0}], [{"type": "x", "n": True}]]
+    for v in variants + variants:
+        body = {"messages": [system, {"role": "user", "content": v}, {"role": "user", "content": "q"}]}
+        _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+    tools = [{"name": "a", "n": 1}]
+    for t in (tools, [{"name": "a", "n": True}], [{"n": True, "name": "a"}], [{"name": "a", "n": "1"}]) * 2:
+        for again in (t, orjson.loads(orjson.dumps(t))):  # each also twice in a row: reused
+            body = {"messages": [{"role": "user", "content": "q"}], "tools": again}
+            _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+    turns = [
+        [{"role": "user", "content": f"conversation {c}"}, {"role": "assistant", "content": "a"}] for c in range(3)
+    ]
+    for step in range(3):
+        for c, msgs in enumerate(turns):
+            msgs += [{"content": f"turn {step} of {c}", "role": "user"}]
+            body = {"messages": orjson.loads(orjson.dumps(msgs))}  # parsed afresh, as the proxy does
+            misses = memo.misses
+            _same(fingerprint("chat", body, None, memo=memo), fingerprint("chat", body, None))
+            if step:
+                assert memo.misses - misses == 1  # only the new message made
