@@ -45,14 +45,14 @@ from mlxproxy.load.run.shapes import (
     Waves,
 )
 
-__all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
+__all__ = ["MODES", "Mode", "ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
     """replay's options as the command takes them; `replay_plan` types them, the one place they are read."""
 
-    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate | sessions
+    mode: str = "recorded"  # a key of MODES
     speed: float = 1.0
     concurrency: int = 1
     batch: int = 2
@@ -252,6 +252,67 @@ class StreamsSweep(SweepTest[ClosedLoop]):
 
 
 @dataclass(frozen=True)
+class Mode:
+    """One `--mode`, declared once: what its test is and the options it alone takes or cannot run
+    without (the command's checks), its groups' name and its test, once and (if it can be) swept."""
+
+    test: str  # what it runs, for the line naming two tests asked for at once
+    name: Callable[[ReplayOptions], str | None]  # its groups' mode (None: it cannot be named)
+    once: Callable[[ReplayOptions, str], ReplayTest]
+    swept: Callable[[ReplayOptions, str, SweepOptions, dict[str, float]], ReplayTest] | None = None  # None: no sweep
+    takes: tuple[str, ...] = ()  # the options no other mode takes
+    needs: str = ""  # the values of its own option (--rate, --sessions) it cannot run without
+    doubles: bool = True  # a sweep of it needs none of them: it doubles from 1
+    one_process: bool = False  # sent from one process whatever --workers says
+
+
+#: replay's modes, in `--mode`'s order; `--concurrency`, `--batch`, `--rate`, `--sessions` each imply their own
+MODES: dict[str, Mode] = {
+    "recorded": Mode(
+        "the captured timing",
+        lambda o: f"recorded x{o.speed:g}",
+        lambda o, name: OneShape(name, Recorded(o.speed), o.workers),
+        takes=("--speed",),
+    ),
+    "sequential": Mode(
+        "one at a time", lambda o: "sequential", lambda o, name: OneShape(name, Sequential()), one_process=True
+    ),
+    "concurrency": Mode(
+        "a closed loop",
+        lambda o: f"concurrency {o.concurrency}",
+        lambda o, name: OneShape(name, ClosedLoop(o.concurrency), o.workers),
+        lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, o.workers),
+    ),
+    "batch": Mode(
+        "waves released together", lambda o: "batch", lambda o, name: Batch(o.batches or (o.batch,)), one_process=True
+    ),
+    "rate": Mode(
+        "an open loop",
+        lambda o: f"{o.arrival} {o.rate:g}/s" if o.rate else None,
+        lambda o, name: Rate(name, OpenLoop(o.rate or 1.0, o.arrival, o.seed, o.ramp_s), o.workers),
+        lambda o, name, sweep, slo: RateSweep(
+            name,
+            sweep.of(OpenLoop(1.0, o.arrival, o.seed, o.ramp_s), o.sweep_steps or (o.rate or 1.0,)),
+            slo,
+            o.workers,
+        ),
+        needs="R (requests per second)",
+        doubles=False,
+    ),
+    "sessions": Mode(
+        "conversations",
+        lambda o: f"sessions {o.sessions}",
+        lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, o.workers),
+        lambda o, name, sweep, slo: SessionsSweep(
+            name, sweep.of(Sessions(1), o.sweep_steps), slo, o.workers, o.think_time
+        ),
+        takes=("--think-time", "--fix"),
+        needs="N (conversations at once)",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class ReplayPlan:
     """replay's options typed once (`replay_plan`): the test, the rewrites and repeats of what it
     sends, the warm-up and the groups' params."""
@@ -278,40 +339,16 @@ def replay_plan(opts: ReplayOptions) -> ReplayPlan:
 
 
 def _test(opts: ReplayOptions) -> ReplayTest:
-    """The test the options ask for, typed by its shape."""
-    name, fleet = _mode_name(opts), opts.workers
-    slo = opts.slo or parse_slo(DEFAULT_SLO)
-    sweep, steps = opts.sweep, opts.sweep_steps
-    if sweep and opts.mode == "rate":
-        open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-        return RateSweep(name, sweep.of(open_loop, steps or (opts.rate or 1.0,)), slo, fleet)
-    if sweep and opts.mode == "sessions":
-        return SessionsSweep(name, sweep.of(Sessions(1), steps), slo, fleet, opts.think_time)
-    if sweep:
-        return StreamsSweep(name, sweep.of(ClosedLoop(1), steps), slo, fleet)
-    tests: dict[str, Callable[[], ReplayTest]] = {
-        "recorded": lambda: OneShape(name, Recorded(opts.speed), fleet),
-        "sequential": lambda: OneShape(name, Sequential()),
-        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency), fleet),
-        "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s), fleet),
-        "batch": lambda: Batch(opts.batches or (opts.batch,)),
-        "sessions": lambda: Conversations(name, opts.sessions, opts.think_time, opts.fix, fleet),
-    }
-    return tests[opts.mode]()
-
-
-def _mode_name(opts: ReplayOptions) -> str:
-    mode = {
-        "recorded": f"recorded x{opts.speed:g}",
-        "sequential": "sequential",
-        "concurrency": f"concurrency {opts.concurrency}",
-        "batch": "batch",
-        "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
-        "sessions": f"sessions {opts.sessions}",
-    }.get(opts.mode)
-    if mode is None:
+    """The test the options ask for: its mode's, once or swept."""
+    mode = MODES.get(opts.mode)
+    name = mode.name(opts) if mode else None
+    if mode is None or name is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
-    return mode
+    if opts.sweep is None:
+        return mode.once(opts, name)
+    if mode.swept is None:
+        raise ValueError(f"replay mode {opts.mode!r} cannot be swept")
+    return mode.swept(opts, name, opts.sweep, opts.slo or parse_slo(DEFAULT_SLO))
 
 
 async def run_replay(
