@@ -256,6 +256,7 @@ class Mode:
     """One `--mode`, declared once: what its test is and the options it alone takes or cannot run
     without (the command's checks), its groups' name and its test, once and (if it can be) swept."""
 
+    help: str  # its part of --mode's help
     test: str  # what it runs, for the line naming two tests asked for at once
     name: Callable[[ReplayOptions], str | None]  # its groups' mode (None: it cannot be named)
     once: Callable[[ReplayOptions, str], ReplayTest]
@@ -269,24 +270,35 @@ class Mode:
 #: replay's modes, in `--mode`'s order; `--concurrency`, `--batch`, `--rate`, `--sessions` each imply their own
 MODES: dict[str, Mode] = {
     "recorded": Mode(
+        "at the captured offsets / --speed (default)",
         "the captured timing",
         lambda o: f"recorded x{o.speed:g}",
         lambda o, name: OneShape(name, Recorded(o.speed), o.workers),
         takes=("--speed",),
     ),
     "sequential": Mode(
-        "one at a time", lambda o: "sequential", lambda o, name: OneShape(name, Sequential()), one_process=True
+        "one at a time",
+        "one at a time",
+        lambda o: "sequential",
+        lambda o, name: OneShape(name, Sequential()),
+        one_process=True,
     ),
     "concurrency": Mode(
+        "closed loop of --concurrency",
         "a closed loop",
         lambda o: f"concurrency {o.concurrency}",
         lambda o, name: OneShape(name, ClosedLoop(o.concurrency), o.workers),
         lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, o.workers),
     ),
     "batch": Mode(
-        "waves released together", lambda o: "batch", lambda o, name: Batch(o.batches or (o.batch,)), one_process=True
+        "waves of --batch released together, after a one-at-a-time baseline that gives the speedup",
+        "waves released together",
+        lambda o: "batch",
+        lambda o, name: Batch(o.batches or (o.batch,)),
+        one_process=True,
     ),
     "rate": Mode(
+        "open loop at --rate",
         "an open loop",
         lambda o: f"{o.arrival} {o.rate:g}/s" if o.rate else None,
         lambda o, name: Rate(name, OpenLoop(o.rate or 1.0, o.arrival, o.seed, o.ramp_s), o.workers),
@@ -300,6 +312,7 @@ MODES: dict[str, Mode] = {
         doubles=False,
     ),
     "sessions": Mode(
+        "conversations, --sessions at once",
         "conversations",
         lambda o: f"sessions {o.sessions}",
         lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, o.workers),

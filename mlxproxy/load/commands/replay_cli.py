@@ -59,10 +59,7 @@ def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     "--mode",
     type=click.Choice(list(MODES)),
     default=None,
-    help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
-    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-    "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
-    "conversations, --sessions at once.",
+    help="; ".join(f"{name}: {mode.help}" for name, mode in MODES.items()) + ".",
 )
 @click.option(
     "--speed",
