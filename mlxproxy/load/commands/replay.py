@@ -20,13 +20,14 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.commands.common import SweepsOnTarget
+from mlxproxy.load.commands.common import SweepsOnTarget, client_for
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
 from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
@@ -366,40 +367,33 @@ def _test(opts: ReplayOptions) -> ReplayTest:
 
 async def run_replay(
     caps: Sequence[CapturedRequest],
-    target_url: str,
+    target: Target,
     opts: ReplayOptions,
     *,
-    target_name: str = "target",
-    api_key: str | None = None,
     thresholds: Thresholds | None = None,
-    timeout_s: float = 1800.0,
-    max_connections: int | None = None,
     progress: bool | None = None,
     compare: bool = False,
     out: list[Group] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[Group]:
-    """Run one replay; return the result groups (see `mlxproxy.load.output.report`). Groups are
+    """Run one replay against `target`; return the result groups (see `mlxproxy.load.output.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     plan = replay_plan(opts)  # an unknown mode fails before anything is sent
     th = thresholds or Thresholds()
     groups: list[Group] = out if out is not None else []
     source = ReplaySource(caps, plan.rewrites, plan.repeat)
-    async with MeasuringClient(
-        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s,
-        max_connections=max_connections,
-    ) as client:  # fmt: skip
-        on = OnTarget(client, source, target_name, th, compare, groups, plan.params, say)
+    async with client_for(target, th) as client:
+        on = OnTarget(client, source, target.name, th, compare, groups, plan.params, say)
         if plan.warmup:
             await send(Sequential(), Load(source.first(plan.warmup)), client)
         measured_from = len(client.finished)
-        tick = Progress(f"replay {target_name}", plan.test.total(len(caps) * plan.repeat), progress, client)
+        tick = Progress(f"replay {target.name}", plan.test.total(len(caps) * plan.repeat), progress, client)
         tick.start()
         try:
             await plan.test.run(on, tick)
         except asyncio.CancelledError:
-            rest = interrupted_group(plan.test.name, target_name, plan.params, groups, client.finished[measured_from:])
+            rest = interrupted_group(plan.test.name, target.name, plan.params, groups, client.finished[measured_from:])
             groups.extend([rest] if rest else [])
             raise
         finally:
@@ -431,7 +425,8 @@ async def run_sessions(
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[Group]:
-    return run_async(run_replay(caps, target_url, opts, **kw))
+    """`run_replay` against the target at `target_url`, named `target`, to the end."""
+    return run_async(run_replay(caps, Target("target", target_url), opts, **kw))
 
 
 def records_of(group: Group) -> list[Record]:

@@ -230,10 +230,7 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
 def _run(chosen: list[CapturedRequest], target: Target, opts: ReplayOptions, compare: bool) -> tuple[list[Group], bool]:
     """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
     groups: list[Group] = []
-    run = run_replay(
-        chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
-        max_connections=target.max_connections, compare=compare, out=groups, say=say,
-    )  # fmt: skip
+    run = run_replay(chosen, target, opts, compare=compare, out=groups, say=say)
     return groups, run_interrupted(run)
 
 
