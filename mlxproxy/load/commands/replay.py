@@ -271,59 +271,40 @@ class Mode:
 #: replay's modes, in `--mode`'s order; `--concurrency`, `--batch`, `--rate`, `--sessions` each imply their own
 MODES: dict[str, Mode] = {
     "recorded": Mode(
-        "at the captured offsets / --speed (default)",
-        "the captured timing",
-        lambda o: f"recorded x{o.speed:g}",
-        lambda o, name: OneShape(name, Recorded(o.speed), o.workers),
-        takes=("--speed",),
+        "at the captured offsets / --speed (default)", "the captured timing", lambda o: f"recorded x{o.speed:g}",
+        lambda o, name: OneShape(name, Recorded(o.speed), o.workers), takes=("--speed",),
     ),
     "sequential": Mode(
-        "one at a time",
-        "one at a time",
-        lambda o: "sequential",
-        lambda o, name: OneShape(name, Sequential()),
+        "one at a time", "one at a time", lambda o: "sequential", lambda o, name: OneShape(name, Sequential()),
         one_process=True,
     ),
     "concurrency": Mode(
-        "closed loop of --concurrency",
-        "a closed loop",
-        lambda o: f"concurrency {o.concurrency}",
+        "closed loop of --concurrency", "a closed loop", lambda o: f"concurrency {o.concurrency}",
         lambda o, name: OneShape(name, ClosedLoop(o.concurrency), o.workers),
         lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, o.workers),
     ),
     "batch": Mode(
         "waves of --batch released together, after a one-at-a-time baseline that gives the speedup",
-        "waves released together",
-        lambda o: "batch",
-        lambda o, name: Batch(o.batches or (o.batch,)),
-        one_process=True,
+        "waves released together", lambda o: "batch", lambda o, name: Batch(o.batches or (o.batch,)), one_process=True,
     ),
     "rate": Mode(
-        "open loop at --rate",
-        "an open loop",
-        lambda o: f"{o.arrival} {o.rate:g}/s" if o.rate else None,
+        "open loop at --rate", "an open loop", lambda o: f"{o.arrival} {o.rate:g}/s" if o.rate else None,
         lambda o, name: Rate(name, OpenLoop(o.rate or 1.0, o.arrival, o.seed, o.ramp_s), o.workers),
         lambda o, name, sweep, slo: RateSweep(
-            name,
-            sweep.of(OpenLoop(1.0, o.arrival, o.seed, o.ramp_s), o.sweep_steps or (o.rate or 1.0,)),
-            slo,
+            name, sweep.of(OpenLoop(1.0, o.arrival, o.seed, o.ramp_s), o.sweep_steps or (o.rate or 1.0,)), slo,
             o.workers,
         ),
-        needs="R (requests per second)",
-        doubles=False,
+        needs="R (requests per second)", doubles=False,
     ),
     "sessions": Mode(
-        "conversations, --sessions at once",
-        "conversations",
-        lambda o: f"sessions {o.sessions}",
+        "conversations, --sessions at once", "conversations", lambda o: f"sessions {o.sessions}",
         lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, o.workers),
         lambda o, name, sweep, slo: SessionsSweep(
             name, sweep.of(Sessions(1), o.sweep_steps), slo, o.workers, o.think_time
         ),
-        takes=("--think-time", "--fix"),
-        needs="N (conversations at once)",
+        takes=("--think-time", "--fix"), needs="N (conversations at once)",
     ),
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
