@@ -16,6 +16,7 @@ from mlxproxy.load.commands.replay import ReplayOptions, run_replay
 from mlxproxy.load.commands.replay_requests import Rewrites
 from mlxproxy.load.data.arrivals import arrival_offsets, generator_note, schedule
 from mlxproxy.load.data.results import RunRecord
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.run.sweep import mix_copies
 from mlxproxy.sim.app import create_app as create_sim
 from support import captured_chat, cli, engine_closed_loop, write_capture
@@ -59,7 +60,10 @@ def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
     with ServerThread(create_sim("healthy", speed=50)) as sim:
         groups = asyncio.run(
             run_replay(
-                _caps(n), sim.url, ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3), progress=False
+                _caps(n),
+                Target("target", sim.url),
+                ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3),
+                progress=False,
             )
         )
     (g,) = groups
@@ -657,7 +661,10 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
     with ServerThread(create_sim("healthy", speed=50, prompt_cache=True)) as sim:
         (g,) = asyncio.run(
             run_replay(
-                caps, sim.url, ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0), progress=False
+                caps,
+                Target("target", sim.url),
+                ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0),
+                progress=False,
             )
         )
     runs: dict[int, list[RunRecord]] = {}

@@ -17,8 +17,9 @@ from mlxproxy.cli import main
 from mlxproxy.core.stats import percentile
 from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.commands.bench import BenchOptions, bench_targets
-from mlxproxy.load.commands.replay import ReplayOptions, run
+from mlxproxy.load.commands.replay import MODES, ReplayOptions, replay_plan, run
 from mlxproxy.load.commands.replay_requests import Rewrites, prepare
+from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.targets import Target
 from mlxproxy.load.output.bench_verdict import verdict
 from mlxproxy.sim.app import create_app as create_sim
@@ -104,6 +105,16 @@ def test_replay_every_mode_against_simulator(capture_file: Path, mode: str) -> N
     assert g.compare is not None and {row["source_id"] for row in g.compare} == {c.record.id for c in caps}
     if mode == "batch":
         assert groups[0].mode == "single" and g.summary.speedup is not None
+
+
+def test_a_sweep_of_a_mode_that_cannot_be_swept_is_refused_before_anything_is_sent() -> None:
+    # (the CLI refuses `--sweep` with these modes first; the options value alone refuses them too)
+    unswept = [m for m, mode in MODES.items() if mode.swept is None]
+    assert unswept == ["recorded", "sequential", "batch"]
+    for m in unswept:
+        with pytest.raises(ValueError, match=f"replay mode '{m}' cannot be swept"):
+            replay_plan(ReplayOptions(mode=m, sweep=SweepOptions()))
+    assert replay_plan(ReplayOptions(mode="concurrency", sweep=SweepOptions())).test.name == "concurrency 1"
 
 
 def test_batch_speedup_tracks_the_truth() -> None:

@@ -4,11 +4,15 @@ tests/fixtures/results_41d6a63/*.json were written by `bench --json` / `replay -
 at 41d6a63 (the last version whose results were plain dicts), against `mlxproxy sim`; the
 `rendered/` files beside them are what `mlxproxy report` of that version printed and wrote for
 each (console, Markdown, CSV, HTML, SVG plot). bench_result_main_bcfcda9.json is older still.
-Regenerate the renders only on purpose: `python tests/load/test_result_files.py --write`.
+Regenerate the renders only on purpose: `PYTHONPATH=tests python tests/load/test_result_files.py --write`.
+Each HTML render holds, where the page inlines mlxproxy/load/output/report.css, one line naming
+that sheet with the sha256 of its text (`CSS_MARK`); the test puts the sheet's exact text back
+there before comparing, and fails when the sheet is not the one the renders were made with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import time
@@ -25,6 +29,32 @@ RENDERED = DIR / "rendered"
 FILES = {p.stem: p for p in [*sorted(DIR.glob("*.json")), FIXTURES / "bench_result_main_bcfcda9.json"]}
 #: replay results without a sweep have no plot (report refuses --plot for them)
 NO_PLOT = {"replay_batch", "replay_rate"}
+#: the report's style sheet, which every HTML page inlines whole; read here as a file, not
+#: through the module that inlines it
+CSS = (Path(__file__).parents[2] / "mlxproxy/load/output/report.css").read_text(encoding="utf-8")
+#: the one line an HTML render holds in the sheet's place: the sheet's name and its text's sha256
+CSS_MARK = re.compile(r"/\* report\.css sha256 ([0-9a-f]{64}) \*/\n")
+
+
+def css_mark(css: str) -> str:
+    return f"/* report.css sha256 {hashlib.sha256(css.encode()).hexdigest()} */\n"
+
+
+def css_out(html: str) -> str:
+    """A page as its golden holds it: the inlined sheet, there once, replaced by its mark."""
+    assert html.count(CSS) == 1, "the page does not inline report.css exactly once"
+    return html.replace(CSS, css_mark(CSS))
+
+
+def css_in(golden: str) -> str:
+    """A golden page as the report writes it: the sheet put back in its mark's place. The mark
+    must be there once and name the sheet as it is now."""
+    marks = CSS_MARK.findall(golden)
+    assert len(marks) == 1, "the golden page does not hold the style sheet's mark once"
+    assert css_mark(CSS) in golden, (
+        "report.css is not the sheet the goldens were rendered with; regenerate them on purpose"
+    )
+    return golden.replace(css_mark(CSS), CSS)
 
 
 def render_all(path: Path, out: Path) -> dict[str, str]:
@@ -71,6 +101,7 @@ def test_an_earlier_result_file_renders_as_it_did(name: str, tmp_path: Path) -> 
     got = render_all(FILES[name], tmp_path)
     want = {p.suffix[1:]: p.read_text(encoding="utf-8") for p in RENDERED.glob(f"{name}.*")}
     assert sorted(got) == sorted(want)
+    want["html"] = css_in(want["html"])
     for ext in want:
         assert got[ext] == want[ext], f"{name}.{ext} renders differently"
 
@@ -132,5 +163,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     RENDERED.mkdir(exist_ok=True)
     for stem, path in FILES.items():
         with tempfile.TemporaryDirectory() as tmp:
-            for ext, text in render_all(path, Path(tmp)).items():
+            got = render_all(path, Path(tmp))
+            got["html"] = css_out(got["html"])
+            for ext, text in got.items():
                 (RENDERED / f"{stem}.{ext}").write_text(text, encoding="utf-8")

@@ -24,7 +24,7 @@ from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import Record
 from mlxproxy.load.commands.bench_groups import bench_group, single_groups, wave_groups
 from mlxproxy.load.commands.bench_requests import Prompts, TargetPrompts, calibrated
-from mlxproxy.load.commands.common import SweepsOnTarget, requests_text
+from mlxproxy.load.commands.common import SweepsOnTarget, client_for, requests_text
 from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
@@ -272,10 +272,7 @@ async def bench_one(
     each test of `plan` in turn. When cancelled (Ctrl-C), the requests finished so far are in
     `res.groups` and `res.error` says so."""
     res = res if res is not None else TargetResult(target)
-    async with MeasuringClient(
-        target.url, name=target.name, thresholds=th, api_key=target.api_key, timeout_s=target.timeout_s,
-        max_connections=target.max_connections,
-    ) as client:  # fmt: skip
+    async with client_for(target, th) as client:
         prompts = await calibrated(client, res, plan.prompts)
         if prompts is None:
             return res

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import click
 
 from mlxproxy.config import parse_upstream_url
+from mlxproxy.core.detect import Thresholds
 from mlxproxy.core.record import OK_OUTCOMES
 from mlxproxy.core.text import clip
 from mlxproxy.edge.runner import run_async as run_on_stack
@@ -21,9 +22,11 @@ from mlxproxy.edge.runner import stack_settings
 from mlxproxy.errors import ConfigError, UpstreamError
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.fleet.workers import WorkersError
 from mlxproxy.load.judge.slo import failed_checks
 from mlxproxy.load.output.progress import Progress
+from mlxproxy.load.run.client import MeasuringClient
 from mlxproxy.load.run.shapes import Sweep, SweptShape
 from mlxproxy.load.run.sweep import StepRun
 
@@ -34,6 +37,14 @@ def filler_text(n: int) -> str:
     """Deterministic text of exactly n characters."""
     reps = n // len(FILLER) + 1
     return (FILLER * reps)[:n]
+
+
+def client_for(target: Target, thresholds: Thresholds) -> MeasuringClient:
+    """The client that measures `target`: its URL and name, key, timeout and most connections."""
+    return MeasuringClient(
+        target.url, name=target.name, thresholds=thresholds, api_key=target.api_key, timeout_s=target.timeout_s,
+        max_connections=target.max_connections,
+    )  # fmt: skip
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -20,13 +20,14 @@ from mlxproxy.core.detect import Thresholds, prefill_scaling
 from mlxproxy.core.record import Record
 from mlxproxy.core.stats import summarize
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.commands.common import SweepsOnTarget
+from mlxproxy.load.commands.common import SweepsOnTarget, client_for
 from mlxproxy.load.commands.fixreplay import FIX_SUFFIX, fix_savings, fixed_captures
 from mlxproxy.load.commands.replay_groups import compare_rows, interrupted_group, replay_group
 from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, generation_mix, split_sessions
 from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
+from mlxproxy.load.data.targets import Target
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
@@ -45,14 +46,14 @@ from mlxproxy.load.run.shapes import (
     Waves,
 )
 
-__all__ = ["ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
+__all__ = ["MODES", "Mode", "ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
     """replay's options as the command takes them; `replay_plan` types them, the one place they are read."""
 
-    mode: str = "recorded"  # recorded | sequential | concurrency | batch | rate | sessions
+    mode: str = "recorded"  # a key of MODES
     speed: float = 1.0
     concurrency: int = 1
     batch: int = 2
@@ -252,6 +253,61 @@ class StreamsSweep(SweepTest[ClosedLoop]):
 
 
 @dataclass(frozen=True)
+class Mode:
+    """One `--mode`, declared once: what its test is and the options it alone takes or cannot run
+    without (the command's checks), its groups' name and its test, once and (if it can be) swept."""
+
+    help: str  # its part of --mode's help
+    test: str  # what it runs, for the line naming two tests asked for at once
+    name: Callable[[ReplayOptions], str | None]  # its groups' mode (None: it cannot be named)
+    once: Callable[[ReplayOptions, str], ReplayTest]
+    swept: Callable[[ReplayOptions, str, SweepOptions, dict[str, float]], ReplayTest] | None = None  # None: no sweep
+    takes: tuple[str, ...] = ()  # the options no other mode takes
+    needs: str = ""  # the values of its own option (--rate, --sessions) it cannot run without
+    doubles: bool = True  # a sweep of it needs none of them: it doubles from 1
+    one_process: bool = False  # sent from one process whatever --workers says
+
+
+#: replay's modes, in `--mode`'s order; `--concurrency`, `--batch`, `--rate`, `--sessions` each imply their own
+MODES: dict[str, Mode] = {
+    "recorded": Mode(
+        "at the captured offsets / --speed (default)", "the captured timing", lambda o: f"recorded x{o.speed:g}",
+        lambda o, name: OneShape(name, Recorded(o.speed), o.workers), takes=("--speed",),
+    ),
+    "sequential": Mode(
+        "one at a time", "one at a time", lambda o: "sequential", lambda o, name: OneShape(name, Sequential()),
+        one_process=True,
+    ),
+    "concurrency": Mode(
+        "closed loop of --concurrency", "a closed loop", lambda o: f"concurrency {o.concurrency}",
+        lambda o, name: OneShape(name, ClosedLoop(o.concurrency), o.workers),
+        lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, o.workers),
+    ),
+    "batch": Mode(
+        "waves of --batch released together, after a one-at-a-time baseline that gives the speedup",
+        "waves released together", lambda o: "batch", lambda o, name: Batch(o.batches or (o.batch,)), one_process=True,
+    ),
+    "rate": Mode(
+        "open loop at --rate", "an open loop", lambda o: f"{o.arrival} {o.rate:g}/s" if o.rate else None,
+        lambda o, name: Rate(name, OpenLoop(o.rate or 1.0, o.arrival, o.seed, o.ramp_s), o.workers),
+        lambda o, name, sweep, slo: RateSweep(
+            name, sweep.of(OpenLoop(1.0, o.arrival, o.seed, o.ramp_s), o.sweep_steps or (o.rate or 1.0,)), slo,
+            o.workers,
+        ),
+        needs="R (requests per second)", doubles=False,
+    ),
+    "sessions": Mode(
+        "conversations, --sessions at once", "conversations", lambda o: f"sessions {o.sessions}",
+        lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, o.workers),
+        lambda o, name, sweep, slo: SessionsSweep(
+            name, sweep.of(Sessions(1), o.sweep_steps), slo, o.workers, o.think_time
+        ),
+        takes=("--think-time", "--fix"), needs="N (conversations at once)",
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ReplayPlan:
     """replay's options typed once (`replay_plan`): the test, the rewrites and repeats of what it
     sends, the warm-up and the groups' params."""
@@ -278,78 +334,47 @@ def replay_plan(opts: ReplayOptions) -> ReplayPlan:
 
 
 def _test(opts: ReplayOptions) -> ReplayTest:
-    """The test the options ask for, typed by its shape."""
-    name, fleet = _mode_name(opts), opts.workers
-    slo = opts.slo or parse_slo(DEFAULT_SLO)
-    sweep, steps = opts.sweep, opts.sweep_steps
-    if sweep and opts.mode == "rate":
-        open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
-        return RateSweep(name, sweep.of(open_loop, steps or (opts.rate or 1.0,)), slo, fleet)
-    if sweep and opts.mode == "sessions":
-        return SessionsSweep(name, sweep.of(Sessions(1), steps), slo, fleet, opts.think_time)
-    if sweep:
-        return StreamsSweep(name, sweep.of(ClosedLoop(1), steps), slo, fleet)
-    tests: dict[str, Callable[[], ReplayTest]] = {
-        "recorded": lambda: OneShape(name, Recorded(opts.speed), fleet),
-        "sequential": lambda: OneShape(name, Sequential()),
-        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency), fleet),
-        "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s), fleet),
-        "batch": lambda: Batch(opts.batches or (opts.batch,)),
-        "sessions": lambda: Conversations(name, opts.sessions, opts.think_time, opts.fix, fleet),
-    }
-    return tests[opts.mode]()
-
-
-def _mode_name(opts: ReplayOptions) -> str:
-    mode = {
-        "recorded": f"recorded x{opts.speed:g}",
-        "sequential": "sequential",
-        "concurrency": f"concurrency {opts.concurrency}",
-        "batch": "batch",
-        "rate": f"{opts.arrival} {opts.rate:g}/s" if opts.rate else None,
-        "sessions": f"sessions {opts.sessions}",
-    }.get(opts.mode)
-    if mode is None:
+    """The test the options ask for: its mode's, once or swept."""
+    mode = MODES.get(opts.mode)
+    name = mode.name(opts) if mode else None
+    if mode is None or name is None:
         raise ValueError(f"unknown replay mode {opts.mode!r}")
-    return mode
+    if opts.sweep is None:
+        return mode.once(opts, name)
+    if mode.swept is None:
+        raise ValueError(f"replay mode {opts.mode!r} cannot be swept")
+    return mode.swept(opts, name, opts.sweep, opts.slo or parse_slo(DEFAULT_SLO))
 
 
 async def run_replay(
     caps: Sequence[CapturedRequest],
-    target_url: str,
+    target: Target,
     opts: ReplayOptions,
     *,
-    target_name: str = "target",
-    api_key: str | None = None,
     thresholds: Thresholds | None = None,
-    timeout_s: float = 1800.0,
-    max_connections: int | None = None,
     progress: bool | None = None,
     compare: bool = False,
     out: list[Group] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[Group]:
-    """Run one replay; return the result groups (see `mlxproxy.load.output.report`). Groups are
+    """Run one replay against `target`; return the result groups (see `mlxproxy.load.output.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
     the requests finished so far are appended as one more group (mode `... interrupted`)."""
     plan = replay_plan(opts)  # an unknown mode fails before anything is sent
     th = thresholds or Thresholds()
     groups: list[Group] = out if out is not None else []
     source = ReplaySource(caps, plan.rewrites, plan.repeat)
-    async with MeasuringClient(
-        target_url, name=target_name, thresholds=th, api_key=api_key, timeout_s=timeout_s,
-        max_connections=max_connections,
-    ) as client:  # fmt: skip
-        on = OnTarget(client, source, target_name, th, compare, groups, plan.params, say)
+    async with client_for(target, th) as client:
+        on = OnTarget(client, source, target.name, th, compare, groups, plan.params, say)
         if plan.warmup:
             await send(Sequential(), Load(source.first(plan.warmup)), client)
         measured_from = len(client.finished)
-        tick = Progress(f"replay {target_name}", plan.test.total(len(caps) * plan.repeat), progress, client)
+        tick = Progress(f"replay {target.name}", plan.test.total(len(caps) * plan.repeat), progress, client)
         tick.start()
         try:
             await plan.test.run(on, tick)
         except asyncio.CancelledError:
-            rest = interrupted_group(plan.test.name, target_name, plan.params, groups, client.finished[measured_from:])
+            rest = interrupted_group(plan.test.name, target.name, plan.params, groups, client.finished[measured_from:])
             groups.extend([rest] if rest else [])
             raise
         finally:
@@ -381,7 +406,8 @@ async def run_sessions(
 
 
 def run(caps: Sequence[CapturedRequest], target_url: str, opts: ReplayOptions, **kw: Any) -> list[Group]:
-    return run_async(run_replay(caps, target_url, opts, **kw))
+    """`run_replay` against the target at `target_url`, named `target`, to the end."""
+    return run_async(run_replay(caps, Target("target", target_url), opts, **kw))
 
 
 def records_of(group: Group) -> list[Record]:

@@ -18,7 +18,7 @@ from mlxproxy.load.commands.common import (
 from mlxproxy.load.commands.fixreplay import fix_report
 from mlxproxy.load.commands.inputs import interrupted_line, nothing_to_replay, result_file_hint
 from mlxproxy.load.commands.preflight import require_reachable
-from mlxproxy.load.commands.replay import ReplayOptions, run_replay
+from mlxproxy.load.commands.replay import MODES, ReplayOptions, run_replay
 from mlxproxy.load.commands.replay_groups import served_from_cache
 from mlxproxy.load.commands.replay_requests import BUILTIN_AGENT, generation_mix, select, synthetic_agent_session
 from mlxproxy.load.commands.sweep_options import SweepOptions, sweep_options
@@ -51,26 +51,15 @@ def parse_filters(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-_TESTS = {
-    "concurrency": "a closed loop",
-    "batch": "waves released together",
-    "rate": "an open loop",
-    "sessions": "conversations",
-}
-
-
 @click.command("replay", cls=LoadCommand)
 @click.argument("capture", type=click.Path(dir_okay=False))
 @shared_option("--target", "E.g. http://127.0.0.1:8080; paths come from the capture.", dest="target_spec")
 @click.option("--name", "target_name", default=None, hidden=True, callback=deprecated_alias("replay", "--name"))
 @click.option(
     "--mode",
-    type=click.Choice(["recorded", "sequential", "concurrency", "batch", "rate", "sessions"]),
+    type=click.Choice(list(MODES)),
     default=None,
-    help="recorded: at the captured offsets / --speed (default); sequential: one at a time; "
-    "concurrency: closed loop of --concurrency; batch: waves of --batch released together, "
-    "after a one-at-a-time baseline that gives the speedup; rate: open loop at --rate; sessions: "
-    "conversations, --sessions at once.",
+    help="; ".join(f"{name}: {mode.help}" for name, mode in MODES.items()) + ".",
 )
 @click.option(
     "--speed",
@@ -199,8 +188,9 @@ def replay(
     """
     name, target_url = parse_target(target_spec)
     name = target_name or name
-    mode, swept = _shape(mode, speed, concurrency, sweep.mode is not None, batch, rate, sessions, think_time, ramp_s)
-    if fix and (mode != "sessions" or swept):
+    values = {"concurrency": concurrency, "batch": batch, "rate": rate, "sessions": sessions}
+    mode, swept = _shape(mode, speed, values, sweep.mode is not None, think_time, ramp_s)
+    if fix and ("--fix" not in MODES[mode].takes or swept):
         fail("--fix replays conversations: use it with --sessions N (one value, no --sweep)")
     if timeout is not None and timeout[0] not in (None, name):
         fail(f"--timeout {timeout[0]}=...: no target named {timeout[0]!r} (this replay's target is {name!r})")
@@ -210,10 +200,9 @@ def replay(
     if plot_path and not swept:
         fail("replay --plot draws a sweep; add --sweep (or --concurrency N,N,...)")
     chosen = _chosen(capture, skip_bad_lines, parse_filters(filters), limit, swept)
-    steps = {"sessions": sessions, "rate": rate}.get(mode, concurrency) or ()
     opts = ReplayOptions(
         mode=mode, speed=speed or 1.0, concurrency=(concurrency or (1,))[0], sweep=sweep.when(implied=swept),
-        sweep_steps=steps if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
+        sweep_steps=(values.get(mode) or ()) if swept else (), slo=slo, batch=(batch or (2,))[0], batches=batch or (2,),
         repeat=repeat, warmup=warmup, nonce=nonce, model=model, rate=rate[0] if rate else None, arrival=arrival,
         ramp_s=ramp_s, seed=seed, sessions=(sessions or (1,))[0], think_time=think_time, fix=fix,
         workers=_workers(workers, cluster, mode),
@@ -233,7 +222,7 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
         out = workers_for(count, cluster)
     except WorkersError as exc:
         fail(str(exc))
-    if out.parallel and mode in ("sequential", "batch"):
+    if out.parallel and MODES[mode].one_process:
         say(f"--workers and --cluster do not apply to {mode}: it sends from one process")
     return out
 
@@ -241,10 +230,7 @@ def _workers(count: int, cluster: str | None, mode: str) -> Workers:
 def _run(chosen: list[CapturedRequest], target: Target, opts: ReplayOptions, compare: bool) -> tuple[list[Group], bool]:
     """The replay's groups (those finished so far when interrupted) and whether Ctrl-C ended it."""
     groups: list[Group] = []
-    run = run_replay(
-        chosen, target.url, opts, target_name=target.name, api_key=target.api_key, timeout_s=target.timeout_s,
-        max_connections=target.max_connections, compare=compare, out=groups, say=say,
-    )  # fmt: skip
+    run = run_replay(chosen, target, opts, compare=compare, out=groups, say=say)
     return groups, run_interrupted(run)
 
 
@@ -258,50 +244,41 @@ def _exit(groups: list[Group], interrupted: bool, written: bool, fail_on: tuple[
 def _shape(
     mode: str | None,
     speed: float | None,
-    concurrency: tuple[int, ...] | None,
+    values: dict[str, tuple[int, ...] | tuple[float, ...] | None],
     sweep: bool,
-    batch: tuple[int, ...] | None,
-    rate: tuple[float, ...] | None,
-    sessions: tuple[int, ...] | None,
     think_time: float | None,
     ramp_s: float,
 ) -> tuple[str, bool]:
-    """The replay mode and whether it is a sweep, from the options given (one-line errors for
-    options that conflict)."""
-    given = [
-        o for o, v in (("concurrency", concurrency), ("batch", batch), ("rate", rate), ("sessions", sessions)) if v
-    ]
-    if think_time is not None and not sessions and mode != "sessions":
+    """The replay mode and whether it is a sweep, from `--mode` and the options that imply a mode
+    (`values`, by mode), as `MODES` declares them (one-line errors for options that conflict)."""
+    given = [m for m, v in values.items() if v]
+    if think_time is not None and not any("--think-time" in MODES[m].takes for m in [*given, mode] if m):
         fail("--think-time applies to --sessions only")
-    implied = given[0] if given else None
     if len(given) > 1:
-        fail(
-            f"--{given[0]} and --{given[1]} are two different tests ({', '.join(_TESTS[g] for g in given[:2])}); give one"
-        )
-    if mode is not None and implied is not None and mode != implied:
-        fail(f"--mode {mode} conflicts with --{implied}; drop one")
-    sweep = sweep or len(concurrency or ()) > 1 or len(sessions or ()) > 1 or len(rate or ()) > 1
+        a, b = given[:2]
+        fail(f"--{a} and --{b} are two different tests ({MODES[a].test}, {MODES[b].test}); give one")
+    if mode and given and given[0] != mode:
+        fail(f"--mode {mode} conflicts with --{given[0]}; drop one")
+    sweep = sweep or any(len(v or ()) > 1 for m, v in values.items() if MODES[m].swept)
     if sweep:
         other = (
-            "--batch"
-            if batch
+            f"--{given[0]}"
+            if given and not MODES[given[0]].swept
             else "--speed"
             if speed is not None
             else f"--mode {mode}"
-            if mode not in (None, "concurrency", "sessions", "rate")
+            if mode and not MODES[mode].swept
             else None
         )
         if other:
             fail(f"--sweep steps the concurrency, the number of --sessions or the --rate; it cannot run with {other}")
-        implied = "sessions" if sessions or mode == "sessions" else "rate" if rate or mode == "rate" else "concurrency"
-    mode = mode or implied or "recorded"
-    if ramp_s and not rate:
+    mode = mode or (given[0] if given else "concurrency" if sweep else "recorded")
+    if ramp_s and not values["rate"]:
         fail("--ramp applies to --rate only")
-    if mode == "rate" and not rate:
-        fail("--mode rate needs --rate R (requests per second)")
-    if mode == "sessions" and not sessions and not sweep:
-        fail("--mode sessions needs --sessions N (conversations at once)")
-    if speed is not None and mode != "recorded":
+    needs = MODES[mode].needs
+    if needs and not values[mode] and not (sweep and MODES[mode].doubles):
+        fail(f"--mode {mode} needs --{mode} {needs}")
+    if speed is not None and "--speed" not in MODES[mode].takes:
         fail(f"--speed only applies to --mode recorded, not {mode}")
     return mode, sweep
 

@@ -293,6 +293,22 @@ class OpenLoop(DueTimes):
         return Load([dataclasses.replace(r, offset_s=after + o) for r, o in zip(load.requests, offsets)], warm)
 
 
+_Job = TypeVar("_Job")
+
+
+async def _closed_loop(jobs: Sequence[_Job], at_once: int, do: Callable[[_Job], Awaitable[None]]) -> None:
+    """`do` each job, in order, `at_once` at a time (at least one): each of `at_once` workers
+    takes the next job as soon as its last one ended (the closed loop of `ClosedLoop` and
+    `Sessions`)."""
+    queue = list(jobs)[::-1]
+
+    async def worker() -> None:
+        while queue:
+            await do(queue.pop())
+
+    await asyncio.gather(*(worker() for _ in range(max(1, at_once))))
+
+
 @dataclass(frozen=True, slots=True)
 class ClosedLoop(Shape):
     """`streams` workers, each sending its next request as soon as its last one ended."""
@@ -307,19 +323,16 @@ class ClosedLoop(Shape):
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
         out = Timed()
-        queue = list(load.requests)[::-1]
         heap = _RunHeap()
 
-        async def worker() -> None:
-            while queue:
-                req = queue.pop()
-                out.add(await client.send(req), req.source_id)
-                heap.record_done()
-                if tick:
-                    tick()
+        async def one(req: PreparedRequest) -> None:
+            out.add(await client.send(req), req.source_id)
+            heap.record_done()
+            if tick:
+                tick()
 
         try:
-            await asyncio.gather(*(worker() for _ in range(max(1, self.streams))))
+            await _closed_loop(load.requests, self.streams, one)
         finally:
             heap.release()
         return out
@@ -384,25 +397,23 @@ class Sessions(Shape):
 
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
-        queue = list(enumerate(load.runs))[::-1]
         ids = load.run_ids
         out = Timed()
 
-        async def worker() -> None:
-            while queue:
-                si, turns = queue.pop()
-                t0 = time.perf_counter()
-                for ti, turn in enumerate(turns):
-                    if ti:
-                        await asyncio.sleep(turn.think_s)
-                    r = await client.send(turn.request)
-                    out.add(r, turn.request.source_id)
-                    out.where[r.id] = SessionTurn(ids[si] if ids else si, ti, turn.think_s)
-                    if tick:
-                        tick()
-                out.session_s.append(time.perf_counter() - t0)
+        async def one(run: tuple[int, Sequence[Turn]]) -> None:
+            si, turns = run
+            t0 = time.perf_counter()
+            for ti, turn in enumerate(turns):
+                if ti:
+                    await asyncio.sleep(turn.think_s)
+                r = await client.send(turn.request)
+                out.add(r, turn.request.source_id)
+                out.where[r.id] = SessionTurn(ids[si] if ids else si, ti, turn.think_s)
+                if tick:
+                    tick()
+            out.session_s.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(worker() for _ in range(max(1, self.at_once))))
+        await _closed_loop(list(enumerate(load.runs)), self.at_once, one)
         return out
 
     def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
