@@ -446,5 +446,9 @@ def test_disconnect_mid_stream(live: Live) -> None:
         # that it has; the check is about what the next request costs, not how soon it noticed
         nxt = stream(client, live.server.model, messages=user("Say the words."), max_tokens=64, **USAGE)
         rec = live.proxy.record(nxt.request_id)
-    assert frozenset(rec.anomalies) == expected(live.name, "after_disconnect"), rec.anomaly_evidence
+    assert frozenset(rec.anomalies) == expected(live.name, "after_disconnect"), (
+        rec.anomaly_evidence,
+        f"next TTFT {rec.ttft_s}; the abandoned request left at event {gone.generated_events}, its events at "
+        f"{[round(t, 4) for t in gone.event_offsets_s]} s, ended {gone.t_end_mono - rec.t_start_mono:+.3f} s from the next's start",
+    )
     assert frozenset(gone.anomalies) <= {"usage_missing"}, gone.anomaly_evidence
