@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+import mlxproxy.core.detect as detect_mod
 import mlxproxy.core.meter as meter_mod
 import mlxproxy.core.openai as openai_mod
+import mlxproxy.proxy.histograms as histograms_mod
 import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
@@ -576,7 +578,7 @@ AMOUNT = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches=st.lists(st.lists(AMOUNT, max_size=30), max_size=4), labels=st.sampled_from([(), ("a",), ("a", "b")]))
+@given(batches=st.lists(st.lists(AMOUNT, max_size=60), max_size=4), labels=st.sampled_from([(), ("a",), ("a", "b")]))
 def test_batch_histogram_exposes_what_a_histogram_observing_one_by_one_would(
     batches: list[list[float]], labels: tuple[str, ...]
 ) -> None:
@@ -595,6 +597,64 @@ def test_batch_histogram_exposes_what_a_histogram_observing_one_by_one_would(
     assert strip(generate_latest(reg).decode()) == strip(generate_latest(reg_ref).decode())
     created = [s for fam in reg.collect() for s in fam.samples if s.name == "h_created"]
     assert len(created) == 1 and created[0].labels == dict(zip(names, labels))
+
+
+def test_batch_histogram_sorted_batches_count_as_one_by_one() -> None:
+    """A batch long enough to be sorted (`observe_all`), its values on, between, under and over
+    every bound, once with a NaN among them (the per-value path) and once without."""
+    bounds = metrics_mod.GAP_BUCKETS
+    values = list(bounds) + [b * 1.5 for b in bounds] + [-1.0, 0.0, -0.0, 1e9, math.inf, -math.inf]
+    for batch in (values, values[::-1], [*values, math.nan], [0.001] * 40):
+        reg_ref, reg = CollectorRegistry(), CollectorRegistry()
+        ref = Histogram("h", "Gaps.", buckets=bounds, registry=reg_ref)
+        for v in batch:
+            ref.observe(v)
+        got = BatchHistogram("h", "Gaps.", [], buckets=bounds, registry=reg).labels()
+        got.observe_all(batch)
+        assert len(batch) >= histograms_mod._SORTED_BATCH
+        assert samples(reg) == samples(reg_ref)
+
+
+MARKUP_BITS = [
+    "<think>",
+    "</think>",
+    "think>",
+    "/think>",
+    "<|channel|>analysis",
+    "|channel|>analysis",
+    "<",
+    "/",
+    "<|begin_of_thought|>",
+    "|begin_of_thought|>",
+    "<|end_of_thought|>",
+    "|end_of_thought|>",
+    " ",
+    "\n",
+    "x",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(bits=st.lists(st.sampled_from(MARKUP_BITS), max_size=8))
+def test_think_markup_pattern_needs_a_less_than_sign(bits: list[str]) -> None:
+    """`check_markup` searches its pattern only in a text holding "<": a text the pattern
+    matches always holds one (or markup would be missed)."""
+    text = "".join(bits)
+    assert detect_mod._THINK.search(text) is None or "<" in text
+    assert detect_mod._THINK.search(text.replace("<", "")) is None
+
+
+def test_think_markup_found_with_the_shortcut() -> None:
+    for text in (
+        "<think>x",
+        "  <think>",
+        "a</think>b",
+        "<|channel|>analysis",
+        "x<|end_of_thought|>",
+        "<|begin_of_thought|>",
+    ):
+        assert detect_mod._THINK.search(text) is not None
+        assert detect_mod._THINK.search(text.replace("<", "")) is None
 
 
 def test_batch_histogram_is_refused_twice_on_one_registry_and_checks_its_labels() -> None:
