@@ -123,9 +123,11 @@ class SSEDecoder:
         n = len(data)
         if (
             not self._idle
+            or n < 8  # (the shortest: "data: " and the two newlines)
             or n > self.max_line_bytes
+            or data[-1] != _LF  # (indexing, not a slice: no bytes object made per read)
+            or data[-2] != _LF
             or data[:6] != b"data: "
-            or data[-2:] != b"\n\n"
             or data.find(b"\r") >= 0
         ):
             return None
