@@ -669,6 +669,53 @@ def test_batch_histogram_is_refused_twice_on_one_registry_and_checks_its_labels(
         BatchHistogram("g", "g", [], buckets=(2, 1), registry=reg)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.sampled_from(["u", "v"]), st.sampled_from(["m", "n", "o"]), st.booleans()), max_size=40)
+)
+def test_the_in_flight_count_gauge_exposes_what_a_gauge_would(steps: list[tuple[str, str, bool]]) -> None:
+    """`ProxyMetrics`' requests in flight (a `CountGauge`) against the same with prometheus_client's
+    `Gauge`: the same exposition, byte for byte, after any order of starts and ends."""
+    import dataclasses
+
+    from prometheus_client import Gauge
+
+    from mlxproxy.proxy.histograms import CountGauge
+    from mlxproxy.proxy.metrics import METRICS, ProxyMetrics
+
+    assert [x.kind for x in METRICS if x.key == "in_flight"] == [CountGauge]
+    reference = tuple(dataclasses.replace(x, kind=Gauge) if x.kind is CountGauge else x for x in METRICS)
+    texts = []
+    for table in (METRICS, reference):
+        with mock.patch.object(metrics_mod, "METRICS", table):
+            pm = ProxyMetrics(CollectorRegistry(), max_model_labels=2)
+        open_now: dict[tuple[str, str], int] = {}
+        for up, model, start in steps:
+            label = pm.model_label(model)
+            if start or not open_now.get((up, label)):
+                pm.request_started(up, label)
+                open_now[(up, label)] = open_now.get((up, label), 0) + 1
+            else:
+                pm.request_ended(up, label)
+                open_now[(up, label)] -= 1
+        texts.append([ln for ln in generate_latest(pm.registry).decode().splitlines() if "_created" not in ln])
+    assert texts[0] == texts[1]
+    if steps:
+        assert any(ln.startswith("mlxproxy_requests_in_flight{") for ln in texts[0])
+
+
+def test_count_gauge_checks_its_labels() -> None:
+    from mlxproxy.proxy.histograms import CountGauge
+
+    reg = CollectorRegistry()
+    g = CountGauge("g", "g", ["l"], registry=reg)
+    with pytest.raises(ValueError, match="takes 1 label values, got 2"):
+        g.labels("a", "b")
+    assert g.labels("a") is g.labels("a")
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        CountGauge("g", "g", ["l"], registry=reg)
+
+
 def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:
     from mlxproxy.core.analyze import finish_checked
     from mlxproxy.core.detect import Thresholds
