@@ -90,7 +90,22 @@ class HistogramSeries:
         return cumulative, total, self._created
 
 
-class BatchHistogram:
+class _Family:
+    """What the custom collectors here share: the family's name, help and label names, and the
+    key of one series (its label values, checked against the names)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+
+    def _key(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes {len(self.labelnames)} label values, got {len(values)}")
+        return tuple(str(v) for v in values)
+
+
+class BatchHistogram(_Family):
     """A histogram family registered on `registry` as a custom collector; `labels(*values)`
     returns (and keeps) the series for those label values."""
 
@@ -108,9 +123,7 @@ class BatchHistogram:
             raise ValueError("buckets must be given in increasing order")
         if bounds[-1] != math.inf:
             bounds.append(math.inf)
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
+        _Family.__init__(self, name, documentation, labelnames)
         self._bounds = bounds
         self._les = [_go_float(b) for b in bounds]
         self._series: dict[tuple[str, ...], HistogramSeries] = {}
@@ -118,9 +131,7 @@ class BatchHistogram:
         registry.register(self)
 
     def labels(self, *values: str) -> HistogramSeries:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes {len(self.labelnames)} label values, got {len(values)}")
-        key = tuple(str(v) for v in values)
+        key = self._key(values)
         series = self._series.get(key)
         if series is None:
             with self._lock:
@@ -162,7 +173,7 @@ class _Count:
         self.value -= 1
 
 
-class CountGauge:
+class CountGauge(_Family):
     """A gauge family of whole counts moved by one (the requests in flight), registered on
     `registry` as a custom collector: sample for sample what a prometheus_client `Gauge` of the
     same name and labels would expose (a series from its first `labels` call on, in that order,
@@ -173,16 +184,12 @@ class CountGauge:
     def __init__(
         self, name: str, documentation: str, labelnames: Iterable[str], *, registry: CollectorRegistry
     ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
+        _Family.__init__(self, name, documentation, labelnames)
         self._series: dict[tuple[str, ...], _Count] = {}
         registry.register(self)
 
     def labels(self, *values: str) -> _Count:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes {len(self.labelnames)} label values, got {len(values)}")
-        key = tuple(str(v) for v in values)
+        key = self._key(values)
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = _Count()
