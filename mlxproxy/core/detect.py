@@ -569,7 +569,9 @@ def check_markup(r: Measured, content: str) -> list[Anomaly]:
         return out
     if content:
         text = content if len(content) <= 2 * _SCAN_CHARS else content[:_SCAN_CHARS] + "\n" + content[-_SCAN_CHARS:]
-        m = _THINK.search(text)
+        # every alternative of `_THINK` holds "<": a text without one (most answers) cannot
+        # match, and `in` finds that out far faster than the pattern tried at every position
+        m = _THINK.search(text) if "<" in text else None
         if m:
             out.append(
                 Anomaly(

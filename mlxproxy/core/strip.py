@@ -51,7 +51,7 @@ class UsageStripper:
         too), while nothing is held back: the decoder takes them (`SSEDecoder.data_payloads`,
         their data undecoded) and `data` is forwarded whole. None: nothing consumed, use
         `SSEDecoder.feed` and `process`."""
-        if self._buf or data.find(b'"usage"') >= 0:
+        if self._buf or data.partition(b'"usage"')[1]:  # (cheaper than `find`: `SSEDecoder.data_payloads`)
             return None
         payloads = decoder.data_payloads(data)
         if payloads is not None:

@@ -8,8 +8,10 @@ in the installed aiohttp, and the fallback below.
 What it relies on (`PRIVATE_NAMES`): `TCPConnector._release` and `_get` (overridden, to check a
 connection when it is given back and when it is taken), `TCPConnector._factory` and `_loop` (the
 protocol factory, replaced by one that breaks a reference cycle), `ResponseHandler._parser`
-(cleared while a connection is idle, so a stray byte marks it `should_close`) and
-`ResponseHandler._read_timeout_handle` (a read timer left armed after a response).
+(cleared while a connection is idle, so a stray byte marks it `should_close`),
+`ResponseHandler._read_timeout_handle` (a read timer left armed after a response), and the read
+timer's `_reschedule_timeout` (overridden: the timer kept lazily), `_drop_timeout`,
+`_on_read_timeout`, `_read_timeout` and `_loop`.
 
 Fallback: where any of them is missing, `connector()` logs one warning and returns aiohttp's own
 `TCPConnector` with `force_close=True`: a new connection per request, never one that saw anything
@@ -38,14 +40,51 @@ TESTED = "aiohttp 3.14.5"
 #: class -> the private attributes (methods, or instance attributes set in __init__) used here
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "TCPConnector": ("_release", "_get", "_factory", "_loop"),
-    "ResponseHandler": ("_parser", "_read_timeout_handle"),
+    "ResponseHandler": (
+        "_parser",
+        "_read_timeout_handle",
+        "_read_timeout",
+        "_reschedule_timeout",
+        "_drop_timeout",
+        "_on_read_timeout",
+        "_loop",
+    ),
 }
 
 log = logging.getLogger("mlxproxy")
 
 
 class GuardedHandler(ResponseHandler):
-    """An upstream connection that breaks its own reference cycle when it is lost."""
+    """An upstream connection that breaks its own reference cycle when it is lost, and keeps
+    its read timer lazily.
+
+    aiohttp restarts the read timeout (`sock_read`) on every read from the socket: a timer
+    cancelled and a new one made per body chunk, ~6,500 instructions per streamed event (6% of
+    a proxied stream's, benchmarks/instructions.py). Here a read only moves the deadline; the
+    one timer, when it fires, is set again for the deadline if a read moved it since it was
+    set, else it is the timeout. It fires when aiohttp's would (the last read plus the
+    timeout), and is armed (`_read_timeout_handle`) and dropped exactly when aiohttp's is."""
+
+    _read_deadline = 0.0  # when the read timeout is due: the last read plus the timeout
+    _armed_for = 0.0  # the deadline the armed timer was set for
+
+    def _reschedule_timeout(self) -> None:
+        timeout = self._read_timeout
+        if not timeout:
+            self._drop_timeout()  # (what aiohttp's does then: no timer)
+            return
+        self._read_deadline = deadline = self._loop.time() + timeout
+        if self._read_timeout_handle is None:
+            self._armed_for = deadline
+            self._read_timeout_handle = self._loop.call_at(deadline, self._read_timer_fired)
+
+    def _read_timer_fired(self) -> None:
+        deadline = self._read_deadline
+        if deadline != self._armed_for:  # a read since the timer was set: not due yet
+            self._armed_for = deadline
+            self._read_timeout_handle = self._loop.call_at(deadline, self._read_timer_fired)
+            return
+        self._on_read_timeout()  # aiohttp's own: the same exception, the timer dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._made = transport  # aiohttp forgets its transport when it closes it itself

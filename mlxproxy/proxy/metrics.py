@@ -17,7 +17,7 @@ from mlxproxy.core.detect import ANOMALY_KINDS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS
 from mlxproxy.core.prefix import CAUSES
 from mlxproxy.core.record import OK_OUTCOMES, Record
-from mlxproxy.proxy.histograms import BatchHistogram, observe_all
+from mlxproxy.proxy.histograms import BatchHistogram, CountGauge, observe_all
 
 __all__ = ["METRICS", "Metric", "ProxyMetrics", "concurrency_bucket", "observe_all"]
 
@@ -53,7 +53,7 @@ class Metric:
     (the exposition adds `_total` to counters), help text, unit, labels and buckets."""
 
     key: str
-    kind: type[Counter] | type[Gauge] | type[Histogram] | type[BatchHistogram]
+    kind: type[Counter] | type[Gauge] | type[Histogram] | type[BatchHistogram] | type[CountGauge]
     name: str
     help: str
     unit: str = ""
@@ -72,11 +72,12 @@ C, G, B = Counter, Gauge, BatchHistogram
 #: every metric the proxy exports (docs/METRICS.md lists the same; tests/proxy/test_metrics_table.py
 #: keeps the two in step). B: a histogram observed when a record is finished (`BatchHistogram`: the
 #: exposition of prometheus_client's `Histogram`, with one lock and a bisection per value instead of
-#: a lock per bucket scanned and two more, and a batch of values per call)
+#: a lock per bucket scanned and two more, and a batch of values per call). The requests in flight
+#: are a `CountGauge` (a `Gauge`'s exposition, an addition per change: two per request)
 METRICS: tuple[Metric, ...] = (
     Metric("requests", C, "mlxproxy_requests", "Finished requests by outcome.", "requests",
            (*UP_MODEL, "endpoint", "stream", "code", "outcome")),
-    Metric("in_flight", G, "mlxproxy_requests_in_flight", "Requests in flight.", "requests", UP_MODEL),
+    Metric("in_flight", CountGauge, "mlxproxy_requests_in_flight", "Requests in flight.", "requests", UP_MODEL),
     Metric("duration", B, "mlxproxy_request_duration_seconds",
            "Whole request: client request in to response body fully sent.", "seconds",
            (*UP_MODEL, "endpoint", "stream"), LATENCY_BUCKETS),
@@ -141,6 +142,7 @@ class ProxyMetrics:
         self._models: set[str] = set()
         self._children: dict[tuple[Any, ...], Any] = {}
         self._by_labels: dict[tuple[str, str, str, str], _Series] = {}
+        self._in_flight: dict[tuple[str, str], Any] = {}  # (upstream, model) -> its in-flight child
         self.families: dict[str, Any] = {m.key: m.create(registry) for m in METRICS}
         f = self.families
         self.observer_errors, self.capture_dropped, self.capture_errors = (
@@ -169,9 +171,9 @@ class ProxyMetrics:
         return child
 
     def request_started(self, upstream: str, model: str) -> None:
-        f = self.families
-        child = self._children.get((id(f["in_flight"]), upstream, model))
+        child = self._in_flight.get((upstream, model))
         if child is None:  # a new upstream/model pair: start its anomaly counters at 0, so that
+            f = self.families
             for kind in ANOMALY_KINDS:  # rate()/increase() see the first anomaly of each kind
                 self._child(f["anomalies"], upstream, model, kind)
             for cache in ("reused", "recomputed"):
@@ -179,11 +181,14 @@ class ProxyMetrics:
             self._child(f["prefill_wasted"], upstream, model)
             for cause in CAUSES:
                 self._child(f["reprefill_lost"], upstream, model, cause)
-            child = self._child(f["in_flight"], upstream, model)
+            child = self._in_flight[(upstream, model)] = self._child(f["in_flight"], upstream, model)
         child.inc()
 
     def request_ended(self, upstream: str, model: str) -> None:
-        self._child(self.families["in_flight"], upstream, model).dec()
+        child = self._in_flight.get((upstream, model))
+        if child is None:  # (never started here: as a gauge would, it goes below 0)
+            child = self._child(self.families["in_flight"], upstream, model)
+        child.dec()
 
     def observe_overhead(self, request_s: float | None, chunk_s: list[float]) -> None:
         if request_s is not None:

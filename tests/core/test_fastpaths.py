@@ -21,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+import mlxproxy.core.detect as detect_mod
 import mlxproxy.core.meter as meter_mod
 import mlxproxy.core.openai as openai_mod
+import mlxproxy.proxy.histograms as histograms_mod
 import mlxproxy.proxy.metrics as metrics_mod
 from mlxproxy.core.meter import RequestMeter
 from mlxproxy.core.openai import Delta, _classify_general, classify_chunk, parse_request, plain_delta
@@ -576,7 +578,7 @@ AMOUNT = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches=st.lists(st.lists(AMOUNT, max_size=30), max_size=4), labels=st.sampled_from([(), ("a",), ("a", "b")]))
+@given(batches=st.lists(st.lists(AMOUNT, max_size=60), max_size=4), labels=st.sampled_from([(), ("a",), ("a", "b")]))
 def test_batch_histogram_exposes_what_a_histogram_observing_one_by_one_would(
     batches: list[list[float]], labels: tuple[str, ...]
 ) -> None:
@@ -597,6 +599,64 @@ def test_batch_histogram_exposes_what_a_histogram_observing_one_by_one_would(
     assert len(created) == 1 and created[0].labels == dict(zip(names, labels))
 
 
+def test_batch_histogram_sorted_batches_count_as_one_by_one() -> None:
+    """A batch long enough to be sorted (`observe_all`), its values on, between, under and over
+    every bound, once with a NaN among them (the per-value path) and once without."""
+    bounds = metrics_mod.GAP_BUCKETS
+    values = list(bounds) + [b * 1.5 for b in bounds] + [-1.0, 0.0, -0.0, 1e9, math.inf, -math.inf]
+    for batch in (values, values[::-1], [*values, math.nan], [0.001] * 40):
+        reg_ref, reg = CollectorRegistry(), CollectorRegistry()
+        ref = Histogram("h", "Gaps.", buckets=bounds, registry=reg_ref)
+        for v in batch:
+            ref.observe(v)
+        got = BatchHistogram("h", "Gaps.", [], buckets=bounds, registry=reg).labels()
+        got.observe_all(batch)
+        assert len(batch) >= histograms_mod._SORTED_BATCH
+        assert samples(reg) == samples(reg_ref)
+
+
+MARKUP_BITS = [
+    "<think>",
+    "</think>",
+    "think>",
+    "/think>",
+    "<|channel|>analysis",
+    "|channel|>analysis",
+    "<",
+    "/",
+    "<|begin_of_thought|>",
+    "|begin_of_thought|>",
+    "<|end_of_thought|>",
+    "|end_of_thought|>",
+    " ",
+    "\n",
+    "x",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(bits=st.lists(st.sampled_from(MARKUP_BITS), max_size=8))
+def test_think_markup_pattern_needs_a_less_than_sign(bits: list[str]) -> None:
+    """`check_markup` searches its pattern only in a text holding "<": a text the pattern
+    matches always holds one (or markup would be missed)."""
+    text = "".join(bits)
+    assert detect_mod._THINK.search(text) is None or "<" in text
+    assert detect_mod._THINK.search(text.replace("<", "")) is None
+
+
+def test_think_markup_found_with_the_shortcut() -> None:
+    for text in (
+        "<think>x",
+        "  <think>",
+        "a</think>b",
+        "<|channel|>analysis",
+        "x<|end_of_thought|>",
+        "<|begin_of_thought|>",
+    ):
+        assert detect_mod._THINK.search(text) is not None
+        assert detect_mod._THINK.search(text.replace("<", "")) is None
+
+
 def test_batch_histogram_is_refused_twice_on_one_registry_and_checks_its_labels() -> None:
     reg = CollectorRegistry()
     h = BatchHistogram("h", "h", ["l"], buckets=(1, 2), registry=reg)
@@ -607,6 +667,53 @@ def test_batch_histogram_is_refused_twice_on_one_registry_and_checks_its_labels(
     assert h.labels("a") is h.labels("a")
     with pytest.raises(ValueError, match="increasing order"):
         BatchHistogram("g", "g", [], buckets=(2, 1), registry=reg)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.sampled_from(["u", "v"]), st.sampled_from(["m", "n", "o"]), st.booleans()), max_size=40)
+)
+def test_the_in_flight_count_gauge_exposes_what_a_gauge_would(steps: list[tuple[str, str, bool]]) -> None:
+    """`ProxyMetrics`' requests in flight (a `CountGauge`) against the same with prometheus_client's
+    `Gauge`: the same exposition, byte for byte, after any order of starts and ends."""
+    import dataclasses
+
+    from prometheus_client import Gauge
+
+    from mlxproxy.proxy.histograms import CountGauge
+    from mlxproxy.proxy.metrics import METRICS, ProxyMetrics
+
+    assert [x.kind for x in METRICS if x.key == "in_flight"] == [CountGauge]
+    reference = tuple(dataclasses.replace(x, kind=Gauge) if x.kind is CountGauge else x for x in METRICS)
+    texts = []
+    for table in (METRICS, reference):
+        with mock.patch.object(metrics_mod, "METRICS", table):
+            pm = ProxyMetrics(CollectorRegistry(), max_model_labels=2)
+        open_now: dict[tuple[str, str], int] = {}
+        for up, model, start in steps:
+            label = pm.model_label(model)
+            if start or not open_now.get((up, label)):
+                pm.request_started(up, label)
+                open_now[(up, label)] = open_now.get((up, label), 0) + 1
+            else:
+                pm.request_ended(up, label)
+                open_now[(up, label)] -= 1
+        texts.append([ln for ln in generate_latest(pm.registry).decode().splitlines() if "_created" not in ln])
+    assert texts[0] == texts[1]
+    if steps:
+        assert any(ln.startswith("mlxproxy_requests_in_flight{") for ln in texts[0])
+
+
+def test_count_gauge_checks_its_labels() -> None:
+    from mlxproxy.proxy.histograms import CountGauge
+
+    reg = CollectorRegistry()
+    g = CountGauge("g", "g", ["l"], registry=reg)
+    with pytest.raises(ValueError, match="takes 1 label values, got 2"):
+        g.labels("a", "b")
+    assert g.labels("a") is g.labels("a")
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        CountGauge("g", "g", ["l"], registry=reg)
 
 
 def test_proxy_metrics_same_exposition_as_observing_one_by_one() -> None:

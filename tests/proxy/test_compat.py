@@ -59,3 +59,32 @@ def test_the_list_names_what_the_module_uses() -> None:
     for names in compat_aiohttp.PRIVATE_NAMES.values():
         for name in names:
             assert f".{name}" in source or f'"{name}"' in source, name
+
+
+def test_the_read_timer_is_kept_lazily_and_armed_and_dropped_as_aiohttp_does() -> None:
+    """A read moves the deadline of the one armed timer (no new timer per body chunk); the
+    timer is armed, dropped and fired where aiohttp's own would be."""
+
+    async def check() -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = compat_aiohttp.GuardedHandler(loop=loop), ResponseHandler(loop)
+        for h in (ours, theirs):
+            h.set_response_params(read_timeout=1.0)
+            h.start_timeout()
+        timer = ours._read_timeout_handle
+        for k in range(12):  # reads 0.1 s apart: never silent for 1 s
+            await asyncio.sleep(0.1)
+            for h in (ours, theirs):
+                h._reschedule_timeout()  # what aiohttp does on each read of data
+            if k < 3:  # well before the first deadline: the same timer, moved
+                assert ours._read_timeout_handle is timer
+        assert ours.exception() is None and theirs.exception() is None
+        assert ours._read_timeout_handle is not None and theirs._read_timeout_handle is not None
+        await asyncio.sleep(1.5)  # silent: both time out, with aiohttp's exception
+        for h in (ours, theirs):
+            assert isinstance(h.exception(), aiohttp.SocketTimeoutError) and h._read_timeout_handle is None
+        ours.set_response_params(read_timeout=None)
+        ours.start_timeout()
+        assert ours._read_timeout_handle is None
+
+    asyncio.run(check())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from mlxproxy.proxy.histograms import CountGauge
 from mlxproxy.proxy.metrics import METRICS, ProxyMetrics
 from support import REPO
 
@@ -43,7 +44,7 @@ def test_the_docs_list_every_declared_metric_with_its_type_and_labels() -> None:
     docs = documented()
     assert "mlxproxy_requests_total" in docs and "mlxproxy_event_loop_lag_seconds" in docs  # the table was read
     declared = {
-        exported_name(x.name, x.kind): ("counter" if x.kind is Counter else "gauge" if x.kind is Gauge else "histogram",
+        exported_name(x.name, x.kind): ("counter" if x.kind is Counter else "gauge" if x.kind in (Gauge, CountGauge) else "histogram",
                                         x.labels)
         for x in METRICS
     }  # fmt: skip

@@ -6,6 +6,7 @@ names these tests next to the guarantees they back."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import socket
@@ -173,6 +174,37 @@ def test_upstream_that_stalls_mid_stream_hits_the_read_timeout() -> None:
         assert rec.outcome == "upstream_timeout" and rec.generated_events == 1 and "read timeout" in (rec.error or "")
         with t.healthy_stream_alongside():
             pass
+
+
+def test_a_stream_longer_than_the_read_timeout_with_shorter_gaps_is_whole() -> None:
+    """The read timeout is the silence between reads, not the body's length: events 0.15 s
+    apart for 1.2 s against read_s 0.5 (the lazy timer, `_compat_aiohttp.GuardedHandler`, is
+    due four times and moved on each time), then one silence longer than it."""
+
+    async def handler(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        for _ in range(8):
+            await conn.chunk(EVENT_A)
+            await asyncio.sleep(0.15)
+        await conn.chunk(FINISH + b"data: [DONE]\n\n")
+        await conn.end_chunked()
+
+    async def stalls_late(req: Req, conn: Conn) -> None:
+        await conn.head(200, SSE_CHUNKED)
+        for _ in range(8):
+            await conn.chunk(EVENT_A)
+            await asyncio.sleep(0.15)
+        await conn.wait_peer_close(30)
+
+    with rig({"m": handler, "late": stalls_late}, timeouts={"read_s": 0.5}) as t:
+        status, got, exc, headers = read_all(t.url, STREAM_REQ)
+        assert status == 200 and exc is None and got == EVENT_A * 8 + FINISH + b"data: [DONE]\n\n"
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "ok" and rec.generated_events == 8
+        status, got, exc, headers = read_all(t.url, {**STREAM_REQ, "model": "late"})
+        assert got == EVENT_A * 8 and isinstance(exc, httpx.RemoteProtocolError)
+        rec = t.record(headers["x-mlxproxy-request-id"])
+        assert rec.outcome == "upstream_timeout" and rec.generated_events == 8
 
 
 def test_upstream_that_accepts_and_never_answers_gives_504() -> None:
