@@ -27,6 +27,7 @@ from mlxproxy.load.commands.replay_requests import ReplaySource, Rewrites, gener
 from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
+from mlxproxy.load.fleet.threads import streams_fleet
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
@@ -280,22 +281,23 @@ def replay_plan(opts: ReplayOptions) -> ReplayPlan:
 def _test(opts: ReplayOptions) -> ReplayTest:
     """The test the options ask for, typed by its shape."""
     name, fleet = _mode_name(opts), opts.workers
+    streams = streams_fleet(fleet)  # closed loops and conversations: a thread per stream, unless given workers
     slo = opts.slo or parse_slo(DEFAULT_SLO)
     sweep, steps = opts.sweep, opts.sweep_steps
     if sweep and opts.mode == "rate":
         open_loop = OpenLoop(1.0, opts.arrival, opts.seed, opts.ramp_s)
         return RateSweep(name, sweep.of(open_loop, steps or (opts.rate or 1.0,)), slo, fleet)
     if sweep and opts.mode == "sessions":
-        return SessionsSweep(name, sweep.of(Sessions(1), steps), slo, fleet, opts.think_time)
+        return SessionsSweep(name, sweep.of(Sessions(1), steps), slo, streams, opts.think_time)
     if sweep:
-        return StreamsSweep(name, sweep.of(ClosedLoop(1), steps), slo, fleet)
+        return StreamsSweep(name, sweep.of(ClosedLoop(1), steps), slo, streams)
     tests: dict[str, Callable[[], ReplayTest]] = {
         "recorded": lambda: OneShape(name, Recorded(opts.speed), fleet),
         "sequential": lambda: OneShape(name, Sequential()),
-        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency), fleet),
+        "concurrency": lambda: OneShape(name, ClosedLoop(opts.concurrency), streams),
         "rate": lambda: Rate(name, OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s), fleet),
         "batch": lambda: Batch(opts.batches or (opts.batch,)),
-        "sessions": lambda: Conversations(name, opts.sessions, opts.think_time, opts.fix, fleet),
+        "sessions": lambda: Conversations(name, opts.sessions, opts.think_time, opts.fix, streams),
     }
     return tests[opts.mode]()
 
