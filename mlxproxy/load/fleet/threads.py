@@ -9,7 +9,7 @@ milliseconds at a time, and the responses that end meanwhile are noticed, and th
 requests sent, late and together. Independent clients are scheduled each on their own. Against
 mlx_lm.server, whose batch takes in the requests queued when it starts and leaves a later one a
 whole batch behind, 7 streams on one event loop split 19-40 % of their waves (TTFT p95 0.40-0.53 s
-in most runs) where the same client with a thread per stream split none (0.34-0.36 s), as an
+in 13 of 16 runs) where the same client with a thread per stream split none (0.34-0.36 s), as an
 independent threaded client measured (0.34-0.40 s).
 
 Sent from this process: a thread's GIL is shared, its scheduling is not. At most `most`
