@@ -5,7 +5,6 @@ one loop where it is below the streams, and a cancel keeping what had finished."
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import Counter
 from typing import Any
@@ -22,6 +21,7 @@ from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load
 from mlxproxy.sim.app import create_app as create_sim
+from support import cancel_after_some
 
 
 def chat(i: int) -> PreparedRequest:
@@ -86,14 +86,7 @@ def test_a_cancel_stops_every_thread_and_keeps_what_had_finished() -> None:
 
     async def go(url: str) -> tuple[int, list[Record], int]:
         async with MeasuringClient(url) as client:
-            run = asyncio.ensure_future(send(ClosedLoop(3), Load(reqs), client, fleet=Threads()))
-            while client.finished_count < 4 and not run.done():
-                await asyncio.sleep(0.05)  # waiting for the threads' records, not measuring
-            seen = client.finished_count
-            run.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await run
-            return seen, list(client.finished), client.in_flight
+            return await cancel_after_some(client, send(ClosedLoop(3), Load(reqs), client, fleet=Threads()))
 
     with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
         seen, finished, in_flight = run_async(go(sim.url))

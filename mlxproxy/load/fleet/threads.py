@@ -151,14 +151,8 @@ class Threads:
         if tick:
             for _ in fleet.records:
                 tick()
-        return Timed(
-            records=fleet.records,
-            lag_s=fleet.lag_s,
-            source_ids=fleet.source_ids,
-            lag_by_id=fleet.lag_by_id,
-            where=fleet.where,
-            session_s=fleet.session_s,
-        )
+        # a plain Timed: the threads are this process, not workers with figures of their own
+        return Timed(fleet.records, fleet.lag_s, fleet.source_ids, fleet.lag_by_id, fleet.where, fleet.session_s)
 
 
 def _join(threads: list[threading.Thread]) -> None:
