@@ -21,14 +21,15 @@ thread of its own"). Measured first at fixed concurrency against this server: on
 a busy host delayed the streams' sends together, mlx_lm.server (a batch takes the requests queued
 when it starts) left the late part of 19-40 % of the 7-stream waves a whole batch behind, and the
 7-stream TTFT p95 was 0.40-0.53 s in 13 of 16 runs where this file's client measured 0.34-0.40 s;
-with a thread per stream no wave split (0.34-0.36 s). Four whole runs since, one held whole (the
-first three at load average 3-7, the lead's full suite and other helpers running, the first with
-bench run 1 still on one event loop; the fourth at 1.8-2.8): bench 8, 7, 7, 8, 8 (client 8-9),
-8, 8, 8, 8, 8 (client 7-9), 6, 7, 8, 8, 8 (client 8-9: the 6 failed; its 7- and 8-stream steps
-each had one whole wave slow, 0.60-0.73 s, none split: the host's, in the minute the client
-measured 0.38-0.48 s at 7) and 8, 8, 8, 8, 8 (client 8-9); sessions 9, 9, 10, 9, 9 (client
-7-10: the 10 failed, client 8 and 8), 8, 7, 9, 9, 7 (client 7-10: the last 7 failed, client 10
-and 9), 8, 8, 9, 10, 10 (client 7-10) and 10, 10, 9, 10, 10 (client 10). A sessions step above the server's
+with a thread per stream no wave split (0.34-0.36 s). Five whole runs since, the last two held
+whole (the first three at load average 3-7, the lead's full suite and other helpers running, the
+first with bench run 1 still on one event loop; the last two at 1.2-2.8): bench 8, 7, 7, 8, 8
+(client 8-9), 8, 8, 8, 8, 8 (client 7-9), 6, 7, 8, 8, 8 (client 8-9: the 6 failed; its 7- and
+8-stream steps each had one whole wave slow, 0.60-0.73 s, none split: the host's, in the minute
+the client measured 0.38-0.48 s at 7), 8, 8, 8, 8, 8 (client 8-9) and 8, 8, 8, 8, 8 (client
+8-9); sessions 9, 9, 10, 9, 9 (client 7-10: the 10 failed, client 8 and 8), 8, 7, 9, 9, 7
+(client 7-10: the last 7 failed, client 10 and 9), 8, 8, 9, 10, 10 (client 7-10), 10, 10, 9,
+10, 10 (client 10) and 10, 10, 10, 9, 10 (client 10). A sessions step above the server's
 prompt concurrency (8) leaves K-8 first turns a whole batch (~1.1 s) behind, whoever sends
 them: at 10 sessions two such of 50 turns keep the p95 under the SLO, three break it, so the
 sessions answer moves between 8 and 10 with how the first turns' burst is admitted, for the tool
