@@ -253,6 +253,24 @@ cut_points = st.lists(st.integers(min_value=0, max_value=2000), max_size=10)
 LINE_BOUND = 64
 
 
+async def cancel_after_some(client: Any, run: Any, at_least: int = 4) -> tuple[int, list[Record], int]:
+    """`run` (a coroutine sending through `client`, a `MeasuringClient`) cancelled once the
+    client counts `at_least` finished requests: (the count seen before the cancel, the client's
+    finished records after it, its requests still in flight). The cancel must reach the caller."""
+    import asyncio
+
+    import pytest
+
+    task = asyncio.ensure_future(run)
+    while client.finished_count < at_least and not task.done():
+        await asyncio.sleep(0.05)  # waiting for the records, not measuring
+    seen = client.finished_count
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return seen, list(client.finished), client.in_flight
+
+
 def cut(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c for c in cuts if 0 < c < len(data)})
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]

@@ -36,7 +36,7 @@ from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
 from mlxproxy.load.run.runner import send
 from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Shape, Turn
 from mlxproxy.sim.app import create_app as create_sim
-from support import captured_chat, cli
+from support import cancel_after_some, captured_chat, cli
 
 RATE, N, SEED = 60.0, 90, 11
 
@@ -336,14 +336,7 @@ def test_ctrl_c_during_a_run_of_two_workers_keeps_every_record_they_finished() -
 
     async def go(url: str) -> tuple[int, list[Record], int]:
         async with MeasuringClient(url) as client:
-            run = asyncio.ensure_future(run_shape(Workers(2), ClosedLoop(2), client, reqs))
-            while client.finished_count < 4 and not run.done():
-                await asyncio.sleep(0.05)  # waiting for the workers' reports, not measuring
-            seen = client.finished_count
-            run.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await run
-            return seen, list(client.finished), client.in_flight
+            return await cancel_after_some(client, run_shape(Workers(2), ClosedLoop(2), client, reqs))
 
     with ServerThread(create_sim("healthy", speed=1.0, decode_tps=20.0)) as sim:
         seen, finished, in_flight = run_async(go(sim.url))

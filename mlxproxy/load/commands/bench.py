@@ -29,6 +29,7 @@ from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group
 from mlxproxy.load.data.summary import JSONObject, JSONValue
 from mlxproxy.load.data.targets import Target, TargetResult
+from mlxproxy.load.fleet.threads import streams_fleet
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
@@ -219,7 +220,7 @@ def bench_plan(opts: BenchOptions) -> BenchPlan:
         tests.append(WaveRounds(waves, bsize, opts.repeat))
     if opts.sweep:
         streams = opts.sweep.of(ClosedLoop(1), opts.sweep_steps)
-        tests.append(StreamsSweep(streams, bsize, slo, opts.workers, per_stream=opts.repeat))
+        tests.append(StreamsSweep(streams, bsize, slo, streams_fleet(opts.workers), per_stream=opts.repeat))
     open_loop = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
     if opts.rate_steps:
         rates = Sweep(open_loop, opts.rate_steps)

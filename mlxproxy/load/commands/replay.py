@@ -28,6 +28,7 @@ from mlxproxy.load.commands.sweep_options import SweepOptions
 from mlxproxy.load.data.results import Group, GroupKind, SessionTurn
 from mlxproxy.load.data.summary import JSONObject, JSONValue, Summary
 from mlxproxy.load.data.targets import Target
+from mlxproxy.load.fleet.threads import streams_fleet
 from mlxproxy.load.judge.slo import DEFAULT_SLO, parse_slo
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
@@ -280,8 +281,8 @@ MODES: dict[str, Mode] = {
     ),
     "concurrency": Mode(
         "closed loop of --concurrency", "a closed loop", lambda o: f"concurrency {o.concurrency}",
-        lambda o, name: OneShape(name, ClosedLoop(o.concurrency), o.workers),
-        lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, o.workers),
+        lambda o, name: OneShape(name, ClosedLoop(o.concurrency), streams_fleet(o.workers)),
+        lambda o, name, sweep, slo: StreamsSweep(name, sweep.of(ClosedLoop(1), o.sweep_steps), slo, streams_fleet(o.workers)),
     ),
     "batch": Mode(
         "waves of --batch released together, after a one-at-a-time baseline that gives the speedup",
@@ -298,9 +299,9 @@ MODES: dict[str, Mode] = {
     ),
     "sessions": Mode(
         "conversations, --sessions at once", "conversations", lambda o: f"sessions {o.sessions}",
-        lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, o.workers),
+        lambda o, name: Conversations(name, o.sessions, o.think_time, o.fix, streams_fleet(o.workers)),
         lambda o, name, sweep, slo: SessionsSweep(
-            name, sweep.of(Sessions(1), o.sweep_steps), slo, o.workers, o.think_time
+            name, sweep.of(Sessions(1), o.sweep_steps), slo, streams_fleet(o.workers), o.think_time
         ),
         takes=("--think-time", "--fix"), needs="N (conversations at once)",
     ),
