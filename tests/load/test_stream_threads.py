@@ -100,3 +100,17 @@ def test_streams_get_threads_unless_workers_are_given() -> None:
     given = Workers(2)
     assert streams_fleet(given) is given
     assert Counter(type(streams_fleet(f)).__name__ for f in (ONE_PROCESS, Workers(1))) == {"Threads": 2}
+
+
+@pytest.mark.parametrize("mode", ["concurrency", "sessions"])
+def test_replay_sends_closed_loops_and_conversations_from_threads_unless_given_workers(mode: str) -> None:
+    from mlxproxy.load.commands.replay import ReplayOptions, replay_plan
+    from mlxproxy.load.commands.sweep_options import SweepOptions
+
+    sweep = SweepOptions()
+    for swept in (None, sweep):
+        assert replay_plan(ReplayOptions(mode=mode, sweep=swept)).test.fleet is STREAM_THREADS  # type: ignore[attr-defined]
+        given = Workers(2)
+        assert replay_plan(ReplayOptions(mode=mode, sweep=swept, workers=given)).test.fleet is given  # type: ignore[attr-defined]
+    # an open loop is not a closed one: its requests are due at their times, from the fleet given
+    assert replay_plan(ReplayOptions(mode="rate", rate=2.0)).test.fleet is ONE_PROCESS  # type: ignore[attr-defined]
