@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple, get_args
 
 from mlxproxy.core.claims import audit
 from mlxproxy.core.meter import Measurement
+from mlxproxy.core.native import DIALECT_APIS
 from mlxproxy.core.openai import GENERATION_ENDPOINTS, parse_context_limit
 from mlxproxy.core.record import OK_OUTCOMES, Record, TokensSource
 from mlxproxy.core.stats import percentile
@@ -310,8 +311,7 @@ def _failure_checks(r: Measured, th: Thresholds, refused: bool, headers_to_first
         add(
             Anomaly(
                 "missing_finish",
-                f"stream ended {'with [DONE] ' if r.events and r.error is None else ''}"
-                f"after {r.generated_events} generated events without any finish_reason",
+                f"stream ended {_end_event(r)}after {r.generated_events} generated events without any finish_reason",
             )
         )
     if r.dual_reasoning_events:
@@ -825,6 +825,14 @@ def find_abandoned(later: Measured, earlier: Sequence[Record], th: Thresholds) -
             "kept generating for a client that had gone",
         )
     return None
+
+
+def _end_event(r: Measurement | Record) -> str:
+    """How a stream without a finish ended, for evidence: with its end-of-stream event (the
+    time of which `tail_after_done_s` counts from) or without one (cut short)."""
+    if r.tail_after_done_s is None:
+        return "without an end-of-stream event "
+    return "with its end-of-stream event " if r.endpoint in DIALECT_APIS else "with [DONE] "
 
 
 def overlap_ratio(records: Sequence[Record]) -> float | None:

@@ -320,3 +320,21 @@ def test_quoted_error_text_is_cut_after_a_whole_word() -> None:
     quoted = ev.split("stream: ", 1)[1]
     assert quoted.endswith("…") and len(quoted) <= 160
     assert words.startswith(quoted[:-1]) and words[len(quoted) - 1] == " ", quoted  # the next character was a space
+
+
+def test_missing_finish_says_how_the_stream_ended() -> None:
+    """The evidence names the end the stream really had: `[DONE]` for chat, the API's own end
+    event for Messages/Responses, or none (cut short). vllm-mlx 0.6.0's Responses stream, refused
+    while its simple engine is busy, sends `response.created` and `response.in_progress` and stops:
+    no end event, which an earlier wording called "ended with [DONE]"."""
+
+    def evidence(**kw: object) -> str:
+        return check_record(rec(outcome="truncated", **kw), TH)[0].evidence
+
+    assert evidence(events=2, generated_events=0, endpoint="responses").startswith(
+        "stream ended without an end-of-stream event after 0 generated events"
+    )
+    assert evidence(events=5, generated_events=4, tail_after_done_s=0.0).startswith("stream ended with [DONE] after 4")
+    assert evidence(events=5, generated_events=3, endpoint="messages", tail_after_done_s=0.0).startswith(
+        "stream ended with its end-of-stream event after 3"
+    )
