@@ -7,8 +7,8 @@ vllm-mlx 0.6.0 (simple and ``--continuous-batching``) serves ``/v1/messages`` (w
 ``/v1/responses`` only. All serve the rigged tiny model (``rigged.py``), whose answer is fixed by
 the kind of request. For each server and API: streamed and non-streamed answers, a tool call, a
 thinking answer, an answer cut by the token limit, a two-turn conversation (the prefix tracker),
-a client that leaves mid-stream, and the bytes forwarded faithfully; for Messages, count_tokens
-forwarded untouched.
+a client that leaves mid-stream, a request refused while the server is busy, and the bytes
+forwarded faithfully; for Messages, count_tokens forwarded untouched.
 
 Every record is checked: TTFT is the first text/thinking/tool delta (the generated events the
 proxy counted are exactly the deltas the SDK saw, so ``message_start``, ``response.created`` and
@@ -74,6 +74,16 @@ for _m in ("mlx-openai-server", "mlx-openai-server-1.8"):
 EXPECTED["mlx-openai-server", "responses"].update(after_disconnect=frozenset({"generation_after_disconnect"}))
 
 
+#: Servers that refuse a request while they are still busy instead of queueing it. vllm-mlx 0.6.0's
+#: simple engine admits one generation at a time and by default fails fast (its
+#: ``VLLM_MLX_SIMPLE_ENGINE_LOCK_ADMISSION=fail_fast``: "SimpleEngine serialized route is busy"),
+#: and after a client leaves it goes on until its disconnect poll (every 0.5 s) notices: measured
+#: busy 0.02-0.65 s after the proxy closed the stream. A request sent in that window is refused
+#: (HTTP 500, or an error event / a cut stream once the 200 has gone out):
+#: ``test_a_refusal_while_busy_is_recorded_as_a_failure``.
+FAIL_FAST = frozenset({"vllm-mlx"})
+
+
 def expected(live: Live, api: str, case: str) -> frozenset[str]:
     return EXPECTED[live.name, api].get(case, frozenset())
 
@@ -84,6 +94,13 @@ class Live:
     server: LiveServer
     proxy: ProxyProcess
     rig: RiggedModel
+
+    def free(self) -> bool:
+        """The server takes a request now (a one-token chat completion sent direct, not through
+        the proxy, so no record of it enters the proxy's judgement)."""
+        body = {"model": self.server.model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        with self.http() as http:
+            return http.post(self.server.url + "/v1/chat/completions", json=body).status_code == 200
 
     def http(self) -> httpx.Client:
         return httpx.Client(trust_env=False, timeout=120.0)
@@ -409,9 +426,61 @@ def test_client_leaves_mid_stream(live: Live, api: str) -> None:
     gone = live.proxy.record(gone_id)
     assert gone.outcome == "client_disconnect", gone
     assert frozenset(gone.anomalies) <= {"usage_missing"}, gone.anomaly_evidence
+    if live.name in FAIL_FAST:
+        # it refuses rather than delays a request while it winds the abandoned one down (the
+        # refusal is recorded as a failure: the test below): the next request is sent once a
+        # direct probe is served, and must then carry no anomaly
+        wait_for(live.free, timeout_s=30.0)
     nxt = ask(live, api, stream=True, prompt="Please think: is it sunny?")
     rec = record_of(live, nxt)
     assert frozenset(rec.anomalies) == expected(live, api, "after_disconnect"), rec.anomaly_evidence
+
+
+def test_a_refusal_while_busy_is_recorded_as_a_failure(live: Live, api: str) -> None:
+    """A server that refuses a request while it generates another (:data:`FAIL_FAST`): with a long
+    stream held open direct, each request through the proxy is refused, and its record says so in
+    the form the API gives it. vllm-mlx 0.6.0: a streamed Messages answer ends in an ``error``
+    event (``stream_error``), a streamed Responses answer stops after ``response.in_progress``
+    (``truncated``: ``missing_finish`` with no end event), a non-streamed one is an HTTP 500."""
+    if live.name not in FAIL_FAST:
+        pytest.skip(f"{live.name} queues or batches a second request")
+    path = f"/v1/{api}"
+    limit = {"messages": "max_tokens", "responses": "max_output_tokens"}[api]
+    ask_body: dict[str, Any] = {"model": live.server.model, limit: 16}
+    ask_body.update(
+        {"messages": [{"role": "user", "content": "Say the words."}]}
+        if api == "messages"
+        else {"input": "Say the words."}
+    )
+    hold = {
+        "model": live.server.model,
+        "max_tokens": 3000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Count forever."}],
+    }
+    records = {}
+    with live.http() as http, live.http() as held_client:
+        with held_client.stream("POST", live.server.url + "/v1/chat/completions", json=hold) as held:
+            lines = held.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break  # the first event: the engine is generating now
+            for stream in (True, False):
+                resp = http.post(live.proxy.url + path, json={**ask_body, "stream": stream})
+                records[stream] = (resp.status_code, live.proxy.record(resp.headers["x-mlxproxy-request-id"]))
+            for _ in lines:  # the held answer to its end: it was generated, not cut
+                pass
+    wait_for(live.free, timeout_s=30.0)
+    (s_status, streamed), (n_status, whole) = records[True], records[False]
+    assert s_status == 200, streamed  # the refusal comes inside the stream
+    if api == "messages":
+        assert streamed.outcome == "stream_error" and streamed.error, streamed
+        assert set(streamed.anomalies) == {"stream_error"}, streamed.anomaly_evidence
+    else:
+        assert streamed.outcome == "truncated" and streamed.generated_events == 0, streamed
+        assert set(streamed.anomalies) == {"missing_finish"}, streamed.anomaly_evidence
+        assert "without an end-of-stream event" in streamed.anomaly_evidence["missing_finish"]
+    assert n_status == whole.status == 500 and whole.outcome == "http_error", whole
 
 
 # -- faithful bytes -----------------------------------------------------------------------
