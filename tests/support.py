@@ -271,6 +271,18 @@ async def cancel_after_some(client: Any, run: Any, at_least: int = 4) -> tuple[i
     return seen, list(client.finished), client.in_flight
 
 
+class Answered:
+    """ASGI wrapper counting the generation responses the server has sent (POSTs)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.done = app, 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.done += 1
+
+
 def cut(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c for c in cuts if 0 < c < len(data)})
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]

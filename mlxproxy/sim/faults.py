@@ -20,8 +20,7 @@ raises ValueError with one clear sentence for anything else.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TypedDict
+from dataclasses import dataclass, replace
 
 MIDDLE = -1  # "@K" not given: the middle visible token
 
@@ -51,18 +50,6 @@ class Faults:
         return self != Faults()
 
 
-class _Switches(TypedDict, total=False):
-    """`Faults`' fields as `parse_faults` reads them, one at a time."""
-
-    http_error: int
-    reset_before_headers: bool
-    reset_at: int
-    malformed_at: int
-    stall_s: float
-    stall_at: int
-    stream_error_at: int
-
-
 def _position(name: str, at: str | None) -> int:
     if at is None:
         return MIDDLE
@@ -77,7 +64,7 @@ def _position(name: str, at: str | None) -> int:
 
 def parse_faults(text: str | None) -> Faults:
     """Parse the fault syntax above; empty or None gives no faults."""
-    fields: _Switches = {}
+    faults = Faults()
     for raw in (text or "").split(","):
         item = raw.strip()
         if not item:
@@ -93,15 +80,15 @@ def parse_faults(text: str | None) -> Faults:
                 code = 0
             if not 400 <= code <= 599:
                 raise ValueError(f"fault 'http-error' needs a status code 400-599, e.g. http-error=503; got {item!r}")
-            fields["http_error"] = code
+            faults = replace(faults, http_error=code)
         elif name == "reset-before-headers":
-            fields["reset_before_headers"] = True
+            faults = replace(faults, reset_before_headers=True)
         elif name == "reset-mid-stream":
-            fields["reset_at"] = _position(name, at_value)
+            faults = replace(faults, reset_at=_position(name, at_value))
         elif name == "malformed":
-            fields["malformed_at"] = _position(name, at_value)
+            faults = replace(faults, malformed_at=_position(name, at_value))
         elif name == "stream-error":
-            fields["stream_error_at"] = _position(name, at_value)
+            faults = replace(faults, stream_error_at=_position(name, at_value))
         elif name == "stall":
             try:
                 seconds = float(value)
@@ -109,11 +96,10 @@ def parse_faults(text: str | None) -> Faults:
                 seconds = -1.0
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"fault 'stall' needs seconds >= 0, e.g. stall=2.5@3; got {item!r}")
-            fields["stall_s"] = seconds
-            fields["stall_at"] = _position(name, at_value)
+            faults = replace(faults, stall_s=seconds, stall_at=_position(name, at_value))
         else:
             raise ValueError(
                 f"unknown fault {name!r}; use http-error=CODE, reset-before-headers, reset-mid-stream[@K], "
                 "malformed[@K], stall=SECONDS[@K] or stream-error[@K]"
             )
-    return Faults(**fields)
+    return faults

@@ -15,13 +15,14 @@ import pytest
 from mlxproxy.core.record import Record
 from mlxproxy.edge.runner import ServerThread, run_async
 from mlxproxy.load.fleet import threads
+from mlxproxy.load.fleet.segment import WorkersError
 from mlxproxy.load.fleet.threads import STREAM_THREADS, Threads, streams_fleet
 from mlxproxy.load.fleet.workers import Workers
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.runner import ONE_PROCESS, send
 from mlxproxy.load.run.shapes import ClosedLoop, Load
 from mlxproxy.sim.app import create_app as create_sim
-from support import cancel_after_some
+from support import Answered, cancel_after_some
 
 
 def chat(i: int) -> PreparedRequest:
@@ -31,13 +32,15 @@ def chat(i: int) -> PreparedRequest:
     return PreparedRequest("POST", "/v1/chat/completions", body)
 
 
-def _sent_from(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The thread each segment ran on, in the order they started."""
-    seen: list[int] = []
+def _sent_from(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The thread each segment ran on, in the order they started (the objects, kept: an ended
+    thread's `get_ident` is given to the next thread started, which on a busy host can be a
+    stream that started after another had sent all its requests)."""
+    seen: list[threading.Thread] = []
     real = threads.run_part
 
     async def spy(seg: Any, measured: Any = None) -> Any:
-        seen.append(threading.get_ident())
+        seen.append(threading.current_thread())
         return await real(seg, measured)
 
     monkeypatch.setattr(threads, "run_part", spy)
@@ -59,7 +62,7 @@ def test_each_stream_of_a_closed_loop_is_sent_from_a_thread_of_its_own(monkeypat
 
     with ServerThread(create_sim("healthy", speed=20.0)) as sim:
         timed, finished = run_async(go(sim.url))
-    assert len(seen) == 3 and len(set(seen)) == 3 and threading.get_ident() not in seen
+    assert len(seen) == 3 and len(set(seen)) == 3 and threading.current_thread() not in seen
     assert len(timed.records) == 30 and all(r.outcome == "ok" for r in timed.records)
     assert sorted(r.id for r in finished) == sorted(r.id for r in timed.records)  # each once, as the client's
     assert ticks == 30
@@ -114,3 +117,29 @@ def test_replay_sends_closed_loops_and_conversations_from_threads_unless_given_w
         assert replay_plan(ReplayOptions(mode=mode, sweep=swept, workers=given)).test.fleet is given  # type: ignore[attr-defined]
     # an open loop is not a closed one: its requests are due at their times, from the fleet given
     assert replay_plan(ReplayOptions(mode="rate", rate=2.0)).test.fleet is ONE_PROCESS  # type: ignore[attr-defined]
+
+
+def test_a_failed_stream_thread_is_one_line_and_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread's failure is the run's (`WorkersError`, one line) as soon as it happens: the
+    other streams are stopped, not left to send their ~20 s of requests, and no thread is left."""
+    real = threads.run_part
+
+    async def second_breaks(seg: Any, measured: Any = None) -> Any:
+        if seg.index == 1:
+            raise RuntimeError("the stream broke")
+        return await real(seg, measured)
+
+    monkeypatch.setattr(threads, "run_part", second_breaks)
+    app = Answered(create_sim("healthy", speed=1.0, decode_tps=20.0))
+    reqs = [chat(i) for i in range(200)]  # ~0.3 s each on 3 streams: ~20 s if never stopped
+
+    async def go(url: str) -> list[Record]:
+        async with MeasuringClient(url) as client:
+            with pytest.raises(WorkersError, match=r"^a stream's thread failed: RuntimeError: the stream broke$"):
+                await send(ClosedLoop(3), Load(reqs), client, fleet=Threads())
+            return list(client.finished)
+
+    with ServerThread(app) as sim:
+        finished = run_async(go(sim.url))
+    assert finished == [] and app.done < 20
+    assert not [t for t in threading.enumerate() if t.name.startswith("mlxproxy-stream-")]

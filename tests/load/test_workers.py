@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
@@ -27,16 +27,16 @@ from mlxproxy.edge.runner import ServerThread, run_async
 from mlxproxy.load.commands.replay import run_sessions
 from mlxproxy.load.commands.replay_requests import ReplaySource
 from mlxproxy.load.data.arrivals import arrival_offsets
-from mlxproxy.load.fleet.local import _run_stoppable
+from mlxproxy.load.fleet.local import _run_stoppable, run_local
 from mlxproxy.load.fleet.merge import FleetTimed, merge
-from mlxproxy.load.fleet.segment import ClientSpec, Segment, SegmentResult
+from mlxproxy.load.fleet.segment import ClientSpec, Segment, SegmentResult, WorkersError
 from mlxproxy.load.fleet.workers import Workers
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest, Timed
 from mlxproxy.load.run.plan import plan_closed, plan_due, plan_sessions
 from mlxproxy.load.run.runner import send
-from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Shape, Turn
+from mlxproxy.load.run.shapes import ClosedLoop, Load, OpenLoop, Shape, Tick, Turn
 from mlxproxy.sim.app import create_app as create_sim
-from support import cancel_after_some, captured_chat, cli
+from support import Answered, cancel_after_some, captured_chat, cli
 
 RATE, N, SEED = 60.0, 90, 11
 
@@ -345,18 +345,6 @@ def test_ctrl_c_during_a_run_of_two_workers_keeps_every_record_they_finished() -
     assert all(r.outcome == "ok" for r in finished)
 
 
-class Answered:
-    """ASGI wrapper counting the generation responses the server has sent (POSTs)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app, self.done = app, 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
-        if scope["type"] == "http" and scope["method"] == "POST":
-            self.done += 1
-
-
 def test_ctrl_c_during_a_cluster_run_keeps_every_record_its_tasks_finished(tmp_path: Path) -> None:
     """A cancelled cluster run sets its Dask Event; each task stops and returns the records it
     had finished, counted as the client's, each once, before the cancel goes on."""
@@ -380,3 +368,31 @@ def test_ctrl_c_during_a_cluster_run_keeps_every_record_its_tasks_finished(tmp_p
     # each stream's last may not have been recorded yet
     assert seen - 2 <= len(finished) < len(reqs)
     assert len({r.id for r in finished}) == len(finished) and all(r.outcome == "ok" for r in finished)
+
+
+@dataclass(frozen=True, slots=True)
+class Breaks(Shape):
+    """A shape whose sending fails (in the worker process that unpickles it)."""
+
+    async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
+        raise RuntimeError("the shape broke")
+
+
+def test_a_failed_load_worker_is_one_line_and_ends_the_others() -> None:
+    """A worker's failure is the run's (`WorkersError`, one line naming the worker) as soon as it
+    arrives: the other worker is ended, not left to send its ~60 s of requests."""
+    app = Answered(create_sim("healthy", speed=1.0, decode_tps=20.0))
+    reqs = tuple(chat(i) for i in range(200))  # ~0.3 s each on one stream
+
+    async def go(url: str) -> list[Record]:
+        async with MeasuringClient(url) as client:
+            spec = ClientSpec.of(client)
+            segments = [Segment(0, spec, ClosedLoop(1), Load(reqs)), Segment(1, spec, Breaks(), Load(()))]
+            with pytest.raises(WorkersError, match=r"^load worker 1 failed: RuntimeError: the shape broke$"):
+                await run_local(segments, client, None)
+            return list(client.finished)
+
+    with ServerThread(app) as sim:
+        finished = run_async(go(sim.url))
+    assert finished == [] and app.done < 20
+    assert not multiprocessing.active_children()

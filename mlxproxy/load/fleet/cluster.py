@@ -10,9 +10,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from mlxproxy.load.fleet.local import STOP_WAIT_S
+from mlxproxy.load.fleet.merge import FleetTimed
+from mlxproxy.load.fleet.parts import STOP_WAIT_S, gather_parts
 from mlxproxy.load.fleet.segment import Segment, SegmentResult, WorkersError, run_segment, warm
-from mlxproxy.load.output.progress import say
+from mlxproxy.load.run.client import MeasuringClient
+from mlxproxy.load.run.shapes import Tick
 
 __all__ = ["CLUSTER_LEAD_S", "CLUSTER_WAIT_S", "MISSING_EXTRA", "run_cluster"]
 
@@ -26,17 +28,36 @@ CLUSTER_WAIT_S = 10.0
 MISSING_EXTRA = "--cluster needs Dask: pip install 'mlxproxy[cluster]'"
 
 
+class _Task:
+    """One segment's Dask task (a `Part`): its answer, a remote failure as one line. A task
+    reports no progress (the parent's line counts its records once they are back)."""
+
+    def __init__(self, dc: Any, future: Any, index: int, host: str) -> None:
+        self.index, self.host = index, host
+        self.answer: asyncio.Future[SegmentResult] = asyncio.ensure_future(self._result(dc, future))
+
+    async def _result(self, dc: Any, future: Any) -> SegmentResult:
+        try:
+            result: SegmentResult = await dc.gather(future)
+        except Exception as exc:
+            raise WorkersError(f"load worker {self.index} ({self.host}) failed: {exc}") from exc
+        return result
+
+    def figures(self) -> tuple[int, int, int]:
+        return (0, 0, 0)
+
+    def lost(self) -> str:
+        return f"load worker {self.index} ({self.host}) did not stop within {STOP_WAIT_S:g} s: cancelled, its requests are lost"
+
+
 async def run_cluster(
-    address: str,
-    plan: Callable[[int], list[Segment]],
-    count: int,
-    keep: Callable[[list[SegmentResult], float], None],
-) -> tuple[list[SegmentResult], float]:
+    address: str, plan: Callable[[int], list[Segment]], count: int, client: MeasuringClient, tick: Tick
+) -> FleetTimed:
     """The segments as tasks on a Dask cluster, one per worker (round-robin when more segments
-    than workers), through Dask's asynchronous client on this event loop. A cancelled run
-    (Ctrl-C) after the start sets the run's Dask `Event`: each task stops and returns the
-    records it had finished, which `keep` gets; a task that has not within `STOP_WAIT_S` is
-    cancelled, said in one line."""
+    than workers), through Dask's asynchronous client on this event loop, their results gathered
+    (`gather_parts`). A cancelled run (Ctrl-C) after the start sets the run's Dask `Event`: each
+    task stops and returns the records it had finished; a task that has not within `STOP_WAIT_S`
+    is cancelled, said in one line."""
     try:
         from distributed import Client, Event  # the optional [cluster] extra
     except ImportError:
@@ -46,6 +67,7 @@ async def run_cluster(
     except (OSError, TimeoutError) as exc:
         raise WorkersError(f"cannot reach the Dask scheduler at {address}: {exc}") from None
     futures: list[Any] = []
+    tasks: list[_Task] = []
     try:
         try:
             await dc.wait_for_workers(1, timeout=CLUSTER_WAIT_S)
@@ -61,13 +83,13 @@ async def run_cluster(
         data = [await dc.scatter(s, workers=[h], broadcast=False, hash=False) for s, h in zip(segments, where)]
         start_at = time.time() + CLUSTER_LEAD_S
         tag = uuid.uuid4().hex[:8]
-        stop = f"mlxproxy-stop-{tag}"
+        event = Event(f"mlxproxy-stop-{tag}", client=dc)
         futures = [
             dc.submit(
                 run_segment,
                 seg,
                 start_at,
-                stop,
+                event.name,
                 key=f"mlxproxy-segment-{tag}-{i}",
                 workers=[where[i]],
                 allow_other_workers=False,
@@ -75,29 +97,19 @@ async def run_cluster(
             )
             for i, seg in enumerate(data)
         ]
-        try:
-            return list(await dc.gather(futures)), start_at
-        except asyncio.CancelledError:
-            event = Event(stop, client=dc)
-            # bounded: a scheduler that does not answer leaves the tasks to be cancelled below
+        tasks = [_Task(dc, f, i, where[i]) for i, f in enumerate(futures)]
+
+        async def stop() -> None:  # bounded: a scheduler that does not answer leaves the tasks to be cancelled
             await asyncio.wait([asyncio.ensure_future(event.set())], timeout=STOP_WAIT_S)
-            answers = [asyncio.ensure_future(dc.gather(f)) for f in futures]
-            await asyncio.wait(answers, timeout=STOP_WAIT_S)
-            kept = []
-            for i, a in enumerate(answers):
-                if not a.done() or a.cancelled():
-                    a.cancel()
-                    say(
-                        f"load worker {i} ({where[i]}) did not stop within {STOP_WAIT_S:g} s: cancelled, its requests are lost"
-                    )
-                elif a.exception() is not None:
-                    say(f"load worker {i} ({where[i]}) failed: {a.exception()}")
-                else:
-                    kept.append(a.result())
+
+        try:
+            return await gather_parts(tasks, stop, client, start_at, tick)
+        except asyncio.CancelledError:
             await asyncio.wait([asyncio.ensure_future(event.clear())], timeout=STOP_WAIT_S)  # the scheduler forgets it
-            keep(kept, start_at)
             raise
     finally:
+        for t in tasks:
+            t.answer.cancel()
         if futures:
             await dc.cancel(futures)
         await dc.close()

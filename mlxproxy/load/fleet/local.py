@@ -12,12 +12,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from mlxproxy.edge.runner import run_async
+from mlxproxy.load.fleet.merge import FleetTimed
+from mlxproxy.load.fleet.parts import STOP_WAIT_S, gather_parts
 from mlxproxy.load.fleet.segment import (
     REPORT_EVERY_S,
     Measured,
@@ -27,17 +29,13 @@ from mlxproxy.load.fleet.segment import (
     run_part,
     warm,
 )
-from mlxproxy.load.output.progress import say
 from mlxproxy.load.run.client import MeasuringClient
+from mlxproxy.load.run.shapes import Tick
 
-__all__ = ["LOCAL_LEAD_S", "STOP_WAIT_S", "run_local"]
+__all__ = ["LOCAL_LEAD_S", "run_local"]
 
 #: seconds between the workers being ready and the shared start (local processes, a cluster)
 LOCAL_LEAD_S = 0.25
-
-
-#: seconds a local worker has to send back what it measured after a Ctrl-C, before it is ended
-STOP_WAIT_S = 5.0
 
 
 async def _run_stoppable(seg: Segment, conn: Connection) -> tuple[str, SegmentResult]:
@@ -96,14 +94,16 @@ def _serve(conn: Connection) -> None:
 
 
 class _Link:
-    """The parent's end of one local worker's pipe: one thread reads it (a read cancelled in
-    the event loop would go on in its thread and swallow the next message), keeps the latest
-    progress figures and hands every other message to the loop."""
+    """The parent's end of one local worker (a `Part`): its process and pipe, which one thread
+    reads (a read cancelled in the event loop would go on in its thread and swallow the next
+    message), keeping the latest progress figures and handing every other message to the loop;
+    after the start, its `answer`."""
 
-    def __init__(self, conn: Connection, index: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.conn, self.index, self.loop = conn, index, loop
-        self.figures = (0, 0, 0)  # finished, in flight, tokens received: the worker's latest report
+    def __init__(self, proc: SpawnProcess, conn: Connection, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.proc, self.conn, self.index, self.loop = proc, conn, index, loop
+        self.latest = (0, 0, 0)  # finished, in flight, tokens received: the worker's latest report
         self.messages: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.answer: asyncio.Future[SegmentResult] = loop.create_future()  # replaced at the start
         threading.Thread(target=self._read, name=f"mlxproxy-load-link-{index}", daemon=True).start()
 
     def _read(self) -> None:
@@ -113,7 +113,7 @@ class _Link:
             except (EOFError, OSError):
                 what, value = "eof", None
             if what == "count":
-                self.figures = value
+                self.latest = value
                 continue
             try:
                 self.loop.call_soon_threadsafe(self.messages.put_nowait, (what, value))
@@ -133,51 +133,45 @@ class _Link:
             raise WorkersError(f"load worker {self.index} sent {what!r}, not {' or '.join(expected)}")
         return value
 
+    async def _result(self) -> SegmentResult:
+        """The worker's answer, whole or stopped (`_run_stoppable`)."""
+        result: SegmentResult = await self.receive("done", "stopped")
+        return result
 
-async def _stop(
-    links: Sequence[_Link], results: Sequence[asyncio.Future[Any]], procs: Sequence[SpawnProcess]
-) -> list[SegmentResult]:
-    """Ctrl-C in a run of local workers: each still running is told to stop and sends back the
-    records it had finished (`results`: each worker's answer, whole or stopped); one that does
-    not answer within `STOP_WAIT_S` is terminated, said in one line."""
-    for link, res in zip(links, results):
-        if not res.done():
+    def start(self, start_at: float) -> None:
+        """Send the shared start; from now on its answer is awaited (a task of its own, so that
+        a Ctrl-C, which cancels only the wait for it, loses none already received)."""
+        self.conn.send(start_at)
+        self.answer = asyncio.ensure_future(self._result())
+
+    def figures(self) -> tuple[int, int, int]:
+        return self.latest
+
+    def stop(self) -> None:
+        if not self.answer.done():
             try:
-                link.conn.send("stop")
+                self.conn.send("stop")
             except OSError:  # it has just exited (its result, or an error, is on the way)
                 pass
-    await asyncio.wait(results, timeout=STOP_WAIT_S)
-    kept: list[SegmentResult] = []
-    for link, res, p in zip(links, results, procs):
-        if not res.done() or res.cancelled():
-            res.cancel()
-            p.terminate()
-            say(f"load worker {link.index} did not stop within {STOP_WAIT_S:g} s: terminated, its requests are lost")
-        elif res.exception() is not None:
-            say(str(res.exception()))
-        else:
-            kept.append(res.result())
-    return kept
+
+    def lost(self) -> str:
+        self.proc.terminate()
+        return f"load worker {self.index} did not stop within {STOP_WAIT_S:g} s: terminated, its requests are lost"
 
 
-async def run_local(
-    segments: Sequence[Segment], client: MeasuringClient, keep: Callable[[list[SegmentResult], float], None]
-) -> tuple[list[SegmentResult], float]:
+async def run_local(segments: Sequence[Segment], client: MeasuringClient, tick: Tick) -> FleetTimed:
     """Each segment in a process of its own (started with `spawn`: no fork of a process that
     runs an event loop), all started at one instant once every segment is in its process (a
-    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule).
-    Meanwhile `client.elsewhere` sums the workers' progress reports; when the run is cancelled
-    (Ctrl-C) after the start, the workers stop and `keep` gets the records they had finished
-    (before the start: nothing was sent, the workers are ended)."""
+    segment of 30,000 requests takes a while to pickle and unpickle: not inside the schedule),
+    their results gathered (`gather_parts`: progress, a failed worker, Ctrl-C after the start).
+    A cancel before the start ends the workers: nothing was sent."""
     ctx = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
-    procs: list[SpawnProcess] = []
     links: list[_Link] = []
-    results: list[asyncio.Future[Any]] = []
 
-    def figures() -> tuple[int, int, int]:
-        done, flying, tokens = (sum(f) for f in zip(*(k.figures for k in links)))
-        return done, flying, tokens
+    async def stop() -> None:
+        for k in links:
+            k.stop()
 
     try:
         for seg in segments:
@@ -185,35 +179,18 @@ async def run_local(
             p = ctx.Process(target=_serve, args=(theirs,), name=f"mlxproxy-load-{seg.index}", daemon=True)
             p.start()
             theirs.close()
-            procs.append(p)
-            links.append(_Link(mine, len(links), loop))
+            links.append(_Link(p, mine, len(links), loop))
         # off the loop: a pipe takes a big segment only as fast as its process reads it
         await asyncio.gather(*(asyncio.to_thread(k.conn.send, seg) for k, seg in zip(links, segments)))
         await asyncio.gather(*(k.receive("ready") for k in links))
         start_at = time.time() + LOCAL_LEAD_S
         for k in links:
-            k.conn.send(start_at)
-        client.elsewhere = figures
-        # each worker's answer a task of its own, so that a Ctrl-C (which cancels only this
-        # wait) loses none already received
-        results = [asyncio.ensure_future(k.receive("done", "stopped")) for k in links]
-        try:
-            await asyncio.wait(results, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:
-            client.elsewhere = None
-            keep(await _stop(links, results, procs), start_at)
-            raise
-        for r in results:
-            if r.done() and (exc := r.exception()) is not None:
-                raise exc  # a worker's failure: one line
-        return [r.result() for r in results], start_at
+            k.start(start_at)
+        return await gather_parts(links, stop, client, start_at, tick)
     finally:
-        client.elsewhere = None
-        for r in results:
-            r.cancel()
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
         for k in links:
+            k.answer.cancel()
+            if k.proc.is_alive():
+                k.proc.terminate()
+            k.proc.join(5)
             k.conn.close()

@@ -21,13 +21,12 @@ its queue must stay one).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 
 from mlxproxy.edge.runner import run_async
-from mlxproxy.load.fleet.merge import merge
+from mlxproxy.load.fleet.parts import STOP_WAIT_S, gather_parts
 from mlxproxy.load.fleet.segment import ClientSpec, Measured, Segment, SegmentResult, WorkersError, run_part
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import Fleet, Plan
@@ -43,20 +42,22 @@ THREADS_LEAD_S = 0.05
 
 
 class _Part:
-    """One thread's segment: its result, or its error, and a way to stop its run."""
+    """One thread's segment (a `Part`): the thread that sends it, its answer (set from that
+    thread) and a way to stop its run."""
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, loop: asyncio.AbstractEventLoop) -> None:
         self.seg = seg
         self.measured = Measured()
-        self.result: SegmentResult | None = None
-        self.error: BaseException | None = None
+        self.answer: asyncio.Future[SegmentResult] = loop.create_future()
+        self.thread = threading.Thread(target=self._run, name=f"mlxproxy-stream-{seg.index}", daemon=True)
+        self._loop = loop
         self._lock = threading.Lock()
         self._stop_now = False
         self._cancel: tuple[asyncio.AbstractEventLoop, asyncio.Task[SegmentResult]] | None = None
 
-    def run(self, start_at: float) -> None:
+    def _run(self) -> None:
         async def main() -> SegmentResult:
-            task = asyncio.ensure_future(run_part(dataclasses.replace(self.seg, start_at=start_at), self.measured))
+            task = asyncio.ensure_future(run_part(self.seg, self.measured))
             with self._lock:
                 self._cancel = (asyncio.get_running_loop(), task)
                 if self._stop_now:
@@ -67,12 +68,31 @@ class _Part:
                 return self.measured.partial(self.seg)
 
         try:
-            self.result = run_async(main())
+            result = run_async(main())
         except BaseException as exc:  # a thread's failure is one line in the caller
-            self.error = exc
+            self._answer(WorkersError(f"a stream's thread failed: {type(exc).__name__}: {exc}"))
+        else:
+            self._answer(result)
+
+    def _answer(self, outcome: SegmentResult | BaseException) -> None:
+        def settle() -> None:
+            if self.answer.done():  # given up on (`lost`)
+                return
+            if isinstance(outcome, BaseException):
+                self.answer.set_exception(outcome)
+            else:
+                self.answer.set_result(outcome)
+
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def figures(self) -> tuple[int, int, int]:
+        return self.measured.figures()
 
     def stop(self) -> None:
-        """Cancel the run (the result is then the records finished so far)."""
+        """Cancel the run (the answer is then the records finished so far)."""
         with self._lock:
             self._stop_now = True
             if self._cancel is not None:
@@ -81,6 +101,9 @@ class _Part:
                     loop.call_soon_threadsafe(task.cancel)
                 except RuntimeError:  # its loop has closed: the run is over
                     pass
+
+    def lost(self) -> str:
+        return f"stream thread {self.seg.index} did not stop within {STOP_WAIT_S:g} s: its requests are lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,57 +123,21 @@ class Threads:
             ((shape, load),) = plan(1)
             return await shape.send(client, load, tick)
         spec = ClientSpec.of(client)
-        runs = [_Part(Segment(k, spec, shape, load)) for k, (shape, load) in enumerate(parts)]
-        loop = asyncio.get_running_loop()
-        left = len(runs)
-        all_done = loop.create_future()
-
-        def finished() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0 and not all_done.done():
-                all_done.set_result(None)
-
-        def thread(part: _Part, start_at: float) -> None:
-            try:
-                part.run(start_at)
-            finally:
-                try:
-                    loop.call_soon_threadsafe(finished)
-                except RuntimeError:  # the caller's loop is closed
-                    pass
-
-        def figures() -> tuple[int, int, int]:
-            done, flying, tokens = (sum(f) for f in zip(*(p.measured.figures() for p in runs)))
-            return done, flying, tokens
-
         start_at = time.time() + THREADS_LEAD_S
-        threads = [
-            threading.Thread(target=thread, args=(p, start_at), name=f"mlxproxy-stream-{p.seg.index}", daemon=True)
-            for p in runs
-        ]
-        for t in threads:
-            t.start()
-        client.elsewhere = figures
-        try:
-            await asyncio.shield(all_done)
-        except asyncio.CancelledError:
+        loop = asyncio.get_running_loop()
+        runs = [_Part(Segment(k, spec, shape, load, start_at), loop) for k, (shape, load) in enumerate(parts)]
+        for p in runs:
+            p.thread.start()
+
+        async def stop() -> None:
             for p in runs:
                 p.stop()
-            await asyncio.to_thread(_join, threads)
-            kept = [p.result for p in runs if p.result is not None]
-            client.finished.extend(merge(kept, time.perf_counter() + (start_at - time.time())).records)
-            raise
-        finally:
-            client.elsewhere = None
-        errors = [p.error for p in runs if p.error is not None]
-        if errors:
-            raise WorkersError(f"a stream's thread failed: {type(errors[0]).__name__}: {errors[0]}")
-        fleet = merge([p.result for p in runs if p.result is not None], time.perf_counter() + (start_at - time.time()))
-        client.finished.extend(fleet.records)
-        if tick:
-            for _ in fleet.records:
-                tick()
+
+        try:
+            fleet = await gather_parts(runs, stop, client, start_at, tick, say_kept=False)
+        finally:  # done, failed or cancelled: no thread is left sending
+            await stop()
+            await asyncio.to_thread(_join, [p.thread for p in runs])
         # a plain Timed: the threads are this process, not workers with figures of their own
         return Timed(fleet.records, fleet.lag_s, fleet.source_ids, fleet.lag_by_id, fleet.where, fleet.session_s)
 

@@ -41,14 +41,13 @@ their figures every `REPORT_EVERY_S` for the progress line (`MeasuringClient.els
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxproxy.load.fleet.cluster import MISSING_EXTRA, run_cluster
 from mlxproxy.load.fleet.local import run_local
-from mlxproxy.load.fleet.merge import FleetTimed, merge, workers_line
-from mlxproxy.load.fleet.segment import ClientSpec, Segment, SegmentResult, WorkersError
+from mlxproxy.load.fleet.merge import FleetTimed, workers_line
+from mlxproxy.load.fleet.segment import ClientSpec, Segment, WorkersError
 from mlxproxy.load.output.progress import say
 from mlxproxy.load.run.client import MeasuringClient, Timed
 from mlxproxy.load.run.runner import Plan
@@ -99,32 +98,15 @@ def workers_for(count: int, cluster: str | None) -> Workers:
 
 
 async def dispatch(
-    workers: Workers, plan: Callable[[int], list[Segment]], client: MeasuringClient, tick: Callable[[], None] | None
+    workers: Workers, plan: Callable[[int], list[Segment]], client: MeasuringClient, tick: Tick
 ) -> FleetTimed:
-    """The segments run and merged, their records counted as `client`'s (`_finish`); a run
-    cancelled (Ctrl-C) counts the records its workers had finished, then ends as cancelled."""
-
-    def keep(partial: list[SegmentResult], start_at: float) -> None:
-        fleet = merge(partial, time.perf_counter() + (start_at - time.time()))
-        client.finished.extend(fleet.records)
-        n, k = len(fleet.records), len(partial)
-        say(f"Ctrl-C: {n} finished request{'' if n == 1 else 's'} kept from {k} load worker{'' if k == 1 else 's'}")
-
+    """The segments run and merged, their records counted as `client`'s
+    (`mlxproxy.load.fleet.parts.gather_parts`, which keeps what the workers had finished when
+    the run is cancelled), and one line on the workers (which one was the bottleneck, if any)."""
     if workers.cluster:
-        results, start_at = await run_cluster(workers.cluster, plan, workers.count, keep)
+        fleet = await run_cluster(workers.cluster, plan, workers.count, client, tick)
     else:
-        results, start_at = await run_local(plan(workers.count), client, keep)
-    fleet = merge(results, time.perf_counter() + (start_at - time.time()))
+        fleet = await run_local(plan(workers.count), client, tick)
     fleet.cluster = workers.cluster
-    return _finish(client, fleet, tick)
-
-
-def _finish(client: MeasuringClient, fleet: FleetTimed, tick: Callable[[], None] | None) -> FleetTimed:
-    """The merged records counted as the parent client's (progress, an interrupted run), and
-    one line on the workers (which one was the bottleneck, if any)."""
-    client.finished.extend(fleet.records)
-    if tick:
-        for _ in fleet.records:
-            tick()
     say(workers_line(fleet.workers, fleet.cluster))
     return fleet
