@@ -119,6 +119,19 @@ def test_replay_sends_closed_loops_and_conversations_from_threads_unless_given_w
     assert replay_plan(ReplayOptions(mode="rate", rate=2.0)).test.fleet is ONE_PROCESS  # type: ignore[attr-defined]
 
 
+def test_bench_sends_its_sweep_from_threads_unless_given_workers() -> None:
+    from mlxproxy.load.commands.bench import BenchOptions, StreamsSweep, bench_plan
+    from mlxproxy.load.commands.sweep_options import SweepOptions
+
+    def sweep_sender(opts: BenchOptions) -> object:
+        (test,) = (t for t in bench_plan(opts).tests if isinstance(t, StreamsSweep))
+        return test.sender
+
+    assert sweep_sender(BenchOptions(sweep=SweepOptions())) is STREAM_THREADS
+    given = Workers(2)
+    assert sweep_sender(BenchOptions(sweep=SweepOptions(), workers=given)) is given
+
+
 def test_a_failed_stream_thread_is_one_line_and_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     """One thread's failure is the run's (`WorkersError`, one line) as soon as it happens: the
     other streams are stopped, not left to send their ~20 s of requests, and no thread is left."""

@@ -152,10 +152,15 @@ class StreamsSweep(SweepTest[ClosedLoop]):
 
     per_stream: int = field(kw_only=True)
 
+    @property
+    def sender(self) -> Fleet:
+        """Where the streams are sent from: the workers or cluster given, else a thread each."""
+        return streams_fleet(self.fleet)
+
     async def run(self, on: OnTarget, tick: Progress) -> None:
         size = self.prompt_tokens
         step = closed_loop_step(
-            on.client, lambda n: on.prompts.requests(n, size, "sweep"), 1, self.per_stream, self.fleet
+            on.client, lambda n: on.prompts.requests(n, size, "sweep"), 1, self.per_stream, self.sender
         )
         await on.sweep(self.sweep, self.slo, step, tick, prompt_tokens=size)
 
@@ -220,7 +225,7 @@ def bench_plan(opts: BenchOptions) -> BenchPlan:
         tests.append(WaveRounds(waves, bsize, opts.repeat))
     if opts.sweep:
         streams = opts.sweep.of(ClosedLoop(1), opts.sweep_steps)
-        tests.append(StreamsSweep(streams, bsize, slo, streams_fleet(opts.workers), per_stream=opts.repeat))
+        tests.append(StreamsSweep(streams, bsize, slo, opts.workers, per_stream=opts.repeat))
     open_loop = OpenLoop(opts.rate or 1.0, opts.arrival, opts.seed, opts.ramp_s)
     if opts.rate_steps:
         rates = Sweep(open_loop, opts.rate_steps)
