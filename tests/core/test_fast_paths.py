@@ -302,6 +302,12 @@ ADVERSARIAL = {
     "finish chunk": FINISH,
     "finish reason on a content chunk": raw(b'"x"').replace(b'"finish_reason":null', b'"finish_reason":"stop"'),
     "usage chunk": USAGE,
+    "usage null": raw(b'"x"').replace(b'"ts":', b'"usage":null,"ts":'),
+    "usage null with a space": raw(b'"x"').replace(b'"ts":', b'"usage": null,"ts":'),
+    "usage null, then a usage object": USAGE.replace(b'"choices"', b'"usage":null,"choices"'),
+    "usage null, then a usage object after a space": USAGE.replace(b'"usage":', b'"usage" :').replace(
+        b'"choices"', b'"usage":null,"choices"'
+    ),
     "usage on a content chunk": raw(b'"x"').replace(b'"ts":', b'"usage":{"completion_tokens":1},"ts":'),
     "error on a content chunk": raw(b'"x"').replace(b'"ts":', b'"error":{"message":"boom"},"ts":'),
     "timings on a content chunk": raw(b'"x"').replace(b'"ts":', b'"timings":{"n":1},"ts":'),
