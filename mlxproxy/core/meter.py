@@ -514,9 +514,10 @@ class RequestMeter:
     def _feed_payloads(self, payloads: list[bytes], nbytes: int, t: float) -> None:
         """A read of `nbytes` holding a chat stream's events, their data undecoded
         (`SSEDecoder.data_payloads`): what `_feed_decoded` and `_event` do with them, the plain
-        content chunk (nearly every event) inline. A payload that is not valid UTF-8 and JSON,
-        `[DONE]` among them, goes to `_event` decoded, as the general path gives it
-        (`orjson.loads` of valid UTF-8 bytes and of their text agree)."""
+        content chunk (nearly every event) inline, and where it matches the last plain chunk's
+        template (`_template`) from its text string alone, unparsed. A payload that is not valid
+        UTF-8 and JSON, `[DONE]` among them, goes to `_event` decoded, as the general path gives
+        it (`orjson.loads` of valid UTF-8 bytes and of their text agree)."""
         if self._t_first_byte is None:
             self._t_first_byte = t
         self._t_last_byte = t
@@ -544,60 +545,54 @@ class RequestMeter:
                         except orjson.JSONDecodeError:  # (not one JSON string there: the general rules)
                             pass
                 if text:
-                    self._events += 1
                     self._template_hits += 1
                     if reasoning:  # what `_chunk` does with ("", text)
+                        self._events += 1
                         times.append(t)
                         self._reasoning_events += 1
                         self._reasoning_parts.append(text)
                         continue
-                    if len(parts) >= 2 and len(text) == self._content_chars and text == "".join(parts):
-                        self._duplicate_content = True  # a terminal chunk replaying the whole answer
-                        continue
-                    times.append(t)
-                    if self._t_first_content is None:
-                        self._t_first_content = t
-                    parts.append(text)
-                    self._content_chars += len(text)
+            if not text:
+                try:
+                    obj = loads(p)
+                except orjson.JSONDecodeError:
+                    self._event(p.decode("utf-8", "replace"), t)
+                    if self._done:
+                        return
                     continue
-            try:
-                obj = loads(p)
-            except orjson.JSONDecodeError:
-                self._event(p.decode("utf-8", "replace"), t)
-                if self._done:
-                    return
-                continue
-            self._events += 1
-            # the plain content chunk, `{"choices": [{"delta": {"content": "..."}}]}` with no
-            # finish reason, usage, error or claims (absent or null), tested by lookups that
-            # raise on any other shape (cheaper than type tests): `_chunk` would do exactly
-            # this with it (a `text` beside non-empty content changes nothing there)
-            try:
-                (ch,) = obj["choices"]
-                delta = ch["delta"]
-                c = delta["content"]
-            except (KeyError, TypeError, ValueError):
-                c = None
-            if (
-                type(c) is str
-                and c
-                and len(delta) == 1
-                and ch.get("finish_reason") is None
-                and obj.keys().isdisjoint(_NOT_PLAIN)
-            ):
+                # the plain content chunk, `{"choices": [{"delta": {"content": "..."}}]}` with no
+                # finish reason, usage, error or claims (absent or null), tested by lookups that
+                # raise on any other shape (cheaper than type tests): `_chunk` would do exactly
+                # this with it (a `text` beside non-empty content changes nothing there)
+                try:
+                    (ch,) = obj["choices"]
+                    delta = ch["delta"]
+                    text = delta["content"]
+                except (KeyError, TypeError, ValueError):
+                    text = None
+                if not (
+                    type(text) is str
+                    and text
+                    and len(delta) == 1
+                    and ch.get("finish_reason") is None
+                    and obj.keys().isdisjoint(_NOT_PLAIN)
+                ):
+                    self._events += 1
+                    self._chunk(obj, t, p)
+                    tpl = self._template
+                    continue
                 if self._templates_learned <= 2 + (self._template_hits >> 4):
-                    tpl = self._learn(p, c, False)
-                if len(parts) >= 2 and len(c) == self._content_chars and c == "".join(parts):
-                    self._duplicate_content = True  # a terminal chunk replaying the whole answer
-                    continue
-                times.append(t)
-                if self._t_first_content is None:
-                    self._t_first_content = t
-                parts.append(c)
-                self._content_chars += len(c)
+                    tpl = self._learn(p, text, False)
+            # a plain content chunk's text (of the template, or parsed)
+            self._events += 1
+            if len(parts) >= 2 and len(text) == self._content_chars and text == "".join(parts):
+                self._duplicate_content = True  # a terminal chunk replaying the whole answer
                 continue
-            self._chunk(obj, t, p)
-            tpl = self._template
+            times.append(t)
+            if self._t_first_content is None:
+                self._t_first_content = t
+            parts.append(text)
+            self._content_chars += len(text)
 
     def _event(self, data: str, t: float) -> None:
         self._events += 1
