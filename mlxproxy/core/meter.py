@@ -57,12 +57,11 @@ MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are pa
 # a chat stream's plain chunks differ from one another in their text and, on some servers, in
 # numbers (`created` each second, a timestamp per event): `_Template`, `_template`
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
-# where digits may change in the envelope (`_template`): a key holding one (found conservatively:
-# a match may also span two strings, which only keeps the digits exact), and every number-like run,
-# whose integer part (group 1) must not gain a leading zero and which, no longer than 20 digits and
-# with no exponent (group 2), stays finite (one inside a string only makes the test stricter)
-_DIGIT_KEY = re.compile(rb'"[^"]*[0-9][^"]*"\s*:')
+# the digit runs of an envelope (`_template`): a number's integer part (group 1) must not gain a
+# leading zero and, no longer than 20 digits and with no exponent (group 2), it stays finite (a
+# run inside a string only makes the test stricter)
 _NUMBER = re.compile(rb"([0-9]+)(?:\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_KEY_END = re.compile(rb'"\s*:')
 _PROBE = ("mlxproxy-probe", "mlxproxy-probe-2")
 
 
@@ -111,23 +110,27 @@ def _template(payload: bytes, text: str, reasoning: bool) -> _Template | None:
     if plain_delta(probed) != (("", probe) if reasoning else (probe, "")):
         return None
     leads: list[int] = []
-    digits = True
+    masked_prefix, masked_suffix = prefix.translate(_DIGITS_AS_ZERO), suffix.translate(_DIGITS_AS_ZERO)
+    digits = masked_prefix != prefix or masked_suffix != suffix  # (none: the exact test is the test)
     for part, base in ((prefix[:-1], 0), (suffix[1:], 1 - len(suffix))):
-        if _DIGIT_KEY.search(part):
-            digits = False
-            break
-        for m in _NUMBER.finditer(part):
+        for m in _NUMBER.finditer(part) if digits else ():
             if len(m[1]) > 20 or m[2] is not None:
+                digits = False
+                break
+            # a run in an object key, whose next quote (no escapes here) ends the key (conservative:
+            # after a number, the next quote opens a string, which a colon seldom begins)
+            q = part.find(b'"', m.end())
+            if q >= 0 and _KEY_END.match(part, q):
                 digits = False
                 break
             if len(m[1]) > 1 and m[1][0] != 48:  # (one that begins with 0 is inside a string)
                 leads.append(base + m.start(1))
-    masked = digits and bool(leads or _NUMBER.search(prefix) or _NUMBER.search(suffix))
+    masked = digits
     return _Template(
         prefix,
         suffix,
-        prefix.translate(_DIGITS_AS_ZERO) if masked else None,
-        suffix.translate(_DIGITS_AS_ZERO) if masked else None,
+        masked_prefix if masked else None,
+        masked_suffix if masked else None,
         len(prefix) - 1,
         len(suffix) - 1,
         tuple(leads) if masked else (),
