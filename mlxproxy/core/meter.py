@@ -18,6 +18,7 @@ record (`core.record.checked_record`) are made from.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -52,6 +53,89 @@ _STD_USAGE_KEYS = frozenset(
 # a chunk holding any of these is no plain content chunk (`_feed_payloads`): `_chunk` reads them
 _NOT_PLAIN = frozenset(("usage", "error", *CLAIM_KEYS))
 MAX_BUFFERED_BODY_BYTES = 16 * 1024 * 1024  # non-stream and error bodies are parsed up to this size
+
+# a chat stream's plain chunks differ from one another in their text and, on some servers, in
+# numbers (`created` each second, a timestamp per event): `_Template`, `_template`
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+# the digit runs of an envelope (`_template`): a number's integer part (group 1) must not gain a
+# leading zero and, no longer than 20 digits and with no exponent (group 2), it stays finite (a
+# run inside a string only makes the test stricter)
+_NUMBER = re.compile(rb"([0-9]+)(?:\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_KEY_END = re.compile(rb'"\s*:')
+_PROBE = ("mlxproxy-probe", "mlxproxy-probe-2")
+
+
+class _Template(NamedTuple):
+    """A plain chunk's bytes around its one text string (`_template`): a payload that starts
+    with `prefix` and ends with `suffix` (or does so with every digit read as 0, where the
+    digits may vary, and no number gains a leading zero at `leads`) and holds one JSON string
+    between them is the same chunk with another text."""
+
+    prefix: bytes  # up to and including the string's opening quote
+    suffix: bytes  # from the string's closing quote on
+    masked_prefix: bytes | None  # the two with every digit 0 (None: the digits may not vary)
+    masked_suffix: bytes | None
+    start: int  # the string's offset in a payload (its opening quote)
+    tail: int  # the string ends this far before a payload's end
+    leads: tuple[int, ...]  # offsets (negative: from the end) of multi-digit integer parts' first digit
+    reasoning: bool  # the text is the reasoning (`reasoning_content` or `reasoning`), else the content
+
+
+def _template(payload: bytes, text: str, reasoning: bool) -> _Template | None:
+    """The template of `payload`, a plain chunk whose one text is `text` (`plain_delta`),
+    or None when its text string cannot be told apart for sure. The text's JSON string is found
+    as orjson writes it (once in the payload, the envelope around it free of backslashes), and a
+    probe proves it is the text: the payload with another string there must be the same plain
+    chunk with that text. Then any JSON string there gives the same chunk with its text, since
+    every other byte is the same; and so does any change of digits in the envelope that keeps
+    each number a JSON number (no leading zero), where no object key holds a digit: a digit is
+    no JSON syntax, a number's value is read by no rule of a plain chunk, and string values
+    outside the text are not read either (`plain_delta`: `None` tests, types and key names)."""
+    needle = orjson.dumps(text)
+    i = payload.find(needle)
+    if i < 0 and not text.isascii():  # (Python's json writes "\\u00e9" where orjson writes UTF-8)
+        needle = json.dumps(text).encode()
+        i = payload.find(needle)
+    if i < 0 or payload.find(needle, i + 1) >= 0:
+        return None
+    j = i + len(needle)
+    prefix, suffix = payload[: i + 1], payload[j - 1 :]
+    if b"\\" in prefix or b"\\" in suffix:
+        return None
+    probe = _PROBE[text == _PROBE[0]]
+    try:
+        probed = orjson.loads(prefix + probe.encode() + suffix)
+    except orjson.JSONDecodeError:
+        return None
+    if plain_delta(probed) != (("", probe) if reasoning else (probe, "")):
+        return None
+    leads: list[int] = []
+    masked_prefix, masked_suffix = prefix.translate(_DIGITS_AS_ZERO), suffix.translate(_DIGITS_AS_ZERO)
+    digits = masked_prefix != prefix or masked_suffix != suffix  # (none: the exact test is the test)
+    for part, base in ((prefix[:-1], 0), (suffix[1:], 1 - len(suffix))):
+        for m in _NUMBER.finditer(part) if digits else ():
+            if len(m[1]) > 20 or m[2] is not None:
+                digits = False
+                break
+            # a run in an object key, whose next quote (no escapes here) ends the key (conservative:
+            # after a number, the next quote opens a string, which a colon seldom begins)
+            q = part.find(b'"', m.end())
+            if q >= 0 and _KEY_END.match(part, q):
+                digits = False
+                break
+            if len(m[1]) > 1 and m[1][0] != 48:  # (one that begins with 0 is inside a string)
+                leads.append(base + m.start(1))
+    masked = digits
+    return _Template(
+        prefix,
+        suffix,
+        masked_prefix if masked else None,
+        masked_suffix if masked else None,
+        len(prefix) - 1,
+        len(suffix) - 1,
+        tuple(leads) if masked else (),
+        reasoning,
+    )
 
 
 def _int(v: Any) -> int | None:
@@ -227,6 +311,11 @@ class RequestMeter:
         self._api = request.endpoint if request.endpoint in DIALECT_APIS else None
         self._api_raw_usage: dict[str, Any] = {}
         self._api_final_usage = False  # characters of arguments past MAX_ARGUMENT_CHARS, per call
+        # a chat stream's plain chunks, matched without parsing them (`_template`): the last
+        # template learned, and how often one was learned and used (learning stops where none is used)
+        self._template: _Template | None = None
+        self._templates_learned = 0
+        self._template_hits = 0
 
     # -- the read-only surface ---------------------------------------------------------
 
@@ -428,9 +517,10 @@ class RequestMeter:
     def _feed_payloads(self, payloads: list[bytes], nbytes: int, t: float) -> None:
         """A read of `nbytes` holding a chat stream's events, their data undecoded
         (`SSEDecoder.data_payloads`): what `_feed_decoded` and `_event` do with them, the plain
-        content chunk (nearly every event) inline. A payload that is not valid UTF-8 and JSON,
-        `[DONE]` among them, goes to `_event` decoded, as the general path gives it
-        (`orjson.loads` of valid UTF-8 bytes and of their text agree)."""
+        content chunk (nearly every event) inline, and where it matches the last plain chunk's
+        template (`_template`) from its text string alone, unparsed. A payload that is not valid
+        UTF-8 and JSON, `[DONE]` among them, goes to `_event` decoded, as the general path gives
+        it (`orjson.loads` of valid UTF-8 bytes and of their text agree)."""
         if self._t_first_byte is None:
             self._t_first_byte = t
         self._t_last_byte = t
@@ -438,42 +528,74 @@ class RequestMeter:
         loads = orjson.loads
         times = self._event_times
         parts = self._content_parts
+        tpl = self._template
         for p in payloads:
-            try:
-                obj = loads(p)
-            except orjson.JSONDecodeError:
-                self._event(p.decode("utf-8", "replace"), t)
-                if self._done:
-                    return
-                continue
-            self._events += 1
-            # the plain content chunk, `{"choices": [{"delta": {"content": "..."}}]}` with no
-            # finish reason, usage, error or claims (absent or null), tested by lookups that
-            # raise on any other shape (cheaper than type tests): `_chunk` would do exactly
-            # this with it (a `text` beside non-empty content changes nothing there)
-            try:
-                (ch,) = obj["choices"]
-                delta = ch["delta"]
-                c = delta["content"]
-            except (KeyError, TypeError, ValueError):
-                c = None
-            if (
-                type(c) is str
-                and c
-                and len(delta) == 1
-                and ch.get("finish_reason") is None
-                and obj.keys().isdisjoint(_NOT_PLAIN)
-            ):
-                if len(parts) >= 2 and len(c) == self._content_chars and c == "".join(parts):
-                    self._duplicate_content = True  # a terminal chunk replaying the whole answer
+            text = None
+            if tpl is not None:
+                prefix, suffix, masked_prefix, masked_suffix, start, tail, leads, reasoning = tpl
+                if (p.startswith(prefix) and p.endswith(suffix)) or (
+                    masked_prefix is not None
+                    and (masked := p.translate(_DIGITS_AS_ZERO)).startswith(masked_prefix)
+                    and masked.endswith(masked_suffix)  # type: ignore[arg-type]
+                ):
+                    for k in leads:
+                        if p[k] == 48:  # a leading zero ("0"): no JSON number
+                            break
+                    else:
+                        # the last plain chunk with another text (`_template`): parse only its string
+                        try:
+                            text = loads(p[start : len(p) - tail])
+                        except orjson.JSONDecodeError:  # (not one JSON string there: the general rules)
+                            pass
+                if text:
+                    self._template_hits += 1
+                    if reasoning:  # what `_chunk` does with ("", text)
+                        self._events += 1
+                        times.append(t)
+                        self._reasoning_events += 1
+                        self._reasoning_parts.append(text)
+                        continue
+            if not text:
+                try:
+                    obj = loads(p)
+                except orjson.JSONDecodeError:
+                    self._event(p.decode("utf-8", "replace"), t)
+                    if self._done:
+                        return
                     continue
-                times.append(t)
-                if self._t_first_content is None:
-                    self._t_first_content = t
-                parts.append(c)
-                self._content_chars += len(c)
+                # the plain content chunk, `{"choices": [{"delta": {"content": "..."}}]}` with no
+                # finish reason, usage, error or claims (absent or null), tested by lookups that
+                # raise on any other shape (cheaper than type tests): `_chunk` would do exactly
+                # this with it (a `text` beside non-empty content changes nothing there)
+                try:
+                    (ch,) = obj["choices"]
+                    delta = ch["delta"]
+                    text = delta["content"]
+                except (KeyError, TypeError, ValueError):
+                    text = None
+                if not (
+                    type(text) is str
+                    and text
+                    and len(delta) == 1
+                    and ch.get("finish_reason") is None
+                    and obj.keys().isdisjoint(_NOT_PLAIN)
+                ):
+                    self._events += 1
+                    self._chunk(obj, t, p)
+                    tpl = self._template
+                    continue
+                if self._templates_learned <= 2 + (self._template_hits >> 4):
+                    tpl = self._learn(p, text, False)
+            # a plain content chunk's text (of the template, or parsed)
+            self._events += 1
+            if len(parts) >= 2 and len(text) == self._content_chars and text == "".join(parts):
+                self._duplicate_content = True  # a terminal chunk replaying the whole answer
                 continue
-            self._chunk(obj, t)
+            times.append(t)
+            if self._t_first_content is None:
+                self._t_first_content = t
+            parts.append(text)
+            self._content_chars += len(text)
 
     def _event(self, data: str, t: float) -> None:
         self._events += 1
@@ -488,8 +610,19 @@ class RequestMeter:
             return
         self._chunk(obj, t)
 
-    def _chunk(self, obj: Any, t: float) -> None:
-        """One event's parsed JSON (counted by the caller)."""
+    def _learn(self, payload: bytes, text: str, reasoning: bool) -> _Template | None:
+        """Learn the template of a plain chunk (`_template`) for the ones that follow, in place
+        of the last one (kept when this chunk gives none). Learning stops where templates are
+        learned and not used: at most 3, and one more per 16 events that used one."""
+        self._templates_learned += 1
+        tpl = _template(payload, text, reasoning)
+        if tpl is not None:
+            self._template = tpl
+        return self._template
+
+    def _chunk(self, obj: Any, t: float, payload: bytes | None = None) -> None:
+        """One event's parsed JSON (counted by the caller); `payload`: its bytes, where a plain
+        chunk may teach the template (`_feed_payloads`)."""
         tool_calls: Sequence[dict[str, Any]] = ()
         has_tool: object  # truthy when the event carries (part of) a tool call
         if self._api is not None:
@@ -502,6 +635,8 @@ class RequestMeter:
             plain = plain_delta(obj)
             if plain is not None:  # the common chunk: classify_chunk would say Delta(content, reasoning), nothing else
                 content, reasoning = plain
+                if payload is not None and self._templates_learned <= 2 + (self._template_hits >> 4):
+                    self._learn(payload, content or reasoning, not content)
             else:
                 d = classify_chunk(obj)  # (repeats the plain_delta test: only on the few other chunks)
                 if d.error is not None:

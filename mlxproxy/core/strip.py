@@ -47,11 +47,17 @@ class UsageStripper:
 
     def pass_whole(self, data: bytes, decoder: SSEDecoder) -> list[bytes] | None:
         """`process` for a read of whole data events none of which can be the usage event
-        (`process` cuts only an event whose data holds `"usage"`, which its bytes then hold
-        too), while nothing is held back: the decoder takes them (`SSEDecoder.data_payloads`,
+        (`process` cuts only an event whose data holds `"usage"` with an object, which its
+        bytes then hold too), while nothing is held back: the decoder takes them (`SSEDecoder.data_payloads`,
         their data undecoded) and `data` is forwarded whole. None: nothing consumed, use
         `SSEDecoder.feed` and `process`."""
-        if self._buf or data.partition(b'"usage"')[1]:  # (cheaper than `find`: `SSEDecoder.data_payloads`)
+        # (`partition`: cheaper than `find`, `SSEDecoder.data_payloads`) a `"usage"` that is each
+        # time `"usage":null` (vllm-mlx writes it in every chunk) names no usage object: the
+        # injected event's is one, and `process` cuts no other
+        if self._buf or (
+            data.partition(b'"usage"')[1]
+            and data.count(b'"usage"') != data.count(b'"usage":null') + data.count(b'"usage": null')
+        ):
             return None
         payloads = decoder.data_payloads(data)
         if payloads is not None:

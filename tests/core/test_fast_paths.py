@@ -6,12 +6,17 @@ them switched off (`data_payloads` answering None: everything through `SSEDecode
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from mlxproxy.core import meter as meter_mod
 from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.openai import RequestInfo
 from mlxproxy.core.sse import SSEDecoder, SSEEvent
@@ -220,3 +225,217 @@ def test_data_payloads_leave_the_decoder_as_feed_does(path: Path) -> None:
             ]
             assert all(isinstance(i, SSEEvent) for i in items)
         assert [getattr(a, s) for s in SSEDecoder.__slots__] == [getattr(b, s) for s in SSEDecoder.__slots__]
+
+
+# -- the template of a plain chunk ---------------------------------------------------
+# The parse-free path of a chat stream's plain chunks (`core.meter._template`): a chunk whose
+# bytes are the last plain chunk's but for its text string (and, where the envelope allows, its
+# digits) is metered from that string alone. Pinned against the general path (every chunk parsed
+# whole, no template): the recorded streams and every adversarial case below give the same
+# `Measurement` and the same forwarded bytes, read event by event and cut anywhere; and the
+# template is really used where it should be (not a vacuous comparison).
+HEAD = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m",'
+
+
+def plain(text: str, ts: str = "1000.5", head: bytes = HEAD, key: str = "content", ascii_only: bool = False) -> bytes:
+    """A plain chunk as a server writes it: `text` encoded by orjson (UTF-8) or by Python's json
+    (`ascii_only`: `\\u00e9`), a per-event number `ts` (`benchmarks/upstream.py` stamps one)."""
+    s = json.dumps(text).encode() if ascii_only else orjson.dumps(text)
+    return (
+        head
+        + b'"ts":'
+        + ts.encode()
+        + b',"choices":[{"index":0,"delta":{"'
+        + key.encode()
+        + b'":'
+        + s
+        + b'},"finish_reason":null}]}\n\n'
+    )
+
+
+BASE = b"".join(plain(t) for t in ("Hel", "lo", " wo"))  # the template is learned on these
+DONE = b"data: [DONE]\n\n"
+FINISH = HEAD + b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+USAGE = HEAD + b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
+
+
+def raw(text_token: bytes, ts: bytes = b"1000.5", head: bytes = HEAD) -> bytes:
+    """A chunk with the text's JSON string written as is (escapes, invalid bytes)."""
+    return (
+        head
+        + b'"ts":'
+        + ts
+        + b',"choices":[{"index":0,"delta":{"content":'
+        + text_token
+        + b'},"finish_reason":null}]}\n\n'
+    )
+
+
+# each is sent after BASE: the template must give what the general path gives, or not be used
+ADVERSARIAL = {
+    "escaped quote and backslash": raw(b'"a\\"b\\\\c"'),
+    "escaped newline and tab": raw(b'"line\\n\\tnext"'),
+    "unicode escape": raw(b'"caf\\u00e9"'),
+    "surrogate pair": raw(b'"\\ud83d\\ude00"'),
+    "lone surrogate": raw(b'"\\ud800"'),
+    "raw control character": raw(b'"a\x01b"'),
+    "raw newline in the string": raw(b'"a\tb"'),
+    "invalid UTF-8": raw(b'"caf\xc3\xa9 \xff"'),
+    "UTF-8 text": plain("naïve 日本 🙂"),
+    "ensure_ascii text": plain("naïve 日本 🙂", ascii_only=True),
+    "empty text": raw(b'""'),
+    "a string that ends the object": raw(b'"x"},"finish_reason":"stop"}]}'),
+    "two strings": raw(b'"x","role":"assistant"'),
+    "a number instead of text": raw(b"7"),
+    "null text": raw(b"null"),
+    "the template's own closing text": raw(b'"\\"},\\"finish_reason\\":null}]}"'),
+    "another id": plain("x", head=HEAD.replace(b"chatcmpl-1", b"chatcmpl-2")),
+    "another id, another length": plain("x", head=HEAD.replace(b"chatcmpl-1", b"chatcmpl-123")),
+    "another id, a letter": plain("x", head=HEAD.replace(b"chatcmpl-1", b"chatcmpl-X")),
+    "created a second later": plain("x", head=HEAD.replace(b"1700000000", b"1700000001")),
+    "created with a leading zero": plain("x", head=HEAD.replace(b"1700000000", b"0700000000")),
+    "ts with a leading zero": plain("x", ts="0000.5"),
+    "ts with other digits": plain("x", ts="9999.9"),
+    "ts as an exponent": plain("x", ts="1e5"),
+    "ts negative": plain("x", ts="-100.5"),
+    "ts as a string": plain("x", ts='"1000.5"'),
+    "finish chunk": FINISH,
+    "finish reason on a content chunk": raw(b'"x"').replace(b'"finish_reason":null', b'"finish_reason":"stop"'),
+    "usage chunk": USAGE,
+    "usage null": raw(b'"x"').replace(b'"ts":', b'"usage":null,"ts":'),
+    "usage null with a space": raw(b'"x"').replace(b'"ts":', b'"usage": null,"ts":'),
+    "usage null, then a usage object": USAGE.replace(b'"choices"', b'"usage":null,"choices"'),
+    "usage null, then a usage object after a space": USAGE.replace(b'"usage":', b'"usage" :').replace(
+        b'"choices"', b'"usage":null,"choices"'
+    ),
+    "usage on a content chunk": raw(b'"x"').replace(b'"ts":', b'"usage":{"completion_tokens":1},"ts":'),
+    "error on a content chunk": raw(b'"x"').replace(b'"ts":', b'"error":{"message":"boom"},"ts":'),
+    "timings on a content chunk": raw(b'"x"').replace(b'"ts":', b'"timings":{"n":1},"ts":'),
+    "text beside the delta": raw(b'"x"').replace(b'"finish_reason":null', b'"finish_reason":null,"text":"t"'),
+    "tool calls": raw(b'"x"').replace(
+        b'"content":"x"', b'"content":null,"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":"{}"}}]'
+    ),
+    "reasoning beside the content": raw(b'"x"').replace(b'"content":"x"', b'"content":"x","reasoning":"r"'),
+    "reasoning_content": plain("think", key="reasoning_content"),
+    "reasoning": plain("think", key="reasoning"),
+    "two choices": raw(b'"x"').replace(b"}]}", b'},{"index":1,"delta":{"content":"y"}}]}'),
+    "a whitespace-formatted chunk": b'data: {"choices": [{"delta": {"content": "spaced"}}]}\n\n',
+    "a replay of the whole answer": plain("Hello wo"),
+    "done": DONE,
+}
+
+
+def test_recorded_streams_use_the_template() -> None:
+    """The recorded servers' streams (whose comparison with the general path is
+    `test_fast_paths.test_recorded_streams_cut_anywhere_give_what_the_general_path_gives`)
+    take the template on most of their chunks."""
+    hits = events = 0
+    for path in STREAMS:
+        if path.name.startswith(("anthropic_", "openai_responses_")) or b'"choices"' not in path.read_bytes():
+            continue
+        m = _meter(False)
+        for data in _events(path.read_bytes()):
+            m.feed(data, 0.2)
+        hits += m._template_hits
+        events += m.generated_events
+    assert events > 400 and hits > 0.85 * events, (hits, events)
+
+
+@pytest.mark.parametrize("injected", [False, True], ids=["feed", "strip"])
+@pytest.mark.parametrize("case", list(ADVERSARIAL), ids=list(ADVERSARIAL))
+def test_each_case_after_a_learned_template_is_the_general_paths(
+    case: str, injected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chunk = ADVERSARIAL[case]
+    body = BASE + chunk + plain("!") + chunk + FINISH + USAGE + DONE
+    for reads in _cuts(body, every_byte=False):
+        _both(reads, injected, monkeypatch)
+
+
+def test_the_template_is_used_where_it_applies_and_not_elsewhere() -> None:
+    """Which of the cases the template meters (the others are the general path's, parsed
+    whole): what the comparison above covers on each side."""
+    used = {}
+    for case, chunk in ADVERSARIAL.items():
+        m = _meter(False)
+        for data in _events(BASE + chunk):
+            m.feed(data, 0.2)
+        used[case] = m._template_hits == 3  # the two after the first, and this one
+    assert {c for c, u in used.items() if u} == {
+        "escaped quote and backslash",
+        "escaped newline and tab",
+        "unicode escape",
+        "surrogate pair",
+        "UTF-8 text",
+        "ensure_ascii text",
+        "the template's own closing text",
+        "another id",  # (a digit of a string value: no rule reads it)
+        "created a second later",
+        "ts with other digits",
+        "a replay of the whole answer",
+    }
+
+
+def test_a_template_change_mid_stream_is_learned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = HEAD.replace(b'"model":"m",', b'"model":"other","system_fingerprint":"fp",')
+    body = BASE + b"".join(plain(t, head=other) for t in ("a", "b", "c", "d")) + BASE + FINISH + DONE
+    m = _meter(False)
+    for data in _events(body):
+        m.feed(data, 0.2)
+    assert (m._templates_learned, m._template_hits) == (3, len(_events(body)) - 2 - 3)
+    for reads in _cuts(body, every_byte=False):
+        _both(reads, False, monkeypatch)
+        _both(reads, True, monkeypatch)
+
+
+def test_learning_stops_where_no_template_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose chunks differ in more than digits (here a new id each) costs three
+    learnings, not one per chunk."""
+    body = b"".join(
+        plain("x", head=HEAD.replace(b"chatcmpl-1", b"chatcmpl-" + b"ab"[k % 2 :][:1] * (k + 1))) for k in range(40)
+    )
+    m = _meter(False)
+    calls = []
+    real = meter_mod._template
+    monkeypatch.setattr(meter_mod, "_template", lambda *a: calls.append(1) or real(*a))
+    for data in _events(body):
+        m.feed(data, 0.2)
+    assert (len(calls), m._template_hits, m.generated_events) == (3, 0, 40)
+
+
+def test_a_key_with_digits_keeps_the_digits_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where an object key holds a digit, a digit change could make two keys one: the
+    template then takes only chunks equal to it but for the text."""
+    head = HEAD.replace(b'"model":"m",', b'"k1":1,"k2":2,')
+    body = b"".join(plain(t, head=head) for t in ("a", "b")) + plain("c", head=head.replace(b'"k2"', b'"k1"')) + DONE
+    m = _meter(False)
+    for data in _events(body):
+        m.feed(data, 0.2)
+    assert m._template is not None and m._template.masked_prefix is None and m._template_hits == 1
+    for reads in _cuts(body, every_byte=False):
+        _both(reads, False, monkeypatch)
+
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=6) | st.sampled_from(['"', "\\", "\n", "é", "\u2028", "\x00"])
+TS = st.sampled_from(
+    ["1000.5", "1000.6", "0000.5", "9.5", "1e5", "-1000.5", "1000", "01000.5", '"x"', "null", "1000.50"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(TEXT, TS, st.booleans(), st.sampled_from(["content", "reasoning_content", "reasoning"])), max_size=10
+    ),
+    st.lists(st.integers(min_value=0, max_value=2000), max_size=6),
+    st.booleans(),
+)
+def test_generated_streams_give_what_the_general_path_gives(
+    chunks: list[tuple[str, str, bool, str]], cuts: list[int], injected: bool
+) -> None:
+    body = b"".join(plain(t, ts, key=k, ascii_only=a) for t, ts, a, k in chunks) + FINISH + DONE
+    points = sorted({c for c in cuts if 0 < c < len(body)})
+    reads = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+    with pytest.MonkeyPatch.context() as mp:
+        _both(reads, injected, mp)
+        _both(_events(body), injected, mp)
