@@ -163,6 +163,11 @@ def _capture(path: Path, turns: list[list[dict[str, str]]]) -> Path:
     return write_capture(path, chats)
 
 
+def _first(s: closedloop.Step) -> float | None:
+    """A sessions step's first turns' TTFT p95 (not judged), rounded for the printout."""
+    return None if s.first_turns_p95_s is None else round(s.first_turns_p95_s, 3)
+
+
 SESSION_SLO_S = 0.5
 THINK_S = 0.2
 
@@ -174,7 +179,7 @@ def test_replay_sessions_sweep_auto_agrees_with_itself_and_an_independent_client
     turns = _conversation()
     cap = _capture(tmp_path / "agent.jsonl", turns)
     before, steps = closedloop.sessions_capacity(mlx_server, SESSION_SLO_S, turns, THINK_S, MAX_TOKENS)
-    print("independent:", [(s.streams, round(s.ttft_p95_s, 3), s.judged) for s in steps])
+    print("independent:", [(s.streams, round(s.ttft_p95_s, 3), s.judged, _first(s)) for s in steps])
     runs = []
     for i in range(RUNS):
         r = _tool(
@@ -188,7 +193,7 @@ def test_replay_sessions_sweep_auto_agrees_with_itself_and_an_independent_client
         after, steps = closedloop.sessions_capacity(
             mlx_server, SESSION_SLO_S, turns, THINK_S, MAX_TOKENS, start=max(1, before - 1)
         )
-        print("independent:", [(s.streams, round(s.ttft_p95_s, 3), s.judged) for s in steps])
+        print("independent:", [(s.streams, round(s.ttft_p95_s, 3), s.judged, _first(s)) for s in steps])
         runs.append({**r, "before": before, "after": after})
         before = after
     fails = _judge("sessions", runs)
