@@ -446,7 +446,8 @@ def test_the_capacity_object_keeps_its_keys_in_the_result_file() -> None:
     assert list(step) == [
         "step", "concurrency", "requests", "ok", "errors", "too_small", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
         "tpot_p95_s", "decode_tps_p50", "aggregate_tps", "anomalies", "goodput", "slo_met", "breaches", "problem",
-        "warmup", "measured", "aggregate_tps_ci", "intervals", "certain", "stalls_s", "split",
+        "warmup", "measured", "aggregate_tps_ci", "intervals", "certain", "stalls_s", "split", "warmup_ttft_p95_s",
+        "slow_waves_s",
     ]  # fmt: skip
     assert step["breaches"] == [{"key": "ttft_p95", "value": 9.0, "threshold": 5.0}] and step["slo_met"] is False
     assert list(step["goodput"]) == ["good", "requests", "share", "rate"]
