@@ -23,17 +23,17 @@ from mlxproxy.load.judge.slo import judged, succeeded
 __all__ = ["MIN_WAVE", "SLOW_WAVE", "WAVE_GAP", "WAVE_GAP_MIN_S", "WHOLE_WAVE", "slow_waves", "waves_of"]
 
 #: requests sent within this share of the step's median TTFT of the one before are one wave
-WAVE_GAP = 0.25
+WAVE_GAP: float = 0.25
 #: ... and at least this far apart in seconds (a busy host spreads one wave's sends over 8-30 ms)
-WAVE_GAP_MIN_S = 0.03
+WAVE_GAP_MIN_S: float = 0.03
 #: a wave is whole when it holds at least this share of the step's streams (a split leaves less),
 #: and `MIN_WAVE` requests (two or three streams slow together by chance is not rare)
-WHOLE_WAVE = 0.75
-MIN_WAVE = 3
+WHOLE_WAVE: float = 0.75
+MIN_WAVE: int = 3
 #: a whole wave is slow when even its fastest request's TTFT is over this many times the step's
 #: undisturbed pace (on a closed loop at a fixed count every whole wave is alike: 0.33-0.34 s on
 #: mlx_lm.server at 8 streams, where a busy host's waves took 0.56-0.73 s)
-SLOW_WAVE = 1.3
+SLOW_WAVE: float = 1.3
 
 
 def waves_of(records: Sequence[RunRecord]) -> list[list[RunRecord]]:
