@@ -28,6 +28,7 @@ class Step:
     ttft_p95_s: float
     aggregate_tps: float
     judged: int
+    first_turns_p95_s: float | None = None  # a sessions step's first turns, not judged
 
 
 def _p95(values: list[float]) -> float:
@@ -147,10 +148,10 @@ def capacity(
 
 def sessions_run(
     url: str, at_once: int, turns: list[list[dict[str, str]]], think_s: float, max_tokens: int
-) -> list[tuple[float, float, int]]:
+) -> list[tuple[int, float, float, int]]:
     """`at_once` conversations at once, each its `turns` (the messages of each turn) in order,
-    `think_s` between a turn's end and the next: (TTFT, E2E, tokens) of every turn."""
-    got: list[tuple[float, float, int]] = []
+    `think_s` between a turn's end and the next: (turn, TTFT, E2E, tokens) of every turn."""
+    got: list[tuple[int, float, float, int]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
@@ -163,7 +164,7 @@ def sessions_run(
                 first = [{**msgs[0], "content": f"[{nonce}] {msgs[0]['content']}"}, *msgs[1:]]
                 r = one_request(url, 0, max_tokens, first)
                 with lock:
-                    got.append(r)
+                    got.append((i, *r))
         except BaseException as exc:
             errors.append(exc)
 
@@ -180,16 +181,21 @@ def sessions_capacity(
     start: int = 1,
     most: int = 16,
 ) -> tuple[int, list[Step]]:
-    """The most conversations at once, counting up from 1, whose TTFT p95 over every turn met
-    the SLO before the first that broke it (every turn judged: a conversation's first turn, its
-    whole prompt uncached, is part of what an agent sends, as the tool judges it); a step of
-    fewer than `MIN_JUDGED` turns runs its conversations again until it has that many."""
+    """The most conversations at once whose TTFT p95 over their later turns met the SLO before
+    the first that broke it (`_search`). Each conversation's first turn is dropped as its
+    warm-up, as each stream's first request is in `step`: its whole prompt is uncached and every
+    conversation of a step starts it at once, a burst no steady state of that many agents has
+    (`first_turns_p95_s` keeps its p95 apart); a step of fewer than `MIN_JUDGED` later turns runs
+    its conversations again until it has that many."""
 
     def measure(n: int) -> Step:
-        got: list[tuple[float, float, int]] = []
-        while len(got) < MIN_JUDGED:
+        got: list[tuple[int, float, float, int]] = []
+        while sum(1 for r in got if r[0]) < MIN_JUDGED:
             got += sessions_run(url, n, turns, think_s, max_tokens)
-        return Step(n, _p95([r[0] for r in got]), n * sum(r[2] for r in got) / sum(r[1] for r in got), len(got))
+        later = [r for r in got if r[0]]
+        agg = n * sum(r[3] for r in later) / sum(r[2] for r in later)
+        first = _p95([r[1] for r in got if not r[0]])
+        return Step(n, _p95([r[1] for r in later]), agg, len(later), first)
 
     return _search(measure, slo_ttft_p95_s, start, most)
 

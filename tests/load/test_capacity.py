@@ -19,9 +19,9 @@ from mlxproxy.edge.runner import ServerThread
 from mlxproxy.load.data.results import Group, RunRecord
 from mlxproxy.load.data.summary import Judgment
 from mlxproxy.load.judge.capacity import MIN_STEP_REQUESTS, capacity_of, rise_needed
-from mlxproxy.load.judge.slo import judge
+from mlxproxy.load.judge.slo import fmt_value, judge
 from mlxproxy.load.judge.verdict import capacity_line
-from mlxproxy.load.run.sweep import mix_copies, refine_bounds
+from mlxproxy.load.run.sweep import mix_copies, refine_bounds, session_runs
 from mlxproxy.sim.app import create_app as create_sim
 from mlxproxy.sim.profiles import get_profile
 from support import captured_chat, cli, engine_closed_loop, proxy, wait_for, write_capture
@@ -179,7 +179,10 @@ def _five_turns() -> list[CapturedRequest]:
     return out
 
 
-def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_too_small(tmp_path: Path) -> None:
+def test_a_sessions_sweep_replays_whole_conversations_and_judges_their_later_turns(tmp_path: Path) -> None:
+    """Every conversation whole; its first turn (the whole prompt, every conversation of the step
+    starting it at once) is the step's warm-up, sent and reported apart, not judged; a step
+    sends whole conversations until it judges 20 later turns (3 at 2 sessions, 2 at 4)."""
     cap_file = _capture_with_models(tmp_path, _five_turns())
     out = tmp_path / "s.json"
     with ServerThread(create_sim("healthy", speed=SPEED, **knobs(4))) as sim:
@@ -193,24 +196,31 @@ def test_a_sessions_sweep_replays_whole_conversations_and_says_when_a_step_is_to
     for g in steps:
         n = g["params"]["concurrency"]
         # a step whose break was within the noise is measured again: its records are both measurements'
-        assert len(g["records"]) == 5 * n * g["params"]["measured"] and {r["path"] for r in g["records"]} == {
-            "/v1/chat/completions"
-        }
+        assert len(g["records"]) == 5 * session_runs(n, [5]) * g["params"]["measured"] and {
+            r["path"] for r in g["records"]
+        } == {"/v1/chat/completions"}
         for s in {r["session"] for r in g["records"]}:
             turns = sorted((r for r in g["records"] if r["session"] == s), key=lambda r: r["started_at"])
             assert [r["turn"] for r in turns] == list(range(5))  # every turn of every session
+            assert [r.get("warmup", False) for r in turns] == [True, False, False, False, False]
     cap = doc["capacity"]["s"]
-    truth = truth_capacity(get_profile("healthy", **knobs(4)), [2, 4, 5], lambda c: 5 * c)
-    assert cap["max_concurrency"] == truth == 4 and cap["too_small"] == [2] and cap["broken_at"] == 5
+    truth = truth_capacity(get_profile("healthy", **knobs(4)), [2, 4, 5], lambda c: 5 * session_runs(c, [5]))
+    assert cap["max_concurrency"] == truth == 4 and "too_small" not in cap and cap["broken_at"] == 5
+    by_step = {st["step"]: st for st in cap["steps"]}
+    per_look = {n: (st["requests"] // st["measured"], st["warmup"] // st["measured"]) for n, st in by_step.items()}
+    assert per_look == {2: (24, 6), 4: (32, 8), 5: (20, 5)}  # every conversation's turns past its first
     text = " ".join(res.stdout.split())
     assert "meets the SLO up to 4 concurrent sessions; at 5, TTFT p95 is" in text
-    assert "2: too few requests to judge (under 20 generation requests" in text
-    assert "not judged: too few requests" in res.stderr
+    first = fmt_value(by_step[4]["warmup_ttft_p95_s"], "s")
+    assert (
+        f"the conversations' first turns (the whole prompt, started together; not judged) had TTFT p95 {first} at 4"
+        in text
+    )
 
 
 def test_a_sessions_sweep_auto_refines_to_the_engines_truth(tmp_path: Path) -> None:
-    """`replay --mode sessions --sweep auto` on the --max-batch 6 server: the first steps are too
-    small to judge (5 and 10 requests), 4 and 8 are judged, then refining finds 6 sessions."""
+    """`replay --mode sessions --sweep auto` on the --max-batch 6 server: every step judged (the
+    first ones send more conversations, one after another), then refining finds 6 sessions."""
     cap_file = _capture_with_models(tmp_path, _five_turns())
     out = tmp_path / "s.json"
     with ServerThread(create_sim("healthy", speed=SPEED, **knobs(6))) as sim:
@@ -221,9 +231,9 @@ def test_a_sessions_sweep_auto_refines_to_the_engines_truth(tmp_path: Path) -> N
     assert res.returncode == 0, res.stderr[-1500:]
     cap = orjson.loads(out.read_bytes())["capacity"]["s"]
     ran = [st["concurrency"] for st in cap["steps"]]
-    truth = truth_capacity(get_profile("healthy", **knobs(6)), sorted(ran), lambda c: 5 * c)
+    truth = truth_capacity(get_profile("healthy", **knobs(6)), sorted(ran), lambda c: 5 * session_runs(c, [5]))
     assert cap["max_concurrency"] == truth == 6, (ran, cap)
-    assert {1, 2, 4, 8, 7} <= set(ran) and cap["too_small"] == [1, 2] and cap["unit"] == "sessions"
+    assert {1, 2, 4, 8, 7} <= set(ran) and "too_small" not in cap and cap["unit"] == "sessions"
     assert "meets the SLO up to 6 concurrent sessions; at 7, TTFT p95 is" in " ".join(res.stdout.split())
 
 
@@ -436,7 +446,8 @@ def test_the_capacity_object_keeps_its_keys_in_the_result_file() -> None:
     assert list(step) == [
         "step", "concurrency", "requests", "ok", "errors", "too_small", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
         "tpot_p95_s", "decode_tps_p50", "aggregate_tps", "anomalies", "goodput", "slo_met", "breaches", "problem",
-        "warmup", "measured", "aggregate_tps_ci", "intervals", "certain", "stalls_s", "split",
+        "warmup", "measured", "aggregate_tps_ci", "intervals", "certain", "stalls_s", "split", "warmup_ttft_p95_s",
+        "slow_waves_s",
     ]  # fmt: skip
     assert step["breaches"] == [{"key": "ttft_p95", "value": 9.0, "threshold": 5.0}] and step["slo_met"] is False
     assert list(step["goodput"]) == ["good", "requests", "share", "rate"]

@@ -46,6 +46,7 @@ from mlxproxy.load.run.shapes import (
     SweptShape,
     Waves,
 )
+from mlxproxy.load.run.sweep import session_runs
 
 __all__ = ["MODES", "Mode", "ReplayOptions", "ReplayPlan", "replay_plan", "run_replay", "run_sessions"]
 
@@ -236,10 +237,12 @@ class SessionsSweep(SweepTest[Sessions]):
     async def run(self, on: OnTarget, tick: Progress) -> None:
         on.source.mix()  # (a sweep needs generation requests)
         mix = replace(on.source, caps=generation_mix(on.source.caps))
-        per_step = len(split_sessions(mix.caps)) * mix.repeat
+        turns = [len(c) for c in split_sessions(mix.caps)] * mix.repeat
         if on.client.prefixes is None:  # each turn's re-prefill cause (the report's sessions view)
             on.client.prefixes = PrefixIndex()
-        step = sessions_step(on.client, lambda k: mix.conversations(k * per_step, self.think_time), self.fleet)
+        step = sessions_step(
+            on.client, lambda k: mix.conversations(session_runs(k, turns), self.think_time), self.fleet
+        )
         await on.sweep(self.sweep, self.slo, step, tick, think_time=self.think_time)
 
 

@@ -104,6 +104,10 @@ class Step:
     slo_thresholds: Mapping[str, float] = field(default_factory=dict)
     #: measured several times, the measurements (each judged alone) disagreed
     split: bool = False
+    #: the TTFT p95 of the warm-up requests (a sessions step's: its conversations' first turns)
+    warmup_ttft_p95_s: float | None = None
+    #: the fastest TTFT of each whole wave slow in a measurement kept (`mlxproxy.load.judge.waves`)
+    slow_waves_s: tuple[float, ...] = ()
 
     @property
     def certain(self) -> bool:
@@ -147,6 +151,8 @@ class Step:
             "certain": self.certain,
             "stalls_s": list(self.stalls_s),
             "split": self.split,
+            "warmup_ttft_p95_s": self.warmup_ttft_p95_s,
+            "slow_waves_s": list(self.slow_waves_s),
         }
 
 
@@ -235,6 +241,8 @@ def step_figures(g: Group) -> Step:
             intervals[key] = ci
     agg, agg_ci = _aggregate(g, ok)
     stalls = g.params.get("stalls_s")
+    slow = g.params.get("slow_waves_s")
+    warm = [float(r.record.ttft_s) for r in g.records if is_warmup(r) and succeeded(r) and r.record.ttft_s is not None]
     # a step measured several times is judged on all its requests together (the figures shown);
     # `split`: the measurements, each judged alone, disagreed (the step is then within the noise)
     met, problem = None if slo is None else slo.met, step_problem(s)
@@ -265,6 +273,8 @@ def step_figures(g: Group) -> Step:
         stalls_s=tuple(float(x) for x in stalls if isinstance(x, (int, float))) if isinstance(stalls, list) else (),
         slo_thresholds=thresholds,
         split=split,
+        warmup_ttft_p95_s=percentile_of(warm, 95),
+        slow_waves_s=tuple(float(x) for x in slow if isinstance(x, (int, float))) if isinstance(slow, list) else (),
     )
 
 

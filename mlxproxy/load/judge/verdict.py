@@ -104,11 +104,32 @@ def _tails(cap: Capacity) -> str:
             f"; the load generator stalled (up to {worst * 1000:.0f} ms) during "
             f"{', '.join(at(s.step) for s in stalled)} even when measured again"
         )
+    slowed = [s for s in cap.steps if s.slow_waves_s]
+    if slowed:
+        out += (
+            f"; at {', '.join(at(s.step) for s in slowed)}, a whole wave was slow from its first token (a busy"
+            " host) in the measurement kept"
+        )
+    first = _first_turns(cap)
+    if first is not None:
+        out += (
+            f"; the conversations' first turns (the whole prompt, started together; not judged) had TTFT p95"
+            f" {fmt_value(first.warmup_ttft_p95_s, 's')} at {at(first.step)}"
+        )
     if len(cap.runs) > 1:
         vals = ", ".join(at(v) for v in cap.runs)
         med = statistics.median(cap.runs)
         out += f"; {len(cap.runs)} runs: {vals} (median {med:g}, spread {at(min(cap.runs))}-{at(max(cap.runs))})"
     return out
+
+
+def _first_turns(cap: Capacity) -> Step | None:
+    """A sessions sweep's step whose first turns the verdict names: the capacity's step, else
+    the lightest judged one (None: not sessions, or a file without the figure)."""
+    if cap.unit != "sessions":
+        return None
+    steps = [s for s in cap.steps if s.warmup_ttft_p95_s is not None and not s.too_small]
+    return next((s for s in steps if s.step == cap.value), steps[0] if steps else None)
 
 
 def _line(target: str, cap: Capacity) -> str:

@@ -402,11 +402,17 @@ class Sessions(Shape):
 
         async def one(run: tuple[int, Sequence[Turn]]) -> None:
             si, turns = run
-            t0 = time.perf_counter()
+            t0 = ended = time.perf_counter()
             for ti, turn in enumerate(turns):
                 if ti:
-                    await asyncio.sleep(turn.think_s)
+                    # the think time runs from the response's end (its record's clock), not from
+                    # when the client had finished checking it: that CPU, serialized over the
+                    # conversations' threads on a busy host, spread the sends of turns that end
+                    # together, and a server that admits the requests queued when it looks left
+                    # the late ones a whole batch behind
+                    await asyncio.sleep(max(0.0, turn.think_s - (time.perf_counter() - ended)))
                 r = await client.send(turn.request)
+                ended = r.t_end_mono if r.duration_s is not None else time.perf_counter()
                 out.add(r, turn.request.source_id)
                 out.where[r.id] = SessionTurn(ids[si] if ids else si, ti, turn.think_s)
                 if tick:

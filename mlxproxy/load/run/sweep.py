@@ -37,6 +37,7 @@ from mlxproxy.load.judge.capacity import (
 )
 from mlxproxy.load.judge.slo import judge, step_problem
 from mlxproxy.load.judge.verdict import step_label
+from mlxproxy.load.judge.waves import slow_waves
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import Timed
@@ -49,6 +50,7 @@ __all__ = [
     "StepRun",
     "run_sweep",
     "mix_copies",
+    "session_runs",
     "refine_bounds",
 ]
 
@@ -209,19 +211,22 @@ class _Search:
         if self.progress is not None:
             self.progress.phase(f"sweep {self.who}: {step_label(n, self.unit)}" + (" (again)" if again else ""))
         stalls: list[Stall] = []
+        slow: list[float] = []
         for attempt in range(2):
             rounds, stalls = await self._rounds(n)
-            if not stalls or attempt:
+            alone = judge(_rows(rounds), self.slo)
+            broke = alone.slo.met is False and not alone.slo.errors
+            # a whole wave slow can only have broken the SLO: a measurement that held keeps it
+            # (a closed loop's waves only: a sessions step's turns differ in what they send)
+            slow = slow_waves(_rows(rounds), n) if broke and self.unit == "streams" else []
+            why = _disturbed(stalls, slow)
+            if why is None or attempt or not self.in_budget():
                 break
             if self.say:
-                worst = max(stalls, key=lambda x: x.late_s)
-                self.say(
-                    f"sweep {self.who}: {step_label(n, self.unit)}: the load generator had a {worst.text()}: measuring it again"
-                )
+                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: {why}: measuring it again")
         self.rounds.setdefault(n, []).extend(rounds)
-        alone = judge(_rows(rounds), self.slo)
         self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
-        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, self.votes[n], stalls)
+        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, self.votes[n], stalls, slow)
         if n in self.groups:
             self.out[self.out.index(self.groups[n])] = g
         else:
@@ -239,7 +244,7 @@ class _Search:
             t0 = time.monotonic()
             while True:
                 timed, where = await self.step(n)
-                rounds.append((timed, where, _span(timed), _warm(timed, n, self.unit)))
+                rounds.append((timed, where, _span(timed), _warm(timed, where, n, self.unit)))
                 # only a closed loop's streams run again: a sessions step would find its
                 # conversations in the server's prompt cache, an open loop has its own length
                 if self.unit != "streams" or time.monotonic() - t0 >= self.min_s or not timed.records:
@@ -249,10 +254,28 @@ class _Search:
         return rounds, watch.stalls
 
 
-def _warm(timed: Timed, n: float, unit: str) -> frozenset[str]:
-    """The warm-up of a closed-loop round: each stream's first request, the first `n` sent
-    (every stream starts at once). An open loop's warm-up is its ramp; a sessions step has none:
-    a conversation's first turn (its whole prompt, uncached) is part of what agents send."""
+def _disturbed(stalls: Sequence[Stall], slow: Sequence[float]) -> str | None:
+    """Why a measurement says what the host did rather than what the server can take (a stall of
+    the load generator, a whole wave slow: `mlxproxy.load.judge.waves`), in words; None: neither."""
+    if stalls:
+        return f"the load generator had a {max(stalls, key=lambda x: x.late_s).text()}"
+    if slow:
+        return (
+            f"{'a whole wave was' if len(slow) == 1 else f'{len(slow)} whole waves were'} slow from its first token"
+            f" ({min(slow) * 1000:.0f} ms at the fastest), the host's, not the server's admission"
+        )
+    return None
+
+
+def _warm(timed: Timed, where: Mapping[str, SessionTurn], n: float, unit: str) -> frozenset[str]:
+    """The warm-up of a round. A closed loop's: each stream's first request, the first `n` sent
+    (every stream starts at once). A sessions step's: each conversation's first turn, where the
+    conversation goes on (its whole prompt uncached, and the step's first conversations all
+    start at once: a burst no steady state of that many agents has; reported apart, as
+    `warmup_ttft_p95_s`). An open loop's warm-up is its ramp."""
+    if unit == "sessions":
+        later = {w.session for w in where.values() if w.turn > 0}
+        return frozenset(i for i, w in where.items() if w.turn == 0 and w.session in later)
     if unit != "streams":
         return frozenset()
     return frozenset(r.id for r in sorted(timed.records, key=lambda r: r.t_start_mono)[: int(n)])
@@ -302,11 +325,14 @@ def _step_group(
     unit: str,
     votes: Sequence[tuple[bool, str]] = ((True, ""),),
     stalls: Sequence[Stall] = (),
+    slow: Sequence[float] = (),
 ) -> Group:
     """The group of one step: the records of every round of every measurement (each round's
     warm-up marked), judged together; `span_s` is the rounds' wall time, `votes` each
     measurement's own verdict and problem (`measured` their number; the step is judged on
-    every measurement's requests together), `stalls_s` the generator's stalls over `STALL_S` kept."""
+    every measurement's requests together), `stalls_s` the generator's stalls over `STALL_S` kept,
+    `slow_waves_s` the fastest TTFT of each whole wave slow in a measurement kept (measured again,
+    or past the budget)."""
     records = _rows(rounds)
     every: list[Record] = []
     lags: list[float] = []
@@ -324,6 +350,8 @@ def _step_group(
     if stalls:
         extra["stalls_s"] = [round(x.late_s, 4) for x in stalls]
         extra["stall_causes"] = [x.cause for x in stalls]
+    if slow:
+        extra["slow_waves_s"] = [round(x, 4) for x in slow]
     return Group(
         f"sweep {n:g}" + (f" (run {params['run']})" if "run" in params else ""),
         target,
@@ -367,3 +395,13 @@ def mix_copies(count: int, mix_size: int, per_stream: int = MIN_PER_STREAM) -> i
     size, count = max(1, mix_size), max(1, int(count))
     per = max(per_stream, math.ceil(MIN_STEP_REQUESTS / count)) + WARMUP_PER_STREAM
     return count * math.ceil(per / size)
+
+
+def session_runs(count: int, turns: Sequence[int]) -> int:
+    """Conversation runs a sessions step of `count` conversations at once sends: `turns` is each
+    conversation's turn count in one copy of the mix; whole copies, `count` at least, more while
+    the step would judge fewer than `MIN_STEP_REQUESTS` turns (a conversation that goes on is
+    judged past its first turn, the step's warm-up), so a step of one or two sessions is judged."""
+    steady = sum(t - 1 if t > 1 else t for t in turns)
+    count = max(1, int(count))
+    return count * max(1, math.ceil(MIN_STEP_REQUESTS / max(1, count * steady))) * len(turns)
