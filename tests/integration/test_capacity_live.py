@@ -59,6 +59,11 @@ sessions answer is 10 with a margin on both sides (in the client's scans of thes
 sessions 0.33-0.47 s, 11 sessions 0.52-1.37 s), where the first turns' burst had put 9-10 on the
 SLO's edge.
 
+On the merged tree (b052f90), nothing else running but one CPU-bound process (a busy loop, load
+average 1.4-2.7), one whole run held: bench 8, 8, 8, 8, 8 (intervals 8-9, the last 8-11 "not
+refined; at 10, a whole wave was slow from its first token"; client 9-9, 9-10, 10-9, 9-8, 8-8),
+sessions 10 x 5 (client 10 before and after each), 637 s.
+
 Before (2026-12-06, one event loop, 2a0b409): one of three whole runs held: bench 8, 7, 7, 7, 7
 (client 8-9), 8, 6, 8, 8, 7 (client 7-8: the 6 failed) and 7, 8, 8, 8, 8 (client 8-9); sessions
 9, 8, 9, 9, 9 (client 10: the 8 failed), 9, 9, 9, 10, 9 (client 7-10) and 9, 9, 9, 9, 9 (client
