@@ -21,8 +21,11 @@ evidence text naming both; the caller (`core.detect`) files it as `speed_claim_m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from mlxproxy.core.meter import Measurement
+    from mlxproxy.core.record import Record
 
 __all__ = ["SpeedClaim", "speed_claims", "audit"]
 
@@ -81,20 +84,13 @@ def speed_claims(claims: dict[str, Any]) -> list[SpeedClaim]:
     return out
 
 
-def audit(
-    claims: dict[str, Any],
-    *,
-    ttft_s: float | None,
-    event_offsets_s: Sequence[float],
-    uncached_tokens: int | None,
-    output_tokens: int | None,
-    ratio: float,
-    min_s: float,
-    min_tokens: int,
-) -> list[str]:
-    """Evidence for every speed claim that disagrees with its recomputation by more than `ratio`."""
+def audit(r: Measurement | Record, ratio: float, min_s: float, min_tokens: int) -> list[str]:
+    """Evidence for every speed claim in `r.server_claims` that disagrees with its recomputation
+    from `r`'s own figures by more than `ratio`."""
+    ttft_s, event_offsets_s = r.ttft_s, r.event_offsets_s
+    uncached_tokens, output_tokens = r.uncached_prompt_tokens, r.completion_tokens_reported
     found: list[str] = []
-    for c in speed_claims(claims):
+    for c in speed_claims(r.server_claims):
         if c.phase == "prefill":
             if ttft_s is None or not uncached_tokens or uncached_tokens < min_tokens:
                 continue  # (a handful of prefilled tokens: their time is mostly fixed cost, no rate)

@@ -269,16 +269,7 @@ def _record_checks(
         _stall_check(r, th, out, stall_stats(r, th) if stalls is None else stalls)
     _length_check(r, th, out, chars, cut_call)
     if r.server_claims:
-        for evidence in audit(
-            r.server_claims,
-            ttft_s=r.ttft_s,
-            event_offsets_s=r.event_offsets_s,
-            uncached_tokens=r.uncached_prompt_tokens,
-            output_tokens=r.completion_tokens_reported,
-            ratio=th.speed_claim_ratio,
-            min_s=th.speed_claim_min_s,
-            min_tokens=th.speed_claim_min_tokens,
-        ):
+        for evidence in audit(r, th.speed_claim_ratio, th.speed_claim_min_s, th.speed_claim_min_tokens):
             out.append(Anomaly("speed_claim_mismatch", evidence))
             break  # one of each kind (the first disagreeing figure)
     return out

@@ -4,6 +4,7 @@ it judges a decode claim only from that many streamed: a handful of tokens is mo
 from __future__ import annotations
 
 from mlxproxy.core.claims import audit
+from support import ok_record
 
 # llama.cpp-style timings claiming the whole prompt (50 tokens) prefilled in 5 ms, 10,000 tok/s,
 # where only the uncached ones were: the Ollama trap, 10x off for 5 uncached tokens
@@ -11,16 +12,9 @@ CLAIMS = {"timings": {"prompt_n": 50, "prompt_ms": 5.0, "prompt_per_second": 100
 
 
 def _audit(uncached: int, min_tokens: int = 8) -> list[str]:
-    return audit(
-        CLAIMS,
-        ttft_s=1.0,
-        event_offsets_s=(),
-        uncached_tokens=uncached,
-        output_tokens=None,
-        ratio=2.0,
-        min_s=0.05,
-        min_tokens=min_tokens,
-    )
+    r = ok_record(ttft_s=1.0, prompt_tokens=50, cached_tokens=50 - uncached, server_claims=CLAIMS)
+    assert r.uncached_prompt_tokens == uncached
+    return audit(r, 2.0, 0.05, min_tokens)
 
 
 def test_a_prefill_claim_over_fewer_tokens_than_the_minimum_is_not_judged() -> None:
