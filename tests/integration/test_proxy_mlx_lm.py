@@ -499,7 +499,7 @@ def test_two_parallel_requests_batched_through_proxy_as_bench_reports(mlx_server
         for i in range(BATCH_ROUNDS):  # interleaved, order flipped each round
             for side in ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct"):
                 if side == "direct":
-                    (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 120.0)], opts, progress=False))
+                    (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 120.0)], opts))
                     assert res.error is None, res.error
                     direct.append(res)
                 else:

@@ -148,7 +148,7 @@ def test_replay_batch_waves_are_uncached_and_match_bench(mlx_server: str, tmp_pa
                 opts = BenchOptions(
                     prompt_tokens=(PROMPT_TOKENS,), max_tokens=MAX_TOKENS, repeat=REPEAT, batch=2, model=MODEL_NAME
                 )
-                (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 300.0)], opts, progress=False))
+                (res,) = asyncio.run(bench_targets([Target("mlx-lm", mlx_server, 300.0)], opts))
                 assert res.error is None, res.error
                 bg = {g.name: g for g in res.groups}
                 for r in bg["double"].records:

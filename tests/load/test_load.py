@@ -63,7 +63,6 @@ def test_measured_poisson_inter_arrivals_fit_the_requested_rate() -> None:
                 _caps(n),
                 Target("target", sim.url),
                 ReplayOptions(mode="rate", rate=rate, arrival="poisson", seed=3),
-                progress=False,
             )
         )
     (g,) = groups
@@ -664,7 +663,6 @@ def test_replayed_sessions_reuse_the_prompt_cache_turn_by_turn() -> None:
                 caps,
                 Target("target", sim.url),
                 ReplayOptions(mode="sessions", sessions=2, repeat=2, think_time=0.0),
-                progress=False,
             )
         )
     runs: dict[int, list[RunRecord]] = {}

@@ -269,22 +269,24 @@ async def _measure_waves(on: OnTarget, test: WaveRounds, tick: Callable[[], None
 async def bench_one(
     target: Target,
     plan: BenchPlan,
-    th: Thresholds,
-    progress: bool | None = None,
     res: TargetResult | None = None,
     say: Callable[[str], None] | None = None,
 ) -> TargetResult:
     """Benchmark one target into `res` (a new one unless given): its prompts calibrated, then
     each test of `plan` in turn. When cancelled (Ctrl-C), the requests finished so far are in
-    `res.groups` and `res.error` says so."""
+    `res.groups` and `res.error` says so. The run's lines go to `say`, with its progress (drawn on
+    a terminal, a plain line now and then elsewhere); without `say` it prints nothing."""
     res = res if res is not None else TargetResult(target)
+    th = Thresholds()
     async with client_for(target, th) as client:
         prompts = await calibrated(client, res, plan.prompts)
         if prompts is None:
             return res
         on = OnTarget(client, res, prompts, {"model": prompts.model, **plan.params}, th, say)
         measured_from = len(client.finished)
-        tick = Progress(f"bench {target.name}", sum(test.total() for test in plan.tests), progress, client)
+        tick = Progress(
+            f"bench {target.name}", sum(test.total() for test in plan.tests), None if say else False, client
+        )
         tick.start()
         try:
             for test in plan.tests:
@@ -300,20 +302,18 @@ async def bench_one(
 async def bench_targets(
     targets: Sequence[Target],
     opts: BenchOptions,
-    th: Thresholds | None = None,
-    progress: bool | None = None,
     parallel: bool = False,
     out: list[TargetResult] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[TargetResult]:
     """Benchmark each target (one after another unless `parallel`, which is only fair
     when the targets do not share hardware, e.g. simulators). Results are appended to
-    `out` (when given) as each target starts, so a cancelled run keeps what it measured."""
+    `out` (when given) as each target starts, so a cancelled run keeps what it measured. The
+    run's lines and progress go to `say` (`bench_one`)."""
     plan = bench_plan(opts)
-    th = th or Thresholds()
     results = out if out is not None else []
     for together in [list(targets)] if parallel else [[t] for t in targets]:
         results.extend(TargetResult(t) for t in together)
         runs = results[len(results) - len(together) :]
-        await asyncio.gather(*(bench_one(r.target, plan, th, progress, r, say) for r in runs))
+        await asyncio.gather(*(bench_one(r.target, plan, r, say) for r in runs))
     return results

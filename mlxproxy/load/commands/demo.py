@@ -13,7 +13,6 @@ import click
 from prometheus_client import generate_latest
 
 from mlxproxy.config import build_config
-from mlxproxy.core.detect import Thresholds
 from mlxproxy.edge.runner import ServerThread, bind_socket
 from mlxproxy.load.commands.bench import BenchOptions, BenchPlan, bench_one, bench_plan
 from mlxproxy.load.commands.common import (
@@ -23,6 +22,7 @@ from mlxproxy.load.commands.common import (
 from mlxproxy.load.data.targets import Target, TargetResult
 from mlxproxy.load.output.bench_report import all_groups, print_bench, wrap_lines, write_bench_html, write_outputs
 from mlxproxy.load.output.files import Outputs, measured_requests
+from mlxproxy.load.output.progress import say
 from mlxproxy.vocabulary import help_for, shared_option
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ async def _demo_run(targets: list[Target], plan: BenchPlan, out: list[TargetResu
     out.extend(TargetResult(t) for t in targets)
     await asyncio.gather(
         *(
-            bench_one(t, replace(plan, prompts=replace(plan.prompts, model=t.name)), Thresholds(), None, r)
+            bench_one(t, replace(plan, prompts=replace(plan.prompts, model=t.name)), r, say)
             for t, r in zip(targets, out)
         )
     )

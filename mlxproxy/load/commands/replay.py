@@ -355,17 +355,17 @@ async def run_replay(
     target: Target,
     opts: ReplayOptions,
     *,
-    thresholds: Thresholds | None = None,
-    progress: bool | None = None,
     compare: bool = False,
     out: list[Group] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> list[Group]:
     """Run one replay against `target`; return the result groups (see `mlxproxy.load.output.report`). Groups are
     appended to `out` (when given) as they finish; when the run is cancelled (Ctrl-C),
-    the requests finished so far are appended as one more group (mode `... interrupted`)."""
+    the requests finished so far are appended as one more group (mode `... interrupted`). The run's
+    lines go to `say`, with its progress (drawn on a terminal, a plain line now and then elsewhere);
+    without `say` it prints nothing."""
     plan = replay_plan(opts)  # an unknown mode fails before anything is sent
-    th = thresholds or Thresholds()
+    th = Thresholds()
     groups: list[Group] = out if out is not None else []
     source = ReplaySource(caps, plan.rewrites, plan.repeat)
     async with client_for(target, th) as client:
@@ -373,7 +373,9 @@ async def run_replay(
         if plan.warmup:
             await send(Sequential(), Load(source.first(plan.warmup)), client)
         measured_from = len(client.finished)
-        tick = Progress(f"replay {target.name}", plan.test.total(len(caps) * plan.repeat), progress, client)
+        tick = Progress(
+            f"replay {target.name}", plan.test.total(len(caps) * plan.repeat), None if say else False, client
+        )
         tick.start()
         try:
             await plan.test.run(on, tick)
