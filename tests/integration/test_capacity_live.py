@@ -115,6 +115,9 @@ def _tool(args: list[str], out: Path) -> dict:
         stdin=subprocess.DEVNULL,
     )
     assert res.returncode == 0, res.stderr[-2000:]
+    for line in res.stderr.splitlines():  # the sweep's own retakes: whether one fired, and why
+        if "measuring it again" in line:
+            print("  tool:", line.split("mlxproxy: ", 1)[-1])
     cap = next(iter(json.loads(out.read_text())["capacity"].values()))
     verdict = res.stdout.split("\nCapacity (", 1)[-1].split("\n", 1)[-1]  # the verdict, wrapped to 100 columns
     line = " ".join(verdict.split("\n\n")[0].split("\ns: ")[0].split())
