@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from mlxproxy.core.record import Record
 from mlxproxy.load.data.results import Group, RunRecord, SessionTurn
 from mlxproxy.load.judge.capacity import capacity_of
 from mlxproxy.load.judge.verdict import capacity_line
 from mlxproxy.load.judge.waves import slow_looks, slow_waves
 from mlxproxy.load.run.client import Timed
 from mlxproxy.load.run.sweep import run_sweep, session_runs
-from support import ok_record
+from support import scripted_record
 
 TOKENS = 32
 SLO = {"ttft_p95": 0.5}
@@ -43,18 +42,10 @@ def look(
         session = b * k + s
         for t in range(TURNS):
             v = (ttft or {}).get(t, [server_ttft(k, t)] * k)[s] if b == 0 else server_ttft(k, t)
-            r = record(f"{tag}-{session}-{t}", t0 + b * TURNS + t + 0.001 * s, v)
+            r = scripted_record(f"{tag}-{session}-{t}", t0 + b * TURNS + t + 0.001 * s, v, v + 0.1, TOKENS)
             timed.add(r, f"turn{t}")
             where[r.id] = SessionTurn(session, t, 0.2 if t else 0.0)
     return timed, where
-
-
-def record(id_: str, started: float, ttft: float) -> Record:
-    e2e = ttft + 0.1
-    return ok_record(
-        id=id_, started_at=1000.0 + started, upstream="t", ttft_s=ttft, e2e_s=e2e, duration_s=e2e,
-        tpot_s=0.1 / (TOKENS - 1), completion_tokens_reported=TOKENS, t_start_mono=started,
-    )  # fmt: skip
 
 
 def rows(timed: Timed, where: dict[str, SessionTurn]) -> list[RunRecord]:
