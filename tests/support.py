@@ -44,6 +44,15 @@ def ok_record(**fields: Any) -> Record:
     return Record(**{**needed, **fields})
 
 
+def scripted_record(id_: str, started: float, ttft: float, e2e: float, tokens: int = 32) -> Record:
+    """A streamed request's record on a scripted clock: sent at `started` (wall 1000 + `started`),
+    `ttft` to its first token, `e2e` to its end, `tokens` long."""
+    return ok_record(
+        id=id_, started_at=1000.0 + started, upstream="t", ttft_s=ttft, e2e_s=e2e, duration_s=e2e,
+        tpot_s=(e2e - ttft) / (tokens - 1), completion_tokens_reported=tokens, t_start_mono=started,
+    )  # fmt: skip
+
+
 def read_fixture(rel: str) -> bytes:
     """The bytes of `tests/fixtures/<rel>`."""
     return (FIXTURES / rel).read_bytes()

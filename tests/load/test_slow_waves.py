@@ -16,26 +16,20 @@ from mlxproxy.load.judge.verdict import capacity_line
 from mlxproxy.load.judge.waves import slow_waves, waves_of
 from mlxproxy.load.run.client import Timed
 from mlxproxy.load.run.sweep import mix_copies, run_sweep
-from support import ok_record
+from support import scripted_record
 
 TOKENS = 32
 SLO = {"ttft_p95": 0.5}
 TRUTH = 8  # the scripted server: 0.3 s + 20 ms a stream to the first token up to 8 streams, 0.6 s past them
 
 
-def record(id_: str, started: float, ttft: float) -> Record:
-    e2e = ttft + 0.3
-    return ok_record(
-        id=id_, started_at=1000.0 + started, upstream="t", ttft_s=ttft, e2e_s=e2e, duration_s=e2e,
-        tpot_s=0.3 / (TOKENS - 1), completion_tokens_reported=TOKENS, t_start_mono=started,
-    )  # fmt: skip
-
-
 def closed_loop(k: int, tag: str, ttfts: list[list[float]]) -> list[Record]:
     """Waves of `k` streams, one a second, each stream's send 1 ms after the one before; wave w's
     request j took `ttfts[w][j]` to its first token."""
     return [
-        record(f"{tag}-{w}-{j}", w * 1.0 + j * 0.001, t) for w, wave in enumerate(ttfts) for j, t in enumerate(wave)
+        scripted_record(f"{tag}-{w}-{j}", w * 1.0 + j * 0.001, t, t + 0.3, TOKENS)
+        for w, wave in enumerate(ttfts)
+        for j, t in enumerate(wave)
     ]
 
 

@@ -9,6 +9,14 @@ busy 2-core machine (issue 37): a 7-stream step whose waves took 0.35 s to their
 one wave of all 7 at 0.60-0.73 s, and its p95 broke the SLO where an independent client measured
 0.38-0.48 s that minute. Such a measurement says what the host did, not what the server can take:
 the sweep measures it again (`mlxproxy.load.run.sweep`).
+
+A sessions step's conversations run in waves too (all start together; each turn of one ends with
+the others' and, after the think time, is sent with them), but its turns differ in what they
+send: on the same server a later turn (a longer cached history, a new tool output) takes longer
+to its first token than an earlier one (at 8 sessions 0.18 s at turn 1, 0.30-0.33 s at turn 4),
+so a wave cannot be measured against the other waves of its look. It is measured against the
+same turn in the step's other looks: a look that broke the SLO where another look of the step
+held it, with a whole wave slower than that turn took in the looks that held (`slow_looks`).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from mlxproxy.core.stats import percentile
 from mlxproxy.load.data.results import RunRecord
 from mlxproxy.load.judge.slo import judged, succeeded
 
-__all__ = ["MIN_WAVE", "SLOW_WAVE", "WAVE_GAP", "WAVE_GAP_MIN_S", "WHOLE_WAVE", "slow_waves", "waves_of"]
+__all__ = ["MIN_WAVE", "SLOW_WAVE", "WAVE_GAP", "WAVE_GAP_MIN_S", "WHOLE_WAVE", "slow_looks", "slow_waves", "waves_of"]
 
 #: requests sent within this share of the step's median TTFT of the one before are one wave
 WAVE_GAP: float = 0.25
@@ -68,3 +76,36 @@ def slow_waves(records: Sequence[RunRecord], streams: float) -> list[float]:
         return []
     pace = percentile(sorted(fastest), 25) or 0.0
     return [f for f in fastest if f > SLOW_WAVE * pace]
+
+
+def slow_looks(looks: Sequence[Sequence[RunRecord]], held: Sequence[bool], sessions: float) -> dict[int, list[float]]:
+    """The looks (measurements) of one sessions step that a busy host disturbed, by index into
+    `looks` (`held`: each look's own SLO verdict), each with the fastest TTFT of its slow waves: a
+    look that broke the SLO while another look of the step held it, with a whole wave (at least
+    `WHOLE_WAVE` of `sessions`, and `MIN_WAVE`) whose every request was slower than `SLOW_WAVE` x
+    the median TTFT of the same captured turn in the looks that held. {} where no look held or
+    none broke (a step whose every look broke is the server's, whatever its waves did)."""
+    if all(held) or not any(held):
+        return {}
+    pace: dict[tuple[str | None, int | None], list[float]] = {}
+    for look, ok in zip(looks, held):
+        if ok:
+            for w in waves_of(look):
+                for r in w:
+                    pace.setdefault((r.source_id, r.turn), []).append(float(r.record.ttft_s or 0.0))
+    ref = {k: percentile(sorted(v), 50) or 0.0 for k, v in pace.items()}
+    whole = max(MIN_WAVE, math.ceil(WHOLE_WAVE * sessions))
+    out: dict[int, list[float]] = {}
+    for i, (look, ok) in enumerate(zip(looks, held)):
+        if ok:
+            continue
+        slow = [
+            min(float(r.record.ttft_s or 0.0) for r in w)
+            for w in waves_of(look)
+            if len(w) >= whole
+            and all((r.source_id, r.turn) in ref for r in w)
+            and all(float(r.record.ttft_s or 0.0) > SLOW_WAVE * ref[(r.source_id, r.turn)] for r in w)
+        ]
+        if slow:
+            out[i] = slow
+    return out

@@ -35,9 +35,9 @@ from mlxproxy.load.judge.capacity import (
     step_figures,
     stop_reason,
 )
-from mlxproxy.load.judge.slo import judge, step_problem
+from mlxproxy.load.judge.slo import Judgment, judge, step_problem
 from mlxproxy.load.judge.verdict import step_label
-from mlxproxy.load.judge.waves import slow_waves
+from mlxproxy.load.judge.waves import slow_looks, slow_waves
 from mlxproxy.load.output.progress import Progress
 from mlxproxy.load.output.report import summarize_records
 from mlxproxy.load.run.client import Timed
@@ -126,8 +126,9 @@ class _Search:
         self.t0 = time.monotonic()
         self.done: dict[float, Step] = {}
         self.groups: dict[float, Group] = {}
-        self.rounds: dict[float, list[_Round]] = {}
+        self.looks: dict[float, list[list[_Round]]] = {}  # each measurement's rounds
         self.votes: dict[float, list[tuple[bool, str]]] = {}  # each measurement's own verdict and problem
+        self.retaken: set[float] = set()  # sessions steps that dropped a disturbed look already
 
     def in_budget(self) -> bool:
         return time.monotonic() - self.t0 < self.budget_s
@@ -207,26 +208,31 @@ class _Search:
         """One measurement of step `n`: its mix sent (again) until `min_s` seconds and enough
         requests, each round's first request per stream marked as warm-up; merged with the
         step's earlier measurements. A measurement during which the load generator stalled
-        over `STALL_S` is dropped and taken again (once; a second stall is kept and reported)."""
+        over `STALL_S` is dropped and taken again (once; a second stall is kept and reported). A
+        sessions step's look that a busy host disturbed (`slow_looks`: it broke the SLO with a
+        whole wave slower than the same turns in the step's looks that held) is dropped and taken
+        again, once per step, within the budget; one kept is reported (`slow_waves_s`)."""
         if self.progress is not None:
             self.progress.phase(f"sweep {self.who}: {step_label(n, self.unit)}" + (" (again)" if again else ""))
-        stalls: list[Stall] = []
-        slow: list[float] = []
-        for attempt in range(2):
-            rounds, stalls = await self._rounds(n)
-            alone = judge(_rows(rounds), self.slo)
-            broke = alone.slo.met is False and not alone.slo.errors
-            # a whole wave slow can only have broken the SLO: a measurement that held keeps it
-            # (a closed loop's waves only: a sessions step's turns differ in what they send)
-            slow = slow_waves(_rows(rounds), n) if broke and self.unit == "streams" else []
-            why = _disturbed(stalls, slow)
-            if why is None or attempt or not self.in_budget():
+        while True:
+            rounds, stalls, slow, alone = await self._look(n)
+            self.looks.setdefault(n, []).append(rounds)
+            self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
+            if self.unit != "sessions":
                 break
+            looks = slow_looks([_rows(r) for r in self.looks[n]], [v for v, _ in self.votes[n]], n)
+            slow = [x for xs in looks.values() for x in xs]
+            if not looks or n in self.retaken or not self.in_budget():
+                break
+            i = min(looks)
+            del self.looks[n][i], self.votes[n][i]
+            self.retaken.add(n)
             if self.say:
-                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: {why}: measuring it again")
-        self.rounds.setdefault(n, []).extend(rounds)
-        self.votes.setdefault(n, []).append((bool(alone.slo.met), step_problem(alone)))
-        g = _step_group(self.rounds[n], n, self.slo, self.target, self.params, self.unit, self.votes[n], stalls, slow)
+                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: {_slow_look(looks[i])}: measuring it again")
+        g = _step_group(
+            [r for look in self.looks[n] for r in look], n, self.slo, self.target, self.params, self.unit,
+            self.votes[n], stalls, slow,
+        )  # fmt: skip
         if n in self.groups:
             self.out[self.out.index(self.groups[n])] = g
         else:
@@ -235,6 +241,25 @@ class _Search:
         self.done[n] = step_figures(g)
         if self.say:
             self.say(_step_line(self.who, self.unit, self.done[n]))
+
+    async def _look(self, n: float) -> tuple[list[_Round], list[Stall], list[float], Judgment]:
+        """One look at step `n` (a stall or a closed loop's whole wave slow: taken again once)."""
+        stalls: list[Stall] = []
+        slow: list[float] = []
+        for attempt in range(2):
+            rounds, stalls = await self._rounds(n)
+            alone = judge(_rows(rounds), self.slo)
+            broke = alone.slo.met is False and not alone.slo.errors
+            # a whole wave slow can only have broken the SLO: a measurement that held keeps it (a
+            # closed loop's waves only: a sessions step's turns differ in what they send, its looks
+            # are measured against each other in `measure`)
+            slow = slow_waves(_rows(rounds), n) if broke and self.unit == "streams" else []
+            why = _disturbed(stalls, slow)
+            if why is None or attempt or not self.in_budget():
+                break
+            if self.say:
+                self.say(f"sweep {self.who}: {step_label(n, self.unit)}: {why}: measuring it again")
+        return rounds, stalls, slow, alone
 
     async def _rounds(self, n: float) -> tuple[list[_Round], list[Stall]]:
         rounds: list[_Round] = []
@@ -265,6 +290,15 @@ def _disturbed(stalls: Sequence[Stall], slow: Sequence[float]) -> str | None:
             f" ({min(slow) * 1000:.0f} ms at the fastest), the host's, not the server's admission"
         )
     return None
+
+
+def _slow_look(slow: Sequence[float]) -> str:
+    """A sessions look dropped as the host's (`slow_looks`), in words."""
+    waves = "a whole wave was" if len(slow) == 1 else f"{len(slow)} whole waves were"
+    return (
+        f"{waves} slow from its first token ({min(slow) * 1000:.0f} ms at the fastest) against the same turns in"
+        " the step's looks that held the SLO, the host's, not the server's"
+    )
 
 
 def _warm(timed: Timed, where: Mapping[str, SessionTurn], n: float, unit: str) -> frozenset[str]:
