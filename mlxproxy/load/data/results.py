@@ -280,6 +280,10 @@ def legacy_kind(name: str, params: JSONObject, summary: Summary) -> GroupKind:
     return "replay"
 
 
+#: a result file's own top-level keys, in the order it writes them (its `extra` keys follow)
+_FILE_KEYS = ("mlxproxy_result", "kind", "version", "created_at", "groups", "verdicts")
+
+
 @dataclass(frozen=True, slots=True)
 class ResultFile:
     """A whole result file. `extra` holds the file's other top-level keys in order: bench's
@@ -311,15 +315,9 @@ class ResultFile:
         return tuple(TargetFacts.from_json(t) for t in json_objects(self.extra.get("targets")))
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "mlxproxy_result": self.format_version,
-            "kind": self.kind,
-            "version": self.version,
-            "created_at": self.created_at,
-            "groups": [g.to_dict() for g in self.groups],
-            "verdicts": dict(self.verdicts),
-            **self.extra,
-        }
+        head = (self.format_version, self.kind, self.version, self.created_at)
+        body = ([g.to_dict() for g in self.groups], dict(self.verdicts))
+        return {**dict(zip(_FILE_KEYS, (*head, *body))), **self.extra}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ResultFile:
@@ -333,13 +331,12 @@ class ResultFile:
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise ValueError("its `groups` is not a list of groups")
         kind: ResultKind = "bench" if d.get("kind") == "bench" else "replay"
-        fixed = ("mlxproxy_result", "kind", "version", "created_at", "groups", "verdicts")
         return cls(
             kind,
             tuple(Group.from_dict(g) for g in groups),
             dict(d.get("verdicts") or {}),
             str(d.get("version", "")),
             d.get("created_at") or 0.0,
-            {k: v for k, v in d.items() if k not in fixed},
+            {k: v for k, v in d.items() if k not in _FILE_KEYS},
             fmt,
         )
