@@ -173,14 +173,14 @@ def test_the_report_shows_a_system_only_cache_with_its_seconds_and_fix() -> None
     from html import escape
 
     from mlxproxy.core.fixes import FIXES
-    from mlxproxy.load.data.results import Group, ResultFile, RunRecord
+    from mlxproxy.load.data.results import Group, ResultFile, RunRecord, SessionTurn
     from mlxproxy.load.output.report import summarize_records
     from mlxproxy.load.output.sessions_view import sessions_html
     from sessions import load_sessions, replay
 
     (paste,) = [s for s in load_sessions() if s.name == "opencode-paste_1.18.33__vllm-mlx"]
     recs = [r for r in replay(paste).values() if r.outcome == "ok"]
-    rows = tuple(RunRecord(r, session=None if r.side_request else 0) for r in recs)
+    rows = tuple(RunRecord(r, where=None if r.side_request else SessionTurn(0, i, 0.0)) for i, r in enumerate(recs))
     group = Group("sessions 1", "vllm-mlx", "sessions", "sessions", {}, summarize_records(recs), rows)
     html = sessions_html([("run", ResultFile.new("replay", [group]))], lambda label, target: target)
     named = [r for r in recs if r.reprefill_cause == "cache_system_only"]

@@ -90,3 +90,15 @@ def test_a_group_holds_run_records_and_writes_rows() -> None:
     again = Group.from_dict(orjson.loads(orjson.dumps(d)))
     assert orjson.dumps(again.to_dict()) == orjson.dumps(d)
     assert [r.id for r in again.records] == ["r0", "r1"] and again.records[1].schedule_lag_s == 0.01
+
+
+def test_a_hand_made_session_row_without_turn_or_think_time_reads_and_writes_back_as_it_was() -> None:
+    """Every version writes `session`, `turn` and `think_s` together; a hand-made row with a
+    `session` but a null `turn` and no `think_s` reads as the conversation's turn 0 with no think
+    time, and is written back so (the turn 0 it read) with only the keys it had, in their order."""
+    row = _record(0, turn=None).to_dict(timeline=True)
+    row["session"] = 2
+    back = RunRecord.from_dict(orjson.loads(orjson.dumps(row)))
+    assert (back.session, back.turn, back.think_s, back.row_turn) == (2, 0, 0.0, 0)
+    again = back.to_dict()
+    assert again == {**row, "turn": 0} and list(again) == list(row) and "think_s" not in again

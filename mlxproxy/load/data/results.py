@@ -107,9 +107,7 @@ class RunRecord:
     source_id: str | None = None
     has_source_id: bool = False
     schedule_lag_s: float | None = None
-    session: int | None = None
-    turn: int | None = None
-    think_s: float | None = None
+    where: SessionTurn | None = None  # a replayed conversation's request: its run, turn and think time
     extra: JSONObject = field(default_factory=dict)
     layout: tuple[str, ...] | None = field(default=None, compare=False)
 
@@ -118,9 +116,23 @@ class RunRecord:
         return self.record.id
 
     @property
+    def session(self) -> int | None:
+        """A replayed conversation's run number in the whole test (None: not one)."""
+        return None if self.where is None else self.where.session
+
+    @property
+    def turn(self) -> int | None:
+        """A replayed conversation's turn, from 0 (None: not one)."""
+        return None if self.where is None else self.where.turn
+
+    @property
+    def think_s(self) -> float | None:
+        return None if self.where is None else self.where.think_s
+
+    @property
     def row_turn(self) -> int | None:
         """The row's `turn`: a replayed conversation's turn, else the record's own."""
-        return self.record.turn if self.turn is None else self.turn
+        return self.record.turn if self.where is None else self.where.turn
 
     @classmethod
     def of(
@@ -133,9 +145,7 @@ class RunRecord:
         where: SessionTurn | None = None,
     ) -> RunRecord:
         """A request of this run, with its conversation's place when it had one."""
-        if where is None:
-            return cls(record, source_id, has_source_id, schedule_lag_s)
-        return cls(record, source_id, has_source_id, schedule_lag_s, where.session, where.turn, where.think_s)
+        return cls(record, source_id, has_source_id, schedule_lag_s, where)
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, object] = self.record.to_dict(timeline=True)
@@ -143,12 +153,8 @@ class RunRecord:
             d["source_id"] = self.source_id
         if self.schedule_lag_s is not None:
             d["schedule_lag_s"] = self.schedule_lag_s
-        if self.session is not None:
-            d["session"] = self.session
-        if self.turn is not None:
-            d["turn"] = self.turn
-        if self.think_s is not None:
-            d["think_s"] = self.think_s
+        if self.where is not None:
+            d["session"], d["turn"], d["think_s"] = self.where.session, self.where.turn, self.where.think_s
         d.update(self.extra)
         if self.layout is not None:
             return {k: d.get(k) for k in self.layout}
@@ -156,15 +162,12 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunRecord:
-        sessions = "session" in d
         out = cls(
             Record.from_dict({**_REQUIRED, **d}),
             d.get("source_id"),
             "source_id" in d,
             d.get("schedule_lag_s"),
-            d.get("session"),
-            d.get("turn") if sessions else None,
-            d.get("think_s"),
+            _where(d),
             {k: v for k, v in d.items() if k not in _RECORD_KEYS and k not in _RUN_KEYS},
         )
         keys = tuple(d)
@@ -177,10 +180,19 @@ class RunRecord:
         run = (
             ("source_id",) * self.has_source_id
             + ("schedule_lag_s",) * (self.schedule_lag_s is not None)
-            + ("session",) * (self.session is not None)
-            + ("think_s",) * (self.think_s is not None)
+            + ("session", "think_s") * (self.where is not None)
         )
         return _RECORD_ORDER + run + tuple(k for k in self.extra if k not in _RECORD_KEYS and k not in run)
+
+
+def _where(d: Mapping[str, Any]) -> SessionTurn | None:
+    """A row's conversation place (`session`, `turn`, `think_s`; every version writes the three
+    together). A hand-made row with a `session` but no `turn` or `think_s` reads turn 0 and no
+    think time (and is written back with its own keys, in their order)."""
+    session, turn = d.get("session"), d.get("turn")
+    if session is None:
+        return None
+    return SessionTurn(session, turn if isinstance(turn, int) else 0, d.get("think_s") or 0.0)
 
 
 class CompareRow(TypedDict, total=False):

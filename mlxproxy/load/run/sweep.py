@@ -404,8 +404,8 @@ def _rows(rounds: Sequence[_Round]) -> list[RunRecord]:
     sessions = 0
     for timed, where, _, warm in rounds:
         for r in timed.rows(where):
-            if r.session is not None and sessions:
-                r = replace(r, session=r.session + sessions)
+            if r.where is not None and sessions:
+                r = replace(r, where=replace(r.where, session=r.where.session + sessions))
             records.append(replace(r, extra={**r.extra, "warmup": True}) if r.id in warm else r)
         sessions = max((r.session + 1 for r in records if r.session is not None), default=0)
     return records
