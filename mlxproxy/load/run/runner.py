@@ -84,7 +84,7 @@ def closed_loop_step(
     of the mix's `mix_size` requests, in order), `mix_copies` of them, from `fleet`."""
 
     async def step(shape: ClosedLoop) -> StepRun:
-        copies = mix_copies(shape.streams, mix_size, max(per_stream, MIN_PER_STREAM))
+        copies = mix_copies(shape.at_once, mix_size, max(per_stream, MIN_PER_STREAM))
         timed = await send(shape, Load(make(copies)), client, fleet=fleet)
         return timed, timed.where
 

@@ -7,7 +7,7 @@ the runner (`mlxproxy.load.run.runner.send`) sends any of them, here or on a fle
 - `Recorded(speed)`: each request at its recorded offset / speed (open loop on the capture's clock).
 - `OpenLoop(rate, arrival, seed, ramp_s)`: request i due at the i-th arrival of a constant or
   seeded Poisson schedule at `rate` requests/s, after an unmeasured linear ramp.
-- `ClosedLoop(streams)`: `streams` workers, each sending its next request when its last ends.
+- `ClosedLoop(at_once)`: `at_once` streams, each sending its next request when its last ends.
 - `Waves(size)`: requests released together, `size` at a time (the double-batch method).
 - `Sessions(at_once)`: conversation runs (`Turn`s with their think time), `at_once` at a time.
 - `Burst(size, every_s)`: `size` requests due together every `every_s` seconds.
@@ -309,16 +309,27 @@ async def _closed_loop(jobs: Sequence[_Job], at_once: int, do: Callable[[_Job], 
     await asyncio.gather(*(worker() for _ in range(max(1, at_once))))
 
 
+_AtOnceShape = TypeVar("_AtOnceShape", bound="_AtOnce")
+
+
 @dataclass(frozen=True, slots=True)
-class ClosedLoop(Shape):
-    """`streams` workers, each sending its next request as soon as its last one ended."""
+class _AtOnce(Shape):
+    """A closed loop of `at_once` workers, each taking its next job (a request, a conversation)
+    as soon as its last one ended (`_closed_loop`); a sweep grows `at_once`, and a fleet gives
+    each worker some of the loops."""
 
-    streams: int
+    at_once: int
     splits: ClassVar[bool] = True
-    unit: ClassVar[str] = "streams"
 
-    def at(self, n: float) -> ClosedLoop:
-        return replace(self, streams=int(n))
+    def at(self: _AtOnceShape, n: float) -> _AtOnceShape:
+        return replace(self, at_once=int(n))
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop(_AtOnce):
+    """`at_once` streams, each sending its next request as soon as its last one ended."""
+
+    unit: ClassVar[str] = "streams"
 
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
@@ -332,14 +343,14 @@ class ClosedLoop(Shape):
                 tick()
 
         try:
-            await _closed_loop(load.requests, self.streams, one)
+            await _closed_loop(load.requests, self.at_once, one)
         finally:
             heap.release()
         return out
 
     def split(self, load: Load, n: int) -> list[tuple[Shape, Load]]:
         """Stream s on worker s mod n, with that stream's share of the requests."""
-        return [(ClosedLoop(s), Load(rs)) for s, rs in plan_closed(load.requests, self.streams, n)]
+        return [(ClosedLoop(s), Load(rs)) for s, rs in plan_closed(load.requests, self.at_once, n)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,17 +394,12 @@ class Waves(Shape):
 
 
 @dataclass(frozen=True, slots=True)
-class Sessions(Shape):
+class Sessions(_AtOnce):
     """Conversations, `at_once` at a time: each run its turns in order with its think time; a
     worker takes the next run when its last one ends. The result has each record's `session`
     (its run's number), `turn` and `think_s` (`where`) and each run's wall time."""
 
-    at_once: int
-    splits: ClassVar[bool] = True
     unit: ClassVar[str] = "sessions"
-
-    def at(self, n: float) -> Sessions:
-        return replace(self, at_once=int(n))
 
     async def send(self, client: MeasuringClient, load: Load, tick: Tick = None, start: float | None = None) -> Timed:
         await _sleep_until(start)
