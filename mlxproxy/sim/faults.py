@@ -33,8 +33,7 @@ class Faults:
     reset_before_headers: bool = False
     reset_at: int | None = None
     malformed_at: int | None = None
-    stall_s: float | None = None
-    stall_at: int | None = None
+    stall: tuple[float, int] | None = None  # its seconds and token position, given together
     stream_error_at: int | None = None
 
     @staticmethod
@@ -96,7 +95,7 @@ def parse_faults(text: str | None) -> Faults:
                 seconds = -1.0
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"fault 'stall' needs seconds >= 0, e.g. stall=2.5@3; got {item!r}")
-            faults = replace(faults, stall_s=seconds, stall_at=_position(name, at_value))
+            faults = replace(faults, stall=(seconds, _position(name, at_value)))
         else:
             raise ValueError(
                 f"unknown fault {name!r}; use http-error=CODE, reset-before-headers, reset-mid-stream[@K], "

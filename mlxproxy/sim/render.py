@@ -93,7 +93,8 @@ class Renderer:
         self._burst: list[bytes] = []
         self._deferred: tuple[str, str] | None = None
         n = plan.n_visible
-        self._stall_at = Faults.at(faults.stall_at, n) if faults.stall_s else None
+        self._stall_s, stall_at = faults.stall or (0.0, None)
+        self._stall_at = Faults.at(stall_at, n) if self._stall_s else None
         self._reset_at = Faults.at(faults.reset_at, n)
         self._malformed_at = Faults.at(faults.malformed_at, n)
         self._error_at = Faults.at(faults.stream_error_at, n)
@@ -195,8 +196,8 @@ class Renderer:
             self.first_token_s = ev.t_s
         self.last_token_s = ev.t_s
         writes: list[Write] = []
-        if i == self._stall_at and self.faults.stall_s:
-            writes.append(Stall(self.faults.stall_s))
+        if i == self._stall_at:
+            writes.append(Stall(self._stall_s))
         if i == self._reset_at:
             self.done = True
             return [*writes, Close(reset=True)]

@@ -119,7 +119,7 @@ def test_profiles_validate_and_coerce() -> None:
 
 def test_fault_syntax() -> None:
     f = parse_faults("stall=2.5@3, malformed, http-error=503 ,reset-mid-stream@7")
-    assert f == Faults(http_error=503, reset_at=7, malformed_at=MIDDLE, stall_s=2.5, stall_at=3)
+    assert f == Faults(http_error=503, reset_at=7, malformed_at=MIDDLE, stall=(2.5, 3))
     assert parse_faults("") == Faults() and not parse_faults(None).any
     assert parse_faults("reset-before-headers").reset_before_headers
     assert Faults.at(MIDDLE, 10) == 5 and Faults.at(40, 10) == 9 and Faults.at(None, 10) is None
