@@ -326,7 +326,6 @@ def test_no_load_module_is_over_500_lines() -> None:
 
 #: the one module per third-party library whose private internals the package uses
 COMPAT = {
-    "aiohttp": "mlxproxy/proxy/_compat_aiohttp.py",
     "uvicorn": "mlxproxy/edge/_compat_uvicorn.py",
 }
 #: libraries the package uses through public API only (prometheus_client: custom collectors)

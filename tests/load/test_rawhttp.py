@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakeupstream import Conn, FakeUpstream, Req
+from mlxproxy.edge import httpparse
 from mlxproxy.edge.runner import run_async
 from mlxproxy.errors import UpstreamBodyError, UpstreamUnreachable
-from mlxproxy.load.run import httpparse, rawhttp
+from mlxproxy.load.run import rawhttp
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
 PARSERS = ["h11"] + (["httptools"] if httpparse.httptools is not None else [])

@@ -570,10 +570,10 @@ def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
 ) -> None:
     """A pooled upstream connection idle longer than POOL_IDLE_S (4 s, below the 5 s
     keep-alive of uvicorn-based servers) is not used again; one idle for less is."""
-    import mlxproxy.proxy.upstream as upstream_module
+    import mlxproxy.proxy.transport as transport_module
 
-    assert upstream_module.POOL_IDLE_S < 5
-    monkeypatch.setattr(upstream_module, "POOL_IDLE_S", 0.3)
+    assert transport_module.POOL_IDLE_S < 5
+    monkeypatch.setattr(transport_module, "POOL_IDLE_S", 0.3)
     peers: list[int] = []
 
     async def handler(req: Req, conn: Conn) -> None:

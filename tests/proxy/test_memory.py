@@ -41,10 +41,7 @@ FAULTS = [
 ]
 #: the kinds of object a connection's cycles held (the test process's other garbage is not the proxy's)
 WATCHED = {
-    "ClientResponse",
-    "StreamReader",
-    "ResponseHandler",
-    "GuardedHandler",
+    "Conn",  # the upstream transport's protocol (proxy/transport.py)
     "LimitedH11Protocol",
     "LimitedHttpToolsProtocol",
     "GuardedConnection",
@@ -57,7 +54,7 @@ def _watched(garbage: list[object]) -> Counter[str]:
     seen: Counter[str] = Counter()
     for o in garbage:
         name = type(o).__name__
-        if name in WATCHED or (isinstance(o, BaseException) and type(o).__module__.startswith("aiohttp")):
+        if name in WATCHED or (isinstance(o, BaseException) and type(o).__module__.startswith("mlxproxy")):
             seen[name] += 1
     return seen
 

@@ -19,8 +19,14 @@ import base64
 import errno
 import ssl
 import time
+from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
+from mlxproxy.edge.httpparse import H11Parser as _H11Parser
+from mlxproxy.edge.httpparse import HttptoolsParser as _HttptoolsParser
+from mlxproxy.edge.httpparse import ParseFailure as _Fail
+from mlxproxy.edge.httpparse import failure_reason as _reason
+from mlxproxy.edge.httpparse import parser_class as _parser_class
 from mlxproxy.errors import (
     ConfigError,
     UpstreamBodyError,
@@ -29,14 +35,18 @@ from mlxproxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from mlxproxy.load.run.httpparse import H11Parser as _H11Parser
-from mlxproxy.load.run.httpparse import HttptoolsParser as _HttptoolsParser
-from mlxproxy.load.run.httpparse import ParseFailure as _Fail
-from mlxproxy.load.run.httpparse import Sink
-from mlxproxy.load.run.httpparse import failure_reason as _reason
-from mlxproxy.load.run.httpparse import parser_class as _parser_class
 
 __all__ = ["RawPool", "Sink"]
+
+
+class Sink(Protocol):
+    """Where a response goes, called from the connection's protocol as bytes arrive (the
+    names are `mlxproxy.core.meter.RequestMeter`'s, so a meter is a sink as it is)."""
+
+    def response_started(self, t: float, status: int, content_type: str | None) -> None: ...
+
+    def feed(self, data: bytes, t: float) -> None: ...
+
 
 now = time.perf_counter
 # An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
