@@ -50,7 +50,7 @@ class ParseFailure(Exception):
 class HttptoolsParser:
     """httptools' llhttp parser, one per response."""
 
-    __slots__ = ("conn", "p", "headers", "started", "completed", "extra")
+    __slots__ = ("conn", "p", "headers", "started", "completed", "extra", "interim")
 
     def __init__(self, conn: Connection, method: bytes) -> None:
         assert httptools is not None  # chosen only where it imports (parser_class)
@@ -60,6 +60,7 @@ class HttptoolsParser:
         self.started = False
         self.completed = False
         self.extra = False
+        self.interim = False  # in an informational (1xx) response, which is skipped as h11 does
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -73,14 +74,22 @@ class HttptoolsParser:
     def on_headers_complete(self) -> None:
         if self.completed:
             return
+        status = self.p.get_status_code()
+        if 100 <= status < 200 and status != 101:  # (100 Continue, 103 Early Hints): not the answer
+            self.interim = True
+            self.headers = []
+            return
         self.started = True
-        self.conn.response_head(self.p.get_status_code(), self.headers)
+        self.conn.response_head(status, self.headers)
 
     def on_body(self, body: bytes) -> None:
         if not self.completed:
             self.conn.response_body(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         if not self.completed:
             self.completed = True
             self.conn.response_complete(bool(self.p.should_keep_alive()))

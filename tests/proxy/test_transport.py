@@ -91,6 +91,31 @@ def test_content_length_and_chunked_bodies_arrive_whole_and_the_connection_is_re
     assert len(set(ports)) == 1, ports  # one connection, kept alive through both framings
 
 
+def test_informational_responses_before_the_answer_are_skipped(parser: str) -> None:
+    """A client's `Expect: 100-continue` is forwarded, so a server may answer 100 Continue (or
+    103 Early Hints) first: the answer is the response after them."""
+
+    async def handler(req: Req, c: Conn) -> None:
+        await pieces(
+            c,
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+            b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+            [10, 30],
+        )
+
+    async def body(pool: transport.Pool, up: FakeUpstream) -> tuple[int, list[tuple[bytes, bytes]], bytes, int]:
+        conn = await pool.open("POST", b"/v1/x", [], b"{}")
+        status, headers, got = conn.status, list(conn.headers), await conn.read()
+        assert await conn.read() == b""
+        conn.release()
+        again = await fetch(pool)
+        assert again[:2] == (201, b"ok")
+        return status, headers, got, len(pool.open_conns)
+
+    # the answer's own status and headers; the connection kept for the next request
+    assert run(parser, handler, body) == (201, [(b"content-length", b"2")], b"ok", 1)
+
+
 def test_a_body_delimited_by_the_close_ends_cleanly_and_its_connection_is_not_reused(parser: str) -> None:
     ports: list[int] = []
 
