@@ -12,8 +12,8 @@ functions) and from what importing a module actually pulls in:
   proxy and the simulator that both use it, and `vocabulary.py` below load testing;
 - the whole package's imports form a tree (no cycle);
 - no module of the package takes a private name (`_name`) from another;
-- the private internals of aiohttp and uvicorn are used only in their compatibility modules
-  (`COMPAT`), prometheus_client's nowhere: elsewhere every `x._name` the package reads or writes
+- the private internals of uvicorn are used only in its compatibility module (`COMPAT`),
+  prometheus_client's nowhere: elsewhere every `x._name` the package reads or writes
   is its own.
 """
 

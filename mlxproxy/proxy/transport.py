@@ -21,12 +21,11 @@ beyond the announced body, a parse error, a timeout, a read the proxy did not fi
 from __future__ import annotations
 
 import asyncio
-import errno
-import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from mlxproxy.edge.httpparse import H11Parser, HttptoolsParser, ParseFailure, failure_reason, parser_class
+from mlxproxy.edge.dial import ClientProtocol, Dialer, framing
+from mlxproxy.edge.httpparse import H11Parser, HttptoolsParser, failure_reason
 from mlxproxy.edge.limits import drop_transport_cycle
 from mlxproxy.errors import (
     UpstreamBodyError,
@@ -53,18 +52,19 @@ HIGH_WATER = 1 << 18
 _NO_LENGTH = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"CONNECT"})
 
 
-class Conn(asyncio.Protocol):
+class Conn(ClientProtocol):
     """One upstream connection, serving one request at a time; while it serves one, its
     response's head (`status`, `headers`) and its body (`read`)."""
 
     def __init__(self, pool: Pool) -> None:
+        super().__init__()
         self.pool = pool
         self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
         self.parser: HttptoolsParser | H11Parser | None = None
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.close_delimited = False  # (read by the parser: a body that ends with the close)
+        self.content_type: str | None = None
         self.head_only = False
         self.head: asyncio.Future[None] | None = None  # done when the head arrived (or failed)
         self.buf: list[bytes] = []
@@ -77,17 +77,11 @@ class Conn(asyncio.Protocol):
         # raised anew each time, so no raised exception's traceback (whose frames hold this
         # connection) is kept here: that would be a reference cycle per failed request
         self.error: tuple[type[UpstreamError | UpstreamBodyError], str] | None = None
-        self.closed = False
-        self.tainted = False  # anything unexpected: never reused
         self.idle_since = 0.0
         self.deadline = 0.0  # the read timeout's: the last read plus `read_s`
         self.armed_for = 0.0
-        self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -98,17 +92,8 @@ class Conn(asyncio.Protocol):
                 self.abort()
             return
         if self.timer is not None:
-            self.deadline = self.loop.time() + self.pool.read_s  # the timer follows lazily
-        try:
-            parser.feed(data)
-        except ParseFailure as exc:
-            self.fail(str(exc))
-        else:
-            if parser.extra:
-                self.tainted = True
-
-    def eof_received(self) -> bool | None:
-        return None  # the transport closes; connection_lost ends the response
+            self.deadline = self.loop.time() + self.pool.read_timeout_s  # the timer follows lazily
+        self.parse(parser, data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -125,13 +110,10 @@ class Conn(asyncio.Protocol):
         if exc is not None:
             reason = failure_reason(exc)
             if self.head is not None and not self.head.done():  # reset before any answer
-                pool.on_reset(reason)
+                pool.refused(reason)  # (as a refused connect: evidence for /healthz)
             self.fail(reason)
             return
-        try:
-            self.parser.eof()  # a body delimited by the close ends cleanly here
-        except ParseFailure as e:
-            self.fail(str(e))
+        self.parse_eof(self.parser)  # a body delimited by the close ends cleanly here
         self.wake()
 
     def pause_writing(self) -> None:  # (a large request body: the transport buffers it)
@@ -143,14 +125,7 @@ class Conn(asyncio.Protocol):
     # -- what the parser tells the connection ------------------------------------------
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        length = chunked = False
-        for k, v in headers:
-            lk = k.lower()
-            if lk == b"content-length":
-                length = True
-            elif lk == b"transfer-encoding" and b"chunked" in v.lower():
-                chunked = True
-        self.close_delimited = not (length or chunked)
+        self.content_type, self.close_delimited = framing(headers)
         self.status = status
         self.headers = headers
         head = self.head
@@ -165,11 +140,7 @@ class Conn(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self.wake()
 
     def response_complete(self, keep_alive: bool) -> None:
         self.complete = True
@@ -238,7 +209,7 @@ class Conn(asyncio.Protocol):
         if head is not None and not head.done():
             self.error = (
                 UpstreamTimeout,
-                f"upstream '{pool.name}' did not answer within the timeout ({pool.read_s:g} s read timeout)",
+                f"upstream '{pool.name}' did not answer within the timeout ({pool.read_timeout_s:g} s read timeout)",
             )
             head.set_result(None)
         elif self.error is None:
@@ -246,15 +217,9 @@ class Conn(asyncio.Protocol):
         self.wake()
         self.abort()
 
-    def stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def abort(self) -> None:
         self.tainted = True
-        if self.transport is not None:
-            self.transport.abort()
+        super().abort()
 
     # -- the request's life ------------------------------------------------------------
 
@@ -264,7 +229,7 @@ class Conn(asyncio.Protocol):
         self.status = 0
         self.complete = self.keep_alive = False
         self.head = self.loop.create_future()
-        read_s = self.pool.read_s
+        read_s = self.pool.read_timeout_s
         if read_s:
             self.arm(read_s)
         self.transport.write(data)  # type: ignore[union-attr]
@@ -289,7 +254,7 @@ class Conn(asyncio.Protocol):
             self.pool.forget(self)
 
 
-class Pool:
+class Pool(Dialer[Conn]):
     """Connections to one upstream (`scheme://host:port/prefix`)."""
 
     def __init__(
@@ -301,8 +266,10 @@ class Pool:
         read_s: float | None,
         on_unreachable: Callable[[str], None] | None = None,
     ) -> None:
+        super().__init__(connect_timeout_s=connect_s, read_timeout_s=read_s)
         self.name = name
         self.base = base
+        self.who = f"upstream '{name}' at {base}"
         parts = urlsplit(base)
         self.tls = parts.scheme == "https"
         self.invalid: str | None = None
@@ -320,15 +287,8 @@ class Pool:
             self.host, self.port, self.host_header = "", 0, b""
             self.invalid = str(exc) or type(exc).__name__
         self.prefix = parts.path.encode("latin-1")
-        self.connect_s = connect_s or None
-        self.read_s = read_s or 0.0
         self.on_unreachable = on_unreachable
-        self.parser_class = parser_class()
-        self.idle: list[Conn] = []
-        self.open_conns: set[Conn] = set()
-        self._ssl: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     def request_bytes(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
         """The request as it goes on the wire: Host first, the headers as given, Content-Length
@@ -381,32 +341,18 @@ class Pool:
         return None
 
     async def connect(self) -> Conn:
-        loop = self.loop = asyncio.get_running_loop()
-        conn = Conn(self)
-        kwargs: dict[str, object] = {}
-        if self.tls:
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            kwargs = {"ssl": self._ssl, "server_hostname": self.host}
-        try:
-            fut = loop.create_connection(lambda: conn, self.host, self.port, **kwargs)  # type: ignore[call-overload]
-            if self.connect_s:
-                await asyncio.wait_for(fut, self.connect_s)
-            else:
-                await fut
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout(
-                f"upstream '{self.name}' did not accept a connection within the timeout ({self.connect_s:g} s)"
-            ) from None
-        except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
-            reason = failure_reason(exc)
-            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's
-                reason = f"the proxy ran out of open files ({reason})"
-            elif self.on_unreachable is not None:
-                self.on_unreachable(reason)
-            raise UpstreamUnreachable(f"upstream '{self.name}' at {self.base} is unreachable: {reason}") from None
-        self.open_conns.add(conn)
-        return conn
+        self.loop = asyncio.get_running_loop()  # (`Conn` takes it from here)
+        return await self.dial(Conn(self))
+
+    def out_of_files(self) -> str:
+        return (
+            f"{self.who} is unreachable: the proxy ran out of open files ({len(self.open_conns)} upstream "
+            "connections open; see `ulimit -n`)"
+        )
+
+    def refused(self, reason: str) -> None:
+        if self.on_unreachable is not None:  # evidence for /healthz
+            self.on_unreachable(reason)
 
     def give_back(self, conn: Conn) -> None:
         idle = self.idle
@@ -439,11 +385,6 @@ class Pool:
         self.open_conns.discard(conn)
         if conn in self.idle:
             self.idle.remove(conn)
-
-    def on_reset(self, reason: str) -> None:
-        """A connection was reset before any answer: evidence for /healthz, as a refused connect."""
-        if self.on_unreachable is not None:
-            self.on_unreachable(reason)
 
     async def aclose(self) -> None:
         if self._sweeper is not None:

@@ -43,12 +43,7 @@ class UpstreamResponse:
         self._upstream = upstream
         self.status_code = conn.status
         self.raw_headers: list[tuple[bytes, bytes]] = conn.headers
-        ctype = None
-        for k, v in conn.headers:
-            if k.lower() == b"content-type":
-                ctype = v.decode("latin-1")
-                break
-        self.content_type: str | None = ctype
+        self.content_type: str | None = conn.content_type
 
     async def read(self) -> bytes:
         """The next part of the body as it arrived (already de-chunked); b"" at its clean end.

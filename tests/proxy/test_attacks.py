@@ -548,8 +548,9 @@ def test_a_connection_that_got_part_of_an_extra_response_while_idle_is_not_reuse
 
 def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
     """After a large Content-Length answer and an idle pause longer than read_s, the next
-    request gets its own answer (aiohttp could leave the read timer of the old response
-    armed, which failed the next request on that connection at once)."""
+    request gets its own answer (aiohttp, the upstream client before proxy/transport.py, could
+    leave the read timer of the old response armed, which failed the next request on that
+    connection at once)."""
     big = b"b" * (2 << 20)
 
     async def handler(req: Req, conn: Conn) -> None:

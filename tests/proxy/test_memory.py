@@ -5,7 +5,7 @@ transport, a socket) waits for a full collection, and a long run keeps the memor
 took between collections. Over a 20,000-request soak with faults that was +16% resident memory on
 the fast stack and +21% on the plain one (benchmarks/README.md, "Memory over a long run"). The
 cycles were aiohttp's exception of a broken body (kept on its stream reader, its traceback holding
-the reader), the plain stack's request-head checks (a closure over the protocol set on h11's
+the reader; the proxy's own transport keeps an error as class and text), the plain stack's request-head checks (a closure over the protocol set on h11's
 connection) and, before Python 3.12, asyncio's selector transports (a bound method kept on the
 transport, python/cpython#100348).
 
