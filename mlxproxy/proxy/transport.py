@@ -160,9 +160,8 @@ class Conn(ClientProtocol):
                 chunk = buf[0] if len(buf) == 1 else b"".join(buf)
                 buf.clear()
                 self.buffered = 0
-                if self.paused and self.transport is not None:
-                    self.paused = False
-                    self.transport.resume_reading()
+                if self.paused:
+                    self.resume()
                 return chunk
             if self.error is not None:
                 raise self.error[0](self.error[1])
@@ -170,6 +169,18 @@ class Conn(ClientProtocol):
                 return b""
             self.waiter = waiter = self.loop.create_future()
             await waiter
+
+    def resume(self) -> None:
+        """Read the socket again after a pause; the read timeout, dropped while the proxy
+        did not read (the silence was its own), counts again from now."""
+        self.paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
+        read_s = self.pool.read_timeout_s
+        if self.timer is not None:
+            self.deadline = self.loop.time() + read_s
+        elif read_s and not self.complete and self.error is None:
+            self.arm(read_s)
 
     def wake(self) -> None:
         waiter = self.waiter

@@ -249,28 +249,56 @@ def test_the_pool_keeps_at_most_max_idle_connections(parser: str, monkeypatch: p
     assert run(parser, handler, body) == (2, 2)
 
 
+BIG = bytes(range(256)) * 8192  # 2 MiB, far above the high-water mark
+
+
+async def paused_for(conn: transport.Conn, seconds: float) -> int:
+    """Wait (not reading) until the transport stopped reading at the mark, then `seconds` more:
+    a pause longer than the read timeout, which is not the upstream's silence. What is buffered."""
+    for _ in range(500):
+        if conn.paused:
+            break
+        await asyncio.sleep(0.01)
+    assert conn.paused
+    await asyncio.sleep(seconds)
+    return conn.buffered
+
+
 def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte(parser: str) -> None:
-    big = bytes(range(256)) * 8192  # 2 MiB, far above the high-water mark
-
     async def handler(req: Req, c: Conn) -> None:
-        await c.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big) + big)
+        await c.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(BIG) + BIG)
 
-    async def body(pool: transport.Pool, up: FakeUpstream) -> tuple[bool, bytes]:
+    async def body(pool: transport.Pool, up: FakeUpstream) -> bytes:
         conn = await pool.open("GET", b"/v1/big", [], b"")
-        for _ in range(500):  # the reader waits: the transport stops reading at the mark
-            if conn.paused:
-                break
-            await asyncio.sleep(0.01)
-        paused, buffered = conn.paused, conn.buffered
-        assert buffered <= transport.HIGH_WATER + 65536 * 4
+        assert await paused_for(conn, 0.6) <= transport.HIGH_WATER + 65536 * 4
         got = []
         while chunk := await conn.read():
             got.append(chunk)
         conn.release()
-        return paused, b"".join(got)
+        return b"".join(got)
 
-    paused, got = run(parser, handler, body)
-    assert paused and got == big
+    assert run(parser, handler, body, read_s=0.3) == BIG
+
+
+def test_the_read_timeout_counts_again_after_a_pause(parser: str) -> None:
+    never = threading.Event()
+
+    async def handler(req: Req, c: Conn) -> None:
+        await c.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(BIG) + 1) + BIG)
+        await c.wait_gate(never, 5)  # one byte short, and silent
+
+    async def body(pool: transport.Pool, up: FakeUpstream) -> int:
+        conn = await pool.open("GET", b"/v1/big", [], b"")
+        await paused_for(conn, 0.6)
+        got = 0
+        with pytest.raises(UpstreamBodyTimeout):
+            while chunk := await asyncio.wait_for(conn.read(), 3):  # (a lost timer: TimeoutError)
+                got += len(chunk)
+        conn.release()
+        never.set()
+        return got
+
+    assert run(parser, handler, body, read_s=0.3) == len(BIG)
 
 
 def test_a_request_cancelled_before_the_head_closes_its_connection(parser: str) -> None:
