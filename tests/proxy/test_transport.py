@@ -8,14 +8,18 @@ aiohttp's, the client it replaced. Against a scripted upstream on a real loopbac
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from fakeupstream import Conn, FakeUpstream, Handler, Req
-from mlxproxy.edge import httpparse
+from mlxproxy.edge import dial, httpparse
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, UpstreamTimeout, UpstreamUnreachable
 from mlxproxy.proxy import transport
 from support import closed_port
@@ -386,3 +390,55 @@ def test_the_request_goes_out_as_aiohttp_sent_it() -> None:
         asyncio.run(main())
     theirs, ours = up.requests[0::2], up.requests[1::2]
     assert len(ours) == len(REQUESTS) and ours == theirs
+
+
+def _self_signed(tmp: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by itself (openssl), and its key."""
+    cert, key = str(tmp / "cert.pem"), str(tmp / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_upstreams_go_through_the_same_transport_and_their_certificate_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n tls!\n\r\n0\r\n\r\n"
+                )
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> tuple[str, list[bytes]]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            untrusted = transport.Pool("tls", url, connect_s=5, read_s=5)
+            with pytest.raises(UpstreamUnreachable) as err:  # the default context: not a CA it knows
+                await untrusted.open("GET", b"/v1/models", [], b"")
+            trusting = ssl.create_default_context(cafile=cert)
+            monkeypatch.setattr(dial, "_tls", lambda: trusting)
+            pool = transport.Pool("tls", url, connect_s=5, read_s=5)
+            bodies = [(await fetch(pool, "GET", b""))[1] for _ in range(2)]
+            assert len(pool.open_conns) == 1  # kept alive over TLS too
+            await pool.aclose()
+            return str(err.value), bodies
+        finally:
+            server.close()
+
+    message, bodies = asyncio.run(main())
+    assert "CERTIFICATE_VERIFY_FAILED" in message and bodies == [b"hello tls!\n"] * 2
