@@ -1,11 +1,13 @@
 """The floor: the least a Python proxy on mlxproxy's stack can cost.
 
 A pure ASGI app on the same server stack as `mlxproxy serve` (uvicorn with httptools and
-uvloop) and the same upstream client (one aiohttp session, no connection limit) that
-forwards each upstream read to the client and does nothing else: no metering, no metrics,
-no routing, no header filtering beyond what HTTP requires. `run.py --floor` runs it as one
-more target, so the report shows how much of mlxproxy's cost is the stack and how much
-its own work. Not a usable proxy.
+uvloop) and the same upstream client (the proxy's own transport, `mlxproxy.proxy.transport`:
+one keep-alive pool, no timeouts) that forwards each upstream read to the client and does
+nothing else: no metering, no metrics, no routing, no header filtering beyond what HTTP
+requires. `run.py --floor` runs it as one more target, so the report shows how much of
+mlxproxy's cost is the stack and how much its own work. Not a usable proxy. (Until the proxy
+had its own transport the floor's client was an aiohttp session: benchmarks/README.md, "a lean
+upstream transport", measures both.)
 
     python benchmarks/floor.py --upstream http://127.0.0.1:PORT --port PORT
 """
@@ -15,9 +17,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import aiohttp
 import uvicorn
-from yarl import URL
+
+from mlxproxy.proxy.transport import Pool
 
 DROP = frozenset({b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length"})
 DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
@@ -25,8 +27,7 @@ DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 
 class Floor:
     def __init__(self, upstream: str) -> None:
-        self.base = upstream.rstrip("/")
-        self.session: aiohttp.ClientSession | None = None
+        self.pool = Pool("floor", upstream.rstrip("/"), connect_s=None, read_s=None)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -35,49 +36,38 @@ class Floor:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 else:
-                    if self.session is not None:
-                        await self.session.close()
+                    await self.pool.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["path"] == "/healthz":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        if self.session is None:
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None),
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            )
         body = b""
         while True:
             msg = await receive()
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
-        url = self.base + scope["raw_path"].decode("latin-1")
+        target = scope["raw_path"]
         if scope["query_string"]:
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in DROP]
-        resp = await self.session.request(
-            scope["method"], URL(url, encoded=True), headers=headers, data=body or None, allow_redirects=False
-        )
+            target += b"?" + scope["query_string"]
+        headers = [(k, v) for k, v in scope["headers"] if k not in DROP]
+        conn = await self.pool.open(scope["method"], target, headers, body)
         try:
             await send(
                 {
                     "type": "http.response.start",
-                    "status": resp.status,
-                    "headers": [(k, v) for k, v in resp.raw_headers if k.lower() not in DROP_RESPONSE],
+                    "status": conn.status,
+                    "headers": [(k, v) for k, v in conn.headers if k.lower() not in DROP_RESPONSE],
                 }
             )
-            read = resp.content.readany
+            read = conn.read
             while chunk := await read():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            resp.release()
+            conn.release()
 
 
 def main() -> None:

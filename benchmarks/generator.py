@@ -1,7 +1,7 @@
 """Is mlxproxy's own load generator ever the bottleneck? (issue 18, item 7)
 
-`mlxproxy replay`/`bench` measure servers with `mlxproxy.load.run.client.MeasuringClient` (the
-proxy's aiohttp upstream seam, every response metered by the shared core, on the event loop
+`mlxproxy replay`/`bench` measure servers with `mlxproxy.load.run.client.MeasuringClient` (its own
+raw asyncio transport, `load/run/rawhttp.py`, every response metered by the shared core, on the event loop
 the CLI runs it on: `mlxproxy.edge.runner.run_async`, uvloop where installed, asyncio with
 MLXPROXY_STACK=plain). This script drives it against
 `benchmarks/upstream.py` (a fast SSE server in its own process) and, side by side, the

@@ -368,7 +368,7 @@ def start_floor(children: Children, up_port: int, workdir: str) -> Target:
     p, log = launch(children, "floor", argv, workdir, f"http://{HOST}:{port}/healthz", 30)
     if p is None:
         raise RuntimeError(f"floor did not start; see {log}")
-    return Target("floor", port, p, note="uvicorn+aiohttp passthrough, no metering")
+    return Target("floor", port, p, note="uvicorn + the proxy's transport passthrough, no metering")
 
 
 NGINX_CONF = """
@@ -1168,7 +1168,7 @@ class Bench:
 
 CATEGORIES = (
     (
-        "upstream HTTP client (httpx/httpcore/anyio or aiohttp)",
+        "upstream HTTP client (the proxy's transport, or httpx/httpcore/anyio, aiohttp)",
         (
             "httpx/",
             "httpcore/",
@@ -1179,6 +1179,9 @@ CATEGORIES = (
             "yarl/",
             "multidict/",
             "mlxproxy/proxy/upstream.py",
+            "mlxproxy/proxy/transport.py",
+            "mlxproxy/edge/dial.py",
+            "mlxproxy/edge/httpparse.py",
         ),
     ),
     ("uvicorn + httptools (client side)", ("uvicorn/", "httptools/")),
@@ -1290,7 +1293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--no-floor",
         action="store_true",
-        help="do not run benchmarks/floor.py (uvicorn + aiohttp passthrough with no metering)",
+        help="do not run benchmarks/floor.py (uvicorn + the proxy's upstream transport, passthrough with no metering)",
     )
     ap.add_argument("--no-capture", action="store_true", help="do not run the --capture proxy")
     ap.add_argument(

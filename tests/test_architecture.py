@@ -12,8 +12,8 @@ functions) and from what importing a module actually pulls in:
   proxy and the simulator that both use it, and `vocabulary.py` below load testing;
 - the whole package's imports form a tree (no cycle);
 - no module of the package takes a private name (`_name`) from another;
-- the private internals of aiohttp and uvicorn are used only in their compatibility modules
-  (`COMPAT`), prometheus_client's nowhere: elsewhere every `x._name` the package reads or writes
+- the private internals of uvicorn are used only in its compatibility module (`COMPAT`),
+  prometheus_client's nowhere: elsewhere every `x._name` the package reads or writes
   is its own.
 """
 
@@ -326,7 +326,6 @@ def test_no_load_module_is_over_500_lines() -> None:
 
 #: the one module per third-party library whose private internals the package uses
 COMPAT = {
-    "aiohttp": "mlxproxy/proxy/_compat_aiohttp.py",
     "uvicorn": "mlxproxy/edge/_compat_uvicorn.py",
 }
 #: libraries the package uses through public API only (prometheus_client: custom collectors)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from mlxproxy.asgi import Headers, Receive, Send
 from mlxproxy.capture import Exchange
@@ -28,9 +28,6 @@ from mlxproxy.core.strip import UsageStripper
 from mlxproxy.errors import UpstreamBodyError, UpstreamBodyTimeout, error_body
 from mlxproxy.headers import REQUEST_ID_HEADER, RESPONSE_DROP
 from mlxproxy.proxy.upstream import Upstream, UpstreamResponse
-
-if TYPE_CHECKING:
-    from yarl import URL
 
 __all__ = ["Flow", "Outbound", "AbortClient", "relay", "watch_disconnect", "respond", "error_body"]
 
@@ -51,7 +48,7 @@ class Outbound(NamedTuple):
     """The request as it goes upstream (a tuple: built once per request, cheaply)."""
 
     method: str
-    url: URL
+    url: bytes  # the request target upstream (`Upstream.url_for`)
     headers: Headers
     body: bytes
     strip_usage: bool  # the proxy injected `include_usage`: the usage event is removed again

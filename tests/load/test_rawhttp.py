@@ -19,18 +19,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakeupstream import Conn, FakeUpstream, Req
+from mlxproxy.edge import dial, httpparse
 from mlxproxy.edge.runner import run_async
 from mlxproxy.errors import UpstreamBodyError, UpstreamUnreachable
-from mlxproxy.load.run import httpparse, rawhttp
+from mlxproxy.load.run import rawhttp
 from mlxproxy.load.run.client import MeasuringClient, PreparedRequest
 
 PARSERS = ["h11"] + (["httptools"] if httpparse.httptools is not None else [])
-_CLASSES = {"h11": rawhttp._H11Parser, "httptools": rawhttp._HttptoolsParser}
+_CLASSES = {"h11": httpparse.H11Parser, "httptools": httpparse.HttptoolsParser}
 
 
 @pytest.fixture(params=PARSERS)
 def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(rawhttp, "_parser_class", lambda: _CLASSES[request.param])
+    monkeypatch.setattr(dial, "parser_class", lambda: _CLASSES[request.param])  # (each pool's choice)
     return str(request.param)
 
 

@@ -548,8 +548,9 @@ def test_a_connection_that_got_part_of_an_extra_response_while_idle_is_not_reuse
 
 def test_a_stale_pooled_connection_never_becomes_a_504(stack: str) -> None:
     """After a large Content-Length answer and an idle pause longer than read_s, the next
-    request gets its own answer (aiohttp could leave the read timer of the old response
-    armed, which failed the next request on that connection at once)."""
+    request gets its own answer (aiohttp, the upstream client before proxy/transport.py, could
+    leave the read timer of the old response armed, which failed the next request on that
+    connection at once)."""
     big = b"b" * (2 << 20)
 
     async def handler(req: Req, conn: Conn) -> None:
@@ -570,10 +571,10 @@ def test_idle_upstream_connections_are_dropped_before_a_server_would_close_them(
 ) -> None:
     """A pooled upstream connection idle longer than POOL_IDLE_S (4 s, below the 5 s
     keep-alive of uvicorn-based servers) is not used again; one idle for less is."""
-    import mlxproxy.proxy.upstream as upstream_module
+    import mlxproxy.proxy.transport as transport_module
 
-    assert upstream_module.POOL_IDLE_S < 5
-    monkeypatch.setattr(upstream_module, "POOL_IDLE_S", 0.3)
+    assert transport_module.POOL_IDLE_S < 5
+    monkeypatch.setattr(transport_module, "POOL_IDLE_S", 0.3)
     peers: list[int] = []
 
     async def handler(req: Req, conn: Conn) -> None:

@@ -5,7 +5,7 @@ transport, a socket) waits for a full collection, and a long run keeps the memor
 took between collections. Over a 20,000-request soak with faults that was +16% resident memory on
 the fast stack and +21% on the plain one (benchmarks/README.md, "Memory over a long run"). The
 cycles were aiohttp's exception of a broken body (kept on its stream reader, its traceback holding
-the reader), the plain stack's request-head checks (a closure over the protocol set on h11's
+the reader; the proxy's own transport keeps an error as class and text), the plain stack's request-head checks (a closure over the protocol set on h11's
 connection) and, before Python 3.12, asyncio's selector transports (a bound method kept on the
 transport, python/cpython#100348).
 
@@ -41,10 +41,7 @@ FAULTS = [
 ]
 #: the kinds of object a connection's cycles held (the test process's other garbage is not the proxy's)
 WATCHED = {
-    "ClientResponse",
-    "StreamReader",
-    "ResponseHandler",
-    "GuardedHandler",
+    "Conn",  # the upstream transport's protocol (proxy/transport.py)
     "LimitedH11Protocol",
     "LimitedHttpToolsProtocol",
     "GuardedConnection",
@@ -57,7 +54,7 @@ def _watched(garbage: list[object]) -> Counter[str]:
     seen: Counter[str] = Counter()
     for o in garbage:
         name = type(o).__name__
-        if name in WATCHED or (isinstance(o, BaseException) and type(o).__module__.startswith("aiohttp")):
+        if name in WATCHED or (isinstance(o, BaseException) and type(o).__module__.startswith("mlxproxy")):
             seen[name] += 1
     return seen
 

@@ -178,7 +178,7 @@ def test_upstream_that_stalls_mid_stream_hits_the_read_timeout() -> None:
 
 def test_a_stream_longer_than_the_read_timeout_with_shorter_gaps_is_whole() -> None:
     """The read timeout is the silence between reads, not the body's length: events 0.15 s
-    apart for 1.2 s against read_s 0.5 (the lazy timer, `_compat_aiohttp.GuardedHandler`, is
+    apart for 1.2 s against read_s 0.5 (the lazy timer, `proxy.transport.Conn`, is
     due four times and moved on each time), then one silence longer than it."""
 
     async def handler(req: Req, conn: Conn) -> None:

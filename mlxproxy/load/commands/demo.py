@@ -73,7 +73,7 @@ def demo(out_dir: str, port: int, serve: bool, repeat: int) -> None:
     """Run the whole product on built-in simulators: nine simulated MLX servers behind
     one proxy, a short benchmark through it, and the comparison table with verdicts.
     Needs no network beyond loopback and no Mac."""
-    # the proxy's and the simulator's apps (aiohttp, starlette, the whole proxy) are imported
+    # the proxy's and the simulator's apps (starlette, the whole proxy) are imported
     # when the demo runs, not when the command line starts: every command registers `demo`
     from mlxproxy.proxy.app import create_app
     from mlxproxy.sim.app import create_app as create_sim

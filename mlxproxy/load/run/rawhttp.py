@@ -3,12 +3,16 @@
 Raw asyncio: one `asyncio.Protocol` per connection and a small keep-alive pool. Each socket
 read is stamped once, on arrival, and its body bytes go straight to the request's `Sink`
 (the meter) from the protocol callback: no stream buffer, no task wake-up per read. The
-response is parsed by httptools (llhttp) when it is importable and by h11 otherwise; this
-module parses nothing itself.
+response is parsed by httptools (llhttp) when it is importable and by h11 otherwise
+(`mlxproxy.edge.httpparse`, shared with the proxy's upstream transport); this module parses
+nothing itself.
 
-Why not the proxy's aiohttp seam: a load generator spends most of its CPU per request in
-the client library (benchmarks/README.md, "raw transport"), and the generator must not be
-what limits a run. The errors are the project's own, as in `mlxproxy.proxy.upstream`:
+Why not the proxy's upstream transport (`mlxproxy.proxy.transport`): the load package may not
+import the proxy, and the two read differently: the proxy hands each read to a relay task that
+forwards it, the generator meters each read in the protocol callback, with no task wake-up
+per read; it left aiohttp first because a load generator spends most of its CPU per request in
+the client library (benchmarks/README.md, "raw transport"), and the generator must not be what
+limits a run. The errors are the project's own, as in `mlxproxy.proxy.upstream`:
 `UpstreamError` subclasses before the status line arrived, `UpstreamBodyError` after.
 """
 
@@ -16,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import errno
-import ssl
 import time
+from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
+from mlxproxy.edge.dial import ClientProtocol, Dialer, framing
+from mlxproxy.edge.httpparse import H11Parser as _H11Parser
+from mlxproxy.edge.httpparse import HttptoolsParser as _HttptoolsParser
+from mlxproxy.edge.httpparse import failure_reason as _reason
 from mlxproxy.errors import (
     ConfigError,
     UpstreamBodyError,
@@ -29,14 +36,18 @@ from mlxproxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from mlxproxy.load.run.httpparse import H11Parser as _H11Parser
-from mlxproxy.load.run.httpparse import HttptoolsParser as _HttptoolsParser
-from mlxproxy.load.run.httpparse import ParseFailure as _Fail
-from mlxproxy.load.run.httpparse import Sink
-from mlxproxy.load.run.httpparse import failure_reason as _reason
-from mlxproxy.load.run.httpparse import parser_class as _parser_class
 
 __all__ = ["RawPool", "Sink"]
+
+
+class Sink(Protocol):
+    """Where a response goes, called from the connection's protocol as bytes arrive (the
+    names are `mlxproxy.core.meter.RequestMeter`'s, so a meter is a sink as it is)."""
+
+    def response_started(self, t: float, status: int, content_type: str | None) -> None: ...
+
+    def feed(self, data: bytes, t: float) -> None: ...
+
 
 now = time.perf_counter
 # An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
@@ -44,29 +55,23 @@ now = time.perf_counter
 POOL_IDLE_S = 4.0
 
 
-class _Conn(asyncio.Protocol):
+class _Conn(ClientProtocol):
     """One upstream connection; serves one request at a time."""
 
     def __init__(self, pool: RawPool) -> None:
         self.pool = pool
-        self.transport: asyncio.Transport | None = None
+        super().__init__()
         self.parser: _HttptoolsParser | _H11Parser | None = None
         self.sink: Sink | None = None
         self.done: asyncio.Future[bool] | None = None  # result: reusable after this response
         self.t = 0.0  # when the read being parsed arrived
         self.last_read = 0.0
-        self.timer: asyncio.TimerHandle | None = None
         self.headed = False
         self.head_only = False
         self.close_delimited = False
-        self.closed = False
-        self.tainted = False  # bytes arrived while no request was waiting for them
         self.idle_since = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         t = self.t = now()
@@ -75,18 +80,7 @@ class _Conn(asyncio.Protocol):
             self.tainted = True  # an extra response, or more body than announced: never reused
             return
         self.last_read = t
-        try:
-            parser.feed(data)
-        except _Fail as exc:
-            self._fail(str(exc))
-        except Exception as exc:  # a sink that raised: the request fails, the loop never sees it
-            self._fail(_reason(exc))
-        else:
-            if parser.extra:
-                self.tainted = True
-
-    def eof_received(self) -> bool | None:
-        return None  # close the transport; connection_lost ends the response
+        self.parse(parser, data)  # (a sink that raised fails the request; the loop never sees it)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -95,30 +89,15 @@ class _Conn(asyncio.Protocol):
         if parser is None or done is None or done.done():
             return
         if exc is not None:
-            self._fail(_reason(exc))
+            self.fail(_reason(exc))
             return
         self.t = now()
-        try:
-            parser.eof()
-        except _Fail as e:
-            self._fail(str(e))
-        except Exception as e:
-            self._fail(_reason(e))
+        self.parse_eof(parser)
 
     # -- what the parser (httptools or h11) tells the connection ----------------------
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        ctype = None
-        length = chunked = False
-        for k, v in headers:
-            lk = k.lower()
-            if lk == b"content-type":
-                ctype = v.decode("latin-1")
-            elif lk == b"content-length":
-                length = True
-            elif lk == b"transfer-encoding" and b"chunked" in v.lower():
-                chunked = True
-        self.close_delimited = not (length or chunked)
+        ctype, self.close_delimited = framing(headers)
         self.headed = True
         self.sink.response_started(self.t, status, ctype)  # type: ignore[union-attr]
         if self.head_only:  # an answer to HEAD has no body, whatever its headers announce
@@ -170,7 +149,7 @@ class _Conn(asyncio.Protocol):
         self.done.set_exception(err)
         self.abort()
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         self.stop_timer()
         done = self.done
         if done is not None and not done.done():
@@ -181,11 +160,6 @@ class _Conn(asyncio.Protocol):
                 done.set_exception(UpstreamUnreachable(f"{pool.who} failed before responding: {reason}"))
         self.abort()
 
-    def stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def finish(self) -> None:
         """Back to idle: the request's sink and parser are let go."""
         self.sink = None
@@ -194,13 +168,8 @@ class _Conn(asyncio.Protocol):
         self.parser = None
         self.done = None
 
-    def abort(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
 
-
-class RawPool:
+class RawPool(Dialer["_Conn"]):
     """Connections to one base URL. `request()` sends one request and feeds the response to
     a `Sink` as it arrives; it returns once the response is complete. With
     `reuse_connections=False` every request opens its own connection and closes it after."""
@@ -215,6 +184,7 @@ class RawPool:
         reuse_connections: bool = True,
         max_connections: int | None = None,
     ) -> None:
+        super().__init__(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
         parts = urlsplit(base_url.rstrip("/"))
         self.name = name
         netloc = parts.netloc.rsplit("@", 1)[-1]
@@ -247,19 +217,12 @@ class RawPool:
             if name in (netloc, f"{self.host}:{self.port}")
             else f"upstream '{name}' at {self.base}"
         )
-        self.connect_timeout_s = connect_timeout_s or None
-        self.read_timeout_s = read_timeout_s or 0.0
         self.reuse = reuse_connections
-        self.parser_class = _parser_class()
-        self.idle: list[_Conn] = []
-        self.open_conns: set[_Conn] = set()
         # at most this many requests (so connections) at once; the others wait here, inside the
         # load generator, and the wait counts in their latency (None: no cap)
         self.max_connections = max_connections
         self._slots: asyncio.Semaphore | None = None
         self.queued = 0  # requests waiting for a connection now
-        self._ssl: ssl.SSLContext | None = None
-        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     def target(self, path: str) -> bytes:
         """The request target for `path` (this URL's path prefix, then `path` as written)."""
@@ -271,32 +234,13 @@ class RawPool:
         return out
 
     async def _connect(self) -> _Conn:
-        loop = self.loop
-        conn = _Conn(self)
-        kwargs: dict[str, object] = {}
-        if self.tls:
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            kwargs = {"ssl": self._ssl, "server_hostname": self.host}
-        try:
-            fut = loop.create_connection(lambda: conn, self.host, self.port, **kwargs)  # type: ignore[call-overload]
-            if self.connect_timeout_s:
-                await asyncio.wait_for(fut, self.connect_timeout_s)
-            else:
-                await fut
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout(
-                f"{self.who} did not accept a connection within {self.connect_timeout_s:g} s"
-            ) from None
-        except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
-            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):  # this process's limit, not the server's
-                raise UpstreamUnreachable(
-                    f"the load generator ran out of open files ({len(self.open_conns)} connections open to "
-                    f"'{self.name}'; see `ulimit -n`): this request was never sent"
-                ) from None
-            raise UpstreamUnreachable(f"{self.who} is unreachable: {_reason(exc)}") from None
-        self.open_conns.add(conn)
-        return conn
+        return await self.dial(_Conn(self))
+
+    def out_of_files(self) -> str:
+        return (
+            f"the load generator ran out of open files ({len(self.open_conns)} connections open to "
+            f"'{self.name}'; see `ulimit -n`): this request was never sent"
+        )
 
     async def _acquire(self) -> _Conn:
         if self.reuse:

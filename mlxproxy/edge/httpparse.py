@@ -1,7 +1,8 @@
-"""Reading an HTTP/1.1 response for the load generator's transport (`mlxproxy.load.run.rawhttp`):
-httptools' llhttp parser where installed and the stack allows it, h11's otherwise, one per
-response; both hand the status, headers and body bytes to the connection and, through it, to
-the request's `Sink` (the meter).
+"""Reading an HTTP/1.1 response, for both raw asyncio clients of the package: the proxy's
+upstream transport (`mlxproxy.proxy.transport`) and the load generator's
+(`mlxproxy.load.run.rawhttp`). httptools' llhttp parser where installed and the stack allows
+it, h11's otherwise, one per response; both hand the status, headers and body bytes to the
+connection (`Connection`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ try:
 except ImportError:  # pragma: no cover - exercised by forcing the h11 path in tests
     httptools = None
 
-__all__ = ["Connection", "H11Parser", "HttptoolsParser", "ParseFailure", "Sink", "failure_reason", "parser_class"]
+__all__ = ["Connection", "H11Parser", "HttptoolsParser", "ParseFailure", "failure_reason", "parser_class"]
 
 
 class Connection(Protocol):
-    """What a parser tells the connection it reads for (`mlxproxy.load.run.rawhttp`'s protocol)."""
+    """What a parser tells the connection it reads for (the protocol of a raw client)."""
 
     close_delimited: bool
 
@@ -33,15 +34,6 @@ class Connection(Protocol):
     def response_body(self, data: bytes) -> None: ...
 
     def response_complete(self, keep_alive: bool) -> None: ...
-
-
-class Sink(Protocol):
-    """Where a response goes, called from the connection's protocol as bytes arrive (the
-    names are `mlxproxy.core.meter.RequestMeter`'s, so a meter is a sink as it is)."""
-
-    def response_started(self, t: float, status: int, content_type: str | None) -> None: ...
-
-    def feed(self, data: bytes, t: float) -> None: ...
 
 
 def failure_reason(exc: BaseException | None) -> str:
@@ -58,7 +50,7 @@ class ParseFailure(Exception):
 class HttptoolsParser:
     """httptools' llhttp parser, one per response."""
 
-    __slots__ = ("conn", "p", "headers", "started", "completed", "extra")
+    __slots__ = ("conn", "p", "headers", "started", "completed", "extra", "interim")
 
     def __init__(self, conn: Connection, method: bytes) -> None:
         assert httptools is not None  # chosen only where it imports (parser_class)
@@ -68,6 +60,7 @@ class HttptoolsParser:
         self.started = False
         self.completed = False
         self.extra = False
+        self.interim = False  # in an informational (1xx) response, which is skipped as h11 does
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -75,19 +68,28 @@ class HttptoolsParser:
             self.extra = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.started:  # (an extra response's are never the answer's)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.completed:
             return
+        status = self.p.get_status_code()
+        if 100 <= status < 200 and status != 101:  # (100 Continue, 103 Early Hints): not the answer
+            self.interim = True
+            self.headers = []
+            return
         self.started = True
-        self.conn.response_head(self.p.get_status_code(), self.headers)
+        self.conn.response_head(status, self.headers)
 
     def on_body(self, body: bytes) -> None:
         if not self.completed:
             self.conn.response_body(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         if not self.completed:
             self.completed = True
             self.conn.response_complete(bool(self.p.should_keep_alive()))
