@@ -83,6 +83,30 @@ Before (2026-12-06, one event loop, 2a0b409): one of three whole runs held: benc
 10). Spreading the streams' starts over one TTFT (three whole runs, all failed; taken out again,
 docs/METRICS.md "Why the streams start at once") made it worse: bench 3, 4, 4, 6, 8 / 5, 4, 8, 4,
 8 / 7, 8, 4, 4, 5 against clients of 4-8.
+
+2026-12-07, 09:44-09:56 UTC (issue 37): where the tool and the client part, at fixed concurrency
+against one server started as here: ``mlxproxy bench --concurrency N`` with this file's options
+and this file's client (3 requests judged a stream at 10) alternated back to back with the same
+client judged on 5 and on 9 a stream, 7 rounds a series, load average 0.4-3.4. At 8 streams all
+agree (TTFT p95 0.33-0.39 s). At 10: the client 0.47-0.69 s (median 0.50 and 0.49 in two series,
+held in 8 of 14), on 5 a stream 0.56-0.70 s (0 of 14), on 9 a stream 0.61-0.63 s (0 of 7), the
+tool 0.56-0.68 s (0 of 14); paired, tool - client +0.09 and +0.08 s, tool - client on 5 a stream
++0.02 and -0.03 s. At 9 (one series): the client 0.39-0.55 s (5 of 7), on 5 a stream 0.49-0.61 s
+(2 of 7), on 9 a stream 0.51-0.56 s (0 of 7), the tool 0.46-0.53 s (5 of 7). Nothing in how the
+tool sends moved it: its request body sent from the client's code read as the client (-0.02 s at
+10) and the tool sending the client's model name as the tool; its generator took 0.6-1.1 ms more CPU
+a request than the client (2.9-3.6 against 1.9-2.5 ms, on the client's core) while the server's
+CPU a request was 1.9-2.6 ms lower under it (55-62 ms). The client's short step did: above the
+server's prompt concurrency (8) the streams drift apart and end apart, and at 10 a median 17 %
+(up to 37 %) of the client's judged requests were sent after the last moment all 10 streams were
+in flight (TTFT p50 0.16 s, 0.36 s before it); judged on the requests before it, the client held
+in 0 of 14. That tail was 4 % of the tool's requests, 8 % of the client's on 5 a stream. The
+client now judges at least 5 requests a stream (``closedloop.MIN_PER_STREAM``). Two whole runs
+on it, 09:58-10:20 UTC, load average 1.0-3.1 (others at work on the host), both held: bench 9,
+9, 8, 9, 9 (client 8-8, 8-8, 8-9, 9-9, 9-8), sessions 10 x 5 (client 10), 597 s; bench 9, 8, 8, 8,
+9 (client 8-9, 9-8, 8-8, 8-9, 9-8), sessions 10 x 5 (client 10), 612 s. The client's 10-stream
+steps broke in all 4 of its scans that reached them (0.56-0.75 s); its 9-stream steps held in 4 of
+12 (0.48-0.65 s), the tool's answer was 9 in 6 of 10 runs.
 """
 
 from __future__ import annotations
