@@ -1,8 +1,9 @@
 """Drive the system's headless Chromium over the Chrome DevTools Protocol (no browser download).
 
 `Chromium` starts Debian's `chromium` with a fresh profile and every flag that keeps it off the
-network, then talks CDP over a websocket with aiohttp's client (already a dependency), on an
-event loop in a background thread so tests stay synchronous. `Page` collects every console
+network, then talks CDP over a websocket with aiohttp's client (the `test` extra's; a test
+module that imports this one is skipped, saying so, where aiohttp is not installed: the default
+install without the extra), on an event loop in a background thread so tests stay synchronous. `Page` collects every console
 error, uncaught exception and failed load, and every URL the page requested.
 """
 
@@ -20,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the browser tests talk CDP through aiohttp: pip install -e '.[test]'")
 
 CHROMIUM_FLAGS = (
     "--headless",
