@@ -120,18 +120,14 @@ async def relay(flow: Flow, response: UpstreamResponse, send: Send, strip_usage:
     if meter.sse and not any(k.lower() == b"x-accel-buffering" for k, _ in headers):
         headers.append((b"x-accel-buffering", b"no"))
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-    # the client's read itself, not `response.read`: one coroutine layer less per read
+    # the connection's read itself, not `response.read`: one coroutine layer less per read; it
+    # raises the project's body errors (`UpstreamBodyError`, `UpstreamBodyTimeout`) itself
     read, overheads = response.raw_read, flow.chunk_overheads
     stripper = UsageStripper() if strip_usage else None
     try:
         while True:
-            try:
-                chunk = await read()
-            except Exception as exc:
-                response.body_error(exc)  # raises the project's exception for a body failure
-                raise
+            chunk = await read()
             if not chunk:
-                response.ended()
                 break
             t = now()
             # forward first, meter after: only the stripper's SSE framing (no JSON) comes first

@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mlxproxy.config import Config, TimeoutConfig, UpstreamConfig
-from mlxproxy.core.text import clip
-from mlxproxy.errors import ConfigError, UpstreamBodyError
+from mlxproxy.errors import ConfigError
 from mlxproxy.proxy.reach import Reach
 from mlxproxy.proxy.transport import Conn, Pool
 
@@ -57,16 +56,6 @@ class UpstreamResponse:
         task and its read runs again for every read): the connection's own read, which raises
         the project's exceptions itself."""
         return self._conn.read
-
-    def body_error(self, exc: Exception) -> None:
-        """Raise the project's exception for what `raw_read` raised; returns when `exc` is no
-        body failure or already the project's (the caller re-raises it)."""
-        if isinstance(exc, OSError):  # (the transport raises the project's own; kept for safety)
-            raise UpstreamBodyError(f"upstream body ended abnormally: {_reason(exc)}") from None
-
-    def ended(self) -> None:
-        """The body's end (b"" read): the transport has already told a clean end from a broken
-        one (a body delimited by the connection's close that ended with a reset raised)."""
 
     async def aclose(self) -> None:
         """Give the connection back (body read to its end) or close it (anything else:
@@ -140,9 +129,9 @@ class Upstream:
         return model is not None and any(fnmatch.fnmatchcase(model, p) for p in self.patterns)
 
     def url_for(self, raw_path: str, query: bytes) -> bytes:
-        """The request target upstream for a client's: this upstream's path prefix, then the
-        target as the client wrote it (not re-quoted). Only an origin-form target (`/...`) is
-        accepted, so no request can name another host."""
+        """The request target for a client's: its path and query as the client wrote them (not
+        re-quoted); the transport puts this upstream's path prefix before it. Only an origin-form
+        target (`/...`) is accepted, so no request can name another host."""
         if not raw_path.startswith("/"):
             raise ValueError("only an origin-form request target (/path) is forwarded")
         target = raw_path.encode("latin-1")
@@ -157,11 +146,6 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {clip(text.splitlines()[0], 200)}" if text else type(exc).__name__
 
 
 class UpstreamPool:
