@@ -17,7 +17,12 @@ from typing import Generic, TypeVar
 from mlxproxy.edge.httpparse import H11Parser, HttptoolsParser, ParseFailure, failure_reason, parser_class
 from mlxproxy.errors import UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["ClientProtocol", "Dialer", "framing"]
+__all__ = ["POOL_IDLE_S", "ClientProtocol", "Dialer", "framing"]
+
+# An idle pooled connection is dropped after this long, by both clients: below the 5 s keep-alive
+# of uvicorn (vLLM, vllm-mlx) and llama.cpp, so no request goes out on a connection the server is
+# closing at that moment.
+POOL_IDLE_S = 4.0
 
 
 class ClientProtocol(asyncio.Protocol):

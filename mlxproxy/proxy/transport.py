@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from mlxproxy.edge.dial import ClientProtocol, Dialer, framing
+from mlxproxy.edge.dial import POOL_IDLE_S, ClientProtocol, Dialer, framing
 from mlxproxy.edge.httpparse import H11Parser, HttptoolsParser, failure_reason
 from mlxproxy.edge.limits import drop_transport_cycle
 from mlxproxy.errors import (
@@ -37,10 +37,6 @@ from mlxproxy.errors import (
 
 __all__ = ["Conn", "Pool", "POOL_IDLE_S", "MAX_IDLE", "HIGH_WATER"]
 
-# An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
-# (vLLM, vllm-mlx) and llama.cpp, so the proxy never sends a request on a connection the
-# server is closing at that moment.
-POOL_IDLE_S = 4.0
 #: idle connections kept per upstream at most (a burst's others are closed when given back);
 #: connections in use are not limited (as aiohttp's `limit=0` before: the server, not the
 #: proxy, decides how many requests it takes at once)

@@ -24,7 +24,7 @@ import time
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-from mlxproxy.edge.dial import ClientProtocol, Dialer, framing
+from mlxproxy.edge.dial import POOL_IDLE_S, ClientProtocol, Dialer, framing
 from mlxproxy.edge.httpparse import H11Parser as _H11Parser
 from mlxproxy.edge.httpparse import HttptoolsParser as _HttptoolsParser
 from mlxproxy.edge.httpparse import failure_reason as _reason
@@ -50,9 +50,6 @@ class Sink(Protocol):
 
 
 now = time.perf_counter
-# An idle pooled connection is dropped after this long: below the 5 s keep-alive of uvicorn
-# (vLLM, vllm-mlx) and llama.cpp, as in the proxy's own pool (proxy/upstream.py POOL_IDLE_S).
-POOL_IDLE_S = 4.0
 
 
 class _Conn(ClientProtocol):
