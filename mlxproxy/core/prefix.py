@@ -47,6 +47,8 @@ import re
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Literal, NamedTuple, get_args
 
 import orjson
@@ -419,8 +421,8 @@ class _Said(NamedTuple):
 
     suffixes: tuple[str, ...]  # per piece, its label after `messages[i]`
     texts: tuple[str, ...]
-    hashes: tuple[int, ...]
-    chars: tuple[int, ...]
+    hashes: array[int]  # (arrays: a prompt's are joined as bytes, in C: `_piece_blocks`)
+    chars: array[int]
     blocks: tuple[Sequence[int], ...]  # per piece, its blocks' fingerprints (`_piece_blocks`)
     cost: int  # the blocks its pieces take from the `MAX_BLOCKS` budget
     content: str = ""
@@ -431,7 +433,7 @@ class _Said(NamedTuple):
     user_stem: str = ""  # a user message's stem (a conversation's key is its first one's): made once
 
 
-def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Sequence[int], ...], int]:
+def _prints(texts: tuple[str, ...]) -> tuple[array[int], array[int], tuple[Sequence[int], ...], int]:
     """The pieces' hashes, lengths and blocks' fingerprints (a tuple for a piece of one block
     or none, an array for a longer one), and the blocks they take."""
     hashes: list[int] = []
@@ -449,7 +451,12 @@ def _prints(texts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], t
         else:
             blocks.append(array("q", [hash(t[k : k + BLOCK_CHARS]) for k in range(0, size, BLOCK_CHARS)]))
             cost += (size + BLOCK_CHARS - 1) // BLOCK_CHARS
-    return tuple(hashes), tuple(chars), tuple(blocks), cost
+    return array("q", hashes), array("q", chars), tuple(blocks), cost
+
+
+_HASHES, _CHARS, _BLOCKS, _COST, _TEXTS, _WHOLE, _STEM = (
+    attrgetter(f) for f in ("hashes", "chars", "blocks", "cost", "texts", "whole", "stem")
+)
 
 
 def _said_text(text: str) -> _Said:
@@ -557,10 +564,12 @@ def fingerprint(
         groups.append(piece(text))
         each, tools_set = _tool_prints(tools) if memo is None else memo.tools(text, tools)
         tool_prints = tuple(zip(_tool_names(tools), each))
-    for i, s in enumerate(messages.said[head:], head):
-        labels += _LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes)
-        said += s.texts
-    groups += messages.said[head:]
+    rest = messages.said[head:]
+    labels += chain.from_iterable(
+        [_LABELS.get((name, i, s.suffixes)) or _labels_at(name, i, s.suffixes) for i, s in enumerate(rest, head)]
+    )
+    said += chain.from_iterable(map(_TEXTS, rest))
+    groups += rest
     key = hash((endpoint, first_user))
     if texts is not None:
         texts.extend(said)
@@ -576,11 +585,11 @@ def fingerprint(
         tools_set,
         endpoint,
         model,
-        tuple(s.whole for s in messages.said[head:]),
+        tuple(map(_WHOLE, rest)),
         head,
         tool_prints,
         lines,
-        tuple(s.stem for s in messages.said[head:]),
+        tuple(map(_STEM, rest)),
     )
 
 
@@ -665,6 +674,11 @@ def _tool_names(tools: list[Any]) -> list[str]:
 def _piece_blocks(groups: list[_Said]) -> tuple[array[int], array[int], tuple[Sequence[int] | None, ...]]:
     """Each piece's hash and length, and its blocks' hashes (`BLOCK_CHARS` each) while the
     `MAX_BLOCKS` budget lasts (None for a piece past it)."""
+    if sum(map(_COST, groups)) < MAX_BLOCKS:  # every group whole (the usual case): joined in C
+        hashes_, lengths_ = array("q"), array("q")
+        hashes_.frombytes(b"".join(map(_HASHES, groups)))
+        lengths_.frombytes(b"".join(map(_CHARS, groups)))
+        return hashes_, lengths_, tuple(chain.from_iterable(map(_BLOCKS, groups)))
     budget = MAX_BLOCKS
     blocks: list[Sequence[int] | None] = []
     hashes: list[int] = []

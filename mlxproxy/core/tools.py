@@ -60,6 +60,9 @@ def parse_tools(obj: Any) -> tuple[ToolSpec, ...] | None:
     tools = obj.get("tools")
     if not isinstance(tools, list) or not tools:
         return None
+    last = _last[0]
+    if last is not None and last[0] == tools:  # (the same answer: see `_last`)
+        return last[1]
     out: list[ToolSpec] = []
     for t in tools[:MAX_TOOLS]:
         if not isinstance(t, dict):
@@ -73,7 +76,17 @@ def parse_tools(obj: Any) -> tuple[ToolSpec, ...] | None:
             s = _spec(t.get("name"), t.get("parameters"))
         if s is not None:
             out.append(s)
-    return tuple(out)
+    specs = tuple(out)
+    _last[0] = (tools, specs)
+    return specs
+
+
+# the latest tools list read and what it was read into: an agent declares the same tools on
+# every turn, and a list equal (`==`) to it reads the same (what is read: which items are
+# dicts and lists, which keys they hold, and strings, all of which `==` tells apart exactly),
+# so it is read once per conversation, not once per request (a one-item list, replaced whole:
+# a reader in a worker thread sees a pair)
+_last: list[tuple[list[Any], tuple[ToolSpec, ...]] | None] = [None]
 
 
 def call_problem(tools: Iterable[ToolSpec], name: str, arguments: str, *, truncated: bool = False) -> str | None:

@@ -97,6 +97,29 @@ def test_request_tools_parsed_in_all_three_shapes() -> None:
     assert ToolSpec("bash", ("command",)) in info.tools
 
 
+def test_tools_read_once_per_list_give_each_list_its_own_specs() -> None:
+    """The latest tools list is read once (an agent declares the same tools every turn); an equal
+    list gives the same specs, and a list that differs anywhere that is read gives its own, also
+    right after an equal one and with the key order changed."""
+    import copy
+
+    def body(name: str, required: list[object]) -> dict[str, object]:
+        params = {"type": "object", "properties": {"x": {"minimum": 1}}, "required": required}
+        return {"tools": [{"type": "function", "function": {"name": name, "parameters": params}}]}
+
+    first = body("a", ["x"])
+    assert parse_tools(first) == (ToolSpec("a", ("x",)),)
+    assert parse_tools(copy.deepcopy(first)) == (ToolSpec("a", ("x",)),)  # equal: the specs read before
+    assert parse_tools(body("b", ["x"])) == (ToolSpec("b", ("x",)),)  # another name
+    assert parse_tools(body("b", ["x", "y"])) == (ToolSpec("b", ("x", "y")),)  # another required key
+    assert parse_tools(body("b", [1])) == (ToolSpec("b", ()),)  # `[1] == [True]`: neither is a name
+    assert parse_tools(body("b", [True])) == (ToolSpec("b", ()),)
+    reordered = {"tools": [{"function": {"parameters": {"required": ["z"]}, "name": "b"}, "type": "function"}]}
+    assert parse_tools(reordered) == (ToolSpec("b", ("z",)),)
+    assert parse_tools({"tools": [{"name": "c", "input_schema": {"required": ["z"]}}]}) == (ToolSpec("c", ("z",)),)
+    assert parse_tools(first) == (ToolSpec("a", ("x",)),)
+
+
 def test_structured_call_recording_is_silent_and_valid() -> None:
     for r in all_ways(WEATHER_REQ, read_fixture("real2/chat_litellm_tool_calls.sse")):
         assert r.outcome == "ok" and r.tool_calls == 1 and r.tool_calls_valid == 1
