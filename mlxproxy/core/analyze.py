@@ -14,8 +14,8 @@ built once from the measurement, the verdict and the conversation fields
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 from mlxproxy.core.cachecheck import PrefixIndex, TurnVerdict, check_turn, cold_rate
 from mlxproxy.core.clients import NO_CLIENT, ClientInfo
@@ -25,7 +25,9 @@ from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.prefix import find_turn, fingerprint
 from mlxproxy.core.record import OK_OUTCOMES, Outcome, PromptTokensSource, Record, checked_record
 
-__all__ = ["finish_checked", "prompt_size"]
+__all__ = ["finish_checked", "finish_steps", "run_steps", "prompt_size"]
+
+R = TypeVar("R")
 
 CHARS_PER_TOKEN = 4  # a prompt's size without a tokenizer: characters / 4 (docs/METRICS.md)
 
@@ -62,7 +64,53 @@ def finish_checked(
     side: bool = False,
     client: ClientInfo = NO_CLIENT,
 ) -> Record:
-    """`meter.finish` plus the per-record truth checks and, against `earlier` records
+    """`finish_steps` run to its end: the checked record (see there)."""
+    return run_steps(
+        finish_steps(
+            meter,
+            t_end,
+            th,
+            outcome=outcome,
+            error=error,
+            earlier=earlier,
+            count_tokens=count_tokens,
+            prefixes=prefixes,
+            scrub=scrub,
+            side=side,
+            client=client,
+        )
+    )
+
+
+def run_steps(steps: Generator[None, None, R]) -> R:
+    """What a generator of steps (`finish_steps`) returns, all its steps run now."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value  # type: ignore[no-any-return]
+
+
+def finish_steps(
+    meter: RequestMeter,
+    t_end: float,
+    th: Thresholds,
+    *,
+    outcome: Outcome | None = None,
+    error: str | None = None,
+    earlier: Sequence[Record] = (),
+    count_tokens: Callable[[str], int] | None = None,
+    prefixes: PrefixIndex | None = None,
+    scrub: Callable[[str], str] | None = None,
+    side: bool = False,
+    client: ClientInfo = NO_CLIENT,
+) -> Generator[None, None, Record]:
+    """The checked record, made in steps of a few tens of microseconds each: a generator that
+    pauses between them and returns the record (the proxy runs one step per turn of its event
+    loop, `proxy.finisher`; `finish_checked` runs them all at once). `earlier` and `prefixes`
+    must not change while it is paused (the proxy finishes one record at a time).
+
+    `meter.finish` plus the per-record truth checks and, against `earlier` records
     of the same process, the serialized-batching check. `count_tokens` (a tokenizer)
     makes the usage check exact; a failing tokenizer is ignored. `prefixes` (this
     upstream's prompt-prefix index) adds the conversation fields and the prefix checks,
@@ -74,6 +122,7 @@ def finish_checked(
     the fix of a cause (`core.fixes`) is the client's own where it has one."""
     side = side or client is not NO_CLIENT and client.side is not None
     m = meter.finish(t_end, outcome=outcome, error=error, count_tokens=count_tokens)
+    yield
     found, stalls = findings(m, th, earlier)
     v = verdict(m, found, stalls)
     anomalies, evidence = v.anomalies, v.anomaly_evidence
@@ -81,10 +130,12 @@ def finish_checked(
     info = meter.request
     pp = None
     texts: list[str] = []
+    yield
     if prefixes is not None and info.prompt_obj is not None and not side:
         pp = fingerprint(
             info.endpoint, info.prompt_obj, info.model, texts if m.prompt_tokens is None else None, prefixes.memo
         )
+        yield
     if prefixes is not None and pp is not None:
         # the turn: looked up, judged, remembered (with its cold rate and lost seconds)
         whole, source = prompt_size(m, texts, count_tokens)

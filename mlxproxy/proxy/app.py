@@ -22,14 +22,14 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from mlxproxy.asgi import Message, Receive, Scope, Send
 from mlxproxy.capture import Exchange
 from mlxproxy.config import Config, proxy_api_key
-from mlxproxy.core.analyze import finish_checked
+from mlxproxy.core.analyze import finish_steps, run_steps
 from mlxproxy.core.cachecheck import PrefixIndex
 from mlxproxy.core.clients import classify
 from mlxproxy.core.meter import RequestMeter
@@ -328,9 +328,11 @@ class ProxyApp:
             send, exc.status, error_body(message, exc.code), extra=[(REQUEST_ID_HEADER, flow.meter.request_id.encode())]
         )
 
-    def _complete(self, flow: Flow, t_end: float) -> None:
-        """Finish, check and hand out one request's record (run by the finisher)."""
-        record = self._record(flow, t_end, self._recent_by_upstream[flow.upstream.name])
+    def _complete(self, flow: Flow, t_end: float) -> Iterator[None]:
+        """Finish, check and hand out one request's record (run by the finisher, a step per
+        loop turn)."""
+        record = yield from self._record(flow, t_end, self._recent_by_upstream[flow.upstream.name])
+        yield
         self._recent_by_upstream[record.upstream].append(record)
         self.metrics.observe_overhead(flow.request_overhead, flow.chunk_overheads)
         self.fanout.emit(record, flow.exchange)
@@ -344,7 +346,7 @@ class ProxyApp:
         earlier = list(self._recent_by_upstream[flow.upstream.name])
 
         def work() -> Record:
-            record = self._record(flow, t_end, earlier)
+            record = run_steps(self._record(flow, t_end, earlier))
             try:
                 self.metrics.on_record(record)
             except Exception:  # as Fanout does for every observer
@@ -360,24 +362,27 @@ class ProxyApp:
 
         loop.run_in_executor(None, work).add_done_callback(done)
 
-    def _record(self, flow: Flow, t_end: float, earlier: Sequence[Record]) -> Record:
-        """The request's checked record, its error text scrubbed of secrets."""
+    def _record(self, flow: Flow, t_end: float, earlier: Sequence[Record]) -> Generator[None, None, Record]:
+        """The request's checked record, its error text scrubbed of secrets (in steps:
+        `finish_steps`)."""
         meter = flow.meter
         count_tokens = self.tokens.for_model(meter.request.model) if meter.sse else None
         try:
             info = meter.request
             client = classify(flow.client_headers, info.method, info.path, info.prompt_obj)
-            return finish_checked(
-                meter,
-                t_end,
-                self.thresholds,
-                outcome=flow.outcome,
-                error=flow.error,
-                earlier=earlier,
-                prefixes=self.prefixes.get(flow.upstream.name),
-                count_tokens=count_tokens,
-                scrub=lambda text: self._scrub(text, flow.client_headers),
-                client=client,
+            return (
+                yield from finish_steps(
+                    meter,
+                    t_end,
+                    self.thresholds,
+                    outcome=flow.outcome,
+                    error=flow.error,
+                    earlier=earlier,
+                    prefixes=self.prefixes.get(flow.upstream.name),
+                    count_tokens=count_tokens,
+                    scrub=lambda text: self._scrub(text, flow.client_headers),
+                    client=client,
+                )
             )
         except Exception as exc:  # metering must never take the request down: a bare record says why
             log.exception("metering failed for %s", meter.request_id)
