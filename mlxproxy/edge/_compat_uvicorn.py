@@ -287,9 +287,14 @@ def _folded(head: bytes) -> bool:
 
 
 def _head_end(buf: bytes) -> int:
-    """Offset of the blank line that ends a request head (LF or CRLF line ends), or -1."""
-    ends = [i for i in (buf.find(b"\n\r\n"), buf.find(b"\n\n")) if i >= 0]
-    return min(ends) + 1 if ends else -1
+    """Offset of the blank line that ends a request head (LF or CRLF line ends), or -1.
+    `buf` usually holds the request's body too: the search for an LF-only blank line stops at
+    the CRLF one (a search of the whole buffer, ~50 us for an agent's 57 kB body, cost more than
+    h11's parse of the whole request)."""
+    crlf = buf.find(b"\n\r\n")
+    lf = buf.find(b"\n\n", 0, crlf + 1) if crlf >= 0 else buf.find(b"\n\n")
+    end = lf if lf >= 0 else crlf  # (an LF-only blank line found here comes before the CRLF one)
+    return end + 1 if end >= 0 else -1
 
 
 def protocol_class(http: str, limits: HeadLimits | None = None) -> type:

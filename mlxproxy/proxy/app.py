@@ -312,7 +312,7 @@ class ProxyApp:
             flow.finished = True
             watcher.cancel()
             if response is not None:
-                await _aclose_quietly(response)
+                _close_quietly(response)
             long = meter.generated_events > OFF_LOOP_EVENTS
             self.finisher.submit(self._complete_off_loop if long else self._complete, flow, t_end)
 
@@ -420,10 +420,10 @@ def _quiet_client_aborts() -> None:
         logger.addFilter(_DropAbortTracebacks())
 
 
-async def _aclose_quietly(response: UpstreamResponse) -> None:
+def _close_quietly(response: UpstreamResponse) -> None:
     try:
-        await asyncio.shield(response.aclose())
-    except BaseException:  # closing a broken upstream connection may fail; nothing to do
+        response.close()
+    except Exception:  # closing a broken upstream connection may fail; nothing to do
         pass
 
 

@@ -231,15 +231,18 @@ class Conn(ClientProtocol):
     # -- the request's life ------------------------------------------------------------
 
     def start(self, data: bytes, head_only: bool) -> None:
-        self.parser = self.pool.parser_class(self, b"HEAD" if head_only else b"GET")
         self.head_only = head_only
         self.status = 0
         self.complete = self.keep_alive = False
+        self.transport.write(data)  # type: ignore[union-attr]
+        # the rest after the write, while the upstream reads the request (no answer can reach
+        # `data_received` before this returns to the loop): a parser's set-up is ~7 us on the
+        # plain stack (h11), all of it added to the time to first token when done before
+        self.parser = self.pool.parser_class(self, b"HEAD" if head_only else b"GET")
         self.head = self.loop.create_future()
         read_s = self.pool.read_timeout_s
         if read_s:
             self.arm(read_s)
-        self.transport.write(data)  # type: ignore[union-attr]
 
     def release(self) -> None:
         """The relay is done with the response: back to the pool when it was read to its

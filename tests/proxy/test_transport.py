@@ -442,3 +442,51 @@ def test_https_upstreams_go_through_the_same_transport_and_their_certificate_is_
 
     message, bodies = asyncio.run(main())
     assert "CERTIFICATE_VERIFY_FAILED" in message and bodies == [b"hello tls!\n"] * 2
+
+
+def test_the_request_is_written_before_its_response_parser_is_set_up(
+    parser: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting up a response's parser (h11's: ~7 us per response) happens while the upstream
+    reads the request, not before the request goes out, where it added to the time to first
+    token; and h11 is shown the request of a method once, not one built for every response."""
+    order: list[str] = []
+    made = transport.Conn.connection_made
+
+    def recording_made(self: transport.Conn, t: asyncio.BaseTransport) -> None:
+        write = t.write  # type: ignore[attr-defined]
+
+        def recording_write(data: bytes) -> None:
+            order.append("write")
+            write(data)
+
+        t.write = recording_write  # type: ignore[attr-defined]
+        made(self, t)
+
+    monkeypatch.setattr(transport.Conn, "connection_made", recording_made)
+    built: list[bytes] = []
+    request = httpparse.h11.Request
+
+    def counting_request(**kw: object) -> object:
+        built.append(kw["method"])  # type: ignore[arg-type]
+        return request(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpparse.h11, "Request", counting_request)
+    monkeypatch.setattr(httpparse, "_SHOWN", {})
+
+    async def handler(req: Req, c: Conn) -> None:
+        await c.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def body(pool: transport.Pool, up: FakeUpstream) -> list[tuple[int, bytes]]:
+        set_up = pool.parser_class
+
+        def recording_parser(conn: transport.Conn, method: bytes) -> object:
+            order.append("parser")
+            return set_up(conn, method)
+
+        pool.parser_class = recording_parser  # type: ignore[assignment]
+        return [(s, b) for s, b, _ in [await fetch(pool) for _ in range(3)]]
+
+    assert run(parser, handler, body) == [(200, b"ok")] * 3
+    assert order == ["write", "parser"] * 3
+    assert built == ([b"GET"] if parser == "h11" else [])
