@@ -136,7 +136,11 @@ class Conn(ClientProtocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self.wake()
+        waiter = self.waiter  # (`wake`, inline: this runs once per read)
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def response_complete(self, keep_alive: bool) -> None:
         self.complete = True
