@@ -15,7 +15,7 @@ built once from the measurement, the verdict and the conversation fields
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from mlxproxy.core.cachecheck import PrefixIndex, TurnVerdict, check_turn, cold_rate
 from mlxproxy.core.clients import NO_CLIENT, ClientInfo
@@ -28,6 +28,7 @@ from mlxproxy.core.record import OK_OUTCOMES, Outcome, PromptTokensSource, Recor
 __all__ = ["finish_checked", "finish_steps", "run_steps", "prompt_size"]
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 CHARS_PER_TOKEN = 4  # a prompt's size without a tokenizer: characters / 4 (docs/METRICS.md)
 
@@ -48,38 +49,6 @@ def prompt_size(
         except Exception:  # a tokenizer problem must not lose the record
             pass
     return sum(len(t) for t in texts) // CHARS_PER_TOKEN, "chars"
-
-
-def finish_checked(
-    meter: RequestMeter,
-    t_end: float,
-    th: Thresholds,
-    *,
-    outcome: Outcome | None = None,
-    error: str | None = None,
-    earlier: Sequence[Record] = (),
-    count_tokens: Callable[[str], int] | None = None,
-    prefixes: PrefixIndex | None = None,
-    scrub: Callable[[str], str] | None = None,
-    side: bool = False,
-    client: ClientInfo = NO_CLIENT,
-) -> Record:
-    """`finish_steps` run to its end: the checked record (see there)."""
-    return run_steps(
-        finish_steps(
-            meter,
-            t_end,
-            th,
-            outcome=outcome,
-            error=error,
-            earlier=earlier,
-            count_tokens=count_tokens,
-            prefixes=prefixes,
-            scrub=scrub,
-            side=side,
-            client=client,
-        )
-    )
 
 
 def run_steps(steps: Generator[None, None, R]) -> R:
@@ -189,3 +158,17 @@ def finish_steps(
         error=scrub(m.error) if scrub is not None and m.error is not None else None,
         client=client,
     )
+
+
+def all_at_once(steps: Callable[P, Generator[None, None, R]]) -> Callable[P, R]:
+    """The function that runs all of `steps`' steps now and returns what they return."""
+
+    def whole(*args: P.args, **kwargs: P.kwargs) -> R:
+        return run_steps(steps(*args, **kwargs))
+
+    whole.__doc__ = f"`{steps.__name__}` run to its end (see there)."
+    return whole
+
+
+#: `finish_steps` run to its end: the checked record, at once (replay, bench, the tests)
+finish_checked = all_at_once(finish_steps)

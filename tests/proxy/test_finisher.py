@@ -35,13 +35,19 @@ async def _turns(log: list[str], n: int) -> None:
     await done
 
 
+def _two_queued(log: list[str]) -> Finisher[str]:
+    """A started finisher (inside a running loop) with "a" (3 steps) and "b" (2 steps) queued."""
+    fin: Finisher[str] = Finisher()
+    fin.start()
+    fin.submit(lambda name, t: _stepped(log, name, 3), "a", 0.0)
+    fin.submit(lambda name, t: _stepped(log, name, 2), "b", 0.0)
+    return fin
+
+
 def test_steps_interleave_with_the_loop_and_items_finish_in_order() -> None:
     async def main() -> list[str]:
         log: list[str] = []
-        fin: Finisher[str] = Finisher()
-        fin.start()
-        fin.submit(lambda name, t: _stepped(log, name, 3), "a", 0.0)
-        fin.submit(lambda name, t: _stepped(log, name, 2), "b", 0.0)
+        fin = _two_queued(log)
         fin.submit(lambda name, t: log.append(name), "c", 0.0)  # work done at once (no steps)
         assert fin.pending == 3
         await _turns(log, 8)
@@ -59,10 +65,7 @@ def test_steps_interleave_with_the_loop_and_items_finish_in_order() -> None:
 def test_stop_finishes_the_paused_item_and_the_queue_and_later_work_runs_at_once() -> None:
     async def main() -> list[str]:
         log: list[str] = []
-        fin: Finisher[str] = Finisher()
-        fin.start()
-        fin.submit(lambda name, t: _stepped(log, name, 3), "a", 0.0)
-        fin.submit(lambda name, t: _stepped(log, name, 2), "b", 0.0)
+        fin = _two_queued(log)
         await _turns(log, 1)  # "a" has begun, and is paused
         fin.stop()
         assert fin.pending == 0
