@@ -25,7 +25,7 @@ from mlxproxy.core.meter import Measurement, RequestMeter
 from mlxproxy.core.prefix import find_turn, fingerprint
 from mlxproxy.core.record import OK_OUTCOMES, Outcome, PromptTokensSource, Record, checked_record
 
-__all__ = ["finish_checked", "finish_steps", "run_steps", "prompt_size"]
+__all__ = ["finish_checked", "finish_steps", "run_steps", "all_at_once", "prompt_size"]
 
 R = TypeVar("R")
 P = ParamSpec("P")
